@@ -1,0 +1,59 @@
+"""The ``ember`` command: a thin dispatcher over subcommands.
+
+Each subcommand lives in the package that owns it and is imported only when run, so
+``ember --version`` and ``ember --help`` do not import JAX. A subcommand module defines
+``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+import ember
+
+# name -> (module defining add_arguments/run, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("ember.core.system_info", "show JAX version, backend, devices and Pallas lowering support"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    parser = argparse.ArgumentParser(
+        prog="ember",
+        description="Ember: efficient sequence models and RL environments in JAX.",
+        epilog="commands:\n" + "\n".join(lines) + "\n\nRun 'ember COMMAND --help' for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ember {ember.__version__}")
+    parser.add_argument("command", nargs="?", help="one of: " + ", ".join(COMMANDS))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        parser = _top_parser()
+        parser.parse_args(argv)  # handles --help / --version and exits
+        parser.print_help()
+        return 0 if not argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        print(f"ember: unknown command '{name}'.{hint} Commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"ember {name}", description=help_text)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

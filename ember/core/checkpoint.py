@@ -1,0 +1,171 @@
+"""Checkpoint I/O: a small wrapper over orbax's ``CheckpointManager``.
+
+    with CheckpointManager(run_dir / "checkpoints", max_to_keep=3) as manager:
+        manager.save(step, state, extra={"data_position": 1234})   # async
+        ...
+    restored = CheckpointManager(run_dir / "checkpoints").restore(target=abstract_state)
+    restored.step, restored.state, restored.extra
+
+What it guarantees:
+
+- **Atomic commits.** Orbax writes each step into a temporary directory and renames it into
+  place once every file is written, so a process killed mid-save leaves the previous step
+  restorable; leftover temporary directories are ignored and cleaned on the next open.
+- **Restore onto any sharding.** ``target`` may hold concrete arrays or
+  ``jax.ShapeDtypeStruct``s with a ``sharding``: a checkpoint written on one mesh loads onto
+  another (or onto one device) without materialising the tree twice. Without a target, the
+  tree is restored onto the default device with the saved shapes and dtypes.
+- **Typed PRNG keys** (``jax.random.key``) round-trip: they are saved as their key data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_STATE = "state"
+_EXTRA = "extra"
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredCheckpoint:
+    """A restored step: the state pytree and the JSON-serialisable ``extra`` saved with it."""
+
+    step: int
+    state: Any
+    extra: dict[str, Any]
+
+
+class CheckpointManager:
+    """Saves and restores pytrees (params, optimizer state, RNG keys, counters) by step.
+
+    Args:
+      directory: where step directories are written (created if missing).
+      max_to_keep: keep only the newest N complete checkpoints (``None`` keeps all).
+      async_save: write in a background thread; ``wait()`` or ``close()`` blocks until done.
+    """
+
+    def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3, async_save: bool = True):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be a positive integer or None, got {max_to_keep}")
+        self.directory = Path(directory).expanduser().absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state: Any, *, extra: dict[str, Any] | None = None) -> None:
+        """Starts saving ``state`` (and JSON ``extra``) as ``step``; returns before the write ends
+        when saving asynchronously. Saving a step that exists raises ``ValueError``."""
+        if step in self.all_steps():
+            raise ValueError(f"checkpoint step {step} already exists in {self.directory}")
+        args = ocp.args.Composite(
+            **{_STATE: ocp.args.StandardSave(_keys_to_data(state)), _EXTRA: ocp.args.JsonSave(dict(extra or {}))}
+        )
+        self._manager.save(int(step), args=args, force=True)
+
+    def restore(self, step: int | None = None, *, target: Any = None) -> RestoredCheckpoint:
+        """Restores ``step`` (default: the latest complete one).
+
+        Args:
+          step: which step; ``None`` for the latest.
+          target: a pytree like the saved state whose leaves are arrays or
+            ``jax.ShapeDtypeStruct``s; their shardings decide where the restored arrays live.
+            ``None`` restores onto the default device.
+
+        Raises:
+          FileNotFoundError: when the directory holds no complete checkpoint, or not ``step``.
+        """
+        self.wait()
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        step = steps[-1] if step is None else int(step)
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available steps: {steps}")
+        abstract = self._abstract_target(step, target)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract), _EXTRA: ocp.args.JsonRestore()}),
+        )
+        state = restored[_STATE]
+        if target is not None:
+            state = _data_to_keys(state, target)
+        return RestoredCheckpoint(step=step, state=state, extra=dict(restored[_EXTRA] or {}))
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or ``None``."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """All complete steps, oldest first (partial writes are never listed)."""
+        return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _abstract_target(self, step: int, target: Any) -> Any:
+        if target is not None:
+            return jax.tree.map(_abstract_leaf, target)
+        metadata = self._manager.item_metadata(step)[_STATE]
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m,
+            metadata,
+        )
+
+
+def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s of ``tree``'s leaves placed by the matching ``shardings`` tree,
+    for restoring onto a new mesh (``tree`` may itself be abstract, e.g. from ``jax.eval_shape``)."""
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), tree, shardings)
+
+
+def _is_key(leaf: Any) -> bool:
+    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _keys_to_data(tree: Any) -> Any:
+    return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if _is_key(leaf) else leaf, tree)
+
+
+def _data_to_keys(tree: Any, target: Any) -> Any:
+    def wrap(leaf, like):
+        return jax.random.wrap_key_data(leaf, impl=jax.random.key_impl(like)) if _is_key(like) else leaf
+
+    return jax.tree.map(wrap, tree, target)
+
+
+def _abstract_leaf(leaf: Any) -> Any:
+    if _is_key(leaf):
+        data = jax.eval_shape(jax.random.key_data, leaf)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None))
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    if isinstance(leaf, np.ndarray):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    return leaf
+
+
+__all__ = ["CheckpointManager", "RestoredCheckpoint", "abstract_with_shardings"]

@@ -1,0 +1,270 @@
+"""Typed configs: frozen dataclass schemas filled from YAML files and ``key=value`` overrides.
+
+OmegaConf does the parsing and merging; this module adds what users need on top of it:
+errors that name the exact key path (with the valid keys and the closest match for an
+unknown key, the expected type for a wrong one), ``base:`` inheritance between YAML files,
+and an exact YAML round trip.
+
+    @dataclasses.dataclass(frozen=True)
+    class TrainConfig:
+        steps: int = 100
+        lr: float = 3e-4
+
+    @dataclasses.dataclass(frozen=True)
+    class ExperimentConfig:
+        run_dir: str = "runs/default"
+        train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    config = load_config(ExperimentConfig, "configs/exp.yaml", ["train.steps=20"])
+
+A YAML file may start with ``base: other.yaml`` (a path relative to the file): the base is
+loaded first (recursively) and the file's keys override it. Later sources override earlier
+ones: schema defaults, then the base chain, then the file, then the overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf import errors as omegaconf_errors
+
+from ember.core.errors import ConfigError
+
+T = TypeVar("T")
+
+BASE_KEY = "base"
+_OVERRIDE_PATTERN = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*)=(?P<value>.*)$", re.S)
+_OVERRIDE_FORM = "key.sub=value (for example train.steps=100 or optim.lr=3e-4)"
+
+
+def load_config(
+    schema: type[T],
+    source: str | Path | Mapping[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+) -> T:
+    """Builds a ``schema`` instance from defaults, a YAML file or mapping, and overrides.
+
+    Args:
+      schema: a (frozen) dataclass type; nested dataclass fields become nested sections.
+      source: a YAML file path, a mapping of values, or ``None`` for defaults only.
+      overrides: command-line style ``key.sub=value`` strings, applied last.
+
+    Returns:
+      An instance of ``schema``.
+
+    Raises:
+      ConfigError: naming the key path for unknown keys, wrong types, malformed overrides,
+        missing required values and invalid values rejected by the schema itself.
+    """
+    _require_dataclass(schema)
+    layers: list[tuple[str, DictConfig]] = []
+    if isinstance(source, (str, Path)):
+        layers.extend(_load_yaml_chain(Path(source)))
+    elif isinstance(source, Mapping):
+        layers.append(("the given mapping", _as_dictconfig(dict(source), "the given mapping")))
+    elif source is not None:
+        raise ConfigError(f"config source must be a YAML path or a mapping, got {type(source).__name__}")
+    if overrides:
+        layers.append(("command-line overrides", parse_overrides(overrides)))
+
+    merged = OmegaConf.structured(schema)
+    for origin, layer in layers:
+        check_keys(schema, OmegaConf.to_container(layer, resolve=False), origin=origin)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except omegaconf_errors.OmegaConfBaseException as error:
+            raise _translate_error(error, schema, layer, origin) from None
+    return _instantiate(schema, merged)
+
+
+def from_yaml(schema: type[T], text: str) -> T:
+    """Builds a ``schema`` instance from YAML text (the inverse of :func:`to_yaml`)."""
+    data = OmegaConf.create(text)
+    if not isinstance(data, DictConfig):
+        raise ConfigError("YAML text must hold a mapping of config keys at the top level")
+    return load_config(schema, OmegaConf.to_container(data, resolve=False))
+
+
+def to_yaml(config: Any) -> str:
+    """Serialises a config dataclass instance to YAML; ``from_yaml`` gives it back exactly."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"to_yaml expects a config dataclass instance, got {type(config).__name__}")
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A config dataclass instance as nested plain dicts (for JSON and logging)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+
+
+def parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    """Parses ``key.sub=value`` strings into a config tree; values are typed by YAML rules."""
+    for item in overrides:
+        if not isinstance(item, str) or not _OVERRIDE_PATTERN.match(item):
+            raise ConfigError(f"malformed override {item!r}: expected {_OVERRIDE_FORM}")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except omegaconf_errors.OmegaConfBaseException as error:
+        raise ConfigError(f"could not parse overrides {list(overrides)}: {error.msg}; expected {_OVERRIDE_FORM}") from None
+
+
+def check_keys(schema: type, data: Any, *, origin: str = "config", prefix: str = "") -> None:
+    """Raises ``ConfigError`` for the first key in ``data`` that ``schema`` does not define.
+
+    The message names the full key path, where it came from, the valid keys at that level
+    and the closest match.
+    """
+    if not isinstance(data, Mapping):
+        return
+    hints = _field_types(schema)
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            valid = sorted(hints)
+            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown config key '{path}' (from {origin}).{hint} "
+                f"Valid keys{' under ' + repr(prefix[:-1]) if prefix else ''}: {', '.join(valid)}",
+                key=path,
+            )
+        nested = _dataclass_type(hints[key])
+        if nested is not None and isinstance(value, Mapping):
+            check_keys(nested, value, origin=origin, prefix=f"{path}.")
+
+
+def _load_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictConfig]]:
+    """The layers of a YAML file and its ``base:`` ancestors, base first."""
+    path = path.expanduser()
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    resolved = path.resolve()
+    if resolved in seen:
+        chain = " -> ".join(str(p) for p in (*seen, resolved))
+        raise ConfigError(f"'base:' files form a cycle: {chain}")
+    try:
+        layer = OmegaConf.load(path)
+    except Exception as error:  # yaml.YAMLError and OmegaConf's own
+        raise ConfigError(f"could not parse YAML file {path}: {error}") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping of config keys at the top level")
+    layers: list[tuple[str, DictConfig]] = []
+    if BASE_KEY in layer:
+        base = layer[BASE_KEY]
+        if not isinstance(base, str):
+            raise ConfigError(f"'base:' in {path} must be a path string, got {base!r}", key=BASE_KEY)
+        layers.extend(_load_yaml_chain(path.parent / base, (*seen, resolved)))
+        layer = OmegaConf.masked_copy(layer, [k for k in layer if k != BASE_KEY])
+    layers.append((str(path), layer))
+    return layers
+
+
+def _as_dictconfig(data: dict, origin: str) -> DictConfig:
+    try:
+        return OmegaConf.create(data)
+    except omegaconf_errors.OmegaConfBaseException as error:
+        raise ConfigError(f"could not read config from {origin}: {error.msg}") from None
+
+
+def _instantiate(schema: type[T], merged: DictConfig) -> T:
+    try:
+        return OmegaConf.to_object(merged)
+    except omegaconf_errors.MissingMandatoryValue as error:
+        raise ConfigError(f"config key '{error.full_key}' is required but was not set", key=error.full_key) from None
+    except ConfigError:
+        raise
+    except omegaconf_errors.OmegaConfBaseException as error:
+        cause = error.__cause__ or error.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"invalid config: {error.msg}", key=getattr(error, "full_key", None)) from None
+
+
+def _translate_error(error: Exception, schema: type, layer: DictConfig, origin: str) -> ConfigError:
+    key = getattr(error, "full_key", None) or ""
+    expected = _expected_type_at(schema, key)
+    value = _value_at(layer, key)
+    if isinstance(error, omegaconf_errors.ValidationError) and expected is not None:
+        return ConfigError(
+            f"config key '{key}' (from {origin}) expects {expected}, got {value!r} ({type(value).__name__})",
+            key=key,
+        )
+    return ConfigError(f"config key '{key}' (from {origin}): {error.msg}", key=key or None)
+
+
+def _expected_type_at(schema: type, key: str) -> str | None:
+    """The declared type of the field at dotted ``key`` (or of the list holding it)."""
+    current: Any = schema
+    hint: Any = None
+    for part in key.split("."):
+        section = _dataclass_type(current)
+        if section is None:
+            break
+        hint = current = _field_types(section).get(part)
+        if hint is None:
+            return None
+    return None if hint is None else _type_name(hint)
+
+
+def _value_at(layer: DictConfig, key: str) -> Any:
+    node: Any = OmegaConf.to_container(layer, resolve=False)
+    for part in key.split("."):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(hint))
+    if origin is not None:
+        args = ", ".join(_type_name(arg) for arg in typing.get_args(hint) if arg is not Ellipsis)
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _field_types(schema: type) -> dict[str, Any]:
+    names = {field.name for field in dataclasses.fields(schema)}
+    return {name: hint for name, hint in typing.get_type_hints(schema).items() if name in names}
+
+
+def _dataclass_type(hint: Any) -> type | None:
+    """The dataclass inside ``hint`` (``X``, ``Optional[X]``), or ``None``."""
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            if dataclasses.is_dataclass(arg) and isinstance(arg, type):
+                return arg
+    return None
+
+
+def _require_dataclass(schema: Any) -> None:
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        raise TypeError(f"config schema must be a dataclass type, got {schema!r}")
+
+
+__all__ = [
+    "ConfigError",
+    "check_keys",
+    "from_yaml",
+    "load_config",
+    "parse_overrides",
+    "to_dict",
+    "to_yaml",
+]

@@ -1,0 +1,115 @@
+"""Mixed-precision policy: the dtypes of parameters, computation and outputs.
+
+    policy = Precision.from_string("bf16")      # f32 params, bf16 compute, f32 output
+    policy = Precision.from_string("params=f32,compute=bf16,output=bf16")
+    x = policy.cast_to_compute(x)
+
+Named policies: ``f32`` (everything float32), ``bf16`` (float32 master weights, bfloat16
+compute, float32 outputs — the usual mixed-precision training set-up), ``f16`` (the same
+with float16 compute), ``pure_bf16`` (everything bfloat16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTYPE_NAMES: dict[str, Any] = {
+    "f32": jnp.float32, "float32": jnp.float32, "fp32": jnp.float32,
+    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16, "float16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
+    "f64": jnp.float64, "float64": jnp.float64,
+}
+
+_NAMED_POLICIES: dict[str, tuple[str, str, str]] = {
+    "f32": ("f32", "f32", "f32"),
+    "float32": ("f32", "f32", "f32"),
+    "bf16": ("f32", "bf16", "f32"),
+    "f16": ("f32", "f16", "f32"),
+    "pure_bf16": ("bf16", "bf16", "bf16"),
+}
+
+
+def parse_dtype(name: str | Any) -> jnp.dtype:
+    """A floating dtype from a name such as ``"bf16"`` or ``"float32"`` (or a dtype)."""
+    if not isinstance(name, str):
+        dtype = jnp.dtype(name)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"precision dtypes must be floating point, got {dtype}")
+        return dtype
+    key = name.strip().lower()
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype '{name}'; valid names: {', '.join(sorted(DTYPE_NAMES))}")
+    return jnp.dtype(DTYPE_NAMES[key])
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Dtype policy. Fields hold dtype names (config-friendly); properties give dtypes."""
+
+    params: str = "f32"
+    compute: str = "f32"
+    output: str = "f32"
+
+    def __post_init__(self):
+        for field in ("params", "compute", "output"):
+            parse_dtype(getattr(self, field))
+
+    @classmethod
+    def from_string(cls, spec: str) -> Precision:
+        """A policy from a name (``f32``, ``bf16``, ``f16``, ``pure_bf16``) or
+        ``params=...,compute=...,output=...`` (omitted parts default to ``f32``)."""
+        spec = spec.strip()
+        if spec in _NAMED_POLICIES:
+            return cls(*_NAMED_POLICIES[spec])
+        parts = {}
+        for item in spec.split(","):
+            key, sep, value = item.partition("=")
+            if not sep or key.strip() not in ("params", "compute", "output"):
+                raise ValueError(
+                    f"unknown precision policy '{spec}'; use one of {', '.join(_NAMED_POLICIES)} "
+                    "or 'params=DTYPE,compute=DTYPE,output=DTYPE'"
+                )
+            parts[key.strip()] = value.strip()
+        return cls(**parts)
+
+    @property
+    def param_dtype(self) -> jnp.dtype:
+        return parse_dtype(self.params)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return parse_dtype(self.compute)
+
+    @property
+    def output_dtype(self) -> jnp.dtype:
+        return parse_dtype(self.output)
+
+    def cast_to_param(self, tree: Any) -> Any:
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        return _cast_floating(tree, self.output_dtype)
+
+
+def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+    """Casts floating-point leaves to ``dtype``; integer and boolean leaves are left alone."""
+
+    def cast(leaf):
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf.astype(dtype)
+        if isinstance(leaf, (float, np.floating)):
+            return jnp.asarray(leaf, dtype)
+        return leaf
+
+    return jax.tree.map(cast, tree)
+
+
+__all__ = ["DTYPE_NAMES", "Precision", "parse_dtype"]

@@ -1,0 +1,285 @@
+"""Device meshes and logical-axis sharding.
+
+Parameters and activations are annotated with *logical* axis names drawn from one
+vocabulary (:data:`LOGICAL_AXES`); *rules* map each logical name to zero or more *mesh*
+axes (:data:`MESH_AXES`). Changing the parallelism of a run is then a matter of mesh sizes
+(``MeshConfig``) and, rarely, rule overrides — never of model code.
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    rules = logical_rules({"vocab": []})          # default rules, vocab replicated
+    shardings = tree_shardings(mesh, nn.get_partition_spec(variables), rules, shapes=variables)
+    with use_sharding(mesh, rules):
+        y = jax.jit(model.apply)(variables, x)    # constrain() calls inside take effect
+
+A mesh axis that does not divide an array dimension is dropped for that dimension (the
+dimension is replicated over it) rather than failing, so a vocabulary of 50257 still loads
+on a tensor-parallel mesh. Works with one process and with ``jax.distributed`` multi-process
+meshes (``jax.devices()`` is global).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ember.core.errors import ConfigError
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
+"""Mesh axes, outermost first: data parallel, fully-sharded data parallel, tensor, expert."""
+
+LOGICAL_AXES: tuple[str, ...] = (
+    "batch", "seq", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert", "layers", "state",
+)
+"""The logical axis vocabulary every parameter and activation annotation draws from."""
+
+MeshAxes = tuple[str, ...]
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+DEFAULT_RULES: Rules = (
+    # Batch is split over every axis that holds a replica of the computation (ZeRO-3: FSDP
+    # ranks see different data; expert-parallel ranks do too, tokens are exchanged all-to-all).
+    ("batch", ("data", "fsdp", "expert")),
+    ("seq", ()),
+    ("embed", ("fsdp",)),
+    ("mlp", ("tensor",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("vocab", ("tensor",)),
+    ("expert", ("expert",)),
+    ("layers", ()),
+    ("state", ()),
+)
+"""Default logical -> mesh rules. A mesh axis is used at most once per array: a later
+logical axis that asks for a mesh axis an earlier one took is left unsharded over it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the mesh axes. ``-1`` (on at most one axis) means "the rest of the devices"."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        for axis, size in sizes.items():
+            if size != -1 and size < 1:
+                raise ConfigError(f"mesh.{axis} must be a positive size or -1 (the rest), got {size}", key=f"mesh.{axis}")
+        flexible = [axis for axis, size in sizes.items() if size == -1]
+        if len(flexible) > 1:
+            raise ConfigError(
+                f"at most one mesh axis may be -1, got {', '.join('mesh.' + a for a in flexible)}",
+                key=f"mesh.{flexible[1]}",
+            )
+
+    def sizes(self) -> dict[str, int]:
+        """The configured sizes keyed by mesh axis name (``-1`` unresolved)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """Concrete axis sizes for ``num_devices``; raises ``ConfigError`` naming the keys."""
+        sizes = self.sizes()
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        flexible = [axis for axis, size in sizes.items() if size == -1]
+        described = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
+        if flexible:
+            if num_devices % fixed:
+                raise ConfigError(
+                    f"mesh {described} does not divide the {num_devices} available devices "
+                    f"(the fixed axes need a multiple of {fixed})",
+                    key=f"mesh.{flexible[0]}",
+                )
+            sizes[flexible[0]] = num_devices // fixed
+        elif fixed != num_devices:
+            wrong = next((axis for axis, size in sizes.items() if size > 1), "data")
+            raise ConfigError(
+                f"mesh {described} needs {fixed} devices but {num_devices} are available; "
+                f"make the product equal {num_devices}, or set one axis to -1",
+                key=f"mesh.{wrong}",
+            )
+        return sizes
+
+
+def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``Mesh`` with axes :data:`MESH_AXES` over ``devices`` (default: all global devices).
+
+    Axes are ``Auto``-typed so logical constraints (``nn.with_logical_constraint``) apply.
+    """
+    config = config or MeshConfig()
+    devices = list(jax.devices() if devices is None else devices)
+    shape = config.resolve(len(devices))
+    return jax.make_mesh(
+        tuple(shape[axis] for axis in MESH_AXES),
+        MESH_AXES,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
+        devices=devices,
+    )
+
+
+def logical_rules(overrides: Mapping[str, str | Sequence[str] | None] | None = None) -> Rules:
+    """The default rules with ``overrides`` applied (``{"vocab": []}`` replicates vocab).
+
+    Raises:
+      ConfigError: for a logical name outside :data:`LOGICAL_AXES` or a mesh axis outside
+        :data:`MESH_AXES`.
+    """
+    rules = dict(DEFAULT_RULES)
+    for name, axes in (overrides or {}).items():
+        if name not in LOGICAL_AXES:
+            raise ConfigError(
+                f"unknown logical axis '{name}' in sharding rules; valid: {', '.join(LOGICAL_AXES)}",
+                key=f"sharding.rules.{name}",
+            )
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ConfigError(
+                    f"sharding rule for '{name}' names mesh axis '{axis}'; valid: {', '.join(MESH_AXES)}",
+                    key=f"sharding.rules.{name}",
+                )
+        rules[name] = axes
+    return tuple(rules.items())
+
+
+def logical_to_spec(
+    axes: Sequence[str | None],
+    rules: Rules = DEFAULT_RULES,
+    *,
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+) -> PartitionSpec:
+    """The mesh ``PartitionSpec`` for logical ``axes`` (one name or ``None`` per dimension).
+
+    With ``shape`` and ``mesh``, mesh axes that do not divide their dimension are dropped.
+    """
+    known = dict(rules)
+    for name in axes:
+        if name is not None and name not in known:
+            raise ValueError(f"logical axis '{name}' has no sharding rule; known axes: {', '.join(known)}")
+    used: set[str] = set()
+    entries = []
+    for index, name in enumerate(axes):
+        mesh_axes = [axis for axis in (known[name] if name else ()) if axis not in used]
+        if shape is not None and mesh is not None:
+            mesh_axes = _dividing_axes(mesh_axes, shape[index], mesh)
+        used.update(mesh_axes)
+        entries.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes))
+    return PartitionSpec(*entries)
+
+
+def named_sharding(
+    mesh: Mesh, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES, shape: Sequence[int] | None = None
+) -> NamedSharding:
+    """A ``NamedSharding`` on ``mesh`` for an array with logical ``axes``."""
+    return NamedSharding(mesh, logical_to_spec(axes, rules, shape=shape, mesh=mesh))
+
+
+def tree_shardings(mesh: Mesh, logical_tree: Any, rules: Rules = DEFAULT_RULES, shapes: Any = None) -> Any:
+    """``NamedSharding``s for a tree of logical ``PartitionSpec``s (``nn.get_partition_spec``).
+
+    Args:
+      mesh: the device mesh.
+      logical_tree: a pytree whose leaves are ``PartitionSpec``s of logical names (or
+        ``None`` for replicated leaves).
+      rules: logical -> mesh rules.
+      shapes: optional pytree of the same structure with arrays / ``ShapeDtypeStruct``s;
+        when given, mesh axes that do not divide a dimension are dropped for it.
+    """
+    is_spec = lambda leaf: isinstance(leaf, PartitionSpec) or leaf is None  # noqa: E731
+    if shapes is None:
+        return jax.tree.map(lambda spec: named_sharding(mesh, tuple(spec or ()), rules), logical_tree, is_leaf=is_spec)
+    shapes = nn.meta.unbox(shapes)
+
+    def one(spec, leaf):
+        spec = tuple(spec or ())
+        return named_sharding(mesh, spec + (None,) * (np.ndim(leaf) - len(spec)), rules, np.shape(leaf))
+
+    return jax.tree.map(one, logical_tree, shapes, is_leaf=is_spec)
+
+
+def shard_variables(variables: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """Places boxed Flax variables (``nn.Partitioned`` leaves) on ``mesh``; returns them unboxed."""
+    shardings = tree_shardings(mesh, nn.get_partition_spec(variables), rules, shapes=variables)
+    return jax.device_put(nn.meta.unbox(variables), shardings)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Constrains activation ``x`` to the sharding of logical ``axes`` (inside ``use_sharding``).
+
+    A no-op outside a :func:`use_sharding` context, so layers can always call it.
+    """
+    mesh = _current_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh is None or not rules:
+        return x
+    if len(axes) != x.ndim:
+        raise ValueError(f"constrain: got {len(axes)} logical axes {tuple(axes)} for an array of rank {x.ndim}")
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, tuple(rules), shape=x.shape, mesh=mesh))
+
+
+@contextlib.contextmanager
+def use_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
+    """Makes ``mesh`` the current mesh and ``rules`` the current logical rules."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def host_local_to_global(local: Any, mesh: Mesh, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> Any:
+    """Assembles each process's slice of a batch into global arrays sharded by logical ``axes``.
+
+    Every leaf of ``local`` is this process's ``[local_batch, ...]`` slice; the result has
+    ``[local_batch * process_count, ...]`` global leaves. With one process it is ``device_put``.
+    """
+
+    def one(leaf):
+        leaf = np.asarray(leaf)
+        global_shape = (leaf.shape[0] * jax.process_count(), *leaf.shape[1:])
+        padded_axes = tuple(axes) + (None,) * (leaf.ndim - len(axes))
+        sharding = named_sharding(mesh, padded_axes[: leaf.ndim], rules, global_shape)
+        return jax.make_array_from_process_local_data(sharding, leaf, global_shape)
+
+    return jax.tree.map(one, local)
+
+
+def _dividing_axes(mesh_axes: Sequence[str], dim: int, mesh: Mesh) -> list[str]:
+    kept: list[str] = []
+    for axis in mesh_axes:
+        if dim % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[axis]) == 0:
+            kept.append(axis)
+    return kept
+
+
+def _current_mesh() -> Mesh | None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+__all__ = [
+    "DEFAULT_RULES",
+    "LOGICAL_AXES",
+    "MESH_AXES",
+    "MeshConfig",
+    "Rules",
+    "constrain",
+    "host_local_to_global",
+    "logical_rules",
+    "logical_to_spec",
+    "make_mesh",
+    "named_sharding",
+    "shard_variables",
+    "tree_shardings",
+    "use_sharding",
+]

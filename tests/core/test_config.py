@@ -1,0 +1,152 @@
+"""ember.core.config: schemas from YAML + overrides, precise errors, base files, round trip."""
+
+import dataclasses
+from typing import Optional
+
+import pytest
+
+from ember.core.config import from_yaml, load_config, parse_overrides, to_dict, to_yaml
+from ember.core.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    betas: tuple[float, ...] = (0.9, 0.95)
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be positive, got {self.lr}", key="optim.lr")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 8
+    remat: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    notes: Optional[str] = None
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    tags: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_defaults_file_and_overrides_merge_in_order(tmp_path):
+    config_file = write(tmp_path / "exp.yaml", "run_dir: runs/a\ntrain:\n  steps: 20\noptim:\n  lr: 0.001\n")
+    config = load_config(ExperimentConfig, config_file, ["train.steps=7", "optim.betas=[0.8,0.9]", "tags.team=rl"])
+    assert config == ExperimentConfig(
+        run_dir="runs/a",
+        train=TrainConfig(steps=7, batch_size=8),
+        optim=OptimConfig(lr=0.001, betas=(0.8, 0.9)),
+        tags={"team": "rl"},
+    )
+    assert dataclasses.is_dataclass(config.train)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.seed = 3
+
+
+def test_values_are_typed_by_the_schema():
+    config = load_config(ExperimentConfig, None, ["train.steps=12", "optim.lr=1e-3", "train.remat=true", "notes=null"])
+    assert config.train.steps == 12 and isinstance(config.train.steps, int)
+    assert config.optim.lr == pytest.approx(1e-3) and isinstance(config.optim.lr, float)
+    assert config.train.remat is True and config.notes is None
+
+
+def test_unknown_key_lists_valid_keys_and_closest_match(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(ExperimentConfig, None, ["train.stpes=3"])
+    message = str(info.value)
+    assert info.value.key == "train.stpes"
+    assert "unknown config key 'train.stpes'" in message
+    assert "Did you mean 'train.steps'?" in message
+    assert "Valid keys under 'train': batch_size, remat, steps" in message
+
+    config_file = write(tmp_path / "bad.yaml", "optimizer:\n  lr: 1.0\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(ExperimentConfig, config_file)
+    assert info.value.key == "optimizer"
+    assert str(config_file) in str(info.value)
+    assert "Did you mean 'optim'?" in str(info.value)
+    assert "Valid keys: notes, optim, run_dir, seed, tags, train" in str(info.value)
+
+
+def test_unknown_key_without_close_match_still_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'zzz' \(from command-line overrides\)\. Valid keys: notes"):
+        load_config(ExperimentConfig, None, ["zzz=1"])
+
+
+def test_wrong_type_names_the_key_and_expected_type(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(ExperimentConfig, None, ["train.steps=many"])
+    assert info.value.key == "train.steps"
+    assert str(info.value) == "config key 'train.steps' (from command-line overrides) expects int, got 'many' (str)"
+
+    config_file = write(tmp_path / "typed.yaml", "optim:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"config key 'optim.lr' \(from .*typed.yaml\) expects float, got 'fast'"):
+        load_config(ExperimentConfig, config_file)
+
+
+@pytest.mark.parametrize("override", ["train.steps", "=3", "train..steps=3", "train steps=3", "1train=3"])
+def test_malformed_override_shows_the_expected_form(override):
+    with pytest.raises(ConfigError) as info:
+        parse_overrides([override])
+    assert f"malformed override {override!r}: expected key.sub=value" in str(info.value)
+
+
+def test_schema_validation_errors_pass_through_with_their_key():
+    with pytest.raises(ConfigError) as info:
+        load_config(ExperimentConfig, None, ["optim.lr=-1"])
+    assert info.value.key == "optim.lr"
+    assert "optim.lr must be positive, got -1.0" in str(info.value)
+
+
+def test_base_file_inheritance_chain(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "root.yaml", "run_dir: runs/root\nseed: 1\ntrain:\n  steps: 10\n  batch_size: 4\n")
+    write(tmp_path / "sub" / "middle.yaml", "base: ../root.yaml\nseed: 2\ntrain:\n  steps: 20\n")
+    leaf = write(tmp_path / "sub" / "leaf.yaml", "base: middle.yaml\ntrain:\n  steps: 30\n")
+    config = load_config(ExperimentConfig, leaf)
+    assert (config.run_dir, config.seed, config.train.steps, config.train.batch_size) == ("runs/root", 2, 30, 4)
+
+
+def test_base_file_errors(tmp_path):
+    a = write(tmp_path / "a.yaml", "base: b.yaml\n")
+    write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match="form a cycle"):
+        load_config(ExperimentConfig, a)
+    missing = write(tmp_path / "c.yaml", "base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+        load_config(ExperimentConfig, missing)
+    broken = write(tmp_path / "d.yaml", "train: [unclosed\n")
+    with pytest.raises(ConfigError, match="could not parse YAML file"):
+        load_config(ExperimentConfig, broken)
+
+
+def test_yaml_round_trip_is_exact():
+    config = load_config(
+        ExperimentConfig,
+        None,
+        ["run_dir=runs/x y", "seed=123", "notes='a: colon'", "train.remat=true", "optim.lr=1.5e-4",
+         "optim.betas=[0.5,0.25]", "tags.k=v"],
+    )
+    text = to_yaml(config)
+    assert from_yaml(ExperimentConfig, text) == config
+    assert to_yaml(from_yaml(ExperimentConfig, text)) == text
+    assert to_dict(config)["optim"] == {"name": "adamw", "lr": 1.5e-4, "betas": (0.5, 0.25)}
+
+
+def test_mapping_source_is_validated_like_a_file():
+    assert load_config(ExperimentConfig, {"train": {"steps": 5}}).train.steps == 5
+    with pytest.raises(ConfigError, match="unknown config key 'train.step'"):
+        load_config(ExperimentConfig, {"train": {"step": 5}})

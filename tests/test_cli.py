@@ -1,0 +1,40 @@
+"""The ``ember`` command: dispatcher, --version, info."""
+
+import json
+import subprocess
+import sys
+
+import jax
+
+import ember
+from ember.cli import COMMANDS, main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_version_and_help_do_not_import_jax():
+    code = "import sys; from ember.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit: pass\nprint('jax' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines() == [f"ember {ember.__version__}", "False"]
+    help_text = run_cli("--help").stdout
+    for name in COMMANDS:
+        assert name in help_text
+
+
+def test_unknown_command_suggests(capsys):
+    assert main(["inf"]) == 2
+    assert "unknown command 'inf'. Did you mean 'info'?" in capsys.readouterr().err
+
+
+def test_info_reports_backend_devices_and_pallas(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["jax"] == jax.__version__ and info["backend"] == "cpu"
+    assert info["device_count"] == jax.device_count() == len(info["devices"])
+    assert set(info["pallas"]) == {"triton (GPU)", "mosaic_gpu (Hopper+)", "mosaic_tpu (TPU)"}
+    assert not any(status["usable_here"] for status in info["pallas"].values())  # CPU-only here
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert f"jax        {jax.__version__}" in text and "impl='interpret'" in text

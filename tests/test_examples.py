@@ -1,0 +1,26 @@
+"""Every notebook under examples/ runs top to bottom, as a researcher would run it."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
+
+
+def test_examples_exist():
+    assert NOTEBOOKS, "examples/ holds no notebook"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path, tmp_path):
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    errors = [
+        output for cell in notebook.cells if cell.cell_type == "code"
+        for output in cell.get("outputs", []) if output.get("output_type") == "error"
+    ]
+    assert not errors

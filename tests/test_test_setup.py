@@ -1,0 +1,30 @@
+"""The suite's own set-up: 8 CPU devices and the tolerance table."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.tolerances import assert_allclose, tolerance
+
+
+def test_eight_host_cpu_devices():
+    assert jax.default_backend() == "cpu"
+    assert jax.device_count() == 8
+
+
+def test_tolerances_are_keyed_by_dtype_and_ordered_by_precision():
+    widths = [tolerance(d)["atol"] for d in (np.float64, np.float32, jnp.float16, jnp.bfloat16)]
+    assert widths == sorted(widths)
+    assert tolerance(np.float32, scale=10)["rtol"] == pytest.approx(10 * tolerance(np.float32)["rtol"])
+    with pytest.raises(KeyError, match="no tolerance for dtype int32"):
+        tolerance(np.int32)
+
+
+def test_assert_allclose_uses_the_dtype_of_actual(rng):
+    x = jax.random.normal(rng, (64,), jnp.float32)
+    assert_allclose(x.astype(jnp.bfloat16), x)  # bf16 rounding is inside the bf16 tolerance
+    with pytest.raises(AssertionError):
+        assert_allclose(x, x + 1e-3)  # ... but far outside the f32 one
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_allclose(x.at[3].set(jnp.nan), x)
