@@ -1,0 +1,97 @@
+"""What every benchmark script shares: timing, device naming, the results file.
+
+    from benchmarks.harness import time_fn, device_label, write_results
+
+    seconds = time_fn(jax.jit(f), x)              # median wall time, compile excluded
+    write_results("attention", {"rows": rows})    # benchmarks/results/attention-<device>.json
+
+Run a benchmark as a module from the repository root: ``python -m benchmarks.attention``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from ember.core.system_info import system_info
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def block(tree: Any) -> Any:
+    """Waits for every array in ``tree`` to be computed."""
+    return jax.block_until_ready(tree)
+
+
+def time_fn(fn: Callable, *args, warmup: int = 2, repeats: int = 10, min_seconds: float = 0.0, **kwargs) -> float:
+    """Median seconds per call of ``fn(*args, **kwargs)`` after ``warmup`` calls (which
+    absorb compilation). Repeats until ``repeats`` calls and ``min_seconds`` have passed."""
+    for _ in range(warmup):
+        block(fn(*args, **kwargs))
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - started < min_seconds:
+        start = time.perf_counter()
+        block(fn(*args, **kwargs))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_compile(fn: Callable, *args, **kwargs) -> float:
+    """Seconds to lower and compile a jitted ``fn`` for these arguments."""
+    start = time.perf_counter()
+    fn.lower(*args, **kwargs).compile()
+    return time.perf_counter() - start
+
+
+def device_label() -> str:
+    """A short file-name-safe name of the first device: ``cpu``, ``h100``, ``h200``, ``tpu-v5e``."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return "cpu"
+    kind = device.device_kind.lower()
+    for name in ("h100", "h200", "a100", "b200", "l4"):
+        if name in kind:
+            return name
+    return "-".join(kind.replace("nvidia", "").split()) or device.platform
+
+
+def on_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    """Writes ``payload`` with device and date to ``benchmarks/results/<name>-<device>.json``."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}-{device_label()}.json"
+    record = {
+        "benchmark": name,
+        "device": device_label(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "system": system_info(),
+        **payload,
+    }
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Prints ``rows`` as an aligned text table of ``columns`` (floats to 3 significant digits)."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return "" if value is None else str(value)
+
+    table = [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in table)) if table else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in table:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
