@@ -1,0 +1,294 @@
+"""Actor-critic and Q-value networks for reinforcement learning, as Flax Linen modules.
+
+    policy = ActorCritic(action=DiscreteActions(2))
+    variables = policy.init(key, obs)                 # obs [batch, obs_dim]
+    dist, value = policy.apply(variables, obs)        # value [batch]
+    raw = dist.sample(key)                            # what the learner stores
+    env_action = dist.env_action(raw)                 # what the environment receives
+
+Action heads return a small distribution object (a ``flax.struct`` pytree, so it crosses
+``jit``/``vmap``) with ``sample``, ``log_prob``, ``entropy``, ``mode`` and ``env_action``:
+
+- :class:`Categorical` for discrete actions;
+- :class:`Gaussian` for boxes, with a state-independent log-std (a learned vector) or a
+  state-dependent one (a second head), and either **clipped** actions (the Gaussian sample
+  is stored and clipped to the bounds for the environment) or **tanh-squashed** actions
+  (``low + (tanh(u) + 1) / 2 * (high - low)``, with the change-of-variables term in
+  ``log_prob``; ``entropy`` is the pre-squash Gaussian's, the usual surrogate).
+
+Learners store the *raw* sample ``u`` and evaluate ``log_prob(u)`` on it, which keeps the
+PPO ratio exact for both clipping and squashing. Torsos are MLPs or, for image
+observations ``[batch, height, width, channels]`` (MinAtar, the maze), a small CNN.
+Initialisation follows the PPO implementation details (orthogonal, gain sqrt(2) in the
+torso, 0.01 on the policy head and 1 on the value head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu, "gelu": nn.gelu, "silu": nn.silu}
+TORSOS = ("mlp", "cnn")
+LOG_STD_KINDS = ("state_independent", "state_dependent")
+SQUASH_KINDS = ("clip", "tanh")
+_LOG_STD_BOUNDS = (-20.0, 2.0)
+_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@struct.dataclass
+class Categorical:
+    """A categorical distribution over ``logits[..., num_actions]``."""
+
+    logits: jax.Array
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        """``[...]`` int32 actions."""
+        return jax.random.categorical(key, self.logits).astype(jnp.int32)
+
+    def log_prob(self, action: jax.Array) -> jax.Array:
+        log_probs = jax.nn.log_softmax(self.logits)
+        return jnp.take_along_axis(log_probs, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+    def entropy(self) -> jax.Array:
+        log_probs = jax.nn.log_softmax(self.logits)
+        return -(jnp.exp(log_probs) * log_probs).sum(axis=-1)
+
+    def mode(self) -> jax.Array:
+        return jnp.argmax(self.logits, axis=-1).astype(jnp.int32)
+
+    def env_action(self, raw: jax.Array) -> jax.Array:
+        return raw
+
+
+@struct.dataclass
+class Gaussian:
+    """A diagonal Gaussian over raw actions ``u`` ``[..., action_dim]``, mapped into the box
+    ``[low, high]`` by clipping or by a scaled tanh (``squash``)."""
+
+    mean: jax.Array
+    log_std: jax.Array
+    low: jax.Array
+    high: jax.Array
+    squash: str = struct.field(pytree_node=False, default="clip")
+
+    def sample(self, key: jax.Array) -> jax.Array:
+        return self.mean + jnp.exp(self.log_std) * jax.random.normal(key, self.mean.shape, self.mean.dtype)
+
+    def log_prob(self, raw: jax.Array) -> jax.Array:
+        """Log-density of the *environment* action produced from ``raw``: the Gaussian's for
+        clipping (the usual PPO convention), with the tanh Jacobian for squashing."""
+        z = (raw - self.mean) * jnp.exp(-self.log_std)
+        log_prob = (-0.5 * jnp.square(z) - self.log_std - _HALF_LOG_2PI).sum(axis=-1)
+        if self.squash == "tanh":
+            half_range = 0.5 * (self.high - self.low)
+            # log(1 - tanh(u)^2) = 2 * (log 2 - u - softplus(-2u)), stable for large |u|
+            log_det = 2.0 * (math.log(2.0) - raw - jax.nn.softplus(-2.0 * raw)) + jnp.log(half_range)
+            log_prob = log_prob - log_det.sum(axis=-1)
+        return log_prob
+
+    def entropy(self) -> jax.Array:
+        """The entropy of the Gaussian over raw actions."""
+        return (self.log_std + 0.5 + _HALF_LOG_2PI).sum(axis=-1)
+
+    def mode(self) -> jax.Array:
+        return self.mean
+
+    def env_action(self, raw: jax.Array) -> jax.Array:
+        if self.squash == "tanh":
+            return self.low + 0.5 * (jnp.tanh(raw) + 1.0) * (self.high - self.low)
+        return jnp.clip(raw, self.low, self.high)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiscreteActions:
+    """``num_actions`` discrete actions (a categorical head)."""
+
+    num_actions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxActions:
+    """Continuous actions in the box ``[low, high]`` (tuples of length ``action_dim``)."""
+
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+    log_std: str = "state_independent"
+    squash: str = "clip"
+    init_log_std: float = 0.0
+
+    def __post_init__(self):
+        if len(self.low) != len(self.high) or not self.low:
+            raise ValueError(f"low and high must be non-empty and of one length, got {self.low} and {self.high}")
+        if any(lo >= hi for lo, hi in zip(self.low, self.high)):
+            raise ValueError(f"every low must be below its high, got low={self.low} high={self.high}")
+        if self.log_std not in LOG_STD_KINDS:
+            raise ValueError(f"log_std must be one of {LOG_STD_KINDS}, got {self.log_std!r}")
+        if self.squash not in SQUASH_KINDS:
+            raise ValueError(f"squash must be one of {SQUASH_KINDS}, got {self.squash!r}")
+
+    @property
+    def action_dim(self) -> int:
+        return len(self.low)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """Network shape of an actor-critic or Q-network (the ``policy:`` section of RL configs).
+
+    Attributes:
+      torso: ``mlp`` for flat observations, ``cnn`` for ``[height, width, channels]`` images.
+      hidden_sizes: widths of the MLP layers (after the convolutions for ``cnn``).
+      activation: one of ``tanh``, ``relu``, ``gelu``, ``silu``.
+      cnn_channels: output channels of the 3x3 convolutions (``cnn`` only).
+      log_std: ``state_independent`` or ``state_dependent`` (continuous actions only).
+      squash: ``clip`` or ``tanh`` (continuous actions only).
+      init_log_std: initial log-std of continuous actions.
+    """
+
+    torso: str = "mlp"
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    activation: str = "tanh"
+    cnn_channels: tuple[int, ...] = (16,)
+    log_std: str = "state_independent"
+    squash: str = "clip"
+    init_log_std: float = 0.0
+
+    def __post_init__(self):
+        if self.torso not in TORSOS:
+            raise ValueError(f"policy.torso must be one of {TORSOS}, got {self.torso!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"policy.activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+        if not self.hidden_sizes or any(int(h) < 1 for h in self.hidden_sizes):
+            raise ValueError(f"policy.hidden_sizes must be positive widths, got {self.hidden_sizes}")
+        if self.log_std not in LOG_STD_KINDS:
+            raise ValueError(f"policy.log_std must be one of {LOG_STD_KINDS}, got {self.log_std!r}")
+        if self.squash not in SQUASH_KINDS:
+            raise ValueError(f"policy.squash must be one of {SQUASH_KINDS}, got {self.squash!r}")
+
+
+def _dense(features: int, gain: float, name: str | None = None) -> nn.Dense:
+    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name)
+
+
+class Torso(nn.Module):
+    """Features ``[batch, hidden_sizes[-1]]`` from observations ``[batch, obs_dim]`` (MLP) or
+    ``[batch, height, width, channels]`` (CNN: 3x3 convolutions, then the MLP)."""
+
+    torso: str = "mlp"
+    hidden_sizes: Sequence[int] = (64, 64)
+    activation: str = "tanh"
+    cnn_channels: Sequence[int] = (16,)
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> jax.Array:
+        act = ACTIVATIONS[self.activation]
+        x = obs.astype(jnp.float32)
+        if self.torso == "cnn":
+            for channels in self.cnn_channels:
+                x = act(nn.Conv(channels, (3, 3), kernel_init=nn.initializers.orthogonal(math.sqrt(2.0)))(x))
+            x = x.reshape(*x.shape[:-3], -1)
+        for width in self.hidden_sizes:
+            x = act(_dense(width, math.sqrt(2.0))(x))
+        return x
+
+
+class Actor(nn.Module):
+    """A policy head on its own torso: observations -> :class:`Categorical` or :class:`Gaussian`."""
+
+    action: DiscreteActions | BoxActions
+    config: PolicyConfig = PolicyConfig()
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> Categorical | Gaussian:
+        c = self.config
+        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, name="torso")(obs)
+        if isinstance(self.action, DiscreteActions):
+            return Categorical(_dense(self.action.num_actions, 0.01, name="logits")(features))
+        dim = self.action.action_dim
+        mean = _dense(dim, 0.01, name="mean")(features)
+        if self.action.log_std == "state_dependent":
+            log_std = _dense(dim, 0.01, name="log_std_head")(features) + self.action.init_log_std
+        else:
+            log_std = self.param("log_std", nn.initializers.constant(self.action.init_log_std), (dim,))
+            log_std = jnp.broadcast_to(log_std, mean.shape)
+        log_std = jnp.clip(log_std, *_LOG_STD_BOUNDS)
+        low = jnp.asarray(self.action.low, mean.dtype)
+        high = jnp.asarray(self.action.high, mean.dtype)
+        return Gaussian(mean, log_std, low, high, squash=self.action.squash)
+
+
+class Critic(nn.Module):
+    """A state-value head on its own torso: observations ``[batch, ...]`` -> values ``[batch]``."""
+
+    config: PolicyConfig = PolicyConfig()
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> jax.Array:
+        c = self.config
+        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, name="torso")(obs)
+        return _dense(1, 1.0, name="value")(features)[..., 0]
+
+
+class ActorCritic(nn.Module):
+    """Separate actor and critic networks on one observation: ``obs -> (distribution, value)``."""
+
+    action: DiscreteActions | BoxActions
+    config: PolicyConfig = PolicyConfig()
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> tuple[Categorical | Gaussian, jax.Array]:
+        return Actor(self.action, self.config, name="actor")(obs), Critic(self.config, name="critic")(obs)
+
+
+class QNetwork(nn.Module):
+    """Action values ``[batch, num_actions]`` from observations (for DQN)."""
+
+    num_actions: int
+    config: PolicyConfig = PolicyConfig(activation="relu")
+
+    @nn.compact
+    def __call__(self, obs: jax.Array) -> jax.Array:
+        c = self.config
+        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, name="torso")(obs)
+        return _dense(self.num_actions, 1.0, name="q")(features)
+
+
+def action_head(action_space: Any, config: PolicyConfig = PolicyConfig()) -> DiscreteActions | BoxActions:
+    """The action head for an environment's action space: a ``Discrete`` space (attribute
+    ``n``) gives :class:`DiscreteActions`; a ``Box`` (``low``, ``high``, ``shape`` of one
+    axis) gives :class:`BoxActions` with the config's log-std and squashing choices."""
+    if hasattr(action_space, "n"):
+        return DiscreteActions(int(action_space.n))
+    if hasattr(action_space, "low") and hasattr(action_space, "high"):
+        shape = tuple(getattr(action_space, "shape", ()))
+        if len(shape) > 1:
+            raise ValueError(f"action_space must be a Discrete space or a Box of one axis, got shape {shape}")
+        size = shape[0] if shape else 1
+        low = tuple(float(v) for v in jnp.broadcast_to(jnp.asarray(action_space.low, jnp.float32), (size,)))
+        high = tuple(float(v) for v in jnp.broadcast_to(jnp.asarray(action_space.high, jnp.float32), (size,)))
+        return BoxActions(low, high, log_std=config.log_std, squash=config.squash, init_log_std=config.init_log_std)
+    raise ValueError(f"action_space must be a Discrete space (with n) or a Box (with low/high), got {action_space!r}")
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "Actor",
+    "ActorCritic",
+    "BoxActions",
+    "Categorical",
+    "Critic",
+    "DiscreteActions",
+    "Gaussian",
+    "PolicyConfig",
+    "QNetwork",
+    "Torso",
+    "action_head",
+]
