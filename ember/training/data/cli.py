@@ -1,0 +1,35 @@
+"""``ember data prepare TEXT_FILES... --out DIR``: a user's text into memory-mapped token files."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ember.training.data.token_files import prepare_token_files
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    prepare = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin / meta.json")
+    prepare.add_argument("files", nargs="+", type=Path, help="UTF-8 text files; each is one document")
+    prepare.add_argument("--out", type=Path, required=True, help="output dataset directory")
+    prepare.add_argument("--val-fraction", type=float, default=0.02, help="share of documents held out (by name hash)")
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = [str(path) for path in args.files if not path.is_file()]
+    if missing:
+        print(f"ember data prepare: not a file: {', '.join(missing)}")
+        return 2
+
+    def documents():
+        for path in tqdm(args.files, desc="tokenizing", unit="file"):
+            yield str(path), path.read_text(encoding="utf-8", errors="replace")
+
+    meta = prepare_token_files(documents(), args.out, val_fraction=args.val_fraction)
+    for split, counts in meta["splits"].items():
+        print(f"{split:<5} {counts['documents']:>8,} documents {counts['tokens']:>12,} tokens")
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,116 @@
+"""Documents -> memory-mapped token files on disk, and reading them back.
+
+A prepared dataset directory holds ``train.bin`` and ``val.bin`` (uint16 token ids, each
+document followed by the tokenizer's end-of-document id) and ``meta.json`` (tokenizer
+description, token and document counts, and a fingerprint of the sources). Files are written
+under a temporary name and renamed, so an interrupted preparation never leaves a dataset
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
+
+TOKEN_DTYPE = np.uint16
+META_FILE = "meta.json"
+SPLITS = ("train", "val")
+
+
+def validation_split(name: str, val_fraction: float) -> bool:
+    """Whether the document called ``name`` belongs to the validation split.
+
+    Decided by a hash of the name, so the split is fixed whatever the order or number of
+    documents (adding a file never moves another across the split).
+    """
+    return (zlib.crc32(name.encode("utf-8")) % 10_000) < val_fraction * 10_000
+
+
+def prepare_token_files(
+    documents: Iterable[tuple[str, str]],
+    out_dir: str | Path,
+    *,
+    val_fraction: float = 0.02,
+    tokenizer: ByteTokenizer | None = None,
+) -> dict:
+    """Tokenizes ``(name, text)`` documents into ``out_dir``; returns the metadata written.
+
+    Raises:
+      ValueError: if ``val_fraction`` is outside [0, 1) or no document has any text.
+    """
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    tokenizer = tokenizer or ByteTokenizer()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = hashlib.sha256()
+    counts = {split: {"tokens": 0, "documents": 0} for split in SPLITS}
+    temporary = {split: out_dir / f".{split}.bin.partial" for split in SPLITS}
+    handles = {split: open(path, "wb") for split, path in temporary.items()}
+    try:
+        for name, text in documents:
+            if not text:
+                continue
+            split = "val" if validation_split(name, val_fraction) else "train"
+            ids = tokenizer.encode(text, add_eos=True)
+            handles[split].write(ids.astype(TOKEN_DTYPE).tobytes())
+            counts[split]["tokens"] += int(ids.size)
+            counts[split]["documents"] += 1
+            fingerprint.update(name.encode("utf-8") + b"\0" + hashlib.sha256(ids.tobytes()).digest())
+    finally:
+        for handle in handles.values():
+            handle.close()
+    if counts["train"]["tokens"] == 0:
+        for path in temporary.values():
+            path.unlink(missing_ok=True)
+        raise ValueError("no text to prepare: every document was empty or went to validation")
+    for split, path in temporary.items():
+        os.replace(path, out_dir / f"{split}.bin")
+    meta = {"tokenizer": tokenizer.describe(), "splits": counts, "fingerprint": fingerprint.hexdigest(),
+            "val_fraction": val_fraction}
+    partial_meta = out_dir / f".{META_FILE}.partial"
+    partial_meta.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(partial_meta, out_dir / META_FILE)
+    return meta
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDataset:
+    """A prepared dataset: ``train`` and ``val`` token arrays (memory-mapped) and metadata."""
+
+    directory: Path
+    train: np.ndarray
+    val: np.ndarray
+    meta: dict
+
+    @classmethod
+    def open(cls, directory: str | Path) -> TokenDataset:
+        directory = Path(directory)
+        meta_path = directory / META_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(
+                f"{directory} is not a prepared dataset (no {META_FILE}); create one with "
+                "'ember data prepare TEXT_FILES... --out DIR'"
+            )
+        meta = json.loads(meta_path.read_text())
+        arrays = {}
+        for split in SPLITS:
+            expected = meta["splits"][split]["tokens"]
+            path = directory / f"{split}.bin"
+            arrays[split] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if expected else np.zeros(0, TOKEN_DTYPE)
+            if arrays[split].size != expected:
+                raise ValueError(f"{path} holds {arrays[split].size} tokens but {META_FILE} says {expected}")
+        return cls(directory, arrays["train"], arrays["val"], meta)
+
+    @property
+    def tokenizer(self) -> ByteTokenizer:
+        return tokenizer_from_description(self.meta["tokenizer"])

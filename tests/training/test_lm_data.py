@@ -1,0 +1,142 @@
+"""LM data: byte tokenizer, token files, packing with segment ids, the resumable iterator."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from ember.cli import main
+from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
+from ember.training.data import PackedBatches, TokenDataset, pack_window, prepare_token_files, stdlib_documents
+from ember.training.data.token_files import validation_split
+
+EOS = ByteTokenizer.eos_id
+
+
+def test_byte_tokenizer_round_trip():
+    tokenizer = ByteTokenizer()
+    text = "def f(x):\n    return 'héllo, 世界'\n"
+    ids = tokenizer.encode(text, add_eos=True)
+    assert ids.dtype == np.uint16 and ids[-1] == EOS and len(ids) == len(text.encode("utf-8")) + 1
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode([104, 105, EOS, 300]) == "hi"
+    assert tokenizer.decode([0xE4, 0xB8]) == "\ufffd"  # truncated UTF-8 is replaced, not an exception
+    assert isinstance(tokenizer_from_description(tokenizer.describe()), ByteTokenizer)
+    with pytest.raises(ValueError, match="unknown tokenizer type 'bpe'"):
+        tokenizer_from_description({"type": "bpe"})
+
+
+def test_pack_window_by_hand():
+    # documents "ab|", "c|", "de..." where | is EOS; seq_len 6
+    window = np.array([97, 98, EOS, 99, EOS, 100, 101])
+    row = pack_window(window, EOS)
+    np.testing.assert_array_equal(row["tokens"], [97, 98, EOS, 99, EOS, 100])
+    np.testing.assert_array_equal(row["targets"], [98, EOS, 99, EOS, 100, 101])
+    np.testing.assert_array_equal(row["segment_ids"], [1, 1, 1, 2, 2, 3])
+    np.testing.assert_array_equal(row["positions"], [0, 1, 2, 0, 1, 0])
+    np.testing.assert_array_equal(row["loss_mask"], [1, 1, 0, 1, 0, 1])
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        pack_window(np.array([1]), EOS)
+
+
+def make_documents(n, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "λ", "\n", "    ", "def", "return"]
+    return [(f"doc{i:03d}.txt", " ".join(rng.choice(words, size=rng.integers(5, 40)))) for i in range(n)]
+
+
+def test_prepare_and_open(tmp_path):
+    documents = make_documents(60)
+    meta = prepare_token_files(documents, tmp_path / "ds", val_fraction=0.2)
+    data = TokenDataset.open(tmp_path / "ds")
+    val_names = [name for name, _ in documents if validation_split(name, 0.2)]
+    assert 0 < len(val_names) < 60
+    assert meta["splits"]["val"]["documents"] == len(val_names)
+    expected_train = np.concatenate([ByteTokenizer().encode(t, add_eos=True) for n, t in documents if n not in val_names])
+    np.testing.assert_array_equal(np.asarray(data.train), expected_train)
+    assert data.meta == json.loads((tmp_path / "ds" / "meta.json").read_text())
+    assert not list((tmp_path / "ds").glob(".*partial"))
+    # The split of a document depends on its name only, not on what else is in the corpus.
+    meta_subset = prepare_token_files(documents[:30], tmp_path / "ds2", val_fraction=0.2)
+    assert meta_subset["splits"]["val"]["documents"] == len([n for n in val_names if int(n[3:6]) < 30])
+
+
+def test_open_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a prepared dataset .* 'ember data prepare"):
+        TokenDataset.open(tmp_path)
+    prepare_token_files(make_documents(10), tmp_path / "ds", val_fraction=0.0)
+    with open(tmp_path / "ds" / "train.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ValueError, match="train.bin holds .* tokens but meta.json says"):
+        TokenDataset.open(tmp_path / "ds")
+    with pytest.raises(ValueError, match="no text to prepare"):
+        prepare_token_files([("a", "")], tmp_path / "empty")
+
+
+def stream_of(n_tokens, seed=1):
+    stream = np.random.default_rng(seed).integers(0, 256, size=n_tokens).astype(np.uint16)
+    stream[np.random.default_rng(seed + 1).choice(n_tokens, size=n_tokens // 20, replace=False)] = EOS
+    return stream
+
+
+def test_iterator_visits_every_window_once_per_epoch():
+    stream = stream_of(1 + 8 * 25)  # exactly 25 windows of seq_len 8
+    batches = PackedBatches(stream, seq_len=8, global_batch=5, seed=3)
+    assert batches.num_windows == 25
+    epoch = np.concatenate([batches.next()["tokens"] for _ in range(5)])
+    starts = sorted(int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(stream[:-1], 8) == row, axis=1))[0]) for row in epoch)
+    assert starts == [8 * i for i in range(25)]
+    second_epoch = np.concatenate([batches.next()["tokens"] for _ in range(5)])
+    assert not np.array_equal(epoch, second_epoch)  # a new permutation each epoch
+
+
+def test_iterator_resume_is_exact():
+    stream = stream_of(5000)
+    uninterrupted = PackedBatches(stream, seq_len=16, global_batch=8, seed=7)
+    expected = [uninterrupted.next() for _ in range(60)]  # crosses several epoch boundaries
+    first = PackedBatches(stream, seq_len=16, global_batch=8, seed=7)
+    for _ in range(23):
+        first.next()
+    saved = json.loads(json.dumps(first.state()))
+    resumed = PackedBatches(stream, seq_len=16, global_batch=8, seed=7)
+    resumed.restore(saved)
+    for step in range(23, 60):
+        got = resumed.next()
+        for key in got:
+            np.testing.assert_array_equal(got[key], expected[step][key])
+    with pytest.raises(ValueError, match="saved seq_len=16 but now 32"):
+        PackedBatches(stream, seq_len=32, global_batch=8, seed=7).restore(saved)
+
+
+def test_processes_read_disjoint_rows_of_the_same_global_batch():
+    stream = stream_of(4000)
+    whole = PackedBatches(stream, seq_len=16, global_batch=8, seed=2)
+    parts = [PackedBatches(stream, seq_len=16, global_batch=8, seed=2, process_index=i, process_count=4) for i in range(4)]
+    for _ in range(3):
+        expected = whole.next()
+        got = [p.next() for p in parts]
+        for key in expected:
+            np.testing.assert_array_equal(np.concatenate([g[key] for g in got]), expected[key])
+    with pytest.raises(ValueError, match="not divisible by the 3 processes"):
+        PackedBatches(stream, seq_len=16, global_batch=8, process_count=3)
+
+
+def test_stdlib_corpus_is_real_sorted_python():
+    documents = list(itertools.islice(stdlib_documents(), 40))
+    names = [name for name, _ in documents]
+    assert names == sorted(names) and len(set(names)) == 40
+    assert sum("import" in text or "def " in text for _, text in documents) > 20
+
+
+def test_cli_prepare(tmp_path, capsys):
+    files = []
+    for name, text in make_documents(12):
+        path = tmp_path / name
+        path.write_text(text)
+        files.append(str(path))
+    assert main(["data", "prepare", *files, "--out", str(tmp_path / "out"), "--val-fraction", "0.25"]) == 0
+    data = TokenDataset.open(tmp_path / "out")
+    assert data.meta["splits"]["train"]["documents"] + data.meta["splits"]["val"]["documents"] == 12
+    assert "wrote" in capsys.readouterr().out
+    assert main(["data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")]) == 2
