@@ -1,0 +1,54 @@
+"""Score math shared by the attention references and kernels (one definition of each)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def default_sigmoid_bias(kv_len: int) -> float:
+    """The FlashSigmoid default bias ``b = -log(kv_len)`` of ``score="sigmoid"``: it keeps
+    the expected attention mass per query near one at initialization, as softmax does."""
+    return -math.log(kv_len)
+
+
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(logits / cap)`` (Gemma-2 logit soft-capping); ``logits`` if ``cap`` is None."""
+    if cap is None:
+        return logits
+    return cap * jnp.tanh(logits / cap)
+
+
+def masked_softmax(logits: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax over the last axis restricted to ``visible`` entries (broadcastable bool).
+    A row with no visible entry gets all-zero weights (and zero gradient), never NaN."""
+    logits = jnp.where(visible, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    unnormalized = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    return unnormalized / jnp.where(total == 0.0, 1.0, total)
+
+
+def check_window(window) -> tuple[int, int] | None:
+    """``window`` validated as a pair ``(left, right)`` of non-negative ints, or ``None``."""
+    if window is None:
+        return None
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+    ):
+        raise ValueError(f"window must be a pair (left, right) of non-negative ints, got {window!r}")
+    return int(window[0]), int(window[1])
+
+
+def check_soft_cap(logits_soft_cap) -> float | None:
+    """``logits_soft_cap`` validated as a positive float, or ``None``."""
+    if logits_soft_cap is None:
+        return None
+    if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be a positive number or None, got {logits_soft_cap!r}")
+    return float(logits_soft_cap)

@@ -1,0 +1,299 @@
+"""Flash attention: the public op, its plain-jnp reference, and the dispatcher.
+
+    out = flash_attention(q, k, v, causal=True)                     # [batch, q_len, heads, head_dim]
+    out = flash_attention(q, k, v, block_mask=LocalGlobalMask(256, 256, 64))
+    out = flash_attention(q, k, v, score="sigmoid")                 # FlashSigmoid
+
+The Pallas kernels (forward saving the log-sum-exp, backward dq and dk/dv, tied by
+``custom_vjp``) live in :mod:`ember.kernels_pallas.flash_attention_kernels`; this file holds
+what every path shares: argument checking, the combined static mask, and the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ember.kernels_pallas.attention_math import (
+    check_soft_cap,
+    check_window,
+    default_sigmoid_bias,
+    masked_softmax,
+    soft_cap,
+)
+from ember.kernels_pallas.block_mask import (
+    BlockMask,
+    CausalMask,
+    ExplicitBlockMask,
+    LocalMask,
+    combine_masks,
+)
+from ember.kernels_pallas.dispatch import resolve_impl
+
+SCORES: tuple[str, ...] = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBlockSizes:
+    """Kernel tile sizes: ``block_q`` query rows and ``block_kv`` key rows per step (the same
+    tiles in the forward and both backward kernels). Powers of two, at least 8 (GPU tiles
+    want 16+; 8 keeps CPU interpret tests cheap). Sequences shorter than a block get a block
+    of the next power of two above their length instead."""
+
+    block_q: int = 128
+    block_kv: int = 128
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 8 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 8, got {value!r}")
+
+    def fitted(self, q_len: int, kv_len: int) -> FlashBlockSizes:
+        """These sizes shrunk to the next power of two of short sequences (min 8)."""
+
+        def fit(block: int, length: int) -> int:
+            return min(block, max(8, 1 << max(0, length - 1).bit_length()))
+
+        return FlashBlockSizes(fit(self.block_q, q_len), fit(self.block_kv, kv_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    """Validated static description of one flash-attention call (hashable)."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    sm_scale: float
+    mask: BlockMask | None
+    has_segments: bool
+    logits_soft_cap: float | None
+    score: str
+    sigmoid_bias: float
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def _check_rank(name: str, x: Any, rank: int, layout: str) -> None:
+    if getattr(x, "ndim", None) != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {getattr(x, 'shape', None)}")
+
+
+def normalize_segment_ids(segment_ids: Any, batch: int, q_len: int, kv_len: int):
+    """``(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])`` int32, or ``None``."""
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be one array or a pair (q_segment_ids, kv_segment_ids)")
+        q_seg, kv_seg = segment_ids
+    else:
+        if q_len != kv_len:
+            raise ValueError(
+                f"segment_ids as one array needs q_len == kv_len (got {q_len}, {kv_len}); "
+                "pass (q_segment_ids, kv_segment_ids)"
+            )
+        q_seg = kv_seg = segment_ids
+    for name, seg, length in (("q segment_ids", q_seg, q_len), ("kv segment_ids", kv_seg, kv_len)):
+        if getattr(seg, "shape", None) != (batch, length):
+            raise ValueError(f"{name} must have shape [batch, len] = {(batch, length)}, got {getattr(seg, 'shape', None)}")
+    return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+
+
+def attention_problem(
+    q, k, v, *, causal, sm_scale, segment_ids, window, logits_soft_cap, score, block_mask
+) -> AttentionProblem:
+    """Checks the arguments of :func:`flash_attention` and describes the call.
+
+    Raises:
+      ValueError: naming the argument, for wrong ranks, mismatched shapes, ``heads`` not
+        divisible by ``kv_heads``, or invalid options.
+    """
+    _check_rank("q", q, 4, "[batch, q_len, heads, head_dim]")
+    _check_rank("k", k, 4, "[batch, kv_len, kv_heads, head_dim]")
+    _check_rank("v", v, 4, "[batch, kv_len, kv_heads, head_dim]")
+    batch, q_len, heads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k batch {k.shape[0]} != q batch {batch}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k head_dim {k.shape[3]} != q head_dim {head_dim}")
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"q heads ({heads}) must be divisible by k/v kv_heads ({kv_heads})")
+    if q_len == 0 or kv_len == 0:
+        raise ValueError(f"q_len and kv_len must be positive, got {q_len}, {kv_len}")
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
+    window = check_window(window)
+    window_mask = None if window is None else LocalMask(*window)
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise ValueError(f"block_mask must be a block_mask.BlockMask description, got {type(block_mask).__name__}")
+    if isinstance(block_mask, ExplicitBlockMask):
+        block_mask.check_covers(q_len, kv_len)
+    mask = combine_masks(CausalMask() if causal else None, window_mask, block_mask)
+    normalize_segment_ids(segment_ids, batch, q_len, kv_len)
+    return AttentionProblem(
+        batch=batch,
+        q_len=q_len,
+        kv_len=kv_len,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
+        mask=mask,
+        has_segments=segment_ids is not None,
+        logits_soft_cap=logits_soft_cap,
+        score=score,
+        sigmoid_bias=default_sigmoid_bias(kv_len),
+    )
+
+
+def flash_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    segment_ids=None,
+    window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    score: str = "softmax",
+    block_mask: BlockMask | None = None,
+) -> jax.Array:
+    """Plain-jnp attention with the semantics of :func:`flash_attention` (same arguments,
+    minus the kernel options). Materializes the ``[batch, heads, q_len, kv_len]`` scores in
+    float32; differentiable by autodiff. Returns ``[batch, q_len, heads, head_dim]`` in
+    ``q.dtype``."""
+    problem = attention_problem(
+        q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
+        logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
+    )
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads, group = problem.kv_heads, problem.group
+    q32 = q.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, head_dim)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q32, k.astype(jnp.float32)) * problem.sm_scale
+    logits = soft_cap(logits, problem.logits_soft_cap)
+    visible = jnp.ones((1, q_len, problem.kv_len), dtype=bool)
+    if problem.mask is not None:
+        visible = visible & problem.mask.visible(
+            jnp.arange(q_len)[:, None], jnp.arange(problem.kv_len)[None, :]
+        )
+    segments = normalize_segment_ids(segment_ids, batch, q_len, problem.kv_len)
+    if segments is not None:
+        visible = visible & (segments[0][:, :, None] == segments[1][:, None, :])
+    visible = visible[:, None, None]  # [batch or 1, 1, 1, q_len, kv_len]
+    if problem.score == "sigmoid":
+        weights = jnp.where(visible, jax.nn.sigmoid(logits + problem.sigmoid_bias), 0.0)
+    else:
+        weights = masked_softmax(logits, visible)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32))
+    return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    segment_ids=None,
+    window: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    score: str = "softmax",
+    block_mask: BlockMask | None = None,
+    block_sizes: FlashBlockSizes | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Attention over ``[batch, seq, heads, head_dim]`` tensors, memory-efficient and
+    block-sparse; differentiable (forward and backward are Pallas kernels on GPU/TPU).
+
+    Args:
+      q: ``[batch, q_len, heads, head_dim]``.
+      k, v: ``[batch, kv_len, kv_heads, head_dim]``; ``heads % kv_heads == 0`` (MHA when
+        equal, GQA when a divisor, MQA when ``kv_heads == 1``). Query head ``h`` reads key
+        head ``h // (heads // kv_heads)``.
+      causal: key ``j`` visible from query ``i`` only if ``j <= i``. Positions are aligned
+        at the start of both sequences (top-left), as in ``jax.nn.dot_product_attention``.
+      sm_scale: multiplies ``q.k``; default ``1 / sqrt(head_dim)``.
+      segment_ids: packed documents. Either one int array ``[batch, seq]`` (needs
+        ``q_len == kv_len``) or a pair ``(q_segment_ids [batch, q_len], kv_segment_ids
+        [batch, kv_len])``; a query sees only keys with an equal id.
+      window: ``(left, right)`` sliding window: query ``i`` sees keys
+        ``i - left <= j <= i + right`` (combine with ``causal=True`` for ``right = 0``).
+      logits_soft_cap: if set, scaled logits become ``cap * tanh(logits / cap)``.
+      score: ``"softmax"`` or ``"sigmoid"``. Sigmoid attention (FlashSigmoid) weighs each
+        visible key by ``sigmoid(logits + b)`` with ``b = default_sigmoid_bias(kv_len) =
+        -log(kv_len)``, without normalizing across keys.
+      block_mask: a static mask description from :mod:`ember.kernels_pallas.block_mask`
+        (causal, local window, local + global, chunked-causal, explicit block grid). It is
+        intersected with ``causal``, ``window`` and ``segment_ids``; the kernels visit only
+        blocks with at least one visible pair.
+      block_sizes: kernel tiles, :class:`FlashBlockSizes`; default 128 x 128 (shrunk for
+        short sequences). With an :class:`ExplicitBlockMask` they must divide its blocks.
+      impl: ``"auto"`` (Pallas on GPU/TPU, else XLA), ``"pallas"``, ``"interpret"`` (the
+        Pallas kernels run by the interpreter, any backend) or ``"xla"``
+        (:func:`flash_attention_reference`, differentiated by XLA).
+
+    Lengths need not be multiples of the block sizes. A query with no visible key returns
+    zeros (never NaN), and its gradient is zero.
+
+    Returns:
+      ``[batch, q_len, heads, head_dim]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: naming the argument, for bad ranks/shapes or options.
+    """
+    problem = attention_problem(
+        q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
+        logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
+    )
+    block_sizes = FlashBlockSizes() if block_sizes is None else block_sizes
+    if not isinstance(block_sizes, FlashBlockSizes):
+        raise ValueError(f"block_sizes must be a FlashBlockSizes, got {type(block_sizes).__name__}")
+    if isinstance(block_mask, ExplicitBlockMask):
+        # Explicit grids are exact at their own granularity: use tiles that divide it.
+        block_sizes = FlashBlockSizes(
+            min(block_sizes.block_q, _largest_pow2_divisor(block_mask.block_q)),
+            min(block_sizes.block_kv, _largest_pow2_divisor(block_mask.block_kv)),
+        ) if block_sizes == FlashBlockSizes() else block_sizes
+    resolved = resolve_impl(impl, op="flash_attention")
+    if resolved == "xla":
+        return flash_attention_reference(
+            q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
+            logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
+        )
+    from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
+
+    segments = normalize_segment_ids(segment_ids, problem.batch, problem.q_len, problem.kv_len)
+    return flash_attention_kernel(
+        q, k, v, segments, problem=problem, block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),
+        interpret=resolved == "interpret",
+    )
+
+
+def _largest_pow2_divisor(n: int) -> int:
+    return max(8, n & -n)
+
+
+__all__ = [
+    "FlashBlockSizes",
+    "SCORES",
+    "default_sigmoid_bias",
+    "flash_attention",
+    "flash_attention_reference",
+]

@@ -1,0 +1,164 @@
+"""Ragged paged attention: the serving loop's mixed prefill + decode step in one call.
+
+Several sequences each contribute a run of new query tokens to one flat token budget
+``q [num_tokens, heads, head_dim]``: a prefill chunk (many tokens) or a decode step (one
+token). Each new token attends causally to its sequence's cached prefix and to the new
+tokens before it, all read through the page table of the paged KV cache (the layout of
+:mod:`ember.kernels_pallas.paged_attention`).
+
+The Pallas kernel is in :mod:`ember.kernels_pallas.ragged_paged_attention_kernel`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ember.kernels_pallas.attention_math import check_soft_cap, check_window, masked_softmax, soft_cap
+from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.paged_attention import check_lengths, check_paged_cache, gather_sequence_kv
+
+
+def token_owners(query_starts: jax.Array, query_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
+    """For each token of the budget: ``(owner [num_tokens] int32, position [num_tokens]
+    int32, covered [num_tokens] bool)`` — the sequence it belongs to, its position in that
+    sequence, and whether any sequence owns it (uncovered tokens are padding)."""
+    token = jnp.arange(num_tokens)[:, None]
+    inside = (token >= query_starts[None, :]) & (token < (query_starts + query_lens)[None, :])
+    covered = jnp.any(inside, axis=1)
+    owner = jnp.argmax(inside, axis=1).astype(jnp.int32)
+    offset = jnp.arange(num_tokens) - query_starts[owner]
+    position = (kv_lens[owner] - query_lens[owner] + offset).astype(jnp.int32)
+    return owner, position, covered
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    query_starts: jax.Array,
+    query_lens: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    window: tuple[int, int] | None = None,
+) -> jax.Array:
+    """Plain-jnp :func:`ragged_paged_attention` (same arguments, minus the kernel options):
+    gathers every token's sequence cache and attends densely in float32. Memory grows as
+    ``num_tokens * max_pages_per_seq * page_size``. Returns ``[num_tokens, heads, head_dim]``
+    in ``q.dtype``."""
+    num_tokens, heads, head_dim, num_seqs = _check_args(q, page_table, query_starts, query_lens, kv_lens)
+    cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
+    window = check_window(window)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    group = heads // cache.kv_heads
+    owner, position, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
+    keys = gather_sequence_kv(k_pages, page_table).astype(jnp.float32)[owner]  # [T, max_len, kv_heads, d]
+    values = gather_sequence_kv(v_pages, page_table).astype(jnp.float32)[owner]
+    q32 = q.astype(jnp.float32).reshape(num_tokens, cache.kv_heads, group, head_dim)
+    logits = soft_cap(jnp.einsum("thgd,tkhd->thgk", q32, keys) * scale, logits_soft_cap)
+    kv_pos = jnp.arange(cache.max_len)[None, :]
+    visible = (kv_pos <= position[:, None]) & covered[:, None]
+    if window is not None:
+        visible = visible & (kv_pos >= position[:, None] - window[0])
+    weights = masked_softmax(logits, visible[:, None, None, :])
+    out = jnp.einsum("thgk,tkhd->thgd", weights, values)
+    return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    query_starts: jax.Array,
+    query_lens: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    window: tuple[int, int] | None = None,
+    block_q: int = 16,
+    pages_per_block: int | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Attention for a mixed batch of prefill chunks and decode tokens over a paged cache.
+
+    Sequence ``s`` owns the query rows ``q[query_starts[s] : query_starts[s] +
+    query_lens[s]]``: its ``query_lens[s]`` newest tokens, at positions
+    ``kv_lens[s] - query_lens[s] .. kv_lens[s] - 1`` of the sequence. The new tokens' keys
+    and values must already be written into the pages (the model layer writes them before
+    calling), so ``kv_lens`` counts them. Row ``i`` of the run (position ``p``) sees cache
+    positions ``0 .. p`` (causal), within ``window`` if given.
+
+    Args:
+      q: ``[num_tokens, heads, head_dim]``, the step's token budget. Rows owned by no
+        sequence are padding and return zeros.
+      k_pages, v_pages: ``[num_pages, page_size, kv_heads, head_dim]``;
+        ``heads % kv_heads == 0``.
+      page_table: int32 ``[num_seqs, max_pages_per_seq]``, as in :func:`paged_attention`.
+      query_starts: int32 ``[num_seqs]``, first row of each sequence's run in ``q``.
+        Runs must not overlap and must lie inside ``[0, num_tokens)``.
+      query_lens: int32 ``[num_seqs]``, new tokens per sequence (1 for a decode, the chunk
+        length for prefill, 0 for an unused slot); ``query_lens[s] <= kv_lens[s]``.
+      kv_lens: int32 ``[num_seqs]``, total cached tokens of each sequence including the new
+        ones; ``<= max_pages_per_seq * page_size``.
+      sm_scale: multiplies ``q.k``; default ``1 / sqrt(head_dim)``.
+      logits_soft_cap: if set, scaled logits become ``cap * tanh(logits / cap)``.
+      window: ``(left, right)`` as in :func:`flash_attention`; the query at position ``p``
+        sees keys ``p - left .. p`` (``right`` has no effect: attention here is causal).
+      block_q: query rows per kernel step (GPU lowering wants a power of two >= 16); a run
+        is split into ``cdiv(query_lens[s], block_q)`` blocks.
+      pages_per_block: pages read per kernel step (default: enough for 128 tokens).
+      impl: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"``
+        (:func:`ragged_paged_attention_reference`).
+
+    The metadata is data, not static: one compiled step serves every mix of sequences.
+    Its consistency (no overlapping runs, lengths in range) is the caller's contract and is
+    not checked on device.
+
+    Returns:
+      ``[num_tokens, heads, head_dim]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: naming the argument, for bad ranks, shapes or dtypes.
+    """
+    num_tokens, heads, head_dim, num_seqs = _check_args(q, page_table, query_starts, query_lens, kv_lens)
+    cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
+    check_soft_cap(logits_soft_cap)
+    check_window(window)
+    if not isinstance(block_q, int) or block_q < 1:
+        raise ValueError(f"block_q must be a positive int, got {block_q!r}")
+    resolved = resolve_impl(impl, op="ragged_paged_attention")
+    if resolved == "xla":
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens,
+            sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window=window,
+        )
+    from ember.kernels_pallas.ragged_paged_attention_kernel import ragged_paged_attention_kernel
+
+    return ragged_paged_attention_kernel(
+        q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, cache=cache,
+        sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
+        logits_soft_cap=check_soft_cap(logits_soft_cap), window=check_window(window),
+        block_q=block_q, pages_per_block=pages_per_block, interpret=resolved == "interpret",
+    )
+
+
+def _check_args(q, page_table, query_starts, query_lens, kv_lens) -> tuple[int, int, int, int]:
+    if getattr(q, "ndim", None) != 3:
+        raise ValueError(f"q must have rank 3 [num_tokens, heads, head_dim], got shape {getattr(q, 'shape', None)}")
+    if getattr(page_table, "ndim", None) != 2:
+        raise ValueError(
+            f"page_table must have rank 2 [num_seqs, max_pages_per_seq], got shape {getattr(page_table, 'shape', None)}"
+        )
+    num_seqs = page_table.shape[0]
+    check_lengths("query_starts", query_starts, num_seqs)
+    check_lengths("query_lens", query_lens, num_seqs)
+    check_lengths("kv_lens", kv_lens, num_seqs)
+    return (*q.shape, num_seqs)
