@@ -1,2 +1,32 @@
 """Vectorized, jit-compiled JAX RL environments with the gymnax 1.0 functional contract
-(DESIGN.md section 5). Imports nothing from Ember but ``ember.core``."""
+(DESIGN.md section 5). Imports nothing from Ember but ``ember.core``.
+
+    import ember.envs
+    env, params = ember.envs.make("CartPole-v1")
+    obs, state = env.reset(key, params)
+    obs, state, reward, terminated, truncated, info = env.step(key, state, action, params)
+
+See ``ember.envs.environment`` for the exact step/auto-reset contract, ``BatchedEnv`` for
+batches drawing their randomness in one call, and ``ember.envs.wrappers``.
+"""
+
+from ember.envs import spaces
+from ember.envs.batched import BatchedEnv
+from ember.envs.environment import Environment, EnvParams, EnvState
+from ember.envs.registry import make, register, registered
+from ember.envs.rendering import save_gif
+from ember.envs.wrappers import LogWrapper, Wrapper
+
+__all__ = [
+    "BatchedEnv",
+    "Environment",
+    "EnvParams",
+    "EnvState",
+    "LogWrapper",
+    "Wrapper",
+    "make",
+    "register",
+    "registered",
+    "save_gif",
+    "spaces",
+]

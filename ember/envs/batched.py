@@ -1,0 +1,50 @@
+"""``BatchedEnv``: ``num_envs`` copies of an environment stepped in lockstep.
+
+    env, params = ember.envs.make("CartPole-v1")
+    envs = BatchedEnv(LogWrapper(env), num_envs=1024)
+    obs, state = envs.reset(key, params)                 # obs [1024, 4]
+    obs, state, reward, terminated, truncated, info = envs.step(key, state, actions, params)
+
+The contract is the single environment's with a leading ``[num_envs]`` axis on every
+observation, state leaf, action, reward, flag and info entry; ``params`` is shared. One key
+drives the whole batch: its random words are drawn in ONE ``jax.random.bits`` call of shape
+``[num_envs, words]`` and the per-environment functions are ``jax.vmap``-ed over them,
+instead of splitting a key per environment (what ``jax.vmap(env.step)(keys, ...)`` does,
+which also works). Spaces are those of one environment.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ember.envs.environment import Environment
+from ember.envs.wrappers.base import Wrapper
+
+
+class BatchedEnv(Wrapper):
+    def __init__(self, env: Environment, num_envs: int):
+        super().__init__(env)
+        if not isinstance(num_envs, int) or num_envs < 1:
+            raise ValueError(f"BatchedEnv: num_envs must be a positive int, got {num_envs!r}")
+        self.num_envs = num_envs
+
+    @property
+    def reset_noise_shape(self):
+        return (self.num_envs, *self.env.reset_noise_shape)
+
+    @property
+    def step_noise_shape(self):
+        return (self.num_envs, *self.env.step_noise_shape)
+
+    def reset_from_noise(self, noise, params):
+        return jax.vmap(self.env.reset_from_noise, in_axes=(0, None))(noise, params)
+
+    def step_from_noise(self, noise, state, action, params):
+        return jax.vmap(self.env.step_from_noise, in_axes=(0, 0, 0, None))(noise, state, action, params)
+
+    def render(self, state, params, index: int = 0):
+        """The picture of sub-environment ``index``."""
+        return self.env.render(jax.tree.map(lambda leaf: leaf[index], state), params)
+
+    def __repr__(self) -> str:
+        return f"BatchedEnv({self.env!r}, num_envs={self.num_envs})"

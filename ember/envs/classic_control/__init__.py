@@ -1,0 +1,1 @@
+"""Classic-control environments with gymnasium's dynamics, rewards, termination and time limits."""

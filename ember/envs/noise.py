@@ -1,0 +1,52 @@
+"""Random numbers as plain uint32 words, drawn once for a whole batch.
+
+An environment states how many random words one reset and one transition consume
+(``Environment.reset_noise_words`` / ``transition_noise_words``). ``Environment.reset`` /
+``step`` draw them from a key; a batched environment (``ember.envs.VectorEnv``) draws the
+words of every sub-environment in ONE ``jax.random.bits`` call of shape ``[batch, words]``
+instead of splitting one key per environment, which is the main CPU cost of a vmapped
+gymnax step. The functions below turn words into the values the dynamics need.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def draw(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``shape`` random uint32 words from ``key`` in one call."""
+    return jax.random.bits(key, shape, jnp.uint32)
+
+
+def uniform(words: jax.Array, low=0.0, high=1.0, dtype=None) -> jax.Array:
+    """Uniform floats in ``[low, high)``, one per word (23 random mantissa bits each).
+
+    ``dtype`` defaults to JAX's default float (float64 under ``jax.enable_x64``)."""
+    dtype = jnp.zeros(()).dtype if dtype is None else dtype
+    # Exponent of 1.0 with random mantissa gives a float in [1, 2); minus 1 is exact.
+    unit = lax.bitcast_convert_type((words >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    unit = unit.astype(dtype)
+    return low + (high - low) * unit
+
+
+def randint(words: jax.Array, low, high) -> jax.Array:
+    """Integers in ``[low, high)`` (``int32``), one per word. The bias is below
+    ``(high - low) / 2**32`` -- irrelevant for the small ranges of environments."""
+    span = (jnp.asarray(high) - jnp.asarray(low)).astype(jnp.uint32)
+    return (jnp.asarray(low) + (words % span).astype(jnp.int32)).astype(jnp.int32)
+
+
+def bernoulli(words: jax.Array, p) -> jax.Array:
+    """``True`` with probability ``p``, one per word."""
+    return uniform(words, dtype=jnp.float32) < p
+
+
+def to_key(words: jax.Array) -> jax.Array:
+    """A threefry PRNG key built from two words, for environments that need many or
+    variable-size draws (e.g. procedural level generation)."""
+    return jax.random.wrap_key_data(words[..., :2], impl="threefry2x32")
+
+
+__all__ = ["draw", "uniform", "randint", "bernoulli", "to_key"]

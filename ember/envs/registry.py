@@ -1,0 +1,63 @@
+"""The environment registry: ``make(id, **overrides) -> (env, params)``, ``register``, ``registered``.
+
+Built-in environments are registered by import path, so ``import ember.envs`` imports no
+environment module until one is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Union
+
+from ember.core.registry import Registry
+from ember.envs.environment import Environment, EnvParams
+
+EntryPoint = Union[str, Callable[[], Environment]]
+
+ENVIRONMENTS: Registry[EntryPoint] = Registry("environment")
+
+_BUILTIN = {
+    "CartPole-v1": "ember.envs.classic_control.cartpole:CartPole",
+}
+
+
+def register(env_id: str, entry_point: EntryPoint, *, overwrite: bool = False) -> None:
+    """Registers ``entry_point`` (a zero-argument callable returning an ``Environment``, or
+    a ``"module:attribute"`` string naming one) under ``env_id``."""
+    if not (callable(entry_point) or (isinstance(entry_point, str) and ":" in entry_point)):
+        raise ValueError(f"entry_point must be a callable or a 'module:attribute' string, got {entry_point!r}")
+    ENVIRONMENTS.register(env_id, entry_point, overwrite=overwrite)
+
+
+def registered() -> list[str]:
+    """Every registered environment id, sorted."""
+    return ENVIRONMENTS.names()
+
+
+def make(env_id: str, **overrides) -> tuple[Environment, EnvParams]:
+    """``(env, params)`` for ``env_id``; ``overrides`` replace fields of the default params
+    (``make("CartPole-v1", max_steps_in_episode=200)``).
+
+    Raises:
+      UnknownNameError: unknown ``env_id`` (the message lists the closest ids).
+      ValueError: an override names no field of the environment's params.
+    """
+    entry_point = ENVIRONMENTS.get(env_id)
+    if isinstance(entry_point, str):
+        module_name, attribute = entry_point.split(":")
+        entry_point = getattr(importlib.import_module(module_name), attribute)
+    env = entry_point()
+    params = env.default_params
+    fields = {field.name for field in dataclasses.fields(params)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"make({env_id!r}): unknown parameter(s) {unknown}; {type(params).__name__} has {sorted(fields)}")
+    return env, params.replace(**overrides)
+
+
+for _env_id, _entry_point in _BUILTIN.items():
+    register(_env_id, _entry_point)
+
+__all__ = ["make", "register", "registered", "ENVIRONMENTS"]

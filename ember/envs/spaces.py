@@ -1,0 +1,186 @@
+"""Observation and action spaces: ``Discrete``, ``Box``, ``MultiDiscrete``, ``Dict``, ``Tuple``.
+
+A space describes values, it holds no state: its bounds are static NumPy values, and
+``sample(key)`` / ``contains(x)`` are traceable, so both work under ``jit`` and ``vmap``.
+``clip(x)`` maps any value of the right shape into the space; environments call it on
+actions, which is how out-of-range actions behave (see ``Environment.step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Space:
+    """Base class. ``shape`` and ``dtype`` describe one value (``None`` for composite spaces)."""
+
+    shape: tuple[int, ...] | None = None
+    dtype: Any = None
+
+    def sample(self, key: jax.Array) -> Any:
+        raise NotImplementedError
+
+    def contains(self, x: Any) -> jax.Array:
+        """A scalar bool array: ``x`` has this space's shape and lies inside it."""
+        raise NotImplementedError
+
+    def clip(self, x: Any) -> Any:
+        """``x`` moved into the space (nearest valid value)."""
+        raise NotImplementedError
+
+
+class Discrete(Space):
+    """Integers ``0 .. n - 1`` (``start`` shifts the range), scalar ``int32``."""
+
+    def __init__(self, n: int, start: int = 0, dtype=jnp.int32):
+        if int(n) < 1:
+            raise ValueError(f"Discrete: n must be >= 1, got {n}")
+        self.n, self.start = int(n), int(start)
+        self.shape, self.dtype = (), jnp.dtype(dtype)
+
+    def sample(self, key):
+        return jax.random.randint(key, (), self.start, self.start + self.n, dtype=self.dtype)
+
+    def contains(self, x):
+        x = jnp.asarray(x)
+        if x.shape != () or not jnp.issubdtype(x.dtype, jnp.integer):
+            return jnp.asarray(False)
+        return (x >= self.start) & (x < self.start + self.n)
+
+    def clip(self, x):
+        return jnp.clip(jnp.asarray(x).astype(self.dtype), self.start, self.start + self.n - 1)
+
+    def __repr__(self):
+        return f"Discrete({self.n})" if self.start == 0 else f"Discrete({self.n}, start={self.start})"
+
+
+class MultiDiscrete(Space):
+    """An integer array whose entry ``i`` lies in ``0 .. nvec[i] - 1``."""
+
+    def __init__(self, nvec: Sequence[int] | np.ndarray, dtype=jnp.int32):
+        self.nvec = np.asarray(nvec, dtype=np.int64)
+        if self.nvec.size == 0 or (self.nvec < 1).any():
+            raise ValueError(f"MultiDiscrete: nvec must be non-empty with entries >= 1, got {nvec}")
+        self.shape, self.dtype = self.nvec.shape, jnp.dtype(dtype)
+
+    def sample(self, key):
+        return jax.random.randint(key, self.shape, 0, jnp.asarray(self.nvec, self.dtype), dtype=self.dtype)
+
+    def contains(self, x):
+        x = jnp.asarray(x)
+        if x.shape != self.shape or not jnp.issubdtype(x.dtype, jnp.integer):
+            return jnp.asarray(False)
+        return jnp.all((x >= 0) & (x < self.nvec))
+
+    def clip(self, x):
+        return jnp.clip(jnp.asarray(x).astype(self.dtype), 0, jnp.asarray(self.nvec - 1, self.dtype))
+
+    def __repr__(self):
+        return f"MultiDiscrete({self.nvec.tolist()})"
+
+
+class Box(Space):
+    """Real arrays inside ``[low, high]`` (bounds broadcast to ``shape``; may be infinite)."""
+
+    def __init__(self, low, high, shape: Sequence[int] | None = None, dtype=jnp.float32):
+        self.dtype = jnp.dtype(dtype)
+        shape = tuple(shape) if shape is not None else np.broadcast_shapes(np.shape(low), np.shape(high))
+        self.shape = shape
+        self.low = np.broadcast_to(np.asarray(low, dtype=np.float64), shape)
+        self.high = np.broadcast_to(np.asarray(high, dtype=np.float64), shape)
+        if (self.low > self.high).any():
+            raise ValueError(f"Box: low must be <= high everywhere, got low={low}, high={high}")
+
+    @property
+    def bounded(self) -> bool:
+        return bool(np.isfinite(self.low).all() and np.isfinite(self.high).all())
+
+    def sample(self, key):
+        if jnp.issubdtype(self.dtype, jnp.integer):
+            return jax.random.randint(key, self.shape, self.low, self.high + 1, dtype=self.dtype)
+        # Gymnasium's convention: uniform where bounded, a standard normal clipped to the
+        # bounds where a side is infinite.
+        uniform = jax.random.uniform(
+            key, self.shape, self.dtype, np.where(np.isfinite(self.low), self.low, 0.0),
+            np.where(np.isfinite(self.high), self.high, 1.0),
+        )
+        normal = jnp.clip(jax.random.normal(key, self.shape, self.dtype), self.low, self.high)
+        finite = np.isfinite(self.low) & np.isfinite(self.high)
+        return jnp.where(finite, uniform, normal).astype(self.dtype)
+
+    def contains(self, x):
+        x = jnp.asarray(x)
+        if x.shape != self.shape:
+            return jnp.asarray(False)
+        return jnp.all((x >= self.low) & (x <= self.high))  # NaN compares False: not contained
+
+    def clip(self, x):
+        """Clips to the bounds; NaN entries become the midpoint of their bounds (0 if
+        unbounded) so a NaN action is a neutral action, never NaN dynamics."""
+        x = jnp.asarray(x, self.dtype)
+        middle = np.where(np.isfinite(self.low + self.high), (self.low + self.high) / 2, 0.0)
+        x = jnp.where(jnp.isnan(x), middle.astype(self.dtype), x)
+        return jnp.clip(x, self.low.astype(self.dtype), self.high.astype(self.dtype))
+
+    def __repr__(self):
+        low, high = np.unique(self.low), np.unique(self.high)
+        show = lambda v: v[0] if v.size == 1 else "..."  # noqa: E731
+        return f"Box({show(low)}, {show(high)}, {self.shape}, {self.dtype})"
+
+
+class Dict(Space):
+    """A dict of named spaces; values are dicts with the same keys."""
+
+    def __init__(self, spaces: Mapping[str, Space]):
+        self.spaces = dict(spaces)
+
+    def sample(self, key):
+        keys = jax.random.split(key, len(self.spaces))
+        return {name: space.sample(k) for (name, space), k in zip(self.spaces.items(), keys)}
+
+    def contains(self, x):
+        if not isinstance(x, Mapping) or set(x) != set(self.spaces):
+            return jnp.asarray(False)
+        return jnp.all(jnp.stack([space.contains(x[name]) for name, space in self.spaces.items()]))
+
+    def clip(self, x):
+        return {name: space.clip(x[name]) for name, space in self.spaces.items()}
+
+    def __getitem__(self, name: str) -> Space:
+        return self.spaces[name]
+
+    def __repr__(self):
+        return f"Dict({self.spaces})"
+
+
+class Tuple(Space):
+    """A tuple of spaces; values are tuples of the same length."""
+
+    def __init__(self, spaces: Sequence[Space]):
+        self.spaces = tuple(spaces)
+
+    def sample(self, key):
+        keys = jax.random.split(key, len(self.spaces))
+        return tuple(space.sample(k) for space, k in zip(self.spaces, keys))
+
+    def contains(self, x):
+        if not isinstance(x, (tuple, list)) or len(x) != len(self.spaces):
+            return jnp.asarray(False)
+        return jnp.all(jnp.stack([space.contains(v) for space, v in zip(self.spaces, x)]))
+
+    def clip(self, x):
+        return tuple(space.clip(v) for space, v in zip(self.spaces, x))
+
+    def __getitem__(self, index: int) -> Space:
+        return self.spaces[index]
+
+    def __repr__(self):
+        return f"Tuple({self.spaces})"
+
+
+__all__ = ["Space", "Discrete", "MultiDiscrete", "Box", "Dict", "Tuple"]

@@ -1,0 +1,55 @@
+"""``Wrapper``: an ``Environment`` around another one that forwards what it does not change.
+
+A wrapper overrides ``reset_from_noise`` / ``step_from_noise`` (the full contract,
+auto-reset included); ``reset`` / ``step`` of the base class then draw the right number of
+random words for the whole stack.
+"""
+
+from __future__ import annotations
+
+from ember.envs.environment import Environment
+
+
+class Wrapper(Environment):
+    def __init__(self, env: Environment):
+        if not isinstance(env, Environment):
+            raise ValueError(f"{type(self).__name__}: env must be an ember Environment, got {type(env).__name__}")
+        self.env = env
+
+    @property
+    def default_params(self):
+        return self.env.default_params
+
+    @property
+    def reset_noise_shape(self):
+        return self.env.reset_noise_shape
+
+    @property
+    def step_noise_shape(self):
+        return self.env.step_noise_shape
+
+    def reset_from_noise(self, noise, params):
+        return self.env.reset_from_noise(noise, params)
+
+    def step_from_noise(self, noise, state, action, params):
+        return self.env.step_from_noise(noise, state, action, params)
+
+    def observation_space(self, params):
+        return self.env.observation_space(params)
+
+    def action_space(self, params):
+        return self.env.action_space(params)
+
+    def render(self, state, params):
+        return self.env.render(getattr(state, "env_state", state), params)
+
+    @property
+    def name(self) -> str:
+        return self.env.name
+
+    @property
+    def unwrapped(self) -> Environment:
+        return getattr(self.env, "unwrapped", self.env)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.env!r})"

@@ -1,0 +1,63 @@
+"""``LogWrapper``: episode statistics in ``info``, usable under ``vmap`` and ``scan``.
+
+Adds to ``info`` after every step (scalars per environment):
+  * ``"returned_episode"`` (bool): this step ended an episode (terminated or truncated) --
+    the done mask to average the two statistics below with;
+  * ``"returned_episode_returns"`` (float): undiscounted return of the most recently
+    finished episode (held until the next one finishes; 0 before the first);
+  * ``"returned_episode_lengths"`` (int32): its length in steps;
+  * ``"timestep"`` (int32): steps taken since ``reset``, across episodes.
+
+Mean return of the episodes that ended in a rollout:
+``(info["returned_episode_returns"] * info["returned_episode"]).sum() / info["returned_episode"].sum()``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ember.envs.environment import EnvState
+from ember.envs.wrappers.base import Wrapper
+
+
+@struct.dataclass
+class LogEnvState:
+    env_state: EnvState
+    episode_returns: jax.Array
+    episode_lengths: jax.Array
+    returned_episode_returns: jax.Array
+    returned_episode_lengths: jax.Array
+    timestep: jax.Array
+
+
+class LogWrapper(Wrapper):
+    def reset_from_noise(self, noise, params):
+        obs, env_state = self.env.reset_from_noise(noise, params)
+        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        return obs, LogEnvState(env_state, zero_f, zero_i, zero_f, zero_i, zero_i)
+
+    def step_from_noise(self, noise, state, action, params):
+        obs, env_state, reward, terminated, truncated, info = self.env.step_from_noise(
+            noise, state.env_state, action, params
+        )
+        done = terminated | truncated
+        episode_return = state.episode_returns + reward.astype(jnp.float32)
+        episode_length = state.episode_lengths + 1
+        state = LogEnvState(
+            env_state=env_state,
+            episode_returns=jnp.where(done, 0.0, episode_return),
+            episode_lengths=jnp.where(done, 0, episode_length),
+            returned_episode_returns=jnp.where(done, episode_return, state.returned_episode_returns),
+            returned_episode_lengths=jnp.where(done, episode_length, state.returned_episode_lengths),
+            timestep=state.timestep + 1,
+        )
+        info = {
+            **info,
+            "returned_episode": done,
+            "returned_episode_returns": state.returned_episode_returns,
+            "returned_episode_lengths": state.returned_episode_lengths,
+            "timestep": state.timestep,
+        }
+        return obs, state, reward, terminated, truncated, info

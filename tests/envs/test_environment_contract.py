@@ -1,0 +1,123 @@
+"""The step contract of DESIGN.md section 5: auto-reset, final_observation, terminated vs
+truncated, no step lost or duplicated, batched randomness, LogWrapper statistics."""
+
+import gymnasium
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ember.envs
+from ember.envs import noise as noise_lib
+from tests.tolerances import assert_allclose
+
+
+def rollout(env, params, key, actions):
+    """Scans ``env.step`` over ``actions`` [T, ...]; returns (first obs, per-step outputs)."""
+    reset_key, key = jax.random.split(key)
+    obs, state = env.reset(reset_key, params)
+
+    def body(carry, inputs):
+        state = carry
+        step_key, action = inputs
+        obs, state, reward, terminated, truncated, info = env.step(step_key, state, action, params)
+        return state, (obs, reward, terminated, truncated, info, state.time)
+
+    _, outputs = jax.lax.scan(body, state, (jax.random.split(key, len(actions)), actions))
+    return obs, outputs
+
+
+def assert_same(actual, expected):
+    if jnp.issubdtype(jnp.asarray(actual).dtype, jnp.floating):
+        assert_allclose(actual, expected)
+    else:
+        np.testing.assert_array_equal(actual, expected)
+
+
+def gym_cartpole_step(obs, action):
+    env = gymnasium.make("CartPole-v1").unwrapped
+    env.reset(seed=0)
+    env.state = np.asarray(obs, np.float64)
+    env.step(int(action))
+    return env.state
+
+
+def test_auto_reset_loses_and_duplicates_no_step(rng):
+    env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=9)
+    actions = jax.random.randint(rng, (40,), 0, 2)
+    first_obs, (obs, reward, terminated, truncated, info, time) = jax.jit(rollout, static_argnums=0)(
+        env, params, rng, actions
+    )
+    previous = np.asarray(first_obs)
+    for t in range(len(actions)):
+        # Every transition starts from the observation returned by the previous step.
+        assert_allclose(info["final_observation"][t], gym_cartpole_step(previous, actions[t]), err_msg=f"step {t}")
+        done = bool(terminated[t] | truncated[t])
+        if done:
+            assert int(time[t]) == 0
+            assert np.all(np.abs(obs[t]) <= 0.05), "a reset state is drawn from [-0.05, 0.05]"
+            assert not np.allclose(obs[t], info["final_observation"][t])
+        else:
+            assert_allclose(obs[t], info["final_observation"][t])
+            assert int(time[t]) == int(time[t - 1]) + 1 if t else int(time[t]) == 1
+        previous = np.asarray(obs[t])
+    assert int((terminated | truncated).sum()) >= 3, "the rollout must cross several resets"
+
+
+def test_truncated_exactly_at_time_limit_and_terminated_when_pole_falls(rng):
+    env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=5)
+    _, (_, _, terminated, truncated, _, time) = rollout(env, params, rng, jnp.tile(jnp.array([0, 1]), 6))
+    # Alternating pushes keep the pole up: every 5th step is a truncation, never a termination.
+    np.testing.assert_array_equal(np.asarray(truncated), (np.arange(12) + 1) % 5 == 0)
+    assert not bool(terminated.any())
+    np.testing.assert_array_equal(np.asarray(time), (np.arange(12) + 1) % 5)
+
+    env, params = ember.envs.make("CartPole-v1")
+    _, (_, reward, terminated, truncated, info, _) = rollout(env, params, rng, jnp.ones(40, jnp.int32))
+    first = int(np.argmax(np.asarray(terminated)))
+    assert 5 < first < 20, "always pushing right topples the pole within ~10 steps"
+    final = np.asarray(info["final_observation"][first])
+    assert abs(final[2]) > params.theta_threshold_radians or abs(final[0]) > params.x_threshold
+    assert not bool(truncated.any())
+    assert_allclose(reward, np.ones(40))
+
+
+def test_batched_env_draws_one_batch_of_words_and_matches_single_envs(rng):
+    env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=4)
+    batched = ember.envs.BatchedEnv(env, num_envs=16)
+    assert batched.step_noise_shape == (16, 4)
+    obs, state = batched.reset(rng, params)
+    words = noise_lib.draw(rng, (16, 4))
+    for i in (0, 7, 15):
+        single_obs, _ = env.reset_from_noise(words[i], params)
+        assert_allclose(obs[i], single_obs)
+    actions = jax.random.randint(rng, (16,), 0, 2)
+    state = state.replace(time=jnp.arange(16) % 4)  # some sub-environments truncate now
+    step_words = noise_lib.draw(jax.random.fold_in(rng, 1), (16, 4))
+    batch_out = batched.step_from_noise(step_words, state, actions, params)
+    for i in (0, 3, 9):
+        single = env.step_from_noise(step_words[i], jax.tree.map(lambda x: x[i], state), actions[i], params)
+        jax.tree.map(lambda b, s: assert_same(b[i], s), batch_out, single)
+    assert int(batch_out[4].sum()) == 4  # time 3 -> 4 == limit for envs 3, 7, 11, 15
+
+
+def test_log_wrapper_statistics_match_hand_count(rng):
+    env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=6)
+    env = ember.envs.BatchedEnv(ember.envs.LogWrapper(env), num_envs=3)
+    obs, state = env.reset(rng, params)
+    lengths = []
+    for t in range(20):
+        actions = jnp.array([t % 2, 1, 0])
+        obs, state, reward, terminated, truncated, info = env.step(jax.random.fold_in(rng, t), state, actions, params)
+        lengths.append((terminated | truncated, info))
+    # Recompute returned lengths by hand: CartPole's reward is 1 per step, so return == length.
+    count = np.zeros(3, int)
+    last = np.zeros(3, int)
+    for done, info in lengths:
+        count += 1
+        last = np.where(done, count, last)
+        count = np.where(done, 0, count)
+        np.testing.assert_array_equal(info["returned_episode_lengths"], last)
+        assert_allclose(info["returned_episode_returns"], last.astype(np.float32))
+        np.testing.assert_array_equal(info["returned_episode"], done)
+    np.testing.assert_array_equal(info["timestep"], [20, 20, 20])
+    assert int(last[0]) == 6, "alternating actions survive to the time limit"
