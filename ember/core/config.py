@@ -18,8 +18,10 @@ and an exact YAML round trip.
     config = load_config(ExperimentConfig, "configs/exp.yaml", ["train.steps=20"])
 
 A YAML file may start with ``base: other.yaml`` (a path relative to the file): the base is
-loaded first (recursively) and the file's keys override it. Later sources override earlier
-ones: schema defaults, then the base chain, then the file, then the overrides.
+loaded first (recursively) and the file's keys override it. A section may do the same for
+itself — ``model: {base: ../models/tiny.yaml, num_layers: 4}`` fills ``model`` from that file
+(whose keys are the section's keys) and then applies ``num_layers``. Later sources override
+earlier ones: schema defaults, then the base chain, then the file, then the overrides.
 """
 
 from __future__ import annotations
@@ -163,8 +165,28 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str,
             raise ConfigError(f"'base:' in {path} must be a path string, got {base!r}", key=BASE_KEY)
         layers.extend(_load_yaml_chain(path.parent / base, (*seen, resolved)))
         layer = OmegaConf.masked_copy(layer, [k for k in layer if k != BASE_KEY])
-    layers.append((str(path), layer))
+    layers.append((str(path), _expand_section_bases(layer, path, (*seen, resolved))))
     return layers
+
+
+def _expand_section_bases(node: DictConfig, path: Path, seen: tuple[Path, ...]) -> DictConfig:
+    """Replaces every nested section holding ``base: FILE`` with FILE's content (itself fully
+    resolved) overridden by the section's other keys. ``path`` is the file ``node`` came from."""
+    for key in list(node.keys()):
+        value = node[key]
+        if not isinstance(value, DictConfig):
+            continue
+        value = _expand_section_bases(value, path, seen)
+        if BASE_KEY in value:
+            base = value[BASE_KEY]
+            if not isinstance(base, str):
+                raise ConfigError(f"'base:' of section '{key}' in {path} must be a path string, got {base!r}", key=f"{key}.base")
+            merged = OmegaConf.create({})
+            for _, layer in _load_yaml_chain(path.parent / base, seen):
+                merged = OmegaConf.merge(merged, layer)
+            value = OmegaConf.merge(merged, OmegaConf.masked_copy(value, [k for k in value if k != BASE_KEY]))
+        node[key] = value
+    return node
 
 
 def _as_dictconfig(data: dict, origin: str) -> DictConfig:

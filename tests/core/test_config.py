@@ -120,6 +120,19 @@ def test_base_file_inheritance_chain(tmp_path):
     assert (config.run_dir, config.seed, config.train.steps, config.train.batch_size) == ("runs/root", 2, 30, 4)
 
 
+def test_a_section_can_extend_its_own_base_file(tmp_path):
+    (tmp_path / "optim").mkdir()
+    write(tmp_path / "optim" / "base.yaml", "name: lion\nlr: 0.5\nbetas: [0.1, 0.2]\n")
+    write(tmp_path / "optim" / "fast.yaml", "base: base.yaml\nlr: 2.0\n")
+    experiment = write(tmp_path / "exp.yaml", "seed: 4\noptim:\n  base: optim/fast.yaml\n  betas: [0.3]\n")
+    config = load_config(ExperimentConfig, experiment, ["optim.name=sgd"])
+    assert config.optim == OptimConfig(name="sgd", lr=2.0, betas=(0.3,))
+    assert config.seed == 4
+    write(tmp_path / "typo.yaml", "optim:\n  base: optim/base.yaml\n  lrr: 1.0\n")
+    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'.*Did you mean 'optim.lr'"):
+        load_config(ExperimentConfig, tmp_path / "typo.yaml")
+
+
 def test_base_file_errors(tmp_path):
     a = write(tmp_path / "a.yaml", "base: b.yaml\n")
     write(tmp_path / "b.yaml", "base: a.yaml\n")
