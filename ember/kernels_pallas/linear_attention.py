@@ -33,6 +33,9 @@ import jax.numpy as jnp
 from ember.kernels_pallas import linear_attention_chunks as chunks
 from ember.kernels_pallas.dispatch import resolve_impl
 
+KERNEL_BACKENDS = ("gpu",)
+"""Backends with a compiled Pallas kernel (the Triton lowering); elsewhere "auto" is "xla"."""
+
 NORMALIZER_EPS = 1e-6
 """Added to the normaliser ``q_t z_t`` (``normalize=True``) so a zero key sum gives 0, not NaN."""
 
@@ -350,7 +353,7 @@ def linear_attention(
     """
     _validate("linear_attention", q, k, v, log_decay, initial_state, segment_ids, normalize)
     ChunkSize(chunk_size)
-    impl = resolve_impl(impl, op="linear_attention", kernel_backends=("gpu",))
+    impl = resolve_impl(impl, op="linear_attention", kernel_backends=KERNEL_BACKENDS)
     batch, seq, heads, _ = v.shape
     values = _with_key_sum_column(v) if normalize else v
     log_decay = _zero_log_decay(v) if log_decay is None else log_decay.astype(jnp.float32)
