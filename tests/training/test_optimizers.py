@@ -1,0 +1,64 @@
+"""ember.training.optimizers: schedules, decay masks and each optimizer against optax's own."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from ember.core.config import load_config
+from ember.core.errors import ConfigError
+from ember.training.optimizers import OptimConfig, ScheduleConfig, decay_mask, make_optimizer, make_schedule
+from tests.tolerances import assert_allclose
+
+
+def test_warmup_then_cosine_and_linear_by_hand():
+    cosine = make_schedule(OptimConfig(lr=1.0, schedule=ScheduleConfig("cosine", warmup_steps=10, min_lr_ratio=0.1)), 110)
+    assert float(cosine(0)) == 0.0 and float(cosine(5)) == pytest.approx(0.5)
+    assert float(cosine(10)) == pytest.approx(1.0)
+    assert float(cosine(60)) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-5)  # half-way down the cosine
+    assert float(cosine(110)) == pytest.approx(0.1)
+    linear = make_schedule(OptimConfig(lr=2.0, schedule=ScheduleConfig("linear", warmup_steps=0, min_lr_ratio=0.0)), 100)
+    assert float(linear(25)) == pytest.approx(1.5)
+    constant = make_schedule(OptimConfig(lr=0.3, schedule=ScheduleConfig("constant", warmup_steps=4)), 50)
+    assert float(constant(2)) == pytest.approx(0.15) and float(constant(40)) == pytest.approx(0.3)
+
+
+def test_decay_mask_skips_biases_and_norm_scales_even_when_stacked():
+    params = {"layers": {"attn": {"kernel": jnp.ones((2, 4, 4)), "bias": jnp.ones((2, 4))},
+                         "pre_norm": {"scale": jnp.ones((2, 4))}},
+              "embed": {"embedding": jnp.ones((8, 4))}}
+    mask = decay_mask(params)
+    assert mask == {"layers": {"attn": {"kernel": True, "bias": False}, "pre_norm": {"scale": False}},
+                    "embed": {"embedding": True}}
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "adafactor", "sgd"])
+def test_each_optimizer_matches_optax_directly(name, rng):
+    config = OptimConfig(name=name, lr=1e-2, weight_decay=0.1, clip_norm=0.5,
+                         schedule=ScheduleConfig("constant"))
+    k1, k2, k3 = jax.random.split(rng, 3)
+    params = {"dense": {"kernel": jax.random.normal(k1, (4, 3)), "bias": jax.random.normal(k2, (3,))}}
+    grads = jax.tree.map(lambda p: 3.0 * jax.random.normal(k3, p.shape), params)
+    ours = make_optimizer(config, total_steps=10)
+    mask = {"dense": {"kernel": True, "bias": False}}
+    inner = {
+        "adamw": optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask),
+        "lion": optax.lion(1e-2, b1=0.9, b2=0.95, weight_decay=0.1, mask=mask),
+        "adafactor": optax.adafactor(1e-2, weight_decay_rate=0.1, weight_decay_mask=mask),
+        "sgd": optax.chain(optax.add_decayed_weights(0.1, mask=mask), optax.sgd(1e-2, momentum=0.9)),
+    }[name]
+    reference = optax.chain(optax.clip_by_global_norm(0.5), inner)
+    state_ours, state_ref = ours.init(params), reference.init(params)
+    for _ in range(3):
+        update_ours, state_ours = ours.update(grads, state_ours, params)
+        update_ref, state_ref = reference.update(grads, state_ref, params)
+        jax.tree.map(assert_allclose, update_ours, update_ref)
+        params = optax.apply_updates(params, update_ours)
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="optim.name must be one of adamw, lion, adafactor, sgd, got 'adam'"):
+        OptimConfig(name="adam")
+    with pytest.raises(ConfigError) as info:
+        load_config(OptimConfig, None, ["schedule.kind=step"])
+    assert info.value.key == "optim.schedule.kind"
