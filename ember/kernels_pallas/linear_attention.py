@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from ember.kernels_pallas import linear_attention_chunks as chunks
 from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.linear_attention_pallas import chunked_linear_attention_pallas
 
 KERNEL_BACKENDS = ("gpu",)
 """Backends with a compiled Pallas kernel (the Triton lowering); elsewhere "auto" is "xla"."""
@@ -266,17 +267,6 @@ def linear_attention_quadratic(
 # ----------------------------------------------------------------------------- chunked (XLA)
 
 
-def split_into_chunks(x: jax.Array, chunk_size: int, *, pad_value=0) -> jax.Array:
-    """``[batch, seq, ...] -> [batch, chunks, chunk_size, ...]``, padding ``seq`` at the end
-    up to a multiple of ``chunk_size`` with ``pad_value`` (``"edge"`` repeats the last row)."""
-    batch, seq = x.shape[:2]
-    padding = -seq % chunk_size
-    if padding:
-        widths = [(0, 0), (0, padding)] + [(0, 0)] * (x.ndim - 2)
-        x = jnp.pad(x, widths, mode="edge") if pad_value == "edge" else jnp.pad(x, widths, constant_values=pad_value)
-    return x.reshape(batch, -1, chunk_size, *x.shape[2:])
-
-
 def _chunked_xla(q, k, v, log_decay, doc, initial_state, chunk_size):
     """The chunked algorithm in einsums over all chunks at once, with a ``lax.scan`` over
     chunks for the ``[dk, dv]`` states only. Inputs as in :func:`linear_attention` (``v``
@@ -286,13 +276,13 @@ def _chunked_xla(q, k, v, log_decay, doc, initial_state, chunk_size):
     seq, heads = v.shape[1], v.shape[2]
 
     def by_chunk(x, pad_value=0):  # [batch, seq, heads, ...] -> [batch, heads, chunks, chunk, ...]
-        return jnp.moveaxis(split_into_chunks(x, chunk_size, pad_value=pad_value), 3, 1)
+        return jnp.moveaxis(chunks.split_into_chunks(x, chunk_size, pad_value=pad_value), 3, 1)
 
     q_c = by_chunk(_expand_heads(q, heads, 2))
     k_c = by_chunk(_expand_heads(k, heads, 2))
     v_c = by_chunk(v)
     cum_log_decay = jnp.cumsum(by_chunk(log_decay), axis=-1)
-    doc_c = split_into_chunks(doc, chunk_size, pad_value="edge")[:, None]  # [batch, 1, chunks, chunk]
+    doc_c = chunks.split_into_chunks(doc, chunk_size, pad_value="edge")[:, None]  # [batch, 1, chunks, chunk]
     doc_before = jnp.concatenate([jnp.zeros_like(doc_c[:, :, :1, 0]), doc_c[:, :, :-1, -1]], axis=2)
 
     outputs, chunk_states = chunks.chunk_outputs_and_state(q_c, k_c, v_c, cum_log_decay, doc_c, doc_before, None)
@@ -363,8 +353,6 @@ def linear_attention(
     if impl == "xla":
         outputs, final_state = _chunked_xla(q, k, values, log_decay, doc, state, chunk_size)
     else:
-        from ember.kernels_pallas.linear_attention_pallas import chunked_linear_attention_pallas
-
         outputs, final_state = chunked_linear_attention_pallas(
             q, k, values, log_decay, doc, state, chunk_size=chunk_size, interpret=impl == "interpret"
         )

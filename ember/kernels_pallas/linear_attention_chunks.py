@@ -22,6 +22,17 @@ import jax
 import jax.numpy as jnp
 
 
+def split_into_chunks(x: jax.Array, chunk_size: int, *, pad_value=0) -> jax.Array:
+    """``[batch, seq, ...] -> [batch, chunks, chunk_size, ...]``, padding ``seq`` at the end
+    up to a multiple of ``chunk_size`` with ``pad_value`` (``"edge"`` repeats the last row)."""
+    batch, seq = x.shape[:2]
+    padding = -seq % chunk_size
+    if padding:
+        widths = [(0, 0), (0, padding)] + [(0, 0)] * (x.ndim - 2)
+        x = jnp.pad(x, widths, mode="edge") if pad_value == "edge" else jnp.pad(x, widths, constant_values=pad_value)
+    return x.reshape(batch, -1, chunk_size, *x.shape[2:])
+
+
 def intra_chunk_weights(cum_log_decay: jax.Array, doc: jax.Array) -> jax.Array:
     """Decay weights ``w[..., t, s]`` of key ``s`` at query ``t``, zero unless ``s <= t`` and both
     are in the same document. ``cum_log_decay``, ``doc``: ``[..., L]``; result ``[..., L, L]``

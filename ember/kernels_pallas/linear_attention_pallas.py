@@ -1,0 +1,221 @@
+"""Pallas kernels for chunked linear attention: forward and a hand-written backward.
+
+One program per (batch, head) walks that head's chunks in order, carrying the ``[dk, dv]``
+state; the chunk math is ``linear_attention_chunks.py``, shared with the XLA path. The
+forward also writes the state entering every chunk (``[batch, heads, chunks + 1, dk, dv]``,
+the last being the final state); the backward walks the chunks in reverse carrying the
+state's gradient and reads those states instead of recomputing them, as
+flash-linear-attention does.
+
+Decay gradients use the identity (per chunk, ``b`` the cumulative log decay from the chunk
+start): every term with ``q_t`` carries ``exp(b_t)``, every term with ``k_s`` carries
+``exp(-b_s)``, and the leaving state carries ``exp(b_last)``, so
+``d b_t = q_t . dq_t - k_t . dk_t + [t = last] <dS_out, S_out>``. ``d log_decay`` then follows
+by differentiating the chunk-local cumulative sum outside the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ember.kernels_pallas import linear_attention_chunks as chunks
+
+
+def _load_chunk(ref, index, chunk_size):
+    """Rows ``[index * chunk_size, (index + 1) * chunk_size)`` of a ``[seq, ...]`` ref."""
+    rows = pl.ds(index * chunk_size, chunk_size)
+    return ref[rows] if len(ref.shape) == 1 else ref[rows, :]
+
+
+def _doc_before(doc_ref, index, chunk_size):
+    """Document index of the position before chunk ``index`` (0 before the sequence)."""
+    previous = doc_ref[jnp.maximum(index * chunk_size - 1, 0)]
+    return jnp.where(index == 0, 0, previous)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, cum_ref, doc_ref, state_ref, out_ref, states_ref, *, chunk_size, n_chunks):
+    """One (batch, head). Refs: q/k ``[seq, dk]``, v ``[seq, dv]``, cum/doc ``[seq]``, state
+    ``[dk, dv]``; outputs ``[seq, dv]`` float32 and states ``[n_chunks + 1, dk, dv]``."""
+
+    def chunk_step(index, state):
+        states_ref[index] = state
+        outputs, state = chunks.chunk_outputs_and_state(
+            _load_chunk(q_ref, index, chunk_size),
+            _load_chunk(k_ref, index, chunk_size),
+            _load_chunk(v_ref, index, chunk_size),
+            _load_chunk(cum_ref, index, chunk_size),
+            _load_chunk(doc_ref, index, chunk_size),
+            _doc_before(doc_ref, index, chunk_size),
+            state,
+        )
+        out_ref[pl.ds(index * chunk_size, chunk_size), :] = outputs
+        return state
+
+    states_ref[n_chunks] = jax.lax.fori_loop(0, n_chunks, chunk_step, state_ref[...])
+
+
+def _backward_kernel(
+    q_ref, k_ref, v_ref, cum_ref, doc_ref, states_ref, dout_ref, dfinal_ref,
+    dq_ref, dk_ref, dv_ref, dcum_ref, dstate_ref, *, chunk_size, n_chunks,
+):
+    """One (batch, head), chunks in reverse. Extra refs: dout ``[seq, dv]``, dfinal
+    ``[dk, dv]``; gradients dq/dk ``[seq, dk]`` (per value head), dv ``[seq, dv]``, dcum
+    ``[seq]``, dstate ``[dk, dv]`` (of the initial state); all float32."""
+    f32 = jnp.float32
+
+    def matmul(spec, a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=f32)
+
+    def chunk_step(step, dstate_out):
+        index = n_chunks - 1 - step
+        q = _load_chunk(q_ref, index, chunk_size).astype(f32)
+        k = _load_chunk(k_ref, index, chunk_size).astype(f32)
+        v = _load_chunk(v_ref, index, chunk_size).astype(f32)
+        dout = _load_chunk(dout_ref, index, chunk_size).astype(f32)
+        cum = _load_chunk(cum_ref, index, chunk_size)
+        doc = _load_chunk(doc_ref, index, chunk_size)
+        doc_before = _doc_before(doc_ref, index, chunk_size)
+        state_in, state_out = states_ref[index], states_ref[index + 1]
+
+        weights = chunks.intra_chunk_weights(cum, doc)
+        entering = chunks.entering_state_weights(cum, doc, doc_before)
+        key_weights, carry = chunks.leaving_state_weights(cum, doc, doc_before)
+        scores = matmul("td,sd->ts", q, k) * weights
+        dscores = matmul("tv,sv->ts", dout, v) * weights
+
+        dq = matmul("ts,sd->td", dscores, k) + entering[:, None] * matmul("tv,dv->td", dout, state_in)
+        dk = matmul("ts,td->sd", dscores, q) + key_weights[:, None] * matmul("sv,dv->sd", v, dstate_out)
+        dv = matmul("ts,tv->sv", scores, dout) + key_weights[:, None] * matmul("sd,dv->sv", k, dstate_out)
+        is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
+        dcum = (
+            jnp.sum(q * dq, axis=1)
+            - jnp.sum(k * dk, axis=1)
+            + jnp.where(is_last, jnp.sum(dstate_out * state_out), 0.0)
+        )
+        rows = pl.ds(index * chunk_size, chunk_size)
+        dq_ref[rows, :] = dq
+        dk_ref[rows, :] = dk
+        dv_ref[rows, :] = dv
+        dcum_ref[rows] = dcum
+        return carry * dstate_out + matmul("td,tv->dv", q * entering[:, None], dout)
+
+    dstate_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk_step, dfinal_ref[...])
+
+
+def _specs(q_shape, v_shape, n_chunks):
+    """BlockSpecs over the grid (batch, head): whole sequences of one head per program."""
+    _, seq, qk_heads, dk = q_shape
+    heads, dv = v_shape[2], v_shape[3]
+    group = heads // qk_heads
+    return {
+        "qk": pl.BlockSpec((None, seq, None, dk), lambda b, h: (b, 0, h // group, 0)),
+        "qk_per_head": pl.BlockSpec((None, seq, None, dk), lambda b, h: (b, 0, h, 0)),
+        "v": pl.BlockSpec((None, seq, None, dv), lambda b, h: (b, 0, h, 0)),
+        "per_head_scalar": pl.BlockSpec((None, seq, None), lambda b, h: (b, 0, h)),
+        "doc": pl.BlockSpec((None, seq), lambda b, h: (b, 0)),
+        "state": pl.BlockSpec((None, None, dk, dv), lambda b, h: (b, h, 0, 0)),
+        "states": pl.BlockSpec((None, None, n_chunks + 1, dk, dv), lambda b, h: (b, h, 0, 0, 0)),
+    }
+
+
+def _forward(q, k, v, cum, doc, state, chunk_size, interpret):
+    batch, seq, heads, dv = v.shape
+    dk = q.shape[-1]
+    n_chunks = seq // chunk_size
+    specs = _specs(q.shape, v.shape, n_chunks)
+    outputs, states = pl.pallas_call(
+        functools.partial(_forward_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
+        grid=(batch, heads),
+        in_specs=[specs["qk"], specs["qk"], specs["v"], specs["per_head_scalar"], specs["doc"], specs["state"]],
+        out_specs=[specs["v"], specs["states"]],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, seq, heads, dv), jnp.float32),
+            jax.ShapeDtypeStruct((batch, heads, n_chunks + 1, dk, dv), jnp.float32),
+        ],
+        interpret=interpret,
+        name="linear_attention_forward",
+    )(q, k, v, cum, doc, state)
+    return outputs, states
+
+
+def _backward(q, k, v, cum, doc, states, dout, dfinal, chunk_size, interpret):
+    batch, seq, heads, dv = v.shape
+    qk_heads, dk = q.shape[2], q.shape[3]
+    n_chunks = seq // chunk_size
+    specs = _specs(q.shape, v.shape, n_chunks)
+    f32 = jnp.float32
+    dq, dk_, dv_, dcum, dstate = pl.pallas_call(
+        functools.partial(_backward_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
+        grid=(batch, heads),
+        in_specs=[
+            specs["qk"], specs["qk"], specs["v"], specs["per_head_scalar"], specs["doc"], specs["states"],
+            specs["v"], specs["state"],
+        ],
+        out_specs=[specs["qk_per_head"], specs["qk_per_head"], specs["v"], specs["per_head_scalar"], specs["state"]],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, seq, heads, dk), f32),
+            jax.ShapeDtypeStruct((batch, seq, heads, dk), f32),
+            jax.ShapeDtypeStruct((batch, seq, heads, dv), f32),
+            jax.ShapeDtypeStruct((batch, seq, heads), f32),
+            jax.ShapeDtypeStruct((batch, heads, dk, dv), f32),
+        ],
+        interpret=interpret,
+        name="linear_attention_backward",
+    )(q, k, v, cum, doc, states, dout, dfinal)
+
+    def sum_groups(grad):  # [batch, seq, heads, dk] -> [batch, seq, qk_heads, dk]
+        return grad.reshape(batch, seq, qk_heads, heads // qk_heads, dk).sum(axis=3)
+
+    return sum_groups(dq), sum_groups(dk_), dv_, dcum, dstate
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _chunked(q, k, v, cum, doc, state, chunk_size, interpret):
+    outputs, states = _forward(q, k, v, cum, doc, state, chunk_size, interpret)
+    return outputs, states[:, :, -1]
+
+
+def _chunked_forward(q, k, v, cum, doc, state, chunk_size, interpret):
+    outputs, states = _forward(q, k, v, cum, doc, state, chunk_size, interpret)
+    return (outputs, states[:, :, -1]), (q, k, v, cum, doc, states)
+
+
+def _chunked_backward(chunk_size, interpret, residuals, cotangents):
+    q, k, v, cum, doc, states = residuals
+    dout, dfinal = cotangents
+    dq, dk, dv, dcum, dstate = _backward(q, k, v, cum, doc, states, dout, dfinal, chunk_size, interpret)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dcum, None, dstate
+
+
+_chunked.defvjp(_chunked_forward, _chunked_backward)
+
+
+def chunked_linear_attention_pallas(q, k, v, log_decay, doc, state, *, chunk_size, interpret):
+    """The chunked algorithm as Pallas kernels, differentiable in q, k, v, log_decay, state.
+
+    Args:
+      q, k: ``[batch, seq, qk_heads, dk]``; v: ``[batch, seq, heads, dv]``.
+      log_decay: ``[batch, seq, heads]`` float32; doc: ``[batch, seq]`` int32 document index
+        (``linear_attention.document_index``); state: ``[batch, heads, dk, dv]`` float32.
+      chunk_size: chunk length; the sequence is padded to a multiple of it (zero keys and
+        values, no decay: padding changes neither outputs nor the final state).
+      interpret: run in the Pallas interpreter.
+
+    Returns:
+      ``(outputs [batch, seq, heads, dv] float32, final_state [batch, heads, dk, dv] float32)``.
+    """
+    batch, seq = v.shape[:2]
+
+    def padded(x, pad_value=0):
+        chunked = chunks.split_into_chunks(x, chunk_size, pad_value=pad_value)
+        return chunked.reshape(batch, -1, *chunked.shape[3:])
+
+    cum = jnp.cumsum(chunks.split_into_chunks(log_decay, chunk_size), axis=2).reshape(batch, -1, log_decay.shape[-1])
+    outputs, final_state = _chunked(
+        padded(q), padded(k), padded(v), cum, padded(doc, "edge"), state, chunk_size, interpret
+    )
+    return outputs[:, :seq], final_state
