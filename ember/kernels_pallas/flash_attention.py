@@ -33,8 +33,11 @@ from ember.kernels_pallas.block_mask import (
     combine_masks,
 )
 from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
 
 SCORES: tuple[str, ...] = ("softmax", "sigmoid")
+# The kernels are written for the GPU (Triton) lowering; TPU "auto" uses the XLA path.
+KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,14 +274,12 @@ def flash_attention(
             min(block_sizes.block_q, _largest_pow2_divisor(block_mask.block_q)),
             min(block_sizes.block_kv, _largest_pow2_divisor(block_mask.block_kv)),
         ) if block_sizes == FlashBlockSizes() else block_sizes
-    resolved = resolve_impl(impl, op="flash_attention")
+    resolved = resolve_impl(impl, op="flash_attention", kernel_backends=KERNEL_BACKENDS)
     if resolved == "xla":
         return flash_attention_reference(
             q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
             logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
         )
-    from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
-
     segments = normalize_segment_ids(segment_ids, problem.batch, problem.q_len, problem.kv_len)
     return flash_attention_kernel(
         q, k, v, segments, problem=problem, block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),

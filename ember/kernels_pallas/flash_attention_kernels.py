@@ -1,0 +1,434 @@
+"""Pallas kernels of :func:`ember.kernels_pallas.flash_attention.flash_attention`.
+
+Three kernels tied together by ``custom_vjp``:
+
+- forward: grid ``(batch, heads, q_blocks)``; each program streams the *live* key blocks of
+  its query block (online softmax, or plain sums for sigmoid scores) and saves the
+  log-sum-exp ``[batch, heads, q_len]`` for the backward;
+- dq: grid ``(batch, heads, q_blocks)``, streams the same live key blocks;
+- dk/dv: grid ``(batch, heads, kv_blocks)``, streams the live query blocks of its key block;
+  per-query-head results are summed over each GQA group afterwards.
+
+Which blocks are live is static: it comes from the mask description
+(:func:`ember.kernels_pallas.block_mask.live_block_grid`) and reaches the kernels as small
+int32 tables ``[rows, width]`` whose row is ``[count, index_0, index_1, ...]``. Dead blocks
+are never loaded or multiplied, so cost follows the number of live blocks. Inside a live
+block the mask predicate (causal, window, ..., key padding, segment ids) is evaluated on
+position iotas.
+
+Layout stays ``[batch, seq, heads, head_dim]`` (no transposes): a program sees one head's
+``[block, head_dim]`` tiles. Keys/values for a program are its head's whole
+``[kv_len, head_dim]`` slab, read a tile at a time with dynamic slices, as GPU (Triton)
+kernels do. Sequences are padded to block multiples outside and masked inside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ember.kernels_pallas.attention_math import soft_cap
+from ember.kernels_pallas.block_mask import BlockMask, LiveBlocks, MaskIntersection, live_block_grid
+from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
+
+_NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+_TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Everything static about one call (hashable: a ``custom_vjp`` non-diff argument).
+
+    ``problem`` is the :class:`ember.kernels_pallas.flash_attention.AttentionProblem`.
+    """
+
+    problem: object
+    block_q: int
+    block_kv: int
+    interpret: bool
+
+    @property
+    def padded_q_len(self) -> int:
+        return -(-self.problem.q_len // self.block_q) * self.block_q
+
+    @property
+    def padded_kv_len(self) -> int:
+        return -(-self.problem.kv_len // self.block_kv) * self.block_kv
+
+    @functools.cached_property
+    def live(self) -> LiveBlocks:
+        p = self.problem
+        return LiveBlocks.from_grid(live_block_grid(p.mask, p.q_len, p.kv_len, self.block_q, self.block_kv))
+
+    @functools.cached_property
+    def predicate_masks(self) -> tuple[BlockMask, ...]:
+        mask = self.problem.mask
+        if mask is None:
+            return ()
+        if isinstance(mask, MaskIntersection):
+            return mask.kernel_masks()
+        return (mask,) if mask.in_block_predicate_needed() else ()
+
+
+def _table_width(indices: np.ndarray) -> int:
+    """A power of two (GPU tiles want them) > ``indices.shape[1]``, so the count fits too."""
+    return 1 << indices.shape[1].bit_length()
+
+
+def _count_table(indices: np.ndarray, counts: np.ndarray) -> jax.Array:
+    """``[rows, _table_width]`` int32 rows ``[count, index_0, ..., padding]``."""
+    width = _table_width(indices)
+    table = np.zeros((indices.shape[0], width), dtype=np.int32)
+    table[:, 0] = counts
+    table[:, 1 : 1 + indices.shape[1]] = indices
+    table[:, 1 + indices.shape[1] :] = indices[:, -1:]
+    return jnp.asarray(table)
+
+
+def _visible(config: KernelConfig, q_start, kv_start, q_seg, kv_seg):
+    """Bool ``[block_q, block_kv]``: which pairs of this tile may attend."""
+    shape = (config.block_q, config.block_kv)
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    visible = kv_pos < config.problem.kv_len
+    for mask in config.predicate_masks:
+        visible = visible & mask.visible(q_pos, kv_pos)
+    if q_seg is not None:
+        visible = visible & (q_seg[:, None] == kv_seg[None, :])
+    return visible
+
+
+def _capped_logits(config: KernelConfig, q, k):
+    """Scaled, soft-capped logits ``[block_q, block_kv]`` f32 of a ``q`` and a ``k`` tile."""
+    logits = lax.dot_general(q, k, _NT_DIMS, preferred_element_type=jnp.float32) * config.problem.sm_scale
+    return soft_cap(logits, config.problem.logits_soft_cap)
+
+
+def _score_grad(config: KernelConfig, capped, weights, dp, delta):
+    """d loss / d (scaled logits) for one tile, given the weights ``p`` (masked entries 0)
+    and ``dp = dO @ V.T``."""
+    p = config.problem
+    if p.score == "sigmoid":
+        ds = weights * (1.0 - weights) * dp
+    else:
+        ds = weights * (dp - delta[:, None])
+    if p.logits_soft_cap is not None:
+        ds = ds * (1.0 - jnp.square(capped / p.logits_soft_cap))
+    return ds
+
+
+def _weights(config: KernelConfig, capped, visible, lse):
+    """Attention weights of a tile in the backward pass (masked entries exactly 0)."""
+    if config.problem.score == "sigmoid":
+        return jnp.where(visible, jax.nn.sigmoid(capped + config.problem.sigmoid_bias), 0.0)
+    return jnp.where(visible, jnp.exp(capped - lse[:, None]), 0.0)
+
+
+def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig, count_visits: bool):
+    p = config.problem
+    seg_refs, refs = (refs[:2], refs[2:]) if p.has_segments else ((None, None), refs)
+    o_ref, lse_ref, *visits_ref = refs
+    bq, bk = config.block_q, config.block_kv
+    q_start = pl.program_id(2) * bq
+    q = q_ref[...]
+    q_seg = None if seg_refs[0] is None else seg_refs[0][...]
+
+    def body(t, carry):
+        row_max, row_sum, acc, visits = carry
+        kv_start = pl.multiple_of(table_ref[t + 1] * bk, bk)
+        k = k_ref[pl.ds(kv_start, bk), :]
+        v = v_ref[pl.ds(kv_start, bk), :]
+        kv_seg = None if seg_refs[1] is None else seg_refs[1][pl.ds(kv_start, bk)]
+        visible = _visible(config, q_start, kv_start, q_seg, kv_seg)
+        capped = _capped_logits(config, q, k)
+        if p.score == "sigmoid":
+            weights = jnp.where(visible, jax.nn.sigmoid(capped + p.sigmoid_bias), 0.0)
+        else:
+            masked = jnp.where(visible, capped, -jnp.inf)
+            new_max = jnp.maximum(row_max, jnp.max(masked, axis=1))
+            # Rows with nothing visible yet keep max -inf; shift by 0 so exp() gives 0, not NaN.
+            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+            weights = jnp.exp(masked - shift[:, None])
+            rescale = jnp.exp(row_max - shift)
+            row_sum = rescale * row_sum + jnp.sum(weights, axis=1)
+            acc = acc * rescale[:, None]
+            row_max = new_max
+        acc = acc + jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return row_max, row_sum, acc, visits + 1
+
+    init = (
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+        jnp.zeros((bq, p.head_dim), jnp.float32),
+        jnp.int32(0),
+    )
+    row_max, row_sum, acc, visits = lax.fori_loop(0, table_ref[0], body, init)
+    if p.score == "sigmoid":
+        o_ref[...] = acc.astype(o_ref.dtype)
+        lse_ref[...] = jnp.zeros((bq,), jnp.float32)
+    else:
+        empty = row_sum == 0.0
+        o_ref[...] = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
+        # +inf for rows with no visible key: exp(s - lse) is then 0 in the backward.
+        lse_ref[...] = jnp.where(empty, jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
+    if count_visits:
+        visits_ref[0][...] = jnp.full(visits_ref[0].shape, visits, jnp.int32)
+
+
+def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, config: KernelConfig):
+    p = config.problem
+    seg_refs, refs = (refs[:2], refs[2:]) if p.has_segments else ((None, None), refs)
+    (dq_ref,) = refs
+    bq, bk = config.block_q, config.block_kv
+    q_start = pl.program_id(2) * bq
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_seg = None if seg_refs[0] is None else seg_refs[0][...]
+
+    def body(t, dq):
+        kv_start = pl.multiple_of(table_ref[t + 1] * bk, bk)
+        k = k_ref[pl.ds(kv_start, bk), :]
+        v = v_ref[pl.ds(kv_start, bk), :]
+        kv_seg = None if seg_refs[1] is None else seg_refs[1][pl.ds(kv_start, bk)]
+        visible = _visible(config, q_start, kv_start, q_seg, kv_seg)
+        capped = _capped_logits(config, q, k)
+        weights = _weights(config, capped, visible, lse)
+        dp = lax.dot_general(do, v, _NT_DIMS, preferred_element_type=jnp.float32)
+        ds = _score_grad(config, capped, weights, dp, delta)
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    dq = lax.fori_loop(0, table_ref[0], body, jnp.zeros((bq, p.head_dim), jnp.float32))
+    dq_ref[...] = (dq * p.sm_scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, config: KernelConfig):
+    p = config.problem
+    seg_refs, refs = (refs[:2], refs[2:]) if p.has_segments else ((None, None), refs)
+    dk_ref, dv_ref = refs
+    bq, bk = config.block_q, config.block_kv
+    kv_start = pl.program_id(2) * bk
+    k, v = k_ref[...], v_ref[...]
+    kv_seg = None if seg_refs[1] is None else seg_refs[1][...]
+
+    def body(t, carry):
+        dk, dv = carry
+        q_start = pl.multiple_of(table_ref[t + 1] * bq, bq)
+        rows = pl.ds(q_start, bq)
+        q, do, lse, delta = q_ref[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
+        q_seg = None if seg_refs[0] is None else seg_refs[0][rows]
+        visible = _visible(config, q_start, kv_start, q_seg, kv_seg)
+        capped = _capped_logits(config, q, k)
+        weights = _weights(config, capped, visible, lse)
+        dv = dv + lax.dot_general(weights.astype(do.dtype), do, _TN_DIMS, preferred_element_type=jnp.float32)
+        dp = lax.dot_general(do, v, _NT_DIMS, preferred_element_type=jnp.float32)
+        ds = _score_grad(config, capped, weights, dp, delta)
+        dk = dk + lax.dot_general(ds.astype(q.dtype), q, _TN_DIMS, preferred_element_type=jnp.float32)
+        return dk, dv
+
+    zeros = jnp.zeros((bk, p.head_dim), jnp.float32)
+    dk, dv = lax.fori_loop(0, table_ref[0], body, (zeros, zeros))
+    dk_ref[...] = (dk * p.sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _compiler_params(config: KernelConfig):
+    if config.interpret or jax.default_backend() != "gpu":
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=4 if config.problem.head_dim <= 64 else 8, num_stages=2)
+
+
+def _cost(config: KernelConfig, matmuls_per_block: int, bytes_accessed: int) -> pl.CostEstimate:
+    """Cost of visiting the live blocks only (what the kernel does)."""
+    p = config.problem
+    pairs = config.live.num_live * config.block_q * config.block_kv * p.batch * p.heads
+    return pl.CostEstimate(
+        flops=2 * matmuls_per_block * pairs * p.head_dim, transcendentals=pairs, bytes_accessed=bytes_accessed
+    )
+
+
+def _padded_inputs(config: KernelConfig, q, k, v, segments):
+    q = pad_axis_to_multiple(q, 1, config.block_q)
+    k = pad_axis_to_multiple(k, 1, config.block_kv)
+    v = pad_axis_to_multiple(v, 1, config.block_kv)
+    if segments is not None:
+        segments = (
+            pad_axis_to_multiple(segments[0], 1, config.block_q),
+            pad_axis_to_multiple(segments[1], 1, config.block_kv),
+        )
+    return q, k, v, segments
+
+
+def _row_spec(block: int, head_dim: int, head_of):
+    """``[block, head_dim]`` tile of a ``[batch, seq, heads, head_dim]`` array."""
+    return pl.BlockSpec((None, block, None, head_dim), lambda b, h, i: (b, i, head_of(h), 0))
+
+
+def _slab_spec(length: int, head_dim: int, head_of):
+    """One head's whole ``[length, head_dim]`` slab of a ``[batch, seq, heads, head_dim]`` array."""
+    return pl.BlockSpec((None, length, None, head_dim), lambda b, h, i: (b, 0, head_of(h), 0))
+
+
+def flash_forward(q, k, v, segments, config: KernelConfig, count_visits: bool = False):
+    """Runs the forward kernel on unpadded inputs.
+
+    Returns ``(out [batch, q_len, heads, head_dim], lse [batch, heads, padded_q_len] f32)``
+    and, with ``count_visits``, also int32 ``[batch, heads, q_blocks]``: how many key blocks
+    each program visited.
+    """
+    p = config.problem
+    bq, bk, group = config.block_q, config.block_kv, p.group
+    qp, kp, vp, segp = _padded_inputs(config, q, k, v, segments)
+    num_q_blocks = config.padded_q_len // bq
+    same_head, kv_head = (lambda h: h), (lambda h: h // group)
+    in_specs = [
+        pl.BlockSpec((None, _table_width(config.live.kv_indices)), lambda b, h, i: (i, 0)),
+        _row_spec(bq, p.head_dim, same_head),
+        _slab_spec(config.padded_kv_len, p.head_dim, kv_head),
+        _slab_spec(config.padded_kv_len, p.head_dim, kv_head),
+    ]
+    args = [_count_table(config.live.kv_indices, config.live.kv_counts), qp, kp, vp]
+    if segp is not None:
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
+            pl.BlockSpec((None, config.padded_kv_len), lambda b, h, i: (b, 0)),
+        ]
+        args += list(segp)
+    out_shape = [
+        jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        jax.ShapeDtypeStruct((p.batch, p.heads, config.padded_q_len), jnp.float32),
+    ]
+    out_specs = [_row_spec(bq, p.head_dim, same_head), pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))]
+    if count_visits:
+        out_shape.append(jax.ShapeDtypeStruct((p.batch, p.heads, num_q_blocks, 1), jnp.int32))
+        out_specs.append(pl.BlockSpec((None, None, None, 1), lambda b, h, i: (b, h, i, 0)))
+    itemsize = q.dtype.itemsize
+    outs = pl.pallas_call(
+        functools.partial(_forward_kernel, config=config, count_visits=count_visits),
+        grid=(p.batch, p.heads, num_q_blocks),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(config),
+        cost_estimate=_cost(config, 2, itemsize * (2 * qp.size + 2 * kp.size)),
+        interpret=config.interpret,
+        name="flash_attention_forward",
+    )(*args)
+    out, lse = outs[0][:, : p.q_len], outs[1]
+    if count_visits:
+        return out, lse, outs[2][..., 0]
+    return out, lse
+
+
+def flash_backward(q, k, v, segments, out, lse, d_out, config: KernelConfig):
+    """``(dq, dk, dv)`` shaped like ``q, k, v``, from the forward's ``out`` and ``lse``."""
+    p = config.problem
+    bq, bk, group = config.block_q, config.block_kv, p.group
+    # delta_i = sum_d dO_id * O_id: the softmax Jacobian's row term, [batch, heads, q_len].
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = pad_axis_to_multiple(delta, 2, bq)
+    qp, kp, vp, segp = _padded_inputs(config, q, k, v, segments)
+    dop = pad_axis_to_multiple(d_out.astype(q.dtype), 1, bq)
+    same_head, kv_head = (lambda h: h), (lambda h: h // group)
+    seg_args = [] if segp is None else list(segp)
+    itemsize = q.dtype.itemsize
+
+    dq_specs = [
+        pl.BlockSpec((None, _table_width(config.live.kv_indices)), lambda b, h, i: (i, 0)),
+        _row_spec(bq, p.head_dim, same_head),
+        _slab_spec(config.padded_kv_len, p.head_dim, kv_head),
+        _slab_spec(config.padded_kv_len, p.head_dim, kv_head),
+        _row_spec(bq, p.head_dim, same_head),
+        pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+        pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+    ]
+    if segp is not None:
+        dq_specs += [
+            pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
+            pl.BlockSpec((None, config.padded_kv_len), lambda b, h, i: (b, 0)),
+        ]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, config=config),
+        grid=(p.batch, p.heads, config.padded_q_len // bq),
+        in_specs=dq_specs,
+        out_specs=_row_spec(bq, p.head_dim, same_head),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        compiler_params=_compiler_params(config),
+        cost_estimate=_cost(config, 3, itemsize * (3 * qp.size + 2 * kp.size)),
+        interpret=config.interpret,
+        name="flash_attention_dq",
+    )(_count_table(config.live.kv_indices, config.live.kv_counts), qp, kp, vp, dop, lse, delta, *seg_args)
+
+    def q_slab(length):
+        return pl.BlockSpec((None, length, None, p.head_dim), lambda b, h, j: (b, 0, h, 0))
+
+    def kv_tile(block):
+        return pl.BlockSpec((None, block, None, p.head_dim), lambda b, h, j: (b, j, h // group, 0))
+
+    dkv_specs = [
+        pl.BlockSpec((None, _table_width(config.live.q_indices)), lambda b, h, j: (j, 0)),
+        q_slab(config.padded_q_len),
+        kv_tile(bk),
+        kv_tile(bk),
+        q_slab(config.padded_q_len),
+        pl.BlockSpec((None, None, config.padded_q_len), lambda b, h, j: (b, h, 0)),
+        pl.BlockSpec((None, None, config.padded_q_len), lambda b, h, j: (b, h, 0)),
+    ]
+    if segp is not None:
+        dkv_specs += [
+            pl.BlockSpec((None, config.padded_q_len), lambda b, h, j: (b, 0)),
+            pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
+        ]
+    per_head = jax.ShapeDtypeStruct((p.batch, config.padded_kv_len, p.heads, p.head_dim), jnp.float32)
+    out_tile = pl.BlockSpec((None, bk, None, p.head_dim), lambda b, h, j: (b, j, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, config=config),
+        grid=(p.batch, p.heads, config.padded_kv_len // bk),
+        in_specs=dkv_specs,
+        out_specs=[out_tile, out_tile],
+        out_shape=[per_head, per_head],
+        compiler_params=_compiler_params(config),
+        cost_estimate=_cost(config, 4, itemsize * (3 * qp.size + 4 * kp.size)),
+        interpret=config.interpret,
+        name="flash_attention_dkv",
+    )(_count_table(config.live.q_indices, config.live.q_counts), qp, kp, vp, dop, lse, delta, *seg_args)
+
+    def group_sum(x):  # per query head -> per key head (GQA)
+        x = x[:, : p.kv_len].reshape(p.batch, p.kv_len, p.kv_heads, group, p.head_dim)
+        return x.sum(axis=3).astype(k.dtype)
+
+    return dq[:, : p.q_len], group_sum(dk), group_sum(dv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, segments, config):
+    return flash_forward(q, k, v, segments, config)[0]
+
+
+def _flash_fwd(q, k, v, segments, config):
+    out, lse = flash_forward(q, k, v, segments, config)
+    return out, (q, k, v, segments, out, lse)
+
+
+def _flash_bwd(config, residuals, d_out):
+    q, k, v, segments, out, lse = residuals
+    dq, dk, dv = flash_backward(q, k, v, segments, out, lse, d_out, config)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_kernel(q, k, v, segments, *, problem, block_sizes, interpret: bool):
+    """The Pallas path of ``flash_attention`` (arguments already validated; ``segments`` is
+    ``None`` or ``(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])``)."""
+    if problem.mask is not None:
+        problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
+    config = KernelConfig(problem, block_sizes.block_q, block_sizes.block_kv, interpret)
+    return _flash(q, k, v, segments, config)
