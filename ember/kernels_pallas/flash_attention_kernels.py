@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.block_mask import BlockMask, LiveBlocks, MaskIntersection, live_block_grid
+from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 _NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -140,7 +141,7 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig,
     q_seg = None if seg_refs[0] is None else seg_refs[0][...]
 
     def body(t, carry):
-        row_max, row_sum, acc, visits = carry
+        softmax_carry, acc, visits = carry
         kv_start = pl.multiple_of(table_ref[t + 1] * bk, bk)
         k = k_ref[pl.ds(kv_start, bk), :]
         v = v_ref[pl.ds(kv_start, bk), :]
@@ -149,33 +150,21 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig,
         capped = _capped_logits(config, q, k)
         if p.score == "sigmoid":
             weights = jnp.where(visible, jax.nn.sigmoid(capped + p.sigmoid_bias), 0.0)
+            acc = acc + jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         else:
-            masked = jnp.where(visible, capped, -jnp.inf)
-            new_max = jnp.maximum(row_max, jnp.max(masked, axis=1))
-            # Rows with nothing visible yet keep max -inf; shift by 0 so exp() gives 0, not NaN.
-            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            weights = jnp.exp(masked - shift[:, None])
-            rescale = jnp.exp(row_max - shift)
-            row_sum = rescale * row_sum + jnp.sum(weights, axis=1)
-            acc = acc * rescale[:, None]
-            row_max = new_max
-        acc = acc + jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return row_max, row_sum, acc, visits + 1
+            softmax_carry = online_softmax_step(softmax_carry, capped, visible, v)
+        return softmax_carry, acc, visits + 1
 
-    init = (
-        jnp.full((bq,), -jnp.inf, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-        jnp.zeros((bq, p.head_dim), jnp.float32),
-        jnp.int32(0),
-    )
-    row_max, row_sum, acc, visits = lax.fori_loop(0, table_ref[0], body, init)
+    init = (online_softmax_init(bq, p.head_dim), jnp.zeros((bq, p.head_dim), jnp.float32), jnp.int32(0))
+    softmax_carry, acc, visits = lax.fori_loop(0, table_ref[0], body, init)
     if p.score == "sigmoid":
         o_ref[...] = acc.astype(o_ref.dtype)
         lse_ref[...] = jnp.zeros((bq,), jnp.float32)
     else:
-        empty = row_sum == 0.0
-        o_ref[...] = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
+        row_max, row_sum, _ = softmax_carry
+        o_ref[...] = online_softmax_result(softmax_carry).astype(o_ref.dtype)
         # +inf for rows with no visible key: exp(s - lse) is then 0 in the backward.
+        empty = row_sum == 0.0
         lse_ref[...] = jnp.where(empty, jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
     if count_visits:
         visits_ref[0][...] = jnp.full(visits_ref[0].shape, visits, jnp.int32)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ember.kernels_pallas.attention_math import check_soft_cap, check_window, masked_softmax, soft_cap
 from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.paged_attention_kernel import paged_attention_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,14 +156,12 @@ def paged_attention(
     check_lengths("lengths", lengths, batch)
     check_soft_cap(logits_soft_cap)
     check_window(window)
-    resolved = resolve_impl(impl, op="paged_attention")
+    resolved = resolve_impl(impl, op="paged_attention", kernel_backends=("gpu",))  # written for the GPU (Triton) lowering
     if resolved == "xla":
         return paged_attention_reference(
             q, k_pages, v_pages, page_table, lengths,
             sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window=window,
         )
-    from ember.kernels_pallas.paged_attention_kernel import paged_attention_kernel
-
     return paged_attention_kernel(
         q, k_pages, v_pages, page_table, lengths, cache=cache,
         sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),

@@ -6,7 +6,9 @@ token). Each new token attends causally to its sequence's cached prefix and to t
 tokens before it, all read through the page table of the paged KV cache (the layout of
 :mod:`ember.kernels_pallas.paged_attention`).
 
-The Pallas kernel is in :mod:`ember.kernels_pallas.ragged_paged_attention_kernel`.
+The Pallas kernel is in :mod:`ember.kernels_pallas.ragged_paged_attention_kernel`; the
+KV-cache layout and page-table convention are those of
+:mod:`ember.kernels_pallas.paged_attention`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 from ember.kernels_pallas.attention_math import check_soft_cap, check_window, masked_softmax, soft_cap
 from ember.kernels_pallas.dispatch import resolve_impl
 from ember.kernels_pallas.paged_attention import check_lengths, check_paged_cache, gather_sequence_kv
+from ember.kernels_pallas.ragged_paged_attention_kernel import ragged_paged_attention_kernel
 
 
 def token_owners(query_starts: jax.Array, query_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
@@ -134,16 +137,15 @@ def ragged_paged_attention(
     check_window(window)
     if not isinstance(block_q, int) or block_q < 1:
         raise ValueError(f"block_q must be a positive int, got {block_q!r}")
-    resolved = resolve_impl(impl, op="ragged_paged_attention")
+    resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=("gpu",))  # written for the GPU (Triton) lowering
     if resolved == "xla":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens,
             sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window=window,
         )
-    from ember.kernels_pallas.ragged_paged_attention_kernel import ragged_paged_attention_kernel
-
+    owner, _, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
     return ragged_paged_attention_kernel(
-        q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, cache=cache,
+        q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, owner=owner, covered=covered, cache=cache,
         sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
         logits_soft_cap=check_soft_cap(logits_soft_cap), window=check_window(window),
         block_q=block_q, pages_per_block=pages_per_block, interpret=resolved == "interpret",

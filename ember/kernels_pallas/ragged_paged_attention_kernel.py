@@ -1,0 +1,142 @@
+"""Pallas kernel of :func:`ember.kernels_pallas.ragged_paged_attention.ragged_paged_attention`.
+
+Each sequence's run of new tokens is cut into query blocks of ``block_q`` rows; every
+block is one *work item*, so a block never mixes sequences. The work list is computed on
+device from the metadata (it is data, not static), padded to the static bound
+``cdiv(num_tokens, block_q) + num_seqs`` items; padding items do nothing.
+
+Grid ``(work_items, heads)``: a program loads its ``[block_q, head_dim]`` query rows from
+the flat token budget and streams, with an online softmax, only the pages holding
+positions it can see (from the window start, or 0, up to its last row's position). It
+writes its own ``[block_q, head_dim]`` output tile, so programs never race; one gather
+then puts rows back in token order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ember.kernels_pallas.attention_math import soft_cap
+from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
+from ember.kernels_pallas.paged_attention_kernel import default_pages_per_block
+
+_NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+# Columns of the work-item table (width 8: GPU tiles want powers of two).
+_SEQ, _TOKEN_START, _ROWS, _FIRST_POS = 0, 1, 2, 3
+_WORK_COLUMNS = 8
+
+
+def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: int):
+    """The work list, ``(table [max_items, 8] int32, item_offsets [num_seqs] int32)``.
+
+    Row ``w`` of ``table`` is ``[seq, first token row in q, valid rows (0 for padding),
+    position of the first row, 0, ...]``; sequence ``s``'s blocks are the items
+    ``item_offsets[s] ..``.
+    """
+    num_seqs = query_lens.shape[0]
+    max_items = -(-num_tokens // block_q) + num_seqs
+    blocks = -(-query_lens // block_q)
+    ends = jnp.cumsum(blocks)
+    offsets = ends - blocks
+    item = jnp.arange(max_items)
+    seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), num_seqs - 1).astype(jnp.int32)
+    block = item - offsets[seq]
+    valid = item < ends[-1]
+    rows = jnp.where(valid, jnp.minimum(block_q, query_lens[seq] - block * block_q), 0)
+    table = jnp.zeros((max_items, _WORK_COLUMNS), jnp.int32)
+    table = table.at[:, _SEQ].set(seq)
+    table = table.at[:, _TOKEN_START].set(jnp.where(valid, query_starts[seq] + block * block_q, 0))
+    table = table.at[:, _ROWS].set(rows)
+    table = table.at[:, _FIRST_POS].set(jnp.where(valid, kv_lens[seq] - query_lens[seq] + block * block_q, 0))
+    return table, offsets.astype(jnp.int32)
+
+
+def _ragged_kernel(
+    work_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, block_q, group, page_size, pages_per_block, sm_scale,
+    soft_cap_value, window,
+):
+    kv_head = pl.program_id(1) // group
+    seq, token_start, rows, first_pos = (work_ref[c] for c in (_SEQ, _TOKEN_START, _ROWS, _FIRST_POS))
+    q = q_ref[pl.ds(token_start, block_q), :]
+    row = lax.broadcasted_iota(jnp.int32, (block_q, page_size), 0)
+    q_pos = first_pos + row
+    first_visible = 0 if window is None else jnp.maximum(first_pos - window[0], 0)
+    tokens_per_block = page_size * pages_per_block
+    first_block = first_visible // tokens_per_block
+    # Padding items (rows == 0) visit nothing.
+    end_block = jnp.where(rows > 0, pl.cdiv(first_pos + rows, tokens_per_block), first_block)
+    max_pages = page_table_ref.shape[1]
+
+    def body(block, carry):
+        for slot in range(pages_per_block):  # unrolled
+            page_index = block * pages_per_block + slot
+            page = page_table_ref[seq, jnp.minimum(page_index, max_pages - 1)]
+            k = k_ref[page, :, kv_head, :]
+            v = v_ref[page, :, kv_head, :]
+            logits = lax.dot_general(q, k, _NT_DIMS, preferred_element_type=jnp.float32) * sm_scale
+            logits = soft_cap(logits, soft_cap_value)
+            kv_pos = page_index * page_size + lax.broadcasted_iota(jnp.int32, (block_q, page_size), 1)
+            visible = (kv_pos <= q_pos) & (row < rows)
+            if window is not None:
+                visible = visible & (kv_pos >= q_pos - window[0])
+            carry = online_softmax_step(carry, logits, visible, v)
+        return carry
+
+    carry = lax.fori_loop(first_block, end_block, body, online_softmax_init(block_q, q.shape[1]))
+    o_ref[...] = online_softmax_result(carry).astype(o_ref.dtype)
+
+
+def ragged_paged_attention_kernel(
+    q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, *, owner, covered, cache, sm_scale,
+    logits_soft_cap, window, block_q, pages_per_block, interpret,
+):
+    """The Pallas path of ``ragged_paged_attention`` (arguments already validated;
+    ``owner``/``covered`` ``[num_tokens]`` say which sequence owns each token row)."""
+    num_tokens, heads, head_dim = q.shape
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(cache.page_size)
+    if not isinstance(pages_per_block, int) or pages_per_block < 1:
+        raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
+    pages_per_block = min(pages_per_block, cache.max_pages_per_seq)
+    query_starts, query_lens, kv_lens = (x.astype(jnp.int32) for x in (query_starts, query_lens, kv_lens))
+    table, offsets = work_items(query_starts, query_lens, kv_lens, num_tokens=num_tokens, block_q=block_q)
+    max_items = table.shape[0]
+    # block_q spare rows so the last block's read stays in bounds.
+    q_padded = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
+    kernel = functools.partial(
+        _ragged_kernel,
+        block_q=block_q,
+        group=heads // cache.kv_heads,
+        page_size=cache.page_size,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        soft_cap_value=logits_soft_cap,
+        window=window,
+    )
+    whole_cache = pl.BlockSpec(k_pages.shape, lambda w, h: (0, 0, 0, 0))
+    out_items = pl.pallas_call(
+        kernel,
+        grid=(max_items, heads),
+        in_specs=[
+            pl.BlockSpec((None, _WORK_COLUMNS), lambda w, h: (w, 0)),
+            pl.BlockSpec(page_table.shape, lambda w, h: (0, 0)),
+            pl.BlockSpec((q_padded.shape[0], None, head_dim), lambda w, h: (0, h, 0)),
+            whole_cache,
+            whole_cache,
+        ],
+        out_specs=pl.BlockSpec((None, block_q, None, head_dim), lambda w, h: (w, 0, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((max_items, block_q, heads, head_dim), q.dtype),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(table, page_table.astype(jnp.int32), q_padded, k_pages, v_pages)
+    # Back to token order: row `offset` of sequence `owner`'s run is in item
+    # offsets[owner] + offset // block_q, row offset % block_q.
+    offset = jnp.arange(num_tokens) - query_starts[owner]
+    item = jnp.clip(offsets[owner] + offset // block_q, 0, max_items - 1)
+    gathered = out_items[item, offset % block_q]
+    return jnp.where(covered[:, None, None], gathered, 0).astype(q.dtype)
