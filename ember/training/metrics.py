@@ -1,0 +1,81 @@
+"""Run metrics that can be plotted: ``metrics.jsonl`` plus TensorBoard event files.
+
+Every trainer (LM, RL) logs through ``MetricsWriter``; ``ember plot`` reads the JSONL back.
+Each line of ``metrics.jsonl`` is one JSON object with at least ``step`` and either metric
+values or an ``event`` message. Only the main process writes (``enabled``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+class MetricsWriter:
+    """Appends metrics of a run directory; safe to reopen when a run resumes."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+        self._tensorboard = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from tensorboardX import SummaryWriter
+
+                self._tensorboard = SummaryWriter(logdir=str(Path(run_dir) / TENSORBOARD_DIR))
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        """Logs scalar ``values`` at ``step`` (non-finite floats are written as strings)."""
+        if not self.enabled:
+            return
+        record = {"step": int(step), "time": round(time.time(), 3), **{k: _jsonable(v) for k, v in values.items()}}
+        self._append(record)
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, int(step))
+
+    def event(self, step: int, message: str) -> None:
+        """Logs a notable event (a skipped step, a resume) as ``{"step", "event"}``."""
+        if self.enabled:
+            self._append({"step": int(step), "time": round(time.time(), 3), "event": message})
+
+    def truncate_after(self, step: int) -> None:
+        """Drops records past ``step``: a run resuming from checkpoint ``step`` re-logs them,
+        so every step appears exactly once."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl``, in order."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no {METRICS_FILE}; is it an Ember run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
