@@ -20,6 +20,10 @@ ENVIRONMENTS: Registry[EntryPoint] = Registry("environment")
 
 _BUILTIN = {
     "CartPole-v1": "ember.envs.classic_control.cartpole:CartPole",
+    "Pendulum-v1": "ember.envs.classic_control.pendulum:Pendulum",
+    "MountainCar-v0": "ember.envs.classic_control.mountain_car:MountainCar",
+    "MountainCarContinuous-v0": "ember.envs.classic_control.mountain_car:MountainCarContinuous",
+    "Acrobot-v1": "ember.envs.classic_control.acrobot:Acrobot",
 }
 
 

@@ -11,6 +11,9 @@ from ember.envs.environment import Environment
 
 
 class Wrapper(Environment):
+    #: True when this wrapper's state is a dataclass holding the inner state as ``env_state``.
+    wraps_state: bool = False
+
     def __init__(self, env: Environment):
         if not isinstance(env, Environment):
             raise ValueError(f"{type(self).__name__}: env must be an ember Environment, got {type(env).__name__}")
@@ -41,7 +44,7 @@ class Wrapper(Environment):
         return self.env.action_space(params)
 
     def render(self, state, params):
-        return self.env.render(getattr(state, "env_state", state), params)
+        return self.env.render(state.env_state if self.wraps_state else state, params)
 
     @property
     def name(self) -> str:

@@ -33,6 +33,8 @@ class LogEnvState:
 
 
 class LogWrapper(Wrapper):
+    wraps_state = True
+
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
         zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)

@@ -1,0 +1,29 @@
+"""``TimeLimit``: a different episode length without touching the params you pass."""
+
+from __future__ import annotations
+
+from ember.envs.wrappers.base import Wrapper
+
+
+class TimeLimit(Wrapper):
+    """Truncates episodes after ``max_steps`` steps, whatever ``params.max_steps_in_episode``
+    says (the wrapped environment's truncation and auto-reset then apply unchanged)."""
+
+    def __init__(self, env, max_steps: int):
+        super().__init__(env)
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"TimeLimit: max_steps must be a positive int, got {max_steps!r}")
+        self.max_steps = max_steps
+
+    def _limited(self, params):
+        return params.replace(max_steps_in_episode=self.max_steps)
+
+    @property
+    def default_params(self):
+        return self._limited(self.env.default_params)
+
+    def reset_from_noise(self, noise, params):
+        return self.env.reset_from_noise(noise, self._limited(params))
+
+    def step_from_noise(self, noise, state, action, params):
+        return self.env.step_from_noise(noise, state, action, self._limited(params))
