@@ -17,6 +17,7 @@ import ember
 # name -> (module defining add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ember.core.system_info", "show JAX version, backend, devices and Pallas lowering support"),
+    "train": ("ember.training.launcher", "train from a YAML config: ember train CONFIG.yaml [key=value ...] [--resume]"),
     "data": ("ember.training.data.cli", "prepare text files as memory-mapped token files for LM training"),
 }
 

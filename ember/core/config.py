@@ -87,6 +87,17 @@ def load_config(
     return _instantiate(schema, merged)
 
 
+def read_key(source: str | Path, key: str, overrides: Sequence[str] = (), default: Any = None) -> Any:
+    """The value of top-level ``key`` in a YAML file (after ``base:`` files and overrides),
+    read without a schema — for choosing the schema, e.g. by a ``kind:`` key."""
+    merged = OmegaConf.create({})
+    for _, layer in _load_yaml_chain(Path(source)):
+        merged = OmegaConf.merge(merged, layer)
+    if overrides:
+        merged = OmegaConf.merge(merged, parse_overrides(overrides))
+    return OmegaConf.to_container(merged, resolve=False).get(key, default)
+
+
 def from_yaml(schema: type[T], text: str) -> T:
     """Builds a ``schema`` instance from YAML text (the inverse of :func:`to_yaml`)."""
     data = OmegaConf.create(text)
@@ -287,6 +298,7 @@ __all__ = [
     "from_yaml",
     "load_config",
     "parse_overrides",
+    "read_key",
     "to_dict",
     "to_yaml",
 ]

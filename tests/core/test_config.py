@@ -5,7 +5,7 @@ from typing import Optional
 
 import pytest
 
-from ember.core.config import from_yaml, load_config, parse_overrides, to_dict, to_yaml
+from ember.core.config import from_yaml, load_config, parse_overrides, read_key, to_dict, to_yaml
 from ember.core.errors import ConfigError
 
 
@@ -163,3 +163,11 @@ def test_mapping_source_is_validated_like_a_file():
     assert load_config(ExperimentConfig, {"train": {"steps": 5}}).train.steps == 5
     with pytest.raises(ConfigError, match="unknown config key 'train.step'"):
         load_config(ExperimentConfig, {"train": {"step": 5}})
+
+
+def test_read_key_sees_bases_and_overrides_without_a_schema(tmp_path):
+    write(tmp_path / "base.yaml", "kind: ppo\nextra: 1\n")
+    child = write(tmp_path / "child.yaml", "base: base.yaml\nother: 2\n")
+    assert read_key(child, "kind") == "ppo"
+    assert read_key(child, "kind", ["kind=dqn"]) == "dqn"
+    assert read_key(child, "missing", default="lm") == "lm"

@@ -1,0 +1,76 @@
+"""``ember train CONFIG.yaml [key=value ...] [--resume]`` and ``ember train --list``.
+
+The launcher is thin: it reads the config's ``kind`` (``lm`` by default), loads and
+validates the config against that kind's schema — so an unknown key, a wrong type or a mesh
+that does not fit the devices fails here, before anything compiles — and calls the kind's
+``run(config, resume=...)``. A kind is a module that defines ``CONFIG_SCHEMA`` and ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import ember
+from ember.core.config import load_config, read_key
+from ember.core.errors import ConfigError, EmberError
+
+# config kind -> module defining CONFIG_SCHEMA and run(config, *, resume) -> summary dict
+KINDS: dict[str, str] = {
+    "lm": "ember.training.lm.entry",
+}
+DEFAULT_KIND = "lm"
+
+
+def shipped_configs_dir() -> Path:
+    """``configs/`` beside the package (a source checkout, as ``make`` installs it). Runnable
+    configs name their ``kind:``; files without one are presets that others extend."""
+    return Path(ember.__file__).resolve().parents[1] / "configs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", type=Path, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied last")
+    parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
+    parser.add_argument("--list", action="store_true", help="list the shipped configs")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list_configs()
+    if args.config is None:
+        print("ember train: a CONFIG.yaml is required (see 'ember train --list')", file=sys.stderr)
+        return 2
+    try:
+        kind = read_key(args.config, "kind", args.overrides, default=DEFAULT_KIND)
+        if kind not in KINDS:
+            raise ConfigError(f"unknown config kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}", key="kind")
+        module = importlib.import_module(KINDS[kind])
+        config = load_config(module.CONFIG_SCHEMA, args.config, args.overrides)
+        summary = module.run(config, resume=args.resume)
+    except ConfigError as error:
+        print(f"ember train: {error}", file=sys.stderr)
+        return 2
+    except EmberError as error:
+        print(f"ember train: {error}", file=sys.stderr)
+        return 1
+    printable = {k: v for k, v in summary.items() if k != "samples"}
+    print(json.dumps(printable, indent=2))
+    for sample in summary.get("samples", []):
+        print("---\n" + sample)
+    return 0
+
+
+def _list_configs() -> int:
+    root = shipped_configs_dir()
+    if not root.is_dir():
+        print(f"no shipped configs found (looked in {root})")
+        return 1
+    runnable = [(path, read_key(path, "kind")) for path in sorted(root.rglob("*.yaml"))]
+    for path, kind in runnable:
+        if kind is not None:  # files without a kind are presets other configs extend
+            print(f"{str(path.relative_to(root.parent)):<40} kind={kind}")
+    return 0
