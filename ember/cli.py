@@ -18,6 +18,7 @@ import ember
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ember.core.system_info", "show JAX version, backend, devices and Pallas lowering support"),
     "train": ("ember.training.launcher", "train from a YAML config: ember train CONFIG.yaml [key=value ...] [--resume]"),
+    "plot": ("ember.training.plot", "draw a run's metrics (loss, returns, ...) against the step into a PNG"),
     "data": ("ember.training.data.cli", "prepare text files as memory-mapped token files for LM training"),
 }
 
