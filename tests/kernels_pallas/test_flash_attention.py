@@ -1,0 +1,100 @@
+"""flash_attention: the Pallas kernels (interpret mode) and the XLA path against the
+reference, dtypes, GQA ratios, head dims, non-block-multiple lengths, argument checking."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
+from tests.kernels_pallas.flash_checks import assert_kernel_matches_reference, random_qkv
+from tests.tolerances import assert_allclose
+
+
+@pytest.mark.parametrize(
+    "dtype, causal, group, head_dim, q_len, kv_len",
+    [
+        (jnp.float32, True, 1, 64, 77, 77),
+        (jnp.float32, False, 2, 128, 77, 77),
+        (jnp.float32, True, 4, 64, 40, 77),  # q_len != kv_len: top-left aligned causal
+        (jnp.bfloat16, True, 4, 64, 77, 77),
+        (jnp.bfloat16, False, 8, 128, 77, 77),
+    ],
+)
+def test_kernel_values_and_grads_match_reference(rng, dtype, causal, group, head_dim, q_len, kv_len):
+    kv_heads = 2 if group <= 2 else 1
+    q, k, v, d_out = random_qkv(
+        rng, batch=2 if group == 1 else 1, q_len=q_len, kv_len=kv_len, heads=group * kv_heads,
+        kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+    )
+    assert_kernel_matches_reference(q, k, v, d_out, causal=causal)
+
+
+def test_kernel_long_sequence_default_blocks(rng):
+    """1000 tokens: 8 x 8 blocks of the default 128, the last one partial."""
+    q, k, v, d_out = random_qkv(rng, batch=1, q_len=1000, kv_len=1000, heads=1, kv_heads=1, head_dim=64)
+    # Sums over 1000 keys in a different order than the reference: slightly more rounding.
+    assert_kernel_matches_reference(q, k, v, d_out, block_sizes=FlashBlockSizes(), causal=True, scale=4.0)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=False), dict(window=(9, 4))])
+def test_xla_path_matches_jax_dot_product_attention(rng, options):
+    """The XLA path (= the reference) against JAX's own attention, values and gradients."""
+    q, k, v, d_out = random_qkv(rng, batch=2, q_len=77, kv_len=77, heads=4, kv_heads=2, head_dim=64)
+    ours = lambda q, k, v: flash_attention(q, k, v, impl="xla", **options)  # noqa: E731
+    window = options.get("window")
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=options.get("causal", False), local_window_size=window, implementation="xla"
+    )
+
+    @jax.jit
+    def values_and_grads(q, k, v, d_out):
+        out, ours_vjp = jax.vjp(ours, q, k, v)
+        expected, theirs_vjp = jax.vjp(theirs, q, k, v)
+        return out, expected, ours_vjp(d_out), theirs_vjp(d_out)
+
+    out, expected, our_grads, their_grads = values_and_grads(q, k, v, d_out)
+    assert_allclose(out, expected)
+    for got, want in zip(our_grads, their_grads):
+        assert_allclose(got, want)
+
+
+def test_auto_on_cpu_is_the_xla_path(rng):
+    q, k, v, _ = random_qkv(rng, batch=1, q_len=20, kv_len=20, heads=2, kv_heads=1, head_dim=16)
+    auto = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True))
+    assert_allclose(auto(q, k, v), jax.jit(flash_attention_reference, static_argnames="causal")(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize(
+    "shapes, options, argument",
+    [
+        (((1, 8, 3, 16), (1, 8, 2, 16)), {}, "heads"),
+        (((1, 8, 4, 16), (1, 8, 2, 32)), {}, "head_dim"),
+        (((8, 4, 16), (1, 8, 2, 16)), {}, "q"),
+        (((1, 8, 4, 16), (8, 2, 16)), {}, "k"),
+        (((1, 8, 4, 16), (2, 8, 2, 16)), {}, "batch"),
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"window": (3,)}, "window"),
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"score": "relu"}, "score"),
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"logits_soft_cap": -1.0}, "logits_soft_cap"),
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"segment_ids": jnp.zeros((1, 7), jnp.int32)}, "segment_ids"),
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"block_mask": "causal"}, "block_mask"),
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"impl": "cuda"}, "impl"),
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"impl": "pallas"}, "impl='pallas'"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(shapes, options, argument):
+    q_shape, kv_shape = shapes
+    q = jnp.ones(q_shape)
+    k = v = jnp.ones(kv_shape)
+    with pytest.raises(ValueError, match=argument):
+        flash_attention(q, k, v, **options)
+
+
+@pytest.mark.parametrize("kwargs, argument", [(dict(block_q=12), "block_q"), (dict(block_kv=4), "block_kv")])
+def test_block_sizes_validate_themselves(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        FlashBlockSizes(**kwargs)
+
+
+def test_block_sizes_fit_short_sequences():
+    assert FlashBlockSizes(128, 128).fitted(77, 5) == FlashBlockSizes(128, 8)
+    assert FlashBlockSizes(64, 128).fitted(1000, 33) == FlashBlockSizes(64, 64)
