@@ -199,7 +199,7 @@ def tree_shardings(mesh: Mesh, logical_tree: Any, rules: Rules = DEFAULT_RULES, 
     is_spec = lambda leaf: isinstance(leaf, PartitionSpec) or leaf is None  # noqa: E731
     if shapes is None:
         return jax.tree.map(lambda spec: named_sharding(mesh, tuple(spec or ()), rules), logical_tree, is_leaf=is_spec)
-    shapes = nn.meta.unbox(shapes)
+    shapes = unbox(shapes)
 
     def one(spec, leaf):
         spec = tuple(spec or ())
@@ -208,10 +208,18 @@ def tree_shardings(mesh: Mesh, logical_tree: Any, rules: Rules = DEFAULT_RULES, 
     return jax.tree.map(one, logical_tree, shapes, is_leaf=is_spec)
 
 
+def unbox(tree: Any) -> Any:
+    """``tree`` with its ``nn.Partitioned`` boxes replaced by their values. Unlike
+    ``nn.meta.unbox`` it applies no sharding constraint, so it is safe inside ``jit`` whatever
+    the current mesh (placement comes from ``out_shardings``)."""
+    is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree, is_leaf=is_box)
+
+
 def shard_variables(variables: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     """Places boxed Flax variables (``nn.Partitioned`` leaves) on ``mesh``; returns them unboxed."""
     shardings = tree_shardings(mesh, nn.get_partition_spec(variables), rules, shapes=variables)
-    return jax.device_put(nn.meta.unbox(variables), shardings)
+    return jax.device_put(unbox(variables), shardings)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
@@ -281,5 +289,6 @@ __all__ = [
     "named_sharding",
     "shard_variables",
     "tree_shardings",
+    "unbox",
     "use_sharding",
 ]
