@@ -102,6 +102,7 @@ def test_kernel_visits_exactly_the_live_blocks(rng, mask):
         assert live.sum() == 13 * 14 // 2  # hand count: the lower triangle of 13 x 13
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(
     batch=st.integers(1, 2),
