@@ -1,0 +1,218 @@
+"""``ModelConfig``: the frozen description of a decoder-only language model.
+
+One config builds the model (``DecoderLM(config)``), its cache (``init_cache``), its
+FLOPs estimate and its Hugging Face mapping. Presets live in ``configs/models/*.yaml``:
+
+    config = load_config(ModelConfig, "configs/models/tiny.yaml", ["num_layers=4"])
+    wider = dataclasses.replace(config, d_model=128)
+
+Layer kinds (``block_pattern``, repeated cyclically over ``num_layers``):
+
+- ``global``: causal softmax (or sigmoid) attention over the whole prefix.
+- ``local``: causal attention within ``sliding_window`` tokens.
+- ``block_sparse``: causal attention within ``sliding_window`` tokens plus the first
+  ``global_tokens`` tokens of the sequence (local + global, Longformer/BigBird style); the
+  kernel skips the blocks no query sees.
+- ``cca``: Compressed Convolutional Attention in a latent space ``cca_compression`` times
+  narrower than the model (CCGQA when ``cca_kv_heads < cca_heads``).
+- ``linear``: linear attention with the ``linear_feature_map`` feature map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ember.core.errors import ConfigError
+from ember.core.precision import Precision
+
+LAYER_KINDS: tuple[str, ...] = ("global", "local", "block_sparse", "cca", "linear")
+SOFTMAX_FAMILY: tuple[str, ...] = ("global", "local", "block_sparse")
+"""Kinds that run the ordinary multi-head attention module over a paged KV cache."""
+MLP_KINDS: tuple[str, ...] = ("swiglu", "geglu", "gelu", "relu")
+NORM_KINDS: tuple[str, ...] = ("rmsnorm", "layernorm")
+ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
+SCORE_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
+FEATURE_MAPS: tuple[str, ...] = ("elu", "relu", "hedgehog")
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding and its context-extension scaling.
+
+    ``scaling``: ``none``; ``linear`` (positions divided by ``factor``); ``llama3``
+    (frequencies below ``original_max_len / low_freq_factor`` wavelengths divided by
+    ``factor``, high ones kept, smooth in between — Llama 3.1).
+    """
+
+    theta: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        _check_choice("rope.scaling", self.scaling, ROPE_SCALINGS)
+        if self.theta <= 0:
+            raise ConfigError(f"rope.theta must be positive, got {self.theta}", key="rope.theta")
+        if self.scaling != "none" and self.factor <= 0:
+            raise ConfigError(f"rope.factor must be positive, got {self.factor}", key="rope.factor")
+        if self.scaling == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ConfigError(
+                f"rope.high_freq_factor ({self.high_freq_factor}) must exceed rope.low_freq_factor "
+                f"({self.low_freq_factor}) > 0 for llama3 scaling",
+                key="rope.low_freq_factor",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only LM. ``head_dim``/``num_kv_heads`` of 0 mean ``d_model // num_heads`` /
+    ``num_heads``; ``attn_soft_cap``/``final_soft_cap`` of 0 mean no soft-cap."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    mlp_dim: int = 256
+    mlp: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    max_seq_len: int = 2048
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    attn_soft_cap: float = 0.0
+    final_soft_cap: float = 0.0
+    score: str = "softmax"
+    block_pattern: tuple[str, ...] = ("global",)
+    sliding_window: int = 4096
+    global_tokens: int = 64
+    cca_compression: int = 2
+    cca_heads: int = 0
+    cca_kv_heads: int = 0
+    cca_conv_width: int = 2
+    linear_feature_map: str = "elu"
+    linear_feature_dim: int = 0
+    init_std: float = 0.02
+    precision: str = "f32"
+    scan_layers: bool = True
+    remat: str = "none"
+    attention_impl: str = "auto"
+    page_size: int = 16
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len", "page_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}", key=name)
+        for name in ("num_kv_heads", "head_dim", "cca_heads", "cca_kv_heads", "linear_feature_dim"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 = derived default), got {getattr(self, name)}", key=name)
+        _check_choice("mlp", self.mlp, MLP_KINDS)
+        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("score", self.score, SCORE_KINDS)
+        _check_choice("linear_feature_map", self.linear_feature_map, FEATURE_MAPS)
+        _check_choice("remat", self.remat, REMAT_POLICIES)
+        if not self.block_pattern:
+            raise ConfigError("block_pattern must name at least one layer kind", key="block_pattern")
+        for kind in self.block_pattern:
+            _check_choice("block_pattern", kind, LAYER_KINDS)
+        if self.head_dim == 0 and self.d_model % self.num_heads:
+            raise ConfigError(
+                f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}) unless head_dim is set",
+                key="head_dim",
+            )
+        if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
+            raise ConfigError(
+                f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})", key="num_kv_heads"
+            )
+        if self.scan_layers and self.num_layers % len(self.block_pattern):
+            raise ConfigError(
+                f"scan_layers needs num_layers ({self.num_layers}) to be a multiple of the block_pattern "
+                f"length ({len(self.block_pattern)}); set scan_layers=false or change the pattern",
+                key="num_layers",
+            )
+        if self.attn_soft_cap < 0 or self.final_soft_cap < 0:
+            raise ConfigError("attn_soft_cap and final_soft_cap must be >= 0 (0 = off)", key="attn_soft_cap")
+        if self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}", key="sliding_window")
+        if self.global_tokens < 0:
+            raise ConfigError(f"global_tokens must be >= 0, got {self.global_tokens}", key="global_tokens")
+        if "cca" in self.block_pattern:
+            self._check_cca()
+        if self.head_size % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_size}", key="head_dim")
+        if self.attention_impl not in ("auto", "pallas", "interpret", "xla"):
+            raise ConfigError(
+                f"attention_impl must be one of auto, pallas, interpret, xla; got {self.attention_impl!r}",
+                key="attention_impl",
+            )
+        try:
+            Precision.from_string(self.precision)
+        except ValueError as error:
+            raise ConfigError(str(error), key="precision") from None
+
+    def _check_cca(self) -> None:
+        if self.cca_compression < 1 or self.d_model % self.cca_compression:
+            raise ConfigError(
+                f"cca_compression ({self.cca_compression}) must be a positive divisor of d_model ({self.d_model})",
+                key="cca_compression",
+            )
+        latent = self.d_model // self.cca_compression
+        if latent % self.cca_query_heads or (latent // self.cca_query_heads) % 2:
+            raise ConfigError(
+                f"the CCA latent width d_model / cca_compression = {latent} must split into cca_heads "
+                f"({self.cca_query_heads}) heads of even size",
+                key="cca_heads",
+            )
+        if self.cca_query_heads % self.cca_key_value_heads:
+            raise ConfigError(
+                f"cca_kv_heads ({self.cca_key_value_heads}) must divide cca_heads ({self.cca_query_heads})",
+                key="cca_kv_heads",
+            )
+        if self.cca_conv_width < 1:
+            raise ConfigError(f"cca_conv_width must be >= 1, got {self.cca_conv_width}", key="cca_conv_width")
+
+    # Derived sizes. Properties (not fields) so that ``replace`` keeps them consistent.
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def cca_query_heads(self) -> int:
+        """CCA query heads; by default as many as fit the latent width at ``head_size``."""
+        return self.cca_heads or max(1, self.d_model // self.cca_compression // self.head_size)
+
+    @property
+    def cca_key_value_heads(self) -> int:
+        return self.cca_kv_heads or self.cca_query_heads
+
+    @property
+    def cca_head_size(self) -> int:
+        return self.d_model // self.cca_compression // self.cca_query_heads
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The kind of every layer, ``block_pattern`` repeated over ``num_layers``."""
+        period = len(self.block_pattern)
+        return tuple(self.block_pattern[i % period] for i in range(self.num_layers))
+
+    @property
+    def policy(self) -> Precision:
+        return Precision.from_string(self.precision)
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}", key=name)
+
+
+__all__ = ["FEATURE_MAPS", "LAYER_KINDS", "MLP_KINDS", "ModelConfig", "RopeConfig", "SOFTMAX_FAMILY"]

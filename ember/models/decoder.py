@@ -1,0 +1,222 @@
+"""``DecoderLM``: a decoder-only language model built from a ``ModelConfig``.
+
+    model = DecoderLM(config)
+    params = model.init(rng, tokens)["params"]
+    logits, _ = model.apply({"params": params}, tokens)                       # training
+    logits, cache = model.apply({"params": params}, chunk, cache=cache)       # prefill / decode
+
+Layers follow ``config.block_pattern`` (period ``P``): layer ``i`` is block ``i % P`` of
+group ``i // P``. With ``scan_layers`` the groups are one ``nn.scan`` (parameters
+``params["layers"]["block_<j>"]`` with a leading ``[groups]`` axis, logical name
+``layers``), so compile time does not grow with depth; otherwise ``params["group_<g>"]
+["block_<j>"]``. :func:`layers_to_list` / :func:`layers_from_list` convert either layout
+to a per-layer list (checkpoint conversion, LoRA surgery).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ember.core.sharding import constrain
+from ember.kernels_pallas.attention_math import soft_cap
+from ember.models.config import SOFTMAX_FAMILY, ModelConfig
+from ember.models.layers.attention import Attention
+from ember.models.layers.cca import CompressedConvAttention
+from ember.models.layers.embedding import Embed, OutputHead
+from ember.models.layers.linear_attention import LinearAttention
+from ember.models.layers.mlp import Mlp
+from ember.models.layers.norm import make_norm
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
+
+    The mixer is chosen by ``kind``; ``state`` is this layer's cache entry (or None).
+    """
+
+    config: ModelConfig
+    kind: str
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids, state, page_table, valid):
+        config = self.config
+        param_dtype = config.policy.param_dtype
+        h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="attn_norm")(x)
+        if self.kind in SOFTMAX_FAMILY:
+            mixer = Attention(config, self.kind, name="attn")
+        elif self.kind == "cca":
+            mixer = CompressedConvAttention(config, name="attn")
+        else:
+            mixer = LinearAttention(config, name="attn")
+        h, state = mixer(h, positions, segment_ids, state, page_table, valid)
+        x = constrain(x + h, ("batch", "seq", "embed"))
+        h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="mlp_norm")(x)
+        h = Mlp(
+            config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp"
+        )(h)
+        return constrain(x + h, ("batch", "seq", "embed")), state
+
+
+class BlockGroup(nn.Module):
+    """One period of the block pattern: blocks ``block_0 .. block_<n-1>`` in order.
+
+    ``(x, states, broadcast...) -> (x, states)``: the signature ``nn.scan`` iterates.
+    """
+
+    config: ModelConfig
+    num_blocks: int
+
+    @nn.compact
+    def __call__(self, x, states, positions, segment_ids, page_table, valid):
+        new_states = None if states is None else dict(states)
+        for j in range(self.num_blocks):
+            name = f"block_{j}"
+            state = None if states is None else states[name]
+            x, state = Block(self.config, self.config.block_pattern[j], name=name)(
+                x, positions, segment_ids, state, page_table, valid
+            )
+            if new_states is not None:
+                new_states[name] = state
+        return x, new_states
+
+
+class DecoderLM(nn.Module):
+    """Token ids ``[batch, seq]`` -> logits ``[batch, seq, vocab]`` (and the updated cache)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        cache: dict[str, Any] | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, Any] | None]:
+        """Runs the model.
+
+        Args:
+          tokens: int ``[batch, seq]``.
+          positions: int ``[batch, seq]`` rotary positions. Default: ``arange(seq)``
+            without a cache, ``cache["lengths"] + arange(seq)`` with one. With a cache the
+            positions of a row must be contiguous (a chunk); padding goes at the end.
+          cache: from :func:`ember.models.cache.init_cache`, or None (no cache returned).
+          segment_ids: int ``[batch, seq]``. Without a cache: packed-document ids (a token
+            attends only within its document; pass positions restarting per document).
+            With a cache: 0 marks padding tokens (not written, not counted), else valid.
+
+        Returns:
+          ``(logits [batch, seq, vocab] in the output dtype, updated cache or None)``.
+        """
+        config = self.config
+        policy = config.policy
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq] ints, got shape {tokens.shape}")
+        batch, seq = tokens.shape
+        if positions is None:
+            start = cache["lengths"][:, None] if cache is not None else 0
+            positions = start + jnp.arange(seq, dtype=jnp.int32)[None, :]
+            positions = jnp.broadcast_to(positions, (batch, seq))
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
+        valid = page_table = None
+        if cache is not None:
+            valid = jnp.ones((batch, seq), bool) if segment_ids is None else segment_ids != 0
+            page_table = cache["page_table"]
+            segment_ids = None
+
+        embed = Embed(config.vocab_size, config.d_model, config.init_std, policy.compute_dtype, policy.param_dtype, name="embed")
+        x = constrain(embed(tokens), ("batch", "seq", "embed"))
+        states = None if cache is None else cache["layers"]
+        x, states = self._layers(x, states, positions, segment_ids, page_table, valid)
+        x = make_norm(config.norm, config.norm_eps, param_dtype=policy.param_dtype, name="final_norm")(x)
+        if config.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = OutputHead(config.vocab_size, config.init_std, policy.compute_dtype, policy.param_dtype, name="head")(x)
+        logits = soft_cap(logits.astype(jnp.float32), config.final_soft_cap or None).astype(policy.output_dtype)
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+        if cache is None:
+            return logits, None
+        written = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
+        lengths = jnp.maximum(cache["lengths"], written.astype(jnp.int32))
+        return logits, {"page_table": page_table, "lengths": lengths, "layers": states}
+
+    def _layers(self, x, states, positions, segment_ids, page_table, valid):
+        config = self.config
+        period = len(config.block_pattern)
+        group_cls = BlockGroup
+        if config.remat != "none":
+            group_cls = nn.remat(BlockGroup, policy=_REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers)
+        if config.scan_layers:
+            scanned = nn.scan(
+                group_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=config.num_layers // period,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            return scanned(config, period, name="layers")(x, states, positions, segment_ids, page_table, valid)
+        new_groups = []
+        for g in range(math.ceil(config.num_layers / period)):
+            group_states = None if states is None else jax.tree.map(lambda leaf: leaf[g], states)
+            num_blocks = min(period, config.num_layers - g * period)
+            x, group_states = group_cls(config, num_blocks, name=f"group_{g}")(
+                x, group_states, positions, segment_ids, page_table, valid
+            )
+            new_groups.append(group_states)
+        if states is None:
+            return x, None
+        # Every group returns all its entries (a last partial group passes unused ones through).
+        return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *new_groups)
+
+def layer_location(config: ModelConfig, layer: int) -> tuple[str, int, str]:
+    """``(container, group, block)`` of layer ``layer``: ``("layers", g, "block_j")`` when
+    scanned (index ``g`` of the leading axis), ``("group_g", -1, "block_j")`` otherwise."""
+    if not 0 <= layer < config.num_layers:
+        raise ValueError(f"layer must be in [0, {config.num_layers}), got {layer}")
+    group, block = divmod(layer, len(config.block_pattern))
+    if config.scan_layers:
+        return "layers", group, f"block_{block}"
+    return f"group_{group}", -1, f"block_{block}"
+
+
+def layers_to_list(config: ModelConfig, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-layer parameter trees of ``params``, in layer order (either layout)."""
+    result = []
+    for layer in range(config.num_layers):
+        container, group, block = layer_location(config, layer)
+        tree = params[container][block]
+        result.append(jax.tree.map(lambda leaf: leaf[group], tree) if group >= 0 else tree)
+    return result
+
+
+def layers_from_list(config: ModelConfig, layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The inverse of :func:`layers_to_list`: the top-level entries holding the layers
+    (``{"layers": ...}`` scanned, ``{"group_<g>": ...}`` otherwise)."""
+    if len(layers) != config.num_layers:
+        raise ValueError(f"expected {config.num_layers} layer trees, got {len(layers)}")
+    period = len(config.block_pattern)
+    if config.scan_layers:
+        return {
+            "layers": {
+                f"block_{j}": jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers[j::period]) for j in range(period)
+            }
+        }
+    result: dict[str, Any] = {}
+    for layer, tree in enumerate(layers):
+        container, _, block = layer_location(config, layer)
+        result.setdefault(container, {})[block] = tree
+    return result

@@ -1,0 +1,170 @@
+"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral and Qwen2.
+
+Only fields that change the computation are mapped; a field Ember cannot honour (an
+architecture, activation, rope type or bias it does not implement) raises ``ValueError``
+naming it, rather than loading a model that silently computes something else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ember.models.config import ModelConfig, RopeConfig
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` equivalent to a Hugging Face config dict (``config.json``).
+
+    ``overrides`` replace fields of the result (``precision``, ``scan_layers``, ...).
+    """
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    activation = hf.get("hidden_act", "silu")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {activation!r} in {model_type} config; supported: {', '.join(_ACTIVATIONS)}")
+    for flag in ("mlp_bias", "attention_bias"):
+        if hf.get(flag):
+            raise ValueError(f"unsupported {model_type} config field {flag}=true (Ember's attention/MLP have no such bias)")
+    num_layers = int(hf["num_hidden_layers"])
+    kinds = _layer_kinds(hf, model_type, num_layers)
+    num_heads = int(hf["num_attention_heads"])
+    fields = dict(
+        vocab_size=int(hf["vocab_size"]),
+        d_model=int(hf["hidden_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        mlp_dim=int(hf["intermediate_size"]),
+        mlp=_ACTIVATIONS[activation],
+        norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(hf),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        block_pattern=_shortest_period(kinds),
+        sliding_window=int(hf.get("sliding_window") or 4096),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """A Hugging Face config dict for ``config`` as a ``model_type`` model."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+    kinds = set(config.layer_kinds)
+    if not kinds <= {"global", "local"} or config.score != "softmax" or config.qk_norm or config.attn_soft_cap or config.final_soft_cap:
+        raise ValueError(
+            f"only softmax global/local attention without QK-norm or soft-caps exports to {model_type}; "
+            f"this config has layer kinds {sorted(kinds)}, score={config.score!r}, qk_norm={config.qk_norm}"
+        )
+    if config.norm != "rmsnorm" or config.mlp != "swiglu":
+        raise ValueError(f"{model_type} needs norm='rmsnorm' and mlp='swiglu'; got {config.norm!r}, {config.mlp!r}")
+    if config.qkv_bias != (model_type == "qwen2"):
+        raise ValueError(f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (only qwen2 has q/k/v biases)")
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.mlp_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.init_std,
+        "rope_theta": config.rope.theta,
+        "rope_scaling": _rope_to_hf(config.rope),
+    }
+    if model_type == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+        if "local" in kinds:
+            raise ValueError("llama has no sliding-window layers; export as mistral or qwen2")
+    elif model_type == "mistral":
+        if kinds == {"global", "local"}:
+            raise ValueError("mistral applies one sliding window to every layer; a mixed pattern exports as qwen2")
+        hf["sliding_window"] = config.sliding_window if "local" in kinds else None
+    else:
+        hf["use_sliding_window"] = "local" in kinds
+        hf["sliding_window"] = config.sliding_window if "local" in kinds else None
+        hf["layer_types"] = ["sliding_attention" if k == "local" else "full_attention" for k in config.layer_kinds]
+        hf["max_window_layers"] = config.num_layers
+    if hf["rope_scaling"] is None:
+        del hf["rope_scaling"]
+    return hf
+
+
+def _layer_kinds(hf: Mapping[str, Any], model_type: str, num_layers: int) -> list[str]:
+    if model_type == "llama":
+        return ["global"] * num_layers
+    if model_type == "mistral":
+        return ["local" if hf.get("sliding_window") else "global"] * num_layers
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        # transformers 4.x Qwen2: sliding window on layers from max_window_layers on.
+        sliding = bool(hf.get("use_sliding_window")) and hf.get("sliding_window")
+        first_sliding = int(hf.get("max_window_layers", num_layers))
+        return ["local" if sliding and i >= first_sliding else "global" for i in range(num_layers)]
+    known = {"full_attention": "global", "sliding_attention": "local"}
+    for layer_type in layer_types:
+        if layer_type not in known:
+            raise ValueError(f"unsupported qwen2 layer_types entry {layer_type!r}; supported: {', '.join(known)}")
+    return [known[t] for t in layer_types]
+
+
+def _shortest_period(kinds: list[str]) -> tuple[str, ...]:
+    for period in range(1, len(kinds) + 1):
+        if len(kinds) % period == 0 and kinds == kinds[:period] * (len(kinds) // period):
+            return tuple(kinds[:period])
+    return tuple(kinds)
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
+    # transformers 5 writes "rope_parameters" (theta inside); 4.x writes "rope_theta" + "rope_scaling".
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, scaling="linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return RopeConfig(
+            theta=theta,
+            scaling="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_len=int(params["original_max_position_embeddings"]),
+        )
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
+
+
+def _rope_to_hf(rope: RopeConfig) -> dict[str, Any] | None:
+    if rope.scaling == "none":
+        return None
+    if rope.scaling == "linear":
+        return {"rope_type": "linear", "factor": rope.factor}
+    return {
+        "rope_type": "llama3",
+        "factor": rope.factor,
+        "low_freq_factor": rope.low_freq_factor,
+        "high_freq_factor": rope.high_freq_factor,
+        "original_max_position_embeddings": rope.original_max_len,
+    }
+

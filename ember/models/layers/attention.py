@@ -1,0 +1,224 @@
+"""Multi-head attention (MHA / GQA / MQA) with causal, sliding-window and local+global masks,
+softmax or sigmoid scores, optional QK-norm and logit soft-cap, over an optional paged cache.
+
+The score math is ``ember.kernels_pallas.flash_attention``; this file decides what the
+kernel sees. Without a cache that is the sequence itself with a causal mask. With a cache,
+the chunk's keys and values are written into the pages first, then each query row attends
+over a window of keys read back from the pages, laid out so that a *static* mask expresses
+causality at any (per-row, traced) offset:
+
+    key index t of row b  <->  position  start_b - d + t      (start_b = positions[b, 0])
+    query index i         <->  position  start_b + i
+
+so key ``t`` is causally visible from query ``i`` iff ``t <= i + d``: the kernel's
+``window=(left, d)``. Keys at negative positions are masked with kv segment ids.
+
+Sigmoid scores use the kernel's bias ``-log(kv_len)``; to make it one constant per model
+(``-log(max_seq_len)``, the sigmoid-attention paper's ``-log n`` for the training context)
+rather than a function of the chunk, keys are padded (masked) to ``max_seq_len``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ember.core.sharding import constrain
+from ember.kernels_pallas.block_mask import LocalGlobalMask
+from ember.kernels_pallas.flash_attention import flash_attention
+from ember.models.cache import read_pages, write_pages
+from ember.models.config import SOFTMAX_FAMILY, ModelConfig
+from ember.models.layers.norm import RMSNorm
+from ember.models.layers.rope import apply_rope, rope_inverse_frequencies
+
+_NO_KEY = -1
+"""kv segment id of a masked key: never equal to a query's segment id (queries use >= 0)."""
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    config: ModelConfig,
+    kind: str,
+    segment_ids: jax.Array | None = None,
+    pages: dict[str, jax.Array] | None = None,
+    page_table: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    valid: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+    """Causal attention of ``kind`` for one layer, with or without a paged KV cache.
+
+    Args:
+      q: ``[batch, seq, heads, head_dim]`` (rotary embedding already applied).
+      k, v: ``[batch, seq, kv_heads, head_dim]``.
+      config: supplies window, global tokens, score, soft-cap, ``max_seq_len`` and impl.
+      kind: ``global``, ``local`` or ``block_sparse``.
+      segment_ids: without a cache, packed-document ids ``[batch, seq]`` (>= 0).
+      pages: ``{"k_pages", "v_pages"}`` of this layer (see ``ember.models.cache``), or None.
+      page_table, positions, valid: with ``pages``: ``[batch, pages_per_seq]``,
+        ``[batch, seq]`` (contiguous within a row) and ``[batch, seq]`` bool (False for
+        padding tokens, which are neither written nor attended to).
+
+    Returns:
+      ``(out [batch, seq, heads, head_dim], updated pages or None)``.
+    """
+    if kind not in SOFTMAX_FAMILY:
+        raise ValueError(f"attend: kind must be one of {', '.join(SOFTMAX_FAMILY)}, got {kind!r}")
+    options = dict(
+        logits_soft_cap=config.attn_soft_cap or None,
+        score=config.score,
+        impl=config.attention_impl,
+    )
+    if pages is None:
+        return _attend_sequence(q, k, v, config=config, kind=kind, segment_ids=segment_ids, options=options), None
+    pages = {
+        "k_pages": write_pages(pages["k_pages"], k, page_table, positions, valid),
+        "v_pages": write_pages(pages["v_pages"], v, page_table, positions, valid),
+    }
+    return _attend_pages(q, pages, config=config, kind=kind, page_table=page_table, positions=positions, valid=valid, options=options), pages
+
+
+def _attend_sequence(q, k, v, *, config, kind, segment_ids, options) -> jax.Array:
+    batch, seq = q.shape[:2]
+    window = (config.sliding_window - 1, 0) if kind == "local" else None
+    block_mask = LocalGlobalMask(config.sliding_window - 1, 0, config.global_tokens) if kind == "block_sparse" else None
+    if config.score == "sigmoid" and seq < config.max_seq_len:
+        pad = config.max_seq_len - seq
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        q_segments = jnp.zeros((batch, seq), jnp.int32) if segment_ids is None else segment_ids
+        segment_ids = (q_segments, jnp.pad(q_segments, ((0, 0), (0, pad)), constant_values=_NO_KEY))
+    return flash_attention(q, k, v, causal=True, window=window, block_mask=block_mask, segment_ids=segment_ids, **options)
+
+
+def _attend_pages(q, pages, *, config, kind, page_table, positions, valid, options) -> jax.Array:
+    batch, seq = q.shape[:2]
+    capacity = page_table.shape[1] * pages["k_pages"].shape[1]
+    start = positions[:, :1]
+    keys = capacity if kind == "global" else config.sliding_window - 1 + seq
+    offset = keys - seq  # d: key t of a row sits at position start - d + t
+    key_positions = start - offset + jnp.arange(keys)[None, :]
+    if config.score == "sigmoid":
+        if keys > config.max_seq_len:
+            raise ValueError(
+                f"score='sigmoid' needs the cache to hold at most max_seq_len={config.max_seq_len} tokens "
+                f"(the sigmoid bias is -log(max_seq_len)), got room for {keys}"
+            )
+        # Masked keys appended at the end fix kv_len (hence the bias) at max_seq_len.
+        padding = jnp.full((batch, config.max_seq_len - keys), -1, key_positions.dtype)
+        key_positions = jnp.concatenate([key_positions, padding], axis=1)
+    key_valid = key_positions >= 0
+    # Key t is visible from query i iff  i + d - left' <= t <= i + d  with left' the window.
+    left = keys if kind == "global" else config.sliding_window - 1 - offset
+    attention_kwargs: dict[str, Any] = dict(window=(left, offset))
+    if kind == "block_sparse":
+        q, key_positions, key_valid, attention_kwargs = _with_global_prefix(q, key_positions, key_valid, start, config, seq)
+    q_segments = valid.astype(jnp.int32)
+    if kind == "block_sparse":
+        q_segments = jnp.concatenate([jnp.zeros((batch, config.global_tokens), jnp.int32), q_segments], axis=1)
+    kv_segments = jnp.where(key_valid, 1, _NO_KEY).astype(jnp.int32)
+    k = read_pages(pages["k_pages"], page_table, key_positions)
+    v = read_pages(pages["v_pages"], page_table, key_positions)
+    out = flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids=(q_segments, kv_segments), **attention_kwargs, **options)
+    return out[:, -seq:]
+
+
+def _with_global_prefix(q, key_positions, key_valid, start, config, seq):
+    """Local + global with a cache: keys ``[global 0..G-1 | local window]`` and queries
+    front-padded by ``G`` dummy rows, so the kernel's ``LocalGlobalMask`` (global by
+    *index*) expresses "every query sees the first G positions" (global by *position*).
+
+    A global position before the chunk is read in the prefix and masked in the window;
+    one inside the chunk is read in the window only. Exact while the chunk is at most
+    ``sliding_window`` tokens long (checked by the caller).
+    """
+    batch = q.shape[0]
+    num_global = config.global_tokens
+    if config.score == "sigmoid":
+        raise ValueError(
+            "block_sparse layers with score='sigmoid' cannot use a cache: the kernel's sigmoid bias "
+            "-log(kv_len) would differ from the uncached pass"
+        )
+    if seq > config.sliding_window:
+        raise ValueError(
+            f"block_sparse layers take cached chunks of at most sliding_window={config.sliding_window} "
+            f"tokens, got {seq}; split the prefill into smaller chunks"
+        )
+    global_positions = jnp.broadcast_to(jnp.arange(num_global)[None, :], (batch, num_global))
+    global_valid = global_positions < start
+    window_valid = key_valid & ~((key_positions < num_global) & (key_positions < start))
+    q = jnp.concatenate([jnp.zeros((batch, num_global, *q.shape[2:]), q.dtype), q], axis=1)
+    mask = LocalGlobalMask(0, config.sliding_window - 1, num_global)
+    return (
+        q,
+        jnp.concatenate([global_positions, key_positions], axis=1),
+        jnp.concatenate([global_valid, window_valid], axis=1),
+        dict(block_mask=mask),
+    )
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: ``x [batch, seq, embed] -> [batch, seq, embed]``.
+
+    Parameters: ``q/kernel [embed, heads, head_dim]``, ``k/kernel`` and ``v/kernel``
+    ``[embed, kv_heads, head_dim]`` (``bias`` with ``qkv_bias``), ``o/kernel
+    [heads, head_dim, embed]``, and ``q_norm``/``k_norm`` (``[head_dim]``) with ``qk_norm``.
+    """
+
+    config: ModelConfig
+    kind: str = "global"
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+        pages: dict[str, jax.Array] | None = None,
+        page_table: jax.Array | None = None,
+        valid: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        config = self.config
+        policy = config.policy
+        heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_size
+
+        def projection(name, features, axes):
+            return nn.DenseGeneral(
+                features=features,
+                use_bias=config.qkv_bias,
+                dtype=policy.compute_dtype,
+                param_dtype=policy.param_dtype,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("embed", *axes)),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes),
+                name=name,
+            )
+
+        q = projection("q", (heads, head_dim), ("heads", "head_dim"))(x)
+        k = projection("k", (kv_heads, head_dim), ("kv_heads", "head_dim"))(x)
+        v = projection("v", (kv_heads, head_dim), ("kv_heads", "head_dim"))(x)
+        if config.qk_norm:
+            q = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="q_norm")(q)
+            k = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="k_norm")(k)
+        inv_freq = rope_inverse_frequencies(head_dim, config.rope)
+        q = constrain(apply_rope(q, positions, inv_freq), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(apply_rope(k, positions, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        out, pages = attend(
+            q, k, v, config=config, kind=self.kind, segment_ids=segment_ids,
+            pages=pages, page_table=page_table, positions=positions, valid=valid,
+        )
+        out = nn.DenseGeneral(
+            features=x.shape[-1],
+            axis=(-2, -1),
+            use_bias=False,
+            dtype=policy.compute_dtype,
+            param_dtype=policy.param_dtype,
+            kernel_init=nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("heads", "head_dim", "embed")),
+            name="o",
+        )(out)
+        return out, pages
