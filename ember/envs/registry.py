@@ -25,6 +25,7 @@ _BUILTIN = {
     "MountainCarContinuous-v0": "ember.envs.classic_control.mountain_car:MountainCarContinuous",
     "Acrobot-v1": "ember.envs.classic_control.acrobot:Acrobot",
     "Breakout-MinAtar": "ember.envs.minatar.breakout:BreakoutMinAtar",
+    "KeyDoorMaze-v0": "ember.envs.maze:KeyDoorMaze",
 }
 
 
