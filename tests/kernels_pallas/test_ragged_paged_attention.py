@@ -1,0 +1,133 @@
+"""ragged_paged_attention: mixed prefill chunks and decodes in one call, the Pallas kernel
+(interpret mode) and the XLA path against the reference; the reference against
+hand-computed causal attention per sequence and against paged_attention for decodes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.kernels_pallas.paged_attention import paged_attention_reference
+from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from tests.kernels_pallas.flash_checks import FAST_COMPILE
+from tests.kernels_pallas.paged_checks import contiguous_cache, random_paged_cache
+from tests.tolerances import assert_allclose
+
+PAGE_SIZE = 8
+NUM_TOKENS = 48
+# One step of a serving loop (page size 8, token budget 48):
+#   seq 0: prefill of a fresh prompt, 5 tokens             (cache 5)
+#   seq 1: decode                                          (cache 17: one past two pages)
+#   seq 2: unused slot                                     (no tokens)
+#   seq 3: prefill chunk continuing a prompt across pages  (tokens 12..29 of 30)
+#   seq 4: decode with exactly one page cached             (cache 8)
+#   seq 5: decode of the first token                       (cache 1)
+#   seq 6: prefill chunk filling the table exactly         (tokens 17..31 of 32)
+# Rows 41..47 of the budget are padding.
+QUERY_STARTS = jnp.array([0, 5, 6, 6, 24, 25, 26], jnp.int32)
+QUERY_LENS = jnp.array([5, 1, 0, 18, 1, 1, 15], jnp.int32)
+KV_LENS = jnp.array([5, 17, 0, 30, 8, 1, 32], jnp.int32)
+PADDING_ROWS = slice(41, None)
+
+
+def _setup(rng, dtype, heads=8, kv_heads=2, head_dim=64):
+    k_cache, k_query = jax.random.split(rng)
+    k_pages, v_pages, page_table = random_paged_cache(
+        k_cache, num_pages=40, page_size=PAGE_SIZE, kv_heads=kv_heads, head_dim=head_dim,
+        num_seqs=QUERY_LENS.shape[0], max_pages_per_seq=4, dtype=dtype,
+    )
+    q = jax.random.normal(k_query, (NUM_TOKENS, heads, head_dim), dtype)
+    return q, k_pages, v_pages, page_table
+
+
+def _metadata():
+    return QUERY_STARTS, QUERY_LENS, KV_LENS
+
+
+@pytest.mark.parametrize(
+    "dtype, block_q, pages_per_block, options",
+    [
+        (jnp.float32, 8, 1, {}),
+        (jnp.bfloat16, 16, 2, {}),
+        (jnp.float32, 16, 1, dict(window=(6, 0), logits_soft_cap=3.0)),
+    ],
+)
+def test_kernel_matches_reference(rng, dtype, block_q, pages_per_block, options):
+    q, k_pages, v_pages, page_table = _setup(rng, dtype)
+    kernel = jax.jit(
+        lambda *a: ragged_paged_attention(
+            *a, block_q=block_q, pages_per_block=pages_per_block, impl="interpret", **options
+        ),
+        compiler_options=FAST_COMPILE,
+    )
+    out = kernel(q, k_pages, v_pages, page_table, *_metadata())
+    as_f32 = [x.astype(jnp.float32) for x in (q, k_pages, v_pages)]
+    expected = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **options))(*as_f32, page_table, *_metadata())
+    assert out.dtype == dtype
+    assert_allclose(out, expected, dtype=dtype)
+    assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
+
+
+def _numpy_causal_run(q_run, keys, values, kv_len, window):
+    """Hand-computed attention of a run of new queries ``[n, heads, d]`` (the last ``n``
+    positions of a ``kv_len``-token sequence) over its contiguous cache, float64."""
+    n, heads, head_dim = q_run.shape
+    group = heads // keys.shape[1]
+    out = np.zeros(q_run.shape)
+    for i in range(n):
+        position = kv_len - n + i
+        for h in range(heads):
+            logits = keys[: position + 1, h // group] @ q_run[i, h] / np.sqrt(head_dim)
+            if window is not None:
+                logits[: max(0, position - window[0])] = -np.inf
+            weights = np.exp(logits - logits.max())
+            out[i, h] = (weights / weights.sum()) @ values[: position + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, (4, 0)])
+def test_xla_path_matches_hand_computed_causal_attention(rng, window):
+    q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=4, kv_heads=2, head_dim=16)
+    run = jax.jit(lambda *a: ragged_paged_attention(*a, window=window, impl="xla"))
+    out = np.asarray(run(q, k_pages, v_pages, page_table, *_metadata()))
+    covered = np.zeros(NUM_TOKENS, dtype=bool)
+    for seq, (start, n, kv_len) in enumerate(zip(*(np.asarray(m) for m in _metadata()))):
+        if n == 0:
+            continue
+        keys = contiguous_cache(k_pages, page_table, seq, kv_len).astype(np.float64)
+        values = contiguous_cache(v_pages, page_table, seq, kv_len).astype(np.float64)
+        expected = _numpy_causal_run(np.asarray(q[start : start + n], np.float64), keys, values, kv_len, window)
+        assert_allclose(out[start : start + n], expected, dtype=jnp.float32, err_msg=f"sequence {seq}")
+        covered[start : start + n] = True
+    assert np.all(out[~covered] == 0.0)
+
+
+def test_decode_rows_equal_paged_attention(rng):
+    q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=4, kv_heads=1, head_dim=16)
+    out = jax.jit(ragged_paged_attention_reference)(q, k_pages, v_pages, page_table, *_metadata())
+    decodes = np.flatnonzero(np.asarray(QUERY_LENS) == 1)
+    starts = QUERY_STARTS[decodes]
+    expected = jax.jit(paged_attention_reference)(q[starts], k_pages, v_pages, page_table[decodes], KV_LENS[decodes])
+    assert_allclose(out[starts], expected)
+
+
+@pytest.mark.parametrize(
+    "change, argument",
+    [
+        (lambda a: {**a, "q": a["q"][None]}, "q"),
+        (lambda a: {**a, "q": a["q"][:, :3]}, "heads"),
+        (lambda a: {**a, "page_table": a["page_table"][0]}, "page_table"),
+        (lambda a: {**a, "query_starts": a["query_starts"][:-1]}, "query_starts"),
+        (lambda a: {**a, "query_lens": a["query_lens"].astype(jnp.float32)}, "query_lens"),
+        (lambda a: {**a, "kv_lens": a["kv_lens"][None]}, "kv_lens"),
+        (lambda a: {**a, "block_q": 0}, "block_q"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(rng, change, argument):
+    q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=4, kv_heads=2, head_dim=16)
+    args = dict(
+        q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table,
+        query_starts=QUERY_STARTS, query_lens=QUERY_LENS, kv_lens=KV_LENS,
+    )
+    with pytest.raises(ValueError, match=argument):
+        ragged_paged_attention(**change(args), impl="xla")
