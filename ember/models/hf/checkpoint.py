@@ -1,0 +1,68 @@
+"""Reading and writing Hugging Face checkpoint directories (``config.json`` + safetensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from ember.models.config import ModelConfig
+from ember.models.hf.config_map import config_from_hf, config_to_hf
+from ember.models.hf.weights import params_from_hf, params_to_hf
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
+    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 directory.
+
+    Args:
+      path: directory with ``config.json`` and ``model.safetensors`` or a sharded
+        ``model.safetensors.index.json`` + shards.
+      dtype: dtype of the returned (numpy) parameters.
+      config_overrides: ``ModelConfig`` fields to set (``precision="bf16"``,
+        ``scan_layers=False``, ``attention_impl=...``).
+
+    Raises:
+      FileNotFoundError: no config.json or no safetensors weights in ``path``.
+      ValueError: an unsupported architecture, config field or tensor, named.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    config = config_from_hf(json.loads(config_file.read_text()), **config_overrides)
+    return config, params_from_hf(config, read_state(path), dtype=dtype)
+
+
+def save(path: str | Path, config: ModelConfig, params: dict[str, Any], *, model_type: str = "llama", dtype: Any = None) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` (one file) loadable by
+    ``transformers`` ``AutoModelForCausalLM.from_pretrained(path)`` and by :func:`load`.
+
+    ``model_type``: ``llama``, ``mistral`` or ``qwen2`` (must express ``config``).
+    """
+    path = Path(path)
+    hf_config = config_to_hf(config, model_type)
+    path.mkdir(parents=True, exist_ok=True)
+    state = params_to_hf(config, params, dtype=dtype)
+    hf_config["torch_dtype"] = str(next(iter(state.values())).dtype)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(state, str(path / SINGLE_FILE), metadata={"format": "pt"})
+
+
+def read_state(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of the checkpoint in ``path`` (single file or sharded with an index)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, np.ndarray] = {}
+        for shard in shards:
+            state.update(load_file(str(path / shard)))
+        return state
+    if (path / SINGLE_FILE).is_file():
+        return load_file(str(path / SINGLE_FILE))
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
