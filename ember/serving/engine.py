@@ -1,0 +1,223 @@
+"""``Engine``: continuous batching over a compiled :class:`~ember.serving.program.DeviceProgram`.
+
+    engine = Engine.from_model(config, params, tokenizer=ByteTokenizer(), num_slots=8)
+    results = engine.generate(["Once upon", "The"], SamplingParams(max_tokens=32))
+    for event in engine.stream(["Hello"], SamplingParams(max_tokens=8)): ...
+
+Each :meth:`Engine.step` asks the scheduler for a token budget's worth of chunks, lays them
+out as rows of the smallest compiled chunk width that fits, transfers the step's inputs in
+one explicit ``device_put``, runs the compiled step (cache pages donated) and fetches the
+sampled tokens in one explicit ``device_get``. Nothing else crosses between host and
+device, so a step runs under ``jax.transfer_guard("disallow")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from ember.serving.program import DeviceProgram, batch_arrays
+from ember.serving.requests import FINISH_ERROR, GenerationResult, Request, SamplingParams, TokenEvent
+from ember.serving.sampling import fill_settings, settings_array
+from ember.serving.scheduler import Scheduler, SchedulerConfig
+
+
+class Tokenizer(Protocol):
+    eos_id: int
+
+    def encode(self, text: str) -> Sequence[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    """Serves requests on one device program; see the module docstring."""
+
+    def __init__(
+        self,
+        program: DeviceProgram,
+        *,
+        token_budget: int | None = None,
+        tokenizer: Tokenizer | None = None,
+        eos_id: int | None = None,
+    ):
+        """Args:
+          program: the compiled steps and their cache.
+          token_budget: tokens per step over all rows; default ``num_slots - 1 +`` the
+            chunk size (every decode plus one full prefill chunk).
+          tokenizer: turns text prompts and stop strings into tokens and outputs into text.
+          eos_id: end-of-sequence token; default the tokenizer's, else none.
+        """
+        self.program = program
+        self.tokenizer = tokenizer
+        chunk_size = max(program.widths)
+        self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_slots=program.num_slots,
+                token_budget=token_budget or program.num_slots - 1 + chunk_size,
+                chunk_size=chunk_size,
+                page_size=program.page_size,
+                num_pages=program.num_pages,
+                max_context=program.max_context,
+                eos_id=self.eos_id,
+            )
+        )
+        self._requests: dict[int, Request] = {}
+        self._next_id = 0
+        self.tokens_generated = 0
+
+    @classmethod
+    def from_model(cls, config: Any, params: Any, *, tokenizer: Tokenizer | None = None, eos_id: int | None = None,
+                   token_budget: int | None = None, **program_options: Any) -> Engine:
+        """An engine for ``DecoderLM(config)`` with ``params``; ``program_options`` go to
+        :func:`ember.serving.model_program.build_program` (``num_slots``, ``widths``,
+        ``max_context``, ``num_pages``, ``kv_dtype``)."""
+        from ember.serving.model_program import build_program  # keeps artifact serving free of model code
+
+        return cls(build_program(config, params, **program_options), token_budget=token_budget,
+                   tokenizer=tokenizer, eos_id=eos_id)
+
+    # Requests -----------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of ``prompt``; raises ``ValueError`` describing what is wrong with it."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids (prompt_tokens) instead")
+            tokens = [int(t) for t in self.tokenizer.encode(prompt)]
+        else:
+            if any(isinstance(t, bool) or not isinstance(t, int | np.integer) for t in prompt):
+                raise ValueError("prompt tokens must be integers")
+            tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        vocab = self.program.vocab_size
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token {tokens[bad]} at index {bad} is out of range [0, {vocab})")
+        if len(tokens) > self.program.max_context:
+            raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context of {self.program.max_context}")
+        return tokens
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Queues a request and returns its id; raises ``ValueError`` for a bad prompt."""
+        params = SamplingParams() if params is None else params
+        tokens = self.encode_prompt(prompt)
+        stops = params.stop_token_ids
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+            stops = stops + tuple(tuple(int(t) for t in self.tokenizer.encode(s)) for s in params.stop)
+        request = Request(self._next_id, tokens, params, stop_sequences=stops)
+        self._next_id += 1
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def result(self, request_id: int) -> GenerationResult:
+        """The result of a finished request (which the engine then forgets)."""
+        request = self._requests[request_id]
+        if not request.finished:
+            raise ValueError(f"request {request_id} has not finished")
+        del self._requests[request_id]
+        return GenerationResult(
+            request_id=request_id,
+            tokens=list(request.output),
+            finish_reason=request.finish_reason,
+            text=self.tokenizer.decode(request.output) if self.tokenizer is not None else None,
+            logprobs=list(request.logprobs) if request.params.logprobs else None,
+        )
+
+    # Running ------------------------------------------------------------------------------
+
+    def step(self, token_budget: int | None = None) -> list[TokenEvent]:
+        """Runs one iteration; returns the token events it produced."""
+        chunks = self.scheduler.schedule(token_budget)
+        if not chunks:
+            return []
+        program = self.program
+        width = next(w for w in program.widths if w >= max(len(chunk.tokens) for chunk in chunks))
+        batch = batch_arrays(program.num_slots, width, program.pages_per_seq)
+        settings = settings_array(program.num_slots)
+        for chunk in chunks:
+            request, row, count = chunk.request, chunk.request.slot, len(chunk.tokens)
+            batch["tokens"][row, :count] = chunk.tokens
+            batch["starts"][row] = chunk.start
+            batch["counts"][row] = count
+            batch["page_table"][row, : len(request.pages)] = request.pages
+            fill_settings(settings, row, request.params, sample_index=len(request.output))
+        batch, settings = jax.device_put((batch, settings))
+        program.kv, tokens, logprobs = program.steps[width](program.params, program.kv, batch, settings)
+        tokens, logprobs = jax.device_get((tokens, logprobs))
+        rows = [chunk.request.slot for chunk in chunks]
+        events = self.scheduler.commit(chunks, tokens[rows].tolist(), logprobs[rows].tolist())
+        self.tokens_generated += sum(event.token is not None for event in events)
+        return events
+
+    def run_until_done(self, request_ids: Iterable[int]) -> Iterator[TokenEvent]:
+        """Steps until every request of ``request_ids`` finished, yielding their events
+        (other queued requests run too; their events are not yielded)."""
+        pending = {i for i in request_ids if not self._requests[i].finished}
+        while pending:
+            for event in self.step():
+                if event.request_id in pending:
+                    yield event
+                    if event.finish_reason is not None:
+                        pending.discard(event.request_id)
+
+    def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[TokenEvent]:
+        """Token events of ``prompts`` as they are generated (request ids count up from the
+        first prompt's). Every prompt is validated before any runs (``ValueError``).
+        Tokens are streamed as sampled: the tail of a stop sequence appears in the stream
+        although the final result leaves it out."""
+        params_list = _params_per_prompt(prompts, params)
+        for prompt in prompts:
+            self.encode_prompt(prompt)
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params_list)]
+        yield from self.run_until_done(ids)
+        for request_id in ids:
+            self._requests.pop(request_id, None)
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, progress: Any = None) -> list[GenerationResult]:
+        """Generates for every prompt; results in prompt order. A bad prompt gets a result
+        with ``finish_reason="error"`` and ``error`` set; the others run normally.
+        ``progress``: an optional tqdm-like bar, advanced by one per generated token."""
+        params_list = _params_per_prompt(prompts, params)
+        ids: list[int | str] = []
+        for prompt, p in zip(prompts, params_list):
+            try:
+                ids.append(self.add_request(prompt, p))
+            except ValueError as error:
+                ids.append(str(error))
+        for event in self.run_until_done([i for i in ids if isinstance(i, int)]):
+            if progress is not None and event.token is not None:
+                progress.update(1)
+        return [
+            self.result(i) if isinstance(i, int) else GenerationResult(-1, [], FINISH_ERROR, error=i) for i in ids
+        ]
+
+
+def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingParams]:
+    if isinstance(prompts, str):
+        raise ValueError("prompts must be a list of prompts (text or token lists), got a single string")
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    return params
+
+
+__all__ = ["Engine", "Prompt", "Tokenizer"]

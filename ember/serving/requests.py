@@ -1,0 +1,150 @@
+"""What a caller asks of the engine and what it gets back: ``SamplingParams``, the host-side
+``Request`` the scheduler moves through its states, and the JSON-serialisable
+``GenerationResult`` / ``TokenEvent``.
+
+A request's sequence is ``prompt + output``; ``num_computed`` of its tokens have their keys
+and values in the paged cache. Preemption by recompute sets ``num_computed`` back to 0 and
+keeps ``output``, so the recomputed prefix is the prompt plus what was generated so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+FINISH_STOP = "stop"
+"""Finished on the end-of-sequence token or a stop sequence (neither is part of the output)."""
+FINISH_LENGTH = "length"
+"""Finished on ``max_tokens`` or on the context limit."""
+FINISH_ERROR = "error"
+"""Rejected before running (see ``GenerationResult.error``)."""
+
+MAX_SEED = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    ``temperature`` 0 is greedy (``top_k``/``top_p``/``seed`` then play no part); ``top_k``
+    0 keeps every token; ``top_p`` 1 keeps every token. Top-k is applied first, then top-p
+    on the renormalised top-k distribution. The ``i``-th generated token of a request is
+    drawn with ``fold_in(PRNGKey(seed), i)``, so a seed gives the same tokens whatever else
+    is in the batch. ``stop`` holds text stop sequences (matched on the token sequence their
+    tokenizer encoding gives); ``stop_token_ids`` holds stop sequences as token ids.
+    ``logprobs`` asks for the model's log-probability of each generated token (of the
+    unmodified distribution, before temperature/top-k/top-p).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[tuple[int, ...], ...] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        sequences = tuple(tuple(int(t) for t in sequence) for sequence in self.stop_token_ids)
+        if any(not sequence for sequence in sequences):
+            raise ValueError("stop_token_ids must hold non-empty token sequences")
+        object.__setattr__(self, "stop_token_ids", sequences)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
+        """From a JSON object's sampling fields; unknown names raise ``ValueError``."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
+        return cls(**fields)
+
+
+@dataclasses.dataclass
+class Request:
+    """One request's host-side state (owned and mutated by the scheduler)."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """The whole sequence: prompt then generated tokens."""
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """One step of one request in a stream: the new token (None when the request finished
+    without one, e.g. on EOS) and, on the last event, the finish reason."""
+
+    request_id: int
+    token: int | None
+    logprob: float | None = None
+    finish_reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """A finished request: generated ``tokens`` (without EOS or a matched stop sequence),
+    ``text`` when the engine knows a tokenizer, ``finish_reason`` and, on request,
+    per-token ``logprobs``; or ``error`` (with ``finish_reason`` ``"error"``)."""
+
+    request_id: int
+    tokens: list[int]
+    finish_reason: str
+    text: str | None = None
+    logprobs: list[float] | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A dict of JSON types, without the fields that do not apply."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+__all__ = [
+    "FINISH_ERROR",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "GenerationResult",
+    "Request",
+    "SamplingParams",
+    "TokenEvent",
+]

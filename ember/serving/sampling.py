@@ -1,0 +1,88 @@
+"""On-device token sampling for a batch of requests with per-row settings.
+
+Every row carries its own temperature, top-k, top-p, seed and sample index (the index of
+the token being generated within its request). The random key of a row is
+``fold_in(PRNGKey(seed), sample_index)``: a function of the request alone, so a seeded
+request draws the same tokens whichever batch, slot or step it runs in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ember.serving.requests import SamplingParams
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "sample_index")
+"""The per-row arrays ``sample_tokens`` takes, in a dict (all ``[rows]``)."""
+
+
+def sample_tokens(logits: jax.Array, settings: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row.
+
+    Args:
+      logits: ``[rows, vocab]``.
+      settings: ``temperature`` float32 ``[rows]`` (0 = greedy), ``top_k`` int32
+        ``[rows]`` (0 = off), ``top_p`` float32 ``[rows]`` (1 = off), ``seed`` and
+        ``sample_index`` int32 ``[rows]``.
+
+    Returns:
+      ``(tokens int32 [rows], logprobs float32 [rows])``: the drawn tokens and their
+      log-probabilities under the unmodified model distribution ``log_softmax(logits)``.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    temperature = settings["temperature"]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    ordered = -jnp.sort(-scaled, axis=-1)  # [rows, vocab], descending
+    rank = jnp.arange(vocab)[None, :]
+    top_k = jnp.where(settings["top_k"] > 0, jnp.minimum(settings["top_k"], vocab), vocab)
+    in_top_k = rank < top_k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
+    # Nucleus: keep a token while the mass of the tokens ranked above it is below top_p.
+    mass_above = jnp.cumsum(probs, axis=-1) - probs
+    kept = in_top_k & (mass_above < settings["top_p"][:, None])
+    num_kept = jnp.maximum(jnp.sum(kept, axis=-1), 1)
+    threshold = jnp.take_along_axis(ordered, (num_kept - 1)[:, None], axis=-1)
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.PRNGKey(seed), index))(
+        settings["seed"], settings["sample_index"]
+    )
+    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    tokens = jnp.where(temperature > 0, drawn, greedy)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
+
+
+def settings_array(rows: int) -> dict[str, np.ndarray]:
+    """Host buffers for ``rows`` rows of settings (greedy defaults), filled per step."""
+    return {
+        "temperature": np.zeros((rows,), np.float32),
+        "top_k": np.zeros((rows,), np.int32),
+        "top_p": np.ones((rows,), np.float32),
+        "seed": np.zeros((rows,), np.int32),
+        "sample_index": np.zeros((rows,), np.int32),
+    }
+
+
+def fill_settings(settings: dict[str, np.ndarray], row: int, params: SamplingParams, sample_index: int) -> None:
+    """Writes one request's ``params`` into row ``row`` of host ``settings``."""
+    settings["temperature"][row] = params.temperature
+    settings["top_k"][row] = params.top_k
+    settings["top_p"][row] = params.top_p
+    settings["seed"][row] = params.seed
+    settings["sample_index"][row] = sample_index
+
+
+def settings_spec(rows: int) -> dict[str, Any]:
+    """``jax.ShapeDtypeStruct``s of ``settings_array(rows)`` (for lowering and export)."""
+    return {name: jax.ShapeDtypeStruct(array.shape, array.dtype) for name, array in settings_array(rows).items()}
+
+
+__all__ = ["SAMPLING_FIELDS", "fill_settings", "sample_tokens", "settings_array", "settings_spec"]

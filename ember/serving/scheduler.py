@@ -1,0 +1,197 @@
+"""The host-side scheduler: which tokens of which requests the next device step processes.
+
+Each iteration fills a token budget in Sarathi-Serve's stall-free order:
+
+1. running requests that are decoding (one token each), so no decode ever waits behind a
+   prompt;
+2. running requests part-way through their prefill (the continuing chunks);
+3. new requests from the waiting queue, first come first served, while a slot, pages and
+   budget remain (none in an iteration that had to preempt).
+
+A request's chunk is at most ``chunk_size`` tokens (the width of a device row). Pages come
+from a :class:`~ember.serving.pages.PageAllocator` as a request's sequence grows and all go
+back when it finishes. When a running request needs a page and none is free, the most
+recently admitted running request not yet scheduled this iteration is preempted by
+recompute (pages freed, back to the waiting queue in arrival order, to be prefilled again
+with what it generated so far); if there is none, the request itself is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from ember.serving.pages import PageAllocator, pages_needed
+from ember.serving.requests import FINISH_LENGTH, FINISH_STOP, Request, TokenEvent
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes the scheduler works within.
+
+    ``num_slots``: rows of the device step (requests running at once); ``token_budget``:
+    tokens per iteration over all rows; ``chunk_size``: tokens per row per iteration;
+    ``page_size``/``num_pages``: the paged cache; ``max_context``: the longest sequence a
+    request may reach (prompt + generated); ``eos_id``: end-of-sequence token or None.
+    """
+
+    num_slots: int
+    token_budget: int
+    chunk_size: int
+    page_size: int
+    num_pages: int
+    max_context: int
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_slots", "token_budget", "chunk_size", "page_size", "num_pages", "max_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_pages < pages_needed(self.max_context, self.page_size):
+            raise ValueError(
+                f"num_pages ({self.num_pages}) must hold at least one sequence of max_context "
+                f"({self.max_context}) tokens = {pages_needed(self.max_context, self.page_size)} pages"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``request.tokens[start : start + len(tokens)]`` to run in row ``request.slot``."""
+
+    request: Request
+    start: int
+    tokens: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk ends at the sequence's last token (its sampled token is kept)."""
+        return self.start + len(self.tokens) == self.request.num_tokens
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler with chunked prefill and recompute preemption."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.allocator = PageAllocator(config.num_pages)
+        self.waiting: list[Request] = []  # sorted by request_id (arrival order)
+        self.running: list[Request] = []  # admission order
+        self._free_slots = list(range(config.num_slots - 1, -1, -1))
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        """Queues ``request`` (validated by the caller: non-empty prompt within the context)."""
+        bisect.insort(self.waiting, request, key=lambda r: r.request_id)
+
+    def schedule(self, token_budget: int | None = None) -> list[ScheduledChunk]:
+        """The chunks of the next iteration (at most ``token_budget`` tokens, default the
+        configured one); allocates their pages and slots, preempting when pages run out."""
+        budget = self.config.token_budget if token_budget is None else token_budget
+        if budget < 1:
+            raise ValueError(f"token_budget must be positive, got {budget}")
+        chunks: list[ScheduledChunk] = []
+        preemptions_before = self.num_preemptions
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted as a victim earlier in this loop
+                continue
+            count = self._reserve_running(request, min(request.num_tokens - request.num_computed, budget), chunks)
+            if count:
+                chunks.append(self._chunk(request, count))
+                budget -= count
+        # After a preemption the pool is short: admitting now would only thrash.
+        admit = self.num_preemptions == preemptions_before
+        while admit and budget and self.waiting and self._free_slots:
+            request = self.waiting[0]
+            room = self.allocator.num_free * self.config.page_size
+            count = min(request.num_tokens, budget, self.config.chunk_size, room)
+            if count < 1:
+                break
+            self.waiting.pop(0)
+            request.slot = self._free_slots.pop()
+            self.running.append(request)
+            request.pages = self.allocator.allocate(pages_needed(count, self.config.page_size))
+            chunks.append(self._chunk(request, count))
+            budget -= count
+        return chunks
+
+    def commit(self, chunks: list[ScheduledChunk], tokens: list[int], logprobs: list[float]) -> list[TokenEvent]:
+        """Records a step's results: ``tokens[i]``/``logprobs[i]`` were sampled after
+        ``chunks[i]``. Returns one event per request that got a token or finished."""
+        events = []
+        for chunk, token, logprob in zip(chunks, tokens, logprobs, strict=True):
+            request = chunk.request
+            sampled = chunk.samples
+            request.num_computed = chunk.start + len(chunk.tokens)
+            if sampled:
+                events.append(self._append(request, int(token), float(logprob)))
+        return events
+
+    def _chunk(self, request: Request, count: int) -> ScheduledChunk:
+        start = request.num_computed
+        return ScheduledChunk(request, start, request.tokens[start : start + count])
+
+    def _reserve_running(self, request: Request, count: int, chunks: list[ScheduledChunk]) -> int:
+        """Allocates pages for up to ``count`` (capped at ``chunk_size``) more tokens of a
+        running request, preempting others (or itself) if none fit. Returns the tokens to run."""
+        count = min(count, self.config.chunk_size)
+        page_size = self.config.page_size
+        scheduled = {id(chunk.request) for chunk in chunks}
+        while True:
+            room = (len(request.pages) + self.allocator.num_free) * page_size - request.num_computed
+            if room >= 1:
+                count = min(count, room)
+                missing = pages_needed(request.num_computed + count, page_size) - len(request.pages)
+                request.pages += self.allocator.allocate(max(missing, 0))
+                return count
+            victims = [r for r in self.running if r is not request and id(r) not in scheduled]
+            if not victims:
+                self.preempt(request)
+                return 0
+            self.preempt(victims[-1])
+
+    def preempt(self, request: Request) -> None:
+        """Frees ``request``'s pages and slot and requeues it to be recomputed."""
+        self._release(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.request_id)
+
+    def _append(self, request: Request, token: int, logprob: float) -> TokenEvent:
+        params = request.params
+        if token == self.config.eos_id and not params.ignore_eos:
+            return self._finish(request, FINISH_STOP, token=None, logprob=None)
+        request.output.append(token)
+        request.logprobs.append(logprob)
+        for sequence in request.stop_sequences:
+            if tuple(request.output[-len(sequence) :]) == sequence:
+                del request.output[-len(sequence) :]
+                del request.logprobs[-len(sequence) :]
+                return self._finish(request, FINISH_STOP, token=token, logprob=logprob)
+        # The next step would feed the new token at position num_tokens - 1.
+        if len(request.output) >= params.max_tokens or request.num_tokens > self.config.max_context:
+            return self._finish(request, FINISH_LENGTH, token=token, logprob=logprob)
+        return TokenEvent(request.request_id, token, logprob)
+
+    def _finish(self, request: Request, reason: str, *, token: int | None, logprob: float | None) -> TokenEvent:
+        request.finish_reason = reason
+        self._release(request)
+        return TokenEvent(request.request_id, token, logprob, finish_reason=reason)
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+        self.running.remove(request)
+        self._free_slots.append(request.slot)
+        request.slot = None
+
+
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig"]

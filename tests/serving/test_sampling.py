@@ -1,0 +1,117 @@
+"""Device-side sampling against hand-built masks and ``jax.random.categorical``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.serving.requests import SamplingParams
+from ember.serving.sampling import fill_settings, sample_tokens, settings_array
+from tests.tolerances import assert_allclose
+
+sample = jax.jit(sample_tokens)
+
+
+def settings_for(params_list, indices):
+    settings = settings_array(len(params_list))
+    for row, (params, index) in enumerate(zip(params_list, indices)):
+        fill_settings(settings, row, params, index)
+    return settings
+
+
+def hand_masked(logits_row, params):
+    """Temperature, then top-k, then top-p on the renormalised top-k distribution, in numpy."""
+    scaled = np.asarray(logits_row, np.float64) / params.temperature
+    order = np.argsort(-scaled, kind="stable")
+    keep = np.zeros(scaled.shape, bool)
+    k = params.top_k or scaled.size
+    top = scaled[order[:k]]
+    probs = np.exp(top - top.max())
+    probs /= probs.sum()
+    above = 0.0
+    for rank, token in enumerate(order[:k]):
+        if above < params.top_p or rank == 0:
+            keep[token] = True
+        above += probs[rank]
+    return np.where(keep, scaled, -np.inf)
+
+
+def test_greedy_rows_take_the_argmax_and_report_model_logprobs(rng):
+    logits = jax.random.normal(rng, (5, 37)) * 3
+    tokens, logprobs = sample(logits, settings_for([SamplingParams()] * 5, range(5)))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    expected = jax.nn.log_softmax(logits)[np.arange(5), np.argmax(logits, axis=-1)]
+    assert_allclose(logprobs, expected)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy_at_any_temperature(rng):
+    logits = jax.random.normal(rng, (6, 50)) * 2
+    params = [SamplingParams(temperature=2.5, top_k=1, seed=s) for s in range(3)]
+    params += [SamplingParams(temperature=2.5, top_p=1e-6, seed=s) for s in range(3)]
+    tokens, _ = sample(logits, settings_for(params, range(6)))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+
+
+def test_hand_computed_nucleus_of_three_tokens():
+    # p = [0.5, 0.3, 0.2], top_p = 0.7: token 1 is kept (0.5 above it), token 2 is not
+    # (0.8 above it); the draw is from [0.625, 0.375, 0] with the request's key.
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]] * 64))
+    params = [SamplingParams(temperature=1.0, top_p=0.7, seed=seed) for seed in range(64)]
+    tokens, logprobs = sample(logits, settings_for(params, [3] * 64))
+    expected = [
+        int(jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(seed), 3), jnp.log(jnp.array([0.625, 0.375, 0.0]))))
+        for seed in range(64)
+    ]
+    np.testing.assert_array_equal(tokens, expected)
+    assert set(np.asarray(tokens).tolist()) == {0, 1}
+    assert_allclose(logprobs, np.log(np.array([0.5, 0.3, 0.2]))[np.asarray(tokens)])
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.6), (7, 0.8)])
+def test_masked_sampling_matches_categorical_over_the_hand_mask(rng, top_k, top_p):
+    logit_key, temperature_key = jax.random.split(rng)
+    rows = 16
+    logits = np.asarray(jax.random.normal(logit_key, (rows, 40)) * 2)
+    temperatures = np.asarray(jax.random.uniform(temperature_key, (rows,), minval=0.3, maxval=2.0))
+    params = [SamplingParams(temperature=float(t), top_k=top_k, top_p=top_p, seed=1000 + r) for r, t in enumerate(temperatures)]
+    indices = list(range(rows))
+    tokens, _ = sample(jnp.asarray(logits), settings_for(params, indices))
+    for row in range(rows):
+        key = jax.random.fold_in(jax.random.PRNGKey(params[row].seed), indices[row])
+        expected = jax.random.categorical(key, jnp.asarray(hand_masked(logits[row], params[row]), jnp.float32))
+        assert int(tokens[row]) == int(expected), f"row {row}"
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch_position(rng):
+    logits = jax.random.normal(rng, (1, 64))
+    mine = SamplingParams(temperature=1.0, top_k=20, seed=42)
+    alone, _ = sample(logits, settings_for([mine], [7]))
+    others = [SamplingParams(temperature=0.7, seed=s) for s in range(5)]
+    batch = jnp.concatenate([jax.random.normal(jax.random.fold_in(rng, 1), (5, 64)), logits])
+    together, _ = sample(batch[jnp.array([0, 1, 5, 2, 3, 4])], settings_for(others[:2] + [mine] + others[2:], [0, 1, 7, 2, 3, 4]))
+    assert int(together[2]) == int(alone[0])
+    # Over the sample index, the draws vary: the key depends on it.
+    draws = {int(sample(logits, settings_for([mine], [i]))[0][0]) for i in range(12)}
+    assert len(draws) > 1
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_sampling_params_reject_bad_values(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def test_sampling_params_from_dict_names_unknown_fields():
+    assert SamplingParams.from_dict({"max_tokens": 3, "stop": "x"}) == SamplingParams(max_tokens=3, stop=("x",))
+    with pytest.raises(ValueError, match="temprature"):
+        SamplingParams.from_dict({"temprature": 1.0})

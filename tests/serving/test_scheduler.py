@@ -1,0 +1,166 @@
+"""The host-side scheduler and page allocator on hand-worked schedules (no device)."""
+
+import jax
+import numpy as np
+import pytest
+
+from ember.serving.pages import PageAllocator
+from ember.serving.requests import Request, SamplingParams
+from ember.serving.scheduler import Scheduler, SchedulerConfig
+
+
+def make_scheduler(**overrides):
+    fields = dict(num_slots=3, token_budget=6, chunk_size=4, page_size=2, num_pages=16, max_context=16, eos_id=99)
+    fields.update(overrides)
+    return Scheduler(SchedulerConfig(**fields))
+
+
+def request(request_id, prompt_len, **params):
+    return Request(request_id, list(range(10, 10 + prompt_len)), SamplingParams(**params))
+
+
+def layout(chunks):
+    return [(chunk.request.request_id, chunk.start, len(chunk.tokens)) for chunk in chunks]
+
+
+def commit_all(scheduler, chunks, token=7):
+    return scheduler.commit(chunks, [token] * len(chunks), [-0.5] * len(chunks))
+
+
+def test_page_allocator_free_list_accounting():
+    allocator = PageAllocator(5)
+    first = allocator.allocate(3)
+    assert first == [0, 1, 2] and allocator.num_free == 2
+    with pytest.raises(MemoryError):
+        allocator.allocate(3)
+    assert allocator.num_free == 2  # a failed allocation takes nothing
+    allocator.free([1])
+    assert allocator.allocate(1) == [1]  # freed pages are reused first
+    with pytest.raises(ValueError, match="twice"):
+        allocator.free([4])
+    with pytest.raises(ValueError, match="not in"):
+        allocator.free([9])
+    allocator.free([0, 1, 2])
+    assert allocator.num_free == 5
+
+
+def test_stall_free_order_decodes_then_continuing_prefill_then_new():
+    scheduler = make_scheduler()
+    a, b = request(0, 5, max_tokens=3), request(1, 3, max_tokens=3)
+    scheduler.add(a)
+    scheduler.add(b)
+    step = scheduler.schedule()
+    # Budget 6, rows of at most 4: A's first chunk, then B's first 2 tokens.
+    assert layout(step) == [(0, 0, 4), (1, 0, 2)]
+    assert a.pages == [0, 1] and b.pages == [2]
+    assert commit_all(scheduler, step) == []  # neither chunk reached a sequence's end
+    step = scheduler.schedule()
+    assert layout(step) == [(0, 4, 1), (1, 2, 1)]
+    assert a.pages == [0, 1, 3] and b.pages == [2, 4]
+    events = commit_all(scheduler, step, token=21)
+    assert [(e.request_id, e.token) for e in events] == [(0, 21), (1, 21)]
+    c, d = request(2, 9, max_tokens=1), request(3, 2)
+    scheduler.add(c)
+    scheduler.add(d)
+    step = scheduler.schedule()
+    # Decodes of A and B first (1 token each), then C's first chunk; D finds no slot free.
+    assert layout(step) == [(0, 5, 1), (1, 3, 1), (2, 0, 4)]
+    commit_all(scheduler, step, token=22)
+    step = scheduler.schedule()
+    # A and B decode their third token, then C's prefill continues.
+    assert layout(step) == [(0, 6, 1), (1, 4, 1), (2, 4, 4)]
+    events = commit_all(scheduler, step, token=23)
+    assert [(e.request_id, e.finish_reason) for e in events] == [(0, "length"), (1, "length")]
+    assert a.output == [21, 22, 23] and a.slot is None and a.pages == []
+    step = scheduler.schedule()
+    # C's last prompt token, then D is admitted into a freed slot.
+    assert layout(step) == [(2, 8, 1), (3, 0, 2)]
+    events = commit_all(scheduler, step, token=24)
+    assert [(e.request_id, e.token, e.finish_reason) for e in events] == [(2, 24, "length"), (3, 24, None)]
+    while scheduler.has_unfinished:
+        commit_all(scheduler, scheduler.schedule())
+    assert scheduler.allocator.num_free == 16
+
+
+def test_finish_on_eos_stop_sequence_and_context():
+    scheduler = make_scheduler(num_slots=4, token_budget=16, max_context=6, num_pages=16)
+    eos = request(0, 2, max_tokens=10)
+    stop = Request(1, [1, 2], SamplingParams(max_tokens=10), stop_sequences=((5, 6),))
+    ignore = request(2, 2, max_tokens=3, ignore_eos=True)
+    context = request(3, 4, max_tokens=10)
+    for r in (eos, stop, ignore, context):
+        scheduler.add(r)
+    scheduler.commit(scheduler.schedule(), [4, 5, 99, 3], [-1.0] * 4)
+    scheduler.commit(scheduler.schedule(), [99, 6, 99, 3], [-2.0] * 4)
+    assert (eos.output, eos.finish_reason) == ([4], "stop")  # EOS ends without being output
+    assert (stop.output, stop.finish_reason) == ([], "stop")  # the stop sequence is trimmed
+    assert ignore.output == [99, 99] and not ignore.finished
+    # Context 6: prompt 4 + 2 generated = 6 tokens; one more could not be fed back.
+    assert context.output == [3, 3] and not context.finished
+    scheduler.commit(scheduler.schedule(), [99, 3], [-1.0, -1.0])
+    assert ignore.finish_reason == "length" and ignore.output == [99, 99, 99]
+    assert context.finish_reason == "length" and context.output == [3, 3, 3]
+    assert stop.logprobs == [] and ignore.logprobs == [-1.0, -2.0, -1.0]
+    assert scheduler.allocator.num_free == 16 and not scheduler.has_unfinished
+
+
+def test_preemption_by_recompute_under_a_tiny_pool():
+    # 4 pages of 2 tokens = one full sequence of max_context 8; two requests must share.
+    scheduler = make_scheduler(num_slots=2, token_budget=8, chunk_size=4, num_pages=4, max_context=8)
+    a, b = request(0, 4, max_tokens=4), request(1, 4, max_tokens=4)
+    scheduler.add(a)
+    scheduler.add(b)
+    step = scheduler.schedule()
+    assert layout(step) == [(0, 0, 4), (1, 0, 4)]
+    commit_all(scheduler, step, token=1)  # both at 5 tokens, 2 pages each, pool empty
+    step = scheduler.schedule()
+    # A's decode (position 4) needs a third page: B (admitted last, not yet scheduled) is preempted.
+    assert layout(step) == [(0, 4, 1)]
+    assert b.num_computed == 0 and b.pages == [] and b.slot is None and b.output == [1]
+    assert scheduler.waiting == [b] and scheduler.num_preemptions == 1
+    commit_all(scheduler, step, token=2)
+    step = scheduler.schedule()
+    # A decodes; B is readmitted to recompute prompt + its generated token, as far as pages allow.
+    assert layout(step) == [(0, 5, 1), (1, 0, 2)]
+    assert step[1].tokens == [10, 11]
+    while scheduler.has_unfinished:
+        commit_all(scheduler, scheduler.schedule(), token=3)
+    assert a.output == [1, 2, 3, 3] and b.output[:1] == [1] and len(b.output) == 4
+    assert scheduler.allocator.num_free == 4
+
+
+def test_random_workloads_keep_page_accounting(rng):
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    for trial in range(20):
+        config = dict(
+            num_slots=int(generator.integers(1, 5)),
+            token_budget=int(generator.integers(1, 12)),
+            chunk_size=int(generator.integers(1, 6)),
+            page_size=int(generator.integers(1, 4)),
+            max_context=24,
+        )
+        config["num_pages"] = -(-24 // config["page_size"]) + int(generator.integers(0, 6))
+        scheduler = make_scheduler(**config)
+        requests = [request(i, int(generator.integers(1, 16)), max_tokens=int(generator.integers(1, 10))) for i in range(8)]
+        for r in requests[:4]:
+            scheduler.add(r)
+        pending = requests[4:]
+        for _ in range(2000):
+            if not scheduler.has_unfinished and not pending:
+                break
+            if pending and generator.random() < 0.3:
+                scheduler.add(pending.pop(0))
+            chunks = scheduler.schedule()
+            for chunk in chunks:
+                r = chunk.request
+                # The chunk continues the sequence and its pages hold it.
+                assert chunk.tokens == r.tokens[chunk.start : chunk.start + len(chunk.tokens)]
+                assert len(r.pages) * config["page_size"] >= chunk.start + len(chunk.tokens)
+            assert sum(len(c.tokens) for c in chunks) <= config["token_budget"]
+            held = [p for r in scheduler.running for p in r.pages]
+            assert len(held) == len(set(held)) == scheduler.allocator.num_pages - scheduler.allocator.num_free
+            commit_all(scheduler, chunks, token=int(generator.integers(0, 50)))
+        assert not scheduler.has_unfinished and not pending, f"trial {trial} did not finish"
+        assert scheduler.allocator.num_free == config["num_pages"]
+        for r in requests:
+            assert r.finished and len(r.output) == min(r.params.max_tokens, 24 + 1 - len(r.prompt))
