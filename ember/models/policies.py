@@ -238,14 +238,21 @@ class Critic(nn.Module):
 
 
 class ActorCritic(nn.Module):
-    """Separate actor and critic networks on one observation: ``obs -> (distribution, value)``."""
+    """Separate actor and critic networks on one observation: ``obs -> (distribution, value)``.
+    ``apply(variables, obs, method="value")`` runs the critic alone."""
 
     action: DiscreteActions | BoxActions
     config: PolicyConfig = PolicyConfig()
 
-    @nn.compact
+    def setup(self):
+        self.actor = Actor(self.action, self.config)
+        self.critic = Critic(self.config)
+
     def __call__(self, obs: jax.Array) -> tuple[Categorical | Gaussian, jax.Array]:
-        return Actor(self.action, self.config, name="actor")(obs), Critic(self.config, name="critic")(obs)
+        return self.actor(obs), self.critic(obs)
+
+    def value(self, obs: jax.Array) -> jax.Array:
+        return self.critic(obs)
 
 
 class QNetwork(nn.Module):

@@ -1,0 +1,65 @@
+"""The schema of RL experiment configs (``configs/rl/*.yaml``), read by ``ember train``.
+
+    kind: rl
+    algo: ppo                  # ppo | dqn | ippo | mappo
+    run_dir: runs/ppo_cartpole
+    seed: 0
+    env: {id: CartPole-v1}
+    ppo: {total_timesteps: 150000, learning_rate: 1.0e-3}
+    eval: {episodes: 100}
+
+Only the section named by ``algo`` is used; the others keep their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ember.training.rl.ppo import PPOConfig
+
+ALGORITHMS = ("ppo",)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """Which environment: ``id`` as registered in ``ember.envs`` and overrides of its
+    default parameters (``params: {max_steps_in_episode: 200}``)."""
+
+    id: str = "CartPole-v1"
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The final evaluation: ``episodes`` whole episodes with the greedy (``deterministic``)
+    or sampled policy."""
+
+    episodes: int = 100
+    deterministic: bool = True
+
+    def __post_init__(self):
+        if self.episodes < 1:
+            raise ValueError(f"eval.episodes must be a positive integer, got {self.episodes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """An RL experiment: algorithm, environment, run directory, seed and the algorithm's section."""
+
+    kind: str = "rl"
+    algo: str = "ppo"
+    run_dir: str = "runs/rl"
+    seed: int = 0
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        if self.kind != "rl":
+            raise ValueError(f"kind must be 'rl' for an RL config, got {self.kind!r}")
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"algo must be one of {ALGORITHMS}, got {self.algo!r}")
+
+
+__all__ = ["ALGORITHMS", "EnvConfig", "EvalConfig", "RLConfig"]

@@ -1,0 +1,204 @@
+"""An RL run from a config: train, log, checkpoint, evaluate (what ``ember train`` calls for
+``kind: rl``), and the evaluation of a finished run (``ember eval``).
+
+A run directory holds:
+
+    config.yaml       the resolved config (every default filled in)
+    metrics.jsonl     one record per update: step (env steps), update, episode_return, losses...
+    tensorboard/      the same metrics as TensorBoard event files
+    checkpoints/      the final parameters (``ember.core.checkpoint``)
+    eval.json         the final evaluation: mean_return, std_return, episodes, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+import ember.envs
+from ember.core.checkpoint import CheckpointManager
+from ember.core.config import load_config, to_yaml
+from ember.core.errors import EmberError
+from ember.training.metrics import MetricsWriter
+from ember.training.rl import ppo
+from ember.training.rl.config import EnvConfig, RLConfig
+from ember.training.rl.evaluate import evaluate
+
+CONFIG_FILE = "config.yaml"
+EVAL_FILE = "eval.json"
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """How the runner drives one algorithm.
+
+    Attributes:
+      section: ``config -> the algorithm's config section``.
+      make_train: ``(section, env, env_params, on_update) -> train(rng)``.
+      steps_per_update: ``section -> env steps per update`` (the metrics' x axis).
+      num_updates: ``section -> number of updates``.
+      make_act: ``(section, env, env_params, params, deterministic) -> act(obs, key)``.
+    """
+
+    section: Callable[[RLConfig], Any]
+    make_train: Callable[..., Callable]
+    steps_per_update: Callable[[Any], int]
+    num_updates: Callable[[Any], int]
+    make_act: Callable[..., Callable]
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "ppo": Algorithm(
+        section=lambda config: config.ppo,
+        make_train=lambda section, env, env_params, on_update: ppo.make_train(section, env, env_params, on_update=on_update),
+        steps_per_update=lambda section: section.num_envs * section.num_steps,
+        num_updates=lambda section: section.num_updates,
+        make_act=lambda section, env, env_params, params, deterministic: ppo.make_act(
+            ppo.make_policy(section, env, env_params), params, deterministic=deterministic
+        ),
+    ),
+}
+
+
+def make_env(config: EnvConfig):
+    """``(env, env_params)`` for the ``env:`` section."""
+    return ember.envs.make(config.id, **dict(config.params))
+
+
+def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Trains ``config.algo`` on ``config.env``, writes the run directory (module docstring)
+    and returns the evaluation summary written to ``eval.json``.
+
+    An RL run is one compiled program with no intermediate checkpoints, so ``resume`` is
+    refused: rerun it (CartPole takes seconds) into a fresh ``run_dir``.
+    """
+    from tqdm.auto import tqdm
+
+    run_dir = Path(config.run_dir)
+    if resume:
+        raise EmberError("RL runs are one compiled program without intermediate checkpoints and cannot --resume; rerun instead")
+    if (run_dir / CHECKPOINT_DIR).is_dir() and any((run_dir / CHECKPOINT_DIR).iterdir()):
+        raise EmberError(f"run_dir {run_dir} already holds a finished run; choose another run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(to_yaml(config))
+    algorithm = ALGORITHMS[config.algo]
+    section = algorithm.section(config)
+    env, env_params = make_env(config.env)
+    num_updates = algorithm.num_updates(section)
+
+    bar = tqdm(total=num_updates, desc=f"{config.algo} {config.env.id}", unit="update", disable=not progress)
+
+    def on_update(metrics):
+        bar.update(1)
+        if int(metrics["episodes"]) > 0:
+            bar.set_postfix(episode_return=f"{float(metrics['episode_return']):.1f}")
+
+    train = jax.jit(algorithm.make_train(section, env, env_params, on_update))
+    result = jax.block_until_ready(train(jax.random.key(config.seed)))
+    bar.close()
+
+    steps_per_update = algorithm.steps_per_update(section)
+    metrics = jax.tree.map(np.asarray, result["metrics"])
+    writer = MetricsWriter(run_dir)
+    for update in range(num_updates):
+        record = {name: values[update].item() for name, values in metrics.items()}
+        if record["episodes"] == 0:  # no episode ended in this update: no return to report
+            record.pop("episode_return")
+            record.pop("episode_length")
+        writer.write((update + 1) * steps_per_update, {"update": update + 1, **record})
+    writer.close()
+
+    with CheckpointManager(run_dir / CHECKPOINT_DIR, max_to_keep=1) as manager:
+        manager.save(num_updates, {"params": result["params"]}, extra={"algo": config.algo, "env_id": config.env.id})
+
+    summary = evaluate_params(config, result["params"], config.eval.episodes, seed=config.seed + 1)
+    (run_dir / EVAL_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return {**summary, "run_dir": str(run_dir)}
+
+
+def load_run(run_dir: str | Path) -> tuple[RLConfig, Any]:
+    """The config and final parameters of a finished run."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}")
+    config = load_config(RLConfig, run_dir / CONFIG_FILE)
+    restored = CheckpointManager(run_dir / CHECKPOINT_DIR).restore()
+    return config, restored.state["params"]
+
+
+def evaluate_params(
+    config: RLConfig, params: Any, episodes: int, *, seed: int, deterministic: bool | None = None
+) -> dict[str, Any]:
+    """Runs the policy ``params`` of ``config`` for ``episodes`` episodes; a JSON-ready summary."""
+    algorithm = ALGORITHMS[config.algo]
+    env, env_params = make_env(config.env)
+    deterministic = config.eval.deterministic if deterministic is None else deterministic
+    act = algorithm.make_act(algorithm.section(config), env, env_params, params, deterministic)
+    returns, lengths = evaluate(act, env, env_params, jax.random.key(seed), episodes)
+    returns, lengths = np.asarray(returns, np.float64), np.asarray(lengths)
+    return {
+        "env_id": config.env.id,
+        "algo": config.algo,
+        "episodes": int(episodes),
+        "deterministic": bool(deterministic),
+        "mean_return": float(returns.mean()),
+        "std_return": float(returns.std()),
+        "min_return": float(returns.min()),
+        "max_return": float(returns.max()),
+        "mean_length": float(lengths.mean()),
+    }
+
+
+def record_episode(config: RLConfig, params: Any, *, seed: int, deterministic: bool | None = None) -> np.ndarray:
+    """Frames ``[time, height, width, 3]`` (uint8) of one episode of the policy, from the
+    first observation to the last state before the episode ended."""
+    algorithm = ALGORITHMS[config.algo]
+    env, env_params = make_env(config.env)
+    deterministic = config.eval.deterministic if deterministic is None else deterministic
+    act = algorithm.make_act(algorithm.section(config), env, env_params, params, deterministic)
+    max_steps = int(env_params.max_steps_in_episode)
+
+    @jax.jit
+    def rollout(key):
+        reset_key, key = jax.random.split(key)
+        obs, state = env.reset(reset_key, env_params)
+
+        def step(carry, key):
+            obs, state, running = carry
+            act_key, env_key = jax.random.split(key)
+            frame = env.render(state, env_params)
+            action = jax.tree.map(lambda a: a[0], act(jax.tree.map(lambda o: o[None], obs), act_key))
+            obs, state, _, terminated, truncated, _ = env.step(env_key, state, action, env_params)
+            return (obs, state, running & ~(terminated | truncated)), (frame, running)
+
+        _, (frames, shown) = jax.lax.scan(step, (obs, state, True), jax.random.split(key, max_steps))
+        return frames, shown
+
+    frames, shown = rollout(jax.random.key(seed))
+    return np.asarray(frames)[np.asarray(shown)]
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    mean, std = summary["mean_return"], summary["std_return"]
+    spread = "" if math.isnan(std) else f" +- {std:.2f}"
+    return f"{summary['algo']} on {summary['env_id']}: mean return {mean:.2f}{spread} over {summary['episodes']} episodes"
+
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "evaluate_params",
+    "format_summary",
+    "load_run",
+    "make_env",
+    "record_episode",
+    "run_experiment",
+]
