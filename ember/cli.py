@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ember.core.system_info", "show JAX version, backend, devices and Pallas lowering support"),
     "train": ("ember.training.launcher", "train from a YAML config: ember train CONFIG.yaml [key=value ...] [--resume]"),
     "plot": ("ember.training.plot", "draw a run's metrics (loss, returns, ...) against the step into a PNG"),
+    "eval": ("ember.training.rl.eval_command", "run a trained RL policy for N episodes: ember eval RUN_DIR --episodes N [--gif out.gif]"),
     "data": ("ember.training.data.cli", "prepare text files as memory-mapped token files for LM training"),
 }
 

@@ -11,7 +11,9 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 def schema_for(section: str):
     """The schema of configs/<section>/*.yaml. Each package that ships configs adds its own."""
-    schemas = {}
+    schemas = {
+        "rl": lambda: __import__("ember.training.rl.config", fromlist=["RLConfig"]).RLConfig,
+    }
     if section not in schemas:
         pytest.fail(f"no schema known for configs/{section}/; add it to tests/test_configs.py:schema_for")
     return schemas[section]()
