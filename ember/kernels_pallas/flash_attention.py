@@ -34,10 +34,13 @@ from ember.kernels_pallas.block_mask import (
 )
 from ember.kernels_pallas.dispatch import resolve_impl
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
+from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 SCORES: tuple[str, ...] = ("softmax", "sigmoid")
 # The kernels are written for the GPU (Triton) lowering; TPU "auto" uses the XLA path.
 KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
+# Queries per piece of the XLA path: bounds its scores to [batch, heads, 512, kv_len].
+XLA_QUERY_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +188,14 @@ def flash_attention_reference(
         q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
         logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
     )
+    segments = normalize_segment_ids(segment_ids, problem.batch, problem.q_len, problem.kv_len)
+    q_segments, kv_segments = (None, None) if segments is None else segments
+    return _dense_attention(q, k, v, q_segments, kv_segments, problem, q_offset=0)
+
+
+def _dense_attention(q, k, v, q_segments, kv_segments, problem: AttentionProblem, *, q_offset) -> jax.Array:
+    """The reference math for queries ``q [batch, n, heads, head_dim]`` at positions
+    ``q_offset .. q_offset + n - 1`` (``q_segments [batch, n]`` or None) over all keys."""
     batch, q_len, heads, head_dim = q.shape
     kv_heads, group = problem.kv_heads, problem.group
     q32 = q.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, head_dim)
@@ -193,11 +204,10 @@ def flash_attention_reference(
     visible = jnp.ones((1, q_len, problem.kv_len), dtype=bool)
     if problem.mask is not None:
         visible = visible & problem.mask.visible(
-            jnp.arange(q_len)[:, None], jnp.arange(problem.kv_len)[None, :]
+            q_offset + jnp.arange(q_len)[:, None], jnp.arange(problem.kv_len)[None, :]
         )
-    segments = normalize_segment_ids(segment_ids, batch, q_len, problem.kv_len)
-    if segments is not None:
-        visible = visible & (segments[0][:, :, None] == segments[1][:, None, :])
+    if q_segments is not None:
+        visible = visible & (q_segments[:, :, None] == kv_segments[:, None, :])
     visible = visible[:, None, None]  # [batch or 1, 1, 1, q_len, kv_len]
     if problem.score == "sigmoid":
         weights = jnp.where(visible, jax.nn.sigmoid(logits + problem.sigmoid_bias), 0.0)
@@ -205,6 +215,30 @@ def flash_attention_reference(
         weights = masked_softmax(logits, visible)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32))
     return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+
+
+def _chunked_xla_attention(q, k, v, segments, problem: AttentionProblem) -> jax.Array:
+    """The XLA path: the reference math over chunks of ``XLA_QUERY_CHUNK`` queries, each
+    rematerialized in the backward, so memory is ``O(chunk * kv_len)`` instead of
+    ``O(q_len * kv_len)``. Short queries go through in one piece."""
+    q_segments, kv_segments = (None, None) if segments is None else segments
+    if problem.q_len <= XLA_QUERY_CHUNK:
+        return _dense_attention(q, k, v, q_segments, kv_segments, problem, q_offset=0)
+    num_chunks = -(-problem.q_len // XLA_QUERY_CHUNK)
+
+    def chunks(x):  # [batch, q_len, ...] -> [num_chunks, batch, chunk, ...]
+        x = pad_axis_to_multiple(x, 1, XLA_QUERY_CHUNK)
+        return jnp.moveaxis(x.reshape(x.shape[0], num_chunks, XLA_QUERY_CHUNK, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one_chunk(args):
+        q_chunk, q_segment_chunk, offset = args
+        return _dense_attention(q_chunk, k, v, q_segment_chunk, kv_segments, problem, q_offset=offset)
+
+    offsets = jnp.arange(num_chunks) * XLA_QUERY_CHUNK
+    out = jax.lax.map(one_chunk, (chunks(q), None if q_segments is None else chunks(q_segments), offsets))
+    out = jnp.moveaxis(out, 0, 1).reshape(problem.batch, num_chunks * XLA_QUERY_CHUNK, problem.heads, problem.head_dim)
+    return out[:, : problem.q_len]
 
 
 def flash_attention(
@@ -248,9 +282,10 @@ def flash_attention(
         blocks with at least one visible pair.
       block_sizes: kernel tiles, :class:`FlashBlockSizes`; default 128 x 128 (shrunk for
         short sequences). With an :class:`ExplicitBlockMask` they must divide its blocks.
-      impl: ``"auto"`` (Pallas on GPU/TPU, else XLA), ``"pallas"``, ``"interpret"`` (the
-        Pallas kernels run by the interpreter, any backend) or ``"xla"``
-        (:func:`flash_attention_reference`, differentiated by XLA).
+      impl: ``"auto"`` (Pallas on GPU, else XLA), ``"pallas"``, ``"interpret"`` (the
+        Pallas kernels run by the interpreter, any backend) or ``"xla"`` (the reference
+        math in rematerialized chunks of 512 queries, differentiated by XLA; memory
+        ``O(512 * kv_len)`` per head).
 
     Lengths need not be multiples of the block sizes. A query with no visible key returns
     zeros (never NaN), and its gradient is zero.
@@ -275,12 +310,9 @@ def flash_attention(
             min(block_sizes.block_kv, _largest_pow2_divisor(block_mask.block_kv)),
         ) if block_sizes == FlashBlockSizes() else block_sizes
     resolved = resolve_impl(impl, op="flash_attention", kernel_backends=KERNEL_BACKENDS)
-    if resolved == "xla":
-        return flash_attention_reference(
-            q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
-            logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
-        )
     segments = normalize_segment_ids(segment_ids, problem.batch, problem.q_len, problem.kv_len)
+    if resolved == "xla":
+        return _chunked_xla_attention(q, k, v, segments, problem)
     return flash_attention_kernel(
         q, k, v, segments, problem=problem, block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),
         interpret=resolved == "interpret",

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
 from tests.kernels_pallas.flash_checks import assert_kernel_matches_reference, random_qkv
 from tests.tolerances import assert_allclose
@@ -55,6 +56,26 @@ def test_xla_path_matches_jax_dot_product_attention(rng, options):
     out, expected, our_grads, their_grads = values_and_grads(q, k, v, d_out)
     assert_allclose(out, expected)
     for got, want in zip(our_grads, their_grads):
+        assert_allclose(got, want)
+
+
+def test_xla_path_chunks_long_queries_like_the_reference(rng):
+    """1000 queries: two rematerialized chunks of 512, the second padded."""
+    q, k, v, d_out = random_qkv(rng, batch=1, q_len=1000, kv_len=1000, heads=2, kv_heads=1, head_dim=16)
+    segments = jnp.repeat(jnp.arange(4), 250)[None]
+    options = dict(causal=True, segment_ids=segments, block_mask=LocalGlobalMask(100, 30, 8))
+
+    @jax.jit
+    def values_and_grads(q, k, v, d_out):
+        results = []
+        for fn in (lambda *a: flash_attention(*a, impl="xla", **options), lambda *a: flash_attention_reference(*a, **options)):
+            out, vjp = jax.vjp(fn, q, k, v)
+            results.append((out, vjp(d_out)))
+        return results
+
+    (out, grads), (expected, expected_grads) = values_and_grads(q, k, v, d_out)
+    assert_allclose(out, expected)
+    for got, want in zip(grads, expected_grads):
         assert_allclose(got, want)
 
 
