@@ -1,0 +1,216 @@
+"""ember.kernels_pallas.linear_attention: the chunked forms (XLA and the Pallas kernels in
+the interpreter) against the scan reference and the quadratic form, values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.kernels_pallas.linear_attention import (
+    ChunkSize,
+    linear_attention,
+    linear_attention_quadratic,
+    linear_attention_reference,
+    linear_attention_step,
+)
+from tests.tolerances import assert_allclose
+
+IMPLS = ["xla", "interpret"]
+
+
+def numpy_generator(key) -> np.random.Generator:
+    """A numpy generator seeded from the test's PRNG key: fresh inputs per test without
+    compiling JAX's random-bit kernels for every shape (slow on CPU)."""
+    return np.random.default_rng(np.asarray(jax.random.key_data(key)))
+
+
+def make_inputs(key, *, dtype=jnp.float32, batch=2, seq=37, qk_heads=1, heads=2, dk=8, dv=4, normalize=False):
+    """Random inputs with GQA (2 value heads per query/key head), data-dependent decay, an
+    initial state and packed documents; ``seq`` is not a multiple of the chunk sizes used."""
+    gen = numpy_generator(key)
+    normal = lambda *shape: gen.standard_normal(shape, np.float32)  # noqa: E731
+    q, k = normal(batch, seq, qk_heads, dk), normal(batch, seq, qk_heads, dk)
+    state = normal(batch, heads, dk, dv + int(normalize))
+    if normalize:  # positive feature maps, as normalisation assumes
+        q, k, state = np.logaddexp(q, 0), np.logaddexp(k, 0), np.abs(state)
+    boundaries = gen.random((batch, seq)) < 0.1
+    return dict(
+        q=jnp.asarray(q, dtype),
+        k=jnp.asarray(k, dtype),
+        v=jnp.asarray(normal(batch, seq, heads, dv), dtype),
+        log_decay=jnp.asarray(-np.logaddexp(2.0 * normal(batch, seq, heads), 0)),
+        initial_state=jnp.asarray(state),
+        segment_ids=jnp.asarray(np.cumsum(boundaries, axis=1) + 7, jnp.int32),
+    )
+
+
+GRAD_ARGS = ("q", "k", "v", "log_decay", "initial_state")
+
+
+def values_and_grads(fn, inputs, cotangent_key, **options):
+    """``((outputs, final_state), {name: gradient})`` of a random linear functional of the
+    outputs and the final state, so the gradients exercise every cotangent path. One jit."""
+    gen = numpy_generator(cotangent_key)
+    output_shape = inputs["v"].shape[:-1] + (inputs["v"].shape[-1],)
+    cotangents = (gen.standard_normal(output_shape, np.float32), gen.standard_normal(inputs["initial_state"].shape, np.float32))
+
+    def loss(differentiable, segment_ids, cotangents):
+        results = fn(**differentiable, segment_ids=segment_ids, return_final_state=True, **options)
+        return sum(jnp.sum(r.astype(jnp.float32) * c) for r, c in zip(results, cotangents)), results
+
+    differentiable = {n: inputs[n] for n in GRAD_ARGS}
+    (_, results), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(differentiable, inputs["segment_ids"], cotangents)
+    return results, grads
+
+
+def test_reference_matches_hand_computed_recurrence(rng):
+    """The reference against a numpy loop of S = exp(g) S + k^T v, o = q S (with one reset)."""
+    inputs = make_inputs(rng, batch=1, seq=9, qk_heads=2, heads=2)
+    segment_ids = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    outputs = linear_attention_reference(
+        inputs["q"], inputs["k"], inputs["v"], log_decay=inputs["log_decay"],
+        initial_state=inputs["initial_state"], segment_ids=segment_ids,
+    )
+    q, k, v, g = (np.asarray(inputs[n], np.float64)[0] for n in ("q", "k", "v", "log_decay"))
+    for head in range(2):
+        state = np.asarray(inputs["initial_state"], np.float64)[0, head]
+        for t in range(9):
+            state = (0.0 if t == 4 else np.exp(g[t, head])) * state + np.outer(k[t, head], v[t, head])
+            assert_allclose(outputs[0, t, head], q[t, head] @ state)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_scan_and_quadratic_agree_in_values_and_gradients(rng, impl, dtype):
+    key_inputs, key_cotangent = jax.random.split(rng)
+    inputs = make_inputs(key_inputs, dtype=dtype)
+    expected, expected_grads = values_and_grads(linear_attention_reference, inputs, key_cotangent)
+    forms = {
+        "chunked": values_and_grads(linear_attention, inputs, key_cotangent, chunk_size=8, impl=impl),
+        "quadratic": values_and_grads(linear_attention_quadratic, inputs, key_cotangent),
+    }
+    for form, (actual, grads) in forms.items():
+        assert actual[0].dtype == dtype
+        assert_allclose(actual[0], expected[0], dtype=dtype, err_msg=f"{form} outputs")
+        # The final state sums every token's contribution: error grows with the sequence.
+        assert_allclose(actual[1], expected[1], dtype=dtype, scale=4.0, err_msg=f"{form} final state")
+        for name in GRAD_ARGS:
+            # Gradients sum over the whole sequence and the cotangents: looser by that factor.
+            assert_allclose(grads[name], expected_grads[name], dtype=dtype, scale=8.0, err_msg=f"{form} d{name}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_normalized_outputs_and_gradients_match_reference(rng, impl):
+    key_inputs, key_cotangent = jax.random.split(rng)
+    inputs = make_inputs(key_inputs, normalize=True, seq=21)
+    expected, expected_grads = values_and_grads(linear_attention_reference, inputs, key_cotangent, normalize=True)
+    actual, grads = values_and_grads(linear_attention, inputs, key_cotangent, normalize=True, chunk_size=8, impl=impl)
+    assert_allclose(actual[0], expected[0])
+    assert_allclose(actual[1], expected[1])
+    for name in GRAD_ARGS:
+        assert_allclose(grads[name], expected_grads[name], scale=4.0, err_msg=f"d{name}")  # summed over seq
+
+
+def test_results_do_not_depend_on_chunk_size(rng):
+    inputs = make_inputs(rng, seq=45)
+    results = {
+        (impl, size): linear_attention(**inputs, return_final_state=True, chunk_size=size, impl=impl)
+        for impl, size in [("xla", 8), ("xla", 16), ("xla", 64), ("interpret", 16)]
+    }
+    baseline = results[("xla", 8)]
+    for config, (outputs, final_state) in results.items():
+        assert_allclose(outputs, baseline[0], err_msg=str(config))
+        assert_allclose(final_state, baseline[1], err_msg=str(config))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_two_halves_with_state_passed_equal_the_whole(rng, impl):
+    inputs = make_inputs(rng, seq=40)
+    split = 19  # inside a chunk and, below, inside a document: a call's first token continues
+    # the state's document (a new document starts from a fresh state instead).
+    ids = inputs["segment_ids"]
+    inputs["segment_ids"] = ids.at[:, split:].add((ids[:, split - 1] - ids[:, split])[:, None])
+    whole, whole_state = linear_attention(**inputs, return_final_state=True, chunk_size=8, impl=impl)
+
+    def half(part, initial_state):
+        cut = {n: inputs[n][:, part] for n in ("q", "k", "v", "log_decay", "segment_ids")}
+        return linear_attention(**cut, initial_state=initial_state, return_final_state=True, chunk_size=8, impl=impl)
+
+    first, state = half(slice(None, split), inputs["initial_state"])
+    second, final_state = half(slice(split, None), state)
+    assert_allclose(jnp.concatenate([first, second], axis=1), whole)
+    assert_allclose(final_state, whole_state)
+
+
+def test_step_by_step_decode_equals_the_full_scan(rng):
+    inputs = make_inputs(rng, seq=12, normalize=True)
+    del inputs["segment_ids"]
+    full, full_state = linear_attention(**inputs, normalize=True, return_final_state=True, chunk_size=8, impl="xla")
+    step = jax.jit(linear_attention_step, static_argnames="normalize")
+    state, outputs = inputs["initial_state"], []
+    for t in range(12):
+        output, state = step(
+            inputs["q"][:, t], inputs["k"][:, t], inputs["v"][:, t], state,
+            log_decay=inputs["log_decay"][:, t], normalize=True,
+        )
+        outputs.append(output)
+    assert_allclose(jnp.stack(outputs, axis=1), full)
+    assert_allclose(state, full_state)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_segment_resets_equal_documents_run_separately(rng, impl):
+    lengths = [5, 11, 9]  # document boundaries fall inside chunks of 8 and on none of them
+    inputs = make_inputs(rng, batch=1, seq=sum(lengths))
+    segment_ids = jnp.repeat(jnp.array([3, 1, 3]), jnp.array(lengths))[None]  # ids may repeat: changes reset
+    packed = linear_attention(**{**inputs, "segment_ids": segment_ids}, chunk_size=8, impl=impl)
+    start = 0
+    for index, length in enumerate(lengths):
+        document = {n: inputs[n][:, start : start + length] for n in ("q", "k", "v", "log_decay")}
+        # The initial state belongs to the first document only.
+        initial_state = inputs["initial_state"] if index == 0 else None
+        alone = linear_attention(**document, initial_state=initial_state, chunk_size=8, impl=impl)
+        assert_allclose(packed[:, start : start + length], alone, err_msg=f"document {index}")
+        start += length
+
+
+def test_strong_decay_and_long_chunks_stay_finite(rng):
+    inputs = make_inputs(rng, seq=64)
+    inputs["log_decay"] = inputs["log_decay"] * 20.0  # decays down to exp(-200) per step
+    expected = linear_attention_reference(**inputs)
+    # Cumulative log decays reach ~-1e4 inside a chunk, where float32 spacing is ~1e-3:
+    # weights exp(b_t - b_s) carry that relative error (as in the Mamba-2 and fla kernels).
+    assert_allclose(linear_attention(**inputs, chunk_size=64, impl="xla"), expected, scale=10.0)
+
+
+def _bad(**changes):
+    return changes
+
+
+BAD_INPUTS = [
+    ("q", _bad(q=jnp.ones((2, 5, 1)))),
+    ("k", _bad(k=jnp.ones((2, 5, 2, 3)))),
+    ("v", _bad(v=jnp.ones((2, 5, 3, 4)))),  # 3 value heads for 2 query/key heads
+    ("v", _bad(v=jnp.ones((2, 6, 4, 4)))),
+    ("q", _bad(q=jnp.ones((2, 5, 2, 8), jnp.int32), k=jnp.ones((2, 5, 2, 8), jnp.int32))),
+    ("q, k and v", _bad(v=jnp.ones((2, 5, 4, 4), jnp.bfloat16))),
+    ("log_decay", _bad(log_decay=jnp.zeros((2, 5, 2)))),
+    ("initial_state", _bad(initial_state=jnp.zeros((2, 4, 8, 5)))),
+    ("segment_ids", _bad(segment_ids=jnp.zeros((2, 5), jnp.float32))),
+    ("chunk_size", _bad(chunk_size=12)),
+    ("impl", _bad(impl="cuda")),
+]
+
+
+@pytest.mark.parametrize("argument, changes", BAD_INPUTS, ids=[f"{name}-{i}" for i, (name, _) in enumerate(BAD_INPUTS)])
+def test_bad_arguments_raise_value_error_naming_them(argument, changes):
+    good = dict(q=jnp.ones((2, 5, 2, 8)), k=jnp.ones((2, 5, 2, 8)), v=jnp.ones((2, 5, 4, 4)))
+    with pytest.raises(ValueError, match=argument):
+        linear_attention(**{**good, **changes})
+
+
+def test_chunk_size_validates_itself():
+    assert ChunkSize(16).chunk_size == 16
+    for bad in (0, 4, 24, 16.0, True):
+        with pytest.raises(ValueError, match="chunk_size"):
+            ChunkSize(bad)
