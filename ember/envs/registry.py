@@ -26,6 +26,8 @@ _BUILTIN = {
     "Acrobot-v1": "ember.envs.classic_control.acrobot:Acrobot",
     "Breakout-MinAtar": "ember.envs.minatar.breakout:BreakoutMinAtar",
     "KeyDoorMaze-v0": "ember.envs.maze:KeyDoorMaze",
+    "MPE-simple_spread": "ember.envs.mpe.simple_spread:SimpleSpread",
+    "MPE-simple_tag": "ember.envs.mpe.simple_tag:SimpleTag",
 }
 
 

@@ -1,0 +1,74 @@
+"""MPE simple_spread / simple_tag against JaxMARL's implementation: from identical states and
+actions, the same velocities (forces, damping, speed limits), observations and rewards;
+positions are integrated with the new velocity as in the original MPE (JaxMARL uses the
+old one, a documented difference)."""
+
+import jax
+import jax.numpy as jnp
+import jaxmarl
+import numpy as np
+import pytest
+
+import ember.envs
+from ember.envs.mpe import physics
+from tests.tolerances import assert_allclose
+
+CASES = {
+    "MPE-simple_spread": "MPE_simple_spread_v3",
+    "MPE-simple_tag": "MPE_simple_tag_v3",
+}
+
+
+@pytest.mark.parametrize("env_id", sorted(CASES))
+def test_matches_jaxmarl_physics_observations_and_rewards(env_id, rng):
+    env, params = ember.envs.make(env_id)
+    reference = jaxmarl.make(CASES[env_id])
+    assert env.agents == reference.agents
+    ours_step = jax.jit(env.step)
+    ours_obs, ours_rewards = jax.jit(env.observation), jax.jit(lambda s: env.rewards(s, params) if "spread" in env_id else env.rewards(s))
+    reference_step = jax.jit(reference.step_env)
+    _, reference_state = reference.reset(rng)
+    # Crowd the agents so that contact forces and collision rewards are exercised.
+    n = env.num_agents
+    crowded = np.asarray(reference_state.p_pos).copy()
+    crowded[:n] = np.random.default_rng(n).uniform(-0.25, 0.25, size=(n, 2))
+    reference_state = reference_state.replace(p_pos=jnp.asarray(crowded))
+    _, state = jax.jit(env.reset)(rng, params)
+    saw_contact = False
+    all_actions = np.asarray(jax.random.randint(rng, (30, n), 0, 5))
+    keys = jax.random.split(rng, 30)
+    for t in range(30):
+        key = keys[t]
+        actions = {agent: jnp.int32(all_actions[t, i]) for i, agent in enumerate(env.agents)}
+        state = state.replace(pos=reference_state.p_pos, vel=reference_state.p_vel)
+        _, next_state, rewards, *_ = ours_step(key, state, actions, params)
+        reference_obs, reference_next, reference_rewards, _, _ = reference_step(key, reference_state, actions)
+        message = f"{env_id} step {t}"
+        assert_allclose(next_state.vel[:n], reference_next.p_vel[:n], err_msg=message)
+        expected_pos = np.asarray(reference_state.p_pos) + np.asarray(next_state.vel) * 0.1
+        assert_allclose(next_state.pos, expected_pos, err_msg=message)
+        # Observations and rewards as functions of the state: evaluated on JaxMARL's state.
+        state_on_reference = state.replace(pos=reference_next.p_pos, vel=reference_next.p_vel)
+        for agent, value in ours_obs(state_on_reference).items():
+            assert_allclose(value, reference_obs[agent], err_msg=f"{message} obs {agent}")
+        for agent, value in ours_rewards(state_on_reference).items():
+            assert_allclose(value, reference_rewards[agent], err_msg=f"{message} reward {agent}")
+        saw_contact |= bool(physics.colliding(reference_next.p_pos, env.bodies)[:n, :n].any())
+        reference_state = reference_next
+    assert saw_contact, "the crowded start should produce collisions"
+
+
+def test_multi_agent_auto_reset_and_all_key(rng):
+    env, params = ember.envs.make("MPE-simple_spread", max_steps_in_episode=3)
+    obs, state = jax.jit(env.reset)(rng, params)
+    step = jax.jit(env.step)
+    for t in range(3):
+        actions = {agent: jnp.int32(t % 5) for agent in env.agents}
+        obs, state, rewards, terminated, truncated, info = step(jax.random.fold_in(rng, t), state, actions, params)
+    assert bool(truncated["__all__"]) and all(bool(truncated[a]) for a in env.agents)
+    assert not bool(terminated["__all__"])
+    assert int(state.time) == 0
+    for agent in env.agents:
+        assert not np.allclose(obs[agent], info["final_observation"][agent])
+    # Positions of the new episode are the reset draw: inside [-1, 1].
+    assert float(jnp.abs(state.pos).max()) <= 1.0
