@@ -20,12 +20,10 @@ sizes only. Results: ``benchmarks/results/attention-<device>.json``.
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks.harness import device_label, on_gpu, print_table, time_fn, write_results
 from ember.kernels_pallas.block_mask import LocalGlobalMask, live_block_grid

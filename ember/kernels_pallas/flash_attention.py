@@ -6,12 +6,14 @@
 
 The Pallas kernels (forward saving the log-sum-exp, backward dq and dk/dv, tied by
 ``custom_vjp``) live in :mod:`ember.kernels_pallas.flash_attention_kernels`; this file holds
-what every path shares: argument checking, the combined static mask, and the reference.
+the public op and what every path shares: argument checking, the combined static mask, the
+reference, and the chunked XLA path built on the reference's math.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -241,6 +243,12 @@ def _chunked_xla_attention(q, k, v, segments, problem: AttentionProblem) -> jax.
     return out[:, : problem.q_len]
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "causal", "sm_scale", "window", "logits_soft_cap", "score", "block_mask", "block_sizes", "impl",
+    ),
+)
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -287,7 +295,8 @@ def flash_attention(
         math in rematerialized chunks of 512 queries, differentiated by XLA; memory
         ``O(512 * kv_len)`` per head).
 
-    Lengths need not be multiples of the block sizes. A query with no visible key returns
+    Jitted; every argument but ``q``, ``k``, ``v`` and ``segment_ids`` is static (hashable:
+    pass ``window`` as a tuple). Lengths need not be multiples of the block sizes. A query with no visible key returns
     zeros (never NaN), and its gradient is zero.
 
     Returns:
@@ -300,15 +309,9 @@ def flash_attention(
         q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
         logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
     )
-    block_sizes = FlashBlockSizes() if block_sizes is None else block_sizes
+    block_sizes = _default_block_sizes(block_mask) if block_sizes is None else block_sizes
     if not isinstance(block_sizes, FlashBlockSizes):
         raise ValueError(f"block_sizes must be a FlashBlockSizes, got {type(block_sizes).__name__}")
-    if isinstance(block_mask, ExplicitBlockMask):
-        # Explicit grids are exact at their own granularity: use tiles that divide it.
-        block_sizes = FlashBlockSizes(
-            min(block_sizes.block_q, _largest_pow2_divisor(block_mask.block_q)),
-            min(block_sizes.block_kv, _largest_pow2_divisor(block_mask.block_kv)),
-        ) if block_sizes == FlashBlockSizes() else block_sizes
     resolved = resolve_impl(impl, op="flash_attention", kernel_backends=KERNEL_BACKENDS)
     segments = normalize_segment_ids(segment_ids, problem.batch, problem.q_len, problem.kv_len)
     if resolved == "xla":
@@ -319,8 +322,16 @@ def flash_attention(
     )
 
 
-def _largest_pow2_divisor(n: int) -> int:
-    return max(8, n & -n)
+def _default_block_sizes(block_mask: BlockMask | None) -> FlashBlockSizes:
+    """128 x 128, or for an explicit grid the largest power-of-two tiles (<= 128) dividing
+    its blocks, since a kernel tile must lie inside one grid cell."""
+    if not isinstance(block_mask, ExplicitBlockMask):
+        return FlashBlockSizes()
+
+    def tile(block: int) -> int:
+        return min(128, max(8, block & -block))  # largest power of two dividing block
+
+    return FlashBlockSizes(tile(block_mask.block_q), tile(block_mask.block_kv))
 
 
 __all__ = [

@@ -11,6 +11,7 @@ The Pallas kernel is in :mod:`ember.kernels_pallas.paged_attention_kernel`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -106,6 +107,7 @@ def paged_attention_reference(
     return out.reshape(batch, heads, head_dim).astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap", "window", "pages_per_block", "impl"))
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -144,6 +146,8 @@ def paged_attention(
         at least 1).
       impl: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"``
         (:func:`paged_attention_reference`).
+
+    Jitted; the keyword options are static, ``page_table`` and ``lengths`` are data.
 
     Returns:
       ``[batch, heads, head_dim]`` in ``q.dtype``.

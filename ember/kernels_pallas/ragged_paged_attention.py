@@ -13,6 +13,7 @@ KV-cache layout and page-table convention are those of
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -74,6 +75,7 @@ def ragged_paged_attention_reference(
     return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap", "window", "block_q", "pages_per_block", "impl"))
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -124,6 +126,8 @@ def ragged_paged_attention(
     The metadata is data, not static: one compiled step serves every mix of sequences.
     Its consistency (no overlapping runs, lengths in range) is the caller's contract and is
     not checked on device.
+
+    Jitted; the keyword options are static, the page table and metadata arrays are data.
 
     Returns:
       ``[num_tokens, heads, head_dim]`` in ``q.dtype``.

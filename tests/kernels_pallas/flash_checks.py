@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -13,6 +15,9 @@ from tests.tolerances import assert_allclose
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
+@functools.partial(
+    jax.jit, static_argnames=("batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype")
+)
 def random_qkv(rng, *, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.float32):
     """Fresh normal ``q [batch, q_len, heads, head_dim]``, ``k, v [batch, kv_len, kv_heads,
     head_dim]`` and an output cotangent shaped like ``q``."""

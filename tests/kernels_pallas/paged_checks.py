@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=("num_pages", "page_size", "kv_heads", "head_dim", "num_seqs", "max_pages_per_seq", "dtype"),
+)
 def random_paged_cache(rng, *, num_pages, page_size, kv_heads, head_dim, num_seqs, max_pages_per_seq, dtype=jnp.float32):
     """``(k_pages, v_pages [num_pages, page_size, kv_heads, head_dim], page_table [num_seqs,
     max_pages_per_seq] int32)``; the table holds distinct pages in random order."""
