@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("ember.training.plot", "draw a run's metrics (loss, returns, ...) against the step into a PNG"),
     "eval": ("ember.training.rl.eval_command", "run a trained RL policy for N episodes: ember eval RUN_DIR --episodes N [--gif out.gif]"),
     "data": ("ember.training.data.cli", "prepare text files as memory-mapped token files for LM training"),
+    "generate": ("ember.serving.cli", "batch inference: ember generate --checkpoint PATH --prompts in.jsonl --out out.jsonl"),
+    "export": ("ember.serving.export", "serialize a model's serving steps with jax.export: ember export RUN_DIR OUT_DIR"),
 }
 
 

@@ -10,6 +10,7 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
+from tests.serving.greedy_reference import greedy_reference
 
 CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
                      page_size=4, max_seq_len=48)
@@ -31,24 +32,7 @@ def engine(params):
 
 @pytest.fixture(scope="module")
 def reference_greedy(params):
-    """Greedy decoding by recomputing the whole sequence every token (no cache), all
-    prompts in one padded batch: ``(prompts, max_tokens) -> generated lists``."""
-    model = DecoderLM(CONFIG)
-    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens)[0])
-
-    def run(prompts, max_tokens):
-        sequences = [list(p) for p in prompts]
-        for _ in range(max(max_tokens)):
-            padded = np.zeros((len(sequences), MAX_CONTEXT), np.int32)
-            for row, seq in enumerate(sequences):
-                padded[row, : len(seq)] = seq[:MAX_CONTEXT]
-            logits = np.asarray(forward(jnp.asarray(padded)))
-            for row, seq in enumerate(sequences):
-                if len(seq) - len(prompts[row]) < max_tokens[row] and len(seq) <= MAX_CONTEXT:
-                    seq.append(int(np.argmax(logits[row, len(seq) - 1])))
-        return [seq[len(p) :] for seq, p in zip(sequences, prompts)]
-
-    return run
+    return greedy_reference(CONFIG, params, MAX_CONTEXT)
 
 
 def random_prompts(generator, count, low=1, high=40):

@@ -1,0 +1,78 @@
+"""The JSONL contract of ``ember generate``.
+
+Input: one JSON object per line with ``prompt`` (text) or ``prompt_tokens`` (token ids),
+an optional ``id`` and optional sampling fields (``max_tokens``, ``temperature``,
+``top_k``, ``top_p``, ``seed``, ``stop``, ...: :class:`~ember.serving.requests.SamplingParams`).
+Blank lines are skipped. Output: one object per request, in input order, with ``id`` (the
+input's, else its 1-based line number), ``tokens``, ``text`` when a tokenizer is known and
+``finish_reason`` — or ``id`` and ``error``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from ember.serving.requests import GenerationResult, SamplingParams
+
+
+@dataclasses.dataclass
+class InputLine:
+    """One parsed request line: a prompt and its params, or the error that rejects it."""
+
+    line_number: int
+    request_id: Any
+    prompt: str | list[int] | None = None
+    params: SamplingParams | None = None
+    error: str | None = None
+
+
+def parse_lines(lines: Iterable[str], defaults: dict[str, Any] | None = None) -> list[InputLine]:
+    """Parses JSONL ``lines``; ``defaults`` are sampling fields a line may override."""
+    parsed = []
+    for number, text in enumerate(lines, start=1):
+        if text.strip():
+            parsed.append(parse_line(number, text, defaults or {}))
+    return parsed
+
+
+def parse_line(number: int, text: str, defaults: dict[str, Any]) -> InputLine:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        return InputLine(number, number, error=f"line {number}: malformed JSON ({error.msg} at column {error.colno})")
+    if not isinstance(record, dict):
+        return InputLine(number, number, error=f"line {number}: expected a JSON object, got {type(record).__name__}")
+    request_id = record.pop("id", number)
+    prompt, tokens = record.pop("prompt", None), record.pop("prompt_tokens", None)
+    try:
+        if (prompt is None) == (tokens is None):
+            raise ValueError("give exactly one of 'prompt' (text) or 'prompt_tokens' (a list of token ids)")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
+        if tokens is not None and (not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens)):
+            raise ValueError("'prompt_tokens' must be a list of integers")
+        params = SamplingParams.from_dict({**defaults, **record})
+    except (TypeError, ValueError) as error:
+        return InputLine(number, request_id, error=f"line {number}: {error}")
+    return InputLine(number, request_id, prompt if prompt is not None else tokens, params)
+
+
+def output_record(line: InputLine, result: GenerationResult | None) -> dict[str, Any]:
+    """The output object of ``line`` (``result`` is None when the line was rejected)."""
+    if line.error is not None:
+        return {"id": line.request_id, "error": line.error}
+    if result.error is not None:
+        return {"id": line.request_id, "error": f"line {line.line_number}: {result.error}"}
+    record = {"id": line.request_id, "tokens": result.tokens}
+    if result.text is not None:
+        record["text"] = result.text
+    record["finish_reason"] = result.finish_reason
+    if result.logprobs is not None:
+        record["logprobs"] = result.logprobs
+    return record
+
+
+__all__ = ["InputLine", "output_record", "parse_line", "parse_lines"]

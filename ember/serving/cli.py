@@ -1,0 +1,89 @@
+"""``ember generate``: batch inference from JSONL, or one text prompt.
+
+    ember generate --checkpoint RUN_OR_HF_DIR --prompts in.jsonl --out out.jsonl
+    ember generate --checkpoint RUN_DIR --prompt "Once upon a time" --max-tokens 64
+    ember generate --artifact EXPORT_DIR --prompts in.jsonl --out out.jsonl
+
+See :mod:`ember.serving.batch_io` for the JSONL contract. With ``--artifact`` the model
+runs from a ``jax.export`` artifact (``ember export``) without Ember's model code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ember.serving.batch_io import output_record, parse_lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="an Ember LM run directory or a Hugging Face model directory")
+    source.add_argument("--artifact", help="a directory written by 'ember export'")
+    inputs = parser.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--prompts", help="JSONL file of requests (see 'ember.serving.batch_io')")
+    inputs.add_argument("--prompt", help="a single text prompt; the generated text is printed")
+    parser.add_argument("--out", help="JSONL output file (with --prompts; default: standard output)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="default max_tokens of a request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="default temperature (0 = greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="default top_p (1 = off)")
+    parser.add_argument("--seed", type=int, default=0, help="default per-request seed")
+    parser.add_argument("--num-slots", type=int, default=8, help="requests served at once (--checkpoint)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="prefill chunk width (--checkpoint)")
+    parser.add_argument("--max-context", type=int, default=None, help="longest sequence (default: the model's)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def build_engine(args: argparse.Namespace):
+    """The engine for ``--checkpoint`` or ``--artifact``."""
+    from ember.serving.engine import Engine
+
+    if args.artifact:
+        from ember.serving.export import load_artifact
+
+        program, tokenizer, eos_id = load_artifact(args.artifact)
+        return Engine(program, tokenizer=tokenizer, eos_id=eos_id)
+    from ember.serving.loading import load_model
+
+    loaded = load_model(args.checkpoint, step=args.step)
+    widths = (1, args.chunk_size) if args.chunk_size > 1 else (1,)
+    return Engine.from_model(loaded.config, loaded.params, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
+                             num_slots=args.num_slots, widths=widths, max_context=args.max_context)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.prompts:
+        text = Path(args.prompts).read_text()
+        lines = parse_lines(text.splitlines(), defaults)
+    else:
+        lines = parse_lines([json.dumps({"prompt": args.prompt})], defaults)
+    engine = build_engine(args)
+    valid = [line for line in lines if line.error is None]
+    total = sum(line.params.max_tokens for line in valid)
+    with tqdm(total=total, unit="tok", desc="generate", disable=args.no_progress, file=sys.stderr) as bar:
+        results = engine.generate([line.prompt for line in valid], [line.params for line in valid], progress=bar)
+    by_line = dict(zip((line.line_number for line in valid), results))
+    records = [output_record(line, by_line.get(line.line_number)) for line in lines]
+    if args.prompt is not None:
+        record = records[0]
+        if "error" in record:
+            print(f"ember generate: {record['error']}", file=sys.stderr)
+            return 1
+        print(record.get("text", record["tokens"]))
+        return 0
+    out = "".join(json.dumps(record) + "\n" for record in records)
+    if args.out:
+        Path(args.out).write_text(out)
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+__all__ = ["add_arguments", "build_engine", "run"]

@@ -1,0 +1,129 @@
+"""Serving artifacts: the step functions serialized with ``jax.export`` plus the weights.
+
+    ember export RUN_OR_HF_DIR OUT_DIR [--num-slots 8 --chunk-size 64 --max-context N]
+    ember generate --artifact OUT_DIR --prompts in.jsonl --out out.jsonl
+
+``OUT_DIR`` holds ``manifest.json`` (engine sizes, widths, tokenizer description, EOS id),
+``step_w<width>.jaxexport`` (one serialized step per chunk width) and ``params.npz`` (the
+parameter leaves in the order of the exported functions' input tree). Loading an artifact
+(:func:`load_artifact`) imports neither ``ember.models`` nor Flax model code: the exported
+functions carry their input trees, from which the parameters and the empty cache are rebuilt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ember.core.tokenizer import tokenizer_from_description
+from ember.serving.program import DeviceProgram, check_widths, step_argument_specs
+
+FORMAT_VERSION = 1
+
+
+def export_program(config: Any, params: Any, out_dir: str | Path, *, tokenizer: Any = None, eos_id: int | None = None,
+                   num_slots: int = 8, widths: tuple[int, ...] = (1, 64), max_context: int | None = None,
+                   num_pages: int | None = None) -> Path:
+    """Writes the artifact of ``DecoderLM(config)`` with ``params`` to ``out_dir``
+    (sizes as in :func:`ember.serving.model_program.build_program`)."""
+    from ember.serving.model_program import init_pages, jitted_step  # model code: export side only
+
+    widths = check_widths(widths)
+    max_context = config.max_seq_len if max_context is None else max_context
+    pages_per_seq = math.ceil(max_context / config.page_size)
+    num_pages = num_slots * pages_per_seq if num_pages is None else num_pages
+    kv = jax.eval_shape(lambda: init_pages(config, num_pages))
+    step = jitted_step(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for width in widths:
+        exported = jax.export.export(step)(*step_argument_specs(params, kv, num_slots, width, pages_per_seq))
+        (out / f"step_w{width}.jaxexport").write_bytes(exported.serialize())
+    leaves = jax.tree.leaves(params)
+    np.savez(out / "params.npz", **{f"leaf_{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
+    description = tokenizer.describe() if hasattr(tokenizer, "describe") else None
+    manifest = dict(
+        format_version=FORMAT_VERSION,
+        widths=list(widths),
+        num_slots=num_slots,
+        pages_per_seq=pages_per_seq,
+        page_size=config.page_size,
+        num_pages=num_pages,
+        vocab_size=config.vocab_size,
+        max_context=max_context,
+        tokenizer=description,
+        eos_id=eos_id,
+    )
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
+def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None]:
+    """``(program, tokenizer or None, eos_id)`` from an artifact directory; every step is
+    compiled (with the cache donated) before this returns."""
+    directory = Path(directory)
+    manifest_file = directory / "manifest.json"
+    if not manifest_file.is_file():
+        raise FileNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
+    manifest = json.loads(manifest_file.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"artifact format {manifest.get('format_version')!r} is not the supported {FORMAT_VERSION}")
+    exported = {
+        width: jax.export.deserialize(bytearray((directory / f"step_w{width}.jaxexport").read_bytes()))
+        for width in manifest["widths"]
+    }
+    first = exported[manifest["widths"][0]]
+    args_tree = jax.tree_util.treedef_children(first.in_tree)[0]
+    params_tree, kv_tree, _, _ = jax.tree_util.treedef_children(args_tree)
+    with np.load(directory / "params.npz") as stored:
+        leaves = [jnp.asarray(stored[f"leaf_{i:05d}"]) for i in range(params_tree.num_leaves)]
+    params = jax.tree_util.tree_unflatten(params_tree, leaves)
+    kv_avals = first.in_avals[params_tree.num_leaves : params_tree.num_leaves + kv_tree.num_leaves]
+    kv = jax.tree_util.tree_unflatten(kv_tree, [jnp.zeros(aval.shape, aval.dtype) for aval in kv_avals])
+    steps = {}
+    for width, function in exported.items():
+        specs = jax.tree_util.tree_unflatten(args_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in function.in_avals])
+        steps[width] = jax.jit(function.call, donate_argnums=1).lower(*specs).compile()
+    program = DeviceProgram(
+        steps=steps,
+        params=params,
+        kv=kv,
+        num_slots=manifest["num_slots"],
+        pages_per_seq=manifest["pages_per_seq"],
+        page_size=manifest["page_size"],
+        num_pages=manifest["num_pages"],
+        vocab_size=manifest["vocab_size"],
+        max_context=manifest["max_context"],
+    )
+    tokenizer = tokenizer_from_description(manifest["tokenizer"]) if manifest["tokenizer"] else None
+    return program, tokenizer, manifest["eos_id"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="an Ember LM run directory or a Hugging Face model directory")
+    parser.add_argument("out_dir", help="directory to write the artifact to")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
+    parser.add_argument("--num-slots", type=int, default=8, help="requests served at once")
+    parser.add_argument("--chunk-size", type=int, default=64, help="prefill chunk width")
+    parser.add_argument("--max-context", type=int, default=None, help="longest sequence (default: the model's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ember.serving.loading import load_model
+
+    loaded = load_model(args.source, step=args.step)
+    widths = (1, args.chunk_size) if args.chunk_size > 1 else (1,)
+    out = export_program(loaded.config, loaded.params, args.out_dir, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
+                         num_slots=args.num_slots, widths=widths, max_context=args.max_context)
+    print(f"wrote {out} (widths {', '.join(map(str, widths))})")
+    return 0
+
+
+__all__ = ["FORMAT_VERSION", "add_arguments", "export_program", "load_artifact", "run"]

@@ -1,0 +1,94 @@
+"""Finds the model to serve at a path: an Ember LM run directory or a Hugging Face directory.
+
+- Ember run directory: ``config.yaml`` whose ``model:`` section is a ``ModelConfig`` and
+  ``checkpoints/`` (``ember.core.checkpoint``) whose state has a ``params`` entry; the
+  tokenizer is Ember's byte tokenizer.
+- Hugging Face directory: ``config.json`` + safetensors, read by ``ember.models.hf``; its
+  tokenizer comes from ``transformers`` when that is installed and the directory has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ember.core.checkpoint import CheckpointManager
+from ember.core.config import load_config, read_key
+from ember.core.tokenizer import ByteTokenizer
+from ember.models.config import ModelConfig
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: Any
+    tokenizer: Any
+    eos_id: int | None
+
+
+def load_model(path: str | Path, *, step: int | None = None, **config_overrides: Any) -> LoadedModel:
+    """The model at ``path`` (see the module docstring); ``step`` picks an Ember checkpoint
+    (default the latest); ``config_overrides`` replace ``ModelConfig`` fields."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return _load_hf(path, config_overrides)
+    if (path / "config.yaml").is_file():
+        return _load_run(path, step, config_overrides)
+    raise FileNotFoundError(
+        f"{path} is neither an Ember run directory (config.yaml + checkpoints/) nor a Hugging Face "
+        "model directory (config.json + safetensors)"
+    )
+
+
+def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
+    section = read_key(path / "config.yaml", "model")
+    if section is None:
+        raise ValueError(f"{path / 'config.yaml'} has no model: section")
+    config = dataclasses.replace(load_config(ModelConfig, section), **config_overrides)
+    state = CheckpointManager(path / "checkpoints").restore(step).state
+    if "params" not in state:
+        raise ValueError(f"the checkpoint in {path / 'checkpoints'} has no params entry (found {sorted(state)})")
+    params = jax.tree.map(jnp.asarray, state["params"])
+    tokenizer = ByteTokenizer()
+    return LoadedModel(config, params, tokenizer, tokenizer.eos_id)
+
+
+def _load_hf(path: Path, config_overrides: dict[str, Any]) -> LoadedModel:
+    from ember.models import hf
+
+    config, params = hf.load(path, **config_overrides)
+    eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+    eos_id = eos[0] if isinstance(eos, list) and eos else eos
+    return LoadedModel(config, jax.tree.map(jnp.asarray, params), _hf_tokenizer(path), eos_id)
+
+
+class HuggingFaceTokenizer:
+    """A ``transformers`` tokenizer behind the engine's ``encode``/``decode``/``eos_id``."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def decode(self, ids) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _hf_tokenizer(path: Path) -> HuggingFaceTokenizer | None:
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return HuggingFaceTokenizer(transformers.AutoTokenizer.from_pretrained(path))
+
+
+__all__ = ["HuggingFaceTokenizer", "LoadedModel", "load_model"]

@@ -1,0 +1,135 @@
+"""``ember generate`` on an Ember run directory, an exported artifact (in a subprocess that
+cannot import ``ember.models``) and a Hugging Face directory (against ``transformers``)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.cli import main
+from ember.core.checkpoint import CheckpointManager
+from ember.core.config import to_yaml
+from ember.core.tokenizer import ByteTokenizer
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
+from tests.serving.greedy_reference import greedy_reference
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, page_size=8, max_seq_len=40)
+ENGINE_FLAGS = ["--num-slots", "3", "--chunk-size", "4", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """An Ember LM run directory as the trainer leaves it: config.yaml + checkpoints/."""
+    path = tmp_path_factory.mktemp("run")
+    boxed = DecoderLM(CONFIG).init(jax.random.PRNGKey(7), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = nn.meta.unbox(boxed)  # the trainer checkpoints plain arrays
+    (path / "config.yaml").write_text("model:\n" + textwrap.indent(to_yaml(CONFIG), "  "))
+    with CheckpointManager(path / "checkpoints", async_save=False) as manager:
+        manager.save(3, {"params": params, "step": jnp.int32(3)})
+    return path, params
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp_path, rng):
+    path, params = run_dir
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    tokens = generator.integers(0, 256, size=int(generator.integers(3, 20))).tolist()
+    prompts = write_lines(tmp_path / "in.jsonl", [
+        json.dumps({"id": "a", "prompt": "Hello", "max_tokens": 6}),
+        json.dumps({"prompt_tokens": tokens, "max_tokens": 5, "stop": ["zz"]}),
+        "{not json",
+        "",
+        json.dumps({"prompt": "", "max_tokens": 3}),
+        json.dumps({"id": 9, "prompt_tokens": [1, 257]}),
+        json.dumps({"prompt": "x", "max_tokens": 0}),
+        json.dumps({"prompt_tokens": list(range(41))}),
+        json.dumps({"prompt": "abc", "temperature": 0.8, "seed": 5, "max_tokens": 7}),
+    ])
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *ENGINE_FLAGS]) == 0
+    records = read_records(out)
+    assert [r["id"] for r in records] == ["a", 2, 3, 5, 9, 7, 8, 9]
+    expected = greedy_reference(CONFIG, params, 40)([list(b"Hello"), tokens], [6, 5])
+    assert records[0]["tokens"] == expected[0] and records[0]["text"] == ByteTokenizer().decode(expected[0])
+    assert records[0]["finish_reason"] in ("length", "stop")
+    # Greedy up to an EOS or the stop string "zz", which end the output early.
+    assert records[1]["tokens"] == expected[1][: len(records[1]["tokens"])]
+    assert "line 3: malformed JSON" in records[2]["error"]
+    assert "line 5" in records[3]["error"] and "empty" in records[3]["error"]
+    assert "line 6" in records[4]["error"] and "257" in records[4]["error"]
+    assert "line 7" in records[5]["error"] and "max_tokens" in records[5]["error"]
+    assert "line 8" in records[6]["error"] and "41 tokens" in records[6]["error"]
+    assert len(records[7]["tokens"]) <= 7 and "error" not in records[7]
+
+    artifact = tmp_path / "artifact"
+    assert main(["export", str(path), str(artifact), "--num-slots", "2", "--chunk-size", "4"]) == 0
+    script = (
+        "import sys; sys.modules['ember.models'] = None\n"  # any import of ember.models now fails
+        "from ember.cli import main\n"
+        f"code = main(['generate', '--artifact', {str(artifact)!r}, '--prompts', {str(prompts)!r}, "
+        f"'--out', {str(tmp_path / 'artifact.jsonl')!r}, '--no-progress'])\n"
+        "assert not any(name.startswith('ember.models.') for name in sys.modules), 'model code was imported'\n"
+        "sys.exit(code)\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_records(tmp_path / "artifact.jsonl") == records
+
+
+def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
+    path, params = run_dir
+    # One compiled width (chunks of 1 token) keeps this start-up short.
+    code = main(["generate", "--checkpoint", str(path), "--prompt", "Once", "--max-tokens", "4", "--chunk-size", "1",
+                 "--num-slots", "1", "--no-progress"])
+    assert code == 0
+    expected = greedy_reference(CONFIG, params, 40)([list(b"Once")], [4])[0]
+    # EOS (256) would end generation early without being printed.
+    expected = expected[: expected.index(256)] if 256 in expected else expected
+    assert capsys.readouterr().out == ByteTokenizer().decode(expected) + "\n"
+
+
+def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    hf_config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    hf_config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():  # HF initialises norms to one: randomise everything
+        for name, param in model.named_parameters():
+            noise = torch.randn_like(param) * 0.1
+            param.copy_(1.0 + noise if "norm" in name else noise)
+    model.save_pretrained(tmp_path / "llama")
+    generator = np.random.default_rng(int(jax.random.randint(jax.random.fold_in(rng, 1), (), 0, 2**31 - 1)))
+    prompts = [generator.integers(0, 97, size=int(n)).tolist() for n in generator.integers(2, 20, size=4)]
+    lines = write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt_tokens": p, "max_tokens": 12}) for p in prompts])
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--checkpoint", str(tmp_path / "llama"), "--prompts", str(lines), "--out", str(out), *ENGINE_FLAGS]) == 0
+    records = read_records(out)
+    for prompt, record in zip(prompts, records):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False).numpy()[0, len(prompt) :]
+        assert record["tokens"] == expected.tolist() and record["finish_reason"] == "length"
+        assert "text" not in record  # no tokenizer in the directory
