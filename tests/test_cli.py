@@ -38,3 +38,13 @@ def test_info_reports_backend_devices_and_pallas(capsys):
     assert main(["info"]) == 0
     text = capsys.readouterr().out
     assert f"jax        {jax.__version__}" in text and "impl='interpret'" in text
+
+
+def test_peak_flops_known_for_accelerators_and_none_on_cpu():
+    from types import SimpleNamespace
+
+    from ember.core.system_info import peak_flops_per_device
+
+    assert peak_flops_per_device() is None  # CPU: no MFU is reported
+    assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")) == 989e12
+    assert peak_flops_per_device(SimpleNamespace(device_kind="TPU v5 lite")) == 197e12

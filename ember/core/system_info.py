@@ -21,6 +21,33 @@ _PALLAS_LOWERINGS: dict[str, tuple[str, str, float | None]] = {
 }
 
 
+# Dense bf16 peak FLOP/s by device kind (datasheet values; MFU is reported against these).
+_PEAK_BF16_FLOPS: dict[str, float] = {
+    "h100": 989e12,
+    "h200": 989e12,
+    "h800": 989e12,
+    "a100": 312e12,
+    "l4": 121e12,
+    "tpu v4": 275e12,
+    "tpu v5 lite": 197e12,
+    "tpu v5e": 197e12,
+    "tpu v5p": 459e12,
+    "tpu v6 lite": 918e12,
+}
+
+
+def peak_flops_per_device(device: Any = None) -> float | None:
+    """Datasheet dense bf16 FLOP/s of ``device`` (default: the first device), or ``None``
+    when unknown (CPUs), in which case no MFU is reported."""
+    import jax
+
+    kind = (device or jax.devices()[0]).device_kind.lower()
+    for name, flops in _PEAK_BF16_FLOPS.items():
+        if name in kind:
+            return flops
+    return None
+
+
 def _compute_capability(device: Any) -> float | None:
     value = getattr(device, "compute_capability", None)
     try:
