@@ -1,0 +1,68 @@
+"""``JaxMARLEnv``: a JaxMARL environment behind Ember's multi-agent contract.
+
+    import jaxmarl
+    env = JaxMARLEnv(jaxmarl.make("MPE_simple_spread_v3"))
+    obs, state = env.reset(key, env.default_params)
+
+JaxMARL environments take no params; the adapter's params carry only the time limit
+(``max_steps_in_episode``, default the environment's ``max_steps``), which becomes
+``truncated``; JaxMARL's other ``dones["__all__"]`` become ``terminated``. The JaxMARL
+state is kept as ``state.env_state``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import struct
+
+from ember.envs import noise as noise_lib
+from ember.envs.adapters.gymnax import from_library_space
+from ember.envs.environment import EnvParams, EnvState
+from ember.envs.multi_agent import MultiAgentEnvironment
+from ember.envs.spaces import Dict
+
+
+@struct.dataclass
+class JaxMARLState(EnvState):
+    env_state: Any
+
+
+class JaxMARLEnv(MultiAgentEnvironment):
+    reset_noise_words = 2
+    transition_noise_words = 2
+
+    def __init__(self, jaxmarl_env: Any, max_steps: int | None = None):
+        for attribute in ("agents", "reset", "step_env", "observation_space", "action_space"):
+            if not hasattr(jaxmarl_env, attribute):
+                raise ValueError(f"JaxMARLEnv: expected a JaxMARL environment (no '{attribute}' on {type(jaxmarl_env).__name__})")
+        self.jaxmarl_env = jaxmarl_env
+        self.agents = list(jaxmarl_env.agents)
+        limit = max_steps if max_steps is not None else getattr(jaxmarl_env, "max_steps", None)
+        if limit is None:
+            raise ValueError("JaxMARLEnv: the environment has no max_steps; pass max_steps")
+        self.max_steps = int(limit)
+
+    @property
+    def default_params(self) -> EnvParams:
+        return EnvParams(max_steps_in_episode=self.max_steps)
+
+    def reset_env(self, noise, params):
+        obs, env_state = self.jaxmarl_env.reset(noise_lib.to_key(noise))
+        return obs, JaxMARLState(time=jnp.int32(0), env_state=env_state)
+
+    def step_env(self, noise, state, actions, params):
+        obs, env_state, rewards, dones, info = self.jaxmarl_env.step_env(noise_lib.to_key(noise), state.env_state, actions)
+        time_up = state.time + 1 >= params.max_steps_in_episode
+        terminated = jnp.asarray(dones["__all__"], bool) & ~time_up
+        return obs, state.replace(env_state=env_state), rewards, terminated, info
+
+    def observation_space(self, params):
+        return Dict({agent: from_library_space(self.jaxmarl_env.observation_space(agent)) for agent in self.agents})
+
+    def action_space(self, params):
+        return Dict({agent: from_library_space(self.jaxmarl_env.action_space(agent)) for agent in self.agents})
+
+
+__all__ = ["JaxMARLEnv", "JaxMARLState"]

@@ -1,0 +1,151 @@
+"""Adapters against the real libraries: gymnax and JaxMARL environments behind Ember's
+contract, and Ember environments as a gymnasium VectorEnv checked with gymnasium's own tools."""
+
+import gymnax
+import gymnasium
+import jax
+import jax.numpy as jnp
+import jaxmarl
+import numpy as np
+from gymnasium.utils.env_checker import data_equivalence
+from gymnasium.utils.passive_env_checker import check_action_space, check_obs, check_observation_space
+from gymnasium.vector import AutoresetMode
+
+import ember.envs
+from ember.envs import noise as noise_lib
+from ember.envs.adapters import GymnasiumVectorEnv, GymnaxEnv, JaxMARLEnv
+from tests.tolerances import assert_allclose
+
+
+def test_gymnax_env_steps_as_gymnax_and_splits_terminated_from_truncated(rng):
+    gymnax_env, gymnax_params = gymnax.make("CartPole-v1")
+    env = GymnaxEnv(gymnax_env, gymnax_params.replace(max_steps_in_episode=8))
+    params = env.default_params
+    words = noise_lib.draw(rng, (2,))
+    obs, state = env.reset_from_noise(words, params)
+    expected_obs, _ = gymnax_env.reset_env(noise_lib.to_key(words), params)
+    assert_allclose(obs, expected_obs)
+    # Same dynamics as Ember's own CartPole from the same state.
+    ember_env, ember_params = ember.envs.make("CartPole-v1")
+    ember_state = ember_env.reset(rng, ember_params)[1].replace(
+        x=state.x, x_dot=state.x_dot, theta=state.theta, theta_dot=state.theta_dot
+    )
+    step = jax.jit(env.step)
+    flags = []
+    for t in range(16):
+        action = jnp.int32(t % 2)
+        key = jax.random.fold_in(rng, t)
+        expected = ember_env.step(key, ember_state, action, ember_params)
+        obs, state, reward, terminated, truncated, info = step(key, state, action, params)
+        assert_allclose(info["final_observation"], expected[5]["final_observation"], err_msg=f"step {t}")
+        assert_allclose(reward, 1.0)
+        flags.append((bool(terminated), bool(truncated)))
+        ember_state = expected[1].replace(x=state.x, x_dot=state.x_dot, theta=state.theta, theta_dot=state.theta_dot)
+    assert flags[7] == (False, True) and flags[15] == (False, True), "time limit 8: truncated, not terminated"
+    # Always pushing one way topples the pole: a termination.
+    _, state = env.reset(rng, params.replace(max_steps_in_episode=500))
+    for t in range(30):
+        _, state, _, terminated, truncated, _ = step(jax.random.fold_in(rng, t), state, jnp.int32(1), params.replace(max_steps_in_episode=500))
+        if bool(terminated):
+            break
+    assert bool(terminated) and not bool(truncated)
+
+
+def test_gymnax_env_runs_batched_with_log_wrapper(rng):
+    env = ember.envs.BatchedEnv(ember.envs.LogWrapper(GymnaxEnv(*gymnax.make("Pendulum-v1"))), num_envs=4)
+    params = env.default_params
+    obs, state = env.reset(rng, params)
+
+    def body(state, key):
+        obs, state, reward, terminated, truncated, info = env.step(key, state, jnp.zeros((4, 1)), params)
+        return state, (reward, info["returned_episode"], info["returned_episode_returns"])
+
+    _, (reward, done, returns) = jax.jit(lambda s, k: jax.lax.scan(body, s, jax.random.split(k, 200)))(state, rng)
+    assert bool(done[-1].all()) and not bool(done[:-1].any()), "Pendulum truncates at exactly 200 steps"
+    assert_allclose(returns[-1], reward.sum(axis=0), scale=10.0)  # 200-term float32 sums
+
+
+def test_jaxmarl_env_steps_as_jaxmarl(rng):
+    reference = jaxmarl.make("MPE_simple_spread_v3")
+    env = JaxMARLEnv(reference, max_steps=5)
+    params = env.default_params
+    words = noise_lib.draw(rng, (4,))
+    obs, state = jax.jit(env.reset_from_noise)(words[:2], params)
+    expected_obs, expected_state = reference.reset(noise_lib.to_key(words[:2]))
+    actions = {agent: jnp.int32(i + 1) for i, agent in enumerate(env.agents)}
+    obs, state, rewards, terminated, truncated, info = jax.jit(env.step_from_noise)(
+        jnp.concatenate([words[2:], words[:2]]), state, actions, params
+    )
+    expected_obs, _, expected_rewards, _, _ = jax.jit(reference.step_env)(noise_lib.to_key(words[2:]), expected_state, actions)
+    for agent in env.agents:
+        assert_allclose(obs[agent], expected_obs[agent])
+        assert_allclose(rewards[agent], expected_rewards[agent])
+    assert set(terminated) == set(env.agents) | {"__all__"}
+    batched = ember.envs.BatchedEnv(env, num_envs=3)
+    obs, state = jax.jit(batched.reset)(rng, params)
+    step = jax.jit(batched.step)
+    for t in range(5):
+        actions = {agent: jnp.full((3,), t % 5, jnp.int32) for agent in env.agents}
+        obs, state, rewards, terminated, truncated, info = step(jax.random.fold_in(rng, t), state, actions, params)
+    assert bool(truncated["__all__"].all()) and not bool(terminated["__all__"].any())
+
+
+def test_gymnasium_vector_env_passes_gymnasium_checks():
+    params = ember.envs.make("CartPole-v1", max_steps_in_episode=20)[1]
+    envs = GymnasiumVectorEnv(
+        "CartPole-v1", num_envs=6, params=params, render_mode="rgb_array", autoreset_mode=AutoresetMode.SAME_STEP
+    )
+    assert isinstance(envs, gymnasium.vector.VectorEnv)
+    check_observation_space(envs.single_observation_space)
+    check_action_space(envs.single_action_space)
+    obs, info = envs.reset(seed=7)
+    check_obs(obs, envs.observation_space, "reset")
+    assert isinstance(info, dict)
+    # Seeded resets and steps are deterministic; different seeds differ (gymnasium's checks).
+    assert data_equivalence(obs, envs.reset(seed=7)[0])
+    assert not data_equivalence(obs, envs.reset(seed=8)[0])
+    actions = np.random.default_rng(0).integers(0, 2, size=(30, 6))
+    runs = []
+    for _ in range(2):
+        envs.reset(seed=3)
+        runs.append([envs.step(a) for a in actions])
+    assert data_equivalence([r[:4] for r in runs[0]], [r[:4] for r in runs[1]])
+    ended = 0
+    for t, (obs, reward, terminated, truncated, infos) in enumerate(runs[0]):
+        check_obs(obs, envs.observation_space, "step")
+        assert reward.shape == (6,) and reward.dtype == np.float32
+        assert terminated.dtype == np.bool_ and truncated.dtype == np.bool_
+        np.testing.assert_array_equal(infos["_final_obs"], terminated | truncated)
+        for i in np.flatnonzero(infos["_final_obs"]):
+            ended += 1
+            assert envs.single_observation_space.contains(infos["final_obs"][i].astype(np.float32))
+            assert np.all(np.abs(obs[i]) <= 0.05), "SAME_STEP: the returned observation starts the next episode"
+    assert ended >= 6
+    frames = envs.render()
+    assert len(frames) == 6 and frames[0].dtype == np.uint8 and frames[0].shape[-1] == 3
+
+
+def test_next_step_autoreset_works_with_gymnasium_vector_wrappers():
+    envs = gymnasium.wrappers.vector.RecordEpisodeStatistics(GymnasiumVectorEnv("CartPole-v1", num_envs=4))
+    assert envs.metadata["autoreset_mode"] == AutoresetMode.NEXT_STEP
+    envs.reset(seed=1)
+    lengths = np.zeros(4, int)
+    pending = np.zeros(4, bool)
+    episodes = 0
+    for _ in range(60):
+        obs, reward, terminated, truncated, infos = envs.step(np.ones(4, np.int64))
+        # NEXT_STEP: the step after an episode's end is the reset step (reward 0, no flags).
+        assert np.all(reward[pending] == 0) and not (terminated | truncated)[pending].any()
+        assert np.all(np.abs(obs[pending]) <= 0.05)
+        lengths[~pending] += 1
+        lengths[pending] = 0
+        done = terminated | truncated
+        assert np.all(np.abs(obs[done, 2]) > 0.2), "the returned observation of an ending episode is its last one"
+        pending = done
+        if done.any():
+            episodes += int(done.sum())
+            np.testing.assert_array_equal(infos["_episode"], done)
+            # CartPole pays 1 per step: the recorded return equals the recorded length.
+            assert_allclose(infos["episode"]["r"][done], lengths[done].astype(np.float32))
+            np.testing.assert_array_equal(infos["episode"]["l"][done], lengths[done])
+    assert episodes >= 8
