@@ -1,7 +1,7 @@
 """The schema of RL experiment configs (``configs/rl/*.yaml``), read by ``ember train``.
 
     kind: rl
-    algo: ppo                  # ppo | dqn | ippo | mappo
+    algo: ppo                  # ppo | dqn
     run_dir: runs/ppo_cartpole
     seed: 0
     env: {id: CartPole-v1}
@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
 
-ALGORITHMS = ("ppo",)
+ALGORITHMS = ("ppo", "dqn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RLConfig:
     seed: int = 0
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    dqn: DQNConfig = dataclasses.field(default_factory=DQNConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def __post_init__(self):

@@ -27,7 +27,7 @@ from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, to_yaml
 from ember.core.errors import EmberError
 from ember.training.metrics import MetricsWriter
-from ember.training.rl import ppo
+from ember.training.rl import dqn, ppo
 from ember.training.rl.config import EnvConfig, RLConfig
 from ember.training.rl.evaluate import evaluate
 
@@ -63,6 +63,15 @@ ALGORITHMS: dict[str, Algorithm] = {
         num_updates=lambda section: section.num_updates,
         make_act=lambda section, env, env_params, params, deterministic: ppo.make_act(
             ppo.make_policy(section, env, env_params), params, deterministic=deterministic
+        ),
+    ),
+    "dqn": Algorithm(
+        section=lambda config: config.dqn,
+        make_train=lambda section, env, env_params, on_update: dqn.make_train(section, env, env_params, on_update=on_update),
+        steps_per_update=lambda section: section.num_envs * section.log_every,
+        num_updates=lambda section: section.num_updates,
+        make_act=lambda section, env, env_params, params, deterministic: dqn.make_act(
+            dqn.make_q_network(section, env, env_params), params, epsilon=0.0 if deterministic else section.epsilon_end
         ),
     ),
 }

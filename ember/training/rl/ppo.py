@@ -29,7 +29,7 @@ from flax import struct
 from flax.training.train_state import TrainState
 
 from ember.envs.batched import BatchedEnv
-from ember.envs.wrappers import LogWrapper
+from ember.envs.wrappers import LogWrapper, NormalizeReward
 from ember.models.policies import ActorCritic, PolicyConfig, action_head
 from ember.training.rl.gae import gae_advantages
 from ember.training.rl.losses import ppo_loss
@@ -54,6 +54,7 @@ class PPOConfig:
     value_coef: float = 0.5
     max_grad_norm: float = 0.5
     normalize_advantage: bool = True
+    normalize_rewards: bool = False
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def __post_init__(self):
@@ -186,7 +187,8 @@ def make_train(
     Args:
       config: the run's settings; its float hyperparameters are the defaults of ``train``.
       env: an Ember environment (single agent); episode statistics come from wrapping it in
-        ``LogWrapper`` here.
+        ``LogWrapper`` here (so they report raw rewards), and ``config.normalize_rewards``
+        scales the learner's rewards with ``ember.envs.wrappers.NormalizeReward``.
       env_params: its parameters.
       on_update: an optional host callback called after every update with that update's
         metrics (a dict of scalars, plus ``update``); used for progress bars. It runs through
@@ -199,7 +201,9 @@ def make_train(
       ``policy_loss``, ``value_loss``, ``entropy``, ``clip_fraction``, ``approx_kl``.
       ``jax.jit``- and ``jax.vmap``-able (over ``rng`` and ``hyperparams``).
     """
-    envs = BatchedEnv(LogWrapper(env), config.num_envs)
+    envs = BatchedEnv(LogWrapper(env), config.num_envs)  # episode statistics on raw rewards
+    if config.normalize_rewards:
+        envs = NormalizeReward(envs, gamma=config.gamma)
     policy = make_policy(config, env, env_params)
     num_updates = config.num_updates
     anneal_steps = num_updates * config.update_epochs * config.num_minibatches if config.anneal_lr else None
