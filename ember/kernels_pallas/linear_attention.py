@@ -275,14 +275,14 @@ def _chunked_xla(q, k, v, log_decay, doc, initial_state, chunk_size):
     ``[batch, seq, heads, dv]`` and the final state."""
     seq, heads = v.shape[1], v.shape[2]
 
-    def by_chunk(x, pad_value=0):  # [batch, seq, heads, ...] -> [batch, heads, chunks, chunk, ...]
-        return jnp.moveaxis(chunks.split_into_chunks(x, chunk_size, pad_value=pad_value), 3, 1)
+    def by_chunk(x):  # [batch, seq, heads, ...] -> [batch, heads, chunks, chunk, ...]
+        return jnp.moveaxis(chunks.split_into_chunks(x, chunk_size), 3, 1)
 
     q_c = by_chunk(_expand_heads(q, heads, 2))
     k_c = by_chunk(_expand_heads(k, heads, 2))
     v_c = by_chunk(v)
     cum_log_decay = jnp.cumsum(by_chunk(log_decay), axis=-1)
-    doc_c = chunks.split_into_chunks(doc, chunk_size, pad_value="edge")[:, None]  # [batch, 1, chunks, chunk]
+    doc_c = chunks.split_documents_into_chunks(doc, chunk_size)[:, None]  # [batch, 1, chunks, chunk]
     doc_before = jnp.concatenate([jnp.zeros_like(doc_c[:, :, :1, 0]), doc_c[:, :, :-1, -1]], axis=2)
 
     outputs, chunk_states = chunks.chunk_outputs_and_state(q_c, k_c, v_c, cum_log_decay, doc_c, doc_before, None)

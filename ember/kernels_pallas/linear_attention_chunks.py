@@ -21,16 +21,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
-def split_into_chunks(x: jax.Array, chunk_size: int, *, pad_value=0) -> jax.Array:
-    """``[batch, seq, ...] -> [batch, chunks, chunk_size, ...]``, padding ``seq`` at the end
-    up to a multiple of ``chunk_size`` with ``pad_value`` (``"edge"`` repeats the last row)."""
-    batch, seq = x.shape[:2]
-    padding = -seq % chunk_size
-    if padding:
-        widths = [(0, 0), (0, padding)] + [(0, 0)] * (x.ndim - 2)
-        x = jnp.pad(x, widths, mode="edge") if pad_value == "edge" else jnp.pad(x, widths, constant_values=pad_value)
-    return x.reshape(batch, -1, chunk_size, *x.shape[2:])
+
+def split_into_chunks(x: jax.Array, chunk_size: int) -> jax.Array:
+    """``[batch, seq, ...] -> [batch, chunks, chunk_size, ...]``, zero-padding ``seq`` up to a
+    multiple of ``chunk_size``. Zero keys and values with zero log decay change neither the
+    outputs nor the final state."""
+    x = pad_axis_to_multiple(x, 1, chunk_size)
+    return x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
+
+
+def split_documents_into_chunks(doc: jax.Array, chunk_size: int) -> jax.Array:
+    """``doc`` ``[batch, seq] -> [batch, chunks, chunk_size]``; padding continues the last
+    document, so padded positions do not cut the final state off from the real tokens."""
+    last = doc[:, -1:]
+    return split_into_chunks(doc - last, chunk_size) + last[:, :, None]
 
 
 def intra_chunk_weights(cum_log_decay: jax.Array, doc: jax.Array) -> jax.Array:

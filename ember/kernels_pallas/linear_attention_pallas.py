@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas import linear_attention_chunks as chunks
+from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 
 def _load_chunk(ref, index, chunk_size):
@@ -210,12 +211,8 @@ def chunked_linear_attention_pallas(q, k, v, log_decay, doc, state, *, chunk_siz
     """
     batch, seq = v.shape[:2]
 
-    def padded(x, pad_value=0):
-        chunked = chunks.split_into_chunks(x, chunk_size, pad_value=pad_value)
-        return chunked.reshape(batch, -1, *chunked.shape[3:])
-
-    cum = jnp.cumsum(chunks.split_into_chunks(log_decay, chunk_size), axis=2).reshape(batch, -1, log_decay.shape[-1])
-    outputs, final_state = _chunked(
-        padded(q), padded(k), padded(v), cum, padded(doc, "edge"), state, chunk_size, interpret
-    )
+    padded = functools.partial(pad_axis_to_multiple, axis=1, multiple=chunk_size)
+    cum = jnp.cumsum(chunks.split_into_chunks(log_decay, chunk_size), axis=2).reshape(batch, -1, v.shape[2])
+    doc = chunks.split_documents_into_chunks(doc, chunk_size).reshape(batch, -1)
+    outputs, final_state = _chunked(padded(q), padded(k), padded(v), cum, doc, state, chunk_size, interpret)
     return outputs[:, :seq], final_state
