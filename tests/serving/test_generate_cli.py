@@ -48,6 +48,7 @@ def read_records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # two engines, an export and a subprocess that recompiles
 def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp_path, rng):
     path, params = run_dir
     generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
@@ -107,6 +108,7 @@ def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
     assert capsys.readouterr().out == ByteTokenizer().decode(expected) + "\n"
 
 
+@pytest.mark.slow  # imports torch + transformers and compiles an engine
 def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

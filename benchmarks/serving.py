@@ -1,0 +1,190 @@
+"""Serving on a mixed workload: Ember continuous batching with chunked prefill, Ember static
+batching, and ``transformers`` ``generate`` (PyTorch CPU) on the same weights, side by side.
+
+Requests arrive over time (Poisson), with random prompt and output lengths; every request
+generates exactly its output length (EOS ignored) so all three do the same work. Reported:
+output tokens/s and time-to-first-token (TTFT) / time-between-tokens (TBT) percentiles.
+
+- continuous: the :class:`~ember.serving.engine.Engine` as is (stall-free chunked prefill,
+  requests admitted as soon as a slot and pages are free).
+- static: the same engine and compiled steps, but a batch of up to ``num_slots`` arrived
+  requests is admitted only when the previous batch has entirely finished.
+- transformers: ``generate`` one request at a time in arrival order (greedy, KV cache).
+
+    python -m benchmarks.serving          # CPU: tiny model, short workload; GPU: also ~125M, full workload
+    python -m benchmarks.serving --skip-hf --requests 64
+
+Results: ``benchmarks/results/serving-<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness import device_label, on_gpu, print_table, write_results
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
+from ember.serving.engine import Engine
+from ember.serving.requests import SamplingParams
+
+TINY = ModelConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, mlp_dim=256, max_seq_len=1024, page_size=16)
+M125 = ModelConfig(vocab_size=32768, d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, max_seq_len=1024,
+                   page_size=16, precision="bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    arrivals: list[float]  # seconds after the start
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(seed: int, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  rate: float, vocab: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=count))
+    arrivals -= arrivals[0]
+    prompts = [rng.integers(0, vocab, size=int(rng.integers(*prompt_range, endpoint=True))).tolist() for _ in range(count)]
+    outputs = [int(rng.integers(*output_range, endpoint=True)) for _ in range(count)]
+    return Workload(arrivals.tolist(), prompts, outputs)
+
+
+def summarize(name: str, workload: Workload, token_times: list[list[float]], elapsed: float) -> dict:
+    """Throughput and latency percentiles from each request's token timestamps."""
+    ttft = [times[0] - arrival for times, arrival in zip(token_times, workload.arrivals)]
+    tbt = [b - a for times in token_times for a, b in zip(times, times[1:])]
+    tokens = sum(len(times) for times in token_times)
+    row = {"system": name, "output_tok_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens}
+    for label, values in (("ttft", ttft), ("tbt", tbt)):
+        for q in (50, 90, 99):
+            row[f"{label}_p{q}_ms"] = float(np.percentile(values, q) * 1e3) if values else None
+    return row
+
+
+def run_engine(engine: Engine, workload: Workload, *, static: bool) -> tuple[list[list[float]], float]:
+    """Replays ``workload`` on ``engine``; returns each request's token times and the span."""
+    token_times: list[list[float]] = [[] for _ in workload.prompts]
+    owner: dict[int, int] = {}
+    next_request = 0
+    start = time.perf_counter()
+    while next_request < len(workload.prompts) or engine.has_unfinished:
+        now = time.perf_counter() - start
+        # Static batching admits a new batch only into an idle engine.
+        room = (0 if engine.has_unfinished else engine.program.num_slots) if static else len(workload.prompts)
+        while room and next_request < len(workload.prompts) and workload.arrivals[next_request] <= now:
+            params = SamplingParams(max_tokens=workload.output_lens[next_request], ignore_eos=True)
+            owner[engine.add_request(workload.prompts[next_request], params)] = next_request
+            next_request += 1
+            room -= 1
+        if not engine.has_unfinished:
+            time.sleep(max(0.0, workload.arrivals[next_request] - (time.perf_counter() - start)))
+            continue
+        events = engine.step()
+        stamp = time.perf_counter() - start
+        for event in events:
+            if event.token is not None:
+                token_times[owner[event.request_id]].append(stamp)
+            if event.finish_reason is not None:
+                engine.result(event.request_id)
+    return token_times, time.perf_counter() - start
+
+
+def run_transformers(config: ModelConfig, params, workload: Workload) -> tuple[list[list[float]], float] | None:
+    try:
+        import torch
+        import transformers
+        from transformers.generation.streamers import BaseStreamer
+    except ImportError:
+        return None
+    from ember.models import hf
+
+    class TimingStreamer(BaseStreamer):
+        def __init__(self, start):
+            self.start, self.times, self.seen_prompt = start, [], False
+
+        def put(self, value):
+            if self.seen_prompt:
+                self.times.append(time.perf_counter() - self.start)
+            self.seen_prompt = True
+
+        def end(self):
+            pass
+
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save(directory, config, jax.tree.map(np.asarray, params), model_type="llama", dtype=np.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()  # float32, as saved
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    token_times = []
+    start = time.perf_counter()
+    for arrival, prompt, length in zip(workload.arrivals, workload.prompts, workload.output_lens):
+        time.sleep(max(0.0, arrival - (time.perf_counter() - start)))
+        streamer = TimingStreamer(start)
+        with torch.no_grad():
+            model.generate(torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length, do_sample=False,
+                           streamer=streamer)
+        token_times.append(streamer.times)
+    return token_times, time.perf_counter() - start
+
+
+def bench_model(name: str, config: ModelConfig, workload: Workload, *, num_slots: int, chunk: int, with_hf: bool) -> list[dict]:
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    max_context = max(len(p) for p in workload.prompts) + max(workload.output_lens)
+    max_context = -(-max_context // config.page_size) * config.page_size
+    compile_start = time.perf_counter()
+    engine = Engine.from_model(config, params, num_slots=num_slots, widths=(1, chunk), max_context=max_context)
+    compile_seconds = time.perf_counter() - compile_start
+    warm = Workload([0.0], [workload.prompts[0]], [2])
+    run_engine(engine, warm, static=False)
+    rows = []
+    for system, static in (("ember continuous", False), ("ember static", True)):
+        token_times, elapsed = run_engine(engine, workload, static=static)
+        rows.append(summarize(system, workload, token_times, elapsed))
+    if with_hf:
+        measured = run_transformers(config, params, workload)
+        if measured is not None:
+            rows.append(summarize("transformers generate (torch cpu)", workload, *measured))
+    for row in rows:
+        row.update(model=name, num_slots=num_slots, chunk=chunk, compile_seconds=compile_seconds)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=None, help="number of requests (default: 32 CPU, 128 GPU)")
+    parser.add_argument("--skip-hf", action="store_true", help="leave out transformers generate")
+    args = parser.parse_args()
+    gpu = on_gpu()
+    if gpu:
+        cases = [("tiny", TINY, 64, 256), ("~125M", M125, 64, 256)]
+        shape = dict(count=args.requests or 128, prompt_range=(16, 512), output_range=(16, 256), rate=32.0)
+    else:
+        print("no GPU found: tiny model on a short workload (prompts 16-128, outputs 16-128)")
+        cases = [("tiny", TINY, 8, 32)]
+        shape = dict(count=args.requests or 32, prompt_range=(16, 128), output_range=(16, 128), rate=64.0)
+    rows = []
+    for name, config, num_slots, chunk in cases:
+        workload = make_workload(0, vocab=config.vocab_size, **shape)
+        rows += bench_model(name, config, workload, num_slots=num_slots, chunk=chunk, with_hf=not args.skip_hf)
+    columns = ["model", "system", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "seconds"]
+    print_table(rows, columns)
+    for name in dict.fromkeys(row["model"] for row in rows):
+        mine = {row["system"]: row for row in rows if row["model"] == name}
+        continuous = mine["ember continuous"]["output_tok_s"]
+        for other in ("ember static", "transformers generate (torch cpu)"):
+            if other in mine:
+                print(f"{name}: continuous / {other} throughput = {continuous / mine[other]['output_tok_s']:.2f}x")
+    path = write_results("serving", {"workload": shape, "rows": rows, "device_label": device_label()})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
