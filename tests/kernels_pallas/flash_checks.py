@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
 from tests.tolerances import assert_allclose
@@ -15,18 +14,20 @@ from tests.tolerances import assert_allclose
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-@functools.partial(
-    jax.jit, static_argnames=("batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "dtype")
-)
+def numpy_rng(rng) -> np.random.Generator:
+    """A NumPy generator seeded from a JAX key: fresh inputs per test without compiling
+    JAX random ops for every shape (compilation dominates these tests' time)."""
+    return np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel())
+
+
 def random_qkv(rng, *, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.float32):
     """Fresh normal ``q [batch, q_len, heads, head_dim]``, ``k, v [batch, kv_len, kv_heads,
     head_dim]`` and an output cotangent shaped like ``q``."""
-    kq, kk, kv, kd = jax.random.split(rng, 4)
-    q = jax.random.normal(kq, (batch, q_len, heads, head_dim), dtype)
-    k = jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), dtype)
-    v = jax.random.normal(kv, (batch, kv_len, kv_heads, head_dim), dtype)
-    d_out = jax.random.normal(kd, (batch, q_len, heads, head_dim), dtype)
-    return q, k, v, d_out
+    gen = numpy_rng(rng)
+    q_shape, kv_shape = (batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    return tuple(
+        jnp.asarray(gen.standard_normal(shape, dtype=np.float32), dtype) for shape in (q_shape, kv_shape, kv_shape, q_shape)
+    )
 
 
 def assert_kernel_matches_reference(q, k, v, d_out, *, block_sizes=None, grads=True, scale=1.0, **options):

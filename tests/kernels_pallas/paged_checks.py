@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests.kernels_pallas.flash_checks import numpy_rng
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("num_pages", "page_size", "kv_heads", "head_dim", "num_seqs", "max_pages_per_seq", "dtype"),
-)
+
 def random_paged_cache(rng, *, num_pages, page_size, kv_heads, head_dim, num_seqs, max_pages_per_seq, dtype=jnp.float32):
     """``(k_pages, v_pages [num_pages, page_size, kv_heads, head_dim], page_table [num_seqs,
     max_pages_per_seq] int32)``; the table holds distinct pages in random order."""
-    kk, kv, kt = jax.random.split(rng, 3)
+    gen = numpy_rng(rng)
     shape = (num_pages, page_size, kv_heads, head_dim)
-    k_pages = jax.random.normal(kk, shape, dtype)
-    v_pages = jax.random.normal(kv, shape, dtype)
-    pages = jax.random.permutation(kt, num_pages)[: num_seqs * max_pages_per_seq]
-    return k_pages, v_pages, pages.reshape(num_seqs, max_pages_per_seq).astype(jnp.int32)
+    k_pages, v_pages = (jnp.asarray(gen.standard_normal(shape, dtype=np.float32), dtype) for _ in range(2))
+    pages = gen.permutation(num_pages)[: num_seqs * max_pages_per_seq]
+    return k_pages, v_pages, jnp.asarray(pages.reshape(num_seqs, max_pages_per_seq), jnp.int32)
+
+
+def random_normal(rng, shape, dtype=jnp.float32) -> jax.Array:
+    """Standard normal ``shape`` in ``dtype``, drawn on the host from ``rng``."""
+    return jnp.asarray(numpy_rng(rng).standard_normal(shape, dtype=np.float32), dtype)
 
 
 def contiguous_cache(pages, page_table, seq: int, length: int) -> np.ndarray:

@@ -103,7 +103,7 @@ def test_kernel_visits_exactly_the_live_blocks(rng, mask):
 
 
 @pytest.mark.slow
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(
     batch=st.integers(1, 2),
     q_len=st.integers(1, 40),

@@ -8,7 +8,7 @@ import pytest
 
 from ember.kernels_pallas.paged_attention import paged_attention, paged_attention_reference
 from tests.kernels_pallas.flash_checks import FAST_COMPILE
-from tests.kernels_pallas.paged_checks import contiguous_cache, random_paged_cache
+from tests.kernels_pallas.paged_checks import contiguous_cache, random_normal, random_paged_cache
 from tests.tolerances import assert_allclose
 
 PAGE_SIZE = 8
@@ -23,7 +23,7 @@ def _setup(rng, dtype, heads=8, kv_heads=2, head_dim=64):
         k_cache, num_pages=30, page_size=PAGE_SIZE, kv_heads=kv_heads, head_dim=head_dim,
         num_seqs=LENGTHS.shape[0], max_pages_per_seq=MAX_PAGES, dtype=dtype,
     )
-    q = jax.random.normal(k_query, (LENGTHS.shape[0], heads, head_dim), dtype)
+    q = random_normal(k_query, (LENGTHS.shape[0], heads, head_dim), dtype)
     return q, k_pages, v_pages, page_table
 
 

@@ -10,7 +10,7 @@ import pytest
 from ember.kernels_pallas.paged_attention import paged_attention_reference
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from tests.kernels_pallas.flash_checks import FAST_COMPILE
-from tests.kernels_pallas.paged_checks import contiguous_cache, random_paged_cache
+from tests.kernels_pallas.paged_checks import contiguous_cache, random_normal, random_paged_cache
 from tests.tolerances import assert_allclose
 
 PAGE_SIZE = 8
@@ -36,7 +36,7 @@ def _setup(rng, dtype, heads=8, kv_heads=2, head_dim=64):
         k_cache, num_pages=40, page_size=PAGE_SIZE, kv_heads=kv_heads, head_dim=head_dim,
         num_seqs=QUERY_LENS.shape[0], max_pages_per_seq=4, dtype=dtype,
     )
-    q = jax.random.normal(k_query, (NUM_TOKENS, heads, head_dim), dtype)
+    q = random_normal(k_query, (NUM_TOKENS, heads, head_dim), dtype)
     return q, k_pages, v_pages, page_table
 
 
