@@ -1,8 +1,8 @@
 """Pallas kernel of :func:`ember.kernels_pallas.paged_attention.paged_attention`.
 
 Grid ``(batch, kv_heads)``: a program takes the ``group = heads // kv_heads`` query heads
-that share one key head (one ``[group, head_dim]`` tile, so every key page read serves the
-whole GQA group) and streams that sequence's pages with an online softmax. It reads only
+that share one key head (one ``[max(group, 16), head_dim]`` tile, zero-padded, so every key
+page read serves the whole GQA group) and streams that sequence's pages with an online softmax. It reads only
 the pages that hold visible tokens, ``[first visible // page_size, cdiv(length,
 page_size))``: cost follows the sequence's length (and window), not the table's width.
 """
@@ -20,6 +20,7 @@ from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
 
 _NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+MIN_QUERY_ROWS = 16
 
 
 def _paged_decode_kernel(
@@ -75,19 +76,26 @@ def paged_attention_kernel(
         soft_cap_value=logits_soft_cap,
         window=window,
     )
+    # Each program's query tile is its GQA group, padded with zero rows to MIN_QUERY_ROWS
+    # (GPU matmul tiles need at least 16 rows); the padded rows are dropped afterwards.
+    rows = max(group, MIN_QUERY_ROWS)
+    q_groups = q.reshape(batch, cache.kv_heads, group, head_dim)
+    q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     whole_cache = pl.BlockSpec(k_pages.shape, lambda b, g: (0, 0, 0, 0))
-    return pl.pallas_call(
+    query_tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, g: (b, g, 0, 0))
+    out = pl.pallas_call(
         kernel,
         grid=(batch, cache.kv_heads),
         in_specs=[
             pl.BlockSpec((1,), lambda b, g: (b,)),
             pl.BlockSpec((None, cache.max_pages_per_seq), lambda b, g: (b, 0)),
-            pl.BlockSpec((None, group, head_dim), lambda b, g: (b, g, 0)),
+            query_tile,
             whole_cache,
             whole_cache,
         ],
-        out_specs=pl.BlockSpec((None, group, head_dim), lambda b, g: (b, g, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=query_tile,
+        out_shape=jax.ShapeDtypeStruct(q_groups.shape, q.dtype),
         interpret=interpret,
         name="paged_attention",
-    )(lengths.astype(jnp.int32), page_table.astype(jnp.int32), q, k_pages, v_pages)
+    )(lengths.astype(jnp.int32), page_table.astype(jnp.int32), q_groups, k_pages, v_pages)
+    return out[:, :, :group].reshape(batch, heads, head_dim)
