@@ -93,9 +93,11 @@ class _MountainCarBase(Environment):
             return (position - params.min_position) * scale, height - 10 - height_m * scale
 
         image = rendering.canvas(height, width)
-        track = np.linspace(params.min_position, params.max_position, 60)
-        for left, right in zip(track[:-1], track[1:]):
-            image = rendering.draw_segment(image, *to_pixels(left), *to_pixels(right), 2, rendering.BLACK)
+        # The track: every pixel column painted around the hill's height at that position.
+        columns = (jnp.arange(width) + 0.5) / scale + params.min_position
+        _, track_y = to_pixels(columns)
+        rows = jnp.arange(height)[:, None] + 0.5
+        image = rendering.paint(image, jnp.abs(rows - track_y[None, :]) <= 1.5, rendering.BLACK)
         flag_x, flag_y = to_pixels(params.goal_position)
         image = rendering.fill_rect(image, flag_x, flag_y - 20, flag_x + 2, flag_y, rendering.BLACK)
         image = rendering.fill_rect(image, flag_x + 2, flag_y - 20, flag_x + 12, flag_y - 14, (204, 204, 0))

@@ -1,0 +1,105 @@
+"""Every registered environment: reset and stepped under jit and vmap (batch 1 and 64),
+batched results equal single-environment results, observations and sampled actions lie in
+their spaces, invalid actions are clipped as documented, and render gives an RGB picture."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ember.envs
+from ember.envs import noise as noise_lib
+from ember.envs import spaces
+from ember.envs.multi_agent import MultiAgentEnvironment
+from tests.tolerances import assert_allclose
+
+ENV_IDS = ember.envs.registered()
+
+
+@functools.cache
+def compiled(env_id):
+    """(env, params, jitted reset_from_noise, jitted step_from_noise), built once per id so
+    the tests below share compilations."""
+    env, params = ember.envs.make(env_id)
+    return env, params, jax.jit(env.reset_from_noise), jax.jit(env.step_from_noise)
+
+
+def test_registry_lists_ids_suggests_close_ones_and_rejects_unknown_params():
+    assert {"CartPole-v1", "Pendulum-v1", "MountainCar-v0", "MountainCarContinuous-v0", "Acrobot-v1"} <= set(ENV_IDS)
+    assert {"Breakout-MinAtar", "KeyDoorMaze-v0", "MPE-simple_spread", "MPE-simple_tag"} <= set(ENV_IDS)
+    with pytest.raises(LookupError, match="Did you mean 'CartPole-v1'"):
+        ember.envs.make("CartPol-v1")
+    with pytest.raises(ValueError, match="unknown parameter"):
+        ember.envs.make("CartPole-v1", gravityy=3.0)
+    env, params = ember.envs.make("CartPole-v1", gravity=3.0)
+    assert params.gravity == 3.0
+
+
+def assert_same(actual, expected):
+    if jnp.issubdtype(jnp.asarray(actual).dtype, jnp.floating):
+        assert_allclose(actual, expected)
+    else:
+        np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize("num_envs", [1, 64])
+@pytest.mark.parametrize("env_id", ENV_IDS)
+def test_reset_and_step_under_jit_and_vmap(env_id, num_envs, rng):
+    env, params, single_reset, single_step = compiled(env_id)
+    batched = ember.envs.BatchedEnv(env, num_envs)
+    action_space, observation_space = env.action_space(params), env.observation_space(params)
+
+    @jax.jit
+    def run(key):
+        reset_words = noise_lib.draw(key, batched.reset_noise_shape)
+        obs, state = batched.reset_from_noise(reset_words, params)
+        actions = jax.vmap(action_space.sample)(jax.random.split(jax.random.fold_in(key, 1), num_envs))
+        step_words = noise_lib.draw(jax.random.fold_in(key, 2), batched.step_noise_shape)
+        out = batched.step_from_noise(step_words, state, actions, params)
+        contained = (
+            jax.vmap(observation_space.contains)(obs),
+            jax.vmap(action_space.contains)(actions),
+            jax.vmap(observation_space.contains)(out[0]),
+        )
+        return reset_words, obs, state, actions, step_words, out, contained
+
+    reset_words, obs, state, actions, step_words, out, contained = run(rng)
+    for name, flags in zip(("reset observation", "sampled action", "step observation"), contained):
+        assert bool(flags.all()), f"{env_id}: a {name} lies outside its space"
+    for i in {0, num_envs - 1}:
+        row = lambda tree: jax.tree.map(lambda leaf: leaf[i], tree)  # noqa: E731
+        jax.tree.map(assert_same, row((obs, state)), single_reset(reset_words[i], params))
+        jax.tree.map(assert_same, row(out), single_step(step_words[i], row(state), row(actions), params))
+
+
+def invalid_and_clipped(space, key):
+    """(an invalid action, the valid action it must behave as) for ``space``."""
+    if isinstance(space, spaces.Discrete):
+        return jnp.int32(space.n + 3), jnp.int32(space.n - 1)
+    if isinstance(space, spaces.Box):
+        nan_and_large = jnp.where(jnp.arange(np.prod(space.shape)).reshape(space.shape) % 2 == 0, jnp.nan, 1e6)
+        middle = (space.low + space.high) / 2
+        return nan_and_large.astype(space.dtype), jnp.where(jnp.isnan(nan_and_large), middle, space.high).astype(space.dtype)
+    if isinstance(space, spaces.Dict):
+        pairs = {name: invalid_and_clipped(sub, key) for name, sub in space.spaces.items()}
+        return {n: p[0] for n, p in pairs.items()}, {n: p[1] for n, p in pairs.items()}
+    raise AssertionError(f"no invalid action for {space!r}")
+
+
+@pytest.mark.parametrize("env_id", ENV_IDS)
+def test_invalid_actions_are_clipped_and_render_gives_rgb(env_id, rng):
+    env, params, reset, step = compiled(env_id)
+    _, state = reset(noise_lib.draw(rng, env.reset_noise_shape), params)
+    invalid, clipped = invalid_and_clipped(env.action_space(params), rng)
+    words = noise_lib.draw(rng, env.step_noise_shape)
+    got, expected = step(words, state, invalid, params), step(words, state, clipped, params)
+    jax.tree.map(assert_same, got, expected)
+    for leaf in jax.tree.leaves(got[0]):
+        assert not bool(jnp.isnan(leaf).any())
+    frame = np.asarray(jax.jit(env.render)(state, params))
+    assert frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3
+    assert len(np.unique(frame.reshape(-1, 3), axis=0)) >= 2, "the picture shows something"
+    if isinstance(env, MultiAgentEnvironment):
+        assert set(got[2]) == set(env.agents)
