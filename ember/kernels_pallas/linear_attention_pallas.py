@@ -1,11 +1,15 @@
 """Pallas kernels for chunked linear attention: forward and a hand-written backward.
 
-One program per (batch, head) walks that head's chunks in order, carrying the ``[dk, dv]``
-state; the chunk math is ``linear_attention_chunks.py``, shared with the XLA path. The
+One program per (batch, head, block of value columns) walks that head's chunks in order,
+carrying its ``[dk, value_block]`` slice of the state; the chunk math is
+``linear_attention_chunks.py``, shared with the XLA path. Value columns never mix (output
+column ``j`` reads state column ``j`` only), so splitting them multiplies the programs a GPU
+can run at once for the price of recomputing the ``[chunk, chunk]`` scores per block. The
 forward also writes the state entering every chunk (``[batch, heads, chunks + 1, dk, dv]``,
 the last being the final state); the backward walks the chunks in reverse carrying the
 state's gradient and reads those states instead of recomputing them, as
-flash-linear-attention does.
+flash-linear-attention does. Its dq, dk and decay gradients are partial sums per value
+block, added up outside the kernel.
 
 Decay gradients use the identity (per chunk, ``b`` the cumulative log decay from the chunk
 start): every term with ``q_t`` carries ``exp(b_t)``, every term with ``k_s`` carries
@@ -39,8 +43,9 @@ def _doc_before(doc_ref, index, chunk_size):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, cum_ref, doc_ref, state_ref, out_ref, states_ref, *, chunk_size, n_chunks):
-    """One (batch, head). Refs: q/k ``[seq, dk]``, v ``[seq, dv]``, cum/doc ``[seq]``, state
-    ``[dk, dv]``; outputs ``[seq, dv]`` float32 and states ``[n_chunks + 1, dk, dv]``."""
+    """One (batch, head, value block); ``dv`` below is the block's columns. Refs: q/k
+    ``[seq, dk]``, v ``[seq, dv]``, cum/doc ``[seq]``, state ``[dk, dv]``; outputs ``[seq, dv]``
+    float32 and states ``[n_chunks + 1, dk, dv]``."""
 
     def chunk_step(index, state):
         states_ref[index] = state
@@ -63,9 +68,10 @@ def _backward_kernel(
     q_ref, k_ref, v_ref, cum_ref, doc_ref, states_ref, dout_ref, dfinal_ref,
     dq_ref, dk_ref, dv_ref, dcum_ref, dstate_ref, *, chunk_size, n_chunks,
 ):
-    """One (batch, head), chunks in reverse. Extra refs: dout ``[seq, dv]``, dfinal
-    ``[dk, dv]``; gradients dq/dk ``[seq, dk]`` (per value head), dv ``[seq, dv]``, dcum
-    ``[seq]``, dstate ``[dk, dv]`` (of the initial state); all float32."""
+    """One (batch, head, value block), chunks in reverse. Extra refs: dout ``[seq, dv]``,
+    dfinal ``[dk, dv]``; gradients dq/dk ``[seq, dk]`` and dcum ``[seq]`` (this value head's
+    and block's share), dv ``[seq, dv]``, dstate ``[dk, dv]`` (of the initial state); all
+    float32."""
     f32 = jnp.float32
 
     def matmul(spec, a, b):
@@ -107,20 +113,33 @@ def _backward_kernel(
     dstate_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk_step, dfinal_ref[...])
 
 
+def value_block_size(dv: int) -> int:
+    """Value columns per program: 64 when that splits ``dv`` evenly, else all of them."""
+    return 64 if dv > 64 and dv % 64 == 0 else dv
+
+
 def _specs(q_shape, v_shape, n_chunks):
-    """BlockSpecs over the grid (batch, head): whole sequences of one head per program."""
+    """BlockSpecs over the grid (batch, head, value block): whole sequences of one head."""
     _, seq, qk_heads, dk = q_shape
     heads, dv = v_shape[2], v_shape[3]
     group = heads // qk_heads
+    block = value_block_size(dv)
     return {
-        "qk": pl.BlockSpec((None, seq, None, dk), lambda b, h: (b, 0, h // group, 0)),
-        "qk_per_head": pl.BlockSpec((None, seq, None, dk), lambda b, h: (b, 0, h, 0)),
-        "v": pl.BlockSpec((None, seq, None, dv), lambda b, h: (b, 0, h, 0)),
-        "per_head_scalar": pl.BlockSpec((None, seq, None), lambda b, h: (b, 0, h)),
-        "doc": pl.BlockSpec((None, seq), lambda b, h: (b, 0)),
-        "state": pl.BlockSpec((None, None, dk, dv), lambda b, h: (b, h, 0, 0)),
-        "states": pl.BlockSpec((None, None, n_chunks + 1, dk, dv), lambda b, h: (b, h, 0, 0, 0)),
+        "qk": pl.BlockSpec((None, seq, None, dk), lambda b, h, j: (b, 0, h // group, 0)),
+        "v": pl.BlockSpec((None, seq, None, block), lambda b, h, j: (b, 0, h, j)),
+        "per_head_scalar": pl.BlockSpec((None, seq, None), lambda b, h, j: (b, 0, h)),
+        "doc": pl.BlockSpec((None, seq), lambda b, h, j: (b, 0)),
+        "state": pl.BlockSpec((None, None, dk, block), lambda b, h, j: (b, h, 0, j)),
+        "states": pl.BlockSpec((None, None, n_chunks + 1, dk, block), lambda b, h, j: (b, h, 0, 0, j)),
+        # Partial gradients, one slab per value block: [value blocks, batch, seq, heads, ...].
+        "partial_qk": pl.BlockSpec((None, None, seq, None, dk), lambda b, h, j: (j, b, 0, h, 0)),
+        "partial_scalar": pl.BlockSpec((None, None, seq, None), lambda b, h, j: (j, b, 0, h)),
     }
+
+
+def _grid(v_shape):
+    batch, _, heads, dv = v_shape
+    return (batch, heads, dv // value_block_size(dv))
 
 
 def _forward(q, k, v, cum, doc, state, chunk_size, interpret):
@@ -130,7 +149,7 @@ def _forward(q, k, v, cum, doc, state, chunk_size, interpret):
     specs = _specs(q.shape, v.shape, n_chunks)
     outputs, states = pl.pallas_call(
         functools.partial(_forward_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
-        grid=(batch, heads),
+        grid=_grid(v.shape),
         in_specs=[specs["qk"], specs["qk"], specs["v"], specs["per_head_scalar"], specs["doc"], specs["state"]],
         out_specs=[specs["v"], specs["states"]],
         out_shape=[
@@ -148,30 +167,31 @@ def _backward(q, k, v, cum, doc, states, dout, dfinal, chunk_size, interpret):
     qk_heads, dk = q.shape[2], q.shape[3]
     n_chunks = seq // chunk_size
     specs = _specs(q.shape, v.shape, n_chunks)
+    grid = _grid(v.shape)
     f32 = jnp.float32
     dq, dk_, dv_, dcum, dstate = pl.pallas_call(
         functools.partial(_backward_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
-        grid=(batch, heads),
+        grid=grid,
         in_specs=[
             specs["qk"], specs["qk"], specs["v"], specs["per_head_scalar"], specs["doc"], specs["states"],
             specs["v"], specs["state"],
         ],
-        out_specs=[specs["qk_per_head"], specs["qk_per_head"], specs["v"], specs["per_head_scalar"], specs["state"]],
+        out_specs=[specs["partial_qk"], specs["partial_qk"], specs["v"], specs["partial_scalar"], specs["state"]],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, seq, heads, dk), f32),
-            jax.ShapeDtypeStruct((batch, seq, heads, dk), f32),
+            jax.ShapeDtypeStruct((grid[2], batch, seq, heads, dk), f32),
+            jax.ShapeDtypeStruct((grid[2], batch, seq, heads, dk), f32),
             jax.ShapeDtypeStruct((batch, seq, heads, dv), f32),
-            jax.ShapeDtypeStruct((batch, seq, heads), f32),
+            jax.ShapeDtypeStruct((grid[2], batch, seq, heads), f32),
             jax.ShapeDtypeStruct((batch, heads, dk, dv), f32),
         ],
         interpret=interpret,
         name="linear_attention_backward",
     )(q, k, v, cum, doc, states, dout, dfinal)
 
-    def sum_groups(grad):  # [batch, seq, heads, dk] -> [batch, seq, qk_heads, dk]
-        return grad.reshape(batch, seq, qk_heads, heads // qk_heads, dk).sum(axis=3)
+    def total(partial_qk):  # [value blocks, batch, seq, heads, dk] -> [batch, seq, qk_heads, dk]
+        return partial_qk.sum(axis=0).reshape(batch, seq, qk_heads, heads // qk_heads, dk).sum(axis=3)
 
-    return sum_groups(dq), sum_groups(dk_), dv_, dcum, dstate
+    return total(dq), total(dk_), dv_, dcum.sum(axis=0), dstate
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))

@@ -13,6 +13,7 @@ from ember.kernels_pallas.linear_attention import (
     linear_attention_reference,
     linear_attention_step,
 )
+from ember.kernels_pallas.linear_attention_pallas import value_block_size
 from tests.tolerances import assert_allclose
 
 IMPLS = ["xla", "interpret"]
@@ -97,6 +98,20 @@ def test_chunked_scan_and_quadratic_agree_in_values_and_gradients(rng, impl, dty
         for name in GRAD_ARGS:
             # Gradients sum over the whole sequence and the cotangents: looser by that factor.
             assert_allclose(grads[name], expected_grads[name], dtype=dtype, scale=8.0, err_msg=f"{form} d{name}")
+
+
+def test_kernel_splits_wide_values_across_programs(rng):
+    """dv = 128 runs as two programs of 64 value columns; dq, dk and the decay gradient are
+    the sums of their partial results."""
+    assert value_block_size(128) == 64 and value_block_size(96) == 96
+    key_inputs, key_cotangent = jax.random.split(rng)
+    inputs = make_inputs(key_inputs, batch=1, seq=20, dv=128)
+    expected, expected_grads = values_and_grads(linear_attention_reference, inputs, key_cotangent)
+    actual, grads = values_and_grads(linear_attention, inputs, key_cotangent, chunk_size=8, impl="interpret")
+    assert_allclose(actual[0], expected[0])
+    assert_allclose(actual[1], expected[1])
+    for name in GRAD_ARGS:
+        assert_allclose(grads[name], expected_grads[name], scale=8.0, err_msg=f"d{name}")  # sums over 128 columns
 
 
 @pytest.mark.parametrize("impl", IMPLS)
