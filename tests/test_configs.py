@@ -13,6 +13,7 @@ def schema_for(section: str):
     """The schema of configs/<section>/*.yaml. Each package that ships configs adds its own."""
     schemas = {
         "rl": lambda: __import__("ember.training.rl.config", fromlist=["RLConfig"]).RLConfig,
+        "models": lambda: __import__("ember.models.config", fromlist=["ModelConfig"]).ModelConfig,
     }
     if section not in schemas:
         pytest.fail(f"no schema known for configs/{section}/; add it to tests/test_configs.py:schema_for")

@@ -32,6 +32,7 @@ from ember.kernels_pallas.flash_attention import flash_attention
 from ember.models.cache import read_pages, write_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.layers.norm import RMSNorm
+from ember.models.layers.projection import Projection
 from ember.models.layers.rope import apply_rope, rope_inverse_frequencies
 
 _NO_KEY = -1
@@ -188,14 +189,9 @@ class Attention(nn.Module):
         heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_size
 
         def projection(name, features, axes):
-            return nn.DenseGeneral(
-                features=features,
-                use_bias=config.qkv_bias,
-                dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("embed", *axes)),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes),
-                name=name,
+            return Projection(
+                features, ("embed", *axes), use_bias=config.qkv_bias, init_std=config.init_std,
+                dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name=name,
             )
 
         q = projection("q", (heads, head_dim), ("heads", "head_dim"))(x)
@@ -212,13 +208,8 @@ class Attention(nn.Module):
             q, k, v, config=config, kind=self.kind, segment_ids=segment_ids,
             pages=pages, page_table=page_table, positions=positions, valid=valid,
         )
-        out = nn.DenseGeneral(
-            features=x.shape[-1],
-            axis=(-2, -1),
-            use_bias=False,
-            dtype=policy.compute_dtype,
-            param_dtype=policy.param_dtype,
-            kernel_init=nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("heads", "head_dim", "embed")),
-            name="o",
+        out = Projection(
+            (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,
+            dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="o",
         )(out)
         return out, pages

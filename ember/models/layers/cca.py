@@ -32,6 +32,7 @@ from ember.core.sharding import constrain
 from ember.models.config import ModelConfig
 from ember.models.layers.attention import attend
 from ember.models.layers.norm import RMSNorm
+from ember.models.layers.projection import Projection
 from ember.models.layers.rope import apply_rope, rope_inverse_frequencies
 
 
@@ -83,12 +84,11 @@ class CompressedConvAttention(nn.Module):
         heads, kv_heads, head_dim = config.cca_query_heads, config.cca_key_value_heads, config.cca_head_size
         width = config.cca_conv_width
         latent_q, latent_kv = heads * head_dim, kv_heads * head_dim
-        init = nn.initializers.normal(config.init_std)
 
         def dense(name, features, axes):
-            return nn.DenseGeneral(
-                features=features, use_bias=False, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
-                kernel_init=nn.with_logical_partitioning(init, ("embed", axes)), name=name,
+            return Projection(
+                (features,), ("embed", axes), init_std=config.init_std, dtype=policy.compute_dtype,
+                param_dtype=policy.param_dtype, name=name,
             )(x)
 
         q_raw = dense("q", latent_q, "heads")
@@ -129,10 +129,9 @@ class CompressedConvAttention(nn.Module):
             q, k, v_shifted, config=config, kind="global", segment_ids=segment_ids,
             pages=pages, page_table=page_table, positions=positions, valid=valid,
         )
-        out = nn.DenseGeneral(
-            features=x.shape[-1], axis=(-2, -1), use_bias=False, dtype=policy.compute_dtype,
-            param_dtype=policy.param_dtype,
-            kernel_init=nn.with_logical_partitioning(init, ("heads", "head_dim", "embed")), name="o",
+        out = Projection(
+            (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,
+            dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="o",
         )(out)
         if cache is None:
             return out, None

@@ -15,6 +15,7 @@ from ember.core.sharding import constrain
 from ember.kernels_pallas.linear_attention import linear_attention, linear_attention_step
 from ember.models.config import ModelConfig
 from ember.models.layers.feature_maps import FeatureMap
+from ember.models.layers.projection import Projection
 
 
 class LinearAttention(nn.Module):
@@ -35,13 +36,9 @@ class LinearAttention(nn.Module):
         heads, head_dim = config.num_heads, config.head_size
 
         def projection(name):
-            return nn.DenseGeneral(
-                features=(heads, head_dim),
-                use_bias=False,
-                dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("embed", "heads", "head_dim")),
-                name=name,
+            return Projection(
+                (heads, head_dim), ("embed", "heads", "head_dim"), init_std=config.init_std,
+                dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name=name,
             )(x)
 
         def features(name):
@@ -67,13 +64,8 @@ class LinearAttention(nn.Module):
                     impl=config.attention_impl,
                 )
             cache = {"state": state.astype(cache["state"].dtype)}
-        out = nn.DenseGeneral(
-            features=x.shape[-1],
-            axis=(-2, -1),
-            use_bias=False,
-            dtype=policy.compute_dtype,
-            param_dtype=policy.param_dtype,
-            kernel_init=nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("heads", "head_dim", "embed")),
-            name="o",
+        out = Projection(
+            (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,
+            dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="o",
         )(out)
         return out, cache

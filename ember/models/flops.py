@@ -1,0 +1,62 @@
+"""FLOPs per token of a ``ModelConfig``, for MFU reporting.
+
+Counts multiply-adds as 2 FLOPs, matmuls only (norms, activations, softmax and rotary are
+a few percent and left out, as in the PaLM/Chinchilla MFU convention). Attention score
+work counts the keys each query actually sees under its mask (causal, sliding window,
+local + global), averaged over a sequence of ``seq_len``; training is 3x the forward pass
+(backward = 2x forward).
+"""
+
+from __future__ import annotations
+
+from ember.models.cache import linear_feature_dim
+from ember.models.config import ModelConfig
+
+
+def mean_visible_keys(config: ModelConfig, kind: str, seq_len: int) -> float:
+    """Average number of keys a query attends to over a sequence of ``seq_len``."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    n, window, num_global = seq_len, config.sliding_window, config.global_tokens
+    if kind in ("global", "cca"):
+        return (n + 1) / 2
+    local = sum(min(i + 1, window) for i in range(n))
+    if kind == "local":
+        return local / n
+    if kind == "block_sparse":
+        outside_window = sum(max(0, min(num_global, i - window + 1)) for i in range(n))
+        return (local + outside_window) / n
+    raise ValueError(f"no attention span for layer kind {kind!r}")
+
+
+def mixer_flops(config: ModelConfig, kind: str, seq_len: int) -> float:
+    """Forward FLOPs per token of one layer's token mixer (projections + attention)."""
+    d = config.d_model
+    if kind == "cca":
+        latent_q = config.cca_query_heads * config.cca_head_size
+        latent_kv = config.cca_key_value_heads * config.cca_head_size
+        width, head = config.cca_conv_width, config.cca_head_size
+        projections = 2 * d * (latent_q + 2 * latent_kv) + 2 * latent_q * d
+        convolutions = 2 * width * (latent_q + latent_kv) * (1 + head)
+        return projections + convolutions + 4 * latent_q * mean_visible_keys(config, kind, seq_len)
+    inner = config.num_heads * config.head_size
+    if kind == "linear":
+        features = linear_feature_dim(config)
+        # State update k^T v and readout q S, per head, with the normaliser column.
+        return 2 * d * 3 * inner + 2 * inner * d + 4 * config.num_heads * features * (config.head_size + 1)
+    kv = config.kv_heads * config.head_size
+    projections = 2 * d * (inner + 2 * kv) + 2 * inner * d
+    return projections + 4 * inner * mean_visible_keys(config, kind, seq_len)
+
+
+def flops_per_token(config: ModelConfig, seq_len: int, *, training: bool = True) -> float:
+    """Matmul FLOPs per token for sequences of ``seq_len`` (x3 when ``training``)."""
+    matrices = 3 if config.mlp in ("swiglu", "geglu") else 2
+    mlp = 2 * matrices * config.d_model * config.mlp_dim
+    layers = sum(mixer_flops(config, kind, seq_len) + mlp for kind in config.layer_kinds)
+    head = 2 * config.d_model * config.vocab_size
+    forward = layers + head
+    return 3 * forward if training else forward
+
+
+__all__ = ["flops_per_token", "mean_visible_keys", "mixer_flops"]

@@ -1,0 +1,46 @@
+"""``Projection``: a linear map whose kernel keeps its head structure and logical axes.
+
+Unlike ``nn.DenseGeneral`` (which initialises a flattened 2-D kernel and reshapes it), the
+kernel is created with its real shape, so its logical-axis annotation always matches its
+rank (needed for eager sharding under ``nnx.bridge.ToNNX``).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class Projection(nn.Module):
+    """``x [..., *in_shape] -> [..., *out_shape]`` with ``kernel [*in_shape, *out_shape]``.
+
+    ``in_dims`` trailing dimensions of ``x`` are contracted; ``kernel_axes`` names every
+    kernel dimension; ``bias [*out_shape]`` (axes ``kernel_axes[in_dims:]``) when ``use_bias``.
+    """
+
+    out_shape: tuple[int, ...]
+    kernel_axes: tuple[str | None, ...]
+    in_dims: int = 1
+    use_bias: bool = False
+    init_std: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        in_shape = x.shape[x.ndim - self.in_dims :]
+        shape = (*in_shape, *self.out_shape)
+        if len(self.kernel_axes) != len(shape):
+            raise ValueError(f"kernel_axes {self.kernel_axes} must name all {len(shape)} kernel dimensions {shape}")
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.kernel_axes), shape, self.param_dtype
+        )
+        y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.in_dims)
+        if self.use_bias:
+            bias = self.param(
+                "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[self.in_dims :]),
+                self.out_shape, self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        return y
