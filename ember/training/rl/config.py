@@ -20,15 +20,22 @@ from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
 
 ALGORITHMS = ("ppo", "dqn")
+ENV_SOURCES = ("ember", "gymnax")
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-    """Which environment: ``id`` as registered in ``ember.envs`` and overrides of its
-    default parameters (``params: {max_steps_in_episode: 200}``)."""
+    """Which environment: ``id`` in the ``source`` library and overrides of its default
+    parameters (``params: {max_steps_in_episode: 200}``). ``source: ember`` (the default)
+    uses ``ember.envs.make``; ``gymnax`` runs ``gymnax.make(id)`` through Ember's adapter."""
 
     id: str = "CartPole-v1"
+    source: str = "ember"
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.source not in ENV_SOURCES:
+            raise ValueError(f"env.source must be one of {ENV_SOURCES}, got {self.source!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,4 +71,4 @@ class RLConfig:
             raise ValueError(f"algo must be one of {ALGORITHMS}, got {self.algo!r}")
 
 
-__all__ = ["ALGORITHMS", "EnvConfig", "EvalConfig", "RLConfig"]
+__all__ = ["ALGORITHMS", "ENV_SOURCES", "EnvConfig", "EvalConfig", "RLConfig"]

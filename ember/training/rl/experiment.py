@@ -79,6 +79,13 @@ ALGORITHMS: dict[str, Algorithm] = {
 
 def make_env(config: EnvConfig):
     """``(env, env_params)`` for the ``env:`` section."""
+    if config.source == "gymnax":
+        import gymnax
+
+        from ember.envs.adapters import GymnaxEnv
+
+        env = GymnaxEnv(*gymnax.make(config.id))
+        return env, env.default_params.replace(**dict(config.params))
     return ember.envs.make(config.id, **dict(config.params))
 
 

@@ -1,0 +1,102 @@
+"""RL training benchmark: wall-clock for Ember PPO to solve CartPole (compile reported
+separately), on Ember's CartPole and on gymnax's CartPole through ``GymnaxEnv``, side by
+side; and aggregate env-steps/s of the training loop for 1 and 8 vmapped seeds.
+
+"Solved" is the issue's bar: greedy mean return >= 475 over 100 evaluation episodes after
+the run of ``configs/rl/ppo_cartpole.yaml`` (150k env steps). Compile time is measured by
+lowering and compiling ``jax.jit(train)``; train time is one call of the compiled program.
+
+    python -m benchmarks.rl          # writes benchmarks/results/rl-<device>.json
+
+The sizes are the same on CPU and GPU (CartPole PPO is latency-bound; a GPU run measures
+the same program).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from benchmarks.harness import on_gpu, print_table, write_results
+from ember.core.config import load_config
+from ember.training.rl.config import EnvConfig, RLConfig
+from ember.training.rl.evaluate import evaluate
+from ember.training.rl.experiment import make_env
+from ember.training.rl.ppo import make_act, make_policy, make_train
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "rl" / "ppo_cartpole.yaml"
+SOLVED_RETURN = 475.0
+
+
+def solve_cartpole(source: str, config: RLConfig) -> dict:
+    """Compile seconds, train seconds and the 100-episode greedy mean return of one run."""
+    env, env_params = make_env(EnvConfig(id="CartPole-v1", source=source))
+    train = jax.jit(make_train(config.ppo, env, env_params))
+    rng = jax.random.key(config.seed)
+    start = time.perf_counter()
+    compiled = train.lower(rng).compile()  # compiled once, reused for the timed run
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    result = jax.block_until_ready(compiled(rng))
+    train_s = time.perf_counter() - start
+    act = make_act(make_policy(config.ppo, env, env_params), result["params"])
+    returns, _ = evaluate(act, env, env_params, jax.random.key(1), num_episodes=100)
+    mean_return = float(np.mean(returns))
+    return {
+        "env": f"{source}:CartPole-v1",
+        "compile_s": compile_s,
+        "train_s": train_s,
+        "total_s": compile_s + train_s,
+        "env_steps": config.ppo.num_updates * config.ppo.num_envs * config.ppo.num_steps,
+        "eval_mean_return": mean_return,
+        "solved": mean_return >= SOLVED_RETURN,
+    }
+
+
+def steps_per_second(config: RLConfig, num_seeds: int) -> dict:
+    """Aggregate env-steps/s of ``num_seeds`` vmapped training runs (compile excluded)."""
+    env, env_params = make_env(config.env)
+    train = jax.jit(jax.vmap(make_train(config.ppo, env, env_params)))
+    keys = jax.random.split(jax.random.key(0), num_seeds)
+    compiled = train.lower(keys).compile()
+    jax.block_until_ready(compiled(keys))  # warm-up
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(keys))
+    seconds = time.perf_counter() - start
+    steps = num_seeds * config.ppo.num_updates * config.ppo.num_envs * config.ppo.num_steps
+    return {"seeds": num_seeds, "env_steps": steps, "seconds": seconds, "env_steps_per_s": steps / seconds}
+
+
+def main() -> None:
+    config = load_config(RLConfig, CONFIG)
+    if not on_gpu():
+        print("no GPU found: measuring on CPU")
+    solve_rows = [solve_cartpole("ember", config)]
+    try:
+        import gymnax  # noqa: F401
+
+        solve_rows.append(solve_cartpole("gymnax", config))
+    except ImportError:
+        print("gymnax is not installed: skipping the gymnax CartPole column")
+    print_table(solve_rows, ["env", "compile_s", "train_s", "total_s", "env_steps", "eval_mean_return", "solved"])
+    if len(solve_rows) == 2:
+        ratio = solve_rows[1]["total_s"] / solve_rows[0]["total_s"]
+        print(f"gymnax total / ember total = {ratio:.2f}")
+    throughput_rows = [steps_per_second(config, seeds) for seeds in (1, 8)]
+    print_table(throughput_rows, ["seeds", "env_steps", "seconds", "env_steps_per_s"])
+    path = write_results(
+        "rl",
+        {
+            "config": str(CONFIG.relative_to(CONFIG.parents[2])),
+            "solve_cartpole": solve_rows,
+            "training_throughput": throughput_rows,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
