@@ -17,6 +17,7 @@ import ember
 # name -> (module defining add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ember.core.system_info", "show JAX version, backend, devices and Pallas lowering support"),
+    "envs": ("ember.envs.cli", "list RL environments, or record a random-policy episode as a GIF"),
     "train": ("ember.training.launcher", "train from a YAML config: ember train CONFIG.yaml [key=value ...] [--resume]"),
     "plot": ("ember.training.plot", "draw a run's metrics (loss, returns, ...) against the step into a PNG"),
     "eval": ("ember.training.rl.eval_command", "run a trained RL policy for N episodes: ember eval RUN_DIR --episodes N [--gif out.gif]"),

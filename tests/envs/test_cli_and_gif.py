@@ -1,0 +1,40 @@
+"""``ember envs list`` / ``ember envs show`` and ``save_gif`` (frames read back with Pillow)."""
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+import ember.envs
+from ember.cli import main
+
+
+def test_envs_list_prints_every_registered_id(capsys):
+    assert main(["envs", "list"]) == 0
+    assert capsys.readouterr().out.split() == ember.envs.registered()
+
+
+def test_envs_show_writes_the_episode_as_a_gif(tmp_path, capsys):
+    out = tmp_path / "cartpole.gif"
+    assert main(["envs", "show", "CartPole-v1", "--out", str(out), "--seed", "3", "--max-steps", "60"]) == 0
+    printed = capsys.readouterr().out
+    env, params = ember.envs.make("CartPole-v1")
+    _, first_state = jax.jit(env.reset)(jax.random.fold_in(jax.random.key(3), 0), params)
+    with Image.open(out) as gif:
+        assert f"wrote {gif.n_frames} frames" in printed
+        assert 1 < gif.n_frames < 60, "a random policy drops the pole well before 60 steps"
+        gif.seek(0)
+        np.testing.assert_array_equal(np.asarray(gif.convert("RGB")), jax.jit(env.render)(first_state, params))
+    assert main(["envs", "show", "CartPol-v1", "--out", str(out)]) == 2
+    assert "Did you mean 'CartPole-v1'" in capsys.readouterr().err
+
+
+def test_save_gif_rejects_bad_frames(tmp_path, rng):
+    frames = np.asarray(jax.random.randint(rng, (3, 8, 8, 3), 0, 256)).astype(np.uint8)
+    path = ember.envs.save_gif(frames, tmp_path / "noise.gif", fps=10)
+    with Image.open(path) as gif:
+        assert gif.n_frames == 3 and gif.size == (8, 8)
+    with pytest.raises(ValueError, match="uint8"):
+        ember.envs.save_gif(frames.astype(np.float32), tmp_path / "x.gif")
+    with pytest.raises(ValueError, match="time, height, width, 3"):
+        ember.envs.save_gif(frames[0], tmp_path / "x.gif")
