@@ -192,7 +192,8 @@ class Engine:
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, progress: Any = None) -> list[GenerationResult]:
         """Generates for every prompt; results in prompt order. A bad prompt gets a result
-        with ``finish_reason="error"`` and ``error`` set; the others run normally.
+        with ``finish_reason="error"``, ``error`` set and ``request_id`` -1 (it never became
+        a request); the others run normally.
         ``progress``: an optional tqdm-like bar, advanced by one per generated token."""
         params_list = _params_per_prompt(prompts, params)
         ids: list[int | str] = []

@@ -8,6 +8,8 @@
 parameter leaves in the order of the exported functions' input tree). Loading an artifact
 (:func:`load_artifact`) imports neither ``ember.models`` nor Flax model code: the exported
 functions carry their input trees, from which the parameters and the empty cache are rebuilt.
+Only tokenizers with a ``describe()`` (Ember's byte tokenizer) travel with the artifact; an
+artifact of a Hugging Face model takes ``prompt_tokens`` only.
 """
 
 from __future__ import annotations

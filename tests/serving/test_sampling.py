@@ -19,6 +19,13 @@ def settings_for(params_list, indices):
     return settings
 
 
+@jax.jit
+def draw_from(seeds, indices, logits):
+    """``categorical`` with each row's request key ``fold_in(PRNGKey(seed), index)``."""
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.PRNGKey(seed), index))(seeds, indices)
+    return jax.vmap(jax.random.categorical)(keys, logits)
+
+
 def hand_masked(logits_row, params):
     """Temperature, then top-k, then top-p on the renormalised top-k distribution, in numpy."""
     scaled = np.asarray(logits_row, np.float64) / params.temperature
@@ -58,10 +65,7 @@ def test_hand_computed_nucleus_of_three_tokens():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]] * 64))
     params = [SamplingParams(temperature=1.0, top_p=0.7, seed=seed) for seed in range(64)]
     tokens, logprobs = sample(logits, settings_for(params, [3] * 64))
-    expected = [
-        int(jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(seed), 3), jnp.log(jnp.array([0.625, 0.375, 0.0]))))
-        for seed in range(64)
-    ]
+    expected = draw_from(jnp.arange(64), jnp.full((64,), 3), jnp.log(jnp.array([[0.625, 0.375, 0.0]] * 64)))
     np.testing.assert_array_equal(tokens, expected)
     assert set(np.asarray(tokens).tolist()) == {0, 1}
     assert_allclose(logprobs, np.log(np.array([0.5, 0.3, 0.2]))[np.asarray(tokens)])
@@ -76,10 +80,9 @@ def test_masked_sampling_matches_categorical_over_the_hand_mask(rng, top_k, top_
     params = [SamplingParams(temperature=float(t), top_k=top_k, top_p=top_p, seed=1000 + r) for r, t in enumerate(temperatures)]
     indices = list(range(rows))
     tokens, _ = sample(jnp.asarray(logits), settings_for(params, indices))
-    for row in range(rows):
-        key = jax.random.fold_in(jax.random.PRNGKey(params[row].seed), indices[row])
-        expected = jax.random.categorical(key, jnp.asarray(hand_masked(logits[row], params[row]), jnp.float32))
-        assert int(tokens[row]) == int(expected), f"row {row}"
+    masked = np.stack([hand_masked(logits[row], params[row]) for row in range(rows)]).astype(np.float32)
+    expected = draw_from(jnp.array([p.seed for p in params]), jnp.array(indices), jnp.asarray(masked))
+    np.testing.assert_array_equal(tokens, expected)
 
 
 def test_a_seeded_row_draws_the_same_token_in_any_batch_position(rng):
@@ -91,8 +94,8 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch_position(rng):
     together, _ = sample(batch[jnp.array([0, 1, 5, 2, 3, 4])], settings_for(others[:2] + [mine] + others[2:], [0, 1, 7, 2, 3, 4]))
     assert int(together[2]) == int(alone[0])
     # Over the sample index, the draws vary: the key depends on it.
-    draws = {int(sample(logits, settings_for([mine], [i]))[0][0]) for i in range(12)}
-    assert len(draws) > 1
+    draws, _ = sample(jnp.repeat(logits, 12, axis=0), settings_for([mine] * 12, range(12)))
+    assert len(set(np.asarray(draws).tolist())) > 1
 
 
 @pytest.mark.parametrize(
