@@ -120,3 +120,21 @@ def test_engine_rejects_models_with_state_layers(params):
 
     with pytest.raises(ValueError, match="linear"):
         init_pages(ModelConfig(block_pattern=("global", "linear")), num_pages=4)
+
+
+def test_stop_token_sequences_and_stop_strings_end_the_output(engine, reference_greedy, rng):
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    prompt = random_prompts(generator, 1, 4, 12)[0]
+    greedy = reference_greedy([prompt], [10])[0]
+    stop = (greedy[3], greedy[4])
+    # The output ends before the first occurrence of the stop pair, which is not part of it.
+    first = next(i for i in range(len(greedy) - 1) if (greedy[i], greedy[i + 1]) == stop)
+    result = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(stop,)))[0]
+    assert result.tokens == greedy[:first] and result.finish_reason == "stop"
+    # Stop strings become token sequences through the tokenizer (bytes here).
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=1, stop=("ab", "é")))
+    queued = next(r for r in engine.scheduler.waiting if r.request_id == request_id)
+    assert queued.stop_sequences == ((97, 98), (0xC3, 0xA9))
+    list(engine.run_until_done([request_id]))
+    engine.result(request_id)
+    assert engine.scheduler.allocator.num_free == NUM_PAGES
