@@ -255,6 +255,27 @@ class ActorCritic(nn.Module):
         return self.critic(obs)
 
 
+class CentralisedActorCritic(nn.Module):
+    """An actor on each agent's own observation and a critic on a separate input: the global
+    state for MAPPO's centralised critic, or the agent's observation again for IPPO.
+    ``(obs [..., obs_dim], critic_input [..., state_dim]) -> (distribution, value [...])``;
+    ``method="value"`` runs the critic alone. Applied to ``[batch, agents, ...]`` inputs
+    the weights are shared by all agents."""
+
+    action: DiscreteActions | BoxActions
+    config: PolicyConfig = PolicyConfig()
+
+    def setup(self):
+        self.actor = Actor(self.action, self.config)
+        self.critic = Critic(self.config)
+
+    def __call__(self, obs: jax.Array, critic_input: jax.Array) -> tuple[Categorical | Gaussian, jax.Array]:
+        return self.actor(obs), self.critic(critic_input)
+
+    def value(self, critic_input: jax.Array) -> jax.Array:
+        return self.critic(critic_input)
+
+
 class QNetwork(nn.Module):
     """Action values ``[batch, num_actions]`` from observations (for DQN)."""
 
@@ -291,6 +312,7 @@ __all__ = [
     "ActorCritic",
     "BoxActions",
     "Categorical",
+    "CentralisedActorCritic",
     "Critic",
     "DiscreteActions",
     "Gaussian",

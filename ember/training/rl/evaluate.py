@@ -6,7 +6,8 @@
 Each of the ``num_episodes`` environments runs exactly one episode: the scan lasts
 ``env_params.max_steps_in_episode`` steps (every episode ends by then) and a sub-environment
 stops counting reward once its first episode has ended (auto-reset starts a second one,
-which is ignored).
+which is ignored). For multi-agent environments (reward dicts) the return is the mean over
+agents of their returns, and an episode ends with ``terminated/truncated["__all__"]``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def evaluate(
             obs, state, running, returns, lengths = carry
             act_key, env_key = jax.random.split(key)
             obs, state, reward, terminated, truncated, _ = envs.step(env_key, state, act(obs, act_key), env_params)
+            if isinstance(reward, dict):  # multi-agent: the return per agent; the episode ends for all
+                reward = jnp.stack(list(reward.values())).mean(axis=0)
+                terminated, truncated = terminated["__all__"], truncated["__all__"]
             returns = returns + jnp.where(running, reward.astype(jnp.float32), 0.0)
             lengths = lengths + running.astype(jnp.int32)
             running = running & ~(terminated | truncated)
