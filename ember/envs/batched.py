@@ -7,16 +7,18 @@
 
 The contract is the single environment's with a leading ``[num_envs]`` axis on every
 observation, state leaf, action, reward, flag and info entry; ``params`` is shared. One key
-drives the whole batch: its random words are drawn in ONE ``jax.random.bits`` call of shape
-``[num_envs, words]`` and the per-environment functions are ``jax.vmap``-ed over them,
-instead of splitting a key per environment (what ``jax.vmap(env.step)(keys, ...)`` does,
-which also works). Spaces are those of one environment.
+drives the whole batch: its random words are drawn in ONE call of shape
+``[num_envs, words]`` (``noise.draw_batch``, XLA's native threefry) and the
+per-environment functions are ``jax.vmap``-ed over them, instead of splitting a key per
+environment (what ``jax.vmap(env.step)(keys, ...)`` does, which also works). Spaces are
+those of one environment.
 """
 
 from __future__ import annotations
 
 import jax
 
+from ember.envs import noise as noise_lib
 from ember.envs.environment import Environment
 from ember.envs.wrappers.base import Wrapper
 
@@ -35,6 +37,9 @@ class BatchedEnv(Wrapper):
     @property
     def step_noise_shape(self):
         return (self.num_envs, *self.env.step_noise_shape)
+
+    def draw_noise(self, key, shape):
+        return noise_lib.draw_batch(key, shape)
 
     def reset_from_noise(self, noise, params):
         return jax.vmap(self.env.reset_from_noise, in_axes=(0, None))(noise, params)

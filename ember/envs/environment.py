@@ -91,11 +91,15 @@ class Environment:
 
     def reset(self, key: jax.Array, params: EnvParams | None = None) -> tuple[Any, EnvState]:
         """``(obs, state)`` of a new episode."""
-        return self.reset_from_noise(noise_lib.draw(key, self.reset_noise_shape), self._params(params))
+        return self.reset_from_noise(self.draw_noise(key, self.reset_noise_shape), self._params(params))
 
     def step(self, key: jax.Array, state: EnvState, action: Any, params: EnvParams | None = None):
         """``(obs, state, reward, terminated, truncated, info)``; auto-resets (module docstring)."""
-        return self.step_from_noise(noise_lib.draw(key, self.step_noise_shape), state, action, self._params(params))
+        return self.step_from_noise(self.draw_noise(key, self.step_noise_shape), state, action, self._params(params))
+
+    def draw_noise(self, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        """The uint32 words ``reset``/``step`` pass on (``BatchedEnv`` draws them in one call)."""
+        return noise_lib.draw(key, shape)
 
     def reset_from_noise(self, noise: jax.Array, params: EnvParams) -> tuple[Any, EnvState]:
         """``reset`` with its random words given: ``noise`` is uint32 ``reset_noise_shape``."""

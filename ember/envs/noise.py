@@ -2,10 +2,10 @@
 
 An environment states how many random words one reset and one transition consume
 (``Environment.reset_noise_words`` / ``transition_noise_words``). ``Environment.reset`` /
-``step`` draw them from a key; a batched environment (``ember.envs.VectorEnv``) draws the
-words of every sub-environment in ONE ``jax.random.bits`` call of shape ``[batch, words]``
-instead of splitting one key per environment, which is the main CPU cost of a vmapped
-gymnax step. The functions below turn words into the values the dynamics need.
+``step`` draw them from a key with ``draw``; a batched environment (``ember.envs.BatchedEnv``)
+draws the words of every sub-environment with ONE ``draw_batch`` call of shape
+``[batch, words]`` instead of splitting one key per environment (the main CPU cost of a
+vmapped gymnax step). The other functions turn words into the values the dynamics need.
 """
 
 from __future__ import annotations
@@ -16,8 +16,19 @@ from jax import lax
 
 
 def draw(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """``shape`` random uint32 words from ``key`` in one call."""
+    """``shape`` random uint32 words from ``key`` (``jax.random.bits``; vmaps well)."""
     return jax.random.bits(key, shape, jnp.uint32)
+
+
+def draw_batch(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``shape`` random uint32 words from ``key`` in ONE XLA ``RngBitGenerator`` call
+    (threefry, seeded with the key's data): several times faster than ``jax.random.bits``
+    for large batches on CPU. Meant for a whole batch at once: under ``vmap`` JAX runs it
+    as a loop over the mapped axis (fine for a few seeds, slow for thousands of keys)."""
+    words = jax.random.key_data(key).ravel().astype(jnp.uint32)
+    seed = jnp.concatenate([words, jnp.zeros(4, jnp.uint32)])[:4]
+    _, bits = lax.rng_bit_generator(seed, shape, dtype=jnp.uint32, algorithm=lax.RandomAlgorithm.RNG_THREE_FRY)
+    return bits
 
 
 def uniform(words: jax.Array, low=0.0, high=1.0, dtype=None) -> jax.Array:
@@ -49,4 +60,4 @@ def to_key(words: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(words[..., :2], impl="threefry2x32")
 
 
-__all__ = ["draw", "uniform", "randint", "bernoulli", "to_key"]
+__all__ = ["draw", "draw_batch", "uniform", "randint", "bernoulli", "to_key"]

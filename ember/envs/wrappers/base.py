@@ -31,6 +31,9 @@ class Wrapper(Environment):
     def step_noise_shape(self):
         return self.env.step_noise_shape
 
+    def draw_noise(self, key, shape):
+        return self.env.draw_noise(key, shape)
+
     def reset_from_noise(self, noise, params):
         return self.env.reset_from_noise(noise, params)
 
