@@ -14,6 +14,9 @@ output tokens/s and time-to-first-token (TTFT) / time-between-tokens (TBT) perce
     python -m benchmarks.serving          # CPU: tiny model, short workload; GPU: also ~125M, full workload
     python -m benchmarks.serving --skip-hf --requests 64
 
+Also: one decode step at batch 64 (GPU; 8 on CPU) over a full context, as the bytes it
+must read (weights + K/V) per second against the measured bandwidth of a large copy.
+
 Results: ``benchmarks/results/serving-<device>.json``.
 """
 
@@ -29,11 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import device_label, on_gpu, print_table, write_results
+from benchmarks.harness import on_gpu, print_table, time_fn, write_results
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
+from ember.serving.model_program import build_program
+from ember.serving.program import batch_arrays
 from ember.serving.requests import SamplingParams
+from ember.serving.sampling import settings_array
 
 TINY = ModelConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, mlp_dim=256, max_seq_len=1024, page_size=16)
 M125 = ModelConfig(vocab_size=32768, d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, max_seq_len=1024,
@@ -157,6 +163,35 @@ def bench_model(name: str, config: ModelConfig, workload: Workload, *, num_slots
     return rows
 
 
+def decode_bandwidth(name: str, config: ModelConfig, *, rows: int, context: int, copy_bytes: int) -> dict:
+    """One decode step of ``rows`` sequences at ``context`` tokens: bytes it must read
+    (weights + every row's K/V) over its time, against the measured copy bandwidth."""
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    program = build_program(config, params, num_slots=rows, widths=(1,), max_context=context)
+    batch = batch_arrays(rows, 1, program.pages_per_seq)
+    batch["tokens"][:] = np.random.default_rng(0).integers(0, config.vocab_size, size=(rows, 1))
+    batch["starts"][:] = context - 1
+    batch["counts"][:] = 1
+    batch["page_table"][:] = np.arange(program.num_pages).reshape(rows, program.pages_per_seq)
+    batch, settings = jax.device_put((batch, settings_array(rows)))
+    step = program.steps[1]
+
+    def decode():  # threads the donated cache through repeated calls
+        program.kv, tokens, _ = step(program.params, program.kv, batch, settings)
+        return tokens
+
+    seconds = time_fn(decode, repeats=20)
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    kv_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(program.kv))  # every page holds live context
+    source = jnp.ones((copy_bytes // 4,), jnp.float32)
+    copy_seconds = time_fn(jax.jit(lambda x: x + 1.0), source, repeats=20)
+    copy_bandwidth = 2 * source.nbytes / copy_seconds
+    achieved = (weight_bytes + kv_bytes) / seconds
+    return {"model": name, "rows": rows, "context": context, "step_ms": seconds * 1e3,
+            "bytes_per_step": weight_bytes + kv_bytes, "achieved_gb_s": achieved / 1e9,
+            "copy_gb_s": copy_bandwidth / 1e9, "fraction_of_copy": achieved / copy_bandwidth}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=None, help="number of requests (default: 32 CPU, 128 GPU)")
@@ -182,7 +217,12 @@ def main() -> None:
         for other in ("ember static", "transformers generate (torch cpu)"):
             if other in mine:
                 print(f"{name}: continuous / {other} throughput = {continuous / mine[other]['output_tok_s']:.2f}x")
-    path = write_results("serving", {"workload": shape, "rows": rows, "device_label": device_label()})
+    if gpu:
+        bandwidth = [decode_bandwidth("~125M", M125, rows=64, context=1024, copy_bytes=2**30)]
+    else:
+        bandwidth = [decode_bandwidth("tiny", TINY, rows=8, context=256, copy_bytes=2**26)]
+    print_table(bandwidth, ["model", "rows", "context", "step_ms", "achieved_gb_s", "copy_gb_s", "fraction_of_copy"])
+    path = write_results("serving", {"workload": shape, "rows": rows, "decode_bandwidth": bandwidth})
     print(f"wrote {path}")
 
 
