@@ -64,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         lines = parse_lines(text.splitlines(), defaults)
     else:
         lines = parse_lines([json.dumps({"prompt": args.prompt})], defaults)
-    engine = build_engine(args)
+    try:
+        engine = build_engine(args)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"ember generate: {error}", file=sys.stderr)
+        return 2
     valid = [line for line in lines if line.error is None]
     total = sum(line.params.max_tokens for line in valid)
     with tqdm(total=total, unit="tok", desc="generate", disable=args.no_progress, file=sys.stderr) as bar:

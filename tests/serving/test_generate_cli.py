@@ -135,3 +135,9 @@ def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
             expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False).numpy()[0, len(prompt) :]
         assert record["tokens"] == expected.tolist() and record["finish_reason"] == "length"
         assert "text" not in record  # no tokenizer in the directory
+
+
+def test_a_path_that_is_no_model_is_a_clear_error(tmp_path, capsys):
+    prompts = write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "hi"})])
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompts", str(prompts), "--no-progress"]) == 2
+    assert "neither an Ember run directory" in capsys.readouterr().err
