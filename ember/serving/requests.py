@@ -77,7 +77,7 @@ class SamplingParams:
         return cls(**fields)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: the scheduler's queues hold these
 class Request:
     """One request's host-side state (owned and mutated by the scheduler)."""
 

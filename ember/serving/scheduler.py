@@ -95,6 +95,7 @@ class Scheduler:
             raise ValueError(f"token_budget must be positive, got {budget}")
         chunks: list[ScheduledChunk] = []
         preemptions_before = self.num_preemptions
+        # One token left to feed is a decode (or a prefill's last token: the same work).
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
         for request in decoding + prefilling:
