@@ -1,14 +1,15 @@
 """The schema of RL experiment configs (``configs/rl/*.yaml``), read by ``ember train``.
 
     kind: rl
-    algo: ppo                  # ppo | dqn
+    algo: ppo                  # ppo | dqn | ippo | mappo
     run_dir: runs/ppo_cartpole
     seed: 0
     env: {id: CartPole-v1}
     ppo: {total_timesteps: 150000, learning_rate: 1.0e-3}
     eval: {episodes: 100}
 
-Only the section named by ``algo`` is used; the others keep their defaults.
+Only the section of ``algo`` is used (``ippo`` and ``mappo`` read ``ppo:``); the others
+keep their defaults.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
 
-ALGORITHMS = ("ppo", "dqn")
+ALGORITHMS = ("ppo", "dqn", "ippo", "mappo")
 ENV_SOURCES = ("ember", "gymnax")
 
 
@@ -27,11 +28,14 @@ ENV_SOURCES = ("ember", "gymnax")
 class EnvConfig:
     """Which environment: ``id`` in the ``source`` library and overrides of its default
     parameters (``params: {max_steps_in_episode: 200}``). ``source: ember`` (the default)
-    uses ``ember.envs.make``; ``gymnax`` runs ``gymnax.make(id)`` through Ember's adapter."""
+    uses ``ember.envs.make``; ``gymnax`` runs ``gymnax.make(id)`` through Ember's adapter.
+    ``flatten_observation`` wraps the env in ``ember.envs.wrappers.FlattenObservation``
+    (for pytree observations such as the maze's ``{view, has_key}``)."""
 
     id: str = "CartPole-v1"
     source: str = "ember"
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    flatten_observation: bool = False
 
     def __post_init__(self):
         if self.source not in ENV_SOURCES:

@@ -23,11 +23,12 @@ import jax
 import numpy as np
 
 import ember.envs
+from ember.envs.wrappers import FlattenObservation
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, to_yaml
 from ember.core.errors import EmberError
 from ember.training.metrics import MetricsWriter
-from ember.training.rl import dqn, ppo
+from ember.training.rl import dqn, multi_agent_ppo, ppo
 from ember.training.rl.config import EnvConfig, RLConfig
 from ember.training.rl.evaluate import evaluate
 
@@ -55,6 +56,20 @@ class Algorithm:
     make_act: Callable[..., Callable]
 
 
+def _multi_agent(centralised_critic: bool) -> Algorithm:
+    return Algorithm(
+        section=lambda config: config.ppo,
+        make_train=lambda section, env, env_params, on_update: multi_agent_ppo.make_train(
+            section, env, env_params, centralised_critic=centralised_critic, on_update=on_update
+        ),
+        steps_per_update=lambda section: section.num_envs * section.num_steps,
+        num_updates=lambda section: section.num_updates,
+        make_act=lambda section, env, env_params, params, deterministic: multi_agent_ppo.make_act(
+            multi_agent_ppo.make_policy(section, env, env_params), params, list(env.agents), deterministic=deterministic
+        ),
+    )
+
+
 ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm(
         section=lambda config: config.ppo,
@@ -74,6 +89,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             dqn.make_q_network(section, env, env_params), params, epsilon=0.0 if deterministic else section.epsilon_end
         ),
     ),
+    "ippo": _multi_agent(centralised_critic=False),
+    "mappo": _multi_agent(centralised_critic=True),
 }
 
 
@@ -85,8 +102,12 @@ def make_env(config: EnvConfig):
         from ember.envs.adapters import GymnaxEnv
 
         env = GymnaxEnv(*gymnax.make(config.id))
-        return env, env.default_params.replace(**dict(config.params))
-    return ember.envs.make(config.id, **dict(config.params))
+        env_params = env.default_params.replace(**dict(config.params))
+    else:
+        env, env_params = ember.envs.make(config.id, **dict(config.params))
+    if config.flatten_observation:
+        env = FlattenObservation(env)
+    return env, env_params
 
 
 def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
