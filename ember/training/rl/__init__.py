@@ -1,3 +1,12 @@
-"""Reinforcement learning: the PPO family (PPO, IPPO, MAPPO) and DQN, each a ``make_train``
-that wires the pure functions of :mod:`.gae` and :mod:`.losses` into one jittable
-``train(rng)`` (DESIGN.md section 6)."""
+"""Reinforcement learning (DESIGN.md section 6): the math in top-level pure functions, and
+for each algorithm a ``make_train`` that wires it into one jittable, vmappable ``train(rng)``.
+
+- :mod:`.gae`, :mod:`.losses`: GAE over auto-resetting rollouts; PPO and Q-learning losses.
+- :mod:`.ppo`: PPO for discrete and continuous actions.
+- :mod:`.multi_agent_ppo`: IPPO and MAPPO with parameter sharing (multi-agent dict API).
+- :mod:`.dqn`, :mod:`.replay_buffer`: DQN with a target network and an on-device replay buffer.
+- :mod:`.evaluate`: N whole episodes of a policy, jitted.
+- :mod:`.config`, :mod:`.experiment`, :mod:`.entry`: the ``rl`` kind of ``ember train``
+  (run directory with config, metrics, checkpoint, ``eval.json``); :mod:`.eval_command`:
+  ``ember eval``.
+"""
