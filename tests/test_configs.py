@@ -12,6 +12,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 def schema_for(section: str):
     """The schema of configs/<section>/*.yaml. Each package that ships configs adds its own."""
     schemas = {
+        "lm": lambda: __import__("ember.training.lm.config", fromlist=["LMConfig"]).LMConfig,
         "rl": lambda: __import__("ember.training.rl.config", fromlist=["RLConfig"]).RLConfig,
         "models": lambda: __import__("ember.models.config", fromlist=["ModelConfig"]).ModelConfig,
     }

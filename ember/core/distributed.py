@@ -1,0 +1,59 @@
+"""Multi-process start-up through JAX's own engine (``jax.distributed.initialize``).
+
+The same program runs as one process or many: with no coordinator configured (neither in
+the config nor in ``JAX_COORDINATOR_ADDRESS``) it stays single-process. On CPU, collectives
+across processes go through gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+from ember.core.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Where the processes of a run meet. Empty/zero/negative fields fall back to the
+    environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+    ``JAX_PROCESS_ID``."""
+
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+
+    def resolved(self) -> tuple[str, int, int]:
+        """``(address, num_processes, process_id)`` after applying the environment."""
+        address = self.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+        num = self.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
+        pid = self.process_id if self.process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "-1") or -1)
+        return address, num, pid
+
+
+def initialize_distributed(config: DistributedConfig) -> int:
+    """Joins the run's processes if a coordinator is configured; returns the process count.
+
+    Must run before anything touches a JAX backend. Idempotent.
+
+    Raises:
+      ConfigError: when a coordinator is set but the process count or id is missing or
+        out of range.
+    """
+    if jax.distributed.is_initialized():
+        return jax.process_count()
+    address, num, pid = config.resolved()
+    if not address:
+        return 1
+    if num < 1 or not 0 <= pid < num:
+        raise ConfigError(
+            f"distributed.coordinator_address is {address!r} but num_processes={num} and process_id={pid}; "
+            "set distributed.num_processes >= 1 and 0 <= distributed.process_id < num_processes "
+            "(or JAX_NUM_PROCESSES / JAX_PROCESS_ID)",
+            key="distributed.process_id" if num >= 1 else "distributed.num_processes",
+        )
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    return jax.process_count()

@@ -1,0 +1,197 @@
+"""The LM trainer end to end: sharding-invariant losses, exact resume after kill -9,
+two-process data parallelism, early config errors, NaN handling, learning on real text."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from ember.cli import main
+from ember.core.checkpoint import CheckpointManager
+from ember.core.config import from_yaml, load_config
+from ember.core.errors import ConfigError
+from ember.training.data import prepare_token_files, stdlib_documents
+from ember.training.lm.config import LMConfig
+from ember.training.lm.trainer import NonFiniteLossError, train
+from tests.tolerances import assert_allclose
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A 2-layer, width-64 byte model: small enough that a step compiles and runs in seconds.
+SMALL = [
+    "model.vocab_size=384", "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=128",
+    "model.max_seq_len=64", "model.attention_impl=xla",
+    "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=0",
+    "optim.lr=3e-3", "checkpoint.every=1000", "logging.progress=false", "logging.tensorboard=false",
+    "sample.prompts=[]",
+]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A small prepared dataset of real Python source (the first stdlib files)."""
+    directory = tmp_path_factory.mktemp("data")
+    documents = []
+    for name, text in stdlib_documents():
+        documents.append((name, text))
+        if sum(len(t) for _, t in documents) > 400_000:
+            break
+    prepare_token_files(documents, directory, val_fraction=0.1)
+    return directory
+
+
+def small_config(tmp_path, dataset, *overrides):
+    return load_config(LMConfig, None, [*SMALL, f"data.dataset={dataset}", f"run_dir={tmp_path / 'run'}", *overrides])
+
+
+def read_metrics(run_dir):
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {entry["step"]: entry for entry in lines if "loss" in entry}
+
+
+@pytest.mark.slow
+def test_loss_is_the_same_on_every_mesh_and_with_grad_accumulation(tmp_path, dataset):
+    variants = {
+        "data 8x1x1": ["mesh.data=8"],
+        "fsdp 1x8x1": ["mesh.data=1", "mesh.fsdp=8"],
+        "2x2x2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+        "accum 4": ["mesh.data=8", "train.grad_accum=4"],
+    }
+    losses = {}
+    for name, overrides in variants.items():
+        config = small_config(tmp_path / name.replace(" ", "_"), dataset, "train.steps=20", *overrides)
+        summary = train(config)
+        metrics = read_metrics(config.run_dir)
+        assert sorted(metrics) == list(range(1, 21)) and summary["steps"] == 20
+        losses[name] = np.array([metrics[step]["loss"] for step in range(1, 21)])
+    assert losses["data 8x1x1"][-1] < losses["data 8x1x1"][0]  # it learns
+    for name, curve in losses.items():
+        # 20 Adam steps amplify float reassociation slightly; compare at 20x the f32 tolerance.
+        assert_allclose(curve, losses["data 8x1x1"], scale=20, err_msg=name)
+
+
+def write_config(tmp_path, dataset, *overrides):
+    config = small_config(tmp_path, dataset, *overrides)
+    path = tmp_path / "config.yaml"
+    from ember.core.config import to_yaml
+
+    path.write_text(to_yaml(config))
+    return path
+
+
+def ember_train(*args, devices=2):
+    """``ember train ARGS`` in a subprocess with ``devices`` host CPU devices."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.Popen([sys.executable, "-m", "ember", "train", *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, dataset):
+    config_path = write_config(tmp_path, dataset, "train.steps=14", "checkpoint.every=3", "mesh.data=2",
+                               "checkpoint.async_save=false")
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    reference = ember_train(config_path, f"run_dir={reference_dir}")
+    killed = ember_train(config_path, f"run_dir={killed_dir}")
+    kill_after = int(np.random.default_rng(int(time.time())).integers(4, 11))  # a random step past a checkpoint
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        metrics_file = killed_dir / "metrics.jsonl"
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= kill_after:
+            break
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert reference.wait(timeout=300) == 0, reference.stdout.read()
+    saved = CheckpointManager(killed_dir / "checkpoints").all_steps()
+    assert saved and max(saved) < 14, f"kill at step >= {kill_after} should leave a partial run, found {saved}"
+
+    resumed = ember_train(config_path, f"run_dir={killed_dir}", "--resume")
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output
+    expected, got = read_metrics(reference_dir), read_metrics(killed_dir)
+    assert sorted(got) == list(range(1, 15)), "each step appears exactly once after the resume"
+    for step in range(1, 15):
+        assert got[step]["loss"] == expected[step]["loss"], f"step {step}"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_train_data_parallel_like_one(tmp_path, dataset):
+    config_path = write_config(tmp_path, dataset, "train.steps=6", "mesh.data=-1", "checkpoint.async_save=false")
+    # One process with 4 devices against two processes with 2 devices each: the same mesh size.
+    single = ember_train(config_path, f"run_dir={tmp_path / 'single'}", devices=4)
+    assert single.wait(timeout=300) == 0, single.stdout.read()
+    port = free_port()
+    workers = [
+        ember_train(config_path, f"run_dir={tmp_path / 'multi'}", f"distributed.coordinator_address=127.0.0.1:{port}",
+                    "distributed.num_processes=2", f"distributed.process_id={process_id}", devices=2)
+        for process_id in range(2)
+    ]
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), outputs
+    a = CheckpointManager(tmp_path / "single" / "checkpoints").restore()
+    b = CheckpointManager(tmp_path / "multi" / "checkpoints").restore()
+    assert a.step == b.step == 6
+    for x, y in zip(jax.tree.leaves(a.state["params"]), jax.tree.leaves(b.state["params"])):
+        assert_allclose(y, x, scale=10, err_msg="cross-process all-reduce order differs slightly")
+
+
+def test_bad_configs_fail_before_compiling(tmp_path, dataset, capsys):
+    config_path = write_config(tmp_path, dataset)
+    assert main(["train", str(config_path), "train.stpes=3"]) == 2
+    assert "unknown config key 'train.stpes'" in capsys.readouterr().err
+    assert main(["train", str(config_path), "optim.lr=fast"]) == 2
+    assert "config key 'optim.lr' (from command-line overrides) expects float, got 'fast'" in capsys.readouterr().err
+    assert main(["train", str(config_path), "mesh.data=3"]) == 2
+    assert "mesh.data=3" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_nan_stops_with_pointer_to_last_checkpoint_or_is_skipped(tmp_path, dataset):
+    config = small_config(tmp_path, dataset, "train.steps=6", "optim.lr=1e30", "optim.clip_norm=0",
+                          "checkpoint.every=1", "mesh.data=8", "optim.schedule.kind=constant")
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step \d \(loss=.*\); the last good checkpoint is step \d"):
+        train(config)
+    skipping = small_config(tmp_path / "skip", dataset, "train.steps=4", "optim.lr=1e30", "optim.clip_norm=0",
+                            "train.on_nan=skip", "mesh.data=8", "optim.schedule.kind=constant")
+    summary = train(skipping)
+    assert summary["steps"] == 4
+    events = [json.loads(line) for line in (tmp_path / "skip" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("skipped non-finite step" in str(entry.get("event", "")) for entry in events)
+
+
+def test_run_directory_contents_and_resume_guard(tmp_path, dataset):
+    config = small_config(tmp_path, dataset, "train.steps=3", "mesh.data=8", "logging.tensorboard=true",
+                          "train.eval_batches=1", "train.eval_every=3", "sample.prompts=['def ']", "sample.max_tokens=8")
+    summary = train(config)
+    run_dir = Path(config.run_dir)
+    assert from_yaml(LMConfig, (run_dir / "config.yaml").read_text()) == config
+    metrics = read_metrics(run_dir)
+    assert sorted(metrics) == [1, 2, 3] and all(np.isfinite(m["loss"]) for m in metrics.values())
+    assert list(run_dir.glob("events.out.tfevents.*")) or list(run_dir.glob("**/events.out.tfevents.*"))
+    assert summary["val_loss"] > 0 and len(summary["samples"]) == 1
+    assert (run_dir / "samples.txt").read_text().startswith("--- 'def '")
+    with pytest.raises(ConfigError, match="already holds checkpoints; pass --resume"):
+        train(config)
+    changed = small_config(tmp_path, dataset, "train.steps=5", "mesh.data=8", "optim.lr=1e-3")
+    with pytest.raises(ConfigError, match="changed keys: optim.lr"):
+        train(changed, resume=True)
+    longer = small_config(tmp_path, dataset, "train.steps=5", "mesh.data=8", "logging.tensorboard=true",
+                          "train.eval_batches=1", "train.eval_every=3", "sample.prompts=['def ']", "sample.max_tokens=8")
+    assert train(longer, resume=True)["steps"] == 5
+    assert sorted(read_metrics(run_dir)) == [1, 2, 3, 4, 5]
