@@ -11,7 +11,7 @@ import pytest
 from ember.core.config import load_config
 from ember.core.tree import param_count
 from ember.models.config import ModelConfig
-from ember.models.decoder import DecoderLM
+from ember.models.decoder import DecoderLM, layers_to_list
 from ember.models.flops import flops_per_token, mean_visible_keys
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -33,7 +33,9 @@ def test_flops_match_the_parameter_tree_plus_attention():
     params = abstract_params(config)
     # Every matrix is used once per token; the embedding table is a lookup (no FLOPs); norms are not counted.
     matmul_weights = param_count(params) - param_count(params["embed"]) - param_count(params["final_norm"])
-    matmul_weights -= param_count({k: v for k, v in params["layers"]["block_0"].items() if k.endswith("norm")})
+    matmul_weights -= sum(
+        param_count({k: v for k, v in layer.items() if k.endswith("norm")}) for layer in layers_to_list(config, params)
+    )
     seq = 128
     attention = config.num_layers * 4 * config.num_heads * config.head_size * (seq + 1) / 2
     assert flops_per_token(config, seq, training=False) == 2 * matmul_weights + attention
