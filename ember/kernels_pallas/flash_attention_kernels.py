@@ -125,7 +125,8 @@ def _score_grad(config: KernelConfig, capped, weights, dp, delta):
 
 
 def _weights(config: KernelConfig, capped, visible, lse):
-    """Attention weights of a tile in the backward pass (masked entries exactly 0)."""
+    """Attention weights of a tile (masked entries exactly 0): sigmoid scores, or softmax
+    weights recomputed from the forward's log-sum-exp ``lse [block_q]``."""
     if config.problem.score == "sigmoid":
         return jnp.where(visible, jax.nn.sigmoid(capped + config.problem.sigmoid_bias), 0.0)
     return jnp.where(visible, jnp.exp(capped - lse[:, None]), 0.0)
@@ -149,7 +150,7 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig,
         visible = _visible(config, q_start, kv_start, q_seg, kv_seg)
         capped = _capped_logits(config, q, k)
         if p.score == "sigmoid":
-            weights = jnp.where(visible, jax.nn.sigmoid(capped + p.sigmoid_bias), 0.0)
+            weights = _weights(config, capped, visible, lse=None)
             acc = acc + jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         else:
             softmax_carry = online_softmax_step(softmax_carry, capped, visible, v)
@@ -159,7 +160,7 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig,
     softmax_carry, acc, visits = lax.fori_loop(0, table_ref[0], body, init)
     if p.score == "sigmoid":
         o_ref[...] = acc.astype(o_ref.dtype)
-        lse_ref[...] = jnp.zeros((bq,), jnp.float32)
+        lse_ref[...] = jnp.zeros((bq,), jnp.float32)  # no normalizer: the backward ignores it
     else:
         row_max, row_sum, _ = softmax_carry
         o_ref[...] = online_softmax_result(softmax_carry).astype(o_ref.dtype)
