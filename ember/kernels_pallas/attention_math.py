@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def default_sigmoid_bias(kv_len: int) -> float:
@@ -39,7 +40,7 @@ def check_window(window) -> tuple[int, int] | None:
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window)
     ):
         raise ValueError(f"window must be a pair (left, right) of non-negative ints, got {window!r}")
     return int(window[0]), int(window[1])
@@ -49,6 +50,6 @@ def check_soft_cap(logits_soft_cap) -> float | None:
     """``logits_soft_cap`` validated as a positive float, or ``None``."""
     if logits_soft_cap is None:
         return None
-    if not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
+    if not isinstance(logits_soft_cap, (int, float, np.integer, np.floating)) or not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be a positive number or None, got {logits_soft_cap!r}")
     return float(logits_soft_cap)
