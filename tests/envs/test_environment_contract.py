@@ -86,7 +86,7 @@ def test_batched_env_draws_one_batch_of_words_and_matches_single_envs(rng):
     batched = ember.envs.BatchedEnv(env, num_envs=16)
     assert batched.step_noise_shape == (16, 4)
     obs, state = batched.reset(rng, params)
-    words = noise_lib.draw(rng, (16, 4))
+    words = noise_lib.draw_batch(rng, (16, 4))  # the one batched draw BatchedEnv.reset makes
     for i in (0, 7, 15):
         single_obs, _ = env.reset_from_noise(words[i], params)
         assert_allclose(obs[i], single_obs)
@@ -121,3 +121,14 @@ def test_log_wrapper_statistics_match_hand_count(rng):
         np.testing.assert_array_equal(info["returned_episode"], done)
     np.testing.assert_array_equal(info["timestep"], [20, 20, 20])
     assert int(last[0]) == 6, "alternating actions survive to the time limit"
+
+
+def test_noise_words_give_uniform_values(rng):
+    for words in (noise_lib.draw(rng, (20000,)), noise_lib.draw_batch(rng, (20000,))):
+        u = np.asarray(noise_lib.uniform(words, dtype=jnp.float32))
+        assert u.min() >= 0.0 and u.max() < 1.0
+        # Uniform[0, 1): mean 1/2, variance 1/12; 20000 draws put both within ~1%.
+        assert abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.003
+        counts = np.bincount(np.asarray(noise_lib.randint(words, 0, 5)), minlength=5)
+        assert counts.min() > 3700 and counts.max() < 4300
+    assert not np.array_equal(noise_lib.draw_batch(rng, (8,)), noise_lib.draw_batch(jax.random.fold_in(rng, 1), (8,)))
