@@ -8,7 +8,8 @@
 The contract is the single environment's with a leading ``[num_envs]`` axis on every
 observation, state leaf, action, reward, flag and info entry; ``params`` is shared. One key
 drives the whole batch: its random words are drawn in ONE call of shape
-``[num_envs, words]`` (``noise.draw_batch``, XLA's native threefry) and the
+``[num_envs, words]`` (``noise.draw_batch``, XLA's native threefry, from 64 environments
+on; ``jax.random.bits`` below, where its fixed cost would dominate) and the
 per-environment functions are ``jax.vmap``-ed over them, instead of splitting a key per
 environment (what ``jax.vmap(env.step)(keys, ...)`` does, which also works). Spaces are
 those of one environment.
@@ -21,6 +22,9 @@ import jax
 from ember.envs import noise as noise_lib
 from ember.envs.environment import Environment
 from ember.envs.wrappers.base import Wrapper
+
+
+BATCHED_DRAW_MIN_ENVS = 64
 
 
 class BatchedEnv(Wrapper):
@@ -39,7 +43,10 @@ class BatchedEnv(Wrapper):
         return (self.num_envs, *self.env.step_noise_shape)
 
     def draw_noise(self, key, shape):
-        return noise_lib.draw_batch(key, shape)
+        # RngBitGenerator pays a fixed cost per call that only large batches amortise.
+        if self.num_envs >= BATCHED_DRAW_MIN_ENVS:
+            return noise_lib.draw_batch(key, shape)
+        return noise_lib.draw(key, shape)
 
     def reset_from_noise(self, noise, params):
         return jax.vmap(self.env.reset_from_noise, in_axes=(0, None))(noise, params)

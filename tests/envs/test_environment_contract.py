@@ -83,21 +83,21 @@ def test_truncated_exactly_at_time_limit_and_terminated_when_pole_falls(rng):
 
 def test_batched_env_draws_one_batch_of_words_and_matches_single_envs(rng):
     env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=4)
-    batched = ember.envs.BatchedEnv(env, num_envs=16)
-    assert batched.step_noise_shape == (16, 4)
+    batched = ember.envs.BatchedEnv(env, num_envs=64)
+    assert batched.step_noise_shape == (64, 4)
     obs, state = batched.reset(rng, params)
-    words = noise_lib.draw_batch(rng, (16, 4))  # the one batched draw BatchedEnv.reset makes
-    for i in (0, 7, 15):
+    words = noise_lib.draw_batch(rng, (64, 4))  # the one batched draw BatchedEnv.reset makes
+    for i in (0, 7, 63):
         single_obs, _ = env.reset_from_noise(words[i], params)
         assert_allclose(obs[i], single_obs)
-    actions = jax.random.randint(rng, (16,), 0, 2)
-    state = state.replace(time=jnp.arange(16) % 4)  # some sub-environments truncate now
-    step_words = noise_lib.draw(jax.random.fold_in(rng, 1), (16, 4))
+    actions = jax.random.randint(rng, (64,), 0, 2)
+    state = state.replace(time=jnp.arange(64) % 4)  # some sub-environments truncate now
+    step_words = noise_lib.draw(jax.random.fold_in(rng, 1), (64, 4))
     batch_out = batched.step_from_noise(step_words, state, actions, params)
     for i in (0, 3, 9):
         single = env.step_from_noise(step_words[i], jax.tree.map(lambda x: x[i], state), actions[i], params)
         jax.tree.map(lambda b, s: assert_same(b[i], s), batch_out, single)
-    assert int(batch_out[4].sum()) == 4  # time 3 -> 4 == limit for envs 3, 7, 11, 15
+    assert int(batch_out[4].sum()) == 16  # time 3 -> 4 == limit for envs 3, 7, ..., 63
 
 
 def test_log_wrapper_statistics_match_hand_count(rng):
