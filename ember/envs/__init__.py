@@ -6,13 +6,16 @@
     obs, state = env.reset(key, params)
     obs, state, reward, terminated, truncated, info = env.step(key, state, action, params)
 
-See ``ember.envs.environment`` for the exact step/auto-reset contract, ``BatchedEnv`` for
-batches drawing their randomness in one call, and ``ember.envs.wrappers``.
+See ``ember.envs.environment`` for the exact step/auto-reset contract,
+``ember.envs.multi_agent`` for the dict-per-agent one, ``BatchedEnv`` for batches drawing
+their randomness in one call, ``ember.envs.wrappers``, and ``ember.envs.adapters`` (gymnax,
+JaxMARL, gymnasium vector env; imported on demand).
 """
 
 from ember.envs import spaces
 from ember.envs.batched import BatchedEnv
 from ember.envs.environment import Environment, EnvParams, EnvState
+from ember.envs.multi_agent import MultiAgentEnvironment
 from ember.envs.registry import make, register, registered
 from ember.envs.rendering import save_gif
 from ember.envs.wrappers import LogWrapper, Wrapper
@@ -23,6 +26,7 @@ __all__ = [
     "EnvParams",
     "EnvState",
     "LogWrapper",
+    "MultiAgentEnvironment",
     "Wrapper",
     "make",
     "register",

@@ -1,4 +1,5 @@
-"""``LogWrapper``: episode statistics in ``info``, usable under ``vmap`` and ``scan``.
+"""``LogWrapper``: episode statistics in ``info``, usable under ``vmap`` and ``scan``
+(single-agent environments: the reward must be an array).
 
 Adds to ``info`` after every step (scalars per environment):
   * ``"returned_episode"`` (bool): this step ended an episode (terminated or truncated) --
