@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from ember.kernels_pallas import linear_attention_chunks as chunks
 from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.document_boundaries import document_index, document_starts
 from ember.kernels_pallas.linear_attention_pallas import chunked_linear_attention_pallas
 
 KERNEL_BACKENDS = ("gpu",)
@@ -45,8 +46,8 @@ NORMALIZER_EPS = 1e-6
 class ChunkSize:
     """The chunk length of the chunked forms; validates itself.
 
-    Kernels on GPU need a power of two of at least 16 (Triton tiles); the interpreter and
-    the XLA path accept any power of two of at least 8, which keeps CPU tests small.
+    Any power of two of at least 8 (small chunks keep CPU tests small); the compiled GPU
+    kernel (``impl="pallas"``) also needs at least 16, for Triton's matmul tiles.
     """
 
     chunk_size: int
@@ -128,17 +129,6 @@ def _expand_heads(x: jax.Array, heads: int, axis: int) -> jax.Array:
     return jnp.repeat(x, heads // x.shape[axis], axis=axis) if x.shape[axis] != heads else x
 
 
-def document_index(segment_ids: jax.Array | None, batch: int, seq: int) -> jax.Array:
-    """``[batch, seq]`` int32: the number of document boundaries (changes of segment id)
-    at or before each position; 0 throughout when ``segment_ids`` is None."""
-    if segment_ids is None:
-        return jnp.zeros((batch, seq), jnp.int32)
-    starts = jnp.concatenate(
-        [jnp.zeros((batch, 1), jnp.int32), (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)], axis=1
-    )
-    return jnp.cumsum(starts, axis=1)
-
-
 def _zero_log_decay(v: jax.Array) -> jax.Array:
     return jnp.zeros(v.shape[:3], jnp.float32)
 
@@ -197,8 +187,7 @@ def linear_attention_reference(
     values = _with_key_sum_column(v) if normalize else v
     log_decay = _zero_log_decay(v) if log_decay is None else log_decay
     state = jnp.zeros(state_shape(q.shape, v.shape, normalize=normalize), f32) if initial_state is None else initial_state
-    doc = document_index(segment_ids, batch, seq)
-    new_document = jnp.concatenate([jnp.zeros((batch, 1), bool), doc[:, 1:] != doc[:, :-1]], axis=1)
+    new_document = document_starts(segment_ids, batch, seq)
 
     def step(state, inputs):
         q_t, k_t, v_t, log_decay_t, reset_t = inputs
@@ -344,6 +333,8 @@ def linear_attention(
     _validate("linear_attention", q, k, v, log_decay, initial_state, segment_ids, normalize)
     ChunkSize(chunk_size)
     impl = resolve_impl(impl, op="linear_attention", kernel_backends=KERNEL_BACKENDS)
+    if impl == "pallas" and chunk_size < 16:
+        raise ValueError(f"linear_attention: chunk_size must be >= 16 for impl='pallas' (Triton tiles), got {chunk_size}")
     batch, seq, heads, _ = v.shape
     values = _with_key_sum_column(v) if normalize else v
     log_decay = _zero_log_decay(v) if log_decay is None else log_decay.astype(jnp.float32)

@@ -221,7 +221,7 @@ def chunked_linear_attention_pallas(q, k, v, log_decay, doc, state, *, chunk_siz
     Args:
       q, k: ``[batch, seq, qk_heads, dk]``; v: ``[batch, seq, heads, dv]``.
       log_decay: ``[batch, seq, heads]`` float32; doc: ``[batch, seq]`` int32 document index
-        (``linear_attention.document_index``); state: ``[batch, heads, dk, dv]`` float32.
+        (``document_boundaries.document_index``); state: ``[batch, heads, dk, dv]`` float32.
       chunk_size: chunk length; the sequence is padded to a multiple of it (zero keys and
         values, no decay: padding changes neither outputs nor the final state).
       interpret: run in the Pallas interpreter.

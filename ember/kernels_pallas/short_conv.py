@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.kernels_pallas.dispatch import resolve_impl
-from ember.kernels_pallas.linear_attention import document_index
+from ember.kernels_pallas.document_boundaries import document_index
 
 KERNEL_BACKENDS: tuple[str, ...] = ()
 """Backends with a Pallas kernel for this op: none (see the module docstring)."""

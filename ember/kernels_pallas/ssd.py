@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.document_boundaries import document_starts
 from ember.kernels_pallas.linear_attention import (
     KERNEL_BACKENDS,
     ChunkSize,
-    document_index,
     linear_attention,
     linear_attention_quadratic,
 )
@@ -151,8 +151,7 @@ def ssd_reference(
     batch, seq, heads, _ = x.shape
     f32 = jnp.float32
     state = jnp.zeros(state_shape(x.shape, B.shape), f32) if initial_state is None else initial_state.astype(f32)
-    doc = document_index(segment_ids, batch, seq)
-    new_document = jnp.concatenate([jnp.zeros((batch, 1), bool), doc[:, 1:] != doc[:, :-1]], axis=1)
+    new_document = document_starts(segment_ids, batch, seq)
     A = A.astype(f32)
 
     def step(state, inputs):

@@ -1,11 +1,14 @@
 """ember.kernels_pallas.linear_attention: the chunked forms (XLA and the Pallas kernels in
 the interpreter) against the scan reference and the quadratic form, values and gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.kernels_pallas.document_boundaries import document_index
 from ember.kernels_pallas.linear_attention import (
     ChunkSize,
     linear_attention,
@@ -48,19 +51,26 @@ def make_inputs(key, *, dtype=jnp.float32, batch=2, seq=37, qk_heads=1, heads=2,
 GRAD_ARGS = ("q", "k", "v", "log_decay", "initial_state")
 
 
-def values_and_grads(fn, inputs, cotangent_key, **options):
-    """``((outputs, final_state), {name: gradient})`` of a random linear functional of the
-    outputs and the final state, so the gradients exercise every cotangent path. One jit."""
-    gen = numpy_generator(cotangent_key)
-    output_shape = inputs["v"].shape[:-1] + (inputs["v"].shape[-1],)
-    cotangents = (gen.standard_normal(output_shape, np.float32), gen.standard_normal(inputs["initial_state"].shape, np.float32))
+@functools.lru_cache(maxsize=None)
+def _jitted_loss_and_grads(fn, options):
+    """Jitted value-and-grad of ``sum(results * cotangents)``, cached per form and options
+    so tests with equal shapes share one compilation."""
 
     def loss(differentiable, segment_ids, cotangents):
-        results = fn(**differentiable, segment_ids=segment_ids, return_final_state=True, **options)
+        results = fn(**differentiable, segment_ids=segment_ids, return_final_state=True, **dict(options))
         return sum(jnp.sum(r.astype(jnp.float32) * c) for r, c in zip(results, cotangents)), results
 
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+def values_and_grads(fn, inputs, cotangent_key, **options):
+    """``((outputs, final_state), {name: gradient})`` of a random linear functional of the
+    outputs and the final state, so the gradients exercise every cotangent path."""
+    gen = numpy_generator(cotangent_key)
+    cotangents = tuple(gen.standard_normal(inputs[n].shape, np.float32) for n in ("v", "initial_state"))
     differentiable = {n: inputs[n] for n in GRAD_ARGS}
-    (_, results), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(differentiable, inputs["segment_ids"], cotangents)
+    loss_and_grads = _jitted_loss_and_grads(fn, tuple(sorted(options.items())))
+    (_, results), grads = loss_and_grads(differentiable, inputs["segment_ids"], cotangents)
     return results, grads
 
 
@@ -187,6 +197,12 @@ def test_segment_resets_equal_documents_run_separately(rng, impl):
         alone = linear_attention(**document, initial_state=initial_state, chunk_size=8, impl=impl)
         assert_allclose(packed[:, start : start + length], alone, err_msg=f"document {index}")
         start += length
+
+
+def test_document_index_counts_changes_of_segment_id():
+    segment_ids = jnp.array([[3, 3, 1, 1, 3], [0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(document_index(segment_ids, 2, 5), [[0, 0, 1, 1, 2], [0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(document_index(None, 1, 3), [[0, 0, 0]])
 
 
 def test_strong_decay_and_long_chunks_stay_finite(rng):

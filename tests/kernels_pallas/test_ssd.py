@@ -1,6 +1,8 @@
 """ember.kernels_pallas.ssd: Mamba-2's SSD chunked (XLA and the Pallas kernels in the
 interpreter) against the scan reference and the quadratic form, values and gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,18 +38,26 @@ def make_inputs(key, *, dtype=jnp.float32, batch=2, seq=37, heads=4, head_dim=4,
     )
 
 
-def values_and_grads(fn, inputs, cotangent_key, **options):
-    """``((y, final_state), {name: gradient})`` of a random linear functional of ``y`` and the
-    final state. One jit."""
-    gen = numpy_generator(cotangent_key)
-    cotangents = tuple(gen.standard_normal(inputs[n].shape, np.float32) for n in ("x", "initial_state"))
+@functools.lru_cache(maxsize=None)
+def _jitted_loss_and_grads(fn, options):
+    """Jitted value-and-grad of ``sum(results * cotangents)``, cached per form and options
+    so tests with equal shapes share one compilation."""
 
     def loss(differentiable, segment_ids, cotangents):
-        results = fn(**differentiable, segment_ids=segment_ids, return_final_state=True, **options)
+        results = fn(**differentiable, segment_ids=segment_ids, return_final_state=True, **dict(options))
         return sum(jnp.sum(r.astype(jnp.float32) * c) for r, c in zip(results, cotangents)), results
 
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+def values_and_grads(fn, inputs, cotangent_key, **options):
+    """``((y, final_state), {name: gradient})`` of a random linear functional of ``y`` and the
+    final state."""
+    gen = numpy_generator(cotangent_key)
+    cotangents = tuple(gen.standard_normal(inputs[n].shape, np.float32) for n in ("x", "initial_state"))
     differentiable = {n: inputs[n] for n in GRAD_ARGS}
-    (_, results), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(differentiable, inputs["segment_ids"], cotangents)
+    loss_and_grads = _jitted_loss_and_grads(fn, tuple(sorted(options.items())))
+    (_, results), grads = loss_and_grads(differentiable, inputs["segment_ids"], cotangents)
     return results, grads
 
 
