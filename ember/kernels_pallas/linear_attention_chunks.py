@@ -1,7 +1,7 @@
 """The chunk-level math of decayed causal linear attention, written once and shared.
 
 Within one chunk of ``L`` positions the output is quadratic (a masked ``L x L`` score
-matrix); between chunks only a ``[dk, dv]`` state travels. The same three functions serve the
+matrix); between chunks only a ``[dk, dv]`` state travels. The functions below serve the
 quadratic (masked-matrix) form (one chunk = the whole sequence), the XLA chunked path
 (all chunks at once with leading batch dimensions) and the body of the Pallas kernels (one
 chunk of one head at a time). All of them broadcast over leading dimensions ``...``.
@@ -10,8 +10,9 @@ Notation, per chunk:
   ``cum_log_decay`` ``b[t]``: sum of the log decays from the chunk's first position through
   ``t`` (inclusive), float32. The weight of key ``s`` at query ``t >= s`` is ``exp(b[t] - b[s])``;
   the state entering the chunk reaches ``t`` with weight ``exp(b[t])``.
-  ``doc`` ``r[t]``: how many document boundaries precede position ``t`` in the sequence
-  (int32). Positions interact only within one document: ``r[t] == r[s]``.
+  ``doc`` ``r[t]``: the document index of position ``t`` in the sequence
+  (``document_boundaries.document_index``, int32). Positions interact only within one
+  document: ``r[t] == r[s]``.
   ``doc_before``: ``r`` of the position just before the chunk (0 before the sequence), the
   document the entering state belongs to.
 """
