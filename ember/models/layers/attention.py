@@ -1,17 +1,19 @@
 """Multi-head attention (MHA / GQA / MQA) with causal, sliding-window and local+global masks,
 softmax or sigmoid scores, optional QK-norm and logit soft-cap, over an optional paged cache.
 
-The score math is ``ember.kernels_pallas.flash_attention``; this file decides what the
-kernel sees. Without a cache that is the sequence itself with a causal mask. With a cache,
-the chunk's keys and values are written into the pages first, then each query row attends
-over a window of keys read back from the pages, laid out so that a *static* mask expresses
-causality at any (per-row, traced) offset:
+The score math is in ``ember.kernels_pallas``; this file decides what the kernels see.
+Without a cache: ``flash_attention`` over the sequence with a causal mask. With a cache the
+chunk's keys and values are written into the pages first; then a single-token softmax
+decode (global or local) calls ``paged_attention`` on the pages in place, and any other
+chunk attends with ``flash_attention`` over a window of keys read back from the pages,
+laid out so that a *static* mask expresses causality at any (per-row, traced) offset:
 
     key index t of row b  <->  position  start_b - d + t      (start_b = positions[b, 0])
     query index i         <->  position  start_b + i
 
-so key ``t`` is causally visible from query ``i`` iff ``t <= i + d``: the kernel's
-``window=(left, d)``. Keys at negative positions are masked with kv segment ids.
+so key ``t`` is causally visible from query ``i`` iff ``t <= i + d`` (the kernel's
+``window=(left, d)``; a sliding window of ``W`` tokens sets ``left = W - 1 - d``). Keys at
+negative positions are masked with kv segment ids.
 
 Sigmoid scores use the kernel's bias ``-log(kv_len)``; to make it one constant per model
 (``-log(max_seq_len)``, the sigmoid-attention paper's ``-log n`` for the training context)
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from ember.core.sharding import constrain
 from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import flash_attention
+from ember.kernels_pallas.paged_attention import paged_attention
 from ember.models.cache import read_pages, write_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.layers.norm import RMSNorm
@@ -81,6 +84,15 @@ def attend(
         "k_pages": write_pages(pages["k_pages"], k, page_table, positions, valid),
         "v_pages": write_pages(pages["v_pages"], v, page_table, positions, valid),
     }
+    if q.shape[1] == 1 and kind in ("global", "local") and config.score == "softmax":
+        # Decode: the paged kernel reads the pages in place (no gather of the prefix).
+        lengths = jnp.where(valid[:, 0], positions[:, 0] + 1, 0).astype(jnp.int32)
+        window = (config.sliding_window - 1, 0) if kind == "local" else None
+        out = paged_attention(
+            q[:, 0], pages["k_pages"], pages["v_pages"], page_table, lengths, window=window,
+            logits_soft_cap=options["logits_soft_cap"], impl=options["impl"],
+        )
+        return out[:, None], pages
     return _attend_pages(q, pages, config=config, kind=kind, page_table=page_table, positions=positions, valid=valid, options=options), pages
 
 
