@@ -1,0 +1,142 @@
+"""Environment throughput: steps/s of a jitted ``lax.scan`` of 1000 random-action steps
+(compile excluded) for batches of 1, 64, 1024 and 8192 environments -- Ember's
+``BatchedEnv`` against gymnax's same environment (``jax.vmap`` over per-env keys, gymnax's
+documented usage) and against gymnasium's vector env -- for CartPole, Pendulum and
+Breakout-MinAtar, side by side with ratios.
+
+    python -m benchmarks.envs        # writes benchmarks/results/envs-<device>.json
+
+Both JAX sides draw the random actions the same way (one batched call per step) and
+return the final state, so XLA cannot drop the dynamics. Breakout runs without sticky
+actions on both JAX sides (gymnax has none). gymnasium's baselines run on the host with
+NumPy: ``CartPoleVectorEnv`` (its vectorised NumPy CartPole); Pendulum and MinAtar
+Breakout have no NumPy vector env in gymnasium/MinAtar, so they use ``SyncVectorEnv``
+(a Python loop over environments) and are timed over fewer steps (a rate, the same
+quantity). The sizes are the same on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import gymnasium
+import gymnax
+import jax
+import numpy as np
+
+import ember.envs
+from benchmarks.harness import device_label, print_table, time_fn, write_results
+from ember.envs import spaces
+
+BATCHES = (1, 64, 1024, 8192)
+SCAN_STEPS = 1000
+# id -> (Ember overrides, gymnax id, gymnasium id, gymnasium vectorization mode)
+ENVIRONMENTS = {
+    "CartPole-v1": ({}, "CartPole-v1", "CartPole-v1", "vector_entry_point"),
+    "Pendulum-v1": ({}, "Pendulum-v1", "Pendulum-v1", "sync"),
+    "Breakout-MinAtar": ({"sticky_action_prob": 0.0}, "Breakout-MinAtar", "MinAtar/Breakout-v1", "sync"),
+}
+GYMNASIUM_STEP_BUDGET = {"vector_entry_point": 2_000_000, "sync": 100_000}  # env-steps per timing
+
+
+def random_actions(key, space, num_envs):
+    """``[num_envs, ...]`` uniformly random actions in one call (the same for both sides)."""
+    if isinstance(space, spaces.Discrete) or type(space).__name__ == "Discrete":
+        return jax.random.randint(key, (num_envs,), 0, space.n)
+    low, high = np.asarray(space.low, np.float32), np.asarray(space.high, np.float32)
+    return jax.random.uniform(key, (num_envs, *space.shape), minval=low, maxval=high)
+
+
+def ember_rollout(env_id, overrides, num_envs):
+    env, params = ember.envs.make(env_id, **overrides)
+    batched = ember.envs.BatchedEnv(env, num_envs)
+    action_space = env.action_space(params)
+
+    def rollout(key):
+        _, state = batched.reset(key, params)
+
+        def body(state, key):
+            action_key, step_key = jax.random.split(key)
+            actions = random_actions(action_key, action_space, num_envs)
+            _, state, reward, *_ = batched.step(step_key, state, actions, params)
+            return state, reward.sum()
+
+        state, rewards = jax.lax.scan(body, state, jax.random.split(key, SCAN_STEPS))
+        return state, rewards.sum()
+
+    return jax.jit(rollout)
+
+
+def gymnax_rollout(env_id, num_envs):
+    env, params = gymnax.make(env_id)
+    action_space = env.action_space(params)
+    vmapped_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+
+    def rollout(key):
+        _, state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), params)
+
+        def body(state, key):
+            action_key, step_key = jax.random.split(key)
+            actions = random_actions(action_key, action_space, num_envs)
+            _, state, reward, *_ = vmapped_step(jax.random.split(step_key, num_envs), state, actions, params)
+            return state, reward.sum()
+
+        state, rewards = jax.lax.scan(body, state, jax.random.split(key, SCAN_STEPS))
+        return state, rewards.sum()
+
+    return jax.jit(rollout)
+
+
+def jax_steps_per_second(rollout, num_envs) -> float:
+    seconds = time_fn(rollout, jax.random.key(0), warmup=1, repeats=2)
+    return num_envs * SCAN_STEPS / seconds
+
+
+def gymnasium_steps_per_second(env_id, mode, num_envs) -> float:
+    if env_id not in gymnasium.envs.registry and env_id.startswith("MinAtar/"):
+        import minatar.gym
+
+        minatar.gym.register_envs()
+    envs = gymnasium.make_vec(env_id, num_envs=num_envs, vectorization_mode=mode)
+    envs.reset(seed=0)
+    envs.action_space.seed(0)
+    steps = int(min(SCAN_STEPS, max(10, GYMNASIUM_STEP_BUDGET[mode] // num_envs)))
+    actions = [envs.action_space.sample() for _ in range(steps)]
+    start = time.perf_counter()
+    for action in actions:
+        envs.step(action)
+    seconds = time.perf_counter() - start
+    envs.close()
+    return num_envs * steps / seconds
+
+
+def main() -> None:
+    if device_label() == "cpu":
+        print("No GPU found: measuring on CPU (same sizes as on GPU).")
+    rows = []
+    for env_id, (overrides, gymnax_id, gymnasium_id, mode) in ENVIRONMENTS.items():
+        for num_envs in BATCHES:
+            ours = jax_steps_per_second(ember_rollout(env_id, overrides, num_envs), num_envs)
+            theirs = jax_steps_per_second(gymnax_rollout(gymnax_id, num_envs), num_envs)
+            host = gymnasium_steps_per_second(gymnasium_id, mode, num_envs)
+            rows.append(
+                {
+                    "env": env_id,
+                    "batch": num_envs,
+                    "ember_steps_per_s": ours,
+                    "gymnax_steps_per_s": theirs,
+                    "gymnasium_steps_per_s": host,
+                    "gymnasium_vector_env": "CartPoleVectorEnv (NumPy)" if mode == "vector_entry_point" else "SyncVectorEnv",
+                    "ember_over_gymnax": ours / theirs,
+                    "ember_over_gymnasium": ours / host,
+                }
+            )
+            print_table(rows[-1:], ["env", "batch", "ember_steps_per_s", "gymnax_steps_per_s", "gymnasium_steps_per_s", "ember_over_gymnax", "ember_over_gymnasium"])
+    print()
+    print_table(rows, ["env", "batch", "ember_steps_per_s", "gymnax_steps_per_s", "gymnasium_steps_per_s", "ember_over_gymnax", "ember_over_gymnasium"])
+    path = write_results("envs", {"scan_steps": SCAN_STEPS, "batches": list(BATCHES), "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
