@@ -6,8 +6,8 @@ Breakout-MinAtar, side by side with ratios.
 
     python -m benchmarks.envs        # writes benchmarks/results/envs-<device>.json
 
-Both JAX sides draw the random actions the same way (one batched call per step) and
-return the final state, so XLA cannot drop the dynamics. Breakout runs without sticky
+Both JAX sides draw the random actions the same way (one batched ``noise.draw_batch``
+call per step) and return the final state, so XLA cannot drop the dynamics. Breakout runs without sticky
 actions on both JAX sides (gymnax has none). gymnasium's baselines run on the host with
 NumPy: ``CartPoleVectorEnv`` (its vectorised NumPy CartPole); Pendulum and MinAtar
 Breakout have no NumPy vector env in gymnasium/MinAtar, so they use ``SyncVectorEnv``
@@ -26,7 +26,7 @@ import numpy as np
 
 import ember.envs
 from benchmarks.harness import device_label, print_table, time_fn, write_results
-from ember.envs import spaces
+from ember.envs import noise
 
 BATCHES = (1, 64, 1024, 8192)
 SCAN_STEPS = 1000
@@ -40,11 +40,15 @@ GYMNASIUM_STEP_BUDGET = {"vector_entry_point": 2_000_000, "sync": 100_000}  # en
 
 
 def random_actions(key, space, num_envs):
-    """``[num_envs, ...]`` uniformly random actions in one call (the same for both sides)."""
-    if isinstance(space, spaces.Discrete) or type(space).__name__ == "Discrete":
-        return jax.random.randint(key, (num_envs,), 0, space.n)
+    """``[num_envs, ...]`` uniformly random actions from one batched draw (the same sampler
+    for both JAX sides; gymnasium's actions are sampled before its timer starts, so a cheap
+    sampler keeps the comparison about the environments)."""
+    discrete = type(space).__name__ == "Discrete"
+    words = noise.draw_batch(key, (num_envs,) if discrete else (num_envs, *space.shape))
+    if discrete:
+        return noise.randint(words, 0, space.n)
     low, high = np.asarray(space.low, np.float32), np.asarray(space.high, np.float32)
-    return jax.random.uniform(key, (num_envs, *space.shape), minval=low, maxval=high)
+    return noise.uniform(words, low, high, np.float32)
 
 
 def ember_rollout(env_id, overrides, num_envs):
