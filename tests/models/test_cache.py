@@ -20,13 +20,12 @@ BASE = ModelConfig(
 )
 KINDS = {
     "global": dict(qk_norm=True, attn_soft_cap=20.0, final_soft_cap=30.0),
-    "local": dict(),
     "block_sparse": dict(),
     "sigmoid": dict(score="sigmoid", block_pattern=("global", "local")),
     "cca": dict(block_pattern=("cca",), cca_compression=2, cca_heads=2, cca_kv_heads=1, cca_conv_width=3),
-    "linear_elu": dict(block_pattern=("linear",), linear_feature_map="elu"),
     "linear_hedgehog": dict(block_pattern=("linear",), linear_feature_map="hedgehog", linear_feature_dim=8),
-    "mixed_unscanned": dict(block_pattern=("global", "local", "cca"), num_layers=4, scan_layers=False),
+    # Softmax local and elu linear layers are covered here, next to the others.
+    "mixed_unscanned": dict(block_pattern=("global", "local", "cca", "linear"), num_layers=5, scan_layers=False),
 }
 SEQ, PROMPT, CHUNK = 28, 17, 6
 
@@ -88,6 +87,7 @@ def test_cache_layout_matches_the_paged_kernels(rng):
     assert sorted(np.asarray(cache["page_table"]).ravel().tolist()) == list(range(9))
     pages = cache["layers"]["block_0"]["k_pages"]
     assert pages.shape == (2, 9, config.page_size, config.kv_heads, config.head_size)  # [groups, pages, ...]
+    assert cache["layers"]["block_3"]["state"].shape == (2, 3, config.num_heads, config.head_size, config.head_size + 1)
     # CCGQA: 1 latent kv head of d_model / compression / cca_heads = 16 channels.
     assert layer_state_shapes(make("cca"), "cca", 3, 9)["k_pages"] == (9, 4, 1, 16)
 

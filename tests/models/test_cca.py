@@ -52,8 +52,9 @@ def test_cca_is_causal(rng):
     tokens = jax.random.randint(rng, (1, 16), 0, 64)
     params = jax.jit(model.init)(jax.random.key(1), tokens)["params"]
     changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 64)
-    before, _ = model.apply({"params": params}, tokens)
-    after, _ = model.apply({"params": params}, changed)
+    apply = jax.jit(model.apply)
+    before, _ = apply({"params": params}, tokens)
+    after, _ = apply({"params": params}, changed)
     assert_allclose(after[:, :10], before[:, :10])
     assert np.abs(np.asarray(after[:, 10:] - before[:, 10:])).max() > 1e-3
 
