@@ -99,11 +99,6 @@ def linear_feature_dim(config: ModelConfig) -> int:
     return 2 * width if config.linear_feature_map == "hedgehog" else config.head_size
 
 
-def cache_capacity(cache: dict[str, Any], page_size: int) -> int:
-    """The number of tokens each sequence of ``cache`` can hold."""
-    return cache["page_table"].shape[1] * page_size
-
-
 def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
     """Writes ``new [batch, seq, heads, dim]`` at ``positions [batch, seq]`` into ``pages
     [num_pages, page_size, heads, dim]``; tokens with ``valid [batch, seq]`` False are dropped."""
@@ -124,4 +119,4 @@ def read_pages(pages: jax.Array, page_table: jax.Array, positions: jax.Array) ->
     return pages[page, positions % page_size]
 
 
-__all__ = ["cache_capacity", "init_cache", "layer_state_shapes", "linear_feature_dim", "read_pages", "write_pages"]
+__all__ = ["init_cache", "layer_state_shapes", "linear_feature_dim", "read_pages", "write_pages"]
