@@ -60,7 +60,9 @@ class CheckpointManager:
             create=True,
             cleanup_tmp_directories=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # Naming the handlers lets a fresh manager read metadata of existing steps.
+        handlers = {_STATE: ocp.StandardCheckpointHandler(), _EXTRA: ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def save(self, step: int, state: Any, *, extra: dict[str, Any] | None = None) -> None:
         """Starts saving ``state`` (and JSON ``extra``) as ``step``; returns before the write ends

@@ -74,8 +74,8 @@ def test_loss_is_the_same_on_every_mesh_and_with_grad_accumulation(tmp_path, dat
         losses[name] = np.array([metrics[step]["loss"] for step in range(1, 21)])
     assert losses["data 8x1x1"][-1] < losses["data 8x1x1"][0]  # it learns
     for name, curve in losses.items():
-        # 20 Adam steps amplify float reassociation slightly; compare at 20x the f32 tolerance.
-        assert_allclose(curve, losses["data 8x1x1"], scale=20, err_msg=name)
+        # Sharding changes the order of float32 reductions; 20 Adam steps amplify that a little.
+        assert_allclose(curve, losses["data 8x1x1"], dtype=np.float32, scale=20, err_msg=name)
 
 
 def write_config(tmp_path, dataset, *overrides):
@@ -148,7 +148,8 @@ def test_two_processes_train_data_parallel_like_one(tmp_path, dataset):
     b = CheckpointManager(tmp_path / "multi" / "checkpoints").restore()
     assert a.step == b.step == 6
     for x, y in zip(jax.tree.leaves(a.state["params"]), jax.tree.leaves(b.state["params"])):
-        assert_allclose(y, x, scale=10, err_msg="cross-process all-reduce order differs slightly")
+        # The cross-process all-reduce sums in a different order than the single-process one.
+        assert_allclose(y, x, scale=10, err_msg="parameters after 6 steps")
 
 
 def test_bad_configs_fail_before_compiling(tmp_path, dataset, capsys):

@@ -75,7 +75,7 @@ def train_step(state: TrainState, batch: Batch, *, model: nn.Module, tx: optax.G
     denominator = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denominator, grads)
     loss = loss_sum / denominator
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
