@@ -1,5 +1,6 @@
 """Every YAML file shipped under configs/ parses against its schema (DESIGN.md section 1)."""
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -9,16 +10,20 @@ from ember.core.config import load_config
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
+# configs/<section>/ -> "module:Schema" of the files in it.
+SCHEMAS = {
+    "lm": "ember.training.lm.config:LMConfig",
+    "rl": "ember.training.rl.config:RLConfig",
+    "models": "ember.models.config:ModelConfig",
+}
+
+
 def schema_for(section: str):
     """The schema of configs/<section>/*.yaml. Each package that ships configs adds its own."""
-    schemas = {
-        "lm": lambda: __import__("ember.training.lm.config", fromlist=["LMConfig"]).LMConfig,
-        "rl": lambda: __import__("ember.training.rl.config", fromlist=["RLConfig"]).RLConfig,
-        "models": lambda: __import__("ember.models.config", fromlist=["ModelConfig"]).ModelConfig,
-    }
-    if section not in schemas:
-        pytest.fail(f"no schema known for configs/{section}/; add it to tests/test_configs.py:schema_for")
-    return schemas[section]()
+    if section not in SCHEMAS:
+        pytest.fail(f"no schema known for configs/{section}/; add it to tests/test_configs.py:SCHEMAS")
+    module, name = SCHEMAS[section].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 SHIPPED = sorted(CONFIG_DIR.rglob("*.yaml")) + sorted(CONFIG_DIR.rglob("*.yml"))
