@@ -29,8 +29,14 @@ from flax.training.train_state import TrainState
 from ember.envs.batched import BatchedEnv
 from ember.models.policies import CentralisedActorCritic, action_head
 from ember.training.rl.gae import gae_advantages
-from ember.training.rl.losses import ppo_loss
-from ember.training.rl.ppo import PPOConfig, PPOHyperparams, episode_statistics, make_optimizer, minibatch_epochs
+from ember.training.rl.ppo import (
+    PPOConfig,
+    PPOHyperparams,
+    episode_statistics,
+    make_optimizer,
+    minibatch_epochs,
+    minibatch_loss,
+)
 
 
 def stack_agents(per_agent: dict[str, Any], agents: list[str]) -> Any:
@@ -124,20 +130,7 @@ def make_train(
 
         def loss_fn(params, minibatch):
             dist, value = policy.apply(params, minibatch["obs"], minibatch["critic_input"])
-            return ppo_loss(
-                dist.log_prob(minibatch["raw_action"]),
-                minibatch["log_prob"],
-                minibatch["advantages"],
-                value,
-                minibatch["value"],
-                minibatch["returns"],
-                dist.entropy(),
-                clip_eps=hp.clip_eps,
-                value_clip_eps=hp.value_clip_eps,
-                value_coef=hp.value_coef,
-                entropy_coef=hp.entropy_coef,
-                normalize_advantage=config.normalize_advantage,
-            )
+            return minibatch_loss(dist, value, minibatch, hp, normalize_advantage=config.normalize_advantage)
 
         def update(carry, update_index):
             train_state, env_state, obs, running_return, running_length, rng = carry

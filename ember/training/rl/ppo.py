@@ -157,6 +157,26 @@ def minibatch_epochs(
     return train_state, jax.tree.map(jnp.mean, stats)
 
 
+def minibatch_loss(dist, value: jax.Array, minibatch: dict[str, jax.Array], hp: PPOHyperparams, *,
+                   normalize_advantage: bool):
+    """:func:`ppo_loss` of a policy's ``dist``/``value`` on a rollout ``minibatch`` (keys
+    ``raw_action``, ``log_prob``, ``advantages``, ``value``, ``returns``)."""
+    return ppo_loss(
+        dist.log_prob(minibatch["raw_action"]),
+        minibatch["log_prob"],
+        minibatch["advantages"],
+        value,
+        minibatch["value"],
+        minibatch["returns"],
+        dist.entropy(),
+        clip_eps=hp.clip_eps,
+        value_clip_eps=hp.value_clip_eps,
+        value_coef=hp.value_coef,
+        entropy_coef=hp.entropy_coef,
+        normalize_advantage=normalize_advantage,
+    )
+
+
 def episode_statistics(episode_done: jax.Array, episode_return: jax.Array, episode_length: jax.Array) -> dict[str, jax.Array]:
     """Mean return and length of the episodes that ended in a rollout (``nan`` when none did),
     and their count."""
@@ -241,20 +261,7 @@ def make_train(
 
         def loss_fn(params, minibatch):
             dist, value = policy.apply(params, minibatch["obs"])
-            return ppo_loss(
-                dist.log_prob(minibatch["raw_action"]),
-                minibatch["log_prob"],
-                minibatch["advantages"],
-                value,
-                minibatch["value"],
-                minibatch["returns"],
-                dist.entropy(),
-                clip_eps=hp.clip_eps,
-                value_clip_eps=hp.value_clip_eps,
-                value_coef=hp.value_coef,
-                entropy_coef=hp.entropy_coef,
-                normalize_advantage=config.normalize_advantage,
-            )
+            return minibatch_loss(dist, value, minibatch, hp, normalize_advantage=config.normalize_advantage)
 
         def update(carry, update_index):
             train_state, env_state, obs, rng = carry
@@ -329,4 +336,5 @@ __all__ = [
     "make_policy",
     "make_train",
     "minibatch_epochs",
+    "minibatch_loss",
 ]
