@@ -21,14 +21,15 @@ from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
 
 ALGORITHMS = ("ppo", "dqn", "ippo", "mappo")
-ENV_SOURCES = ("ember", "gymnax")
+ENV_SOURCES = ("ember", "gymnax", "jaxmarl")
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
     """Which environment: ``id`` in the ``source`` library and overrides of its default
     parameters (``params: {max_steps_in_episode: 200}``). ``source: ember`` (the default)
-    uses ``ember.envs.make``; ``gymnax`` runs ``gymnax.make(id)`` through Ember's adapter.
+    uses ``ember.envs.make``; ``gymnax`` runs ``gymnax.make(id)`` and ``jaxmarl`` runs
+    ``jaxmarl.make(id)`` through Ember's adapters.
     ``flatten_observation`` wraps the env in ``ember.envs.wrappers.FlattenObservation``
     (for pytree observations such as the maze's ``{view, has_key}``)."""
 

@@ -103,6 +103,13 @@ def make_env(config: EnvConfig):
 
         env = GymnaxEnv(*gymnax.make(config.id))
         env_params = env.default_params.replace(**dict(config.params))
+    elif config.source == "jaxmarl":
+        import jaxmarl
+
+        from ember.envs.adapters import JaxMARLEnv
+
+        env = JaxMARLEnv(jaxmarl.make(config.id))
+        env_params = env.default_params.replace(**dict(config.params))
     else:
         env, env_params = ember.envs.make(config.id, **dict(config.params))
     if config.flatten_observation:

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import ember.envs
 from ember.core.config import load_config
 from ember.training.rl import multi_agent_ppo
 from ember.training.rl.config import RLConfig
+from ember.training.rl.experiment import make_env
 from ember.training.rl.evaluate import evaluate
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
@@ -26,9 +26,11 @@ def test_global_state_concatenates_every_observation_and_the_agent_id(rng):
 
 
 @pytest.mark.slow
-def test_shipped_ippo_config_beats_random_on_simple_spread():
-    config = load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml")
-    env, env_params = ember.envs.make(config.env.id)
+@pytest.mark.parametrize("config_name", ["ippo_simple_spread.yaml", "ippo_simple_spread_jaxmarl.yaml"])
+def test_shipped_ippo_config_beats_random_on_simple_spread(config_name):
+    """Ember's simple_spread, and JaxMARL's own through the adapter, with the same settings."""
+    config = load_config(RLConfig, CONFIGS / config_name)
+    env, env_params = make_env(config.env)
     result = jax.jit(multi_agent_ppo.make_train(config.ppo, env, env_params))(jax.random.key(config.seed))
     policy = multi_agent_ppo.make_policy(config.ppo, env, env_params)
     trained, _ = evaluate(
