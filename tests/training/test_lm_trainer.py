@@ -218,3 +218,24 @@ def test_tiny_preset_learns_far_below_the_unigram_entropy(tmp_path, monkeypatch)
     # Measured: 1.90 nats after 200 steps against a unigram entropy of 3.19 (the full 1500-step
     # demo reaches 1.25). The bound leaves ~0.5 nats of margin.
     assert summary["val_loss"] < unigram_entropy - 0.8
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_then_exits_cleanly(tmp_path, dataset):
+    config_path = write_config(tmp_path, dataset, "train.steps=100000", "checkpoint.every=100000", "mesh.data=2")
+    run_dir = tmp_path / "terminated"
+    process = ember_train(config_path, f"run_dir={run_dir}")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        metrics_file = run_dir / "metrics.jsonl"
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output
+    assert "received SIGTERM: saving a checkpoint" in output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = CheckpointManager(run_dir / "checkpoints").all_steps()
+    assert summary["stopped_early"] and steps == [summary["steps"]] and summary["last_checkpoint"] == summary["steps"] >= 3
+    assert max(read_metrics(run_dir)) == summary["steps"]
