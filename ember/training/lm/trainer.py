@@ -62,8 +62,6 @@ class _Run:
     model: DecoderLM
     mesh: Any
     rules: Any
-    state_shardings: Any
-    batch_shardings: Any
     train_step: Any
     eval_step: Any
     state: TrainState
@@ -104,7 +102,9 @@ def train(config: LMConfig, *, resume: bool = False) -> dict[str, Any]:
                 window_steps += 1
                 done = step + 1
                 is_last = done == config.train.steps
-                saving = done % config.checkpoint.every == 0 or is_last or stop_requested.is_set
+                # One reading of the flag per step: a signal that lands later is honoured next step.
+                stopping = stop_requested.is_set
+                saving = done % config.checkpoint.every == 0 or is_last or stopping
                 logging_now = done % config.train.log_every == 0 or saving
                 evaluating = done % config.train.eval_every == 0 or is_last
                 if logging_now:
@@ -133,7 +133,7 @@ def train(config: LMConfig, *, resume: bool = False) -> dict[str, Any]:
                 if window_start is None or logging_now or evaluating:
                     jax.block_until_ready(state.step)
                     window_start, window_steps = time.perf_counter(), 0
-                if stop_requested.is_set:
+                if stopping:
                     break
         run.manager.wait()
     finally:
@@ -164,7 +164,8 @@ def _set_up(config: LMConfig, resume: bool) -> _Run:
     if has_checkpoints and not resume:
         raise ConfigError(f"run_dir {run_dir} already holds checkpoints; pass --resume to continue it, "
                           "or choose another run_dir", key="run_dir")
-    _check_resumable(run_dir, config)
+    if resume:
+        _check_resumable(run_dir, config)
     is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,8 +208,7 @@ def _set_up(config: LMConfig, resume: bool) -> _Run:
         train_batches.restore(restored.extra["data"])
     else:
         state = jax.jit(lambda key: unbox(make_state(key)), out_shardings=state_shardings)(rng)
-    return _Run(config, run_dir, dataset, model, mesh, rules, state_shardings, batch_shardings, step_fn, eval_fn,
-                state, train_batches, manager, is_main)
+    return _Run(config, run_dir, dataset, model, mesh, rules, step_fn, eval_fn, state, train_batches, manager, is_main)
 
 
 def _check_resumable(run_dir: Path, config: LMConfig) -> None:
