@@ -7,17 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
+from tests.host_random import numpy_rng
 from tests.tolerances import assert_allclose
 
 # Interpret-mode kernels are large while-loop programs: XLA's backend optimizations take
 # seconds to compile them and buy nothing at test sizes.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def numpy_rng(rng) -> np.random.Generator:
-    """A NumPy generator seeded from a JAX key: fresh inputs per test without compiling
-    JAX random ops for every shape (compilation dominates these tests' time)."""
-    return np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel())
 
 
 def random_qkv(rng, *, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.float32):

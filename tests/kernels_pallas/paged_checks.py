@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.kernels_pallas.flash_checks import numpy_rng
+from tests.host_random import numpy_rng
 
 
 def random_paged_cache(rng, *, num_pages, page_size, kv_heads, head_dim, num_seqs, max_pages_per_seq, dtype=jnp.float32):

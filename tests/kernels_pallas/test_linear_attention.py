@@ -1,7 +1,6 @@
 """ember.kernels_pallas.linear_attention: the chunked forms (XLA and the Pallas kernels in
 the interpreter) against the scan reference and the quadratic form, values and gradients."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,21 +16,17 @@ from ember.kernels_pallas.linear_attention import (
     linear_attention_step,
 )
 from ember.kernels_pallas.linear_attention_pallas import value_block_size
+from tests.host_random import numpy_rng
+from tests.kernels_pallas import scan_checks
 from tests.tolerances import assert_allclose
 
 IMPLS = ["xla", "interpret"]
 
 
-def numpy_generator(key) -> np.random.Generator:
-    """A numpy generator seeded from the test's PRNG key: fresh inputs per test without
-    compiling JAX's random-bit kernels for every shape (slow on CPU)."""
-    return np.random.default_rng(np.asarray(jax.random.key_data(key)))
-
-
 def make_inputs(key, *, dtype=jnp.float32, batch=2, seq=37, qk_heads=1, heads=2, dk=8, dv=4, normalize=False):
     """Random inputs with GQA (2 value heads per query/key head), data-dependent decay, an
     initial state and packed documents; ``seq`` is not a multiple of the chunk sizes used."""
-    gen = numpy_generator(key)
+    gen = numpy_rng(key)
     normal = lambda *shape: gen.standard_normal(shape, np.float32)  # noqa: E731
     q, k = normal(batch, seq, qk_heads, dk), normal(batch, seq, qk_heads, dk)
     state = normal(batch, heads, dk, dv + int(normalize))
@@ -51,27 +46,8 @@ def make_inputs(key, *, dtype=jnp.float32, batch=2, seq=37, qk_heads=1, heads=2,
 GRAD_ARGS = ("q", "k", "v", "log_decay", "initial_state")
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_loss_and_grads(fn, options):
-    """Jitted value-and-grad of ``sum(results * cotangents)``, cached per form and options
-    so tests with equal shapes share one compilation."""
-
-    def loss(differentiable, segment_ids, cotangents):
-        results = fn(**differentiable, segment_ids=segment_ids, return_final_state=True, **dict(options))
-        return sum(jnp.sum(r.astype(jnp.float32) * c) for r, c in zip(results, cotangents)), results
-
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))
-
-
 def values_and_grads(fn, inputs, cotangent_key, **options):
-    """``((outputs, final_state), {name: gradient})`` of a random linear functional of the
-    outputs and the final state, so the gradients exercise every cotangent path."""
-    gen = numpy_generator(cotangent_key)
-    cotangents = tuple(gen.standard_normal(inputs[n].shape, np.float32) for n in ("v", "initial_state"))
-    differentiable = {n: inputs[n] for n in GRAD_ARGS}
-    loss_and_grads = _jitted_loss_and_grads(fn, tuple(sorted(options.items())))
-    (_, results), grads = loss_and_grads(differentiable, inputs["segment_ids"], cotangents)
-    return results, grads
+    return scan_checks.values_and_grads(fn, inputs, cotangent_key, grad_args=GRAD_ARGS, output_like="v", **options)
 
 
 def test_reference_matches_hand_computed_recurrence(rng):

@@ -1,7 +1,6 @@
 """ember.kernels_pallas.ssd: Mamba-2's SSD chunked (XLA and the Pallas kernels in the
 interpreter) against the scan reference and the quadratic form, values and gradients."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,8 @@ import numpy as np
 import pytest
 
 from ember.kernels_pallas.ssd import ssd, ssd_quadratic, ssd_reference, ssd_step
-from tests.kernels_pallas.test_linear_attention import numpy_generator
+from tests.host_random import numpy_rng
+from tests.kernels_pallas import scan_checks
 from tests.tolerances import assert_allclose
 
 IMPLS = ["xla", "interpret"]
@@ -22,7 +22,7 @@ GRAD_ARGS = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state")
 def make_inputs(key, *, dtype=jnp.float32, batch=2, seq=37, heads=4, head_dim=4, groups=2, state=8):
     """Random Mamba-2 inputs: 2 heads per B/C group, an initial state and packed documents;
     ``seq`` is not a multiple of the chunk sizes used."""
-    gen = numpy_generator(key)
+    gen = numpy_rng(key)
     normal = lambda *shape: gen.standard_normal(shape, np.float32)  # noqa: E731
     boundaries = gen.random((batch, seq)) < 0.1
     return dict(
@@ -38,27 +38,8 @@ def make_inputs(key, *, dtype=jnp.float32, batch=2, seq=37, heads=4, head_dim=4,
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_loss_and_grads(fn, options):
-    """Jitted value-and-grad of ``sum(results * cotangents)``, cached per form and options
-    so tests with equal shapes share one compilation."""
-
-    def loss(differentiable, segment_ids, cotangents):
-        results = fn(**differentiable, segment_ids=segment_ids, return_final_state=True, **dict(options))
-        return sum(jnp.sum(r.astype(jnp.float32) * c) for r, c in zip(results, cotangents)), results
-
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))
-
-
 def values_and_grads(fn, inputs, cotangent_key, **options):
-    """``((y, final_state), {name: gradient})`` of a random linear functional of ``y`` and the
-    final state."""
-    gen = numpy_generator(cotangent_key)
-    cotangents = tuple(gen.standard_normal(inputs[n].shape, np.float32) for n in ("x", "initial_state"))
-    differentiable = {n: inputs[n] for n in GRAD_ARGS}
-    loss_and_grads = _jitted_loss_and_grads(fn, tuple(sorted(options.items())))
-    (_, results), grads = loss_and_grads(differentiable, inputs["segment_ids"], cotangents)
-    return results, grads
+    return scan_checks.values_and_grads(fn, inputs, cotangent_key, grad_args=GRAD_ARGS, output_like="x", **options)
 
 
 def test_reference_matches_hand_computed_recurrence(rng):
