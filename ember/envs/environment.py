@@ -118,14 +118,20 @@ class Environment:
         reset_obs, reset_state = self.reset_env(reset_noise, params)
         done = terminated | truncated
         info = {**info, "final_observation": obs}
+        reward, terminated, truncated = self.transition_outputs(reward, terminated, truncated)
         return (
             select_tree(done, reset_obs, obs),
             select_tree(done, reset_state, next_state),
-            jnp.asarray(reward),
+            reward,
             terminated,
             truncated,
             info,
         )
+
+    def transition_outputs(self, reward: Any, terminated: jax.Array, truncated: jax.Array):
+        """How ``step`` returns the transition's reward and its (scalar) end flags;
+        multi-agent environments override this to give per-agent dicts."""
+        return jnp.asarray(reward), terminated, truncated
 
     def observation_space(self, params: EnvParams) -> Space:
         raise NotImplementedError

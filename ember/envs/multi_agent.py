@@ -14,9 +14,8 @@ per-agent spaces; actions are clipped into them as for single-agent environments
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 
-from ember.envs.environment import Environment, select_tree
+from ember.envs.environment import Environment
 
 
 class MultiAgentEnvironment(Environment):
@@ -27,27 +26,11 @@ class MultiAgentEnvironment(Environment):
     def num_agents(self) -> int:
         return len(self.agents)
 
-    def step_from_noise(self, noise, state, actions, params):
-        transition_noise = noise[: self.transition_noise_words]
-        reset_noise = noise[self.transition_noise_words :]
-        actions = self.action_space(params).clip(actions)
-        obs, next_state, rewards, terminated_all, info = self.step_env(transition_noise, state, actions, params)
-        next_state = next_state.replace(time=state.time + 1)
-        terminated_all = jnp.asarray(terminated_all, jnp.bool_)
-        truncated_all = next_state.time >= params.max_steps_in_episode
-        reset_obs, reset_state = self.reset_env(reset_noise, params)
-        done = terminated_all | truncated_all
+    def transition_outputs(self, rewards, terminated_all, truncated_all):
+        """Rewards stay a dict; the end flags become per-agent dicts with ``"__all__"``."""
         terminated = {agent: terminated_all for agent in self.agents} | {"__all__": terminated_all}
         truncated = {agent: truncated_all for agent in self.agents} | {"__all__": truncated_all}
-        info = {**info, "final_observation": obs}
-        return (
-            select_tree(done, reset_obs, obs),
-            select_tree(done, reset_state, next_state),
-            rewards,
-            terminated,
-            truncated,
-            info,
-        )
+        return rewards, terminated, truncated
 
     def step_env(self, noise, state, actions, params):
         """One transition: ``(obs dict, next_state, rewards dict, terminated (bool, all
