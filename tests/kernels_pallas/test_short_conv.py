@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from ember.kernels_pallas.short_conv import short_conv, short_conv_reference, short_conv_step
-from tests.kernels_pallas.test_linear_attention import numpy_generator
+from tests.host_random import numpy_rng
 from tests.tolerances import assert_allclose
 
 
 def make_inputs(key, *, dtype=jnp.float32, batch=2, seq=19, channels=6, width=4):
-    gen = numpy_generator(key)
+    gen = numpy_rng(key)
     normal = lambda *shape: jnp.asarray(gen.standard_normal(shape, np.float32), dtype)  # noqa: E731
     return dict(
         x=normal(batch, seq, channels),
@@ -37,7 +37,7 @@ def grouped_conv(x, weight, bias, initial_state):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_values_and_gradients_match_grouped_convolution(rng, dtype):
     inputs = make_inputs(rng, dtype=dtype)
-    cotangent = jnp.asarray(numpy_generator(jax.random.fold_in(rng, 1)).standard_normal(inputs["x"].shape, np.float32))
+    cotangent = jnp.asarray(numpy_rng(jax.random.fold_in(rng, 1)).standard_normal(inputs["x"].shape, np.float32))
 
     def loss(fn):
         return lambda args: jnp.sum(fn(**args).astype(jnp.float32) * cotangent)
