@@ -6,6 +6,10 @@ token). Each new token attends causally to its sequence's cached prefix and to t
 tokens before it, all read through the page table of the paged KV cache (the layout of
 :mod:`ember.kernels_pallas.paged_attention`).
 
+Every softmax-family attention layer of a model runs through it: full causal attention,
+a sliding ``window``, a window plus ``global_tokens`` (Longformer-style local + global),
+and sigmoid scores (``score="sigmoid"``, FlashSigmoid) with any of these.
+
 The Pallas kernel is in :mod:`ember.kernels_pallas.ragged_paged_attention_kernel`; the
 KV-cache layout and page-table convention are those of
 :mod:`ember.kernels_pallas.paged_attention`.
@@ -18,9 +22,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ember.kernels_pallas.attention_math import check_soft_cap, check_window, masked_softmax, soft_cap
+from ember.kernels_pallas.block_mask import _check_non_negative_int
 from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.flash_attention import SCORES
 from ember.kernels_pallas.paged_attention import check_lengths, check_paged_cache, gather_sequence_kv
 from ember.kernels_pallas.ragged_paged_attention_kernel import ragged_paged_attention_kernel
 
@@ -50,6 +57,9 @@ def ragged_paged_attention_reference(
     sm_scale: float | None = None,
     logits_soft_cap: float | None = None,
     window: tuple[int, int] | None = None,
+    score: str = "softmax",
+    sigmoid_bias: float | None = None,
+    global_tokens: int = 0,
 ) -> jax.Array:
     """Plain-jnp :func:`ragged_paged_attention` (same arguments, minus the kernel options):
     gathers every token's sequence cache and attends densely in float32. Memory grows as
@@ -59,6 +69,8 @@ def ragged_paged_attention_reference(
     cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
     logits_soft_cap = check_soft_cap(logits_soft_cap)
     window = check_window(window)
+    sigmoid_bias = check_score(score, sigmoid_bias)
+    _check_non_negative_int("global_tokens", global_tokens)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     group = heads // cache.kv_heads
     owner, position, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
@@ -69,13 +81,23 @@ def ragged_paged_attention_reference(
     kv_pos = jnp.arange(cache.max_len)[None, :]
     visible = (kv_pos <= position[:, None]) & covered[:, None]
     if window is not None:
-        visible = visible & (kv_pos >= position[:, None] - window[0])
-    weights = masked_softmax(logits, visible[:, None, None, :])
+        visible = visible & ((kv_pos >= position[:, None] - window[0]) | (kv_pos < global_tokens))
+    visible = visible[:, None, None, :]
+    if score == "sigmoid":
+        weights = jnp.where(visible, jax.nn.sigmoid(logits + sigmoid_bias), 0.0)
+    else:
+        weights = masked_softmax(logits, visible)
     out = jnp.einsum("thgk,tkhd->thgd", weights, values)
     return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap", "window", "block_q", "pages_per_block", "impl"))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "logits_soft_cap", "window", "score", "sigmoid_bias", "global_tokens", "block_q", "pages_per_block",
+        "impl",
+    ),
+)
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -88,6 +110,9 @@ def ragged_paged_attention(
     sm_scale: float | None = None,
     logits_soft_cap: float | None = None,
     window: tuple[int, int] | None = None,
+    score: str = "softmax",
+    sigmoid_bias: float | None = None,
+    global_tokens: int = 0,
     block_q: int = 16,
     pages_per_block: int | None = None,
     impl: str = "auto",
@@ -99,7 +124,8 @@ def ragged_paged_attention(
     ``kv_lens[s] - query_lens[s] .. kv_lens[s] - 1`` of the sequence. The new tokens' keys
     and values must already be written into the pages (the model layer writes them before
     calling), so ``kv_lens`` counts them. Row ``i`` of the run (position ``p``) sees cache
-    positions ``0 .. p`` (causal), within ``window`` if given.
+    positions ``t <= p`` (causal) with ``t >= p - window[0]`` or ``t < global_tokens`` if
+    ``window`` is given.
 
     Args:
       q: ``[num_tokens, heads, head_dim]``, the step's token budget. Rows owned by no
@@ -117,6 +143,18 @@ def ragged_paged_attention(
       logits_soft_cap: if set, scaled logits become ``cap * tanh(logits / cap)``.
       window: ``(left, right)`` as in :func:`flash_attention`; the query at position ``p``
         sees keys ``p - left .. p`` (``right`` has no effect: attention here is causal).
+      score: ``"softmax"`` or ``"sigmoid"`` (:data:`ember.kernels_pallas.flash_attention.SCORES`).
+        Sigmoid attention (FlashSigmoid) weighs each visible key by
+        ``sigmoid(logits + sigmoid_bias)`` (logits scaled and soft-capped) and does not
+        normalize: the output is the weighted sum of values.
+      sigmoid_bias: the bias ``b`` of ``score="sigmoid"``, required there and only there
+        (a model passes its training-length ``-log(max_seq_len)``, see
+        :func:`~ember.kernels_pallas.attention_math.default_sigmoid_bias`: the cache length
+        changes every step, the bias must not).
+      global_tokens: with ``window``, the first ``global_tokens`` positions of every
+        sequence stay visible to all later queries (Longformer-style local + global); the
+        kernel reads their pages and the window's, not the pages between. Without a window
+        every earlier position is visible anyway.
       block_q: query rows per kernel step (GPU lowering wants a power of two >= 16); a run
         is split into ``cdiv(query_lens[s], block_q)`` blocks.
       pages_per_block: pages read per kernel step (default: enough for 128 tokens).
@@ -133,27 +171,53 @@ def ragged_paged_attention(
       ``[num_tokens, heads, head_dim]`` in ``q.dtype``.
 
     Raises:
-      ValueError: naming the argument, for bad ranks, shapes or dtypes.
+      ValueError: naming the argument, for bad ranks, shapes or dtypes, or bad options
+        (an unknown ``score``, ``sigmoid_bias`` missing with ``"sigmoid"`` or given with
+        ``"softmax"``, a negative ``global_tokens``).
     """
     num_tokens, heads, head_dim, num_seqs = _check_args(q, page_table, query_starts, query_lens, kv_lens)
     cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
-    check_soft_cap(logits_soft_cap)
-    check_window(window)
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
+    window = check_window(window)
+    sigmoid_bias = check_score(score, sigmoid_bias)
+    _check_non_negative_int("global_tokens", global_tokens)
     if not isinstance(block_q, int) or block_q < 1:
         raise ValueError(f"block_q must be a positive int, got {block_q!r}")
     resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=("gpu",))  # written for the GPU (Triton) lowering
     if resolved == "xla":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens,
-            sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window=window,
+            sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window=window, score=score,
+            sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
         )
     owner, _, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
     return ragged_paged_attention_kernel(
         q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, owner=owner, covered=covered, cache=cache,
         sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
-        logits_soft_cap=check_soft_cap(logits_soft_cap), window=check_window(window),
-        block_q=block_q, pages_per_block=pages_per_block, interpret=resolved == "interpret",
+        logits_soft_cap=logits_soft_cap, window=window, score=score, sigmoid_bias=sigmoid_bias,
+        global_tokens=int(global_tokens), block_q=block_q, pages_per_block=pages_per_block,
+        interpret=resolved == "interpret",
     )
+
+
+def check_score(score, sigmoid_bias) -> float | None:
+    """Validates ``score`` (one of ``SCORES``) and its ``sigmoid_bias`` (a finite number
+    with ``"sigmoid"``, ``None`` with ``"softmax"``); returns the bias as a float or None."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if score == "softmax":
+        if sigmoid_bias is not None:
+            raise ValueError(f"sigmoid_bias is only for score='sigmoid', got {sigmoid_bias!r} with score='softmax'")
+        return None
+    if (
+        not isinstance(sigmoid_bias, (int, float, np.integer, np.floating))
+        or isinstance(sigmoid_bias, bool)
+        or not math.isfinite(sigmoid_bias)
+    ):
+        raise ValueError(
+            f"sigmoid_bias must be a finite number with score='sigmoid' (e.g. -log(max_seq_len)), got {sigmoid_bias!r}"
+        )
+    return float(sigmoid_bias)
 
 
 def _check_args(q, page_table, query_starts, query_lens, kv_lens) -> tuple[int, int, int, int]:

@@ -6,10 +6,12 @@ device from the metadata (it is data, not static), padded to the static bound
 ``cdiv(num_tokens, block_q) + num_seqs`` items; padding items do nothing.
 
 Grid ``(work_items, heads)``: a program loads its ``[block_q, head_dim]`` query rows from
-the flat token budget and streams, with an online softmax, only the pages holding
-positions it can see (from the window start, or 0, up to its last row's position). It
-writes its own ``[block_q, head_dim]`` output tile, so programs never race; one gather
-then puts rows back in token order.
+the flat token budget and streams, with an online softmax (or, for sigmoid scores, a plain
+weighted sum), only the pages holding positions it can see: from the window start, or 0,
+up to its last row's position, and with ``global_tokens`` also the pages of the global
+prefix before the window (a first loop), never the pages between. It writes its own
+``[block_q, head_dim]`` output tile, so programs never race; one gather then puts rows
+back in token order.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: i
 
 def _ragged_kernel(
     work_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, block_q, group, page_size, pages_per_block, sm_scale,
-    soft_cap_value, window,
+    soft_cap_value, window, score, sigmoid_bias, global_tokens,
 ):
     kv_head = pl.program_id(1) // group
     seq, token_start, rows, first_pos = (work_ref[c] for c in (_SEQ, _TOKEN_START, _ROWS, _FIRST_POS))
@@ -83,17 +85,32 @@ def _ragged_kernel(
             kv_pos = page_index * page_size + lax.broadcasted_iota(jnp.int32, (block_q, page_size), 1)
             visible = (kv_pos <= q_pos) & (row < rows)
             if window is not None:
-                visible = visible & (kv_pos >= q_pos - window[0])
-            carry = online_softmax_step(carry, logits, visible, v)
+                visible = visible & ((kv_pos >= q_pos - window[0]) | (kv_pos < global_tokens))
+            if score == "sigmoid":
+                weights = jnp.where(visible, jax.nn.sigmoid(logits + sigmoid_bias), 0.0)
+                carry = carry + jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            else:
+                carry = online_softmax_step(carry, logits, visible, v)
         return carry
 
-    carry = lax.fori_loop(first_block, end_block, body, online_softmax_init(block_q, q.shape[1]))
-    o_ref[...] = online_softmax_result(carry).astype(o_ref.dtype)
+    head_dim = q.shape[1]
+    if score == "sigmoid":
+        carry = jnp.zeros((block_q, head_dim), jnp.float32)
+    else:
+        carry = online_softmax_init(block_q, head_dim)
+    if window is not None and global_tokens > 0:
+        # The global prefix's blocks that come before the window's first block (that one
+        # and the later ones are the second loop's), so no block is read twice.
+        global_end = jnp.where(rows > 0, jnp.minimum(pl.cdiv(global_tokens, tokens_per_block), first_block), 0)
+        carry = lax.fori_loop(0, global_end, body, carry)
+    carry = lax.fori_loop(first_block, end_block, body, carry)
+    out = carry if score == "sigmoid" else online_softmax_result(carry)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, *, owner, covered, cache, sm_scale,
-    logits_soft_cap, window, block_q, pages_per_block, interpret,
+    logits_soft_cap, window, score, sigmoid_bias, global_tokens, block_q, pages_per_block, interpret,
 ):
     """The Pallas path of ``ragged_paged_attention`` (arguments already validated;
     ``owner``/``covered`` ``[num_tokens]`` say which sequence owns each token row)."""
@@ -117,6 +134,9 @@ def ragged_paged_attention_kernel(
         sm_scale=sm_scale,
         soft_cap_value=logits_soft_cap,
         window=window,
+        score=score,
+        sigmoid_bias=sigmoid_bias,
+        global_tokens=global_tokens,
     )
     whole_cache = pl.BlockSpec(k_pages.shape, lambda w, h: (0, 0, 0, 0))
     out_items = pl.pallas_call(

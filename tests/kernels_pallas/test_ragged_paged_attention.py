@@ -1,12 +1,16 @@
 """ragged_paged_attention: mixed prefill chunks and decodes in one call, the Pallas kernel
 (interpret mode) and the XLA path against the reference; the reference against
-hand-computed causal attention per sequence and against paged_attention for decodes."""
+hand-computed causal, windowed, local + global and sigmoid attention per sequence and
+against paged_attention for decodes; the kernel skips the pages no query sees."""
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.kernels_pallas.block_mask import CausalMask, LocalGlobalMask, combine_masks
 from ember.kernels_pallas.paged_attention import paged_attention_reference
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from tests.kernels_pallas.flash_checks import FAST_COMPILE
@@ -50,6 +54,12 @@ def _metadata():
         (jnp.float32, 8, 1, {}),
         (jnp.bfloat16, 16, 2, {}),
         (jnp.float32, 16, 1, dict(window=(6, 0), logits_soft_cap=3.0)),
+        (jnp.float32, 8, 1, dict(score="sigmoid", sigmoid_bias=-math.log(32))),
+        (jnp.bfloat16, 16, 2, dict(score="sigmoid", sigmoid_bias=-2.0, logits_soft_cap=3.0)),
+        # Global prefix over two pages (positions 0..10); seq 3's window starts past it
+        # (up to position 24), seqs 0, 4 and 5 have queries inside it.
+        (jnp.float32, 8, 1, dict(window=(5, 0), global_tokens=11)),
+        (jnp.bfloat16, 16, 2, dict(window=(3, 0), global_tokens=9, score="sigmoid", sigmoid_bias=-3.0)),
     ],
 )
 def test_kernel_matches_reference(rng, dtype, block_q, pages_per_block, options):
@@ -68,38 +78,78 @@ def test_kernel_matches_reference(rng, dtype, block_q, pages_per_block, options)
     assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
 
 
-def _numpy_causal_run(q_run, keys, values, kv_len, window):
+def _numpy_causal_run(q_run, keys, values, kv_len, *, window=None, global_tokens=0, sigmoid_bias=None):
     """Hand-computed attention of a run of new queries ``[n, heads, d]`` (the last ``n``
-    positions of a ``kv_len``-token sequence) over its contiguous cache, float64."""
+    positions of a ``kv_len``-token sequence) over its contiguous cache, float64: softmax,
+    or sigmoid scores with ``sigmoid_bias``. The visible keys come from the block-mask
+    descriptions (causal, and a local + global window if ``window``)."""
     n, heads, head_dim = q_run.shape
     group = heads // keys.shape[1]
+    masks = [CausalMask()] if window is None else [CausalMask(), LocalGlobalMask(window[0], 0, global_tokens)]
+    visible = combine_masks(*masks).dense(kv_len, kv_len)[kv_len - n :]
     out = np.zeros(q_run.shape)
     for i in range(n):
-        position = kv_len - n + i
         for h in range(heads):
-            logits = keys[: position + 1, h // group] @ q_run[i, h] / np.sqrt(head_dim)
-            if window is not None:
-                logits[: max(0, position - window[0])] = -np.inf
-            weights = np.exp(logits - logits.max())
-            out[i, h] = (weights / weights.sum()) @ values[: position + 1, h // group]
+            logits = keys[:, h // group] @ q_run[i, h] / np.sqrt(head_dim)
+            if sigmoid_bias is None:
+                weights = np.exp(np.where(visible[i], logits, -np.inf) - logits[visible[i]].max())
+                weights = weights / weights.sum()
+            else:
+                weights = np.where(visible[i], 1.0 / (1.0 + np.exp(-(logits + sigmoid_bias))), 0.0)
+            out[i, h] = weights @ values[:, h // group]
     return out
 
 
-@pytest.mark.parametrize("window", [None, (4, 0)])
-def test_xla_path_matches_hand_computed_causal_attention(rng, window):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(window=(4, 0)),
+        dict(window=(4, 0), global_tokens=10),
+        dict(score="sigmoid", sigmoid_bias=-2.5),
+        dict(window=(2, 0), global_tokens=3, score="sigmoid", sigmoid_bias=-1.0),
+    ],
+)
+def test_xla_path_matches_hand_computed_attention(rng, options):
     q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=4, kv_heads=2, head_dim=16)
-    run = jax.jit(lambda *a: ragged_paged_attention(*a, window=window, impl="xla"))
+    run = jax.jit(lambda *a: ragged_paged_attention(*a, impl="xla", **options))
     out = np.asarray(run(q, k_pages, v_pages, page_table, *_metadata()))
+    numpy_options = dict(
+        window=options.get("window"), global_tokens=options.get("global_tokens", 0),
+        sigmoid_bias=options.get("sigmoid_bias"),
+    )
     covered = np.zeros(NUM_TOKENS, dtype=bool)
     for seq, (start, n, kv_len) in enumerate(zip(*(np.asarray(m) for m in _metadata()))):
         if n == 0:
             continue
         keys = contiguous_cache(k_pages, page_table, seq, kv_len).astype(np.float64)
         values = contiguous_cache(v_pages, page_table, seq, kv_len).astype(np.float64)
-        expected = _numpy_causal_run(np.asarray(q[start : start + n], np.float64), keys, values, kv_len, window)
+        q_run = np.asarray(q[start : start + n], np.float64)
+        expected = _numpy_causal_run(q_run, keys, values, kv_len, **numpy_options)
         assert_allclose(out[start : start + n], expected, dtype=jnp.float32, err_msg=f"sequence {seq}")
         covered[start : start + n] = True
     assert np.all(out[~covered] == 0.0)
+
+
+@pytest.mark.parametrize("score_options", [{}, dict(score="sigmoid", sigmoid_bias=-2.0)])
+def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options):
+    """A decode at position 39 with window 4 and 8 global tokens (page size 8) sees pages
+    0 and 4 only: NaN keys and values in pages 1..3 must not reach the output (a visited
+    page poisons it even when fully masked, as 0 * NaN = NaN)."""
+    q, k_pages, v_pages, _ = _setup(rng, jnp.float32, heads=4, kv_heads=2, head_dim=16)
+    page_table = jnp.arange(5, dtype=jnp.int32)[None]
+    metadata = jnp.array([0], jnp.int32), jnp.array([1], jnp.int32), jnp.array([40], jnp.int32)
+    options = dict(window=(4, 0), global_tokens=8, **score_options)
+    expected = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **options))(
+        q[:1], k_pages, v_pages, page_table, *metadata
+    )
+    k_poisoned, v_poisoned = (x.at[1:4].set(jnp.nan) for x in (k_pages, v_pages))
+    kernel = jax.jit(
+        lambda *a: ragged_paged_attention(*a, block_q=8, pages_per_block=1, impl="interpret", **options),
+        compiler_options=FAST_COMPILE,
+    )
+    out = kernel(q[:1], k_poisoned, v_poisoned, page_table, *metadata)
+    assert_allclose(out, expected)
 
 
 def test_decode_rows_equal_paged_attention(rng):
@@ -121,6 +171,12 @@ def test_decode_rows_equal_paged_attention(rng):
         (lambda a: {**a, "query_lens": a["query_lens"].astype(jnp.float32)}, "query_lens"),
         (lambda a: {**a, "kv_lens": a["kv_lens"][None]}, "kv_lens"),
         (lambda a: {**a, "block_q": 0}, "block_q"),
+        (lambda a: {**a, "score": "relu"}, "score"),
+        (lambda a: {**a, "score": "sigmoid"}, "sigmoid_bias"),
+        (lambda a: {**a, "score": "sigmoid", "sigmoid_bias": float("inf")}, "sigmoid_bias"),
+        (lambda a: {**a, "sigmoid_bias": -1.0}, "sigmoid_bias"),
+        (lambda a: {**a, "global_tokens": -1}, "global_tokens"),
+        (lambda a: {**a, "global_tokens": 2.0, "window": (4, 0)}, "global_tokens"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(rng, change, argument):
