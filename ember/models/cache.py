@@ -28,6 +28,15 @@ and ``state`` is, by layer kind:
 Pages are shared by all layers of a sequence (one page table). ``init_cache`` gives each
 sequence its own contiguous run of pages; a serving engine may hand out pages differently,
 any table works.
+
+A serving step may instead pass a *ragged* cache: one flat token budget (tokens ``[1,
+num_tokens]``) in which each sequence owns a contiguous run (a prefill chunk or a decode
+token), described as in ``ember.kernels_pallas.ragged_paged_attention``::
+
+    {"page_table": [seqs, pages_per_seq], "query_starts": [seqs], "query_lens": [seqs],
+     "kv_lens": [seqs], "layers": ...}                                    # all int32
+
+Layers see either form through :class:`Paging`.
 """
 
 from __future__ import annotations
@@ -37,8 +46,36 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
+
+
+@struct.dataclass
+class Paging:
+    """Where a cached call's tokens live in the paged cache (what a layer needs to write and
+    read its pages).
+
+    ``page_table``: int32 ``[seqs, pages_per_seq]``. A rectangular call (tokens ``[seqs,
+    chunk]``, row ``b`` is sequence ``b``) sets only this. A ragged call (one flat budget,
+    tokens ``[1, num_tokens]``) also sets ``query_starts``, ``query_lens``, ``kv_lens``
+    (int32 ``[seqs]``, the arguments of ``ragged_paged_attention``: ``kv_lens`` counts the
+    new tokens) and ``owner`` (int32 ``[num_tokens]``, the sequence of each token).
+    """
+
+    page_table: jax.Array
+    query_starts: jax.Array | None = None
+    query_lens: jax.Array | None = None
+    kv_lens: jax.Array | None = None
+    owner: jax.Array | None = None
+
+    @property
+    def ragged(self) -> bool:
+        return self.query_starts is not None
+
+    def token_page_rows(self) -> jax.Array:
+        """``[num_tokens, pages_per_seq]``: each token's sequence's page-table row (ragged)."""
+        return self.page_table[self.owner]
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict[str, Any]:
@@ -119,4 +156,4 @@ def read_pages(pages: jax.Array, page_table: jax.Array, positions: jax.Array) ->
     return pages[page, positions % page_size]
 
 
-__all__ = ["init_cache", "layer_state_shapes", "linear_feature_dim", "read_pages", "write_pages"]
+__all__ = ["Paging", "init_cache", "layer_state_shapes", "linear_feature_dim", "read_pages", "write_pages"]

@@ -4,6 +4,7 @@
     params = model.init(rng, tokens)["params"]
     logits, _ = model.apply({"params": params}, tokens)                       # training
     logits, cache = model.apply({"params": params}, chunk, cache=cache)       # prefill / decode
+    logits, cache = model.apply({"params": params}, flat[None], cache=ragged, logits_at=last[None])  # serving step
 
 Layers follow ``config.block_pattern`` (period ``P``): layer ``i`` is block ``i % P`` of
 group ``i // P``. With ``scan_layers`` the groups are one ``nn.scan`` (parameters
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 
 from ember.core.sharding import constrain
 from ember.kernels_pallas.attention_math import soft_cap
+from ember.kernels_pallas.ragged_paged_attention import token_owners
+from ember.models.cache import Paging
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.layers.attention import Attention
 from ember.models.layers.cca import CompressedConvAttention
@@ -49,7 +52,7 @@ class Block(nn.Module):
     kind: str
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids, state, page_table, valid):
+    def __call__(self, x, positions, segment_ids, state, paging, valid):
         config = self.config
         param_dtype = config.policy.param_dtype
         h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="attn_norm")(x)
@@ -59,7 +62,7 @@ class Block(nn.Module):
             mixer = CompressedConvAttention(config, name="attn")
         else:
             mixer = LinearAttention(config, name="attn")
-        h, state = mixer(h, positions, segment_ids, state, page_table, valid)
+        h, state = mixer(h, positions, segment_ids, state, paging, valid)
         x = constrain(x + h, ("batch", "seq", "embed"))
         h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="mlp_norm")(x)
         h = Mlp(
@@ -78,13 +81,13 @@ class BlockGroup(nn.Module):
     num_blocks: int
 
     @nn.compact
-    def __call__(self, x, states, positions, segment_ids, page_table, valid):
+    def __call__(self, x, states, positions, segment_ids, paging, valid):
         new_states = None if states is None else dict(states)
         for j in range(self.num_blocks):
             name = f"block_{j}"
             state = None if states is None else states[name]
             x, state = Block(self.config, self.config.block_pattern[j], name=name)(
-                x, positions, segment_ids, state, page_table, valid
+                x, positions, segment_ids, state, paging, valid
             )
             if new_states is not None:
                 new_states[name] = state
@@ -103,6 +106,7 @@ class DecoderLM(nn.Module):
         positions: jax.Array | None = None,
         cache: dict[str, Any] | None = None,
         segment_ids: jax.Array | None = None,
+        logits_at: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, Any] | None]:
         """Runs the model.
 
@@ -111,35 +115,46 @@ class DecoderLM(nn.Module):
           positions: int ``[batch, seq]`` rotary positions. Default: ``arange(seq)``
             without a cache, ``cache["lengths"] + arange(seq)`` with one. With a cache the
             positions of a row must be contiguous (a chunk); padding goes at the end.
-          cache: from :func:`ember.models.cache.init_cache`, or None (no cache returned).
+          cache: from :func:`ember.models.cache.init_cache`, or a ragged cache (a serving
+            step's flat token budget, ``tokens [1, num_tokens]``; see ``ember.models.cache``:
+            positions come from its runs and tokens outside every run are padding), or
+            None (no cache returned).
           segment_ids: int ``[batch, seq]``. Without a cache: packed-document ids (a token
             attends only within its document; pass positions restarting per document).
-            With a cache: 0 marks padding tokens (not written, not counted), else valid.
+            With a rectangular cache: 0 marks padding tokens (not written, not counted),
+            else valid. Not with a ragged cache.
+          logits_at: int ``[batch, n]``: compute logits only at these sequence indices
+            (the head is the largest matmul of a decode step); default every index.
 
         Returns:
-          ``(logits [batch, seq, vocab] in the output dtype, updated cache or None)``.
+          ``(logits [batch, seq or n, vocab] in the output dtype, updated cache or None)``.
         """
         config = self.config
         policy = config.policy
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq] ints, got shape {tokens.shape}")
         batch, seq = tokens.shape
-        if positions is None:
+        if positions is None and (cache is None or "lengths" in cache):
             start = cache["lengths"][:, None] if cache is not None else 0
             positions = start + jnp.arange(seq, dtype=jnp.int32)[None, :]
             positions = jnp.broadcast_to(positions, (batch, seq))
-        if positions.shape != tokens.shape:
+        if positions is not None and positions.shape != tokens.shape:
             raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
-        valid = page_table = None
-        if cache is not None:
+        valid = paging = None
+        if cache is not None and "query_starts" in cache:
+            paging, positions, valid = self._ragged_paging(cache, tokens, positions, segment_ids)
+            segment_ids = None
+        elif cache is not None:
             valid = jnp.ones((batch, seq), bool) if segment_ids is None else segment_ids != 0
-            page_table = cache["page_table"]
+            paging = Paging(cache["page_table"])
             segment_ids = None
 
         embed = Embed(config.vocab_size, config.d_model, config.init_std, policy.compute_dtype, policy.param_dtype, name="embed")
         x = constrain(embed(tokens), ("batch", "seq", "embed"))
         states = None if cache is None else cache["layers"]
-        x, states = self._layers(x, states, positions, segment_ids, page_table, valid)
+        x, states = self._layers(x, states, positions, segment_ids, paging, valid)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
         x = make_norm(config.norm, config.norm_eps, param_dtype=policy.param_dtype, name="final_norm")(x)
         if config.tie_embeddings:
             logits = embed.attend(x)
@@ -149,11 +164,33 @@ class DecoderLM(nn.Module):
         logits = constrain(logits, ("batch", "seq", "vocab"))
         if cache is None:
             return logits, None
+        if paging.ragged:
+            return logits, {**cache, "layers": states}
+        page_table = paging.page_table
         written = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
         lengths = jnp.maximum(cache["lengths"], written.astype(jnp.int32))
         return logits, {"page_table": page_table, "lengths": lengths, "layers": states}
 
-    def _layers(self, x, states, positions, segment_ids, page_table, valid):
+    def _ragged_paging(self, cache, tokens, positions, segment_ids):
+        """``(paging, positions [1, num_tokens], valid [1, num_tokens])`` of a ragged cache."""
+        unsupported = sorted(set(self.config.layer_kinds) - set(SOFTMAX_FAMILY))
+        if unsupported:
+            raise ValueError(
+                f"a ragged cache serves softmax-attention layers ({', '.join(SOFTMAX_FAMILY)}) only; this model "
+                f"has {', '.join(unsupported)} layers, whose per-sequence state a flat token budget does not carry"
+            )
+        if tokens.shape[0] != 1 or positions is not None or segment_ids is not None:
+            raise ValueError(
+                "a ragged cache takes tokens [1, num_tokens] and derives positions and padding from its runs; "
+                f"got tokens {tokens.shape}, positions {'set' if positions is not None else 'None'}, "
+                f"segment_ids {'set' if segment_ids is not None else 'None'}"
+            )
+        starts, lens, kv_lens = (cache[name].astype(jnp.int32) for name in ("query_starts", "query_lens", "kv_lens"))
+        owner, token_positions, covered = token_owners(starts, lens, kv_lens, tokens.shape[1])
+        paging = Paging(cache["page_table"], starts, lens, kv_lens, owner)
+        return paging, jnp.where(covered, token_positions, 0)[None], covered[None]
+
+    def _layers(self, x, states, positions, segment_ids, paging, valid):
         config = self.config
         period = len(config.block_pattern)
         group_cls = BlockGroup
@@ -168,13 +205,13 @@ class DecoderLM(nn.Module):
                 length=config.num_layers // period,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            return scanned(config, period, name="layers")(x, states, positions, segment_ids, page_table, valid)
+            return scanned(config, period, name="layers")(x, states, positions, segment_ids, paging, valid)
         new_groups = []
         for g in range(math.ceil(config.num_layers / period)):
             group_states = None if states is None else jax.tree.map(lambda leaf: leaf[g], states)
             num_blocks = min(period, config.num_layers - g * period)
             x, group_states = group_cls(config, num_blocks, name=f"group_{g}")(
-                x, group_states, positions, segment_ids, page_table, valid
+                x, group_states, positions, segment_ids, paging, valid
             )
             new_groups.append(group_states)
         if states is None:

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="default top_p (1 = off)")
     parser.add_argument("--seed", type=int, default=0, help="default per-request seed")
     parser.add_argument("--num-slots", type=int, default=8, help="requests served at once (--checkpoint)")
-    parser.add_argument("--chunk-size", type=int, default=64, help="prefill chunk width (--checkpoint)")
+    parser.add_argument("--token-budget", type=int, default=64,
+                        help="most tokens per step, decodes + prefill chunks (--checkpoint)")
     parser.add_argument("--max-context", type=int, default=None, help="longest sequence (default: the model's)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -50,9 +51,8 @@ def build_engine(args: argparse.Namespace):
     from ember.serving.loading import load_model
 
     loaded = load_model(args.checkpoint, step=args.step)
-    widths = (1, args.chunk_size) if args.chunk_size > 1 else (1,)
     return Engine.from_model(loaded.config, loaded.params, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
-                             num_slots=args.num_slots, widths=widths, max_context=args.max_context)
+                             num_slots=args.num_slots, token_budget=args.token_budget, max_context=args.max_context)
 
 
 def run(args: argparse.Namespace) -> int:

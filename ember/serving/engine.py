@@ -4,8 +4,9 @@
     results = engine.generate(["Once upon", "The"], SamplingParams(max_tokens=32))
     for event in engine.stream(["Hello"], SamplingParams(max_tokens=8)): ...
 
-Each :meth:`Engine.step` asks the scheduler for a token budget's worth of chunks, lays them
-out as rows of the smallest compiled chunk width that fits, transfers the step's inputs in
+Each :meth:`Engine.step` asks the scheduler for a token budget's worth of chunks (decodes
+and prefill chunks), packs them back to back into the smallest compiled token bucket that
+holds them (one flat budget, each slot's chunk a run of it), transfers the step's inputs in
 one explicit ``device_put``, runs the compiled step (cache pages donated) and fetches the
 sampled tokens in one explicit ``device_get``. Nothing else crosses between host and
 device, so a step runs under ``jax.transfer_guard("disallow")``.
@@ -49,20 +50,22 @@ class Engine:
     ):
         """Args:
           program: the compiled steps and their cache.
-          token_budget: tokens per step over all rows; default ``num_slots - 1 +`` the
-            chunk size (every decode plus one full prefill chunk).
+          token_budget: tokens per step over all slots (decodes first, then prefill
+            chunks); default and most the program's largest token bucket.
           tokenizer: turns text prompts and stop strings into tokens and outputs into text.
           eos_id: end-of-sequence token; default the tokenizer's, else none.
         """
         self.program = program
         self.tokenizer = tokenizer
-        chunk_size = max(program.widths)
+        token_budget = program.token_budget if token_budget is None else token_budget
+        if not 1 <= token_budget <= program.token_budget:
+            raise ValueError(f"token_budget must be in [1, {program.token_budget}] (the largest compiled bucket), got {token_budget}")
         self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_slots=program.num_slots,
-                token_budget=token_budget or program.num_slots - 1 + chunk_size,
-                chunk_size=chunk_size,
+                token_budget=token_budget,
+                chunk_size=token_budget,
                 page_size=program.page_size,
                 num_pages=program.num_pages,
                 max_context=program.max_context,
@@ -75,14 +78,13 @@ class Engine:
 
     @classmethod
     def from_model(cls, config: Any, params: Any, *, tokenizer: Tokenizer | None = None, eos_id: int | None = None,
-                   token_budget: int | None = None, **program_options: Any) -> Engine:
+                   **program_options: Any) -> Engine:
         """An engine for ``DecoderLM(config)`` with ``params``; ``program_options`` go to
-        :func:`ember.serving.model_program.build_program` (``num_slots``, ``widths``,
-        ``max_context``, ``num_pages``, ``kv_dtype``)."""
+        :func:`ember.serving.model_program.build_program` (``num_slots``, ``token_budget``,
+        ``token_buckets``, ``max_context``, ``num_pages``, ``kv_dtype``)."""
         from ember.serving.model_program import build_program  # keeps artifact serving free of model code
 
-        return cls(build_program(config, params, **program_options), token_budget=token_budget,
-                   tokenizer=tokenizer, eos_id=eos_id)
+        return cls(build_program(config, params, **program_options), tokenizer=tokenizer, eos_id=eos_id)
 
     # Requests -----------------------------------------------------------------------------
 
@@ -143,25 +145,31 @@ class Engine:
 
     def step(self, token_budget: int | None = None) -> list[TokenEvent]:
         """Runs one iteration; returns the token events it produced."""
+        if token_budget is not None and token_budget > self.program.token_budget:
+            raise ValueError(f"token_budget {token_budget} exceeds the largest compiled bucket {self.program.token_budget}")
         chunks = self.scheduler.schedule(token_budget)
         if not chunks:
             return []
         program = self.program
-        width = next(w for w in program.widths if w >= max(len(chunk.tokens) for chunk in chunks))
-        batch = batch_arrays(program.num_slots, width, program.pages_per_seq)
+        used = sum(len(chunk.tokens) for chunk in chunks)
+        bucket = next(size for size in program.token_buckets if size >= used)
+        batch = batch_arrays(program.num_slots, bucket, program.pages_per_seq)
         settings = settings_array(program.num_slots)
+        offset = 0
         for chunk in chunks:
-            request, row, count = chunk.request, chunk.request.slot, len(chunk.tokens)
-            batch["tokens"][row, :count] = chunk.tokens
-            batch["starts"][row] = chunk.start
-            batch["counts"][row] = count
-            batch["page_table"][row, : len(request.pages)] = request.pages
-            fill_settings(settings, row, request.params, sample_index=len(request.output))
+            request, slot, count = chunk.request, chunk.request.slot, len(chunk.tokens)
+            batch["tokens"][offset : offset + count] = chunk.tokens
+            batch["query_starts"][slot] = offset
+            batch["query_lens"][slot] = count
+            batch["kv_lens"][slot] = chunk.start + count
+            batch["page_table"][slot, : len(request.pages)] = request.pages
+            fill_settings(settings, slot, request.params, sample_index=len(request.output))
+            offset += count
         batch, settings = jax.device_put((batch, settings))
-        program.kv, tokens, logprobs = program.steps[width](program.params, program.kv, batch, settings)
+        program.kv, tokens, logprobs = program.steps[bucket](program.params, program.kv, batch, settings)
         tokens, logprobs = jax.device_get((tokens, logprobs))
-        rows = [chunk.request.slot for chunk in chunks]
-        events = self.scheduler.commit(chunks, tokens[rows].tolist(), logprobs[rows].tolist())
+        slots = [chunk.request.slot for chunk in chunks]
+        events = self.scheduler.commit(chunks, tokens[slots].tolist(), logprobs[slots].tolist())
         self.tokens_generated += sum(event.token is not None for event in events)
         return events
 

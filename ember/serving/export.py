@@ -1,10 +1,10 @@
 """Serving artifacts: the step functions serialized with ``jax.export`` plus the weights.
 
-    ember export RUN_OR_HF_DIR OUT_DIR [--num-slots 8 --chunk-size 64 --max-context N]
+    ember export RUN_OR_HF_DIR OUT_DIR [--num-slots 8 --token-budget 64 --max-context N]
     ember generate --artifact OUT_DIR --prompts in.jsonl --out out.jsonl
 
-``OUT_DIR`` holds ``manifest.json`` (engine sizes, widths, tokenizer description, EOS id),
-``step_w<width>.jaxexport`` (one serialized step per chunk width) and ``params.npz`` (the
+``OUT_DIR`` holds ``manifest.json`` (engine sizes, token buckets, tokenizer description, EOS
+id), ``step_t<tokens>.jaxexport`` (one serialized step per token bucket) and ``params.npz`` (the
 parameter leaves in the order of the exported functions' input tree). Loading an artifact
 (:func:`load_artifact`) imports neither ``ember.models`` nor Flax model code: the exported
 functions carry their input trees, from which the parameters and the empty cache are rebuilt.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -25,35 +24,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.core.tokenizer import tokenizer_from_description
-from ember.serving.program import DeviceProgram, check_widths, step_argument_specs
+from ember.serving.program import DeviceProgram, resolve_token_buckets, step_argument_specs
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def export_program(config: Any, params: Any, out_dir: str | Path, *, tokenizer: Any = None, eos_id: int | None = None,
-                   num_slots: int = 8, widths: tuple[int, ...] = (1, 64), max_context: int | None = None,
-                   num_pages: int | None = None) -> Path:
+                   num_slots: int = 8, token_budget: int = 64, token_buckets: tuple[int, ...] | None = None,
+                   max_context: int | None = None, num_pages: int | None = None) -> Path:
     """Writes the artifact of ``DecoderLM(config)`` with ``params`` to ``out_dir``
     (sizes as in :func:`ember.serving.model_program.build_program`)."""
-    from ember.serving.model_program import init_pages, jitted_step  # model code: export side only
+    from ember.serving.model_program import init_pages, jitted_step, program_sizes  # model code: export side only
 
-    widths = check_widths(widths)
-    max_context = config.max_seq_len if max_context is None else max_context
-    pages_per_seq = math.ceil(max_context / config.page_size)
-    num_pages = num_slots * pages_per_seq if num_pages is None else num_pages
+    buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
+    max_context, pages_per_seq, num_pages = program_sizes(config, num_slots, max_context, num_pages)
     kv = jax.eval_shape(lambda: init_pages(config, num_pages))
     step = jitted_step(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for width in widths:
-        exported = jax.export.export(step)(*step_argument_specs(params, kv, num_slots, width, pages_per_seq))
-        (out / f"step_w{width}.jaxexport").write_bytes(exported.serialize())
+    for size in buckets:
+        exported = jax.export.export(step)(*step_argument_specs(params, kv, num_slots, size, pages_per_seq))
+        (out / f"step_t{size}.jaxexport").write_bytes(exported.serialize())
     leaves = jax.tree.leaves(params)
     np.savez(out / "params.npz", **{f"leaf_{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
     description = tokenizer.describe() if hasattr(tokenizer, "describe") else None
     manifest = dict(
         format_version=FORMAT_VERSION,
-        widths=list(widths),
+        token_buckets=list(buckets),
         num_slots=num_slots,
         pages_per_seq=pages_per_seq,
         page_size=config.page_size,
@@ -78,10 +75,10 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"artifact format {manifest.get('format_version')!r} is not the supported {FORMAT_VERSION}")
     exported = {
-        width: jax.export.deserialize(bytearray((directory / f"step_w{width}.jaxexport").read_bytes()))
-        for width in manifest["widths"]
+        size: jax.export.deserialize(bytearray((directory / f"step_t{size}.jaxexport").read_bytes()))
+        for size in manifest["token_buckets"]
     }
-    first = exported[manifest["widths"][0]]
+    first = exported[manifest["token_buckets"][0]]
     args_tree = jax.tree_util.treedef_children(first.in_tree)[0]
     params_tree, kv_tree, _, _ = jax.tree_util.treedef_children(args_tree)
     with np.load(directory / "params.npz") as stored:
@@ -90,9 +87,9 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
     kv_avals = first.in_avals[params_tree.num_leaves : params_tree.num_leaves + kv_tree.num_leaves]
     kv = jax.tree_util.tree_unflatten(kv_tree, [jnp.zeros(aval.shape, aval.dtype) for aval in kv_avals])
     steps = {}
-    for width, function in exported.items():
+    for size, function in exported.items():
         specs = jax.tree_util.tree_unflatten(args_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in function.in_avals])
-        steps[width] = jax.jit(function.call, donate_argnums=1).lower(*specs).compile()
+        steps[size] = jax.jit(function.call, donate_argnums=1).lower(*specs).compile()
     program = DeviceProgram(
         steps=steps,
         params=params,
@@ -113,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", help="directory to write the artifact to")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
     parser.add_argument("--num-slots", type=int, default=8, help="requests served at once")
-    parser.add_argument("--chunk-size", type=int, default=64, help="prefill chunk width")
+    parser.add_argument("--token-budget", type=int, default=64, help="most tokens per step (decodes + prefill chunks)")
     parser.add_argument("--max-context", type=int, default=None, help="longest sequence (default: the model's)")
 
 
@@ -121,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
     from ember.serving.loading import load_model
 
     loaded = load_model(args.source, step=args.step)
-    widths = (1, args.chunk_size) if args.chunk_size > 1 else (1,)
     out = export_program(loaded.config, loaded.params, args.out_dir, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
-                         num_slots=args.num_slots, widths=widths, max_context=args.max_context)
-    print(f"wrote {out} (widths {', '.join(map(str, widths))})")
+                         num_slots=args.num_slots, token_budget=args.token_budget, max_context=args.max_context)
+    buckets = resolve_token_buckets(args.num_slots, args.token_budget)
+    print(f"wrote {out} (token buckets {', '.join(map(str, buckets))})")
     return 0
 
 

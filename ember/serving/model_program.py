@@ -1,9 +1,9 @@
 """Builds a :class:`~ember.serving.program.DeviceProgram` from a ``DecoderLM``.
 
-The step runs the model over a padded ``[rows, width]`` chunk through its paged cache
-(rows are the engine's slots; a row's padding is marked 0 in ``segment_ids`` so it is
-neither written nor attended to), takes each row's logits at its last valid token and
-samples on device. Cache pages are donated and every width is compiled here, once.
+The step runs the model once over the step's flat token budget (prefill chunks and decode
+tokens of every slot, through the model's ragged cache and ``ragged_paged_attention``),
+computes logits only at each slot's last token and samples on device. Cache pages are
+donated and every token bucket is compiled here, once.
 """
 
 from __future__ import annotations
@@ -18,20 +18,18 @@ import jax.numpy as jnp
 from ember.models.cache import layer_state_shapes
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.decoder import DecoderLM
-from ember.serving.program import DeviceProgram, check_widths, step_argument_specs
+from ember.serving.program import DeviceProgram, resolve_token_buckets, step_argument_specs
 from ember.serving.sampling import sample_tokens
 
 
 def model_step(model: DecoderLM, params: Any, kv: Any, batch: dict[str, jax.Array], settings: dict[str, jax.Array]):
     """One serving step of ``model`` (the ``StepFunction`` signature of ``ember.serving.program``)."""
-    tokens = batch["tokens"]
-    rows, width = tokens.shape
-    valid = jnp.arange(width)[None, :] < batch["counts"][:, None]
-    cache = {"page_table": batch["page_table"], "lengths": batch["starts"], "layers": kv}
-    logits, cache = model.apply({"params": params}, tokens, cache=cache, segment_ids=valid.astype(jnp.int32))
-    last = jnp.maximum(batch["counts"] - 1, 0)
-    last_logits = logits[jnp.arange(rows), last]  # [rows, vocab]
-    next_tokens, logprobs = sample_tokens(last_logits, settings)
+    cache = {name: batch[name] for name in ("page_table", "query_starts", "query_lens", "kv_lens")}
+    last = jnp.maximum(batch["query_starts"] + batch["query_lens"] - 1, 0)  # [slots]
+    logits, cache = model.apply(
+        {"params": params}, batch["tokens"][None], cache={**cache, "layers": kv}, logits_at=last[None]
+    )
+    next_tokens, logprobs = sample_tokens(logits[0], settings)
     return cache["layers"], next_tokens, logprobs
 
 
@@ -65,35 +63,30 @@ def build_program(
     params: Any,
     *,
     num_slots: int = 8,
-    widths: tuple[int, ...] = (1, 32),
+    token_budget: int = 64,
+    token_buckets: tuple[int, ...] | None = None,
     max_context: int | None = None,
     num_pages: int | None = None,
     kv_dtype: Any = None,
 ) -> DeviceProgram:
-    """Compiles the steps of ``DecoderLM(config)`` for every chunk width in ``widths``.
+    """Compiles the steps of ``DecoderLM(config)`` for every token bucket.
 
     Args:
       config, params: the model.
-      num_slots: rows of every step (requests served at once).
-      widths: chunk widths to compile; each step uses the smallest that fits its longest
-        chunk, the largest is the scheduler's chunk size.
+      num_slots: requests served at once.
+      token_budget: the most tokens one step takes (decodes plus prefill chunks).
+      token_buckets: budget sizes to compile (their largest replaces ``token_budget``);
+        default ``(num_slots, token_budget)``: steps of decodes only run at ``num_slots``.
       max_context: longest sequence (prompt + output); default ``config.max_seq_len``.
       num_pages: pages in the pool; default enough for every slot at ``max_context``.
       kv_dtype: page dtype; default the model's compute dtype.
     """
-    widths = check_widths(widths)
-    if num_slots < 1:
-        raise ValueError(f"num_slots must be positive, got {num_slots}")
-    max_context = config.max_seq_len if max_context is None else max_context
-    if not 1 <= max_context <= config.max_seq_len:
-        raise ValueError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}")
-    pages_per_seq = math.ceil(max_context / config.page_size)
-    num_pages = num_slots * pages_per_seq if num_pages is None else num_pages
+    buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
+    max_context, pages_per_seq, num_pages = program_sizes(config, num_slots, max_context, num_pages)
     kv = init_pages(config, num_pages, kv_dtype)
     step = jitted_step(config)
     steps = {
-        width: step.lower(*step_argument_specs(params, kv, num_slots, width, pages_per_seq)).compile()
-        for width in widths
+        size: step.lower(*step_argument_specs(params, kv, num_slots, size, pages_per_seq)).compile() for size in buckets
     }
     return DeviceProgram(
         steps=steps,
@@ -108,4 +101,13 @@ def build_program(
     )
 
 
-__all__ = ["build_program", "init_pages", "jitted_step", "model_step"]
+def program_sizes(config: ModelConfig, num_slots: int, max_context: int | None, num_pages: int | None) -> tuple[int, int, int]:
+    """``(max_context, pages_per_seq, num_pages)`` with the defaults filled in and checked."""
+    max_context = config.max_seq_len if max_context is None else max_context
+    if not 1 <= max_context <= config.max_seq_len:
+        raise ValueError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}")
+    pages_per_seq = math.ceil(max_context / config.page_size)
+    return max_context, pages_per_seq, num_slots * pages_per_seq if num_pages is None else num_pages
+
+
+__all__ = ["build_program", "init_pages", "jitted_step", "model_step", "program_sizes"]

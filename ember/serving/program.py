@@ -4,14 +4,21 @@ in :mod:`ember.serving.export`).
 
 Every step function has the signature
 
-    step(params, kv, batch, settings) -> (kv, tokens [rows], logprobs [rows])
+    step(params, kv, batch, settings) -> (kv, tokens [slots], logprobs [slots])
 
-with ``kv`` the cache pages (donated), ``batch`` = ``tokens int32 [rows, width]``,
-``starts int32 [rows]`` (position of each row's first token), ``counts int32 [rows]``
-(valid tokens per row; the rest is padding), ``page_table int32 [rows, pages_per_seq]``,
-and ``settings`` the per-row sampling arrays of :mod:`ember.serving.sampling`. Row ``r``'s
-token is sampled from the logits of its last valid token. One function exists per chunk
-``width``; all are compiled before the engine serves its first request.
+with ``kv`` the cache pages (donated) and ``batch`` one flat token budget of mixed prefill
+chunks and decode tokens (the layout of ``ember.kernels_pallas.ragged_paged_attention``):
+
+    tokens        int32 [num_tokens]              the budget; rows outside every run are padding
+    query_starts  int32 [slots]                   first budget row of each slot's run
+    query_lens    int32 [slots]                   tokens of the run (0: the slot sits out)
+    kv_lens       int32 [slots]                   sequence length after the run
+    page_table    int32 [slots, pages_per_seq]
+
+and ``settings`` the per-slot sampling arrays of :mod:`ember.serving.sampling`. Slot ``s``'s
+token is sampled from the logits of its run's last token. One function exists per budget
+size ``num_tokens`` (a *bucket*); all are compiled before the engine serves its first
+request, and each step uses the smallest bucket that holds its tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ StepFunction = Callable[[Any, Any, dict[str, jax.Array], dict[str, jax.Array]], 
 class DeviceProgram:
     """Compiled step functions plus the arrays they run on.
 
-    ``steps`` maps a chunk width to its compiled step; ``kv`` is the paged cache
+    ``steps`` maps a token bucket (budget size) to its compiled step; ``kv`` is the paged cache
     (``{"block_<j>": {"k_pages", "v_pages": [groups, num_pages, page_size, kv_heads,
     head_dim]}}``), replaced by each step's output since its buffers are donated.
     """
@@ -48,32 +55,46 @@ class DeviceProgram:
     max_context: int
 
     @property
-    def widths(self) -> tuple[int, ...]:
+    def token_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self.steps))
 
+    @property
+    def token_budget(self) -> int:
+        """The most tokens one step can take (the largest bucket)."""
+        return max(self.steps)
 
-def batch_arrays(rows: int, width: int, pages_per_seq: int) -> dict[str, np.ndarray]:
+
+def batch_arrays(slots: int, num_tokens: int, pages_per_seq: int) -> dict[str, np.ndarray]:
     """Zeroed host buffers of one step's ``batch`` argument."""
     return {
-        "tokens": np.zeros((rows, width), np.int32),
-        "starts": np.zeros((rows,), np.int32),
-        "counts": np.zeros((rows,), np.int32),
-        "page_table": np.zeros((rows, pages_per_seq), np.int32),
+        "tokens": np.zeros((num_tokens,), np.int32),
+        "query_starts": np.zeros((slots,), np.int32),
+        "query_lens": np.zeros((slots,), np.int32),
+        "kv_lens": np.zeros((slots,), np.int32),
+        "page_table": np.zeros((slots, pages_per_seq), np.int32),
     }
 
 
-def step_argument_specs(params: Any, kv: Any, rows: int, width: int, pages_per_seq: int) -> tuple[Any, ...]:
+def step_argument_specs(params: Any, kv: Any, slots: int, num_tokens: int, pages_per_seq: int) -> tuple[Any, ...]:
     """``jax.ShapeDtypeStruct``s of a step's four arguments (for lowering and export)."""
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    batch = {name: spec(array) for name, array in batch_arrays(rows, width, pages_per_seq).items()}
-    return jax.tree.map(spec, params), jax.tree.map(spec, kv), batch, settings_spec(rows)
+    batch = {name: spec(array) for name, array in batch_arrays(slots, num_tokens, pages_per_seq).items()}
+    return jax.tree.map(spec, params), jax.tree.map(spec, kv), batch, settings_spec(slots)
 
 
-def check_widths(widths: tuple[int, ...]) -> tuple[int, ...]:
-    """Sorted distinct positive chunk widths; raises ``ValueError`` otherwise."""
-    if not widths or any(int(w) < 1 for w in widths):
-        raise ValueError(f"widths must be a non-empty list of positive chunk widths, got {widths!r}")
-    return tuple(sorted({int(w) for w in widths}))
+def resolve_token_buckets(num_slots: int, token_budget: int, buckets: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The budget sizes to compile, sorted: ``buckets`` if given (their largest is the
+    budget), else ``num_slots`` (a step of decodes only) and ``token_budget``. Raises
+    ``ValueError`` for non-positive sizes."""
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be positive, got {num_slots}")
+    if buckets is None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be positive, got {token_budget}")
+        buckets = (min(num_slots, token_budget), token_budget)
+    if not buckets or any(int(b) < 1 for b in buckets):
+        raise ValueError(f"token buckets must be a non-empty list of positive budget sizes, got {buckets!r}")
+    return tuple(sorted({int(b) for b in buckets}))
 
 
-__all__ = ["DeviceProgram", "StepFunction", "batch_arrays", "check_widths", "step_argument_specs"]
+__all__ = ["DeviceProgram", "StepFunction", "batch_arrays", "resolve_token_buckets", "step_argument_specs"]

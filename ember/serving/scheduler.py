@@ -8,7 +8,7 @@ Each iteration fills a token budget in Sarathi-Serve's stall-free order:
 3. new requests from the waiting queue, first come first served, while a slot, pages and
    budget remain (none in an iteration that had to preempt).
 
-A request's chunk is at most ``chunk_size`` tokens (the width of a device row). Pages come
+A request's chunk is at most ``chunk_size`` tokens (the engine sets it to the budget). Pages come
 from a :class:`~ember.serving.pages.PageAllocator` as a request's sequence grows and all go
 back when it finishes. When a running request needs a page and none is free, the most
 recently admitted running request not yet scheduled this iteration is preempted by
@@ -29,8 +29,8 @@ from ember.serving.requests import FINISH_LENGTH, FINISH_STOP, Request, TokenEve
 class SchedulerConfig:
     """Sizes the scheduler works within.
 
-    ``num_slots``: rows of the device step (requests running at once); ``token_budget``:
-    tokens per iteration over all rows; ``chunk_size``: tokens per row per iteration;
+    ``num_slots``: requests running at once; ``token_budget``:
+    tokens per iteration over all slots; ``chunk_size``: tokens per request per iteration;
     ``page_size``/``num_pages``: the paged cache; ``max_context``: the longest sequence a
     request may reach (prompt + generated); ``eos_id``: end-of-sequence token or None.
     """

@@ -26,7 +26,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def engine(params):
-    return Engine.from_model(CONFIG, params, num_slots=4, widths=(1, 4, 8), max_context=MAX_CONTEXT,
+    return Engine.from_model(CONFIG, params, num_slots=4, token_buckets=(4, 8, 16), max_context=MAX_CONTEXT,
                              num_pages=NUM_PAGES, tokenizer=ByteTokenizer())
 
 

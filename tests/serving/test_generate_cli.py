@@ -24,7 +24,7 @@ from tests.serving.greedy_reference import greedy_reference
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, page_size=8, max_seq_len=40)
-ENGINE_FLAGS = ["--num-slots", "3", "--chunk-size", "4", "--no-progress"]
+ENGINE_FLAGS = ["--num-slots", "3", "--token-budget", "4", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
     assert len(records[7]["tokens"]) <= 7 and "error" not in records[7]
 
     artifact = tmp_path / "artifact"
-    assert main(["export", str(path), str(artifact), "--num-slots", "2", "--chunk-size", "4"]) == 0
+    assert main(["export", str(path), str(artifact), "--num-slots", "2", "--token-budget", "4"]) == 0
     script = (
         "import sys; sys.modules['ember.models'] = None\n"  # any import of ember.models now fails
         "from ember.cli import main\n"
@@ -98,8 +98,8 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
 
 def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
     path, params = run_dir
-    # One compiled width (chunks of 1 token) keeps this start-up short.
-    code = main(["generate", "--checkpoint", str(path), "--prompt", "Once", "--max-tokens", "4", "--chunk-size", "1",
+    # One compiled bucket (a single token per step) keeps this start-up short.
+    code = main(["generate", "--checkpoint", str(path), "--prompt", "Once", "--max-tokens", "4", "--token-budget", "1",
                  "--num-slots", "1", "--no-progress"])
     assert code == 0
     expected = greedy_reference(CONFIG, params, 40)([list(b"Once")], [4])[0]

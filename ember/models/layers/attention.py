@@ -15,6 +15,10 @@ so key ``t`` is causally visible from query ``i`` iff ``t <= i + d`` (the kernel
 ``window=(left, d)``; a sliding window of ``W`` tokens sets ``left = W - 1 - d``). Keys at
 negative positions are masked with kv segment ids.
 
+A ragged cache (a serving step's flat budget of prefill chunks and decode tokens, see
+``ember.models.cache.Paging``) writes each token's key and value into its own sequence's
+pages and calls ``ragged_paged_attention`` on the pages in place.
+
 Sigmoid scores use the kernel's bias ``-log(kv_len)``; to make it one constant per model
 (``-log(max_seq_len)``, the sigmoid-attention paper's ``-log n`` for the training context)
 rather than a function of the chunk, keys are padded (masked) to ``max_seq_len``.
@@ -22,6 +26,7 @@ rather than a function of the chunk, keys are padded (masked) to ``max_seq_len``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -32,7 +37,8 @@ from ember.core.sharding import constrain
 from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import flash_attention
 from ember.kernels_pallas.paged_attention import paged_attention
-from ember.models.cache import read_pages, write_pages
+from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
+from ember.models.cache import Paging, read_pages, write_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.projection import Projection
@@ -51,7 +57,7 @@ def attend(
     kind: str,
     segment_ids: jax.Array | None = None,
     pages: dict[str, jax.Array] | None = None,
-    page_table: jax.Array | None = None,
+    paging: Paging | None = None,
     positions: jax.Array | None = None,
     valid: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
@@ -64,8 +70,9 @@ def attend(
       kind: ``global``, ``local`` or ``block_sparse``.
       segment_ids: without a cache, packed-document ids ``[batch, seq]`` (>= 0).
       pages: ``{"k_pages", "v_pages"}`` of this layer (see ``ember.models.cache``), or None.
-      page_table, positions, valid: with ``pages``: ``[batch, pages_per_seq]``,
-        ``[batch, seq]`` (contiguous within a row) and ``[batch, seq]`` bool (False for
+      paging, positions, valid: with ``pages``: where the tokens live (rectangular or
+        ragged, see ``ember.models.cache.Paging``), their positions ``[batch, seq]``
+        (contiguous within a row or a ragged run) and ``[batch, seq]`` bool (False for
         padding tokens, which are neither written nor attended to).
 
     Returns:
@@ -80,6 +87,9 @@ def attend(
     )
     if pages is None:
         return _attend_sequence(q, k, v, config=config, kind=kind, segment_ids=segment_ids, options=options), None
+    if paging.ragged:
+        return _attend_ragged(q, k, v, pages, config=config, kind=kind, paging=paging, positions=positions, valid=valid, options=options)
+    page_table = paging.page_table
     pages = {
         "k_pages": write_pages(pages["k_pages"], k, page_table, positions, valid),
         "v_pages": write_pages(pages["v_pages"], v, page_table, positions, valid),
@@ -94,6 +104,29 @@ def attend(
         )
         return out[:, None], pages
     return _attend_pages(q, pages, config=config, kind=kind, page_table=page_table, positions=positions, valid=valid, options=options), pages
+
+
+def _attend_ragged(q, k, v, pages, *, config, kind, paging, positions, valid, options):
+    """A flat token budget ``[1, num_tokens, ...]``: every token's key and value go to its
+    own sequence's pages, then ``ragged_paged_attention`` reads the pages in place."""
+    token_rows = paging.token_page_rows()
+    token_positions, token_valid = positions[0][:, None], valid[0][:, None]
+
+    def write(name, new):
+        return write_pages(pages[name], new[0][:, None], token_rows, token_positions, token_valid)
+
+    pages = {"k_pages": write("k_pages", k), "v_pages": write("v_pages", v)}
+    score_options: dict[str, Any] = dict(logits_soft_cap=options["logits_soft_cap"], impl=options["impl"])
+    if config.score == "sigmoid":
+        # The bias of the uncached pass, whose keys are padded to max_seq_len.
+        score_options.update(score="sigmoid", sigmoid_bias=-math.log(config.max_seq_len))
+    if kind == "block_sparse":
+        score_options["global_tokens"] = config.global_tokens
+    out = ragged_paged_attention(
+        q[0], pages["k_pages"], pages["v_pages"], paging.page_table, paging.query_starts, paging.query_lens,
+        paging.kv_lens, window=None if kind == "global" else (config.sliding_window - 1, 0), **score_options,
+    )
+    return out[None], pages
 
 
 def _attend_sequence(q, k, v, *, config, kind, segment_ids, options) -> jax.Array:
@@ -193,7 +226,7 @@ class Attention(nn.Module):
         positions: jax.Array,
         segment_ids: jax.Array | None = None,
         pages: dict[str, jax.Array] | None = None,
-        page_table: jax.Array | None = None,
+        paging: Paging | None = None,
         valid: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         config = self.config
@@ -218,7 +251,7 @@ class Attention(nn.Module):
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         out, pages = attend(
             q, k, v, config=config, kind=self.kind, segment_ids=segment_ids,
-            pages=pages, page_table=page_table, positions=positions, valid=valid,
+            pages=pages, paging=paging, positions=positions, valid=valid,
         )
         out = Projection(
             (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,

@@ -78,7 +78,7 @@ class CompressedConvAttention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids=None, cache=None, page_table=None, valid=None):
+    def __call__(self, x, positions, segment_ids=None, cache=None, paging=None, valid=None):
         config = self.config
         policy = config.policy
         heads, kv_heads, head_dim = config.cca_query_heads, config.cca_key_value_heads, config.cca_head_size
@@ -127,7 +127,7 @@ class CompressedConvAttention(nn.Module):
         pages = None if cache is None else {"k_pages": cache["k_pages"], "v_pages": cache["v_pages"]}
         out, pages = attend(
             q, k, v_shifted, config=config, kind="global", segment_ids=segment_ids,
-            pages=pages, page_table=page_table, positions=positions, valid=valid,
+            pages=pages, paging=paging, positions=positions, valid=valid,
         )
         out = Projection(
             (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,

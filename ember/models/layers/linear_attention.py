@@ -29,8 +29,8 @@ class LinearAttention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids=None, cache=None, page_table=None, valid=None):
-        del positions, page_table  # causal order is the sequence order; no pages
+    def __call__(self, x, positions, segment_ids=None, cache=None, paging=None, valid=None):
+        del positions, paging  # causal order is the sequence order; no pages
         config = self.config
         policy = config.policy
         heads, head_dim = config.num_heads, config.head_size
