@@ -1,9 +1,12 @@
 """Running normalisation: ``NormalizeObservation`` and ``NormalizeReward`` (gymnasium's
 definitions, statistics carried in the state so everything stays functional).
 
-Around a ``BatchedEnv`` (anything with ``num_envs``) the statistics are shared by the
+Around a ``BatchedEnv`` (anything with ``num_envs``, also under other wrappers) the statistics are shared by the
 batch: each step updates them with all ``num_envs`` values at once, as gymnasium's vector
 wrappers do. Around a single environment they are that environment's own.
+
+A policy trained on normalised observations is evaluated with the statistics frozen at the
+end of training: ``stats.normalize(obs)`` applies them without updating anything.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from flax import struct
 
 from ember.envs.environment import EnvState
 from ember.envs.wrappers.base import Wrapper
+
+#: Added to the variance before the square root (gymnasium's default).
+EPSILON = 1e-8
 
 
 @struct.dataclass
@@ -43,9 +49,23 @@ class RunningMeanVar:
         m2 = self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total
         return RunningMeanVar(mean, m2 / total, total)
 
+    def normalize(self, values: jax.Array, epsilon: float = EPSILON) -> jax.Array:
+        """``(values - mean) / sqrt(var + epsilon)`` in float32; ``values`` is ``[..., *mean.shape]``.
+        Reads the statistics only (frozen normalisation, e.g. when evaluating a policy)."""
+        return ((values - self.mean) / jnp.sqrt(self.var + epsilon)).astype(jnp.float32)
+
+
+def _num_envs(env) -> int | None:
+    """``num_envs`` of the nearest ``BatchedEnv`` inside ``env`` through other wrappers (so
+    ``NormalizeObservation(NormalizeReward(BatchedEnv(...)))`` shares statistics too), or
+    ``None`` for a single environment."""
+    while getattr(env, "num_envs", None) is None and isinstance(env, Wrapper):
+        env = env.env
+    return getattr(env, "num_envs", None)
+
 
 def _batch_axes(env) -> tuple[int, ...]:
-    return (0,) if getattr(env, "num_envs", None) is not None else ()
+    return (0,) if _num_envs(env) is not None else ()
 
 
 @struct.dataclass
@@ -56,31 +76,34 @@ class NormalizeObservationState:
 
 class NormalizeObservation(Wrapper):
     """Observations (one array) become ``(obs - mean) / sqrt(var + epsilon)`` with running
-    statistics updated by every observation returned (reset and step), before normalising."""
+    statistics updated by every observation returned (reset and step), before normalising.
+    The state's ``stats`` (a :class:`RunningMeanVar`) are what to save with the policy."""
 
     wraps_state = True
 
-    def __init__(self, env, epsilon: float = 1e-8):
+    def __init__(self, env, epsilon: float = EPSILON):
         super().__init__(env)
         self.epsilon = epsilon
         self.batch_axes = _batch_axes(env)
 
-    def _normalize(self, obs, stats):
-        return ((obs - stats.mean) / jnp.sqrt(stats.var + self.epsilon)).astype(jnp.float32)
-
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
+        if not hasattr(obs, "shape"):  # a dict or tuple observation
+            raise ValueError(
+                f"NormalizeObservation: the observation must be one array, got {type(obs).__name__}; "
+                "wrap a pytree-observation env in FlattenObservation first"
+            )
         value_shape = obs.shape[len(self.batch_axes) :]
         stats = RunningMeanVar.create(value_shape).update(obs, self.batch_axes)
-        return self._normalize(obs, stats), NormalizeObservationState(env_state, stats)
+        return stats.normalize(obs, self.epsilon), NormalizeObservationState(env_state, stats)
 
     def step_from_noise(self, noise, state, action, params):
         obs, env_state, reward, terminated, truncated, info = self.env.step_from_noise(
             noise, state.env_state, action, params
         )
         stats = state.stats.update(obs, self.batch_axes)
-        info = {**info, "final_observation": self._normalize(info["final_observation"], stats)}
-        return self._normalize(obs, stats), NormalizeObservationState(env_state, stats), reward, terminated, truncated, info
+        info = {**info, "final_observation": stats.normalize(info["final_observation"], self.epsilon)}
+        return stats.normalize(obs, self.epsilon), NormalizeObservationState(env_state, stats), reward, terminated, truncated, info
 
 
 @struct.dataclass
@@ -97,7 +120,7 @@ class NormalizeReward(Wrapper):
 
     wraps_state = True
 
-    def __init__(self, env, gamma: float = 0.99, epsilon: float = 1e-8):
+    def __init__(self, env, gamma: float = 0.99, epsilon: float = EPSILON):
         super().__init__(env)
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"NormalizeReward: gamma must be in [0, 1], got {gamma}")
@@ -106,7 +129,7 @@ class NormalizeReward(Wrapper):
 
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
-        batch_shape = (self.env.num_envs,) if self.batch_axes else ()
+        batch_shape = (_num_envs(self.env),) if self.batch_axes else ()
         returns = jnp.zeros(batch_shape, jnp.float32)
         return obs, NormalizeRewardState(env_state, returns, RunningMeanVar.create(()))
 
