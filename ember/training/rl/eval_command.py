@@ -1,7 +1,9 @@
 """``ember eval RUN_DIR --episodes N [--gif out.gif]``: run a saved policy.
 
-Loads the run's ``config.yaml`` and final checkpoint, runs ``N`` episodes, prints the mean
-return (``--json`` prints the whole summary) and optionally records one episode as a GIF.
+Loads the run's ``config.yaml`` and final checkpoint (with the observation statistics of a
+run trained with ``ppo.normalize_observations``, applied frozen), runs ``N`` episodes,
+prints the mean return (``--json`` prints the whole summary) and optionally records one
+episode as a GIF.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.episodes < 1:
         raise ValueError(f"--episodes must be a positive integer, got {args.episodes}")
-    config, params = load_run(args.run_dir)
+    config, params, obs_stats = load_run(args.run_dir)
     deterministic = False if args.stochastic else None
-    summary = evaluate_params(config, params, args.episodes, seed=args.seed, deterministic=deterministic)
+    summary = evaluate_params(
+        config, params, args.episodes, seed=args.seed, deterministic=deterministic, obs_stats=obs_stats
+    )
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     if args.gif:
         from ember.envs import save_gif
 
-        frames = record_episode(config, params, seed=args.seed, deterministic=deterministic)
+        frames = record_episode(config, params, seed=args.seed, deterministic=deterministic, obs_stats=obs_stats)
         path = save_gif(list(frames), args.gif)
         print(f"wrote {path} ({len(frames)} frames)")
     return 0

@@ -6,7 +6,8 @@ A run directory holds:
     config.yaml       the resolved config (every default filled in)
     metrics.jsonl     one record per update: step (env steps), update, episode_return, losses...
     tensorboard/      the same metrics as TensorBoard event files
-    checkpoints/      the final parameters (``ember.core.checkpoint``)
+    checkpoints/      the final parameters (``ember.core.checkpoint``): ``{"params": ...}``, plus
+                      ``"obs_stats": {mean, var, count}`` when ``ppo.normalize_observations``
     eval.json         the final evaluation: mean_return, std_return, episodes, ...
 """
 
@@ -20,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import ember.envs
-from ember.envs.wrappers import FlattenObservation
+from ember.envs.wrappers import FlattenObservation, RunningMeanVar
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, to_yaml
 from ember.core.errors import EmberError
@@ -46,7 +48,8 @@ class Algorithm:
       make_train: ``(section, env, env_params, on_update) -> train(rng)``.
       steps_per_update: ``section -> env steps per update`` (the metrics' x axis).
       num_updates: ``section -> number of updates``.
-      make_act: ``(section, env, env_params, params, deterministic) -> act(obs, key)``.
+      make_act: ``(section, env, env_params, params, deterministic, obs_stats) -> act(obs, key)``;
+        ``obs_stats`` are the frozen observation statistics of the run (``None`` without).
     """
 
     section: Callable[[RLConfig], Any]
@@ -54,6 +57,17 @@ class Algorithm:
     steps_per_update: Callable[[Any], int]
     num_updates: Callable[[Any], int]
     make_act: Callable[..., Callable]
+
+
+def _without_obs_stats(make_act: Callable[..., Callable]) -> Callable[..., Callable]:
+    """``make_act`` of an algorithm that never normalises observations: refuses ``obs_stats``."""
+
+    def checked(section, env, env_params, params, deterministic, obs_stats):
+        if obs_stats is not None:
+            raise ValueError("obs_stats: only algo 'ppo' trains with normalised observations")
+        return make_act(section, env, env_params, params, deterministic)
+
+    return checked
 
 
 def _multi_agent(centralised_critic: bool) -> Algorithm:
@@ -64,8 +78,10 @@ def _multi_agent(centralised_critic: bool) -> Algorithm:
         ),
         steps_per_update=lambda section: section.num_envs * section.num_steps,
         num_updates=lambda section: section.num_updates,
-        make_act=lambda section, env, env_params, params, deterministic: multi_agent_ppo.make_act(
-            multi_agent_ppo.make_policy(section, env, env_params), params, list(env.agents), deterministic=deterministic
+        make_act=_without_obs_stats(
+            lambda section, env, env_params, params, deterministic: multi_agent_ppo.make_act(
+                multi_agent_ppo.make_policy(section, env, env_params), params, list(env.agents), deterministic=deterministic
+            )
         ),
     )
 
@@ -76,8 +92,8 @@ ALGORITHMS: dict[str, Algorithm] = {
         make_train=lambda section, env, env_params, on_update: ppo.make_train(section, env, env_params, on_update=on_update),
         steps_per_update=lambda section: section.num_envs * section.num_steps,
         num_updates=lambda section: section.num_updates,
-        make_act=lambda section, env, env_params, params, deterministic: ppo.make_act(
-            ppo.make_policy(section, env, env_params), params, deterministic=deterministic
+        make_act=lambda section, env, env_params, params, deterministic, obs_stats: ppo.make_act(
+            ppo.make_policy(section, env, env_params), params, deterministic=deterministic, obs_stats=obs_stats
         ),
     ),
     "dqn": Algorithm(
@@ -85,8 +101,10 @@ ALGORITHMS: dict[str, Algorithm] = {
         make_train=lambda section, env, env_params, on_update: dqn.make_train(section, env, env_params, on_update=on_update),
         steps_per_update=lambda section: section.num_envs * section.log_every,
         num_updates=lambda section: section.num_updates,
-        make_act=lambda section, env, env_params, params, deterministic: dqn.make_act(
-            dqn.make_q_network(section, env, env_params), params, epsilon=0.0 if deterministic else section.epsilon_end
+        make_act=_without_obs_stats(
+            lambda section, env, env_params, params, deterministic: dqn.make_act(
+                dqn.make_q_network(section, env, env_params), params, epsilon=0.0 if deterministic else section.epsilon_end
+            )
         ),
     ),
     "ippo": _multi_agent(centralised_critic=False),
@@ -160,32 +178,57 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
         writer.write((update + 1) * steps_per_update, {"update": update + 1, **record})
     writer.close()
 
+    obs_stats = result.get("obs_stats")
+    saved = {"params": result["params"]}
+    if obs_stats is not None:
+        saved["obs_stats"] = {"mean": obs_stats.mean, "var": obs_stats.var, "count": obs_stats.count}
     with CheckpointManager(run_dir / CHECKPOINT_DIR, max_to_keep=1) as manager:
-        manager.save(num_updates, {"params": result["params"]}, extra={"algo": config.algo, "env_id": config.env.id})
+        manager.save(num_updates, saved, extra={"algo": config.algo, "env_id": config.env.id})
 
-    summary = evaluate_params(config, result["params"], config.eval.episodes, seed=config.seed + 1)
+    summary = evaluate_params(config, result["params"], config.eval.episodes, seed=config.seed + 1, obs_stats=obs_stats)
     (run_dir / EVAL_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return {**summary, "run_dir": str(run_dir)}
 
 
-def load_run(run_dir: str | Path) -> tuple[RLConfig, Any]:
-    """The config and final parameters of a finished run."""
+def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]:
+    """The config, final parameters and frozen observation statistics (``None`` for runs
+    without ``ppo.normalize_observations``, and for runs saved before it existed) of a
+    finished run."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}")
     config = load_config(RLConfig, run_dir / CONFIG_FILE)
-    restored = CheckpointManager(run_dir / CHECKPOINT_DIR).restore()
-    return config, restored.state["params"]
+    state = CheckpointManager(run_dir / CHECKPOINT_DIR).restore().state
+    saved_stats = state.get("obs_stats")
+    obs_stats = None if saved_stats is None else RunningMeanVar(**{k: jnp.asarray(v) for k, v in saved_stats.items()})
+    if obs_stats is None and config.algo == "ppo" and config.ppo.normalize_observations:
+        raise EmberError(
+            f"{run_dir} was trained with ppo.normalize_observations but its checkpoint holds no "
+            "observation statistics (obs_stats); its policy cannot be evaluated without them"
+        )
+    return config, state["params"], obs_stats
+
+
+def _make_act(config: RLConfig, env, env_params, params: Any, deterministic: bool | None, obs_stats) -> Callable:
+    algorithm = ALGORITHMS[config.algo]
+    deterministic = config.eval.deterministic if deterministic is None else deterministic
+    return algorithm.make_act(algorithm.section(config), env, env_params, params, deterministic, obs_stats)
 
 
 def evaluate_params(
-    config: RLConfig, params: Any, episodes: int, *, seed: int, deterministic: bool | None = None
+    config: RLConfig,
+    params: Any,
+    episodes: int,
+    *,
+    seed: int,
+    deterministic: bool | None = None,
+    obs_stats: RunningMeanVar | None = None,
 ) -> dict[str, Any]:
-    """Runs the policy ``params`` of ``config`` for ``episodes`` episodes; a JSON-ready summary."""
-    algorithm = ALGORITHMS[config.algo]
+    """Runs the policy ``params`` of ``config`` for ``episodes`` episodes; a JSON-ready summary.
+    ``obs_stats``: the run's observation statistics, applied frozen (see :func:`load_run`)."""
     env, env_params = make_env(config.env)
     deterministic = config.eval.deterministic if deterministic is None else deterministic
-    act = algorithm.make_act(algorithm.section(config), env, env_params, params, deterministic)
+    act = _make_act(config, env, env_params, params, deterministic, obs_stats)
     returns, lengths = evaluate(act, env, env_params, jax.random.key(seed), episodes)
     returns, lengths = np.asarray(returns, np.float64), np.asarray(lengths)
     return {
@@ -201,13 +244,18 @@ def evaluate_params(
     }
 
 
-def record_episode(config: RLConfig, params: Any, *, seed: int, deterministic: bool | None = None) -> np.ndarray:
+def record_episode(
+    config: RLConfig,
+    params: Any,
+    *,
+    seed: int,
+    deterministic: bool | None = None,
+    obs_stats: RunningMeanVar | None = None,
+) -> np.ndarray:
     """Frames ``[time, height, width, 3]`` (uint8) of one episode of the policy, from the
     first observation to the last state before the episode ended."""
-    algorithm = ALGORITHMS[config.algo]
     env, env_params = make_env(config.env)
-    deterministic = config.eval.deterministic if deterministic is None else deterministic
-    act = algorithm.make_act(algorithm.section(config), env, env_params, params, deterministic)
+    act = _make_act(config, env, env_params, params, deterministic, obs_stats)
     max_steps = int(env_params.max_steps_in_episode)
 
     @jax.jit

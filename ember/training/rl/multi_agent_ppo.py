@@ -79,6 +79,11 @@ def make_train(
     for a multi-agent environment; ``centralised_critic`` selects MAPPO over IPPO."""
     if config.normalize_rewards:
         raise ValueError("ppo.normalize_rewards is not supported for multi-agent training")
+    if config.normalize_observations:
+        raise ValueError(
+            "ppo.normalize_observations is not supported for multi-agent training (ippo, mappo); "
+            "it is available for algo: ppo"
+        )
     agents = list(env.agents)
     envs = BatchedEnv(env, config.num_envs)
     policy = make_policy(config, env, env_params)

@@ -14,6 +14,11 @@ rollout of ``num_steps`` in ``num_envs`` auto-resetting environments -> values o
 observations and of ``info["final_observation"]`` -> GAE -> ``update_epochs`` passes of
 ``num_minibatches`` shuffled minibatches of the PPO loss (with a gradient-norm clip and an
 optionally annealed Adam learning rate).
+
+With ``normalize_observations`` the policy sees observations normalised by running
+statistics shared over the ``num_envs`` environments (``NormalizeObservation``); ``train``
+returns the final statistics as ``obs_stats`` and the trained policy is run with them frozen:
+``make_act(policy, result["params"], obs_stats=result["obs_stats"])``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from flax import struct
 from flax.training.train_state import TrainState
 
 from ember.envs.batched import BatchedEnv
-from ember.envs.wrappers import LogWrapper, NormalizeReward
+from ember.envs.wrappers import LogWrapper, NormalizeObservation, NormalizeReward, RunningMeanVar
 from ember.models.policies import ActorCritic, PolicyConfig, action_head
 from ember.training.rl.gae import gae_advantages
 from ember.training.rl.losses import ppo_loss
@@ -55,6 +60,7 @@ class PPOConfig:
     max_grad_norm: float = 0.5
     normalize_advantage: bool = True
     normalize_rewards: bool = False
+    normalize_observations: bool = False
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def __post_init__(self):
@@ -208,22 +214,29 @@ def make_train(
       config: the run's settings; its float hyperparameters are the defaults of ``train``.
       env: an Ember environment (single agent); episode statistics come from wrapping it in
         ``LogWrapper`` here (so they report raw rewards), and ``config.normalize_rewards``
-        scales the learner's rewards with ``ember.envs.wrappers.NormalizeReward``.
+        scales the learner's rewards with ``ember.envs.wrappers.NormalizeReward``;
+        ``config.normalize_observations`` normalises what the policy sees with
+        ``NormalizeObservation`` (statistics shared over the batch of environments).
       env_params: its parameters.
       on_update: an optional host callback called after every update with that update's
         metrics (a dict of scalars, plus ``update``); used for progress bars. It runs through
         ``jax.debug.callback`` and does not change the computation.
 
     Returns:
-      ``train(rng, hyperparams=None)`` returning ``{"params": ..., "metrics": {name:
-      [num_updates]}}`` where metrics are ``episode_return``, ``episode_length``,
-      ``episodes`` (episodes finished in that update's rollout), ``loss``,
+      ``train(rng, hyperparams=None)`` returning ``{"params": ..., "obs_stats": ...,
+      "metrics": {name: [num_updates]}}``: ``obs_stats`` is the final
+      :class:`~ember.envs.wrappers.RunningMeanVar` of the observations (mean and var of shape
+      ``obs_shape``) with ``normalize_observations``, otherwise ``None``; metrics are
+      ``episode_return``, ``episode_length``, ``episodes`` (episodes finished in that
+      update's rollout), ``loss``,
       ``policy_loss``, ``value_loss``, ``entropy``, ``clip_fraction``, ``approx_kl``.
       ``jax.jit``- and ``jax.vmap``-able (over ``rng`` and ``hyperparams``).
     """
     envs = BatchedEnv(LogWrapper(env), config.num_envs)  # episode statistics on raw rewards
     if config.normalize_rewards:
         envs = NormalizeReward(envs, gamma=config.gamma)
+    if config.normalize_observations:  # outermost, so the statistics are env_state.stats
+        envs = NormalizeObservation(envs)
     policy = make_policy(config, env, env_params)
     num_updates = config.num_updates
     anneal_steps = num_updates * config.update_epochs * config.num_minibatches if config.anneal_lr else None
@@ -304,21 +317,26 @@ def make_train(
                 jax.debug.callback(on_update, {"update": update_index, **metrics})
             return (train_state, env_state, obs, rng), metrics
 
-        (train_state, *_), metrics = jax.lax.scan(
+        (train_state, env_state, *_), metrics = jax.lax.scan(
             update, (train_state, env_state, obs, rng), jnp.arange(num_updates)
         )
-        return {"params": train_state.params, "metrics": metrics}
+        obs_stats = env_state.stats if config.normalize_observations else None
+        return {"params": train_state.params, "obs_stats": obs_stats, "metrics": metrics}
 
     return train
 
 
-
-
-def make_act(policy: ActorCritic, params: Any, *, deterministic: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
+def make_act(
+    policy: ActorCritic, params: Any, *, deterministic: bool = True, obs_stats: RunningMeanVar | None = None
+) -> Callable[[Any, jax.Array], jax.Array]:
     """``act(obs, key) -> env_action`` of a trained policy: the distribution's mode when
-    ``deterministic``, otherwise a sample (for :func:`ember.training.rl.evaluate.evaluate`)."""
+    ``deterministic``, otherwise a sample (for :func:`ember.training.rl.evaluate.evaluate`).
+    A policy trained with ``normalize_observations`` needs the run's ``obs_stats``: raw
+    observations ``[batch, *obs_shape]`` are normalised with them, frozen (never updated)."""
 
     def act(obs, key):
+        if obs_stats is not None:
+            obs = obs_stats.normalize(obs)
         dist = policy.apply(params, obs, method=lambda module, x: module.actor(x))
         raw = dist.mode() if deterministic else dist.sample(key)
         return dist.env_action(raw)

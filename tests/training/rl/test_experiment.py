@@ -3,16 +3,25 @@
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
+import pytest
 from PIL import Image
 
+import ember.envs
 from ember.cli import main
+from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config
+from ember.core.errors import EmberError
 from ember.training.metrics import read_metrics
 from ember.training.rl.config import RLConfig
+from ember.training.rl.evaluate import evaluate
+from ember.training.rl.experiment import evaluate_params, load_run
+from ember.training.rl.ppo import make_act, make_policy
 from tests.tolerances import assert_allclose
 
-CONFIG = Path(__file__).resolve().parents[3] / "configs" / "rl" / "ppo_cartpole.yaml"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
+CONFIG = CONFIGS / "ppo_cartpole.yaml"
 
 
 def test_train_eval_plot_round_trip(tmp_path, capsys):
@@ -36,6 +45,7 @@ def test_train_eval_plot_round_trip(tmp_path, capsys):
     assert main(["eval", str(run_dir), "--episodes", "8", "--seed", str(config.seed + 1), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert_allclose(again["mean_return"], saved["mean_return"])
+    assert load_run(run_dir)[2] is None  # no observation statistics saved without normalize_observations
 
     gif = tmp_path / "episode.gif"
     assert main(["eval", str(run_dir), "--episodes", "1", "--gif", str(gif)]) == 0
@@ -51,3 +61,44 @@ def test_train_eval_plot_round_trip(tmp_path, capsys):
 def test_train_rejects_unknown_keys_with_a_suggestion(tmp_path, capsys):
     assert main(["train", str(CONFIG), f"run_dir={tmp_path}", "ppo.num_env=8"]) == 2
     assert "ppo.num_envs" in capsys.readouterr().err
+
+
+def test_observation_statistics_are_saved_and_evaluated_frozen(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"run_dir={run_dir}", "ppo.normalize_observations=true", "ppo.num_steps=32", "ppo.total_timesteps=1024",
+        "ppo.update_epochs=2", "ppo.policy.hidden_sizes=[16]", "eval.episodes=4",
+    ]
+    assert main(["train", str(CONFIGS / "ppo_pendulum.yaml"), *overrides]) == 0
+    capsys.readouterr()
+    saved = json.loads((run_dir / "eval.json").read_text())
+
+    config, params, stats = load_run(run_dir)
+    assert config.ppo.normalize_observations
+    # shared by the 16 envs through NormalizeReward (the config normalises rewards too): their
+    # resets and 2 updates of 32 steps
+    assert_allclose(stats.count, 1e-4 + 16 * (1 + 2 * 32))
+    # the restored policy evaluates as the in-process one did (eval.json, same seed) ...
+    assert main(["eval", str(run_dir), "--episodes", "4", "--seed", str(config.seed + 1), "--json"]) == 0
+    assert_allclose(json.loads(capsys.readouterr().out)["mean_return"], saved["mean_return"])
+    # ... which is the policy on observations normalised by hand with the frozen statistics
+    env, env_params = ember.envs.make(config.env.id)
+    raw_act = make_act(make_policy(config.ppo, env, env_params), params)
+    mean, std = np.asarray(stats.mean), np.sqrt(np.asarray(stats.var) + 1e-8)
+    returns, _ = evaluate(
+        lambda obs, key: raw_act((obs - mean) / std, key), env, env_params, jax.random.key(config.seed + 1), 4
+    )
+    assert_allclose(returns.mean(), saved["mean_return"], scale=10)  # float32 sums of 200 rewards
+    unnormalised = evaluate_params(config, params, 4, seed=config.seed + 1)
+    assert not np.isclose(unnormalised["mean_return"], saved["mean_return"])
+    # evaluating wrote nothing back
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), load_run(run_dir)[2], stats)
+
+    # a checkpoint without statistics (saved before they existed) under a config asking for them
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    with CheckpointManager(old / "checkpoints") as manager:
+        manager.save(1, {"params": params})
+    with pytest.raises(EmberError, match="obs_stats"):
+        load_run(old)

@@ -1,5 +1,6 @@
 """IPPO/MAPPO on MPE simple_spread: critic inputs, and IPPO beating the random policy."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -23,6 +24,14 @@ def test_global_state_concatenates_every_observation_and_the_agent_id(rng):
     for agent in range(3):
         np.testing.assert_array_equal(state[:, agent, :12], np.asarray(obs).reshape(2, 12))
         np.testing.assert_array_equal(state[:, agent, 12:], np.tile(np.eye(3)[agent], (2, 1)))
+
+
+@pytest.mark.parametrize("option", ["normalize_rewards", "normalize_observations"])
+def test_normalisation_options_are_refused_for_multi_agent_training(option):
+    config = load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml")
+    env, env_params = make_env(config.env)
+    with pytest.raises(ValueError, match=f"ppo.{option} is not supported for multi-agent"):
+        multi_agent_ppo.make_train(dataclasses.replace(config.ppo, **{option: True}), env, env_params)
 
 
 @pytest.mark.slow

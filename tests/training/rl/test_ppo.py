@@ -1,5 +1,6 @@
 """PPO: one jitted train(rng) that vmaps over seeds and hyperparameters, and solves CartPole."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -9,6 +10,7 @@ import pytest
 
 import ember.envs
 from ember.core.config import load_config
+from ember.envs.wrappers import Wrapper
 from ember.models.policies import PolicyConfig
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
@@ -23,8 +25,9 @@ SMALL = PPOConfig(
 
 
 def test_vmap_over_seeds_and_hyperparameters_equals_separate_runs(rng):
+    # with observation normalisation on: its running statistics travel in the vmapped state too
     env, env_params = ember.envs.make("CartPole-v1")
-    train = make_train(SMALL, env, env_params)
+    train = make_train(dataclasses.replace(SMALL, normalize_observations=True), env, env_params)
     seeds = jax.random.split(rng, 4)
     base = PPOHyperparams.from_config(SMALL)
     learning_rates = jnp.array([1e-3, 3e-4, 1e-3, 2e-3])
@@ -43,9 +46,12 @@ def test_vmap_over_seeds_and_hyperparameters_equals_separate_runs(rng):
         # near-zero component into a step of up to lr. Bound: 5 updates * 2 epochs * 2
         # minibatches * lr 2e-3 = 0.04, tolerance scale 2000 (atol = rtol = 0.02) is below it.
         jax.tree.map(lambda a, b: assert_allclose(a, b, scale=2000), take(batched["params"]), alone["params"])
+        # the same observations were seen, so the same statistics up to float rounding
+        jax.tree.map(lambda a, b: assert_allclose(a, b, scale=10), take(batched["obs_stats"]), alone["obs_stats"])
     # the runs differ from each other (a vmap that broadcast one run would pass the above)
     kernel = batched["params"]["params"]["actor"]["torso"]["Dense_0"]["kernel"]
     assert not np.allclose(kernel[0], kernel[2])
+    assert batched["obs_stats"].mean.shape == (4, 4) and not np.allclose(*batched["obs_stats"].mean[:2])
     assert np.isfinite(np.asarray(batched["metrics"]["loss"])).all()
 
 
@@ -70,12 +76,64 @@ def test_config_rejects_inconsistent_sizes():
         PPOConfig(num_envs=4, num_steps=128, total_timesteps=100)
 
 
+class RecordObservations(Wrapper):
+    """Hands every observation the agent receives (reset, and after each step) to ``seen``."""
+
+    def __init__(self, env, seen: list):
+        super().__init__(env)
+        self.seen = seen
+
+    def _record(self, obs):
+        jax.debug.callback(lambda o: self.seen.append(np.asarray(o)), obs)
+        return obs
+
+    def reset_from_noise(self, noise, params):
+        obs, state = self.env.reset_from_noise(noise, params)
+        return self._record(obs), state
+
+    def step_from_noise(self, noise, state, action, params):
+        obs, state, reward, terminated, truncated, info = self.env.step_from_noise(noise, state, action, params)
+        return self._record(obs), state, reward, terminated, truncated, info
+
+
+NORMALIZED = dataclasses.replace(SMALL, total_timesteps=4 * 16 * 2, normalize_observations=True)
+
+
+def test_observation_statistics_are_the_moments_seen_and_act_applies_them_frozen(rng):
+    env, env_params = ember.envs.make("Pendulum-v1")
+    seen = []
+    result = jax.jit(make_train(NORMALIZED, RecordObservations(env, seen), env_params))(rng)
+    jax.effects_barrier()
+    raw = np.stack(seen).reshape(-1, 3).astype(np.float64)
+    stats = result["obs_stats"]
+    # one statistic shared by the batch: every env's reset and every step of every env
+    assert raw.shape[0] == 4 * (1 + 2 * 16)
+    assert_allclose(stats.count, 1e-4 + raw.shape[0])
+    # the prior (mean 0, var 1, weight 1e-4) and float32 streaming merges move them by ~1e-6
+    assert_allclose(stats.mean, raw.mean(axis=0), scale=10)
+    assert_allclose(stats.var, raw.var(axis=0), scale=10)
+    assert float(stats.var[2]) > 0.1  # Pendulum's angular velocity does vary: not the prior
+
+    # the trained policy sees (obs - mean) / sqrt(var + eps) with these statistics, never updated
+    policy, params = make_policy(NORMALIZED, env, env_params), result["params"]
+    raw_act = make_act(policy, params)
+    mean, std = np.asarray(stats.mean), np.sqrt(np.asarray(stats.var) + 1e-8)
+    by_hand = lambda obs, key: raw_act((obs - mean) / std, key)  # noqa: E731
+    key = jax.random.fold_in(rng, 1)
+    returns, lengths = evaluate(make_act(policy, params, obs_stats=stats), env, env_params, key, num_episodes=4)
+    expected, expected_lengths = evaluate(by_hand, env, env_params, key, num_episodes=4)
+    assert_allclose(returns, expected)
+    np.testing.assert_array_equal(lengths, expected_lengths)
+    unnormalised, _ = evaluate(raw_act, env, env_params, key, num_episodes=4)
+    assert not np.allclose(returns, unnormalised)  # the statistics are really applied
+
+
 @pytest.mark.slow
 def test_shipped_cartpole_config_solves_cartpole():
     config = load_config(RLConfig, CONFIGS / "ppo_cartpole.yaml")
     env, env_params = ember.envs.make(config.env.id)
     result = jax.jit(make_train(config.ppo, env, env_params))(jax.random.key(config.seed))
-    act = make_act(make_policy(config.ppo, env, env_params), result["params"])
+    act = make_act(make_policy(config.ppo, env, env_params), result["params"], obs_stats=result["obs_stats"])
     returns, lengths = evaluate(act, env, env_params, jax.random.key(1), num_episodes=100)
     assert float(returns.mean()) >= 475.0, f"mean return {float(returns.mean())} over 100 episodes"
     assert_allclose(returns, lengths.astype(np.float32))  # CartPole pays 1 per step
@@ -87,7 +145,8 @@ def test_shipped_pendulum_config_improves_past_threshold():
     env, env_params = ember.envs.make(config.env.id)
     policy = make_policy(config.ppo, env, env_params)
     result = jax.jit(make_train(config.ppo, env, env_params))(jax.random.key(config.seed))
-    trained, _ = evaluate(make_act(policy, result["params"]), env, env_params, jax.random.key(1), num_episodes=100)
+    act = make_act(policy, result["params"], obs_stats=result["obs_stats"])
+    trained, _ = evaluate(act, env, env_params, jax.random.key(1), num_episodes=100)
     untrained_params = policy.init(jax.random.key(0), jnp.zeros((1, 3)))
     untrained, _ = evaluate(make_act(policy, untrained_params), env, env_params, jax.random.key(1), num_episodes=100)
     # measured on CPU: untrained ~-1200, trained ~-170 (a swing-up-and-balance policy)
