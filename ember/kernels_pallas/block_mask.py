@@ -63,7 +63,8 @@ class BlockMask:
         return np.broadcast_to(np.asarray(self.visible(q_pos, kv_pos), dtype=bool), (q_len, kv_len))
 
 
-def _check_non_negative_int(name: str, value: Any) -> None:
+def check_non_negative_int(name: str, value: Any) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``value`` is an int >= 0 (not a bool)."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
@@ -88,8 +89,8 @@ class LocalMask(BlockMask):
     right: int
 
     def __post_init__(self):
-        _check_non_negative_int("left", self.left)
-        _check_non_negative_int("right", self.right)
+        check_non_negative_int("left", self.left)
+        check_non_negative_int("right", self.right)
 
     def visible(self, q_pos, kv_pos):
         return (kv_pos >= q_pos - self.left) & (kv_pos <= q_pos + self.right)
@@ -106,9 +107,9 @@ class LocalGlobalMask(BlockMask):
     num_global_tokens: int
 
     def __post_init__(self):
-        _check_non_negative_int("left", self.left)
-        _check_non_negative_int("right", self.right)
-        _check_non_negative_int("num_global_tokens", self.num_global_tokens)
+        check_non_negative_int("left", self.left)
+        check_non_negative_int("right", self.right)
+        check_non_negative_int("num_global_tokens", self.num_global_tokens)
 
     def visible(self, q_pos, kv_pos):
         local = (kv_pos >= q_pos - self.left) & (kv_pos <= q_pos + self.right)
@@ -123,7 +124,7 @@ class ChunkedCausalMask(BlockMask):
     chunk_size: int
 
     def __post_init__(self):
-        _check_non_negative_int("chunk_size", self.chunk_size)
+        check_non_negative_int("chunk_size", self.chunk_size)
         if self.chunk_size == 0:
             raise ValueError("chunk_size must be positive, got 0")
 
@@ -147,8 +148,8 @@ class ExplicitBlockMask(BlockMask):
     block_kv: int
 
     def __post_init__(self):
-        _check_non_negative_int("block_q", self.block_q)
-        _check_non_negative_int("block_kv", self.block_kv)
+        check_non_negative_int("block_q", self.block_q)
+        check_non_negative_int("block_kv", self.block_kv)
         if self.block_q == 0 or self.block_kv == 0:
             raise ValueError(f"block_q and block_kv must be positive, got {self.block_q}, {self.block_kv}")
         widths = {len(row) for row in self.blocks}

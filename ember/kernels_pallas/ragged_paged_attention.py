@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.kernels_pallas.attention_math import check_soft_cap, check_window, masked_softmax, soft_cap
-from ember.kernels_pallas.block_mask import _check_non_negative_int
+from ember.kernels_pallas.block_mask import check_non_negative_int
 from ember.kernels_pallas.dispatch import resolve_impl
 from ember.kernels_pallas.flash_attention import SCORES
 from ember.kernels_pallas.paged_attention import check_lengths, check_paged_cache, gather_sequence_kv
-from ember.kernels_pallas.ragged_paged_attention_kernel import ragged_paged_attention_kernel
+from ember.kernels_pallas.ragged_paged_attention_kernel import items_to_tokens, ragged_paged_attention_kernel, work_items
 
 
 def token_owners(query_starts: jax.Array, query_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
@@ -63,32 +63,70 @@ def ragged_paged_attention_reference(
 ) -> jax.Array:
     """Plain-jnp :func:`ragged_paged_attention` (same arguments, minus the kernel options):
     gathers every token's sequence cache and attends densely in float32. Memory grows as
-    ``num_tokens * max_pages_per_seq * page_size``. Returns ``[num_tokens, heads, head_dim]``
+    ``num_tokens * max_pages_per_seq * page_size`` (the ``"xla"`` path gathers per block
+    of queries instead). Returns ``[num_tokens, heads, head_dim]``
     in ``q.dtype``."""
     num_tokens, heads, head_dim, num_seqs = _check_args(q, page_table, query_starts, query_lens, kv_lens)
     cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
     logits_soft_cap = check_soft_cap(logits_soft_cap)
     window = check_window(window)
     sigmoid_bias = check_score(score, sigmoid_bias)
-    _check_non_negative_int("global_tokens", global_tokens)
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    group = heads // cache.kv_heads
+    check_non_negative_int("global_tokens", global_tokens)
     owner, position, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
-    keys = gather_sequence_kv(k_pages, page_table).astype(jnp.float32)[owner]  # [T, max_len, kv_heads, d]
-    values = gather_sequence_kv(v_pages, page_table).astype(jnp.float32)[owner]
-    q32 = q.astype(jnp.float32).reshape(num_tokens, cache.kv_heads, group, head_dim)
-    logits = soft_cap(jnp.einsum("thgd,tkhd->thgk", q32, keys) * scale, logits_soft_cap)
-    kv_pos = jnp.arange(cache.max_len)[None, :]
-    visible = (kv_pos <= position[:, None]) & covered[:, None]
+    keys = gather_sequence_kv(k_pages, page_table[owner])  # [T, max_len, kv_heads, d]
+    values = gather_sequence_kv(v_pages, page_table[owner])
+    out = _attend_rows(
+        q[:, None], keys, values, position[:, None], covered[:, None], sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap, window=window, score=score, sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
+    )
+    return out[:, 0].astype(q.dtype)
+
+
+def _attend_rows(q, keys, values, q_positions, rows_valid, *, sm_scale, logits_soft_cap, window, score, sigmoid_bias,
+                 global_tokens):
+    """The attention math, in float32, of ``n`` groups of ``r`` query rows that each see one
+    sequence's cache: ``q [n, r, heads, d]``, ``keys``/``values [n, max_len, kv_heads, d]``
+    (cache position ``t`` at index ``t``), ``q_positions``/``rows_valid [n, r]`` ->
+    ``[n, r, heads, d]`` (zeros for rows that are not valid)."""
+    n, rows, heads, head_dim = q.shape
+    kv_heads, max_len = keys.shape[2], keys.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    q32 = q.astype(jnp.float32).reshape(n, rows, kv_heads, heads // kv_heads, head_dim)
+    logits = jnp.einsum("nrhgd,nkhd->nrhgk", q32, keys.astype(jnp.float32)) * scale
+    logits = soft_cap(logits, logits_soft_cap)
+    kv_pos = jnp.arange(max_len)[None, None, :]
+    position = q_positions[:, :, None]
+    visible = (kv_pos <= position) & rows_valid[:, :, None]
     if window is not None:
-        visible = visible & ((kv_pos >= position[:, None] - window[0]) | (kv_pos < global_tokens))
-    visible = visible[:, None, None, :]
+        visible = visible & ((kv_pos >= position - window[0]) | (kv_pos < global_tokens))
+    visible = visible[:, :, None, None, :]
     if score == "sigmoid":
         weights = jnp.where(visible, jax.nn.sigmoid(logits + sigmoid_bias), 0.0)
     else:
         weights = masked_softmax(logits, visible)
-    out = jnp.einsum("thgk,tkhd->thgd", weights, values)
-    return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
+    out = jnp.einsum("nrhgk,nkhd->nrhgd", weights, values.astype(jnp.float32))
+    return out.reshape(n, rows, heads, head_dim)
+
+
+def _blocked_xla(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, *, block_q, **options):
+    """The XLA path: the reference math over work items of up to ``block_q`` rows of one
+    sequence (the kernel's work list), so each sequence's cache is gathered once per
+    block of its queries rather than once per query token. Blocks shrink to the budget's
+    mean run length (a budget of decodes gets blocks of one row): on CPU, unlike in the
+    kernel, every padding row of a block costs as much as a real one."""
+    num_tokens, num_seqs = q.shape[0], page_table.shape[0]
+    block_q = max(1, min(block_q, num_tokens // num_seqs))
+    if block_q == 1:  # blocks of one row are the tokens themselves: no padding blocks
+        return ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, **options)
+    table, offsets = work_items(query_starts, query_lens, kv_lens, num_tokens=num_tokens, block_q=block_q)
+    seq, token_start, rows, first_pos = (table[:, column] for column in range(4))
+    row = jnp.arange(block_q)[None, :]
+    q_rows = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))[token_start[:, None] + row]  # [items, block_q, heads, d]
+    keys = gather_sequence_kv(k_pages, page_table[seq])  # [items, max_len, kv_heads, d]
+    values = gather_sequence_kv(v_pages, page_table[seq])
+    out_items = _attend_rows(q_rows, keys, values, first_pos[:, None] + row, row < rows[:, None], **options)
+    owner, _, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
+    return items_to_tokens(out_items, offsets, query_starts, owner, covered).astype(q.dtype)
 
 
 @functools.partial(
@@ -158,8 +196,8 @@ def ragged_paged_attention(
       block_q: query rows per kernel step (GPU lowering wants a power of two >= 16); a run
         is split into ``cdiv(query_lens[s], block_q)`` blocks.
       pages_per_block: pages read per kernel step (default: enough for 128 tokens).
-      impl: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"``
-        (:func:`ragged_paged_attention_reference`).
+      impl: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"`` (the reference's math
+        over the kernel's blocks of ``block_q`` queries).
 
     The metadata is data, not static: one compiled step serves every mix of sequences.
     Its consistency (no overlapping runs, lengths in range) is the caller's contract and is
@@ -180,15 +218,15 @@ def ragged_paged_attention(
     logits_soft_cap = check_soft_cap(logits_soft_cap)
     window = check_window(window)
     sigmoid_bias = check_score(score, sigmoid_bias)
-    _check_non_negative_int("global_tokens", global_tokens)
+    check_non_negative_int("global_tokens", global_tokens)
     if not isinstance(block_q, int) or block_q < 1:
         raise ValueError(f"block_q must be a positive int, got {block_q!r}")
     resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=("gpu",))  # written for the GPU (Triton) lowering
     if resolved == "xla":
-        return ragged_paged_attention_reference(
-            q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens,
-            sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window=window, score=score,
-            sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
+        return _blocked_xla(
+            q, k_pages, v_pages, page_table, query_starts.astype(jnp.int32), query_lens.astype(jnp.int32),
+            kv_lens.astype(jnp.int32), block_q=block_q, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+            window=window, score=score, sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
         )
     owner, _, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
     return ragged_paged_attention_kernel(

@@ -154,9 +154,15 @@ def ragged_paged_attention_kernel(
         interpret=interpret,
         name="ragged_paged_attention",
     )(table, page_table.astype(jnp.int32), q_padded, k_pages, v_pages)
-    # Back to token order: row `offset` of sequence `owner`'s run is in item
-    # offsets[owner] + offset // block_q, row offset % block_q.
-    offset = jnp.arange(num_tokens) - query_starts[owner]
-    item = jnp.clip(offsets[owner] + offset // block_q, 0, max_items - 1)
+    return items_to_tokens(out_items, offsets, query_starts, owner, covered).astype(q.dtype)
+
+
+def items_to_tokens(out_items, item_offsets, query_starts, owner, covered):
+    """Rows of work items ``[max_items, block_q, ...]`` back in token order ``[num_tokens,
+    ...]`` (zeros for padding tokens): row ``offset`` of sequence ``owner``'s run is in
+    item ``item_offsets[owner] + offset // block_q``, row ``offset % block_q``."""
+    max_items, block_q = out_items.shape[:2]
+    offset = jnp.arange(owner.shape[0]) - query_starts[owner]
+    item = jnp.clip(item_offsets[owner] + offset // block_q, 0, max_items - 1)
     gathered = out_items[item, offset % block_q]
-    return jnp.where(covered[:, None, None], gathered, 0).astype(q.dtype)
+    return jnp.where(covered.reshape(-1, *[1] * (gathered.ndim - 1)), gathered, 0)

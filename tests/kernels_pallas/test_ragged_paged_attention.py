@@ -108,6 +108,9 @@ def _numpy_causal_run(q_run, keys, values, kv_len, *, window=None, global_tokens
         dict(window=(4, 0), global_tokens=10),
         dict(score="sigmoid", sigmoid_bias=-2.5),
         dict(window=(2, 0), global_tokens=3, score="sigmoid", sigmoid_bias=-1.0),
+        # The XLA path works in blocks of block_q queries of one sequence, as the kernel.
+        dict(block_q=4, window=(4, 0), global_tokens=10),
+        dict(block_q=1),
     ],
 )
 def test_xla_path_matches_hand_computed_attention(rng, options):
