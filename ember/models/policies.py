@@ -19,7 +19,8 @@ Action heads return a small distribution object (a ``flax.struct`` pytree, so it
 Learners store the *raw* sample ``u`` and evaluate ``log_prob(u)`` on it, which keeps the
 PPO ratio exact for both clipping and squashing. Torsos are MLPs or, for image
 observations ``[batch, height, width, channels]`` (MinAtar, the maze), a small CNN.
-Initialisation follows the PPO implementation details (orthogonal, gain sqrt(2) in the
+Initialisation follows the PPO implementation details (orthogonal, safe to vmap: see
+``ember.models.initializers``; gain sqrt(2) in the
 torso, 0.01 on the policy head and 1 on the value head).
 """
 
@@ -34,6 +35,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from ember.models.initializers import orthogonal
 
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu, "gelu": nn.gelu, "silu": nn.silu}
 TORSOS = ("mlp", "cnn")
@@ -175,7 +178,7 @@ class PolicyConfig:
 
 
 def _dense(features: int, gain: float, name: str | None = None) -> nn.Dense:
-    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(gain), bias_init=nn.initializers.zeros, name=name)
+    return nn.Dense(features, kernel_init=orthogonal(gain), bias_init=nn.initializers.zeros, name=name)
 
 
 class Torso(nn.Module):
@@ -193,7 +196,7 @@ class Torso(nn.Module):
         x = obs.astype(jnp.float32)
         if self.torso == "cnn":
             for channels in self.cnn_channels:
-                x = act(nn.Conv(channels, (3, 3), kernel_init=nn.initializers.orthogonal(math.sqrt(2.0)))(x))
+                x = act(nn.Conv(channels, (3, 3), kernel_init=orthogonal(math.sqrt(2.0)))(x))
             x = x.reshape(*x.shape[:-3], -1)
         for width in self.hidden_sizes:
             x = act(_dense(width, math.sqrt(2.0))(x))
