@@ -34,10 +34,21 @@ def sample_tokens(logits: jax.Array, settings: dict[str, jax.Array]) -> tuple[ja
       log-probabilities under the unmodified model distribution ``log_softmax(logits)``.
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
     temperature = settings["temperature"]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # A batch of greedy rows skips the sort over the vocabulary (a decision on device).
+    tokens = jax.lax.cond(
+        jnp.any(temperature > 0), lambda: jnp.where(temperature > 0, _draw(logits, settings), greedy), lambda: greedy
+    )
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
 
+
+def _draw(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
+    """A random draw per row from ``logits [rows, vocab]`` at the row's temperature, within
+    its top-k and top-p (meaningless for rows with temperature 0)."""
+    vocab = logits.shape[-1]
+    temperature = settings["temperature"]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     ordered = -jnp.sort(-scaled, axis=-1)  # [rows, vocab], descending
     rank = jnp.arange(vocab)[None, :]
@@ -54,10 +65,7 @@ def sample_tokens(logits: jax.Array, settings: dict[str, jax.Array]) -> tuple[ja
     keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.PRNGKey(seed), index))(
         settings["seed"], settings["sample_index"]
     )
-    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    tokens = jnp.where(temperature > 0, drawn, greedy)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
 
 def settings_array(rows: int) -> dict[str, np.ndarray]:
