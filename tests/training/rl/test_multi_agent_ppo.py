@@ -51,9 +51,9 @@ def test_normalisation_options_are_refused_for_multi_agent_training(option):
     ("config_name", "min_margin"),
     [
         # measured on CPU, greedy return per agent over 100 episodes (std error of each mean ~0.4):
-        # IPPO ~-21.5, random ~-26
-        ("ippo_simple_spread.yaml", 2.5),
-        ("ippo_simple_spread_jaxmarl.yaml", 2.5),
+        # IPPO -17.5 to -18.7 over seeds 0-9, through JaxMARL -19.0 to -19.8 (seeds 0-2), random -26.4
+        ("ippo_simple_spread.yaml", 5.0),
+        ("ippo_simple_spread_jaxmarl.yaml", 5.0),
         # MAPPO -18.5 (seed 0), -17.5 to -18.7 over seeds 0-15 (see the config), random -26.4
         ("mappo_simple_spread.yaml", 5.0),
     ],
