@@ -218,7 +218,11 @@ def _instantiate(schema: type[T], merged: DictConfig) -> T:
         cause = error.__cause__ or error.__context__
         if isinstance(cause, ConfigError):
             raise cause from None
+        if isinstance(cause, ValueError):  # a nested section's own validation (__post_init__)
+            raise ConfigError(f"invalid config: {cause}", key=getattr(error, "full_key", None)) from None
         raise ConfigError(f"invalid config: {error.msg}", key=getattr(error, "full_key", None)) from None
+    except ValueError as error:  # the top-level schema's own validation (__post_init__)
+        raise ConfigError(f"invalid config: {error}") from None
 
 
 def _translate_error(error: Exception, schema: type, layer: DictConfig, origin: str) -> ConfigError:

@@ -111,6 +111,40 @@ def test_schema_validation_errors_pass_through_with_their_key():
     assert "optim.lr must be positive, got -1.0" in str(info.value)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlainValidatedSection:
+    width: int = 1
+
+    def __post_init__(self):
+        if self.width < 1:
+            raise ValueError(f"section.width must be positive, got {self.width}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainValidatedConfig:
+    """Validates with a plain ValueError, top level and nested, as most Ember schemas do."""
+
+    mode: str = "a"
+    section: PlainValidatedSection = dataclasses.field(default_factory=PlainValidatedSection)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        if self.mode not in ("a", "b"):
+            raise ValueError(f"mode must be 'a' or 'b', got {self.mode!r}")
+        if self.train.steps < 0:
+            raise ValueError(f"train.steps must be >= 0, got {self.train.steps}")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("mode=c", "mode must be 'a' or 'b', got 'c'"),
+    ("train.steps=-2", "train.steps must be >= 0, got -2"),
+    ("section.width=0", "section.width must be positive, got 0"),
+])
+def test_plain_value_errors_of_a_schema_become_config_errors(override, message):
+    with pytest.raises(ConfigError, match=f"invalid config: {message}"):
+        load_config(PlainValidatedConfig, None, [override])
+
+
 def test_base_file_inheritance_chain(tmp_path):
     (tmp_path / "sub").mkdir()
     write(tmp_path / "root.yaml", "run_dir: runs/root\nseed: 1\ntrain:\n  steps: 10\n  batch_size: 4\n")

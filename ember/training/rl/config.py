@@ -8,8 +8,8 @@
     ppo: {total_timesteps: 150000, learning_rate: 1.0e-3}
     eval: {episodes: 100}
 
-Only the section of ``algo`` is used (``ippo`` and ``mappo`` read ``ppo:``); the others
-keep their defaults.
+Only the section of ``algo`` is used (``ippo`` and ``mappo`` read ``ppo:``); setting the
+other section is an error, since its keys would silently do nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ class RLConfig:
             raise ValueError(f"kind must be 'rl' for an RL config, got {self.kind!r}")
         if self.algo not in ALGORITHMS:
             raise ValueError(f"algo must be one of {ALGORITHMS}, got {self.algo!r}")
+        unused = "ppo" if self.algo == "dqn" else "dqn"
+        section = getattr(self, unused)
+        if section != type(section)():
+            used = "dqn" if unused == "ppo" else "ppo"
+            raise ValueError(
+                f"algo {self.algo!r} reads the {used}: section, not {unused}:; the {unused}: settings given "
+                f"would have no effect (remove them, or choose an algo that uses them)"
+            )
 
 
 __all__ = ["ALGORITHMS", "ENV_SOURCES", "EnvConfig", "EvalConfig", "RLConfig"]

@@ -63,6 +63,11 @@ def test_train_rejects_unknown_keys_with_a_suggestion(tmp_path, capsys):
     assert "ppo.num_envs" in capsys.readouterr().err
 
 
+def test_train_rejects_settings_of_the_section_algo_does_not_read(tmp_path, capsys):
+    assert main(["train", str(CONFIG), f"run_dir={tmp_path}", "algo=dqn", "ppo.normalize_observations=true"]) == 2
+    assert "algo 'dqn' reads the dqn: section, not ppo:" in capsys.readouterr().err
+
+
 def test_observation_statistics_are_saved_and_evaluated_frozen(tmp_path, capsys):
     run_dir = tmp_path / "run"
     overrides = [
