@@ -66,13 +66,11 @@ def ragged_paged_attention_reference(
     ``num_tokens * max_pages_per_seq * page_size`` (the ``"xla"`` path gathers per block
     of queries instead). Returns ``[num_tokens, heads, head_dim]``
     in ``q.dtype``."""
-    num_tokens, heads, head_dim, num_seqs = _check_args(q, page_table, query_starts, query_lens, kv_lens)
-    cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
-    logits_soft_cap = check_soft_cap(logits_soft_cap)
-    window = check_window(window)
-    sigmoid_bias = check_score(score, sigmoid_bias)
-    check_non_negative_int("global_tokens", global_tokens)
-    owner, position, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
+    _, logits_soft_cap, window, sigmoid_bias = _check_call(
+        q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens,
+        logits_soft_cap=logits_soft_cap, window=window, score=score, sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
+    )
+    owner, position, covered = token_owners(query_starts, query_lens, kv_lens, q.shape[0])
     keys = gather_sequence_kv(k_pages, page_table[owner])  # [T, max_len, kv_heads, d]
     values = gather_sequence_kv(v_pages, page_table[owner])
     out = _attend_rows(
@@ -213,12 +211,11 @@ def ragged_paged_attention(
         (an unknown ``score``, ``sigmoid_bias`` missing with ``"sigmoid"`` or given with
         ``"softmax"``, a negative ``global_tokens``).
     """
-    num_tokens, heads, head_dim, num_seqs = _check_args(q, page_table, query_starts, query_lens, kv_lens)
-    cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
-    logits_soft_cap = check_soft_cap(logits_soft_cap)
-    window = check_window(window)
-    sigmoid_bias = check_score(score, sigmoid_bias)
-    check_non_negative_int("global_tokens", global_tokens)
+    cache, logits_soft_cap, window, sigmoid_bias = _check_call(
+        q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens,
+        logits_soft_cap=logits_soft_cap, window=window, score=score, sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
+    )
+    num_tokens, _, head_dim = q.shape
     if not isinstance(block_q, int) or block_q < 1:
         raise ValueError(f"block_q must be a positive int, got {block_q!r}")
     resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=("gpu",))  # written for the GPU (Triton) lowering
@@ -258,7 +255,10 @@ def check_score(score, sigmoid_bias) -> float | None:
     return float(sigmoid_bias)
 
 
-def _check_args(q, page_table, query_starts, query_lens, kv_lens) -> tuple[int, int, int, int]:
+def _check_call(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, *, logits_soft_cap, window, score,
+                sigmoid_bias, global_tokens):
+    """Validates the arguments the op and its reference share; returns ``(cache shape,
+    logits_soft_cap, window, sigmoid_bias)`` in their checked forms."""
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"q must have rank 3 [num_tokens, heads, head_dim], got shape {getattr(q, 'shape', None)}")
     if getattr(page_table, "ndim", None) != 2:
@@ -269,4 +269,7 @@ def _check_args(q, page_table, query_starts, query_lens, kv_lens) -> tuple[int, 
     check_lengths("query_starts", query_starts, num_seqs)
     check_lengths("query_lens", query_lens, num_seqs)
     check_lengths("kv_lens", kv_lens, num_seqs)
-    return (*q.shape, num_seqs)
+    _, heads, head_dim = q.shape
+    cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
+    check_non_negative_int("global_tokens", global_tokens)
+    return cache, check_soft_cap(logits_soft_cap), check_window(window), check_score(score, sigmoid_bias)

@@ -26,7 +26,6 @@ rather than a function of the chunk, keys are padded (masked) to ``max_seq_len``
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -34,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.core.sharding import constrain
+from ember.kernels_pallas.attention_math import default_sigmoid_bias
 from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import flash_attention
 from ember.kernels_pallas.paged_attention import paged_attention
@@ -119,7 +119,7 @@ def _attend_ragged(q, k, v, pages, *, config, kind, paging, positions, valid, op
     score_options: dict[str, Any] = dict(logits_soft_cap=options["logits_soft_cap"], impl=options["impl"])
     if config.score == "sigmoid":
         # The bias of the uncached pass, whose keys are padded to max_seq_len.
-        score_options.update(score="sigmoid", sigmoid_bias=-math.log(config.max_seq_len))
+        score_options.update(score="sigmoid", sigmoid_bias=default_sigmoid_bias(config.max_seq_len))
     if kind == "block_sparse":
         score_options["global_tokens"] = config.global_tokens
     out = ragged_paged_attention(
