@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.core.tokenizer import tokenizer_from_description
-from ember.serving.program import DeviceProgram, resolve_token_buckets, step_argument_specs
+from ember.serving.program import LAYOUT_FIELDS, DeviceProgram, resolve_token_buckets, step_argument_specs
 
 FORMAT_VERSION = 2
 
@@ -34,16 +34,16 @@ def export_program(config: Any, params: Any, out_dir: str | Path, *, tokenizer: 
                    max_context: int | None = None, num_pages: int | None = None) -> Path:
     """Writes the artifact of ``DecoderLM(config)`` with ``params`` to ``out_dir``
     (sizes as in :func:`ember.serving.model_program.build_program`)."""
-    from ember.serving.model_program import init_pages, jitted_step, program_sizes  # model code: export side only
+    from ember.serving.model_program import init_pages, jitted_step, program_layout  # model code: export side only
 
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
-    max_context, pages_per_seq, num_pages = program_sizes(config, num_slots, max_context, num_pages)
-    kv = jax.eval_shape(lambda: init_pages(config, num_pages))
+    layout = program_layout(config, num_slots, max_context, num_pages)
+    kv = jax.eval_shape(lambda: init_pages(config, layout["num_pages"]))
     step = jitted_step(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for size in buckets:
-        exported = jax.export.export(step)(*step_argument_specs(params, kv, num_slots, size, pages_per_seq))
+        exported = jax.export.export(step)(*step_argument_specs(params, kv, num_slots, size, layout["pages_per_seq"]))
         (out / f"step_t{size}.jaxexport").write_bytes(exported.serialize())
     leaves = jax.tree.leaves(params)
     np.savez(out / "params.npz", **{f"leaf_{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
@@ -51,12 +51,7 @@ def export_program(config: Any, params: Any, out_dir: str | Path, *, tokenizer: 
     manifest = dict(
         format_version=FORMAT_VERSION,
         token_buckets=list(buckets),
-        num_slots=num_slots,
-        pages_per_seq=pages_per_seq,
-        page_size=config.page_size,
-        num_pages=num_pages,
-        vocab_size=config.vocab_size,
-        max_context=max_context,
+        **layout,
         tokenizer=description,
         eos_id=eos_id,
     )
@@ -90,17 +85,7 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
     for size, function in exported.items():
         specs = jax.tree_util.tree_unflatten(args_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in function.in_avals])
         steps[size] = jax.jit(function.call, donate_argnums=1).lower(*specs).compile()
-    program = DeviceProgram(
-        steps=steps,
-        params=params,
-        kv=kv,
-        num_slots=manifest["num_slots"],
-        pages_per_seq=manifest["pages_per_seq"],
-        page_size=manifest["page_size"],
-        num_pages=manifest["num_pages"],
-        vocab_size=manifest["vocab_size"],
-        max_context=manifest["max_context"],
-    )
+    program = DeviceProgram(steps=steps, params=params, kv=kv, **{name: manifest[name] for name in LAYOUT_FIELDS})
     tokenizer = tokenizer_from_description(manifest["tokenizer"]) if manifest["tokenizer"] else None
     return program, tokenizer, manifest["eos_id"]
 

@@ -82,32 +82,31 @@ def build_program(
       kv_dtype: page dtype; default the model's compute dtype.
     """
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
-    max_context, pages_per_seq, num_pages = program_sizes(config, num_slots, max_context, num_pages)
-    kv = init_pages(config, num_pages, kv_dtype)
+    layout = program_layout(config, num_slots, max_context, num_pages)
+    kv = init_pages(config, layout["num_pages"], kv_dtype)
     step = jitted_step(config)
     steps = {
-        size: step.lower(*step_argument_specs(params, kv, num_slots, size, pages_per_seq)).compile() for size in buckets
+        size: step.lower(*step_argument_specs(params, kv, num_slots, size, layout["pages_per_seq"])).compile()
+        for size in buckets
     }
-    return DeviceProgram(
-        steps=steps,
-        params=params,
-        kv=kv,
+    return DeviceProgram(steps=steps, params=params, kv=kv, **layout)
+
+
+def program_layout(config: ModelConfig, num_slots: int, max_context: int | None, num_pages: int | None) -> dict[str, int]:
+    """The size fields of a program of ``DecoderLM(config)`` (``ember.serving.program.LAYOUT_FIELDS``),
+    with the defaults of :func:`build_program` filled in and checked."""
+    max_context = config.max_seq_len if max_context is None else max_context
+    if not 1 <= max_context <= config.max_seq_len:
+        raise ValueError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}")
+    pages_per_seq = math.ceil(max_context / config.page_size)
+    return dict(
         num_slots=num_slots,
         pages_per_seq=pages_per_seq,
         page_size=config.page_size,
-        num_pages=num_pages,
+        num_pages=num_slots * pages_per_seq if num_pages is None else num_pages,
         vocab_size=config.vocab_size,
         max_context=max_context,
     )
 
 
-def program_sizes(config: ModelConfig, num_slots: int, max_context: int | None, num_pages: int | None) -> tuple[int, int, int]:
-    """``(max_context, pages_per_seq, num_pages)`` with the defaults filled in and checked."""
-    max_context = config.max_seq_len if max_context is None else max_context
-    if not 1 <= max_context <= config.max_seq_len:
-        raise ValueError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}")
-    pages_per_seq = math.ceil(max_context / config.page_size)
-    return max_context, pages_per_seq, num_slots * pages_per_seq if num_pages is None else num_pages
-
-
-__all__ = ["build_program", "init_pages", "jitted_step", "model_step", "program_sizes"]
+__all__ = ["build_program", "init_pages", "jitted_step", "model_step", "program_layout"]

@@ -64,6 +64,13 @@ class DeviceProgram:
         return max(self.steps)
 
 
+LAYOUT_FIELDS: tuple[str, ...] = tuple(
+    field.name for field in dataclasses.fields(DeviceProgram) if field.name not in ("steps", "params", "kv")
+)
+"""``DeviceProgram``'s size fields: ``num_slots``, ``pages_per_seq``, ``page_size``, ``num_pages``,
+``vocab_size``, ``max_context``."""
+
+
 def batch_arrays(slots: int, num_tokens: int, pages_per_seq: int) -> dict[str, np.ndarray]:
     """Zeroed host buffers of one step's ``batch`` argument."""
     return {
@@ -97,4 +104,4 @@ def resolve_token_buckets(num_slots: int, token_budget: int, buckets: tuple[int,
     return tuple(sorted({int(b) for b in buckets}))
 
 
-__all__ = ["DeviceProgram", "StepFunction", "batch_arrays", "resolve_token_buckets", "step_argument_specs"]
+__all__ = ["LAYOUT_FIELDS", "DeviceProgram", "StepFunction", "batch_arrays", "resolve_token_buckets", "step_argument_specs"]
