@@ -25,7 +25,7 @@ def test_matches_jaxmarl_physics_observations_and_rewards(env_id, rng):
     reference = jaxmarl.make(CASES[env_id])
     assert env.agents == reference.agents
     ours_step = jax.jit(env.step)
-    ours_obs, ours_rewards = jax.jit(env.observation), jax.jit(lambda s: env.rewards(s, params) if "spread" in env_id else env.rewards(s))
+    ours_obs, ours_rewards = jax.jit(env.observation), jax.jit(lambda s: env.rewards(s, params))
     reference_step = jax.jit(reference.step_env)
     _, reference_state = reference.reset(rng)
     # Crowd the agents so that contact forces and collision rewards are exercised.

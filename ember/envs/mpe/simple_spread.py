@@ -9,25 +9,17 @@ terminates; truncated after 25 steps (PettingZoo's ``max_cycles``).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from ember.envs import noise as noise_lib
-from ember.envs.environment import EnvParams, EnvState
+from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
-from ember.envs.multi_agent import MultiAgentEnvironment
-from ember.envs.spaces import Box, Dict, Discrete
+from ember.envs.mpe.particle_world import AGENT_COLOUR, LANDMARK_COLOUR, MPEState, ParticleWorld
+from ember.envs.spaces import Box, Dict
 
-AGENT_COLOUR, LANDMARK_COLOUR = (115, 243, 115), (64, 64, 64)
 COMMUNICATION_DIM = 2
-
-
-@struct.dataclass
-class MPEState(EnvState):
-    pos: jax.Array  # [entities, 2], agents first
-    vel: jax.Array  # [entities, 2]
 
 
 @struct.dataclass
@@ -36,7 +28,7 @@ class SimpleSpreadParams(EnvParams):
     local_ratio: float = 0.5
 
 
-class SimpleSpread(MultiAgentEnvironment):
+class SimpleSpread(ParticleWorld):
     def __init__(self, num_agents: int = 3, num_landmarks: int = 3):
         if num_agents < 1 or num_landmarks < 1:
             raise ValueError(f"SimpleSpread: need >= 1 agent and landmark, got {num_agents}, {num_landmarks}")
@@ -62,13 +54,6 @@ class SimpleSpread(MultiAgentEnvironment):
         pos = noise_lib.uniform(noise, -1.0, 1.0).reshape(-1, 2)
         state = MPEState(time=jnp.int32(0), pos=pos, vel=jnp.zeros_like(pos))
         return self.observation(state), state
-
-    def step_env(self, noise, state, actions, params):
-        action_array = jnp.stack([actions[agent] for agent in self.agents])
-        force = physics.action_force(action_array, self.accel).astype(state.pos.dtype)
-        pos, vel = physics.world_step(state.pos, state.vel, force, self.bodies)
-        state = state.replace(pos=pos, vel=vel)
-        return self.observation(state), state, self.rewards(state, params), jnp.asarray(False), {}
 
     def observation(self, state: MPEState) -> dict:
         n = self.num_agents
@@ -99,9 +84,6 @@ class SimpleSpread(MultiAgentEnvironment):
     def observation_space(self, params):
         size = 4 + 2 * self.num_landmarks + (2 + COMMUNICATION_DIM) * (self.num_agents - 1)
         return Dict({agent: Box(-np.inf, np.inf, (size,)) for agent in self.agents})
-
-    def action_space(self, params):
-        return Dict({agent: Discrete(5) for agent in self.agents})
 
     def render(self, state, params):
         colours = [AGENT_COLOUR] * self.num_agents + [LANDMARK_COLOUR] * self.num_landmarks

@@ -21,9 +21,8 @@ from flax import struct
 from ember.envs import noise as noise_lib
 from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
-from ember.envs.mpe.simple_spread import AGENT_COLOUR, LANDMARK_COLOUR, MPEState
-from ember.envs.multi_agent import MultiAgentEnvironment
-from ember.envs.spaces import Box, Dict, Discrete
+from ember.envs.mpe.particle_world import AGENT_COLOUR, LANDMARK_COLOUR, MPEState, ParticleWorld
+from ember.envs.spaces import Box, Dict
 
 ADVERSARY_COLOUR = (243, 115, 115)
 
@@ -38,7 +37,7 @@ def boundary_penalty(x: jax.Array) -> jax.Array:
     return jnp.where(x < 0.9, 0.0, jnp.where(x < 1.0, (x - 0.9) * 10, jnp.minimum(jnp.exp(2 * x - 2), 10.0)))
 
 
-class SimpleTag(MultiAgentEnvironment):
+class SimpleTag(ParticleWorld):
     def __init__(self, num_good: int = 1, num_adversaries: int = 3, num_obstacles: int = 2):
         if num_good < 1 or num_adversaries < 1 or num_obstacles < 0:
             raise ValueError(
@@ -69,13 +68,6 @@ class SimpleTag(MultiAgentEnvironment):
         state = MPEState(time=jnp.int32(0), pos=pos, vel=jnp.zeros_like(pos))
         return self.observation(state), state
 
-    def step_env(self, noise, state, actions, params):
-        action_array = jnp.stack([actions[agent] for agent in self.agents])
-        force = physics.action_force(action_array, self.accel).astype(state.pos.dtype)
-        pos, vel = physics.world_step(state.pos, state.vel, force, self.bodies)
-        state = state.replace(pos=pos, vel=vel)
-        return self.observation(state), state, self.rewards(state), jnp.asarray(False), {}
-
     def observation(self, state: MPEState) -> dict:
         n, a = self.num_agents, self.num_adversaries
         observations = {}
@@ -93,7 +85,8 @@ class SimpleTag(MultiAgentEnvironment):
             )
         return observations
 
-    def rewards(self, state: MPEState) -> dict:
+    def rewards(self, state: MPEState, params) -> dict:
+        del params  # simple_tag's rewards have no parameters
         a = self.num_adversaries
         contacts = physics.colliding(state.pos, self.bodies)[a : self.num_agents, :a]  # [good, adversary]
         adversary_reward = 10.0 * contacts.sum()
@@ -109,9 +102,6 @@ class SimpleTag(MultiAgentEnvironment):
             return 4 + 2 * self.num_obstacles + 2 * (self.num_agents - 1) + 2 * good_others
 
         return Dict({agent: Box(-np.inf, np.inf, (size(i),)) for i, agent in enumerate(self.agents)})
-
-    def action_space(self, params):
-        return Dict({agent: Discrete(5) for agent in self.agents})
 
     def render(self, state, params):
         colours = [ADVERSARY_COLOUR] * self.num_adversaries + [AGENT_COLOUR] * self.num_good
