@@ -89,7 +89,6 @@ def make_train(
     policy = make_policy(config, env, env_params)
     critic_input = global_state if centralised_critic else (lambda obs: obs)
     num_updates = config.num_updates
-    anneal_steps = num_updates * config.update_epochs * config.num_minibatches if config.anneal_lr else None
 
     def train(rng: jax.Array, hyperparams: PPOHyperparams | None = None) -> dict[str, Any]:
         hp = PPOHyperparams.from_config(config) if hyperparams is None else hyperparams
@@ -97,7 +96,7 @@ def make_train(
         obs_dict, env_state = envs.reset(reset_key, env_params)
         obs = stack_agents(obs_dict, agents)  # [N, A, obs_dim]
         params = policy.init(init_key, obs, critic_input(obs))
-        optimizer = make_optimizer(hp.learning_rate, hp.max_grad_norm, anneal_steps=anneal_steps)
+        optimizer = make_optimizer(hp.learning_rate, hp.max_grad_norm, anneal_steps=config.anneal_steps)
         train_state = TrainState.create(apply_fn=policy.apply, params=params, tx=optimizer)
         running_return = jnp.zeros(config.num_envs)
         running_length = jnp.zeros(config.num_envs, jnp.int32)

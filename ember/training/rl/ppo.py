@@ -85,6 +85,11 @@ class PPOConfig:
     def num_updates(self) -> int:
         return self.total_timesteps // (self.num_envs * self.num_steps)
 
+    @property
+    def anneal_steps(self) -> int | None:
+        """Optimizer steps over which the learning rate decays to 0 (``None``: constant)."""
+        return self.num_updates * self.update_epochs * self.num_minibatches if self.anneal_lr else None
+
 
 @struct.dataclass
 class PPOHyperparams:
@@ -239,14 +244,13 @@ def make_train(
         envs = NormalizeObservation(envs)
     policy = make_policy(config, env, env_params)
     num_updates = config.num_updates
-    anneal_steps = num_updates * config.update_epochs * config.num_minibatches if config.anneal_lr else None
 
     def train(rng: jax.Array, hyperparams: PPOHyperparams | None = None) -> dict[str, Any]:
         hp = PPOHyperparams.from_config(config) if hyperparams is None else hyperparams
         rng, init_key, reset_key = jax.random.split(rng, 3)
         obs, env_state = envs.reset(reset_key, env_params)
         params = policy.init(init_key, obs)
-        optimizer = make_optimizer(hp.learning_rate, hp.max_grad_norm, anneal_steps=anneal_steps)
+        optimizer = make_optimizer(hp.learning_rate, hp.max_grad_norm, anneal_steps=config.anneal_steps)
         train_state = TrainState.create(apply_fn=policy.apply, params=params, tx=optimizer)
 
         def rollout_step(carry, key):
