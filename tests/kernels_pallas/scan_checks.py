@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests.host_random import numpy_rng
+from tests.tolerances import assert_allclose
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,3 +38,17 @@ def values_and_grads(fn, inputs, cotangent_key, *, grad_args, output_like, **opt
     loss_and_grads = _jitted_loss_and_grads(fn, tuple(sorted(options.items())))
     (_, results), grads = loss_and_grads(differentiable, inputs["segment_ids"], cotangents)
     return results, grads
+
+
+def assert_forms_agree(forms, expected, expected_grads, *, dtype, grad_args, output_name):
+    """Each ``forms[name] = ((outputs, final_state), grads)`` (from :func:`values_and_grads`)
+    equals the reference's ``expected``/``expected_grads`` within ``dtype``'s tolerance:
+    the final state and the gradients sum over the sequence, so they get looser scales."""
+    for form, (actual, grads) in forms.items():
+        assert actual[0].dtype == dtype
+        assert_allclose(actual[0], expected[0], dtype=dtype, err_msg=f"{form} {output_name}")
+        # The final state sums every token's contribution: error grows with the sequence.
+        assert_allclose(actual[1], expected[1], dtype=dtype, scale=4.0, err_msg=f"{form} final state")
+        for name in grad_args:
+            # Gradients sum over the sequence (and batch and channels) and the cotangents.
+            assert_allclose(grads[name], expected_grads[name], dtype=dtype, scale=8.0, err_msg=f"{form} d{name}")

@@ -76,14 +76,7 @@ def test_chunked_scan_and_quadratic_agree_in_values_and_gradients(rng, impl, dty
         "chunked": values_and_grads(linear_attention, inputs, key_cotangent, chunk_size=8, impl=impl),
         "quadratic": values_and_grads(linear_attention_quadratic, inputs, key_cotangent),
     }
-    for form, (actual, grads) in forms.items():
-        assert actual[0].dtype == dtype
-        assert_allclose(actual[0], expected[0], dtype=dtype, err_msg=f"{form} outputs")
-        # The final state sums every token's contribution: error grows with the sequence.
-        assert_allclose(actual[1], expected[1], dtype=dtype, scale=4.0, err_msg=f"{form} final state")
-        for name in GRAD_ARGS:
-            # Gradients sum over the whole sequence and the cotangents: looser by that factor.
-            assert_allclose(grads[name], expected_grads[name], dtype=dtype, scale=8.0, err_msg=f"{form} d{name}")
+    scan_checks.assert_forms_agree(forms, expected, expected_grads, dtype=dtype, grad_args=GRAD_ARGS, output_name="outputs")
 
 
 def test_kernel_splits_wide_values_across_programs(rng):

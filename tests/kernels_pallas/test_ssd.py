@@ -65,14 +65,7 @@ def test_chunked_scan_and_quadratic_agree_in_values_and_gradients(rng, impl, dty
         "chunked": values_and_grads(ssd, inputs, key_cotangent, chunk_size=8, impl=impl),
         "quadratic": values_and_grads(ssd_quadratic, inputs, key_cotangent),
     }
-    for form, (actual, grads) in forms.items():
-        assert actual[0].dtype == dtype
-        assert_allclose(actual[0], expected[0], dtype=dtype, err_msg=f"{form} y")
-        # The final state sums every token's contribution: error grows with the sequence.
-        assert_allclose(actual[1], expected[1], dtype=dtype, scale=4.0, err_msg=f"{form} final state")
-        for name in GRAD_ARGS:
-            # Gradients of A, D and dt_bias sum over batch, sequence and channels.
-            assert_allclose(grads[name], expected_grads[name], dtype=dtype, scale=8.0, err_msg=f"{form} d{name}")
+    scan_checks.assert_forms_agree(forms, expected, expected_grads, dtype=dtype, grad_args=GRAD_ARGS, output_name="y")
 
 
 def test_results_do_not_depend_on_chunk_size(rng):
