@@ -206,6 +206,13 @@ class ModelConfig:
         return tuple(self.block_pattern[i % period] for i in range(self.num_layers))
 
     @property
+    def state_layer_kinds(self) -> tuple[str, ...]:
+        """The model's layer kinds outside the softmax family (sorted): those whose cache
+        holds per-sequence state besides K/V pages (CCA's convolution tails, linear
+        attention's recurrent state)."""
+        return tuple(sorted(set(self.layer_kinds) - set(SOFTMAX_FAMILY)))
+
+    @property
     def policy(self) -> Precision:
         return Precision.from_string(self.precision)
 

@@ -173,7 +173,7 @@ class DecoderLM(nn.Module):
 
     def _ragged_paging(self, cache, tokens, positions, segment_ids):
         """``(paging, positions [1, num_tokens], valid [1, num_tokens])`` of a ragged cache."""
-        unsupported = sorted(set(self.config.layer_kinds) - set(SOFTMAX_FAMILY))
+        unsupported = self.config.state_layer_kinds
         if unsupported:
             raise ValueError(
                 f"a ragged cache serves softmax-attention layers ({', '.join(SOFTMAX_FAMILY)}) only; this model "

@@ -36,7 +36,7 @@ def model_step(model: DecoderLM, params: Any, kv: Any, batch: dict[str, jax.Arra
 def init_pages(config: ModelConfig, num_pages: int, dtype: Any = None) -> dict[str, Any]:
     """An empty page pool: ``{"block_<j>": {"k_pages", "v_pages"}}``, each
     ``[groups, num_pages, page_size, kv_heads, head_dim]``."""
-    unsupported = sorted(set(config.layer_kinds) - set(SOFTMAX_FAMILY))
+    unsupported = config.state_layer_kinds
     if unsupported:
         raise ValueError(
             f"the serving engine runs softmax-attention layers ({', '.join(SOFTMAX_FAMILY)}) only; this model "
