@@ -1,2 +1,63 @@
 """Pallas kernels, one file per op: the public op, its plain-jnp ``*_reference`` and a
-dispatcher over ``impl`` in {"auto", "pallas", "interpret", "xla"} (DESIGN.md section 4)."""
+dispatcher over ``impl`` in {"auto", "pallas", "interpret", "xla"} (DESIGN.md section 4).
+
+The package gives the ops themselves::
+
+    from ember.kernels_pallas import flash_attention, FlashBlockSizes, CausalMask
+    out = flash_attention(q, k, v, block_mask=CausalMask(), impl="interpret")
+
+Each op's name is both a function here and the file defining it
+(``ember/kernels_pallas/flash_attention.py``). The package attribute is the function; the
+file's other names are imported from the file, ``from ember.kernels_pallas.flash_attention
+import attention_problem`` (``importlib.import_module`` also returns the module). Do not
+write ``import ember.kernels_pallas.flash_attention as m``: Python resolves ``m`` through
+the package attribute, so ``m`` is the function.
+"""
+
+# Each op's file is imported (and bound as a package attribute) before its function
+# replaces that attribute; nothing later re-imports an op file, so the function stays.
+from ember.kernels_pallas.block_mask import (
+    BlockMask,
+    CausalMask,
+    ChunkedCausalMask,
+    ExplicitBlockMask,
+    LocalGlobalMask,
+    LocalMask,
+)
+from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
+from ember.kernels_pallas.linear_attention import (
+    ChunkSize,
+    linear_attention,
+    linear_attention_reference,
+    linear_attention_step,
+)
+from ember.kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from ember.kernels_pallas.short_conv import short_conv, short_conv_reference, short_conv_step
+from ember.kernels_pallas.ssd import ssd, ssd_reference, ssd_step
+
+__all__ = [
+    "BlockMask",
+    "CausalMask",
+    "ChunkSize",
+    "ChunkedCausalMask",
+    "ExplicitBlockMask",
+    "FlashBlockSizes",
+    "LocalGlobalMask",
+    "LocalMask",
+    "flash_attention",
+    "flash_attention_reference",
+    "linear_attention",
+    "linear_attention_reference",
+    "linear_attention_step",
+    "paged_attention",
+    "paged_attention_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "short_conv",
+    "short_conv_reference",
+    "short_conv_step",
+    "ssd",
+    "ssd_reference",
+    "ssd_step",
+]
