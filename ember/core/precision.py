@@ -2,7 +2,7 @@
 
     policy = Precision.from_string("bf16")      # f32 params, bf16 compute, f32 output
     policy = Precision.from_string("params=f32,compute=bf16,output=bf16")
-    x = policy.cast_to_compute(x)
+    policy.compute_dtype                        # dtype('bfloat16'), for a module's ``dtype``
 
 Named policies: ``f32`` (everything float32), ``bf16`` (float32 master weights, bfloat16
 compute, float32 outputs — the usual mixed-precision training set-up), ``f16`` (the same
@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 DTYPE_NAMES: dict[str, Any] = {
     "f32": jnp.float32, "float32": jnp.float32, "fp32": jnp.float32,
@@ -88,28 +86,6 @@ class Precision:
     @property
     def output_dtype(self) -> jnp.dtype:
         return parse_dtype(self.output)
-
-    def cast_to_param(self, tree: Any) -> Any:
-        return _cast_floating(tree, self.param_dtype)
-
-    def cast_to_compute(self, tree: Any) -> Any:
-        return _cast_floating(tree, self.compute_dtype)
-
-    def cast_to_output(self, tree: Any) -> Any:
-        return _cast_floating(tree, self.output_dtype)
-
-
-def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
-    """Casts floating-point leaves to ``dtype``; integer and boolean leaves are left alone."""
-
-    def cast(leaf):
-        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
-            return leaf.astype(dtype)
-        if isinstance(leaf, (float, np.floating)):
-            return jnp.asarray(leaf, dtype)
-        return leaf
-
-    return jax.tree.map(cast, tree)
 
 
 __all__ = ["DTYPE_NAMES", "Precision", "parse_dtype"]

@@ -16,10 +16,6 @@ import numpy as np
 
 from ember.serving.requests import SamplingParams
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "sample_index")
-"""The per-row arrays ``sample_tokens`` takes, in a dict (all ``[rows]``)."""
-
-
 def sample_tokens(logits: jax.Array, settings: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 
@@ -93,4 +89,4 @@ def settings_spec(rows: int) -> dict[str, Any]:
     return {name: jax.ShapeDtypeStruct(array.shape, array.dtype) for name, array in settings_array(rows).items()}
 
 
-__all__ = ["SAMPLING_FIELDS", "fill_settings", "sample_tokens", "settings_array", "settings_spec"]
+__all__ = ["fill_settings", "sample_tokens", "settings_array", "settings_spec"]
