@@ -1,7 +1,7 @@
 """Ember: a JAX/XLA research framework for efficient sequence models and RL environments.
 
-Subpackages (imports run one way: core <- kernels_pallas <- models <- training/serving,
-and core <- envs <- training):
+Subpackages (imports run one way: core <- kernels_pallas <- models <- serving <- training,
+and core <- envs <- training; serving never imports training):
 
 - ``ember.core``: config loading, mesh and logical-axis sharding, precision policy,
   registries, checkpoint I/O, tree helpers, errors.
