@@ -152,8 +152,8 @@ def references(path: Path, root: Path) -> tuple[Reference, ...]:
 def _references(relative: str, text: str) -> tuple[Reference, ...]:
     # Cached on the file's place and text: the checker's own tests run it on many copies
     # of the tree that differ in one file.
-    root = Path("/", relative).parents[len(Path(relative).parts) - 2]
-    collector = _Collector(Path("/", relative), root)
+    path = Path("/", relative)
+    collector = _Collector(path, Path("/", path.parts[1]))  # the tree's top directory, "/ember"
     collector.visit(ast.parse(text, filename=relative))
     return tuple(collector.references)
 
