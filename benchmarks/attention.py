@@ -156,14 +156,17 @@ def dense_rows(impl, baselines, q_lens, batch, heads, head_dim, dtype, causal_va
             flops = _attention_flops(batch, heads, q_len, q_len, head_dim, 0.5 if causal else 1.0)
             row = dict(section="dense", q_len=q_len, batch=batch, causal=causal)
             fwd, fwd_bwd = _fwd_and_fwd_bwd(lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c, impl=impl))
-            ours = (_time_or_error(fwd, q, k, v, repeats=repeats), _time_or_error(fwd_bwd, q, k, v, repeats=repeats))
-            row.update(ours_fwd_tflops=_tflops(flops, ours[0]), ours_fwd_bwd_tflops=_tflops(FWD_BWD_FLOP_RATIO * flops, ours[1]))
+            ours = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
+            row.update(
+                ours_fwd_tflops=_tflops(flops, ours[0]),
+                ours_fwd_bwd_tflops=_tflops(FWD_BWD_FLOP_RATIO * flops, ours[1]),
+            )
             ours_out = np.asarray(fwd(q, k, v).astype(jnp.float32)) if isinstance(ours[0], float) else None
             for name in baselines:
                 baseline = BASELINES[name]
                 fwd, fwd_bwd = _fwd_and_fwd_bwd(lambda q, k, v, c=causal, b=baseline: b.attend(q, k, v, c))
                 args = (q_scaled if baseline.prescaled_q else q, k, v)
-                theirs = (_time_or_error(fwd, *args, repeats=repeats), _time_or_error(fwd_bwd, *args, repeats=repeats))
+                theirs = tuple(_time_or_error(fn, *args, repeats=repeats) for fn in (fwd, fwd_bwd))
                 row[f"{name}_fwd_tflops"] = _tflops(flops, theirs[0])
                 row[f"{name}_fwd_bwd_tflops"] = _tflops(FWD_BWD_FLOP_RATIO * flops, theirs[1])
                 row[f"fwd_speedup_vs_{name}"] = _ratio(ours[0], theirs[0])
@@ -197,7 +200,7 @@ def block_sparse_rows(impl, baseline, batch, q_len, heads, head_dim, dtype, mask
     times = {}
     for name, attend in forms.items():
         fwd, fwd_bwd = _fwd_and_fwd_bwd(attend)
-        times[name] = (_time_or_error(fwd, q, k, v, repeats=repeats), _time_or_error(fwd_bwd, q, k, v, repeats=repeats))
+        times[name] = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
     row = dict(
         section="block_sparse", q_len=q_len, batch=batch, mask=repr(mask), live_blocks=int(live.sum()),
         total_blocks=int(live.size), live_fraction=float(live.mean()),
@@ -206,7 +209,8 @@ def block_sparse_rows(impl, baseline, batch, q_len, heads, head_dim, dtype, mask
     for name, (fwd_s, fwd_bwd_s) in times.items():
         row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = _ms(fwd_s), _ms(fwd_bwd_s)
     for part, index in (("fwd", 0), ("fwd_bwd", 1)):
-        row[f"{part}_speedup_vs_{baseline}_with_mask"] = _ratio(times["ours"][index], times[f"{baseline}_masked"][index])
+        theirs = times[f"{baseline}_masked"][index]
+        row[f"{part}_speedup_vs_{baseline}_with_mask"] = _ratio(times["ours"][index], theirs)
         row[f"{part}_speedup_vs_our_dense_causal"] = _ratio(times["ours"][index], times["ours_dense_causal"][index])
     return [row]
 
@@ -220,7 +224,7 @@ def sigmoid_rows(impl, q_len, batch, heads, head_dim, dtype, causal_values=(Fals
             fwd, fwd_bwd = _fwd_and_fwd_bwd(
                 lambda q, k, v, s=score, c=causal: flash_attention(q, k, v, score=s, causal=c, impl=impl)
             )
-            times[score] = (_time_or_error(fwd, q, k, v, repeats=repeats), _time_or_error(fwd_bwd, q, k, v, repeats=repeats))
+            times[score] = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
         rows.append(dict(
             section="sigmoid", q_len=q_len, batch=batch, causal=causal,
             softmax_fwd_ms=_ms(times["softmax"][0]), sigmoid_fwd_ms=_ms(times["sigmoid"][0]),
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
     path = write_results("attention", dict(
         impl=impl, dtype=jnp.dtype(dtype).name, gpu=gpu, device_value_checks=checks,
         measured_bandwidth_gbs=bandwidth, rows=rows,
-        note=None if gpu else "no GPU found: XLA paths at small sizes; kernels are checked by the test suite in interpret mode",
+        note=None if gpu else "no GPU found: XLA paths at small sizes; the test suite checks kernels in interpret mode",
     ))
     print(f"\nwrote {path}")
     return 0

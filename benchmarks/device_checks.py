@@ -73,11 +73,23 @@ TOY_CHECK_SIZES = CheckSizes(
 
 
 @dataclasses.dataclass(frozen=True)
+class Problem:
+    """One kernel call and its reference: ``kernel(**inputs)`` against ``reference(**inputs)``
+    on the floating inputs upcast to float32; with ``differentiable``, also their VJPs with
+    respect to every input (pass non-differentiable ones, e.g. integer ids, by closure)."""
+
+    kernel: Callable
+    reference: Callable
+    inputs: dict[str, jax.Array]
+    differentiable: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelCheck:
-    """One kernel's check: ``pairs(sizes, dtype, rng)`` returns ``{name: (got, want)}``."""
+    """One kernel's check: ``problem(sizes, dtype, rng)`` draws fresh inputs."""
 
     name: str
-    pairs: Callable[[CheckSizes, Any, np.random.Generator], dict[str, tuple[Any, Any]]]
+    problem: Callable[[CheckSizes, Any, np.random.Generator], Problem]
 
 
 def relative_error(got, want) -> float:
@@ -105,29 +117,35 @@ def _upcast(tree):
     return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def compare_vjp(kernel: Callable, reference: Callable, primals: dict[str, jax.Array], gen: np.random.Generator):
-    """``{name: (got, want)}`` for the outputs of ``kernel(**primals)`` and their VJP under
-    one random cotangent, against ``reference`` on the primals upcast to float32 and
-    evaluated at full matmul precision."""
+def program(fn: Callable, differentiable: bool) -> Callable:
+    """``run(inputs, cotangents) -> (outputs, input gradients or {})``: ``fn(**inputs)`` and,
+    if ``differentiable``, its VJP under ``cotangents`` (shaped like the outputs, float32)."""
 
-    def outputs_and_grads(fn, primals, cotangents):
-        outputs, vjp = jax.vjp(lambda p: fn(**p), primals)
+    def run(inputs, cotangents):
+        if not differentiable:
+            return fn(**inputs), {}
+        outputs, vjp = jax.vjp(lambda p: fn(**p), inputs)
         return outputs, vjp(jax.tree.map(lambda c, o: c.astype(o.dtype), cotangents, outputs))[0]
 
-    shapes = jax.eval_shape(lambda p: kernel(**p), primals)
-    cotangents = jax.tree.map(lambda s: _normal(gen, s.shape, jnp.float32), shapes)
-    got = _jit(outputs_and_grads, static_argnums=0)(kernel, primals, cotangents)
+    return run
+
+
+def random_cotangents(problem: Problem, gen: np.random.Generator):
+    """Float32 normals shaped like the kernel's outputs (``None`` if not differentiable)."""
+    if not problem.differentiable:
+        return None
+    shapes = jax.eval_shape(lambda p: problem.kernel(**p), problem.inputs)
+    return jax.tree.map(lambda s: _normal(gen, s.shape, jnp.float32), shapes)
+
+
+def compare(problem: Problem, gen: np.random.Generator) -> dict[str, tuple[Any, Any]]:
+    """``{name: (got, want)}`` for every output and input gradient of the kernel, against
+    the reference on the inputs upcast to float32, evaluated at full matmul precision."""
+    cotangents = random_cotangents(problem, gen)
+    got = _jit(program(problem.kernel, problem.differentiable))(problem.inputs, cotangents)
     with jax.default_matmul_precision("highest"):
-        want = _jit(outputs_and_grads, static_argnums=0)(reference, _upcast(primals), cotangents)
+        want = _jit(program(problem.reference, problem.differentiable))(_upcast(problem.inputs), cotangents)
     return _named_pairs(got, want)
-
-
-def compare_forward(kernel: Callable, reference: Callable, args: tuple):
-    """``{"out": (kernel(*args), reference(*float32 args))}`` for ops without a backward."""
-    got = _jit(kernel)(*args)
-    with jax.default_matmul_precision("highest"):
-        want = _jit(reference)(*_upcast(args))
-    return {"out": (got, want)}
 
 
 def _named_pairs(got, want) -> dict[str, tuple[Any, Any]]:
@@ -149,7 +167,7 @@ def _flash(**options) -> Callable:
     segments = options.pop("segments", False)
     heads_override = options.pop("kv_heads", None)
 
-    def pairs(sizes: CheckSizes, dtype, gen):
+    def problem(sizes: CheckSizes, dtype, gen):
         kv_heads = heads_override or sizes.kv_heads
         q_len, kv_len = (sizes.q_len, sizes.q_len) if segments or options.get("causal") else (sizes.q_len, sizes.kv_len)
         primals = dict(
@@ -160,7 +178,8 @@ def _flash(**options) -> Callable:
         extra = dict(options)
         if segments:
             boundaries = np.sort(gen.integers(1, q_len, size=(sizes.batch, 3)), axis=1)
-            extra["segment_ids"] = jnp.asarray((np.arange(q_len)[None, None] >= boundaries[..., None]).sum(1), jnp.int32)
+            documents = (np.arange(q_len)[None, None] >= boundaries[..., None]).sum(1)  # [batch, q_len], 0..3
+            extra["segment_ids"] = jnp.asarray(documents, jnp.int32)
         if extra.pop("explicit_blocks", False):
             grid = gen.random((-(-q_len // (2 * sizes.block)), -(-kv_len // (2 * sizes.block)))) < 0.5
             grid[:, 0] = True  # every query row sees something
@@ -173,9 +192,9 @@ def _flash(**options) -> Callable:
         def reference(q, k, v):
             return flash_attention_reference(q, k, v, **extra)
 
-        return compare_vjp(kernel, reference, primals, gen)
+        return Problem(kernel, reference, primals)
 
-    return pairs
+    return problem
 
 
 # ----------------------------------------------------------------------------- paged / ragged decode
@@ -192,47 +211,59 @@ def _paged_decode(sizes: CheckSizes, dtype, gen):
     pages_per_seq = -(-sizes.kv_len // sizes.page_size)
     k_pages, v_pages, table = _random_paged_cache(gen, sizes, dtype, 5, pages_per_seq)
     lengths = jnp.asarray([0, 1, sizes.page_size, sizes.page_size + 1, sizes.kv_len], jnp.int32)
-    q = _normal(gen, (5, sizes.heads, sizes.head_dim), dtype)
-    return compare_forward(
-        lambda *a: paged_attention(*a, impl=sizes.impl), paged_attention_reference, (q, k_pages, v_pages, table, lengths)
-    )
+    inputs = dict(q=_normal(gen, (5, sizes.heads, sizes.head_dim), dtype), k_pages=k_pages, v_pages=v_pages)
+
+    def kernel(**a):
+        return paged_attention(**a, page_table=table, lengths=lengths, impl=sizes.impl)
+
+    def reference(**a):
+        return paged_attention_reference(**a, page_table=table, lengths=lengths)
+
+    return Problem(kernel, reference, inputs, differentiable=False)
 
 
 def _ragged(**options) -> Callable:
     """A ragged paged attention check over a mixed budget: a long prefill chunk, decodes,
     an empty slot and trailing padding rows."""
 
-    def pairs(sizes: CheckSizes, dtype, gen):
+    def problem(sizes: CheckSizes, dtype, gen):
         pages_per_seq = -(-sizes.kv_len // sizes.page_size)
         query_lens = np.array([sizes.q_len // 2, 1, 0, 1, sizes.q_len // 3])
         kv_lens = np.array([sizes.q_len // 2 + 3, sizes.kv_len, 0, 2, sizes.kv_len])
         starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]])
         k_pages, v_pages, table = _random_paged_cache(gen, sizes, dtype, len(query_lens), pages_per_seq)
         q = _normal(gen, (int(query_lens.sum()) + 5, sizes.heads, sizes.head_dim), dtype)
-        metadata = tuple(jnp.asarray(a, jnp.int32) for a in (starts, query_lens, kv_lens))
-        block_q = 16 if sizes.impl == "pallas" else 8
-        return compare_forward(
-            lambda *a: ragged_paged_attention(*a, impl=sizes.impl, block_q=block_q, **options),
-            lambda *a: ragged_paged_attention_reference(*a, **options),
-            (q, k_pages, v_pages, table, *metadata),
+        metadata = dict(
+            page_table=table, **{n: jnp.asarray(a, jnp.int32) for n, a in
+                                 (("query_starts", starts), ("query_lens", query_lens), ("kv_lens", kv_lens))}
         )
+        block_q = 16 if sizes.impl == "pallas" else 8
 
-    return pairs
+        def kernel(**a):
+            return ragged_paged_attention(**a, **metadata, impl=sizes.impl, block_q=block_q, **options)
+
+        def reference(**a):
+            return ragged_paged_attention_reference(**a, **metadata, **options)
+
+        return Problem(kernel, reference, dict(q=q, k_pages=k_pages, v_pages=v_pages), differentiable=False)
+
+    return problem
 
 
 # ----------------------------------------------------------------------------- sequence mixers
 
 
 def _linear_attention(**options) -> Callable:
-    def pairs(sizes: CheckSizes, dtype, gen):
+    def problem(sizes: CheckSizes, dtype, gen):
+        f32 = jnp.float32
         shape = (sizes.batch, sizes.q_len, sizes.kv_heads, sizes.head_dim)
         v_shape = (sizes.batch, sizes.q_len, sizes.heads, sizes.head_dim)
         primals = dict(
             q=jax.nn.softplus(_normal(gen, shape, dtype)) / sizes.head_dim,
             k=jax.nn.softplus(_normal(gen, shape, dtype)),
             v=_normal(gen, v_shape, dtype),
-            log_decay=-jax.nn.softplus(_normal(gen, v_shape[:3], jnp.float32)),
-            initial_state=_normal(gen, state_shape(shape, v_shape, normalize=options.get("normalize", False)), jnp.float32),
+            log_decay=-jax.nn.softplus(_normal(gen, v_shape[:3], f32)),
+            initial_state=_normal(gen, state_shape(shape, v_shape, normalize=options.get("normalize", False)), f32),
         )
         segment_ids = jnp.asarray(np.arange(sizes.q_len)[None] * 3 // sizes.q_len, jnp.int32)
         segment_ids = jnp.broadcast_to(segment_ids, (sizes.batch, sizes.q_len))
@@ -241,9 +272,9 @@ def _linear_attention(**options) -> Callable:
             return lambda **p: fn(**p, return_final_state=True, segment_ids=segment_ids, **options, **impl)
 
         kernel = form(linear_attention, impl=sizes.impl, chunk_size=sizes.chunk_size)
-        return compare_vjp(kernel, form(linear_attention_reference), primals, gen)
+        return Problem(kernel, form(linear_attention_reference), primals)
 
-    return pairs
+    return problem
 
 
 def _ssd(sizes: CheckSizes, dtype, gen):
@@ -262,7 +293,7 @@ def _ssd(sizes: CheckSizes, dtype, gen):
     def kernel(**args):
         return ssd(**args, return_final_state=True, chunk_size=sizes.chunk_size, impl=sizes.impl)
 
-    return compare_vjp(kernel, lambda **args: ssd_reference(**args, return_final_state=True), primals, gen)
+    return Problem(kernel, lambda **args: ssd_reference(**args, return_final_state=True), primals)
 
 
 def _short_conv(sizes: CheckSizes, dtype, gen):
@@ -281,7 +312,7 @@ def _short_conv(sizes: CheckSizes, dtype, gen):
         )
         return y + bias
 
-    return compare_vjp(lambda **a: short_conv(**a, impl="auto"), peer, primals, gen)
+    return Problem(lambda **a: short_conv(**a, impl="auto"), peer, primals)
 
 
 KERNEL_CHECKS: tuple[KernelCheck, ...] = (
@@ -312,7 +343,8 @@ def run_check(check: KernelCheck, sizes: CheckSizes, dtype: str, seed: int) -> d
     started = time.perf_counter()
     record: dict[str, Any] = {"dtype": dtype, "impl": sizes.impl, "seed": seed, "limit": RELATIVE_ERROR_LIMITS[dtype]}
     try:
-        pairs = check.pairs(sizes, jnp.dtype(dtype), np.random.default_rng(seed))
+        gen = np.random.default_rng(seed)
+        pairs = compare(check.problem(sizes, jnp.dtype(dtype), gen), gen)
         errors = {name: relative_error(got, want) for name, (got, want) in pairs.items()}
         record.update(
             passed=all(e <= record["limit"] for e in errors.values()),
@@ -345,7 +377,10 @@ def run_checks(
             record = run_check(check, sizes, dtype, seed + index)
             results[f"{check.name} {dtype}"] = record
             status = "ok  " if record["passed"] else "FAIL"
-            detail = f"max rel err {record['max_relative_error']:.2e}" if "max_relative_error" in record else record["error"][:200]
+            if "max_relative_error" in record:
+                detail = f"max rel err {record['max_relative_error']:.2e}"
+            else:
+                detail = record["error"][:200]
             print(f"[check] {status} {check.name} {dtype} ({record['seconds']:.1f} s): {detail}", flush=True)
             if on_result:
                 on_result(results)
