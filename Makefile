@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ember-installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean gpu gpu-wheels
 
 venv: $(STAMP)
 
@@ -26,6 +26,19 @@ demo: $(STAMP)
 	@run_dir=runs/tiny-$$(date +%Y%m%d-%H%M%S); \
 	$(VENV)/bin/ember train configs/lm/tiny.yaml run_dir=$$run_dir && \
 	$(VENV)/bin/ember plot $$run_dir --metrics loss,val_loss,tokens_per_second
+
+# The GPU session's one command (benchmarks/README.md): every kernel checked on the device, then
+# the issue's performance rows. Without a GPU it runs at toy sizes with the kernels interpreted.
+# On the device machine: `make gpu PY=python3 GPU_ARGS="--results-dir $$OUT"`.
+gpu:
+	$(PY) -m benchmarks.gpu $(GPU_ARGS)
+
+# Wheels the GPU image lacks, for the device tool's `carry` (.whl/ is git-ignored; never commit it).
+GPU_WHEELS := omegaconf==2.4.0
+gpu-wheels:
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

@@ -1,38 +1,98 @@
-"""Attention kernels against ``jax.nn.dot_product_attention`` (cuDNN and XLA), side by side.
+"""Attention kernels against cuDNN, XLA and JAX's own Pallas attention, side by side.
 
     python -m benchmarks.attention            # full sweep on a GPU, a quick XLA-path run on CPU
 
-Sections (each row prints ours and the baseline, and the ratio):
+Sections (each row prints ours and the baselines, and the ratios):
 
-- dense: bf16, head_dim 128, q_len 1k..16k, causal and not; forward and forward+backward
-  TFLOP/s of ``flash_attention`` vs cuDNN and XLA attention;
+- dense: bf16, batch 8, 16 heads, head_dim 128, q_len 1k..16k, causal and not; forward and
+  forward+backward TFLOP/s of ``flash_attention`` vs :data:`BASELINES` (cuDNN, XLA, JAX's
+  Pallas Triton ``mha`` and its Mosaic GPU Hopper attention); each baseline's output is
+  also compared with ours (``max_rel_diff``), so both sides compute the same function;
 - block_sparse: local + global (Longformer) at 16k; ours visiting live blocks only, vs cuDNN
   given the same mask as an explicit boolean array, vs our dense causal kernel;
 - sigmoid: ``score="sigmoid"`` vs our softmax kernel, same shapes;
-- paged_decode: ``paged_attention`` GB/s of KV cache read vs the measured HBM bandwidth.
+- ragged_decode: ``ragged_paged_attention`` on a decode-only budget, GB/s of KV cache read
+  vs the measured HBM bandwidth.
 
-Before timing, every kernel's output is checked against its reference on the device (the
-same check as the test suite, compiled for real instead of interpreted); a failure stops
-the run. On a machine without a GPU the script says so and times the XLA paths at small
-sizes only. Results: ``benchmarks/results/attention-<device>.json``.
+Before timing, every attention kernel is checked against its reference on the device
+(:mod:`benchmarks.device_checks`, compiled for real instead of interpreted); a failure
+stops the run. On a machine without a GPU the script says so and times the XLA paths at
+small sizes only. ``python -m benchmarks.gpu`` runs these sections too, with every other
+kernel. Results: ``benchmarks/results/attention-<device>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from benchmarks.harness import device_label, on_gpu, print_table, time_fn, write_results
+from benchmarks.device_checks import GPU_CHECK_SIZES, relative_error, run_checks
+from benchmarks.harness import (
+    device_label,
+    measured_bandwidth_gbs,
+    on_gpu,
+    print_table,
+    time_fn,
+    write_results,
+)
 from ember.kernels_pallas.block_mask import LocalGlobalMask, live_block_grid
-from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
-from ember.kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention
+from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
 # Forward+backward FLOPs over forward FLOPs: backward recomputes QK^T and adds four more
 # matmuls (dV, dP, dQ, dK): 2 + 5 = 7 matmuls against the forward's 2.
 FWD_BWD_FLOP_RATIO = 3.5
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBaseline:
+    """A peer implementation of softmax attention, ``attend(q, k, v, causal)`` over
+    ``[batch, seq, heads, head_dim]``. ``prescaled_q``: it applies no ``1/sqrt(head_dim)``
+    itself, so it is given ``q`` already scaled (outside the timed function)."""
+
+    name: str
+    attend: Callable
+    prescaled_q: bool = False
+
+
+def _jax_nn(implementation):
+    def attend(q, k, v, causal):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+    return attend
+
+
+def _pallas_triton(q, k, v, causal):
+    """JAX's Pallas flash attention for GPUs (Triton lowering), its default tiles."""
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    return mha(q, k, v, None, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=causal)
+
+
+def _pallas_mosaic(q, k, v, causal):
+    """JAX's Pallas flash attention for Hopper (Mosaic GPU: wgmma, TMA); unscaled logits.
+    Tiles of its own benchmark (``attention_mgpu.main``); no causal backward there yet."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+        block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+    )
+    return attention_mgpu.attention(q, k, v, config)
+
+
+BASELINES: dict[str, AttentionBaseline] = {
+    "cudnn": AttentionBaseline("cudnn", _jax_nn("cudnn")),
+    "xla": AttentionBaseline("xla", _jax_nn("xla")),
+    "pallas_triton": AttentionBaseline("pallas_triton", _pallas_triton),
+    "pallas_mosaic": AttentionBaseline("pallas_mosaic", _pallas_mosaic, prescaled_q=True),
+}
 
 
 def _attention_flops(batch, heads, q_len, kv_len, head_dim, pair_fraction):
@@ -55,12 +115,16 @@ def _fwd_and_fwd_bwd(attend: Callable):
     return fwd, grad
 
 
-def _time_or_error(fn, *args):
+def _error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+def _time_or_error(fn, *args, repeats=10):
     """Seconds per call, or the error text (e.g. a baseline that does not support a case)."""
     try:
-        return time_fn(fn, *args, warmup=2, repeats=10)
+        return time_fn(fn, *args, warmup=2, repeats=repeats)
     except Exception as error:  # noqa: BLE001 - a baseline failing is a result, not a crash
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        return _error_text(error)
 
 
 def _tflops(flops, seconds):
@@ -71,136 +135,136 @@ def _ratio(ours, theirs):
     return theirs / ours if isinstance(ours, float) and isinstance(theirs, float) else None
 
 
-def check_kernels_on_device(impl: str) -> dict[str, float]:
-    """Max |kernel - reference| of each kernel on this device (f32, awkward lengths); raises
-    if one is off by more than the test-suite f32 tolerance scaled for long sums."""
-    errors = {}
-    q, k, v = _qkv((1, 333, 4, 64), (1, 333, 2, 64), jnp.float32)
-    for name, options in {
-        "flash_causal": dict(causal=True),
-        "flash_local_global": dict(block_mask=LocalGlobalMask(40, 40, 16)),
-        "flash_sigmoid_window": dict(score="sigmoid", window=(50, 10), logits_soft_cap=5.0),
-    }.items():
-        def ours(q, k, v, options=options):
-            return jnp.sum(flash_attention(q, k, v, impl=impl, block_sizes=FlashBlockSizes(64, 64), **options) ** 2)
-
-        def ref(q, k, v, options=options):
-            return jnp.sum(flash_attention_reference(q, k, v, **options) ** 2)
-
-        got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(q, k, v)
-        want = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2)))(q, k, v)
-        errors[name] = max(
-            float(jnp.max(jnp.abs(a - b)) / (1.0 + jnp.max(jnp.abs(b))))
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
-        )
-    pages = jax.random.normal(jax.random.key(1), (2, 64, 16, 2, 64))
-    table = jax.random.permutation(jax.random.key(2), 64)[:48].reshape(6, 8).astype(jnp.int32)
-    lengths = jnp.array([0, 1, 16, 17, 100, 128], jnp.int32)
-    qd = jax.random.normal(jax.random.key(3), (6, 8, 64))
-    got = jax.jit(lambda *a: paged_attention(*a, impl=impl))(qd, pages[0], pages[1], table, lengths)
-    want = paged_attention_reference(qd, pages[0], pages[1], table, lengths)
-    errors["paged_decode"] = float(jnp.max(jnp.abs(got - want)))
-    bad = {name: err for name, err in errors.items() if not err < 1e-3}
-    if bad:
-        raise AssertionError(f"kernels disagree with their references on {device_label()}: {bad}")
-    return errors
+def _ms(seconds):
+    return seconds * 1e3 if isinstance(seconds, float) else seconds
 
 
-def measured_bandwidth_gbs(num_bytes: int) -> float:
-    """Device memory bandwidth in GB/s from a large elementwise copy (read + write)."""
-    x = jnp.ones((num_bytes // 4,), jnp.float32)
-    copy = jax.jit(lambda x: x * 2.0)
-    return 2 * num_bytes / time_fn(copy, x, warmup=2, repeats=10) / 1e9
+def _diff_or_error(fn, args, want):
+    """``||fn(*args) - want|| / ||want||``, or the error text."""
+    try:
+        return relative_error(fn(*args), want)
+    except Exception as error:  # noqa: BLE001
+        return _error_text(error)
 
 
-def dense_rows(impl, baselines, q_lens, batch_tokens, heads, head_dim, dtype):
+def dense_rows(impl, baselines, q_lens, batch, heads, head_dim, dtype, causal_values=(False, True), repeats=10):
     rows = []
     for q_len in q_lens:
-        batch = max(1, batch_tokens // q_len)
         q, k, v = _qkv((batch, q_len, heads, head_dim), (batch, q_len, heads, head_dim), dtype)
-        for causal in (False, True):
+        q_scaled = (q.astype(jnp.float32) / math.sqrt(head_dim)).astype(dtype)
+        for causal in causal_values:
             flops = _attention_flops(batch, heads, q_len, q_len, head_dim, 0.5 if causal else 1.0)
             row = dict(section="dense", q_len=q_len, batch=batch, causal=causal)
             fwd, fwd_bwd = _fwd_and_fwd_bwd(lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c, impl=impl))
-            ours = (_time_or_error(fwd, q, k, v), _time_or_error(fwd_bwd, q, k, v))
-            row.update(ours_fwd_tflops=_tflops(flops, ours[0]), ours_fwd_bwd_tflops=_tflops(FWD_BWD_FLOP_RATIO * flops, ours[1]))
-            for baseline in baselines:
-                fwd, fwd_bwd = _fwd_and_fwd_bwd(
-                    lambda q, k, v, c=causal, b=baseline: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation=b)
-                )
-                theirs = (_time_or_error(fwd, q, k, v), _time_or_error(fwd_bwd, q, k, v))
-                row[f"{baseline}_fwd_tflops"] = _tflops(flops, theirs[0])
-                row[f"{baseline}_fwd_bwd_tflops"] = _tflops(FWD_BWD_FLOP_RATIO * flops, theirs[1])
-                row[f"fwd_speedup_vs_{baseline}"] = _ratio(ours[0], theirs[0])
-                row[f"fwd_bwd_speedup_vs_{baseline}"] = _ratio(ours[1], theirs[1])
-                for name, value in (("fwd", theirs[0]), ("fwd_bwd", theirs[1])):
+            ours = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
+            row.update(
+                ours_fwd_tflops=_tflops(flops, ours[0]),
+                ours_fwd_bwd_tflops=_tflops(FWD_BWD_FLOP_RATIO * flops, ours[1]),
+            )
+            ours_out = np.asarray(fwd(q, k, v).astype(jnp.float32)) if isinstance(ours[0], float) else None
+            for name in baselines:
+                baseline = BASELINES[name]
+                fwd, fwd_bwd = _fwd_and_fwd_bwd(lambda q, k, v, c=causal, b=baseline: b.attend(q, k, v, c))
+                args = (q_scaled if baseline.prescaled_q else q, k, v)
+                theirs = tuple(_time_or_error(fn, *args, repeats=repeats) for fn in (fwd, fwd_bwd))
+                row[f"{name}_fwd_tflops"] = _tflops(flops, theirs[0])
+                row[f"{name}_fwd_bwd_tflops"] = _tflops(FWD_BWD_FLOP_RATIO * flops, theirs[1])
+                row[f"fwd_speedup_vs_{name}"] = _ratio(ours[0], theirs[0])
+                row[f"fwd_bwd_speedup_vs_{name}"] = _ratio(ours[1], theirs[1])
+                if ours_out is not None and isinstance(theirs[0], float):
+                    row[f"{name}_rel_diff"] = _diff_or_error(fwd, args, ours_out)
+                for part, value in (("fwd", theirs[0]), ("fwd_bwd", theirs[1])):
                     if isinstance(value, str):
-                        row[f"{baseline}_{name}_error"] = value
+                        row[f"{name}_{part}_error"] = value
+            for part, value in (("fwd", ours[0]), ("fwd_bwd", ours[1])):
+                if isinstance(value, str):
+                    row[f"ours_{part}_error"] = value
             rows.append(row)
     return rows
 
 
-def block_sparse_rows(impl, baseline, q_len, heads, head_dim, dtype, mask):
-    q, k, v = _qkv((1, q_len, heads, head_dim), (1, q_len, heads, head_dim), dtype)
+def block_sparse_rows(impl, baseline, batch, q_len, heads, head_dim, dtype, mask, repeats=10):
+    q, k, v = _qkv((batch, q_len, heads, head_dim), (batch, q_len, heads, head_dim), dtype)
     block = FlashBlockSizes()
     live = live_block_grid(mask, q_len, q_len, block.block_q, block.block_kv)
     dense_mask = jnp.asarray(mask.dense(q_len, q_len))[None, None]
     pair_fraction = float(mask.dense(q_len, q_len).mean())
-    flops = _attention_flops(1, heads, q_len, q_len, head_dim, pair_fraction)
-    ours = _time_or_error(jax.jit(lambda q, k, v: flash_attention(q, k, v, block_mask=mask, impl=impl)), q, k, v)
-    ours_causal = _time_or_error(jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, impl=impl)), q, k, v)
-    theirs = _time_or_error(
-        jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense_mask, implementation=baseline)), q, k, v
-    )
+    flops = _attention_flops(batch, heads, q_len, q_len, head_dim, pair_fraction)
+    forms = {
+        "ours": lambda q, k, v: flash_attention(q, k, v, block_mask=mask, impl=impl),
+        "ours_dense_causal": lambda q, k, v: flash_attention(q, k, v, causal=True, impl=impl),
+        f"{baseline}_masked": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=dense_mask, implementation=None if baseline == "default" else baseline
+        ),
+    }
+    times = {}
+    for name, attend in forms.items():
+        fwd, fwd_bwd = _fwd_and_fwd_bwd(attend)
+        times[name] = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
     row = dict(
-        section="block_sparse", q_len=q_len, mask=repr(mask), live_blocks=int(live.sum()), total_blocks=int(live.size),
-        ours_fwd_ms=ours * 1e3 if isinstance(ours, float) else ours,
-        ours_fwd_tflops=_tflops(flops, ours),
-        ours_dense_causal_fwd_ms=ours_causal * 1e3 if isinstance(ours_causal, float) else ours_causal,
-        **{f"{baseline or 'default'}_masked_fwd_ms": theirs * 1e3 if isinstance(theirs, float) else theirs},
-        speedup_vs_baseline_with_mask=_ratio(ours, theirs),
-        speedup_vs_our_dense_causal=_ratio(ours, ours_causal),
+        section="block_sparse", q_len=q_len, batch=batch, mask=repr(mask), live_blocks=int(live.sum()),
+        total_blocks=int(live.size), live_fraction=float(live.mean()),
+        ours_fwd_tflops=_tflops(flops, times["ours"][0]),
     )
+    for name, (fwd_s, fwd_bwd_s) in times.items():
+        row[f"{name}_fwd_ms"], row[f"{name}_fwd_bwd_ms"] = _ms(fwd_s), _ms(fwd_bwd_s)
+    for part, index in (("fwd", 0), ("fwd_bwd", 1)):
+        theirs = times[f"{baseline}_masked"][index]
+        row[f"{part}_speedup_vs_{baseline}_with_mask"] = _ratio(times["ours"][index], theirs)
+        row[f"{part}_speedup_vs_our_dense_causal"] = _ratio(times["ours"][index], times["ours_dense_causal"][index])
     return [row]
 
 
-def sigmoid_rows(impl, q_len, batch, heads, head_dim, dtype):
+def sigmoid_rows(impl, q_len, batch, heads, head_dim, dtype, causal_values=(False, True), repeats=10):
     q, k, v = _qkv((batch, q_len, heads, head_dim), (batch, q_len, heads, head_dim), dtype)
     rows = []
-    for causal in (False, True):
+    for causal in causal_values:
         times = {}
         for score in ("softmax", "sigmoid"):
             fwd, fwd_bwd = _fwd_and_fwd_bwd(
                 lambda q, k, v, s=score, c=causal: flash_attention(q, k, v, score=s, causal=c, impl=impl)
             )
-            times[score] = (_time_or_error(fwd, q, k, v), _time_or_error(fwd_bwd, q, k, v))
+            times[score] = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
         rows.append(dict(
-            section="sigmoid", q_len=q_len, causal=causal,
-            softmax_fwd_ms=times["softmax"][0] * 1e3, sigmoid_fwd_ms=times["sigmoid"][0] * 1e3,
+            section="sigmoid", q_len=q_len, batch=batch, causal=causal,
+            softmax_fwd_ms=_ms(times["softmax"][0]), sigmoid_fwd_ms=_ms(times["sigmoid"][0]),
+            softmax_fwd_bwd_ms=_ms(times["softmax"][1]), sigmoid_fwd_bwd_ms=_ms(times["sigmoid"][1]),
             fwd_speedup_sigmoid_vs_softmax=_ratio(times["sigmoid"][0], times["softmax"][0]),
             fwd_bwd_speedup_sigmoid_vs_softmax=_ratio(times["sigmoid"][1], times["softmax"][1]),
         ))
     return rows
 
 
-def paged_rows(impl, batch, heads, kv_heads, head_dim, page_size, length, dtype, bandwidth_gbs):
+def ragged_decode_rows(impl, num_seqs, heads, kv_heads, head_dim, page_size, length, dtype, bandwidth_gbs, repeats=10):
+    """One decode token per sequence, every sequence ``length`` tokens long: GB/s of KV
+    cache read (each cached key and value once) against the measured bandwidth."""
     pages_per_seq = length // page_size
-    num_pages = batch * pages_per_seq
+    num_pages = num_seqs * pages_per_seq
     keys = jax.random.split(jax.random.key(4), 4)
     k_pages = jax.random.normal(keys[0], (num_pages, page_size, kv_heads, head_dim), dtype)
     v_pages = jax.random.normal(keys[1], (num_pages, page_size, kv_heads, head_dim), dtype)
-    table = jax.random.permutation(keys[2], num_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
-    q = jax.random.normal(keys[3], (batch, heads, head_dim), dtype)
-    lengths = jnp.full((batch,), length, jnp.int32)
-    seconds = _time_or_error(jax.jit(lambda *a: paged_attention(*a, impl=impl)), q, k_pages, v_pages, table, lengths)
-    cache_bytes = 2 * batch * length * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    table = jax.random.permutation(keys[2], num_pages).reshape(num_seqs, pages_per_seq).astype(jnp.int32)
+    q = jax.random.normal(keys[3], (num_seqs, heads, head_dim), dtype)
+    starts, query_lens = jnp.arange(num_seqs, dtype=jnp.int32), jnp.ones((num_seqs,), jnp.int32)
+    kv_lens = jnp.full((num_seqs,), length, jnp.int32)
+    step = jax.jit(lambda *a: ragged_paged_attention(*a, impl=impl))
+    seconds = _time_or_error(step, q, k_pages, v_pages, table, starts, query_lens, kv_lens, repeats=repeats)
+    cache_bytes = 2 * num_seqs * length * kv_heads * head_dim * jnp.dtype(dtype).itemsize
     gbs = cache_bytes / seconds / 1e9 if isinstance(seconds, float) else None
     return [dict(
-        section="paged_decode", batch=batch, length=length, page_size=page_size,
-        ours_ms=seconds * 1e3 if isinstance(seconds, float) else seconds,
-        ours_gbs=gbs, measured_bandwidth_gbs=bandwidth_gbs,
+        section="ragged_decode", num_seqs=num_seqs, length=length, page_size=page_size, heads=heads, kv_heads=kv_heads,
+        cache_gb=cache_bytes / 1e9, ours_ms=_ms(seconds), ours_gbs=gbs, measured_bandwidth_gbs=bandwidth_gbs,
         fraction_of_bandwidth=gbs / bandwidth_gbs if gbs else None,
     )]
+
+
+def print_sections(rows, title: str) -> None:
+    """One table per ``section`` of ``rows`` (error columns left out)."""
+    for section in dict.fromkeys(r["section"] for r in rows):
+        section_rows = [r for r in rows if r["section"] == section]
+        columns = list(dict.fromkeys(c for r in section_rows for c in r if c != "section" and not c.endswith("_error")))
+        print(f"\n== {section} ({title}) ==")
+        print_table(section_rows, columns)
 
 
 def main(argv=None) -> int:
@@ -209,35 +273,33 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     gpu = on_gpu()
     if gpu and not args.quick:
-        impl, baselines, dtype = "pallas", ("cudnn", "xla"), jnp.bfloat16
-        sizes = dict(q_lens=(1024, 2048, 4096, 8192, 16384), batch_tokens=16384, heads=16, head_dim=128)
-        sparse_len, paged = 16384, dict(batch=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096)
+        impl, baselines, dtype = "pallas", ("cudnn", "pallas_triton", "pallas_mosaic", "xla"), jnp.bfloat16
+        sizes = dict(q_lens=(1024, 2048, 4096, 8192, 16384), batch=8, heads=16, head_dim=128)
+        sparse_len, decode = 16384, dict(num_seqs=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096)
         bandwidth_bytes = 4 << 30
     else:
         if not gpu:
             print(f"No GPU found (device: {device_label()}): timing the XLA paths at small sizes only.")
         impl, baselines, dtype = ("pallas" if gpu else "xla"), ("xla",), (jnp.bfloat16 if gpu else jnp.float32)
-        sizes = dict(q_lens=(256, 512), batch_tokens=512, heads=4, head_dim=64)
-        sparse_len, paged = 1024, dict(batch=4, heads=8, kv_heads=2, head_dim=64, page_size=16, length=512)
+        sizes = dict(q_lens=(256, 512), batch=2, heads=4, head_dim=64)
+        sparse_len, decode = 1024, dict(num_seqs=4, heads=8, kv_heads=2, head_dim=64, page_size=16, length=512)
         bandwidth_bytes = 256 << 20
-    checks = check_kernels_on_device(impl) if gpu else {}
+    checks = run_checks(GPU_CHECK_SIZES, seed=0, only=("flash_attention", "paged_attention")) if gpu else {}
+    failed = [name for name, record in checks.items() if not record["passed"]]
+    if failed:
+        raise SystemExit(f"kernels disagree with their references on {device_label()}: {failed}")
     bandwidth = measured_bandwidth_gbs(bandwidth_bytes)
     sparse_mask = LocalGlobalMask(256, 256, 64) if gpu and not args.quick else LocalGlobalMask(64, 64, 16)
     rows = []
     rows += dense_rows(impl, baselines, dtype=dtype, **sizes)
-    rows += block_sparse_rows(impl, baselines[0], sparse_len, sizes["heads"], sizes["head_dim"], dtype, sparse_mask)
-    rows += sigmoid_rows(impl, sizes["q_lens"][-1], max(1, sizes["batch_tokens"] // sizes["q_lens"][-1]),
-                         sizes["heads"], sizes["head_dim"], dtype)
-    rows += paged_rows(impl, dtype=dtype, bandwidth_gbs=bandwidth, **paged)
-    for section in ("dense", "block_sparse", "sigmoid", "paged_decode"):
-        section_rows = [r for r in rows if r["section"] == section]
-        columns = [c for c in section_rows[0] if c != "section" and not c.endswith("_error")]
-        print(f"\n== {section} ({impl}, {jnp.dtype(dtype).name}) ==")
-        print_table(section_rows, columns)
+    rows += block_sparse_rows(impl, baselines[0], 1, sparse_len, sizes["heads"], sizes["head_dim"], dtype, sparse_mask)
+    rows += sigmoid_rows(impl, sizes["q_lens"][-1], sizes["batch"], sizes["heads"], sizes["head_dim"], dtype)
+    rows += ragged_decode_rows(impl, dtype=dtype, bandwidth_gbs=bandwidth, **decode)
+    print_sections(rows, f"{impl}, {jnp.dtype(dtype).name}")
     path = write_results("attention", dict(
         impl=impl, dtype=jnp.dtype(dtype).name, gpu=gpu, device_value_checks=checks,
         measured_bandwidth_gbs=bandwidth, rows=rows,
-        note=None if gpu else "no GPU found: XLA paths at small sizes; kernels are checked by the test suite in interpret mode",
+        note=None if gpu else "no GPU found: XLA paths at small sizes; the test suite checks kernels in interpret mode",
     ))
     print(f"\nwrote {path}")
     return 0

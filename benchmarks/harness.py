@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from ember.core.system_info import system_info
 
@@ -67,10 +68,26 @@ def on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
 
-def write_results(name: str, payload: dict[str, Any]) -> Path:
-    """Writes ``payload`` with device and date to ``benchmarks/results/<name>-<device>.json``."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}-{device_label()}.json"
+def measured_bandwidth_gbs(num_bytes: int) -> float:
+    """Device memory bandwidth in GB/s from a large elementwise pass (bytes read + written)."""
+    x = jax.random.normal(jax.random.key(0), (num_bytes // 4,), jnp.float32)
+    copy = jax.jit(lambda x: x * 2.0)
+    return 2 * num_bytes / time_fn(copy, x, warmup=2, repeats=10) / 1e9
+
+
+def measured_matmul_tflops(size: int, dtype=jnp.bfloat16) -> float:
+    """Dense matmul rate in TFLOP/s of one ``size``-cubed product on random data."""
+    a, b = (jax.random.normal(key, (size, size), dtype) for key in jax.random.split(jax.random.key(1)))
+    matmul = jax.jit(lambda a, b: a @ b)
+    return 2 * size**3 / time_fn(matmul, a, b, warmup=2, repeats=10) / 1e12
+
+
+def write_results(name: str, payload: dict[str, Any], results_dir: Path | None = None) -> Path:
+    """Writes ``payload`` with device and date to ``<results_dir>/<name>-<device>.json``
+    (default ``benchmarks/results/``)."""
+    results_dir = RESULTS_DIR if results_dir is None else Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}-{device_label()}.json"
     record = {
         "benchmark": name,
         "device": device_label(),

@@ -64,7 +64,9 @@ def plain_step(params, opt_state, batch, *, model, tx):
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def measure(name: str, config: ModelConfig, batch_size: int, seq_len: int) -> dict:
+def measure(name: str, config: ModelConfig, batch_size: int, seq_len: int, compare_plain: bool = True) -> dict:
+    """Ember's step time, tokens/s and MFU (where the device's peak is known) for one model
+    and batch; with ``compare_plain``, also the plain step's time and the ratio."""
     model = DecoderLM(config)
     optim = OptimConfig(lr=1e-3)
     tx = make_optimizer(optim, 1000)
@@ -90,7 +92,23 @@ def measure(name: str, config: ModelConfig, batch_size: int, seq_len: int) -> di
 
         ember_seconds = time_fn(run_ember, warmup=2, repeats=10)
 
-    # Plain: the same model and optimizer without the framework.
+    tokens = batch_size * seq_len
+    row = {
+        "model": name, "batch": batch_size, "seq_len": seq_len,
+        "ember_ms": 1e3 * ember_seconds, "ember_compile_s": ember_compile, "ember_tokens_per_s": tokens / ember_seconds,
+    }
+    if compare_plain:
+        plain_seconds, plain_compile = _time_plain_step(model, tx, key, batch)
+        row.update(plain_ms=1e3 * plain_seconds, ratio=ember_seconds / plain_seconds, plain_compile_s=plain_compile)
+    peak = peak_flops_per_device()
+    if peak:
+        row["ember_mfu"] = flops_per_token(config, seq_len) * tokens / ember_seconds / (peak * jax.device_count())
+    return row
+
+
+def _time_plain_step(model, tx, key, batch) -> tuple[float, float]:
+    """``(seconds per step, compile seconds)`` of the plain step: the same model and
+    optimizer without the framework."""
     params = unbox(jax.jit(lambda k: model.init(k, batch["tokens"][:1])["params"])(key))
     opt_state = tx.init(params)
     step = jax.jit(functools.partial(plain_step, model=model, tx=tx), donate_argnums=(0, 1))
@@ -101,18 +119,7 @@ def measure(name: str, config: ModelConfig, batch_size: int, seq_len: int) -> di
         plain_holder["params"], plain_holder["opt"], loss = step(plain_holder["params"], plain_holder["opt"], batch)
         return loss
 
-    plain_seconds = time_fn(run_plain, warmup=2, repeats=10)
-    tokens = batch_size * seq_len
-    row = {
-        "model": name, "batch": batch_size, "seq_len": seq_len,
-        "ember_ms": 1e3 * ember_seconds, "plain_ms": 1e3 * plain_seconds, "ratio": ember_seconds / plain_seconds,
-        "ember_compile_s": ember_compile, "plain_compile_s": plain_compile,
-        "ember_tokens_per_s": tokens / ember_seconds,
-    }
-    peak = peak_flops_per_device()
-    if peak:
-        row["ember_mfu"] = flops_per_token(config, seq_len) * tokens / ember_seconds / (peak * jax.device_count())
-    return row
+    return time_fn(run_plain, warmup=2, repeats=10), plain_compile
 
 
 def main() -> None:

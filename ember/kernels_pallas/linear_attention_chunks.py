@@ -62,8 +62,11 @@ def entering_state_weights(cum_log_decay: jax.Array, doc: jax.Array, doc_before:
 def leaving_state_weights(cum_log_decay: jax.Array, doc: jax.Array, doc_before: jax.Array) -> tuple[jax.Array, jax.Array]:
     """How the state leaving the chunk is formed: ``(key_weights [..., L], carry [...])`` with
     ``state_out = carry * state_in + sum_s key_weights[s] * k[s]^T v[s]``."""
-    last_log_decay = cum_log_decay[..., -1:]
-    last_doc = doc[..., -1:]
+    # The last position's values as masked sums: Pallas' Triton lowering has no `slice`.
+    length = cum_log_decay.shape[-1]
+    is_last = jax.lax.broadcasted_iota(jnp.int32, cum_log_decay.shape, cum_log_decay.ndim - 1) == length - 1
+    last_log_decay = jnp.sum(jnp.where(is_last, cum_log_decay, 0.0), axis=-1, keepdims=True)
+    last_doc = jnp.sum(jnp.where(is_last, doc, 0), axis=-1, keepdims=True)
     key_weights = jnp.where(doc == last_doc, jnp.exp(last_log_decay - cum_log_decay), 0.0)
     carry = jnp.where(last_doc[..., 0] == doc_before, jnp.exp(last_log_decay[..., 0]), 0.0)
     return key_weights, carry

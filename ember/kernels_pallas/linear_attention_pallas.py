@@ -118,6 +118,13 @@ def value_block_size(dv: int) -> int:
     return 64 if dv > 64 and dv % 64 == 0 else dv
 
 
+def padded_value_columns(dv: int) -> int:
+    """``dv`` rounded up to tiles the Triton lowering accepts (power-of-two sizes): the next
+    power of two up to 64, else a multiple of 64 (e.g. ``dv + 1 = 129`` with ``normalize``
+    becomes 192, three blocks of 64). Zero columns are independent of the real ones."""
+    return max(8, 1 << (dv - 1).bit_length()) if dv <= 64 else -(-dv // 64) * 64
+
+
 def _specs(q_shape, v_shape, n_chunks):
     """BlockSpecs over the grid (batch, head, value block): whole sequences of one head."""
     _, seq, qk_heads, dk = q_shape
@@ -229,10 +236,11 @@ def chunked_linear_attention_pallas(q, k, v, log_decay, doc, state, *, chunk_siz
     Returns:
       ``(outputs [batch, seq, heads, dv] float32, final_state [batch, heads, dk, dv] float32)``.
     """
-    batch, seq = v.shape[:2]
+    batch, seq, _, dv = v.shape
 
     padded = functools.partial(pad_axis_to_multiple, axis=1, multiple=chunk_size)
     cum = jnp.cumsum(chunks.split_into_chunks(log_decay, chunk_size), axis=2).reshape(batch, -1, v.shape[2])
     doc = chunks.split_documents_into_chunks(doc, chunk_size).reshape(batch, -1)
+    v, state = (pad_axis_to_multiple(x, x.ndim - 1, padded_value_columns(dv)) for x in (v, state))
     outputs, final_state = _chunked(padded(q), padded(k), padded(v), cum, doc, state, chunk_size, interpret)
-    return outputs[:, :seq], final_state
+    return outputs[:, :seq, :, :dv], final_state[..., :dv]

@@ -1,0 +1,325 @@
+"""The GPU session's one command: check every Pallas kernel on the device, then time the
+issue's performance rows, writing ``gpu-<device>.json`` after every step.
+
+    python -m benchmarks.gpu                        # on a GPU: real compiles, H100 sizes
+    python -m benchmarks.gpu --toy                  # anywhere: toy sizes; kernels interpreted
+    python -m benchmarks.gpu --results-dir $OUT     # where the JSON goes (default benchmarks/results)
+
+1. ``device_value_checks``: every kernel of :data:`benchmarks.device_checks.KERNEL_CHECKS`
+   (flash attention forward + backward with every mask kind, paged and ragged paged
+   attention, linear attention, SSD, short conv) against its reference on the device, in
+   bf16 and f32, errors recorded per kernel; a kernel that breaks does not stop the run.
+2. ``rows``: the performance rows of :data:`MEASUREMENTS`, most important first, each
+   reusing :mod:`benchmarks.attention`, :mod:`benchmarks.sequence_mixers` and
+   :mod:`benchmarks.train_step`: the measured ceilings (HBM bandwidth, bf16 matmul rate);
+   flash attention forward and forward+backward vs cuDNN and JAX's Pallas attention
+   (Triton and Mosaic GPU), batch 8, 16 heads, head_dim 128, 1k-16k, causal and not;
+   block-sparse local + global vs cuDNN given the mask; sigmoid vs softmax scores; linear
+   attention and SSD vs our flash attention and their naive scans at 16k; ragged paged
+   decode vs the measured bandwidth; the ~350M preset's train step MFU in bf16.
+3. ``goals``: the issue's targets as measured ratios, each with its threshold.
+
+A time budget (``--budget-s``, default 500 s on a GPU) keeps the whole run inside one
+600 s device call: a measurement that would start with less than its reserve left is
+recorded as skipped. Results are rewritten after every check and row, so a run killed at
+its limit still leaves everything it measured.
+
+On the device machine (see benchmarks/README.md for the exact ``run`` call): the image has
+JAX but not omegaconf, which ember's config loader imports; ``make gpu-wheels`` downloads
+it here into ``.whl/`` (ignored by git) to be carried along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import attention, sequence_mixers, train_step
+from benchmarks.device_checks import GPU_CHECK_SIZES, KERNEL_CHECKS, TOY_CHECK_SIZES, CheckSizes, run_checks
+from benchmarks.harness import (
+    device_label,
+    measured_bandwidth_gbs,
+    measured_matmul_tflops,
+    on_gpu,
+    print_table,
+    write_results,
+)
+from ember.core.config import load_config
+from ember.kernels_pallas.block_mask import LocalGlobalMask
+from ember.models.config import ModelConfig
+
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+@dataclasses.dataclass(frozen=True)
+class PerfSizes:
+    """Sizes of the performance rows (``impl`` of our kernels: "pallas" on a GPU; on CPU
+    "xla", since the Pallas interpreter is far too slow to time)."""
+
+    impl: str
+    dtype: str
+    batch: int
+    heads: int
+    head_dim: int
+    goal_len: int  # the flash-vs-cuDNN goal's length (8k)
+    long_len: int  # block-sparse, linear attention and SSD goals (16k)
+    sweep_lens: tuple[int, ...]  # the rest of the dense sweep, at most 4 (one measurement each)
+    causal_values: tuple[bool, ...]
+    baselines: tuple[str, ...]
+    sparse_mask: LocalGlobalMask  # ~10% live blocks at long_len
+    mixers: sequence_mixers.Sizes
+    decode: dict[str, int]
+    train: tuple[str, int, int]  # preset, batch, seq_len
+    train_overrides: dict[str, Any]
+    bandwidth_bytes: int
+    matmul_size: int
+    repeats: int
+
+
+GPU_SIZES = PerfSizes(
+    impl="pallas", dtype="bfloat16", batch=8, heads=16, head_dim=128, goal_len=8192, long_len=16384,
+    sweep_lens=(16384, 4096, 2048, 1024), causal_values=(True, False),
+    baselines=("cudnn", "pallas_triton", "pallas_mosaic"),
+    # 16k / 128-blocks: a 640-token window each side is ~11 live blocks of 128 per row, plus
+    # one global block row and column: ~10% live.
+    sparse_mask=LocalGlobalMask(640, 640, 128),
+    mixers=dataclasses.replace(
+        sequence_mixers.GPU_SIZES, seq_lens=(16384,), scan_max_seq=16384, quadratic_max_seq=0, repeats=5
+    ),
+    decode=dict(num_seqs=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096),
+    train=("350m", 16, 2048), train_overrides=dict(precision="bf16", remat="none"),
+    bandwidth_bytes=4 << 30, matmul_size=8192, repeats=10,
+)
+TOY_SIZES = PerfSizes(
+    impl="xla", dtype="float32", batch=1, heads=2, head_dim=16, goal_len=64, long_len=128,
+    sweep_lens=(), causal_values=(True,), baselines=("xla",),
+    sparse_mask=LocalGlobalMask(8, 8, 4),
+    mixers=dataclasses.replace(
+        sequence_mixers.CPU_SIZES, seq_lens=(128,), scan_max_seq=128, quadratic_max_seq=0, repeats=1
+    ),
+    decode=dict(num_seqs=2, heads=2, kv_heads=1, head_dim=16, page_size=8, length=64),
+    train=("tiny", 8, 32), train_overrides=dict(max_seq_len=32),
+    bandwidth_bytes=1 << 20, matmul_size=64, repeats=1,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One step of the sweep: ``run(sizes, context) -> rows``; started only with at least
+    ``reserve_s`` of the budget left (a rough cost on an H100, compiles included)."""
+
+    name: str
+    run: Callable[[PerfSizes, dict], list[dict]]
+    reserve_s: float
+
+
+def _ceilings(sizes: PerfSizes, context: dict) -> list[dict]:
+    context["bandwidth_gbs"] = measured_bandwidth_gbs(sizes.bandwidth_bytes)
+    matmul = measured_matmul_tflops(sizes.matmul_size, jnp.dtype(sizes.dtype))
+    return [dict(section="ceilings", measured_bandwidth_gbs=context["bandwidth_gbs"], matmul_tflops=matmul,
+                 matmul_size=sizes.matmul_size, dtype=sizes.dtype)]
+
+
+def _dense(lengths: Callable[[PerfSizes], tuple[int, ...]]):
+    def run(sizes: PerfSizes, context: dict) -> list[dict]:
+        return attention.dense_rows(
+            sizes.impl, sizes.baselines, lengths(sizes), sizes.batch, sizes.heads, sizes.head_dim,
+            jnp.dtype(sizes.dtype), causal_values=sizes.causal_values, repeats=sizes.repeats,
+        )
+
+    return run
+
+
+def _block_sparse(sizes: PerfSizes, context: dict) -> list[dict]:
+    return attention.block_sparse_rows(
+        sizes.impl, sizes.baselines[0], sizes.batch, sizes.long_len, sizes.heads, sizes.head_dim,
+        jnp.dtype(sizes.dtype), sizes.sparse_mask, repeats=sizes.repeats,
+    )
+
+
+def _sigmoid(sizes: PerfSizes, context: dict) -> list[dict]:
+    return attention.sigmoid_rows(
+        sizes.impl, sizes.goal_len, sizes.batch, sizes.heads, sizes.head_dim, jnp.dtype(sizes.dtype),
+        causal_values=sizes.causal_values, repeats=sizes.repeats,
+    )
+
+
+def _ragged_decode(sizes: PerfSizes, context: dict) -> list[dict]:
+    bandwidth = context.get("bandwidth_gbs") or measured_bandwidth_gbs(sizes.bandwidth_bytes)
+    return attention.ragged_decode_rows(
+        sizes.impl, dtype=jnp.dtype(sizes.dtype), bandwidth_gbs=bandwidth, repeats=sizes.repeats, **sizes.decode
+    )
+
+
+def _mixer_rows(rows_fn):
+    def run(sizes: PerfSizes, context: dict) -> list[dict]:
+        mixers = sizes.mixers
+        keys = jax.random.split(jax.random.key(0), 6)
+        return [dict(section="sequence_mixers", **row) for row in rows_fn(mixers, jnp.dtype(mixers.dtype), keys)]
+
+    return run
+
+
+def _train_step(sizes: PerfSizes, context: dict) -> list[dict]:
+    preset, batch, seq_len = sizes.train
+    config = load_config(ModelConfig, PRESETS / f"{preset}.yaml")
+    config = dataclasses.replace(config, **sizes.train_overrides)
+    row = train_step.measure(preset, config, batch, seq_len, compare_plain=False)
+    return [dict(section="train_step", preset=preset, **row)]
+
+
+MEASUREMENTS: tuple[Measurement, ...] = (
+    Measurement("ceilings", _ceilings, 10),
+    Measurement("dense_goal", _dense(lambda s: (s.goal_len,)), 40),
+    Measurement("block_sparse", _block_sparse, 40),
+    Measurement("linear_attention", _mixer_rows(sequence_mixers.linear_attention_rows), 40),
+    Measurement("ssd", _mixer_rows(sequence_mixers.ssd_rows), 40),
+    Measurement("ragged_decode", _ragged_decode, 15),
+    Measurement("train_step", _train_step, 120),
+    Measurement("sigmoid", _sigmoid, 30),
+    *(Measurement(f"dense_sweep[{i}]", _dense(lambda s, i=i: s.sweep_lens[i : i + 1]), 40) for i in range(4)),
+)
+"""The performance rows, most important first; one line per measurement."""
+
+
+def _first(rows: list[dict], **match) -> dict:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), {})
+
+
+def goals(rows: list[dict], sizes: PerfSizes) -> dict[str, dict]:
+    """The issue's targets as ``{name: {"value": measured ratio or None, "target": ..., "met": ...}}``."""
+    baseline = sizes.baselines[0]
+    dense = _first(rows, section="dense", q_len=sizes.goal_len, causal=True)
+    sparse = _first(rows, section="block_sparse")
+    chunked = f"chunked[{sizes.impl}]"
+    linear = _first(rows, section="sequence_mixers", op="linear_attention", seq=sizes.long_len, form=chunked)
+    flash = _first(rows, section="sequence_mixers", op="linear_attention", seq=sizes.long_len, form="flash attention")
+    ssd_chunked = _first(rows, section="sequence_mixers", op="ssd", seq=sizes.long_len, form=chunked)
+    ssd_scan = _first(rows, section="sequence_mixers", op="ssd", seq=sizes.long_len, form="scan")
+    train = _first(rows, section="train_step")
+    decode = _first(rows, section="ragged_decode")
+
+    def over(a, b):
+        return a / b if isinstance(a, float) and isinstance(b, float) else None
+
+    measured = {
+        f"flash_fwd_{sizes.goal_len}_causal_speed_vs_{baseline}": (dense.get(f"fwd_speedup_vs_{baseline}"), 0.8),
+        f"block_sparse_{sizes.long_len}_fwd_speedup_vs_{baseline}_with_mask": (
+            sparse.get(f"fwd_speedup_vs_{baseline}_with_mask"), 3.0),
+        f"linear_attention_fwd_bwd_{sizes.long_len}_speedup_vs_our_flash": (
+            over(flash.get("fwd_bwd_ms"), linear.get("fwd_bwd_ms")), 4.0),
+        f"ssd_fwd_bwd_{sizes.long_len}_speedup_vs_naive_scan": (
+            over(ssd_scan.get("fwd_bwd_ms"), ssd_chunked.get("fwd_bwd_ms")), 5.0),
+        "ragged_decode_fraction_of_measured_bandwidth": (decode.get("fraction_of_bandwidth"), 0.7),
+        f"{sizes.train[0]}_train_step_mfu": (train.get("ember_mfu"), 0.45),
+    }
+    return {
+        name: dict(value=value, target=target, met=None if value is None else bool(value >= target))
+        for name, (value, target) in measured.items()
+    }
+
+
+def _run_measurement(measurement: Measurement, sizes: PerfSizes, context: dict, deadline: float) -> list[dict]:
+    left = deadline - time.monotonic()
+    if left < measurement.reserve_s:
+        print(f"[perf] skip {measurement.name}: {left:.0f} s left < {measurement.reserve_s:.0f} s reserve", flush=True)
+        return [dict(section=measurement.name, skipped=f"budget: {left:.0f} s left")]
+    started = time.perf_counter()
+    try:
+        rows = measurement.run(sizes, context)
+    except Exception as error:  # noqa: BLE001 - one failed measurement must not lose the others
+        rows = [dict(section=measurement.name, error=f"{type(error).__name__}: {error}"[:2000],
+                     traceback="".join(traceback.format_exception(error))[-4000:])]
+    seconds = time.perf_counter() - started
+    print(f"[perf] {measurement.name}: {len(rows)} rows in {seconds:.1f} s", flush=True)
+    for row in rows:
+        row.setdefault("measurement", measurement.name)
+        row.setdefault("measurement_seconds", seconds)
+    return rows
+
+
+def run(toy: bool, results_dir: Path | None, budget_s: float, seed: int, only_checks: tuple[str, ...] = (),
+        skip: tuple[str, ...] = ()) -> Path:
+    """Runs the checks and the measurements; returns the results file's path."""
+    check_sizes: CheckSizes = TOY_CHECK_SIZES if toy else GPU_CHECK_SIZES
+    sizes = TOY_SIZES if toy else GPU_SIZES
+    deadline = time.monotonic() + budget_s
+    record: dict[str, Any] = dict(
+        toy=toy, seed=seed, budget_s=budget_s, check_sizes=dataclasses.asdict(check_sizes),
+        perf_sizes={k: repr(v) for k, v in dataclasses.asdict(sizes).items()},
+        kernels=[check.name for check in KERNEL_CHECKS], device_value_checks={}, rows=[], goals={},
+    )
+
+    def save() -> Path:
+        return write_results("gpu", record, results_dir)
+
+    def run_checks_in(dtypes, deadline=None):
+        if "checks" not in skip and dtypes:
+            results = record["device_value_checks"]
+            run_checks(dataclasses.replace(check_sizes, dtypes=dtypes), seed, only=only_checks, deadline=deadline,
+                       on_result=lambda new: (results.update(new), save()))
+
+    # The first dtype (bf16 on a GPU) is checked first; the others after the timings, in
+    # what is left of the budget: they compile the same kernels again.
+    run_checks_in(check_sizes.dtypes[:1])
+    context: dict[str, Any] = {}
+    for measurement in MEASUREMENTS:
+        if measurement.name in skip:
+            continue
+        record["rows"] += _run_measurement(measurement, sizes, context, deadline)
+        record["goals"] = goals(record["rows"], sizes)
+        save()
+    run_checks_in(check_sizes.dtypes[1:], deadline)
+    path = save()
+    _print_summary(record)
+    print(f"\nwrote {path}")
+    return path
+
+
+def _print_summary(record: dict) -> None:
+    checks = record["device_value_checks"]
+    print("\n== device value checks ==")
+    print_table(
+        [dict(kernel=name, passed=r["passed"], max_rel_error=r.get("max_relative_error"),
+              error=(r.get("error") or "")[:80]) for name, r in checks.items()],
+        ["kernel", "passed", "max_rel_error", "error"],
+    )
+    attention.print_sections([r for r in record["rows"] if "section" in r and r.get("section") != "sequence_mixers"],
+                             "see the JSON for every column")
+    mixers = [r for r in record["rows"] if r.get("section") == "sequence_mixers"]
+    if mixers:
+        print("\n== sequence_mixers ==")
+        print_table(mixers, ["op", "seq", "form", "fwd_ms", "fwd_bwd_ms"])
+    print("\n== goals (measured ratio vs target) ==")
+    print_table([dict(goal=k, **v) for k, v in record["goals"].items()], ["goal", "value", "target", "met"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--toy", action="store_true", help="toy sizes, kernels interpreted (the default without a GPU)")
+    parser.add_argument("--results-dir", type=Path, default=None, help="where gpu-<device>.json goes")
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run (GPU default 500)")
+    parser.add_argument("--seed", type=int, default=None, help="inputs of the value checks (default: fresh)")
+    parser.add_argument("--only-checks", nargs="*", default=(), help="run only checks whose name contains one of these")
+    parser.add_argument("--skip", nargs="*", default=(), help="'checks' and/or measurement names to leave out")
+    args = parser.parse_args(argv)
+    toy = args.toy or not on_gpu()
+    if toy and not args.toy:
+        print(f"No GPU found (device: {device_label()}): toy sizes, kernels in the Pallas interpreter.")
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
+    budget = args.budget_s if args.budget_s is not None else (1e9 if toy else 500.0)
+    run(toy, args.results_dir, budget, seed, tuple(args.only_checks), tuple(args.skip))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""benchmarks/gpu.py, the GPU session's one command, run at toy sizes on CPU (kernels in the
+Pallas interpreter) so that it cannot rot between GPU sessions."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import gpu, triton_lowering
+from benchmarks.device_checks import (
+    GPU_CHECK_SIZES,
+    KERNEL_CHECKS,
+    RELATIVE_ERROR_LIMITS,
+    TOY_CHECK_SIZES,
+    KernelCheck,
+    Problem,
+    run_check,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def toy_record(tmp_path_factory):
+    """The JSON record of one ``python -m benchmarks.gpu --toy`` run. A subprocess, so it
+    gets one CPU device and XLA's backend optimizations off (compile time dominates at toy
+    sizes and they buy nothing there)."""
+    results_dir = tmp_path_factory.mktemp("gpu_results")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    command = [sys.executable, "-m", "benchmarks.gpu", "--toy", "--results-dir", str(results_dir), "--seed", "11"]
+    done = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    files = list(results_dir.iterdir())
+    assert [f.name for f in files] == ["gpu-cpu.json"]
+    return json.loads(files[0].read_text())
+
+
+def test_every_kernel_passes_its_device_check_with_compared_values(toy_record):
+    checks = toy_record["device_value_checks"]
+    assert set(checks) == {f"{check.name} float32" for check in KERNEL_CHECKS}
+    for name, record in checks.items():
+        assert record["passed"], (name, record.get("error"))
+        errors = record["relative_errors"]
+        assert errors and record["max_relative_error"] == max(errors.values()), name
+        # Interpreted kernels in float32 agree with their references to rounding, not exactly.
+        assert all(0.0 <= e < 1e-5 for e in errors.values()), (name, errors)
+        assert 0.0 < record["max_relative_error"], name
+    flash = checks["flash_attention[causal,segments] float32"]["relative_errors"]
+    assert set(flash) == {"out", "dq", "dk", "dv"}
+    ssd = checks["ssd[groups,D,dt_bias,state] float32"]["relative_errors"]
+    assert {"out[0]", "out[1]", "dx", "dB", "dC", "dA", "ddt"} <= set(ssd)
+
+
+def test_every_measurement_gives_rows_and_every_goal_a_ratio(toy_record):
+    rows = toy_record["rows"]
+    for measurement in gpu.MEASUREMENTS:
+        produced = [r for r in rows if r["measurement"] == measurement.name]
+        if measurement.name.startswith("dense_sweep"):  # the toy sizes sweep no further lengths
+            assert produced == []
+            continue
+        assert produced, measurement.name
+        for row in produced:
+            assert not [k for k in row if k in ("error", "skipped") or k.endswith("_error")], row
+    dense = next(r for r in rows if r["section"] == "dense")
+    assert dense["ours_fwd_tflops"] > 0 and dense["fwd_speedup_vs_xla"] > 0 and dense["xla_rel_diff"] < 1e-5
+    goals = toy_record["goals"]
+    assert len(goals) == 6
+    for name, goal in goals.items():
+        if name.endswith("_mfu"):  # no peak FLOP/s is known for a CPU
+            assert goal["value"] is None and goal["met"] is None
+        else:
+            assert goal["value"] > 0 and goal["met"] == (goal["value"] >= goal["target"]), name
+
+
+def test_a_failing_kernel_records_its_error_and_does_not_raise():
+    def broken(sizes, dtype, gen):
+        raise RuntimeError("Triton lowering failed: unsupported op")
+
+    record = run_check(KernelCheck("broken", broken), TOY_CHECK_SIZES, "float32", seed=0)
+    assert record["passed"] is False
+    assert record["error"] == "RuntimeError: Triton lowering failed: unsupported op"
+    assert "broken" in record["traceback"] and record["limit"] == RELATIVE_ERROR_LIMITS["float32"]
+
+
+@pytest.mark.parametrize("factor, expected", [(1.01, 0.01), (np.nan, math.inf)])
+def test_a_wrong_or_non_finite_kernel_fails_its_check(factor, expected):
+    def wrong(sizes, dtype, gen):
+        scale = jnp.where(jnp.arange(64) == 3, factor, 1.01)
+        return Problem(lambda x: x * scale, lambda x: x, {"x": jnp.asarray(gen.standard_normal(64), dtype)})
+
+    record = run_check(KernelCheck("wrong", wrong), TOY_CHECK_SIZES, "float32", seed=0)
+    assert record["passed"] is False and set(record["relative_errors"]) == {"out", "dx"}
+    for error in record["relative_errors"].values():
+        assert error == expected if math.isinf(expected) else math.isclose(error, expected, rel_tol=1e-4)
+
+
+def test_goals_without_rows_are_unmeasured():
+    goals = gpu.goals([], gpu.TOY_SIZES)
+    assert all(goal["value"] is None and goal["met"] is None for goal in goals.values())
+    assert np.isclose(goals[next(k for k in goals if k.startswith("flash_fwd"))]["target"], 0.8)
+
+
+def test_flash_attention_lowers_to_triton_without_a_gpu():
+    """The Pallas-to-Triton lowering of the flash kernels (forward, dq, dk/dv) runs on CPU.
+    (Only flash attention here: on jax 0.10 the kernels without Triton compiler parameters
+    lower through Mosaic GPU; ``python -m benchmarks.triton_lowering`` on jax 0.11 checks all.)"""
+    sizes = dataclasses.replace(GPU_CHECK_SIZES, dtypes=("bfloat16",))
+    results = triton_lowering.lower_all(sizes, only=("flash_attention[causal,segments]",))
+    assert results == {"flash_attention[causal,segments] bfloat16": {"lowered": True, "triton_kernels": 3}}
