@@ -324,7 +324,9 @@ def document_live_grid(
     rest, local, num_global = _split_global_parts(mask)
     local_live = live_block_grid(local, q_len, kv_len, block_q, block_kv)
     rest_live = live_block_grid(rest, q_len, kv_len, block_q, block_kv)
-    q_segments, kv_segments = (jnp.zeros_like(q_segment_pos), jnp.zeros_like(kv_segment_pos)) if segment_ids is None else segment_ids
+    if segment_ids is None:  # one document per row, as far as the blocks can tell
+        segment_ids = (jnp.zeros_like(q_segment_pos), jnp.zeros_like(kv_segment_pos))
+    q_segments, kv_segments = segment_ids
     q_global, q_all = _segment_ranges(q_segments, q_segment_pos < num_global, block_q)
     kv_global, kv_all = _segment_ranges(kv_segments, kv_segment_pos < num_global, block_kv)
 

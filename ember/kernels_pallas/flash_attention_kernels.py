@@ -317,7 +317,8 @@ def _padded_inputs(config: KernelConfig, q, k, v, rows):
     row_args = []
     for pair in rows:
         if pair is not None:
-            row_args += [pad_axis_to_multiple(pair[0], 1, config.block_q), pad_axis_to_multiple(pair[1], 1, config.block_kv)]
+            row_args.append(pad_axis_to_multiple(pair[0], 1, config.block_q))
+            row_args.append(pad_axis_to_multiple(pair[1], 1, config.block_kv))
     return q, k, v, row_args
 
 

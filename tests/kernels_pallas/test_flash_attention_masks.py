@@ -98,7 +98,9 @@ def test_kernel_visits_exactly_the_live_blocks(rng, mask):
         score="softmax", block_mask=mask,
     )
     config = KernelConfig(problem, 16, 16, interpret=True)
-    run = jax.jit(lambda q, k, v: flash_forward(q, k, v, (None, None), config, count_visits=True), compiler_options=FAST_COMPILE)
+    run = jax.jit(
+        lambda q, k, v: flash_forward(q, k, v, (None, None), config, count_visits=True), compiler_options=FAST_COMPILE
+    )
     _, _, visits = run(q, k, v)
     live = live_block_grid(mask, length, length, 16, 16)
     np.testing.assert_array_equal(visits, np.broadcast_to(live.sum(axis=1), visits.shape))
@@ -167,7 +169,8 @@ def test_per_document_global_tokens_visit_the_blocks_of_document_starts(rng):
     )
     config = KernelConfig(problem, 16, 16, interpret=True)
     rows = ((segment_ids, segment_ids), (positions, positions))
-    run = jax.jit(lambda q, k, v: flash_forward(q, k, v, rows, config, count_visits=True), compiler_options=FAST_COMPILE)
+    forward = functools.partial(flash_forward, rows=rows, config=config, count_visits=True)
+    run = jax.jit(forward, compiler_options=FAST_COMPILE)
     _, _, visits = run(q, k, v)
     live = np.asarray(document_live_grid(problem.mask, 16, 16, positions, positions, (segment_ids, segment_ids)))
     np.testing.assert_array_equal(visits[:, 0], live.sum(axis=2))

@@ -4,6 +4,7 @@ factor, the layer is causal, and a CCA model trains on a small synthetic task.""
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,8 +57,10 @@ def cca_paper_reference(params, x, config):
     heads, kv_heads, dim = config.cca_query_heads, config.cca_key_value_heads, config.cca_head_size
     group, seq = heads // kv_heads, x.shape[0]
     q_lat, k_lat, v_lat = (x @ p[name]["kernel"] for name in ("q", "k", "v"))
-    q = causal_conv_over_sequence(causal_conv_over_sequence(q_lat, p["q_conv1"]).reshape(seq, heads, dim), p["q_conv2"])
-    k = causal_conv_over_sequence(causal_conv_over_sequence(k_lat, p["k_conv1"]).reshape(seq, kv_heads, dim), p["k_conv2"])
+    q = causal_conv_over_sequence(q_lat, p["q_conv1"]).reshape(seq, heads, dim)
+    q = causal_conv_over_sequence(q, p["q_conv2"])
+    k = causal_conv_over_sequence(k_lat, p["k_conv1"]).reshape(seq, kv_heads, dim)
+    k = causal_conv_over_sequence(k, p["k_conv2"])
     mean = (q_lat.reshape(seq, kv_heads, group, dim).mean(axis=2) + k_lat.reshape(seq, kv_heads, dim)) / 2
     q, k = q + np.repeat(mean, group, axis=1), k + mean
     half = v_lat.shape[1] // 2
@@ -68,7 +71,8 @@ def cca_paper_reference(params, x, config):
         a = a / np.sqrt((a**2).mean(-1, keepdims=True) + config.norm_eps) * scale
         angle = np.arange(seq)[:, None, None] * config.rope.theta ** (-np.arange(0, dim, 2) / dim)
         first, second = a[..., : dim // 2], a[..., dim // 2 :]
-        return np.concatenate([first * np.cos(angle) - second * np.sin(angle), second * np.cos(angle) + first * np.sin(angle)], -1)
+        cos, sin = np.cos(angle), np.sin(angle)
+        return np.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
 
     q, k = rms_norm_and_rope(q, p["q_norm"]["scale"]), rms_norm_and_rope(k, p["k_norm"]["scale"])
     out = np.zeros((seq, heads, dim))
@@ -94,7 +98,7 @@ def test_cca_layer_matches_the_papers_equations(rng, kv_heads):
     positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
     params = layer.init(jax.random.key(0), x, positions)["params"]
     params = perturbed(params, jax.random.fold_in(rng, 1), scale=0.3)
-    params = jax.tree.map(lambda box: box.value if hasattr(box, "value") else box, params, is_leaf=lambda a: hasattr(a, "value"))
+    params = nn.meta.unbox(params)
     apply = jax.jit(layer.apply)
     out, _ = apply({"params": params}, x, positions)
     for row in range(2):

@@ -60,7 +60,8 @@ def test_packed_documents_are_independent(rng, kind):
         cca_heads=2, cca_kv_heads=1,
     )
     model = DecoderLM(config)
-    first, second = jax.random.randint(rng, (1, 7), 0, 64), jax.random.randint(jax.random.fold_in(rng, 1), (1, 6), 0, 64)
+    first = jax.random.randint(rng, (1, 7), 0, 64)
+    second = jax.random.randint(jax.random.fold_in(rng, 1), (1, 6), 0, 64)
     params = jax.jit(model.init)(jax.random.key(0), first)["params"]
     params = perturbed(params, jax.random.fold_in(rng, 2))
     packed = jnp.concatenate([first, second], axis=1)

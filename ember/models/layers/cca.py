@@ -14,11 +14,11 @@ projections, the KV cache and the attention FLOPs all shrink by that factor:
 3. q-k mean: the mean of the pre-convolution query and key (per key head) is added to both
    convolved tensors, a skip path shared by queries and keys.
 4. Value shift: the second half of the value channels come from the previous token.
+5. QK RMS-norm, rotary embedding, causal attention in the latent heads
+   (``ember.kernels_pallas.flash_attention`` via :func:`attend`), then ``W_o`` back up.
 
 With packed documents (``segment_ids``), neither convolution nor the value shift reaches
 across a document boundary: each document is computed as if alone.
-5. QK RMS-norm, rotary embedding, causal attention in the latent heads
-   (``ember.kernels_pallas.flash_attention`` via :func:`attend`), then ``W_o`` back up.
 
 Cache (see ``ember.models.cache``): latent K/V pages, the last ``2 * (conv_width - 1)``
 pre-convolution query/key latents (both convolutions continue across calls) and the last
@@ -162,7 +162,9 @@ class CompressedConvAttention(nn.Module):
         )
         return out, new_cache
 
-    def _convolve(self, prefix, x, heads, head_dim, heads_axis, segment_ids):
+    def _convolve(
+        self, prefix: str, x: jax.Array, heads: int, head_dim: int, heads_axis: str, segment_ids: jax.Array | None
+    ) -> jax.Array:
         width = self.config.cca_conv_width
         param_dtype = self.config.policy.param_dtype
         # Initialised to pass the current token through (identity), so an untrained CCA
