@@ -12,3 +12,11 @@ import numpy as np
 def numpy_rng(key) -> np.random.Generator:
     """A NumPy generator seeded from the JAX PRNG ``key``."""
     return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+
+
+def perturbed(params, key, scale: float = 0.1):
+    """``params`` with ``scale`` times standard-normal noise added to every leaf (drawn on the
+    host), so tests run away from initial values that hide bugs (identity convolutions, zero
+    biases, unit norm scales)."""
+    gen = numpy_rng(key)
+    return jax.tree.map(lambda leaf: leaf + scale * gen.standard_normal(leaf.shape).astype(leaf.dtype), params)

@@ -16,6 +16,8 @@ Kinds:
 - :class:`LocalMask`: sliding window, ``i - left <= j <= i + right``.
 - :class:`LocalGlobalMask`: a sliding window plus the first ``num_global_tokens`` tokens,
   which see every token and are seen by every token (Longformer / BigBird global tokens).
+  Given *segment positions* (each token's position within its packed document), the
+  global tokens are each document's first ``num_global_tokens`` tokens instead.
 - :class:`ChunkedCausalMask`: causal within consecutive chunks of ``chunk_size`` tokens,
   nothing across chunks (Llama-4-style chunked attention).
 - :class:`ExplicitBlockMask`: any boolean grid of ``block_q x block_kv`` blocks.
@@ -24,6 +26,11 @@ Kinds:
 
 Every ``visible`` method works elementwise with broadcasting on NumPy and on JAX arrays, so
 one definition serves the reference, the block enumeration and the kernel's in-block mask.
+
+Masks that read segment positions (:meth:`BlockMask.uses_segment_positions`) have live
+blocks that depend on the data: :func:`document_live_grid` finds them at run time, inside a
+static bound (:func:`document_live_bound`), so a row holding one document visits the blocks
+the index-based mask would, and each further document start adds its block's column.
 """
 
 from __future__ import annotations
@@ -47,6 +54,15 @@ class BlockMask:
         """Boolean, ``True`` where key position ``kv_pos`` is visible from query position
         ``q_pos``; broadcasts like ``q_pos < kv_pos`` on NumPy or JAX integer arrays."""
         raise NotImplementedError
+
+    def visible_at(self, q_pos: Any, kv_pos: Any, q_segment_pos: Any, kv_segment_pos: Any) -> Any:
+        """:meth:`visible` given also each token's position within its packed document
+        (same broadcasting). Only masks whose :meth:`uses_segment_positions` is True read them."""
+        return self.visible(q_pos, kv_pos)
+
+    def uses_segment_positions(self) -> bool:
+        """Whether :meth:`visible_at` depends on the segment positions."""
+        return False
 
     def in_block_predicate_needed(self) -> bool:
         """Whether a live ``block_q x block_kv`` kernel block can still hold masked pairs
@@ -100,7 +116,9 @@ class LocalMask(BlockMask):
 class LocalGlobalMask(BlockMask):
     """Longformer / BigBird: a sliding window ``i - left <= j <= i + right`` plus global
     tokens. The first ``num_global_tokens`` positions are global: every query sees them, and
-    they see every key."""
+    they see every key. With segment positions (:meth:`visible_at`), a token is global when
+    its position within its document is below ``num_global_tokens``: each packed document
+    keeps its own global tokens (segment ids keep documents apart)."""
 
     left: int
     right: int
@@ -112,8 +130,14 @@ class LocalGlobalMask(BlockMask):
         check_non_negative_int("num_global_tokens", self.num_global_tokens)
 
     def visible(self, q_pos, kv_pos):
+        return self.visible_at(q_pos, kv_pos, q_pos, kv_pos)
+
+    def visible_at(self, q_pos, kv_pos, q_segment_pos, kv_segment_pos):
         local = (kv_pos >= q_pos - self.left) & (kv_pos <= q_pos + self.right)
-        return local | (q_pos < self.num_global_tokens) | (kv_pos < self.num_global_tokens)
+        return local | (q_segment_pos < self.num_global_tokens) | (kv_segment_pos < self.num_global_tokens)
+
+    def uses_segment_positions(self) -> bool:
+        return self.num_global_tokens > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +233,15 @@ class MaskIntersection(BlockMask):
             result = result & mask.visible(q_pos, kv_pos)
         return result
 
+    def visible_at(self, q_pos, kv_pos, q_segment_pos, kv_segment_pos):
+        result = self.masks[0].visible_at(q_pos, kv_pos, q_segment_pos, kv_segment_pos)
+        for mask in self.masks[1:]:
+            result = result & mask.visible_at(q_pos, kv_pos, q_segment_pos, kv_segment_pos)
+        return result
+
+    def uses_segment_positions(self) -> bool:
+        return any(m.uses_segment_positions() for m in self.masks)
+
     def in_block_predicate_needed(self) -> bool:
         return any(m.in_block_predicate_needed() for m in self.masks)
 
@@ -254,6 +287,69 @@ def live_block_grid(mask: BlockMask | None, q_len: int, kv_len: int, block_q: in
         first = start // block_q
         live[first : first + blocks.shape[0]] |= blocks[: num_q_blocks - first]
     return live
+
+
+def _split_global_parts(mask: BlockMask) -> tuple[BlockMask | None, BlockMask | None, int]:
+    """``(rest, local, num_global)`` of a mask whose parts may include
+    :class:`LocalGlobalMask`: ``rest`` intersects the other parts, ``local`` also the global
+    masks' windows, ``num_global`` is the largest global count. For any segment positions,
+    ``visible_at`` implies ``local | (rest & (query or key position < num_global))``."""
+    parts = mask.masks if isinstance(mask, MaskIntersection) else (mask,)
+    global_parts = [m for m in parts if isinstance(m, LocalGlobalMask)]
+    others = [m for m in parts if not isinstance(m, LocalGlobalMask)]
+    local = combine_masks(*others, *(LocalMask(m.left, m.right) for m in global_parts))
+    return combine_masks(*others), local, max((m.num_global_tokens for m in global_parts), default=0)
+
+
+def document_live_bound(mask: BlockMask, q_len: int, kv_len: int, block_q: int, block_kv: int) -> np.ndarray:
+    """The blocks :func:`document_live_grid` can mark live for some segment positions: NumPy
+    bool ``[num_q_blocks, num_kv_blocks]`` (what the kernel tables are sized for)."""
+    rest, _, _ = _split_global_parts(mask)
+    return live_block_grid(rest, q_len, kv_len, block_q, block_kv)
+
+
+def document_live_grid(
+    mask: BlockMask, block_q: int, block_kv: int, q_segment_pos, kv_segment_pos, segment_ids=None
+) -> Any:
+    """Which kernel blocks may hold a visible pair of a mask that reads segment positions,
+    given them (``q_segment_pos [batch, q_len]``, ``kv_segment_pos [batch, kv_len]``) and
+    the ``(q, kv)`` segment ids (or None): traced bool ``[batch, num_q_blocks,
+    num_kv_blocks]``. Live are the blocks live without global tokens, plus, among the
+    blocks ``rest`` allows, those where a global query or key can meet a token of its own
+    segment: the segment-id ranges of the block's global tokens and of the other block
+    overlap. A superset of the exact grid (exactness comes from the in-block mask); for
+    documents packed back to back it adds, per document, the blocks between its first
+    tokens and its end."""
+    q_len, kv_len = q_segment_pos.shape[1], kv_segment_pos.shape[1]
+    rest, local, num_global = _split_global_parts(mask)
+    local_live = live_block_grid(local, q_len, kv_len, block_q, block_kv)
+    rest_live = live_block_grid(rest, q_len, kv_len, block_q, block_kv)
+    if segment_ids is None:  # one document per row, as far as the blocks can tell
+        segment_ids = (jnp.zeros_like(q_segment_pos), jnp.zeros_like(kv_segment_pos))
+    q_segments, kv_segments = segment_ids
+    q_global, q_all = _segment_ranges(q_segments, q_segment_pos < num_global, block_q)
+    kv_global, kv_all = _segment_ranges(kv_segments, kv_segment_pos < num_global, block_kv)
+
+    def overlap(q_range, kv_range):  # [batch, num_q_blocks, num_kv_blocks]
+        (q_low, q_high), (kv_low, kv_high) = q_range, kv_range
+        return (q_low[:, :, None] <= kv_high[:, None, :]) & (kv_low[:, None, :] <= q_high[:, :, None])
+
+    return local_live | (rest_live & (overlap(q_global, kv_all) | overlap(q_all, kv_global)))
+
+
+def _segment_ranges(segments, is_global, block: int):
+    """Per block of ``block`` tokens, the ``(low, high)`` segment ids ``[batch, num_blocks]``
+    of its global tokens and of all its tokens (an empty range has ``low > high``)."""
+    pad = -segments.shape[1] % block
+    segments = jnp.pad(segments, ((0, 0), (0, pad))).reshape(segments.shape[0], -1, block)
+    present = jnp.pad(jnp.ones(is_global.shape, bool), ((0, 0), (0, pad))).reshape(segments.shape)
+    is_global = jnp.pad(is_global, ((0, 0), (0, pad))).reshape(segments.shape)
+    big = jnp.iinfo(jnp.int32).max
+
+    def span(flags):
+        return jnp.where(flags, segments, big).min(axis=-1), jnp.where(flags, segments, -big).max(axis=-1)
+
+    return span(is_global), span(present)
 
 
 @dataclasses.dataclass(frozen=True)

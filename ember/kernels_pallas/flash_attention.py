@@ -2,6 +2,8 @@
 
     out = flash_attention(q, k, v, causal=True)                     # [batch, q_len, heads, head_dim]
     out = flash_attention(q, k, v, block_mask=LocalGlobalMask(256, 256, 64))
+    out = flash_attention(q, k, v, causal=True, block_mask=LocalGlobalMask(255, 0, 64),   # packed rows:
+                          segment_ids=segment_ids, segment_positions=positions)          # 64 per document
     out = flash_attention(q, k, v, score="sigmoid")                 # FlashSigmoid
 
 The Pallas kernels (forward saving the log-sum-exp, backward dq and dk/dv, tied by
@@ -83,6 +85,7 @@ class AttentionProblem:
     sm_scale: float
     mask: BlockMask | None
     has_segments: bool
+    has_segment_positions: bool
     logits_soft_cap: float | None
     score: str
     sigmoid_bias: float
@@ -97,29 +100,31 @@ def _check_rank(name: str, x: Any, rank: int, layout: str) -> None:
         raise ValueError(f"{name} must have rank {rank} {layout}, got shape {getattr(x, 'shape', None)}")
 
 
-def normalize_segment_ids(segment_ids: Any, batch: int, q_len: int, kv_len: int):
-    """``(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])`` int32, or ``None``."""
+def normalize_segment_ids(segment_ids: Any, batch: int, q_len: int, kv_len: int, name: str = "segment_ids"):
+    """``(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])`` int32, or ``None``
+    (also for ``segment_positions``, named by ``name`` in errors)."""
     if segment_ids is None:
         return None
     if isinstance(segment_ids, (tuple, list)):
         if len(segment_ids) != 2:
-            raise ValueError("segment_ids must be one array or a pair (q_segment_ids, kv_segment_ids)")
+            raise ValueError(f"{name} must be one array or a pair (q_{name}, kv_{name})")
         q_seg, kv_seg = segment_ids
     else:
         if q_len != kv_len:
             raise ValueError(
-                f"segment_ids as one array needs q_len == kv_len (got {q_len}, {kv_len}); "
-                "pass (q_segment_ids, kv_segment_ids)"
+                f"{name} as one array needs q_len == kv_len (got {q_len}, {kv_len}); pass (q_{name}, kv_{name})"
             )
         q_seg = kv_seg = segment_ids
-    for name, seg, length in (("q segment_ids", q_seg, q_len), ("kv segment_ids", kv_seg, kv_len)):
+    for side, seg, length in (("q", q_seg, q_len), ("kv", kv_seg, kv_len)):
         if getattr(seg, "shape", None) != (batch, length):
-            raise ValueError(f"{name} must have shape [batch, len] = {(batch, length)}, got {getattr(seg, 'shape', None)}")
+            raise ValueError(
+                f"{side} {name} must have shape [batch, len] = {(batch, length)}, got {getattr(seg, 'shape', None)}"
+            )
     return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
 
 
 def attention_problem(
-    q, k, v, *, causal, sm_scale, segment_ids, window, logits_soft_cap, score, block_mask
+    q, k, v, *, causal, sm_scale, segment_ids, window, logits_soft_cap, score, block_mask, segment_positions=None
 ) -> AttentionProblem:
     """Checks the arguments of :func:`flash_attention` and describes the call.
 
@@ -153,6 +158,7 @@ def attention_problem(
         block_mask.check_covers(q_len, kv_len)
     mask = combine_masks(CausalMask() if causal else None, window_mask, block_mask)
     normalize_segment_ids(segment_ids, batch, q_len, kv_len)
+    normalize_segment_ids(segment_positions, batch, q_len, kv_len, name="segment_positions")
     return AttentionProblem(
         batch=batch,
         q_len=q_len,
@@ -163,6 +169,8 @@ def attention_problem(
         sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
         mask=mask,
         has_segments=segment_ids is not None,
+        # Positions change nothing for a mask that does not read them: keep the static tables.
+        has_segment_positions=segment_positions is not None and mask is not None and mask.uses_segment_positions(),
         logits_soft_cap=logits_soft_cap,
         score=score,
         sigmoid_bias=default_sigmoid_bias(kv_len),
@@ -181,6 +189,7 @@ def flash_attention_reference(
     logits_soft_cap: float | None = None,
     score: str = "softmax",
     block_mask: BlockMask | None = None,
+    segment_positions=None,
 ) -> jax.Array:
     """Plain-jnp attention with the semantics of :func:`flash_attention` (same arguments,
     minus the kernel options). Materializes the ``[batch, heads, q_len, kv_len]`` scores in
@@ -188,26 +197,45 @@ def flash_attention_reference(
     ``q.dtype``."""
     problem = attention_problem(
         q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
-        logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
+        logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask, segment_positions=segment_positions,
     )
+    rows = _row_arrays(problem, segment_ids, segment_positions)
+    return _dense_attention(q, k, v, _query_side(rows), _key_side(rows), problem, q_offset=0)
+
+
+def _row_arrays(problem: AttentionProblem, segment_ids, segment_positions):
+    """``(segment ids, segment positions)``, each None or a ``(query, key)`` int32 pair;
+    positions only where the mask reads them."""
     segments = normalize_segment_ids(segment_ids, problem.batch, problem.q_len, problem.kv_len)
-    q_segments, kv_segments = (None, None) if segments is None else segments
-    return _dense_attention(q, k, v, q_segments, kv_segments, problem, q_offset=0)
+    if not problem.has_segment_positions:
+        return segments, None
+    return segments, normalize_segment_ids(segment_positions, problem.batch, problem.q_len, problem.kv_len)
 
 
-def _dense_attention(q, k, v, q_segments, kv_segments, problem: AttentionProblem, *, q_offset) -> jax.Array:
+def _query_side(rows):
+    return tuple(None if pair is None else pair[0] for pair in rows)
+
+
+def _key_side(rows):
+    return tuple(None if pair is None else pair[1] for pair in rows)
+
+
+def _dense_attention(q, k, v, q_rows, kv_rows, problem: AttentionProblem, *, q_offset) -> jax.Array:
     """The reference math for queries ``q [batch, n, heads, head_dim]`` at positions
-    ``q_offset .. q_offset + n - 1`` (``q_segments [batch, n]`` or None) over all keys."""
+    ``q_offset .. q_offset + n - 1`` over all keys. ``q_rows``/``kv_rows``: the query and key
+    sides ``(segment ids, segment positions)`` (each ``[batch, n or kv_len]`` or None)."""
+    (q_segments, q_seg_pos), (kv_segments, kv_seg_pos) = q_rows, kv_rows
     batch, q_len, heads, head_dim = q.shape
     kv_heads, group = problem.kv_heads, problem.group
     q32 = q.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, head_dim)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q32, k.astype(jnp.float32)) * problem.sm_scale
     logits = soft_cap(logits, problem.logits_soft_cap)
     visible = jnp.ones((1, q_len, problem.kv_len), dtype=bool)
-    if problem.mask is not None:
-        visible = visible & problem.mask.visible(
-            q_offset + jnp.arange(q_len)[:, None], jnp.arange(problem.kv_len)[None, :]
-        )
+    q_pos, kv_pos = q_offset + jnp.arange(q_len)[:, None], jnp.arange(problem.kv_len)[None, :]
+    if q_seg_pos is not None:
+        visible = visible & problem.mask.visible_at(q_pos, kv_pos, q_seg_pos[:, :, None], kv_seg_pos[:, None, :])
+    elif problem.mask is not None:
+        visible = visible & problem.mask.visible(q_pos, kv_pos)
     if q_segments is not None:
         visible = visible & (q_segments[:, :, None] == kv_segments[:, None, :])
     visible = visible[:, None, None]  # [batch or 1, 1, 1, q_len, kv_len]
@@ -219,13 +247,14 @@ def _dense_attention(q, k, v, q_segments, kv_segments, problem: AttentionProblem
     return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
 
 
-def _chunked_xla_attention(q, k, v, segments, problem: AttentionProblem) -> jax.Array:
+def _chunked_xla_attention(q, k, v, rows, problem: AttentionProblem) -> jax.Array:
     """The XLA path: the reference math over chunks of ``XLA_QUERY_CHUNK`` queries, each
     rematerialized in the backward, so memory is ``O(chunk * kv_len)`` instead of
-    ``O(q_len * kv_len)``. Short queries go through in one piece."""
-    q_segments, kv_segments = (None, None) if segments is None else segments
+    ``O(q_len * kv_len)``. Short queries go through in one piece. ``rows`` as from
+    :func:`_row_arrays`."""
+    q_rows, kv_rows = _query_side(rows), _key_side(rows)
     if problem.q_len <= XLA_QUERY_CHUNK:
-        return _dense_attention(q, k, v, q_segments, kv_segments, problem, q_offset=0)
+        return _dense_attention(q, k, v, q_rows, kv_rows, problem, q_offset=0)
     num_chunks = -(-problem.q_len // XLA_QUERY_CHUNK)
 
     def chunks(x):  # [batch, q_len, ...] -> [num_chunks, batch, chunk, ...]
@@ -234,11 +263,12 @@ def _chunked_xla_attention(q, k, v, segments, problem: AttentionProblem) -> jax.
 
     @jax.checkpoint
     def one_chunk(args):
-        q_chunk, q_segment_chunk, offset = args
-        return _dense_attention(q_chunk, k, v, q_segment_chunk, kv_segments, problem, q_offset=offset)
+        q_chunk, q_rows_chunk, offset = args
+        return _dense_attention(q_chunk, k, v, q_rows_chunk, kv_rows, problem, q_offset=offset)
 
     offsets = jnp.arange(num_chunks) * XLA_QUERY_CHUNK
-    out = jax.lax.map(one_chunk, (chunks(q), None if q_segments is None else chunks(q_segments), offsets))
+    q_row_chunks = tuple(None if row is None else chunks(row) for row in q_rows)
+    out = jax.lax.map(one_chunk, (chunks(q), q_row_chunks, offsets))
     out = jnp.moveaxis(out, 0, 1).reshape(problem.batch, num_chunks * XLA_QUERY_CHUNK, problem.heads, problem.head_dim)
     return out[:, : problem.q_len]
 
@@ -263,6 +293,7 @@ def flash_attention(
     block_mask: BlockMask | None = None,
     block_sizes: FlashBlockSizes | None = None,
     impl: str = "auto",
+    segment_positions=None,
 ) -> jax.Array:
     """Attention over ``[batch, seq, heads, head_dim]`` tensors, memory-efficient and
     block-sparse; differentiable (forward and backward are Pallas kernels on GPU/TPU).
@@ -288,6 +319,11 @@ def flash_attention(
         (causal, local window, local + global, chunked-causal, explicit block grid). It is
         intersected with ``causal``, ``window`` and ``segment_ids``; the kernels visit only
         blocks with at least one visible pair.
+      segment_positions: each token's position within its packed document, laid out like
+        ``segment_ids`` (one array or a ``(q, kv)`` pair). A :class:`LocalGlobalMask` then
+        makes each document's first ``num_global_tokens`` tokens global instead of the
+        row's; its live blocks are found per batch row at run time (the blocks holding a
+        document's global tokens join the local ones). Other masks ignore it.
       block_sizes: kernel tiles, :class:`FlashBlockSizes`; default 128 x 128 (shrunk for
         short sequences). With an :class:`ExplicitBlockMask` they must divide its blocks.
       impl: ``"auto"`` (Pallas on GPU, else XLA), ``"pallas"``, ``"interpret"`` (the
@@ -307,17 +343,17 @@ def flash_attention(
     """
     problem = attention_problem(
         q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
-        logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask,
+        logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask, segment_positions=segment_positions,
     )
     block_sizes = _default_block_sizes(block_mask) if block_sizes is None else block_sizes
     if not isinstance(block_sizes, FlashBlockSizes):
         raise ValueError(f"block_sizes must be a FlashBlockSizes, got {type(block_sizes).__name__}")
     resolved = resolve_impl(impl, op="flash_attention", kernel_backends=KERNEL_BACKENDS)
-    segments = normalize_segment_ids(segment_ids, problem.batch, problem.q_len, problem.kv_len)
+    rows = _row_arrays(problem, segment_ids, segment_positions)
     if resolved == "xla":
-        return _chunked_xla_attention(q, k, v, segments, problem)
+        return _chunked_xla_attention(q, k, v, rows, problem)
     return flash_attention_kernel(
-        q, k, v, segments, problem=problem, block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),
+        q, k, v, *rows, problem=problem, block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),
         interpret=resolved == "interpret",
     )
 

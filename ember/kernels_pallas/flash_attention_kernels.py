@@ -9,12 +9,15 @@ Three kernels tied together by ``custom_vjp``:
 - dk/dv: grid ``(batch, heads, kv_blocks)``, streams the live query blocks of its key block;
   per-query-head results are summed over each GQA group afterwards.
 
-Which blocks are live is static: it comes from the mask description
+Which blocks are live comes from the mask description
 (:func:`ember.kernels_pallas.block_mask.live_block_grid`) and reaches the kernels as small
-int32 tables ``[rows, width]`` whose row is ``[count, index_0, index_1, ...]``. Dead blocks
-are never loaded or multiplied, so cost follows the number of live blocks. Inside a live
-block the mask predicate (causal, window, ..., key padding, segment ids) is evaluated on
-position iotas.
+int32 tables ``[batch or 1, rows, width]`` whose row is ``[count, index_0, index_1, ...]``.
+Dead blocks are never loaded or multiplied, so cost follows the number of live blocks. The
+tables are static unless the mask reads segment positions (per-document global tokens):
+then they are built per batch row from the positions
+(:func:`ember.kernels_pallas.block_mask.document_live_grid`), sized for a static bound.
+Inside a live block the mask predicate (causal, window, ..., key padding, segment ids,
+segment positions) is evaluated on position iotas.
 
 Layout stays ``[batch, seq, heads, head_dim]`` (no transposes): a program sees one head's
 ``[block, head_dim]`` tiles. Keys/values for a program are its head's whole
@@ -34,7 +37,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.attention_math import soft_cap
-from ember.kernels_pallas.block_mask import BlockMask, LiveBlocks, MaskIntersection, live_block_grid
+from ember.kernels_pallas.block_mask import (
+    BlockMask,
+    LiveBlocks,
+    MaskIntersection,
+    document_live_bound,
+    document_live_grid,
+    live_block_grid,
+)
 from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
@@ -64,8 +74,10 @@ class KernelConfig:
 
     @functools.cached_property
     def live(self) -> LiveBlocks:
+        """The live blocks; with segment positions, every block that can be live (a bound)."""
         p = self.problem
-        return LiveBlocks.from_grid(live_block_grid(p.mask, p.q_len, p.kv_len, self.block_q, self.block_kv))
+        grid = document_live_bound if p.has_segment_positions else live_block_grid
+        return LiveBlocks.from_grid(grid(p.mask, p.q_len, p.kv_len, self.block_q, self.block_kv))
 
     @functools.cached_property
     def predicate_masks(self) -> tuple[BlockMask, ...]:
@@ -83,23 +95,72 @@ def _table_width(indices: np.ndarray) -> int:
 
 
 def _count_table(indices: np.ndarray, counts: np.ndarray) -> jax.Array:
-    """``[rows, _table_width]`` int32 rows ``[count, index_0, ..., padding]``."""
+    """``[1, rows, _table_width]`` int32 rows ``[count, index_0, ..., padding]``."""
     width = _table_width(indices)
     table = np.zeros((indices.shape[0], width), dtype=np.int32)
     table[:, 0] = counts
     table[:, 1 : 1 + indices.shape[1]] = indices
     table[:, 1 + indices.shape[1] :] = indices[:, -1:]
-    return jnp.asarray(table)
+    return jnp.asarray(table)[None]
 
 
-def _visible(config: KernelConfig, q_start, kv_start, q_seg, kv_seg):
+def _traced_count_table(live: jax.Array, bound: np.ndarray) -> jax.Array:
+    """The table of a traced grid ``live [batch, rows, cols]`` (inside the static ``bound
+    [rows, cols]``): ``[batch, rows, _table_width]``, rows as in :func:`_count_table`."""
+    width = _table_width(LiveBlocks.from_grid(bound).kv_indices)
+    counts = live.sum(axis=-1, dtype=jnp.int32)
+    # A stable sort of "dead" flags lists the live columns first, in increasing order.
+    order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+    slots = jnp.arange(width - 1)
+    indices = jnp.where(slots < counts[..., None], order[..., jnp.minimum(slots, live.shape[-1] - 1)], last)
+    return jnp.concatenate([counts[..., None], indices], axis=-1)
+
+
+def _block_tables(config: KernelConfig, rows) -> tuple[jax.Array, jax.Array]:
+    """``(kv_table, q_table)``: per query block its live key blocks (forward, dq), per key
+    block its live query blocks (dk/dv); ``[1 or batch, rows, width]`` int32."""
+    if not config.problem.has_segment_positions:
+        live = config.live
+        return _count_table(live.kv_indices, live.kv_counts), _count_table(live.q_indices, live.q_counts)
+    p = config.problem
+    segments, segment_positions = rows
+    live = document_live_grid(p.mask, config.block_q, config.block_kv, *segment_positions, segments)
+    bound = document_live_bound(p.mask, p.q_len, p.kv_len, config.block_q, config.block_kv)
+    return _traced_count_table(live, bound), _traced_count_table(jnp.swapaxes(live, 1, 2), bound.T)
+
+
+def _table_spec(table: jax.Array):
+    """The row of a query (or key) block, from the batch row's table when there is one each."""
+    if table.shape[0] == 1:
+        return pl.BlockSpec((None, None, table.shape[2]), lambda b, h, i: (0, i, 0))
+    return pl.BlockSpec((None, None, table.shape[2]), lambda b, h, i: (b, i, 0))
+
+
+def _split_optional_refs(problem, refs):
+    """``(segment id refs, segment position refs, the rest)`` of a kernel's trailing refs:
+    each pair ``(query side, key side)``, or ``(None, None)`` when the call has none."""
+    seg_refs, refs = (refs[:2], refs[2:]) if problem.has_segments else ((None, None), refs)
+    pos_refs, refs = (refs[:2], refs[2:]) if problem.has_segment_positions else ((None, None), refs)
+    return seg_refs, pos_refs, refs
+
+
+def _read(ref, index):
+    """``ref[index]``, or None without a ref."""
+    return None if ref is None else ref[index]
+
+
+def _visible(config: KernelConfig, q_start, kv_start, q_seg, kv_seg, q_seg_pos, kv_seg_pos):
     """Bool ``[block_q, block_kv]``: which pairs of this tile may attend."""
     shape = (config.block_q, config.block_kv)
     q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
     kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = kv_pos < config.problem.kv_len
     for mask in config.predicate_masks:
-        visible = visible & mask.visible(q_pos, kv_pos)
+        if q_seg_pos is None:
+            visible = visible & mask.visible(q_pos, kv_pos)
+        else:
+            visible = visible & mask.visible_at(q_pos, kv_pos, q_seg_pos[:, None], kv_seg_pos[None, :])
     if q_seg is not None:
         visible = visible & (q_seg[:, None] == kv_seg[None, :])
     return visible
@@ -134,20 +195,21 @@ def _weights(config: KernelConfig, capped, visible, lse):
 
 def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig, count_visits: bool):
     p = config.problem
-    seg_refs, refs = (refs[:2], refs[2:]) if p.has_segments else ((None, None), refs)
+    seg_refs, pos_refs, refs = _split_optional_refs(p, refs)
     o_ref, lse_ref, *visits_ref = refs
     bq, bk = config.block_q, config.block_kv
     q_start = pl.program_id(2) * bq
     q = q_ref[...]
-    q_seg = None if seg_refs[0] is None else seg_refs[0][...]
+    q_seg, q_seg_pos = _read(seg_refs[0], ...), _read(pos_refs[0], ...)
 
     def body(t, carry):
         softmax_carry, acc, visits = carry
         kv_start = pl.multiple_of(table_ref[t + 1] * bk, bk)
-        k = k_ref[pl.ds(kv_start, bk), :]
-        v = v_ref[pl.ds(kv_start, bk), :]
-        kv_seg = None if seg_refs[1] is None else seg_refs[1][pl.ds(kv_start, bk)]
-        visible = _visible(config, q_start, kv_start, q_seg, kv_seg)
+        kv_rows = pl.ds(kv_start, bk)
+        k, v = k_ref[kv_rows, :], v_ref[kv_rows, :]
+        visible = _visible(
+            config, q_start, kv_start, q_seg, _read(seg_refs[1], kv_rows), q_seg_pos, _read(pos_refs[1], kv_rows)
+        )
         capped = _capped_logits(config, q, k)
         if p.score == "sigmoid":
             weights = _weights(config, capped, visible, lse=None)
@@ -173,19 +235,20 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig,
 
 def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, config: KernelConfig):
     p = config.problem
-    seg_refs, refs = (refs[:2], refs[2:]) if p.has_segments else ((None, None), refs)
+    seg_refs, pos_refs, refs = _split_optional_refs(p, refs)
     (dq_ref,) = refs
     bq, bk = config.block_q, config.block_kv
     q_start = pl.program_id(2) * bq
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_seg = None if seg_refs[0] is None else seg_refs[0][...]
+    q_seg, q_seg_pos = _read(seg_refs[0], ...), _read(pos_refs[0], ...)
 
     def body(t, dq):
         kv_start = pl.multiple_of(table_ref[t + 1] * bk, bk)
-        k = k_ref[pl.ds(kv_start, bk), :]
-        v = v_ref[pl.ds(kv_start, bk), :]
-        kv_seg = None if seg_refs[1] is None else seg_refs[1][pl.ds(kv_start, bk)]
-        visible = _visible(config, q_start, kv_start, q_seg, kv_seg)
+        kv_rows = pl.ds(kv_start, bk)
+        k, v = k_ref[kv_rows, :], v_ref[kv_rows, :]
+        visible = _visible(
+            config, q_start, kv_start, q_seg, _read(seg_refs[1], kv_rows), q_seg_pos, _read(pos_refs[1], kv_rows)
+        )
         capped = _capped_logits(config, q, k)
         weights = _weights(config, capped, visible, lse)
         dp = lax.dot_general(do, v, _NT_DIMS, preferred_element_type=jnp.float32)
@@ -198,20 +261,21 @@ def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs
 
 def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, config: KernelConfig):
     p = config.problem
-    seg_refs, refs = (refs[:2], refs[2:]) if p.has_segments else ((None, None), refs)
+    seg_refs, pos_refs, refs = _split_optional_refs(p, refs)
     dk_ref, dv_ref = refs
     bq, bk = config.block_q, config.block_kv
     kv_start = pl.program_id(2) * bk
     k, v = k_ref[...], v_ref[...]
-    kv_seg = None if seg_refs[1] is None else seg_refs[1][...]
+    kv_seg, kv_seg_pos = _read(seg_refs[1], ...), _read(pos_refs[1], ...)
 
     def body(t, carry):
         dk, dv = carry
         q_start = pl.multiple_of(table_ref[t + 1] * bq, bq)
         rows = pl.ds(q_start, bq)
         q, do, lse, delta = q_ref[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
-        q_seg = None if seg_refs[0] is None else seg_refs[0][rows]
-        visible = _visible(config, q_start, kv_start, q_seg, kv_seg)
+        visible = _visible(
+            config, q_start, kv_start, _read(seg_refs[0], rows), kv_seg, _read(pos_refs[0], rows), kv_seg_pos
+        )
         capped = _capped_logits(config, q, k)
         weights = _weights(config, capped, visible, lse)
         dv = dv + lax.dot_general(weights.astype(do.dtype), do, _TN_DIMS, preferred_element_type=jnp.float32)
@@ -243,16 +307,32 @@ def _cost(config: KernelConfig, matmuls_per_block: int, bytes_accessed: int) -> 
     )
 
 
-def _padded_inputs(config: KernelConfig, q, k, v, segments):
+def _padded_inputs(config: KernelConfig, q, k, v, rows):
+    """``q, k, v`` padded to block multiples, and the flat list of the present row arrays of
+    ``rows = (segment ids, segment positions)`` (each None or a ``(query, key)`` pair),
+    padded likewise, in the order :func:`_split_optional_refs` reads them."""
     q = pad_axis_to_multiple(q, 1, config.block_q)
     k = pad_axis_to_multiple(k, 1, config.block_kv)
     v = pad_axis_to_multiple(v, 1, config.block_kv)
-    if segments is not None:
-        segments = (
-            pad_axis_to_multiple(segments[0], 1, config.block_q),
-            pad_axis_to_multiple(segments[1], 1, config.block_kv),
-        )
-    return q, k, v, segments
+    row_args = []
+    for pair in rows:
+        if pair is not None:
+            row_args.append(pad_axis_to_multiple(pair[0], 1, config.block_q))
+            row_args.append(pad_axis_to_multiple(pair[1], 1, config.block_kv))
+    return q, k, v, row_args
+
+
+def _row_specs(config: KernelConfig, row_args, *, per_query_block: bool):
+    """Specs of the row arrays: on a grid over query blocks, the program's query tile and
+    the whole key row; over key blocks, the whole query row and the key tile."""
+    bq, bk = config.block_q, config.block_kv
+    if per_query_block:
+        q_spec = pl.BlockSpec((None, bq), lambda b, h, i: (b, i))
+        kv_spec = pl.BlockSpec((None, config.padded_kv_len), lambda b, h, i: (b, 0))
+    else:
+        q_spec = pl.BlockSpec((None, config.padded_q_len), lambda b, h, j: (b, 0))
+        kv_spec = pl.BlockSpec((None, bk), lambda b, h, j: (b, j))
+    return [q_spec, kv_spec] * (len(row_args) // 2)
 
 
 def _row_spec(block: int, head_dim: int, head_of):
@@ -265,8 +345,9 @@ def _slab_spec(length: int, head_dim: int, head_of):
     return pl.BlockSpec((None, length, None, head_dim), lambda b, h, i: (b, 0, head_of(h), 0))
 
 
-def flash_forward(q, k, v, segments, config: KernelConfig, count_visits: bool = False):
-    """Runs the forward kernel on unpadded inputs.
+def flash_forward(q, k, v, rows, config: KernelConfig, count_visits: bool = False):
+    """Runs the forward kernel on unpadded inputs (``rows``: ``(segment ids, segment
+    positions)``, each None or a ``(query [batch, q_len], key [batch, kv_len])`` pair).
 
     Returns ``(out [batch, q_len, heads, head_dim], lse [batch, heads, padded_q_len] f32)``
     and, with ``count_visits``, also int32 ``[batch, heads, q_blocks]``: how many key blocks
@@ -274,22 +355,18 @@ def flash_forward(q, k, v, segments, config: KernelConfig, count_visits: bool = 
     """
     p = config.problem
     bq, bk, group = config.block_q, config.block_kv, p.group
-    qp, kp, vp, segp = _padded_inputs(config, q, k, v, segments)
+    qp, kp, vp, row_args = _padded_inputs(config, q, k, v, rows)
+    kv_table, _ = _block_tables(config, rows)
     num_q_blocks = config.padded_q_len // bq
     same_head, kv_head = (lambda h: h), (lambda h: h // group)
     in_specs = [
-        pl.BlockSpec((None, _table_width(config.live.kv_indices)), lambda b, h, i: (i, 0)),
+        _table_spec(kv_table),
         _row_spec(bq, p.head_dim, same_head),
         _slab_spec(config.padded_kv_len, p.head_dim, kv_head),
         _slab_spec(config.padded_kv_len, p.head_dim, kv_head),
+        *_row_specs(config, row_args, per_query_block=True),
     ]
-    args = [_count_table(config.live.kv_indices, config.live.kv_counts), qp, kp, vp]
-    if segp is not None:
-        in_specs += [
-            pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
-            pl.BlockSpec((None, config.padded_kv_len), lambda b, h, i: (b, 0)),
-        ]
-        args += list(segp)
+    args = [kv_table, qp, kp, vp, *row_args]
     out_shape = [
         jax.ShapeDtypeStruct(qp.shape, q.dtype),
         jax.ShapeDtypeStruct((p.batch, p.heads, config.padded_q_len), jnp.float32),
@@ -316,33 +393,29 @@ def flash_forward(q, k, v, segments, config: KernelConfig, count_visits: bool = 
     return out, lse
 
 
-def flash_backward(q, k, v, segments, out, lse, d_out, config: KernelConfig):
+def flash_backward(q, k, v, rows, out, lse, d_out, config: KernelConfig):
     """``(dq, dk, dv)`` shaped like ``q, k, v``, from the forward's ``out`` and ``lse``."""
     p = config.problem
     bq, bk, group = config.block_q, config.block_kv, p.group
     # delta_i = sum_d dO_id * O_id: the softmax Jacobian's row term, [batch, heads, q_len].
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = pad_axis_to_multiple(delta, 2, bq)
-    qp, kp, vp, segp = _padded_inputs(config, q, k, v, segments)
+    qp, kp, vp, row_args = _padded_inputs(config, q, k, v, rows)
+    kv_table, q_table = _block_tables(config, rows)
     dop = pad_axis_to_multiple(d_out.astype(q.dtype), 1, bq)
     same_head, kv_head = (lambda h: h), (lambda h: h // group)
-    seg_args = [] if segp is None else list(segp)
     itemsize = q.dtype.itemsize
 
     dq_specs = [
-        pl.BlockSpec((None, _table_width(config.live.kv_indices)), lambda b, h, i: (i, 0)),
+        _table_spec(kv_table),
         _row_spec(bq, p.head_dim, same_head),
         _slab_spec(config.padded_kv_len, p.head_dim, kv_head),
         _slab_spec(config.padded_kv_len, p.head_dim, kv_head),
         _row_spec(bq, p.head_dim, same_head),
         pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
         pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+        *_row_specs(config, row_args, per_query_block=True),
     ]
-    if segp is not None:
-        dq_specs += [
-            pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
-            pl.BlockSpec((None, config.padded_kv_len), lambda b, h, i: (b, 0)),
-        ]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, config=config),
         grid=(p.batch, p.heads, config.padded_q_len // bq),
@@ -353,7 +426,7 @@ def flash_backward(q, k, v, segments, out, lse, d_out, config: KernelConfig):
         cost_estimate=_cost(config, 3, itemsize * (3 * qp.size + 2 * kp.size)),
         interpret=config.interpret,
         name="flash_attention_dq",
-    )(_count_table(config.live.kv_indices, config.live.kv_counts), qp, kp, vp, dop, lse, delta, *seg_args)
+    )(kv_table, qp, kp, vp, dop, lse, delta, *row_args)
 
     def q_slab(length):
         return pl.BlockSpec((None, length, None, p.head_dim), lambda b, h, j: (b, 0, h, 0))
@@ -362,19 +435,15 @@ def flash_backward(q, k, v, segments, out, lse, d_out, config: KernelConfig):
         return pl.BlockSpec((None, block, None, p.head_dim), lambda b, h, j: (b, j, h // group, 0))
 
     dkv_specs = [
-        pl.BlockSpec((None, _table_width(config.live.q_indices)), lambda b, h, j: (j, 0)),
+        _table_spec(q_table),
         q_slab(config.padded_q_len),
         kv_tile(bk),
         kv_tile(bk),
         q_slab(config.padded_q_len),
         pl.BlockSpec((None, None, config.padded_q_len), lambda b, h, j: (b, h, 0)),
         pl.BlockSpec((None, None, config.padded_q_len), lambda b, h, j: (b, h, 0)),
+        *_row_specs(config, row_args, per_query_block=False),
     ]
-    if segp is not None:
-        dkv_specs += [
-            pl.BlockSpec((None, config.padded_q_len), lambda b, h, j: (b, 0)),
-            pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
-        ]
     per_head = jax.ShapeDtypeStruct((p.batch, config.padded_kv_len, p.heads, p.head_dim), jnp.float32)
     out_tile = pl.BlockSpec((None, bk, None, p.head_dim), lambda b, h, j: (b, j, h, 0))
     dk, dv = pl.pallas_call(
@@ -387,7 +456,7 @@ def flash_backward(q, k, v, segments, out, lse, d_out, config: KernelConfig):
         cost_estimate=_cost(config, 4, itemsize * (3 * qp.size + 4 * kp.size)),
         interpret=config.interpret,
         name="flash_attention_dkv",
-    )(_count_table(config.live.q_indices, config.live.q_counts), qp, kp, vp, dop, lse, delta, *seg_args)
+    )(q_table, qp, kp, vp, dop, lse, delta, *row_args)
 
     def group_sum(x):  # per query head -> per key head (GQA)
         x = x[:, : p.kv_len].reshape(p.batch, p.kv_len, p.kv_heads, group, p.head_dim)
@@ -397,28 +466,29 @@ def flash_backward(q, k, v, segments, out, lse, d_out, config: KernelConfig):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, segments, config):
-    return flash_forward(q, k, v, segments, config)[0]
+def _flash(q, k, v, rows, config):
+    return flash_forward(q, k, v, rows, config)[0]
 
 
-def _flash_fwd(q, k, v, segments, config):
-    out, lse = flash_forward(q, k, v, segments, config)
-    return out, (q, k, v, segments, out, lse)
+def _flash_fwd(q, k, v, rows, config):
+    out, lse = flash_forward(q, k, v, rows, config)
+    return out, (q, k, v, rows, out, lse)
 
 
 def _flash_bwd(config, residuals, d_out):
-    q, k, v, segments, out, lse = residuals
-    dq, dk, dv = flash_backward(q, k, v, segments, out, lse, d_out, config)
+    q, k, v, rows, out, lse = residuals
+    dq, dk, dv = flash_backward(q, k, v, rows, out, lse, d_out, config)
     return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention_kernel(q, k, v, segments, *, problem, block_sizes, interpret: bool):
-    """The Pallas path of ``flash_attention`` (arguments already validated; ``segments`` is
-    ``None`` or ``(q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])``)."""
+def flash_attention_kernel(q, k, v, segments, segment_positions=None, *, problem, block_sizes, interpret: bool):
+    """The Pallas path of ``flash_attention`` (arguments already validated; ``segments`` and
+    ``segment_positions`` are each ``None`` or a pair ``(query [batch, q_len], key [batch,
+    kv_len])`` of int32; positions only where ``problem.has_segment_positions``)."""
     if problem.mask is not None:
         problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
     config = KernelConfig(problem, block_sizes.block_q, block_sizes.block_kv, interpret)
-    return _flash(q, k, v, segments, config)
+    return _flash(q, k, v, (segments, segment_positions), config)

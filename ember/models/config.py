@@ -11,8 +11,8 @@ Layer kinds (``block_pattern``, repeated cyclically over ``num_layers``):
 - ``global``: causal softmax (or sigmoid) attention over the whole prefix.
 - ``local``: causal attention within ``sliding_window`` tokens.
 - ``block_sparse``: causal attention within ``sliding_window`` tokens plus the first
-  ``global_tokens`` tokens of the sequence (local + global, Longformer/BigBird style); the
-  kernel skips the blocks no query sees.
+  ``global_tokens`` tokens of the sequence -- of each document, in rows of packed documents
+  (local + global, Longformer/BigBird style); the kernel skips the blocks no query sees.
 - ``cca``: Compressed Convolutional Attention in a latent space ``cca_compression`` times
   narrower than the model (CCGQA when ``cca_kv_heads < cca_heads``).
 - ``linear``: linear attention with the ``linear_feature_map`` feature map.

@@ -25,16 +25,17 @@ def random_qkv(rng, *, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jn
     )
 
 
-def assert_kernel_matches_reference(q, k, v, d_out, *, block_sizes=None, grads=True, scale=1.0, **options):
-    """``flash_attention(impl="interpret")`` output (and dq, dk, dv for the cotangent
-    ``d_out``) equal :func:`flash_attention_reference` evaluated in float32 on the same
-    inputs, within the tolerance of the inputs' dtype times ``scale``. Returns the kernel
-    output."""
+def assert_kernel_matches_reference(
+    q, k, v, d_out, *, block_sizes=None, grads=True, scale=1.0, impl="interpret", **options
+):
+    """``flash_attention(impl=impl)`` output (and dq, dk, dv for the cotangent ``d_out``)
+    equal :func:`flash_attention_reference` evaluated in float32 on the same inputs, within
+    the tolerance of the inputs' dtype times ``scale``. Returns the kernel output."""
     dtype = q.dtype
     block_sizes = block_sizes or FlashBlockSizes(32, 32)
 
     def kernel(q, k, v):
-        return flash_attention(q, k, v, impl="interpret", block_sizes=block_sizes, **options)
+        return flash_attention(q, k, v, impl=impl, block_sizes=block_sizes, **options)
 
     def reference(q, k, v):
         return flash_attention_reference(q, k, v, **options)

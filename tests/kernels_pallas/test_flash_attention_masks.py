@@ -1,6 +1,8 @@
 """flash_attention masking and scores: segments, windows, soft cap, sigmoid, every block-mask
 kind, fully masked rows, real block skipping, and a hypothesis sweep over small shapes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +17,16 @@ from ember.kernels_pallas.block_mask import (
     LiveBlocks,
     LocalGlobalMask,
     LocalMask,
+    document_live_bound,
+    document_live_grid,
     live_block_grid,
 )
-from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention
+from ember.kernels_pallas.flash_attention import (
+    FlashBlockSizes,
+    attention_problem,
+    flash_attention,
+    flash_attention_reference,
+)
 from ember.kernels_pallas.flash_attention_kernels import KernelConfig, flash_forward
 from tests.kernels_pallas.flash_checks import FAST_COMPILE, assert_kernel_matches_reference, random_qkv
 
@@ -89,7 +98,9 @@ def test_kernel_visits_exactly_the_live_blocks(rng, mask):
         score="softmax", block_mask=mask,
     )
     config = KernelConfig(problem, 16, 16, interpret=True)
-    run = jax.jit(lambda q, k, v: flash_forward(q, k, v, None, config, count_visits=True), compiler_options=FAST_COMPILE)
+    run = jax.jit(
+        lambda q, k, v: flash_forward(q, k, v, (None, None), config, count_visits=True), compiler_options=FAST_COMPILE
+    )
     _, _, visits = run(q, k, v)
     live = live_block_grid(mask, length, length, 16, 16)
     np.testing.assert_array_equal(visits, np.broadcast_to(live.sum(axis=1), visits.shape))
@@ -100,6 +111,81 @@ def test_kernel_visits_exactly_the_live_blocks(rng, mask):
         assert live.sum() < live.size  # something was skipped
     if isinstance(mask, CausalMask):
         assert live.sum() == 13 * 14 // 2  # hand count: the lower triangle of 13 x 13
+
+
+def packed_rows(document_lengths):
+    """``(segment_ids, segment_positions)`` ``[batch, sum]`` int32 of rows of documents back to back."""
+    segments = [np.concatenate([np.full(n, d) for d, n in enumerate(row)]) for row in document_lengths]
+    positions = [np.concatenate([np.arange(n) for n in row]) for row in document_lengths]
+    return jnp.asarray(np.stack(segments), jnp.int32), jnp.asarray(np.stack(positions), jnp.int32)
+
+
+# Two rows of 50 tokens packed differently: document starts at 0, 13, 43 and at 0, 30.
+DOCUMENTS = [[13, 30, 7], [30, 20]]
+PER_DOCUMENT_GLOBALS = dict(block_mask=LocalGlobalMask(6, 0, 3), causal=True)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "xla"])
+def test_per_document_global_tokens_values_and_grads_match_reference(rng, impl):
+    segment_ids, positions = packed_rows(DOCUMENTS)
+    q, k, v, d_out = random_qkv(rng, batch=2, q_len=LENGTH, kv_len=LENGTH, heads=4, kv_heads=2, head_dim=32)
+    assert_kernel_matches_reference(
+        q, k, v, d_out, block_sizes=BLOCKS, impl=impl, segment_ids=segment_ids, segment_positions=positions,
+        **PER_DOCUMENT_GLOBALS,
+    )
+
+
+def test_per_document_global_tokens_are_each_documents_first_tokens(rng):
+    """The reference on a packed row equals each document run alone; the hand-built token
+    mask of one row agrees with the mask description."""
+    segment_ids, positions = packed_rows(DOCUMENTS)
+    q, k, v, _ = random_qkv(rng, batch=2, q_len=LENGTH, kv_len=LENGTH, heads=2, kv_heads=1, head_dim=16)
+    reference = jax.jit(functools.partial(flash_attention_reference, **PER_DOCUMENT_GLOBALS))
+    packed = reference(q, k, v, segment_ids=segment_ids, segment_positions=positions)
+    # The documents after the first of each row: [13, 43) and [43, 50) of row 0, [30, 50) of row 1.
+    for row, doc in ((0, slice(13, 43)), (0, slice(43, 50)), (1, slice(30, 50))):
+        alone = reference(q[row : row + 1, doc], k[row : row + 1, doc], v[row : row + 1, doc])
+        np.testing.assert_allclose(packed[row : row + 1, doc], alone, rtol=1e-5, atol=1e-5)
+    i, j = np.arange(LENGTH)[:, None], np.arange(LENGTH)[None, :]
+    seg, pos = np.asarray(segment_ids[0]), np.asarray(positions[0])
+    by_hand = (seg[i] == seg[j]) & (j <= i) & ((i - j <= 6) | (pos[j] < 3))
+    mask = PER_DOCUMENT_GLOBALS["block_mask"]
+    described = mask.visible_at(i, j, pos[:, None], pos[None, :]) & (j <= i) & (seg[i] == seg[j])
+    np.testing.assert_array_equal(described, by_hand)
+
+
+def test_per_document_global_tokens_visit_the_blocks_of_document_starts(rng):
+    """The kernel visits the per-row live grid: the local band plus, for each document, the
+    column of the block holding its first tokens, down to the block holding its end. A row
+    holding one document visits exactly the blocks of the index-based mask (no cost for
+    unpacked rows); every visible pair lies in a visited block."""
+    length = 100  # 7 x 7 blocks of 16
+    mask = LocalGlobalMask(15, 0, 4)
+    segment_ids, positions = packed_rows([[100], [40, 30, 30]])
+    q, k, v, _ = random_qkv(rng, batch=2, q_len=length, kv_len=length, heads=1, kv_heads=1, head_dim=16)
+    problem = attention_problem(
+        q, k, v, causal=True, sm_scale=None, segment_ids=segment_ids, window=None, logits_soft_cap=None,
+        score="softmax", block_mask=mask, segment_positions=positions,
+    )
+    config = KernelConfig(problem, 16, 16, interpret=True)
+    rows = ((segment_ids, segment_ids), (positions, positions))
+    forward = functools.partial(flash_forward, rows=rows, config=config, count_visits=True)
+    run = jax.jit(forward, compiler_options=FAST_COMPILE)
+    _, _, visits = run(q, k, v)
+    live = np.asarray(document_live_grid(problem.mask, 16, 16, positions, positions, (segment_ids, segment_ids)))
+    np.testing.assert_array_equal(visits[:, 0], live.sum(axis=2))
+    np.testing.assert_array_equal(live[0], live_block_grid(problem.mask, length, length, 16, 16))
+    # Row 1: documents [0, 40), [40, 70), [70, 100) start in blocks 0, 2, 4 and end in 2, 4, 6.
+    expected = np.tril(live_block_grid(LocalMask(15, 0), length, length, 16, 16))  # the causal band
+    expected[0:3, 0] = expected[2:5, 2] = expected[4:7, 4] = True
+    np.testing.assert_array_equal(live[1], expected)
+    assert (live <= document_live_bound(problem.mask, length, length, 16, 16)).all()
+    i, j = np.arange(length)[:, None], np.arange(length)[None, :]
+    for row in range(2):
+        seg, pos = np.asarray(segment_ids[row]), np.asarray(positions[row])
+        token = problem.mask.visible_at(i, j, pos[:, None], pos[None, :]) & (seg[i] == seg[j])
+        blocks = np.pad(token, ((0, 12), (0, 12))).reshape(7, 16, 7, 16).any(axis=(1, 3))
+        assert (live[row] >= blocks).all()
 
 
 @pytest.mark.slow

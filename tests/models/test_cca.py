@@ -1,17 +1,22 @@
-"""CCA / CCGQA: parameters and KV-cache bytes shrink by the compression factor, the layer
-is causal, and a CCA model trains on a small synthetic task."""
+"""CCA / CCGQA: the layer equals an independent implementation of the paper's equations
+(alone and on packed documents), parameters and KV-cache bytes shrink by the compression
+factor, the layer is causal, and a CCA model trains on a small synthetic task."""
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from ember.core.tree import param_bytes, param_count
 from ember.models.cache import init_cache
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.models.layers.cca import CompressedConvAttention
+from tests.host_random import numpy_rng, perturbed
 from tests.tolerances import assert_allclose
 
 MHA = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, attention_impl="xla", max_seq_len=64)
@@ -26,6 +31,85 @@ def attention_params(config):
     shapes = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), jnp.ones((1, 8), jnp.int32))
     return jax.tree.map(lambda box: box.value if hasattr(box, "value") else box, shapes["params"]["layers"]["block_0"]["attn"],
                         is_leaf=lambda x: hasattr(x, "value"))
+
+
+def causal_conv_over_sequence(x, weight):
+    """``y[t] = sum_j x[t - j] @ weight[width - 1 - j]`` (zeros before the sequence): tap
+    ``width - 1`` multiplies the current token. ``x [seq, ...]``; ``weight[j]`` multiplies
+    elementwise (depthwise, ``[channels]``) or per head (``[heads, dim, dim]``)."""
+    width = weight.shape[0]
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(min(width, t + 1)):
+            tap = weight[width - 1 - j]
+            out[t] += x[t - j] * tap if tap.ndim == 1 else np.einsum("hd,hde->he", x[t - j], tap)
+    return out
+
+
+def cca_paper_reference(params, x, config):
+    """CCA of one document ``x [seq, embed]`` in float64, written from the paper's equations:
+    down-projections, a causal depthwise convolution over the sequence then a causal
+    convolution over the sequence mixing channels within each head, plus the mean of the
+    pre-convolution query (per key head) and key; the second half of the value channels
+    shifted by one token; QK RMS-norm, rotary embedding, causal attention per head (GQA)
+    and the up-projection."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    heads, kv_heads, dim = config.cca_query_heads, config.cca_key_value_heads, config.cca_head_size
+    group, seq = heads // kv_heads, x.shape[0]
+    q_lat, k_lat, v_lat = (x @ p[name]["kernel"] for name in ("q", "k", "v"))
+    q = causal_conv_over_sequence(q_lat, p["q_conv1"]).reshape(seq, heads, dim)
+    q = causal_conv_over_sequence(q, p["q_conv2"])
+    k = causal_conv_over_sequence(k_lat, p["k_conv1"]).reshape(seq, kv_heads, dim)
+    k = causal_conv_over_sequence(k, p["k_conv2"])
+    mean = (q_lat.reshape(seq, kv_heads, group, dim).mean(axis=2) + k_lat.reshape(seq, kv_heads, dim)) / 2
+    q, k = q + np.repeat(mean, group, axis=1), k + mean
+    half = v_lat.shape[1] // 2
+    previous = np.concatenate([np.zeros_like(v_lat[:1]), v_lat[:-1]])
+    v = np.concatenate([v_lat[:, :half], previous[:, half:]], axis=1).reshape(seq, kv_heads, dim)
+
+    def rms_norm_and_rope(a, scale):
+        a = a / np.sqrt((a**2).mean(-1, keepdims=True) + config.norm_eps) * scale
+        angle = np.arange(seq)[:, None, None] * config.rope.theta ** (-np.arange(0, dim, 2) / dim)
+        first, second = a[..., : dim // 2], a[..., dim // 2 :]
+        cos, sin = np.cos(angle), np.sin(angle)
+        return np.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
+
+    q, k = rms_norm_and_rope(q, p["q_norm"]["scale"]), rms_norm_and_rope(k, p["k_norm"]["scale"])
+    out = np.zeros((seq, heads, dim))
+    for h in range(heads):
+        logits = q[:, h] @ k[:, h // group].T / np.sqrt(dim)
+        logits = np.where(np.tril(np.ones((seq, seq), bool)), logits, -np.inf)
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        out[:, h] = weights / weights.sum(-1, keepdims=True) @ v[:, h // group]
+    return np.einsum("shd,hde->se", out, p["o"]["kernel"])
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_cca_layer_matches_the_papers_equations(rng, kv_heads):
+    """Perturbed parameters (the identity-initialised convolutions would hide reversed or
+    misplaced taps), a width-3 convolution, CCGQA and CCA; and two packed documents, each
+    of which must equal the reference run on it alone."""
+    config = dataclasses.replace(
+        MHA, block_pattern=("cca",), cca_compression=COMPRESSION, cca_heads=4, cca_kv_heads=kv_heads, cca_conv_width=3
+    )
+    layer = CompressedConvAttention(config)
+    gen = numpy_rng(rng)
+    x = jnp.asarray(gen.standard_normal((2, 9, config.d_model)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    params = layer.init(jax.random.key(0), x, positions)["params"]
+    params = perturbed(params, jax.random.fold_in(rng, 1), scale=0.3)
+    params = nn.meta.unbox(params)
+    apply = jax.jit(layer.apply)
+    out, _ = apply({"params": params}, x, positions)
+    for row in range(2):
+        assert_allclose(out[row], cca_paper_reference(params, np.asarray(x[row], np.float64), config), scale=10)
+    segment_ids = jnp.array([[1] * 4 + [2] * 5] * 2)
+    packed_positions = jnp.array([list(range(4)) + list(range(5))] * 2)
+    packed, _ = apply({"params": params}, x, packed_positions, segment_ids)
+    for row in range(2):
+        for doc in (slice(0, 4), slice(4, 9)):
+            expected = cca_paper_reference(params, np.asarray(x[row, doc], np.float64), config)
+            assert_allclose(packed[row, doc], expected, scale=10)
 
 
 def test_projection_parameters_shrink_by_the_compression_factor():

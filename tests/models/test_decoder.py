@@ -6,9 +6,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from ember.models.config import ModelConfig
+from ember.models.config import LAYER_KINDS, ModelConfig
 from ember.models.decoder import DecoderLM, layers_from_list, layers_to_list
+from tests.host_random import perturbed
 from tests.tolerances import assert_allclose
 
 CONFIG = ModelConfig(
@@ -46,18 +48,28 @@ def test_remat_keeps_gradients(rng):
         jax.tree.map(lambda a, b: assert_allclose(a, b), grads(dataclasses.replace(config, remat=remat)), expected)
 
 
-def test_packed_documents_are_independent(rng):
-    """Two documents packed in one row (segment ids, positions restarting) give the logits
-    of each document run alone."""
-    model = DecoderLM(CONFIG)
-    first, second = jax.random.randint(rng, (1, 7), 0, 64), jax.random.randint(jax.random.fold_in(rng, 1), (1, 5), 0, 64)
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_packed_documents_are_independent(rng, kind):
+    """A document packed after another (segment ids, positions restarting) gets the logits it
+    gets alone, in every layer kind, with parameters moved off their initial values (CCA's
+    identity convolutions would hide a convolution reaching across the boundary). The
+    second document outlasts the sliding window, so block_sparse layers must still see its
+    own first tokens as global ones."""
+    config = dataclasses.replace(
+        CONFIG, num_layers=2, block_pattern=(kind,), sliding_window=3, global_tokens=2, cca_conv_width=3,
+        cca_heads=2, cca_kv_heads=1,
+    )
+    model = DecoderLM(config)
+    first = jax.random.randint(rng, (1, 7), 0, 64)
+    second = jax.random.randint(jax.random.fold_in(rng, 1), (1, 6), 0, 64)
     params = jax.jit(model.init)(jax.random.key(0), first)["params"]
+    params = perturbed(params, jax.random.fold_in(rng, 2))
     packed = jnp.concatenate([first, second], axis=1)
-    segment_ids = jnp.array([[1] * 7 + [2] * 5])
-    positions = jnp.array([list(range(7)) + list(range(5))])
+    segment_ids = jnp.array([[1] * 7 + [2] * 6])
+    positions = jnp.array([list(range(7)) + list(range(6))])
     apply = jax.jit(model.apply)
     logits, _ = apply({"params": params}, packed, positions=positions, segment_ids=segment_ids)
     alone_first, _ = apply({"params": params}, first)
     alone_second, _ = apply({"params": params}, second)
-    assert_allclose(logits[:, :7], alone_first)
-    assert_allclose(logits[:, 7:], alone_second)
+    assert_allclose(logits[:, :7], alone_first, err_msg="first document")
+    assert_allclose(logits[:, 7:], alone_second, err_msg="second document")

@@ -68,7 +68,9 @@ def attend(
       k, v: ``[batch, seq, kv_heads, head_dim]``.
       config: supplies window, global tokens, score, soft-cap, ``max_seq_len`` and impl.
       kind: ``global``, ``local`` or ``block_sparse``.
-      segment_ids: without a cache, packed-document ids ``[batch, seq]`` (>= 0).
+      segment_ids: without a cache, packed-document ids ``[batch, seq]`` (>= 0); a
+        ``block_sparse`` layer then takes each document's first ``global_tokens`` tokens
+        (by ``positions``, which restart at each document) as its global ones.
       pages: ``{"k_pages", "v_pages"}`` of this layer (see ``ember.models.cache``), or None.
       paging, positions, valid: with ``pages``: where the tokens live (rectangular or
         ragged, see ``ember.models.cache.Paging``), their positions ``[batch, seq]``
@@ -86,7 +88,10 @@ def attend(
         impl=config.attention_impl,
     )
     if pages is None:
-        return _attend_sequence(q, k, v, config=config, kind=kind, segment_ids=segment_ids, options=options), None
+        out = _attend_sequence(
+            q, k, v, config=config, kind=kind, segment_ids=segment_ids, positions=positions, options=options
+        )
+        return out, None
     if paging.ragged:
         return _attend_ragged(q, k, v, pages, config=config, kind=kind, paging=paging, positions=positions, valid=valid, options=options)
     page_table = paging.page_table
@@ -129,17 +134,25 @@ def _attend_ragged(q, k, v, pages, *, config, kind, paging, positions, valid, op
     return out[None], pages
 
 
-def _attend_sequence(q, k, v, *, config, kind, segment_ids, options) -> jax.Array:
+def _attend_sequence(q, k, v, *, config, kind, segment_ids, positions, options) -> jax.Array:
     batch, seq = q.shape[:2]
     window = (config.sliding_window - 1, 0) if kind == "local" else None
     block_mask = LocalGlobalMask(config.sliding_window - 1, 0, config.global_tokens) if kind == "block_sparse" else None
+    # Packed documents: global tokens are each document's first ones (the kernel keeps the
+    # blocks holding them live per row); an unpacked row keeps the static index-based mask.
+    segment_positions = positions if kind == "block_sparse" and segment_ids is not None else None
     if config.score == "sigmoid" and seq < config.max_seq_len:
         pad = config.max_seq_len - seq
         k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
         q_segments = jnp.zeros((batch, seq), jnp.int32) if segment_ids is None else segment_ids
         segment_ids = (q_segments, jnp.pad(q_segments, ((0, 0), (0, pad)), constant_values=_NO_KEY))
-    return flash_attention(q, k, v, causal=True, window=window, block_mask=block_mask, segment_ids=segment_ids, **options)
+        if segment_positions is not None:
+            segment_positions = (segment_positions, jnp.pad(segment_positions, ((0, 0), (0, pad))))
+    return flash_attention(
+        q, k, v, causal=True, window=window, block_mask=block_mask, segment_ids=segment_ids,
+        segment_positions=segment_positions, **options,
+    )
 
 
 def _attend_pages(q, pages, *, config, kind, page_table, positions, valid, options) -> jax.Array:

@@ -17,6 +17,9 @@ projections, the KV cache and the attention FLOPs all shrink by that factor:
 5. QK RMS-norm, rotary embedding, causal attention in the latent heads
    (``ember.kernels_pallas.flash_attention`` via :func:`attend`), then ``W_o`` back up.
 
+With packed documents (``segment_ids``), neither convolution nor the value shift reaches
+across a document boundary: each document is computed as if alone.
+
 Cache (see ``ember.models.cache``): latent K/V pages, the last ``2 * (conv_width - 1)``
 pre-convolution query/key latents (both convolutions continue across calls) and the last
 value (for the shift).
@@ -29,6 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from ember.core.sharding import constrain
+from ember.kernels_pallas.document_boundaries import document_index, document_starts
+from ember.kernels_pallas.short_conv import short_conv
 from ember.models.config import ModelConfig
 from ember.models.layers.attention import attend
 from ember.models.layers.norm import RMSNorm
@@ -36,28 +41,41 @@ from ember.models.layers.projection import Projection
 from ember.models.layers.rope import apply_rope, rope_inverse_frequencies
 
 
-def causal_depthwise_conv(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """``x [batch, seq, channels]``, ``weight [width, channels]``: ``y_t = sum_i w_i x_{t-width+1+i}``
-    with zeros before the sequence."""
-    width = weight.shape[0]
-    padded = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
-    seq = x.shape[1]
-    return sum(padded[:, i : i + seq] * weight[i] for i in range(width))
-
-
-def causal_head_conv(x: jax.Array, weight: jax.Array) -> jax.Array:
+def causal_head_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """``x [batch, seq, heads, dim]``, ``weight [width, heads, dim, dim]``: a causal sequence
-    convolution that mixes channels within each head (zeros before the sequence)."""
+    convolution that mixes channels within each head, ``y_t = sum_i x_{t-width+1+i} @
+    weight[i]`` (zeros before the sequence; taps do not cross a change of ``segment_ids``)."""
     width = weight.shape[0]
+    batch, seq = x.shape[:2]
+    doc = document_index(segment_ids, batch, seq)
     padded = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0), (0, 0)))
-    seq = x.shape[1]
-    return sum(jnp.einsum("bshd,hde->bshe", padded[:, i : i + seq], weight[i]) for i in range(width))
+    padded_doc = jnp.pad(doc, ((0, 0), (width - 1, 0)))  # padded inputs are zeros: their doc is moot
+    out = jnp.zeros(x.shape, jnp.result_type(x, weight))
+    for i in range(width):
+        same_doc = (padded_doc[:, i : i + seq] == doc)[..., None, None]
+        out = out + jnp.einsum("bshd,hde->bshe", jnp.where(same_doc, padded[:, i : i + seq], 0), weight[i])
+    return out
 
 
-def convolve_latent(x: jax.Array, depthwise: jax.Array, head_mix: jax.Array, heads: int) -> jax.Array:
-    """Step 2 on a latent ``x [batch, seq, heads * dim]`` -> ``[batch, seq, heads, dim]``."""
-    mixed = causal_depthwise_conv(x, depthwise)
-    return causal_head_conv(mixed.reshape(*x.shape[:2], heads, -1), head_mix)
+def convolve_latent(
+    x: jax.Array, depthwise: jax.Array, head_mix: jax.Array, heads: int, segment_ids: jax.Array | None = None
+) -> jax.Array:
+    """Step 2 on a latent ``x [batch, seq, heads * dim]`` -> ``[batch, seq, heads, dim]``:
+    :func:`ember.kernels_pallas.short_conv` (depthwise), then :func:`causal_head_conv`,
+    neither reaching across a change of ``segment_ids [batch, seq]``."""
+    mixed = short_conv(x, depthwise, segment_ids=segment_ids)
+    return causal_head_conv(mixed.reshape(*x.shape[:2], heads, -1), head_mix, segment_ids)
+
+
+def shift_values(v: jax.Array, v_before: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Step 4 on ``v [batch, seq, latent_kv]``: the second half of the channels come from the
+    previous token (``v_before [batch, 1, latent_kv]`` before the first; zeros at a
+    document start, where ``segment_ids`` changes)."""
+    previous = jnp.concatenate([v_before, v[:, :-1]], axis=1)
+    starts = document_starts(segment_ids, *v.shape[:2])[..., None]
+    previous = jnp.where(starts, 0, previous)
+    half = v.shape[-1] // 2
+    return jnp.concatenate([v[..., :half], previous[..., half:]], axis=-1)
 
 
 def _last_valid(history: jax.Array, count: jax.Array, length: int) -> jax.Array:
@@ -104,8 +122,9 @@ class CompressedConvAttention(nn.Module):
         else:
             q_in, k_in = q_raw, k_raw
             v_before = jnp.zeros_like(v[:, :1])
-        q = self._convolve("q", q_in, heads, head_dim, "heads")[:, q_in.shape[1] - x.shape[1]:]
-        k = self._convolve("k", k_in, kv_heads, head_dim, "kv_heads")[:, k_in.shape[1] - x.shape[1]:]
+        # Packed documents (segment ids) only come without a cache: the history is empty then.
+        q = self._convolve("q", q_in, heads, head_dim, "heads", segment_ids)[:, q_in.shape[1] - x.shape[1]:]
+        k = self._convolve("k", k_in, kv_heads, head_dim, "kv_heads", segment_ids)[:, k_in.shape[1] - x.shape[1]:]
 
         group = heads // kv_heads
         q_pre = q_raw.reshape(*x.shape[:2], heads, head_dim)
@@ -114,9 +133,7 @@ class CompressedConvAttention(nn.Module):
         q = q + jnp.repeat((q_pre_by_kv + k_pre) / 2, group, axis=2)
         k = k + (q_pre_by_kv + k_pre) / 2
 
-        previous = jnp.concatenate([v_before, v[:, :-1]], axis=1)
-        half = latent_kv // 2
-        v_shifted = jnp.concatenate([v[..., :half], previous[..., half:]], axis=-1).reshape(*x.shape[:2], kv_heads, head_dim)
+        v_shifted = shift_values(v, v_before, segment_ids).reshape(*x.shape[:2], kv_heads, head_dim)
 
         q = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="q_norm")(q)
         k = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="k_norm")(k)
@@ -145,7 +162,9 @@ class CompressedConvAttention(nn.Module):
         )
         return out, new_cache
 
-    def _convolve(self, prefix: str, x: jax.Array, heads: int, head_dim: int, heads_axis: str) -> jax.Array:
+    def _convolve(
+        self, prefix: str, x: jax.Array, heads: int, head_dim: int, heads_axis: str, segment_ids: jax.Array | None
+    ) -> jax.Array:
         width = self.config.cca_conv_width
         param_dtype = self.config.policy.param_dtype
         # Initialised to pass the current token through (identity), so an untrained CCA
@@ -165,4 +184,4 @@ class CompressedConvAttention(nn.Module):
             (width, heads, head_dim, head_dim),
             param_dtype,
         )
-        return convolve_latent(x, depthwise.astype(x.dtype), head_mix.astype(x.dtype), heads)
+        return convolve_latent(x, depthwise.astype(x.dtype), head_mix.astype(x.dtype), heads, segment_ids)
