@@ -9,7 +9,8 @@ Sections (each row prints ours and the baseline, and the ratio):
 - block_sparse: local + global (Longformer) at 16k; ours visiting live blocks only, vs cuDNN
   given the same mask as an explicit boolean array, vs our dense causal kernel;
 - sigmoid: ``score="sigmoid"`` vs our softmax kernel, same shapes;
-- paged_decode: ``paged_attention`` GB/s of KV cache read vs the measured HBM bandwidth.
+- paged_decode: ``ragged_paged_attention`` on a step of decodes only (one query per
+  sequence), GB/s of KV cache read vs the measured HBM bandwidth.
 
 Before timing, every kernel's output is checked against its reference on the device (the
 same check as the test suite, compiled for real instead of interpreted); a failure stops
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from benchmarks.harness import device_label, on_gpu, print_table, time_fn, write_results
 from ember.kernels_pallas.block_mask import LocalGlobalMask, live_block_grid
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
-from ember.kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 # Forward+backward FLOPs over forward FLOPs: backward recomputes QK^T and adds four more
 # matmuls (dV, dP, dQ, dK): 2 + 5 = 7 matmuls against the forward's 2.
@@ -97,8 +98,9 @@ def check_kernels_on_device(impl: str) -> dict[str, float]:
     table = jax.random.permutation(jax.random.key(2), 64)[:48].reshape(6, 8).astype(jnp.int32)
     lengths = jnp.array([0, 1, 16, 17, 100, 128], jnp.int32)
     qd = jax.random.normal(jax.random.key(3), (6, 8, 64))
-    got = jax.jit(lambda *a: paged_attention(*a, impl=impl))(qd, pages[0], pages[1], table, lengths)
-    want = paged_attention_reference(qd, pages[0], pages[1], table, lengths)
+    decodes = _decode_metadata(lengths)
+    got = jax.jit(lambda *a: ragged_paged_attention(*a, impl=impl))(qd, pages[0], pages[1], table, *decodes)
+    want = ragged_paged_attention_reference(qd, pages[0], pages[1], table, *decodes)
     errors["paged_decode"] = float(jnp.max(jnp.abs(got - want)))
     bad = {name: err for name, err in errors.items() if not err < 1e-3}
     if bad:
@@ -183,6 +185,13 @@ def sigmoid_rows(impl, q_len, batch, heads, head_dim, dtype):
     return rows
 
 
+def _decode_metadata(lengths):
+    """``(query_starts, query_lens, kv_lens)`` of a step of one decode per sequence
+    (a sequence of length 0 sits out)."""
+    batch = lengths.shape[0]
+    return jnp.arange(batch, dtype=jnp.int32), (lengths > 0).astype(jnp.int32), lengths
+
+
 def paged_rows(impl, batch, heads, kv_heads, head_dim, page_size, length, dtype, bandwidth_gbs):
     pages_per_seq = length // page_size
     num_pages = batch * pages_per_seq
@@ -192,7 +201,8 @@ def paged_rows(impl, batch, heads, kv_heads, head_dim, page_size, length, dtype,
     table = jax.random.permutation(keys[2], num_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
     q = jax.random.normal(keys[3], (batch, heads, head_dim), dtype)
     lengths = jnp.full((batch,), length, jnp.int32)
-    seconds = _time_or_error(jax.jit(lambda *a: paged_attention(*a, impl=impl)), q, k_pages, v_pages, table, lengths)
+    decode = jax.jit(lambda *a: ragged_paged_attention(*a, impl=impl))
+    seconds = _time_or_error(decode, q, k_pages, v_pages, table, *_decode_metadata(lengths))
     cache_bytes = 2 * batch * length * kv_heads * head_dim * jnp.dtype(dtype).itemsize
     gbs = cache_bytes / seconds / 1e9 if isinstance(seconds, float) else None
     return [dict(

@@ -24,8 +24,7 @@ from ember.kernels_pallas.attention_math import (
     check_soft_cap,
     check_window,
     default_sigmoid_bias,
-    masked_softmax,
-    soft_cap,
+    reference_attention,
 )
 from ember.kernels_pallas.block_mask import (
     BlockMask,
@@ -198,11 +197,7 @@ def flash_attention_reference(
 def _dense_attention(q, k, v, q_segments, kv_segments, problem: AttentionProblem, *, q_offset) -> jax.Array:
     """The reference math for queries ``q [batch, n, heads, head_dim]`` at positions
     ``q_offset .. q_offset + n - 1`` (``q_segments [batch, n]`` or None) over all keys."""
-    batch, q_len, heads, head_dim = q.shape
-    kv_heads, group = problem.kv_heads, problem.group
-    q32 = q.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, head_dim)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q32, k.astype(jnp.float32)) * problem.sm_scale
-    logits = soft_cap(logits, problem.logits_soft_cap)
+    q_len = q.shape[1]
     visible = jnp.ones((1, q_len, problem.kv_len), dtype=bool)
     if problem.mask is not None:
         visible = visible & problem.mask.visible(
@@ -210,13 +205,11 @@ def _dense_attention(q, k, v, q_segments, kv_segments, problem: AttentionProblem
         )
     if q_segments is not None:
         visible = visible & (q_segments[:, :, None] == kv_segments[:, None, :])
-    visible = visible[:, None, None]  # [batch or 1, 1, 1, q_len, kv_len]
-    if problem.score == "sigmoid":
-        weights = jnp.where(visible, jax.nn.sigmoid(logits + problem.sigmoid_bias), 0.0)
-    else:
-        weights = masked_softmax(logits, visible)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32))
-    return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+    out = reference_attention(
+        q, k, v, visible, sm_scale=problem.sm_scale, logits_soft_cap=problem.logits_soft_cap, score=problem.score,
+        sigmoid_bias=problem.sigmoid_bias,
+    )
+    return out.astype(q.dtype)
 
 
 def _chunked_xla_attention(q, k, v, segments, problem: AttentionProblem) -> jax.Array:
