@@ -13,7 +13,7 @@ ALLOWED = {
     "kernels_pallas": {"core"},
     "envs": {"core"},
     "models": {"core", "kernels_pallas"},
-    "training": {"core", "kernels_pallas", "models", "envs"},
+    "training": {"core", "kernels_pallas", "models", "envs", "serving"},
     "serving": {"core", "kernels_pallas", "models"},
 }
 
