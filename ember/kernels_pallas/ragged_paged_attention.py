@@ -145,7 +145,8 @@ def _attend_rows(q, keys, values, q_positions, rows_valid, *, sm_scale, logits_s
     if window is not None:
         visible = visible & ((kv_pos >= position - window[0]) | (kv_pos < global_tokens))
     return reference_attention(
-        q, keys, values, visible, sm_scale=scale, logits_soft_cap=logits_soft_cap, score=score, sigmoid_bias=sigmoid_bias
+        q, keys, values, visible, sm_scale=scale, logits_soft_cap=logits_soft_cap, score=score,
+        sigmoid_bias=sigmoid_bias,
     )
 
 

@@ -91,7 +91,7 @@ def test_greedy_decode_matches_generate(pair, rng):
             torch.as_tensor(np.array(prompt)), max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=None
         ).numpy()[:, PROMPT_LEN:]
     # The serving engine's ragged decode path (chunked prefill, paged cache, state slots).
-    engine = Engine.from_model(config, params, num_slots=2, token_buckets=(2, 2 * PROMPT_LEN),
+    engine = Engine.from_model(config, params, num_slots=2, token_buckets=(2 * PROMPT_LEN,),
                                max_context=PROMPT_LEN + NEW_TOKENS)
     results = engine.generate(np.asarray(prompt).tolist(), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     np.testing.assert_array_equal([r.tokens for r in results], expected)

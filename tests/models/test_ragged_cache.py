@@ -76,7 +76,8 @@ def test_ragged_steps_equal_the_full_pass(name, rng):
     pages_per_seq = -(-SEQ // config.page_size)
     table = generator.permutation(SLOTS * pages_per_seq).reshape(SLOTS, pages_per_seq)
     slots = generator.permutation(SLOTS)[:SEQS]
-    cache = {"page_table": jnp.asarray(table, jnp.int32), "layers": init_cache_layers(config, SLOTS, SLOTS * pages_per_seq)}
+    layers = init_cache_layers(config, SLOTS, SLOTS * pages_per_seq)
+    cache = {"page_table": jnp.asarray(table, jnp.int32), "layers": layers}
     apply = jax.jit(model.apply)
     host_tokens = np.asarray(tokens)
     # An earlier sequence (the last row) fills the slots first, so every state slot is dirty.

@@ -87,7 +87,9 @@ class LinearAttention(nn.Module):
         if cache is None:
             out = linear_attention(q, k, v, normalize=True, segment_ids=segment_ids, impl=config.attention_impl)
         else:
-            out, state = ragged_linear_attention(q[0], k[0], v[0], cache["state"], paging, valid[0], config.attention_impl)
+            out, state = ragged_linear_attention(
+                q[0], k[0], v[0], cache["state"], paging, valid[0], config.attention_impl
+            )
             out = out[None]
             cache = {"state": state.astype(cache["state"].dtype)}
         out = Projection(

@@ -25,6 +25,10 @@ def sample_text(model: DecoderLM, params: Any, tokenizer: ByteTokenizer, config:
     prompts = [[int(t) for t in tokenizer.encode(p)] for p in config.prompts]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("sample.prompts must not contain empty strings")
+    too_long = [row for row, p in enumerate(prompts) if len(p) > model.config.max_seq_len]
+    if too_long:
+        raise ValueError(f"sample.prompts[{too_long[0]}] has {len(prompts[too_long[0]])} tokens, more than the model's "
+                         f"max_seq_len={model.config.max_seq_len}")
     engine = sampling_engine(model.config, params, tokenizer, len(prompts), max(map(len, prompts)) + config.max_tokens)
     settings = [
         SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_k=config.top_k,
