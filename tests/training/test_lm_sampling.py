@@ -44,16 +44,24 @@ def other_engine(model_and_params):
 def test_greedy_samples_equal_the_engine_and_a_full_recompute(model_and_params, other_engine):
     model, params = model_and_params
     tokenizer = ByteTokenizer()
-    samples = sample_text(model, params, tokenizer, SampleConfig(prompts=PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0))
+    greedy = SampleConfig(prompts=PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0)
+    samples = sample_text(model, params, tokenizer, greedy)
     served = other_engine.generate(list(PROMPTS), SamplingParams(max_tokens=MAX_TOKENS))
     assert samples == [result.text for result in served]
+    assert any(len(result.tokens) > 3 for result in served), "the checks need real continuations"
     prompts = [list(tokenizer.encode(p)) for p in PROMPTS]
-    expected = greedy_reference(CONFIG, params, CONFIG.max_seq_len)(prompts, [MAX_TOKENS] * len(prompts))
-    for result, tokens in zip(served, expected):
+
+    def full_recompute(params):
+        expected = greedy_reference(CONFIG, params, CONFIG.max_seq_len)(prompts, [MAX_TOKENS] * len(prompts))
         # The engine stops at end-of-document (leaving it out); the reference runs on.
-        stop = tokens.index(tokenizer.eos_id) if tokenizer.eos_id in tokens else len(tokens)
-        assert result.tokens == tokens[:stop]
-    assert any(len(result.tokens) > 3 for result in served), "the check above needs real continuations"
+        return [tokenizer.decode(t[: t.index(tokenizer.eos_id)] if tokenizer.eos_id in t else t) for t in expected]
+
+    assert samples == full_recompute(params)
+    # A later call (the next sample hook of a run) reuses the compiled steps with new parameters.
+    later = perturbed(params, jax.random.key(9))
+    later_samples = sample_text(model, later, tokenizer, greedy)
+    assert later_samples != samples
+    assert later_samples == full_recompute(later)
 
 
 def test_seeded_samples_equal_the_engine_with_the_same_settings(model_and_params, other_engine):

@@ -6,11 +6,16 @@ Used at the end of a run to show what it learned.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import jax
 
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
+from ember.serving.model_program import build_program
+from ember.serving.program import DeviceProgram
 from ember.serving.requests import SamplingParams
 from ember.training.lm.config import SampleConfig
 
@@ -44,10 +49,26 @@ def sample_text(model: DecoderLM, params: Any, tokenizer: ByteTokenizer, config:
 
 def sampling_engine(config: Any, params: Any, tokenizer: ByteTokenizer, num_prompts: int, longest: int) -> Engine:
     """The engine :func:`sample_text` runs on: a slot per prompt, one token bucket, the context
-    the longest prompt plus its continuation needs (at most ``max_seq_len``)."""
-    budget = max(num_prompts, SAMPLE_TOKEN_BUDGET)
-    return Engine.from_model(config, params, tokenizer=tokenizer, num_slots=num_prompts, token_buckets=(budget,),
-                             max_context=min(longest, config.max_seq_len))
+    the longest prompt plus its continuation needs (at most ``max_seq_len``). Its compiled
+    steps are kept for later calls with parameters of the same shapes (a run samples
+    periodically). The steps are compiled for one device, so sharded training parameters
+    are gathered onto this process's first device (they must be addressable here:
+    single-process runs)."""
+    params = jax.device_put(params, jax.local_devices()[0])
+    max_context = min(longest, config.max_seq_len)
+    shapes = tuple((leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(params))
+    key = (config, num_prompts, max_context, jax.tree.structure(params), shapes)
+    if key not in _PROGRAMS:
+        budget = max(num_prompts, SAMPLE_TOKEN_BUDGET)
+        program = build_program(config, params, num_slots=num_prompts, token_buckets=(budget,), max_context=max_context)
+        # Kept without buffers: each engine gets the parameters of its call and a fresh cache.
+        kv_shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), program.kv)
+        _PROGRAMS.clear()  # one model per run: keep only the latest
+        _PROGRAMS[key] = dataclasses.replace(program, params=None, kv=kv_shapes)
+    return Engine(_PROGRAMS[key].fresh_copy(params), tokenizer=tokenizer)
+
+
+_PROGRAMS: dict[Any, DeviceProgram] = {}
 
 
 __all__ = ["sample_text", "sampling_engine"]
