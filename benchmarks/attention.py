@@ -284,7 +284,7 @@ def main(argv=None) -> int:
         sizes = dict(q_lens=(256, 512), batch=2, heads=4, head_dim=64)
         sparse_len, decode = 1024, dict(num_seqs=4, heads=8, kv_heads=2, head_dim=64, page_size=16, length=512)
         bandwidth_bytes = 256 << 20
-    checks = run_checks(GPU_CHECK_SIZES, seed=0, only=("flash_attention", "paged_attention")) if gpu else {}
+    checks = run_checks(GPU_CHECK_SIZES, seed=0, only=("flash_attention", "ragged_paged_attention")) if gpu else {}
     failed = [name for name, record in checks.items() if not record["passed"]]
     if failed:
         raise SystemExit(f"kernels disagree with their references on {device_label()}: {failed}")

@@ -32,7 +32,6 @@ import numpy as np
 from ember.kernels_pallas.block_mask import ChunkedCausalMask, ExplicitBlockMask, LocalGlobalMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
 from ember.kernels_pallas.linear_attention import linear_attention, linear_attention_reference, state_shape
-from ember.kernels_pallas.paged_attention import paged_attention, paged_attention_reference
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from ember.kernels_pallas.short_conv import short_conv
 from ember.kernels_pallas.ssd import ssd, ssd_reference
@@ -197,7 +196,7 @@ def _flash(**options) -> Callable:
     return problem
 
 
-# ----------------------------------------------------------------------------- paged / ragged decode
+# ----------------------------------------------------------------------------- ragged paged attention
 
 
 def _random_paged_cache(gen, sizes: CheckSizes, dtype, num_seqs: int, pages_per_seq: int):
@@ -205,21 +204,6 @@ def _random_paged_cache(gen, sizes: CheckSizes, dtype, num_seqs: int, pages_per_
     shape = (num_pages, sizes.page_size, sizes.kv_heads, sizes.head_dim)
     table = gen.permutation(num_pages)[: num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq)
     return _normal(gen, shape, dtype), _normal(gen, shape, dtype), jnp.asarray(table, jnp.int32)
-
-
-def _paged_decode(sizes: CheckSizes, dtype, gen):
-    pages_per_seq = -(-sizes.kv_len // sizes.page_size)
-    k_pages, v_pages, table = _random_paged_cache(gen, sizes, dtype, 5, pages_per_seq)
-    lengths = jnp.asarray([0, 1, sizes.page_size, sizes.page_size + 1, sizes.kv_len], jnp.int32)
-    inputs = dict(q=_normal(gen, (5, sizes.heads, sizes.head_dim), dtype), k_pages=k_pages, v_pages=v_pages)
-
-    def kernel(**a):
-        return paged_attention(**a, page_table=table, lengths=lengths, impl=sizes.impl)
-
-    def reference(**a):
-        return paged_attention_reference(**a, page_table=table, lengths=lengths)
-
-    return Problem(kernel, reference, inputs, differentiable=False)
 
 
 def _ragged(**options) -> Callable:
@@ -324,7 +308,6 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck("flash_attention[explicit_blocks]", _flash(explicit_blocks=True)),
     KernelCheck("flash_attention[causal,segments]", _flash(causal=True, segments=True)),
     KernelCheck("flash_attention[sigmoid,causal]", _flash(score="sigmoid", causal=True)),
-    KernelCheck("paged_attention[decode]", _paged_decode),
     KernelCheck("ragged_paged_attention[softmax]", _ragged()),
     KernelCheck(
         "ragged_paged_attention[sigmoid,window,global,soft_cap]",

@@ -15,8 +15,11 @@ def numpy_rng(key) -> np.random.Generator:
 
 
 def perturbed(params, key, scale: float = 0.1):
-    """``params`` with ``scale`` times standard-normal noise added to every leaf (drawn on the
-    host), so tests run away from initial values that hide bugs (identity convolutions, zero
-    biases, unit norm scales)."""
-    gen = numpy_rng(key)
-    return jax.tree.map(lambda leaf: leaf + scale * gen.standard_normal(leaf.shape).astype(leaf.dtype), params)
+    """``params`` plus host-drawn normal noise of std ``scale`` on every leaf (same dtypes), so
+    tests do not run at an initialisation with special structure (identity convolutions,
+    zero biases)."""
+    generator = numpy_rng(key)
+    return jax.tree.map(
+        lambda leaf: (np.asarray(leaf, np.float32) + scale * generator.standard_normal(leaf.shape)).astype(leaf.dtype),
+        params,
+    )

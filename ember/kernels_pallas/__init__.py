@@ -31,7 +31,6 @@ from ember.kernels_pallas.linear_attention import (
     linear_attention_reference,
     linear_attention_step,
 )
-from ember.kernels_pallas.paged_attention import paged_attention, paged_attention_reference
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from ember.kernels_pallas.short_conv import short_conv, short_conv_reference, short_conv_step
 from ember.kernels_pallas.ssd import ssd, ssd_reference, ssd_step
@@ -50,8 +49,6 @@ __all__ = [
     "linear_attention",
     "linear_attention_reference",
     "linear_attention_step",
-    "paged_attention",
-    "paged_attention_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "short_conv",

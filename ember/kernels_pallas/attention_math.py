@@ -33,6 +33,44 @@ def masked_softmax(logits: jax.Array, visible: jax.Array) -> jax.Array:
     return unnormalized / jnp.where(total == 0.0, 1.0, total)
 
 
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    visible: jax.Array,
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None,
+    score: str,
+    sigmoid_bias: float | None,
+) -> jax.Array:
+    """The attention math every op's reference is built on, densely in float32.
+
+    Args:
+      q: ``[n, q_len, heads, head_dim]``; k, v: ``[n, kv_len, kv_heads, head_dim]`` with
+        ``heads % kv_heads == 0`` (query head ``h`` reads key head ``h // (heads // kv_heads)``).
+      visible: bool, broadcastable to ``[n, q_len, kv_len]``: which keys each query sees.
+      sm_scale: multiplies ``q.k``; logits_soft_cap: ``cap * tanh(logits / cap)`` if set.
+      score: ``"softmax"`` (normalised over the visible keys; a row seeing none gets zeros)
+        or ``"sigmoid"`` (each visible key weighted by ``sigmoid(logits + sigmoid_bias)``).
+
+    Returns:
+      ``[n, q_len, heads, head_dim]`` float32.
+    """
+    n, q_len, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q32 = q.astype(jnp.float32).reshape(n, q_len, kv_heads, heads // kv_heads, head_dim)
+    logits = jnp.einsum("nqhgd,nkhd->nhgqk", q32, k.astype(jnp.float32)) * sm_scale
+    logits = soft_cap(logits, logits_soft_cap)
+    visible = jnp.asarray(visible)[:, None, None]  # [n or 1, 1, 1, q_len, kv_len]
+    if score == "sigmoid":
+        weights = jnp.where(visible, jax.nn.sigmoid(logits + sigmoid_bias), 0.0)
+    else:
+        weights = masked_softmax(logits, visible)
+    out = jnp.einsum("nhgqk,nkhd->nqhgd", weights, v.astype(jnp.float32))
+    return out.reshape(n, q_len, heads, head_dim)
+
+
 def check_window(window) -> tuple[int, int] | None:
     """``window`` validated as a pair ``(left, right)`` of non-negative ints, or ``None``."""
     if window is None:

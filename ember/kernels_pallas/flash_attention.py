@@ -26,8 +26,7 @@ from ember.kernels_pallas.attention_math import (
     check_soft_cap,
     check_window,
     default_sigmoid_bias,
-    masked_softmax,
-    soft_cap,
+    reference_attention,
 )
 from ember.kernels_pallas.block_mask import (
     BlockMask,
@@ -225,11 +224,7 @@ def _dense_attention(q, k, v, q_rows, kv_rows, problem: AttentionProblem, *, q_o
     ``q_offset .. q_offset + n - 1`` over all keys. ``q_rows``/``kv_rows``: the query and key
     sides ``(segment ids, segment positions)`` (each ``[batch, n or kv_len]`` or None)."""
     (q_segments, q_seg_pos), (kv_segments, kv_seg_pos) = q_rows, kv_rows
-    batch, q_len, heads, head_dim = q.shape
-    kv_heads, group = problem.kv_heads, problem.group
-    q32 = q.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, head_dim)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q32, k.astype(jnp.float32)) * problem.sm_scale
-    logits = soft_cap(logits, problem.logits_soft_cap)
+    q_len = q.shape[1]
     visible = jnp.ones((1, q_len, problem.kv_len), dtype=bool)
     q_pos, kv_pos = q_offset + jnp.arange(q_len)[:, None], jnp.arange(problem.kv_len)[None, :]
     if q_seg_pos is not None:
@@ -238,13 +233,11 @@ def _dense_attention(q, k, v, q_rows, kv_rows, problem: AttentionProblem, *, q_o
         visible = visible & problem.mask.visible(q_pos, kv_pos)
     if q_segments is not None:
         visible = visible & (q_segments[:, :, None] == kv_segments[:, None, :])
-    visible = visible[:, None, None]  # [batch or 1, 1, 1, q_len, kv_len]
-    if problem.score == "sigmoid":
-        weights = jnp.where(visible, jax.nn.sigmoid(logits + problem.sigmoid_bias), 0.0)
-    else:
-        weights = masked_softmax(logits, visible)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32))
-    return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+    out = reference_attention(
+        q, k, v, visible, sm_scale=problem.sm_scale, logits_soft_cap=problem.logits_soft_cap, score=problem.score,
+        sigmoid_bias=problem.sigmoid_bias,
+    )
+    return out.astype(q.dtype)
 
 
 def _chunked_xla_attention(q, k, v, rows, problem: AttentionProblem) -> jax.Array:

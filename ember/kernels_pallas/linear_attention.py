@@ -10,8 +10,7 @@ a data-dependent one is a scalar-gated variant (and Mamba-2's SSD, see ``ssd.py`
 
 Forms of the same op, all in this package:
 - :func:`linear_attention_reference`: the recurrence above as a sequential ``lax.scan``; THE
-  reference (tests, fallbacks). :func:`linear_attention_step` is its one-token update, used
-  for decode.
+  reference (tests, fallbacks). :func:`linear_attention_step` is its one-token update.
 - :func:`linear_attention_quadratic`: the parallel masked-matrix form, ``O(seq^2)``.
 - :func:`linear_attention` with ``impl="xla"``: the chunked form in einsums (quadratic inside
   a chunk, state passed between chunks); ``impl="pallas"``/``"interpret"``: the same

@@ -3,20 +3,22 @@
 Several sequences each contribute a run of new query tokens to one flat token budget
 ``q [num_tokens, heads, head_dim]``: a prefill chunk (many tokens) or a decode step (one
 token). Each new token attends causally to its sequence's cached prefix and to the new
-tokens before it, all read through the page table of the paged KV cache (the layout of
-:mod:`ember.kernels_pallas.paged_attention`).
+tokens before it, all read through the page table of the paged KV cache:
+``k_pages``/``v_pages`` ``[num_pages, page_size, kv_heads, head_dim]`` shared by all
+sequences, sequence ``s`` owning the pages ``page_table[s, :cdiv(kv_lens[s], page_size)]``
+in order, so its token ``t`` lives at ``k_pages[page_table[s, t // page_size], t % page_size]``.
+A serving step of decodes only is the case of one query per sequence.
 
 Every softmax-family attention layer of a model runs through it: full causal attention,
 a sliding ``window``, a window plus ``global_tokens`` (Longformer-style local + global),
 and sigmoid scores (``score="sigmoid"``, FlashSigmoid) with any of these.
 
-The Pallas kernel is in :mod:`ember.kernels_pallas.ragged_paged_attention_kernel`; the
-KV-cache layout and page-table convention are those of
-:mod:`ember.kernels_pallas.paged_attention`.
+The Pallas kernel is in :mod:`ember.kernels_pallas.ragged_paged_attention_kernel`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -24,12 +26,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ember.kernels_pallas.attention_math import check_soft_cap, check_window, masked_softmax, soft_cap
+from ember.kernels_pallas.attention_math import check_soft_cap, check_window, reference_attention
 from ember.kernels_pallas.block_mask import check_non_negative_int
 from ember.kernels_pallas.dispatch import resolve_impl
 from ember.kernels_pallas.flash_attention import SCORES
-from ember.kernels_pallas.paged_attention import check_lengths, check_paged_cache, gather_sequence_kv
 from ember.kernels_pallas.ragged_paged_attention_kernel import items_to_tokens, ragged_paged_attention_kernel, work_items
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCacheShape:
+    """Validated sizes of a paged KV cache and its page table."""
+
+    num_pages: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    max_pages_per_seq: int
+
+    @property
+    def max_len(self) -> int:
+        return self.max_pages_per_seq * self.page_size
+
+
+def check_paged_cache(k_pages, v_pages, page_table, *, num_seqs: int, heads: int, head_dim: int) -> PagedCacheShape:
+    """Checks the cache arrays against the query; raises ``ValueError`` naming the argument."""
+    if getattr(k_pages, "ndim", None) != 4:
+        raise ValueError(
+            f"k_pages must have rank 4 [num_pages, page_size, kv_heads, head_dim], got shape {getattr(k_pages, 'shape', None)}"
+        )
+    if getattr(v_pages, "shape", None) != k_pages.shape:
+        raise ValueError(f"v_pages must have the shape of k_pages {k_pages.shape}, got {getattr(v_pages, 'shape', None)}")
+    num_pages, page_size, kv_heads, page_head_dim = k_pages.shape
+    if page_head_dim != head_dim:
+        raise ValueError(f"k_pages head_dim {page_head_dim} != q head_dim {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"q heads ({heads}) must be divisible by k_pages kv_heads ({kv_heads})")
+    if getattr(page_table, "ndim", None) != 2 or page_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"page_table must have shape [{num_seqs}, max_pages_per_seq], got {getattr(page_table, 'shape', None)}"
+        )
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"page_table must be an integer array, got dtype {page_table.dtype}")
+    return PagedCacheShape(num_pages, page_size, kv_heads, head_dim, page_table.shape[1])
+
+
+def check_lengths(name: str, lengths, num_seqs: int) -> None:
+    if getattr(lengths, "shape", None) != (num_seqs,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of shape [{num_seqs}], got {getattr(lengths, 'shape', None)}")
+
+
+def gather_sequence_kv(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """Each sequence's cache as one contiguous array:
+    ``[num_seqs, max_pages_per_seq * page_size, kv_heads, head_dim]``."""
+    per_page = pages[page_table]  # [num_seqs, max_pages_per_seq, page_size, kv_heads, head_dim]
+    num_seqs, max_pages, page_size = per_page.shape[:3]
+    return per_page.reshape(num_seqs, max_pages * page_size, *pages.shape[2:])
 
 
 def token_owners(query_starts: jax.Array, query_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
@@ -86,24 +137,17 @@ def _attend_rows(q, keys, values, q_positions, rows_valid, *, sm_scale, logits_s
     sequence's cache: ``q [n, r, heads, d]``, ``keys``/``values [n, max_len, kv_heads, d]``
     (cache position ``t`` at index ``t``), ``q_positions``/``rows_valid [n, r]`` ->
     ``[n, r, heads, d]`` (zeros for rows that are not valid)."""
-    n, rows, heads, head_dim = q.shape
-    kv_heads, max_len = keys.shape[2], keys.shape[1]
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    q32 = q.astype(jnp.float32).reshape(n, rows, kv_heads, heads // kv_heads, head_dim)
-    logits = jnp.einsum("nrhgd,nkhd->nrhgk", q32, keys.astype(jnp.float32)) * scale
-    logits = soft_cap(logits, logits_soft_cap)
+    max_len = keys.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     kv_pos = jnp.arange(max_len)[None, None, :]
     position = q_positions[:, :, None]
     visible = (kv_pos <= position) & rows_valid[:, :, None]
     if window is not None:
         visible = visible & ((kv_pos >= position - window[0]) | (kv_pos < global_tokens))
-    visible = visible[:, :, None, None, :]
-    if score == "sigmoid":
-        weights = jnp.where(visible, jax.nn.sigmoid(logits + sigmoid_bias), 0.0)
-    else:
-        weights = masked_softmax(logits, visible)
-    out = jnp.einsum("nrhgk,nkhd->nrhgd", weights, values.astype(jnp.float32))
-    return out.reshape(n, rows, heads, head_dim)
+    return reference_attention(
+        q, keys, values, visible, sm_scale=scale, logits_soft_cap=logits_soft_cap, score=score,
+        sigmoid_bias=sigmoid_bias,
+    )
 
 
 def _blocked_xla(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, *, block_q, **options):
@@ -168,7 +212,9 @@ def ragged_paged_attention(
         sequence are padding and return zeros.
       k_pages, v_pages: ``[num_pages, page_size, kv_heads, head_dim]``;
         ``heads % kv_heads == 0``.
-      page_table: int32 ``[num_seqs, max_pages_per_seq]``, as in :func:`paged_attention`.
+      page_table: int32 ``[num_seqs, max_pages_per_seq]``; entry ``[s, i]`` is the page holding
+        sequence ``s``'s tokens ``i*page_size .. (i+1)*page_size - 1``; entries past
+        ``cdiv(kv_lens[s], page_size)`` are never read (any in-range value, e.g. 0).
       query_starts: int32 ``[num_seqs]``, first row of each sequence's run in ``q``.
         Runs must not overlap and must lie inside ``[0, num_tokens)``.
       query_lens: int32 ``[num_seqs]``, new tokens per sequence (1 for a decode, the chunk

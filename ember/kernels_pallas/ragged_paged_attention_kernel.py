@@ -25,12 +25,16 @@ from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
-from ember.kernels_pallas.paged_attention_kernel import default_pages_per_block
 
 _NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 # Columns of the work-item table (width 8: GPU tiles want powers of two).
 _SEQ, _TOKEN_START, _ROWS, _FIRST_POS = 0, 1, 2, 3
 _WORK_COLUMNS = 8
+
+
+def default_pages_per_block(page_size: int) -> int:
+    """Enough pages for about 128 tokens per step, at least one."""
+    return max(1, 128 // page_size)
 
 
 def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: int):

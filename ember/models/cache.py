@@ -1,42 +1,35 @@
 """The decoding cache: an explicit pytree passed into ``DecoderLM.apply`` and returned.
 
-    cache = init_cache(config, batch=4, max_len=256)
-    logits, cache = model.apply({"params": params}, prompt_chunk, cache=cache)   # prefill
-    logits, cache = model.apply({"params": params}, next_tokens, cache=cache)    # decode
+There is one cached form, the *ragged* one of a serving step: one flat token budget
+(tokens ``[1, num_tokens]``) in which each sequence owns a contiguous run (a prefill chunk
+or a decode token), described as in ``ember.kernels_pallas.ragged_paged_attention``::
 
-Layout (the paged layout of ``ember.kernels_pallas.paged_attention``)::
+    layers = init_cache_layers(config, num_slots=4, num_pages=64)
+    cache = {"page_table": [slots, pages_per_seq], "query_starts": [slots], "query_lens": [slots],
+             "kv_lens": [slots], "layers": layers}                       # the four int32
+    logits, cache = model.apply({"params": params}, flat_tokens[None], cache=cache)
 
-    {
-      "page_table": int32 [batch, pages_per_seq],   # page ids of each sequence, in order
-      "lengths":    int32 [batch],                  # tokens already written per sequence
-      "layers": {"block_<j>": state},               # one entry per block_pattern position;
-    }                                               # every leaf has a leading [groups] axis
+Sequence ``s`` (a *slot*) owns row ``s`` of the page table and of every state slot.
+``kv_lens[s]`` counts its tokens after the run, so the run starts at position ``kv_lens[s] -
+query_lens[s]``; a run starting at position 0 begins a new sequence, and its layers start
+from an empty state (the slot's old state is ignored), so a slot is reused without a reset.
 
-where layer ``i`` is ``block_<i % period>`` at group ``i // period`` (as in the parameters)
-and ``state`` is, by layer kind:
+``layers`` holds ``{"block_<j>": state}``, one entry per block_pattern position, every leaf
+with a leading ``[groups]`` axis (layer ``i`` is ``block_<i % period>`` at group
+``i // period``, as in the parameters); ``state`` is, by layer kind:
 
 - softmax family (global/local/block_sparse): ``k_pages``, ``v_pages``
-  ``[num_pages, page_size, kv_heads, head_dim]``; token at position ``p`` of sequence ``b``
-  lives in page ``page_table[b, p // page_size]``, slot ``p % page_size``.
-- ``cca``: the same pages over the compressed latent heads, plus ``q_tail``/``k_tail``
-  ``[batch, 2 * (conv_width - 1), latent]`` (the last pre-convolution inputs, so both causal
-  sequence convolutions continue across calls) and ``v_prev [batch, latent_v]`` (the last
-  value, for the value shift).
-- ``linear``: ``state [batch, heads, feature_dim, head_dim + 1]`` (recurrent state with the
-  normaliser column).
+  ``[num_pages, page_size, kv_heads, head_dim]``; token at position ``p`` of sequence ``s``
+  lives in page ``page_table[s, p // page_size]``, slot ``p % page_size``.
+- ``cca``: the same pages over the compressed latent heads, plus per-slot ``q_tail``/``k_tail``
+  ``[num_slots, 2 * (conv_width - 1), latent]`` (the last pre-convolution inputs, so both
+  causal sequence convolutions continue across steps) and ``v_prev [num_slots, latent_v]``
+  (the last value, for the value shift).
+- ``linear``: per-slot ``state [num_slots, heads, feature_dim, head_dim + 1]`` (float32
+  recurrent state with the normaliser column).
 
-Pages are shared by all layers of a sequence (one page table). ``init_cache`` gives each
-sequence its own contiguous run of pages; a serving engine may hand out pages differently,
-any table works.
-
-A serving step may instead pass a *ragged* cache: one flat token budget (tokens ``[1,
-num_tokens]``) in which each sequence owns a contiguous run (a prefill chunk or a decode
-token), described as in ``ember.kernels_pallas.ragged_paged_attention``::
-
-    {"page_table": [seqs, pages_per_seq], "query_starts": [seqs], "query_lens": [seqs],
-     "kv_lens": [seqs], "layers": ...}                                    # all int32
-
-Layers see either form through :class:`Paging`.
+Pages are shared by all layers of a sequence (one page table); state slots are O(1) per
+sequence. Layers see the step's metadata through :class:`Paging`.
 """
 
 from __future__ import annotations
@@ -53,61 +46,59 @@ from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 
 @struct.dataclass
 class Paging:
-    """Where a cached call's tokens live in the paged cache (what a layer needs to write and
-    read its pages).
+    """Where a cached call's tokens live (tokens ``[1, num_tokens]``, one flat budget).
 
-    ``page_table``: int32 ``[seqs, pages_per_seq]``. A rectangular call (tokens ``[seqs,
-    chunk]``, row ``b`` is sequence ``b``) sets only this. A ragged call (one flat budget,
-    tokens ``[1, num_tokens]``) also sets ``query_starts``, ``query_lens``, ``kv_lens``
-    (int32 ``[seqs]``, the arguments of ``ragged_paged_attention``: ``kv_lens`` counts the
-    new tokens) and ``owner`` (int32 ``[num_tokens]``, the sequence of each token).
+    ``page_table`` int32 ``[seqs, pages_per_seq]``; ``query_starts``, ``query_lens``,
+    ``kv_lens`` int32 ``[seqs]`` (the arguments of ``ragged_paged_attention``: ``kv_lens``
+    counts the new tokens); ``owner`` int32 ``[num_tokens]``, the sequence of each token
+    (0 for padding tokens, which ``valid`` marks).
     """
 
     page_table: jax.Array
-    query_starts: jax.Array | None = None
-    query_lens: jax.Array | None = None
-    kv_lens: jax.Array | None = None
-    owner: jax.Array | None = None
-
-    @property
-    def ragged(self) -> bool:
-        return self.query_starts is not None
+    query_starts: jax.Array
+    query_lens: jax.Array
+    kv_lens: jax.Array
+    owner: jax.Array
 
     def token_page_rows(self) -> jax.Array:
-        """``[num_tokens, pages_per_seq]``: each token's sequence's page-table row (ragged)."""
+        """``[num_tokens, pages_per_seq]``: each token's sequence's page-table row."""
         return self.page_table[self.owner]
 
+    def run_offsets(self) -> jax.Array:
+        """``[num_tokens]``: each token's index within its sequence's run."""
+        return jnp.arange(self.owner.shape[0]) - self.query_starts[self.owner]
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict[str, Any]:
-    """An empty cache for ``batch`` sequences of up to ``max_len`` tokens.
+    def fresh(self) -> jax.Array:
+        """bool ``[seqs]``: the sequence's run starts at position 0 (a new sequence: its
+        state slots are ignored and start empty)."""
+        return (self.kv_lens == self.query_lens) & (self.query_lens > 0)
+
+
+def init_cache_layers(config: ModelConfig, num_slots: int, num_pages: int, dtype: Any = None) -> dict[str, Any]:
+    """The empty ``layers`` entry of a cache: pages for ``num_pages`` pages and state slots
+    for ``num_slots`` sequences (see the module docstring).
 
     Args:
       config: the model's config.
-      batch: number of sequences.
-      max_len: the longest sequence the cache must hold (rounded up to whole pages).
-      dtype: K/V storage dtype; default the config's compute dtype. Recurrent states are
-        always float32.
+      num_slots: sequences served at once (rows of the page table).
+      num_pages: pages in the pool.
+      dtype: K/V and convolution-tail storage dtype; default the config's compute dtype.
+        Linear attention's recurrent states are always float32.
     """
-    if batch < 1 or max_len < 1:
-        raise ValueError(f"init_cache: batch and max_len must be positive, got batch={batch}, max_len={max_len}")
+    if num_slots < 1 or num_pages < 1:
+        raise ValueError(f"num_slots and num_pages must be positive, got num_slots={num_slots}, num_pages={num_pages}")
     dtype = config.policy.compute_dtype if dtype is None else dtype
-    pages_per_seq = math.ceil(max_len / config.page_size)
-    num_pages = batch * pages_per_seq
     groups = math.ceil(config.num_layers / len(config.block_pattern))
-    layers = {}
-    for j, kind in enumerate(config.block_pattern):
-        state = layer_state_shapes(config, kind, batch, num_pages)
-        layers[f"block_{j}"] = {
-            name: jnp.zeros((groups, *shape), jnp.float32 if name == "state" else dtype) for name, shape in state.items()
-        }
     return {
-        "page_table": jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq),
-        "lengths": jnp.zeros((batch,), jnp.int32),
-        "layers": layers,
+        f"block_{j}": {
+            name: jnp.zeros((groups, *shape), jnp.float32 if name == "state" else dtype)
+            for name, shape in layer_state_shapes(config, kind, num_slots, num_pages).items()
+        }
+        for j, kind in enumerate(config.block_pattern)
     }
 
 
-def layer_state_shapes(config: ModelConfig, kind: str, batch: int, num_pages: int) -> dict[str, tuple[int, ...]]:
+def layer_state_shapes(config: ModelConfig, kind: str, num_slots: int, num_pages: int) -> dict[str, tuple[int, ...]]:
     """The shapes of one layer's cache entries (without the leading ``[groups]`` axis)."""
     page_size = config.page_size
     if kind in SOFTMAX_FAMILY:
@@ -121,12 +112,12 @@ def layer_state_shapes(config: ModelConfig, kind: str, batch: int, num_pages: in
         return {
             "k_pages": pages,
             "v_pages": pages,
-            "q_tail": (batch, tail, q_latent),
-            "k_tail": (batch, tail, kv_latent),
-            "v_prev": (batch, kv_latent),
+            "q_tail": (num_slots, tail, q_latent),
+            "k_tail": (num_slots, tail, kv_latent),
+            "v_prev": (num_slots, kv_latent),
         }
     if kind == "linear":
-        return {"state": (batch, config.num_heads, linear_feature_dim(config), config.head_size + 1)}
+        return {"state": (num_slots, config.num_heads, linear_feature_dim(config), config.head_size + 1)}
     raise ValueError(f"no cache layout for layer kind {kind!r}")
 
 
@@ -136,24 +127,36 @@ def linear_feature_dim(config: ModelConfig) -> int:
     return 2 * width if config.linear_feature_map == "hedgehog" else config.head_size
 
 
-def write_pages(pages: jax.Array, new: jax.Array, page_table: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-    """Writes ``new [batch, seq, heads, dim]`` at ``positions [batch, seq]`` into ``pages
-    [num_pages, page_size, heads, dim]``; tokens with ``valid [batch, seq]`` False are dropped."""
+def write_pages(pages: jax.Array, new: jax.Array, paging: Paging, positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """Writes ``new [num_tokens, heads, dim]`` at ``positions [num_tokens]`` of each token's
+    own sequence into ``pages [num_pages, page_size, heads, dim]``; tokens with ``valid
+    [num_tokens]`` False are dropped."""
     page_size = pages.shape[1]
+    page_table = paging.page_table
     page_slot = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
-    page = jnp.take_along_axis(page_table, page_slot, axis=1)
+    page = page_table[paging.owner, page_slot]
     # Invalid tokens get an out-of-range page id, which the scatter drops.
     page = jnp.where(valid, page, pages.shape[0])
     return pages.at[page, positions % page_size].set(new.astype(pages.dtype), mode="drop")
 
 
-def read_pages(pages: jax.Array, page_table: jax.Array, positions: jax.Array) -> jax.Array:
-    """The entries at ``positions [batch, length]`` (clipped into the sequence's pages):
-    ``[batch, length, heads, dim]``. The caller masks positions that hold no token."""
-    page_size = pages.shape[1]
-    positions = jnp.clip(positions, 0, page_table.shape[1] * page_size - 1)
-    page = jnp.take_along_axis(page_table, positions // page_size, axis=1)
-    return pages[page, positions % page_size]
+def run_history(flat: jax.Array, slots: jax.Array, paging: Paging, seqs: jax.Array, ends: jax.Array,
+                length: int) -> jax.Array:
+    """Per item ``i``, the ``length`` inputs of sequence ``seqs[i]`` just before run offset
+    ``ends[i]`` (offsets ``ends[i] - length .. ends[i] - 1``): from the step's budget ``flat
+    [num_tokens, ...]`` inside the run, from the sequence's slot ``slots [seqs, >= length,
+    ...]`` (its newest entries, last = offset -1) before it, zeros before a fresh sequence.
+
+    Returns ``[items, length, ...]``. What causal convolutions and shifts need across steps.
+    """
+    held = slots.shape[1]
+    slots = jnp.where(paging.fresh()[(slice(None),) + (None,) * (slots.ndim - 1)], 0, slots).astype(flat.dtype)
+    offsets = ends[:, None] - length + jnp.arange(length)[None, :]  # [items, length]
+    in_run = offsets >= 0
+    token = jnp.clip(paging.query_starts[seqs][:, None] + offsets, 0, flat.shape[0] - 1)
+    from_slot = slots[seqs[:, None], jnp.clip(held + offsets, 0, held - 1)]
+    mask = in_run.reshape(*in_run.shape, *(1,) * (flat.ndim - 1))
+    return jnp.where(mask, flat[token], from_slot)
 
 
-__all__ = ["Paging", "init_cache", "layer_state_shapes", "linear_feature_dim", "read_pages", "write_pages"]
+__all__ = ["Paging", "init_cache_layers", "layer_state_shapes", "linear_feature_dim", "run_history", "write_pages"]

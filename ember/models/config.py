@@ -1,6 +1,6 @@
 """``ModelConfig``: the frozen description of a decoder-only language model.
 
-One config builds the model (``DecoderLM(config)``), its cache (``init_cache``), its
+One config builds the model (``DecoderLM(config)``), its cache (``init_cache_layers``), its
 FLOPs estimate and its Hugging Face mapping. Presets live in ``configs/models/*.yaml``:
 
     config = load_config(ModelConfig, "configs/models/tiny.yaml", ["num_layers=4"])
@@ -204,13 +204,6 @@ class ModelConfig:
         """The kind of every layer, ``block_pattern`` repeated over ``num_layers``."""
         period = len(self.block_pattern)
         return tuple(self.block_pattern[i % period] for i in range(self.num_layers))
-
-    @property
-    def state_layer_kinds(self) -> tuple[str, ...]:
-        """The model's layer kinds outside the softmax family (sorted): those whose cache
-        holds per-sequence state besides K/V pages (CCA's convolution tails, linear
-        attention's recurrent state)."""
-        return tuple(sorted(set(self.layer_kinds) - set(SOFTMAX_FAMILY)))
 
     @property
     def policy(self) -> Precision:

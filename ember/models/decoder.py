@@ -3,8 +3,7 @@
     model = DecoderLM(config)
     params = model.init(rng, tokens)["params"]
     logits, _ = model.apply({"params": params}, tokens)                       # training
-    logits, cache = model.apply({"params": params}, chunk, cache=cache)       # prefill / decode
-    logits, cache = model.apply({"params": params}, flat[None], cache=ragged, logits_at=last[None])  # serving step
+    logits, cache = model.apply({"params": params}, flat[None], cache=cache, logits_at=last[None])  # prefill + decode
 
 Layers follow ``config.block_pattern`` (period ``P``): layer ``i`` is block ``i % P`` of
 group ``i // P``. With ``scan_layers`` the groups are one ``nn.scan`` (parameters
@@ -112,17 +111,14 @@ class DecoderLM(nn.Module):
 
         Args:
           tokens: int ``[batch, seq]``.
-          positions: int ``[batch, seq]`` rotary positions. Default: ``arange(seq)``
-            without a cache, ``cache["lengths"] + arange(seq)`` with one. With a cache the
-            positions of a row must be contiguous (a chunk); padding goes at the end.
-          cache: from :func:`ember.models.cache.init_cache`, or a ragged cache (a serving
-            step's flat token budget, ``tokens [1, num_tokens]``; see ``ember.models.cache``:
-            positions come from its runs and tokens outside every run are padding), or
-            None (no cache returned).
-          segment_ids: int ``[batch, seq]``. Without a cache: packed-document ids (a token
+          positions: int ``[batch, seq]`` rotary positions; default ``arange(seq)``. Not with
+            a cache (its runs give the positions).
+          cache: a ragged cache (a serving step's flat token budget, ``tokens [1,
+            num_tokens]``; see ``ember.models.cache``: tokens outside every run are
+            padding), or None (no cache returned).
+          segment_ids: int ``[batch, seq]`` packed-document ids without a cache (a token
             attends only within its document; pass positions restarting per document).
-            With a rectangular cache: 0 marks padding tokens (not written, not counted),
-            else valid. Not with a ragged cache.
+            Not with a cache.
           logits_at: int ``[batch, n]``: compute logits only at these sequence indices
             (the head is the largest matmul of a decode step); default every index.
 
@@ -134,20 +130,14 @@ class DecoderLM(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq] ints, got shape {tokens.shape}")
         batch, seq = tokens.shape
-        if positions is None and (cache is None or "lengths" in cache):
-            start = cache["lengths"][:, None] if cache is not None else 0
-            positions = start + jnp.arange(seq, dtype=jnp.int32)[None, :]
-            positions = jnp.broadcast_to(positions, (batch, seq))
-        if positions is not None and positions.shape != tokens.shape:
-            raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
         valid = paging = None
-        if cache is not None and "query_starts" in cache:
+        if cache is not None:
             paging, positions, valid = self._ragged_paging(cache, tokens, positions, segment_ids)
             segment_ids = None
-        elif cache is not None:
-            valid = jnp.ones((batch, seq), bool) if segment_ids is None else segment_ids != 0
-            paging = Paging(cache["page_table"])
-            segment_ids = None
+        elif positions is None:
+            positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :], (batch, seq))
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
 
         embed = Embed(config.vocab_size, config.d_model, config.init_std, policy.compute_dtype, policy.param_dtype, name="embed")
         x = constrain(embed(tokens), ("batch", "seq", "embed"))
@@ -164,21 +154,10 @@ class DecoderLM(nn.Module):
         logits = constrain(logits, ("batch", "seq", "vocab"))
         if cache is None:
             return logits, None
-        if paging.ragged:
-            return logits, {**cache, "layers": states}
-        page_table = paging.page_table
-        written = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
-        lengths = jnp.maximum(cache["lengths"], written.astype(jnp.int32))
-        return logits, {"page_table": page_table, "lengths": lengths, "layers": states}
+        return logits, {**cache, "layers": states}
 
     def _ragged_paging(self, cache, tokens, positions, segment_ids):
         """``(paging, positions [1, num_tokens], valid [1, num_tokens])`` of a ragged cache."""
-        unsupported = self.config.state_layer_kinds
-        if unsupported:
-            raise ValueError(
-                f"a ragged cache serves softmax-attention layers ({', '.join(SOFTMAX_FAMILY)}) only; this model "
-                f"has {', '.join(unsupported)} layers, whose per-sequence state a flat token budget does not carry"
-            )
         if tokens.shape[0] != 1 or positions is not None or segment_ids is not None:
             raise ValueError(
                 "a ragged cache takes tokens [1, num_tokens] and derives positions and padding from its runs; "

@@ -34,11 +34,12 @@ def export_program(config: Any, params: Any, out_dir: str | Path, *, tokenizer: 
                    max_context: int | None = None, num_pages: int | None = None) -> Path:
     """Writes the artifact of ``DecoderLM(config)`` with ``params`` to ``out_dir``
     (sizes as in :func:`ember.serving.model_program.build_program`)."""
-    from ember.serving.model_program import init_pages, jitted_step, program_layout  # model code: export side only
+    from ember.models.cache import init_cache_layers  # model code: export side only
+    from ember.serving.model_program import jitted_step, program_layout
 
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
     layout = program_layout(config, num_slots, max_context, num_pages)
-    kv = jax.eval_shape(lambda: init_pages(config, layout["num_pages"]))
+    kv = jax.eval_shape(lambda: init_cache_layers(config, num_slots, layout["num_pages"]))
     step = jitted_step(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
 """Builds a :class:`~ember.serving.program.DeviceProgram` from a ``DecoderLM``.
 
 The step runs the model once over the step's flat token budget (prefill chunks and decode
-tokens of every slot, through the model's ragged cache and ``ragged_paged_attention``),
-computes logits only at each slot's last token and samples on device. Cache pages are
-donated and every token bucket is compiled here, once.
+tokens of every slot, through the model's ragged cache: ``ragged_paged_attention`` for
+softmax-family layers, per-slot state for CCA and linear attention), computes logits only
+at each slot's last token and samples on device. Cache pages and state slots are donated
+and every token bucket is compiled here, once.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ember.models.cache import layer_state_shapes
-from ember.models.config import SOFTMAX_FAMILY, ModelConfig
+from ember.models.cache import init_cache_layers
+from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.program import DeviceProgram, resolve_token_buckets, step_argument_specs
 from ember.serving.sampling import sample_tokens
@@ -33,28 +34,8 @@ def model_step(model: DecoderLM, params: Any, kv: Any, batch: dict[str, jax.Arra
     return cache["layers"], next_tokens, logprobs
 
 
-def init_pages(config: ModelConfig, num_pages: int, dtype: Any = None) -> dict[str, Any]:
-    """An empty page pool: ``{"block_<j>": {"k_pages", "v_pages"}}``, each
-    ``[groups, num_pages, page_size, kv_heads, head_dim]``."""
-    unsupported = config.state_layer_kinds
-    if unsupported:
-        raise ValueError(
-            f"the serving engine runs softmax-attention layers ({', '.join(SOFTMAX_FAMILY)}) only; this model "
-            f"has {', '.join(unsupported)} layers, whose per-sequence state slots it does not manage yet"
-        )
-    dtype = config.policy.compute_dtype if dtype is None else dtype
-    groups = math.ceil(config.num_layers / len(config.block_pattern))
-    return {
-        f"block_{j}": {
-            name: jnp.zeros((groups, *shape), dtype)
-            for name, shape in layer_state_shapes(config, kind, 1, num_pages).items()
-        }
-        for j, kind in enumerate(config.block_pattern)
-    }
-
-
 def jitted_step(config: ModelConfig):
-    """The jitted ``model_step`` of ``DecoderLM(config)`` with the cache pages donated."""
+    """The jitted ``model_step`` of ``DecoderLM(config)`` with the cache (pages, state slots) donated."""
     return jax.jit(functools.partial(model_step, DecoderLM(config)), donate_argnums=1)
 
 
@@ -79,11 +60,11 @@ def build_program(
         default ``(num_slots, token_budget)``: steps of decodes only run at ``num_slots``.
       max_context: longest sequence (prompt + output); default ``config.max_seq_len``.
       num_pages: pages in the pool; default enough for every slot at ``max_context``.
-      kv_dtype: page dtype; default the model's compute dtype.
+      kv_dtype: page (and convolution-tail) dtype; default the model's compute dtype.
     """
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
     layout = program_layout(config, num_slots, max_context, num_pages)
-    kv = init_pages(config, layout["num_pages"], kv_dtype)
+    kv = init_cache_layers(config, num_slots, layout["num_pages"], kv_dtype)
     step = jitted_step(config)
     steps = {
         size: step.lower(*step_argument_specs(params, kv, num_slots, size, layout["pages_per_seq"])).compile()
@@ -109,4 +90,4 @@ def program_layout(config: ModelConfig, num_slots: int, max_context: int | None,
     )
 
 
-__all__ = ["build_program", "init_pages", "jitted_step", "model_step", "program_layout"]
+__all__ = ["build_program", "jitted_step", "model_step", "program_layout"]

@@ -6,8 +6,8 @@ Every step function has the signature
 
     step(params, kv, batch, settings) -> (kv, tokens [slots], logprobs [slots])
 
-with ``kv`` the cache pages (donated) and ``batch`` one flat token budget of mixed prefill
-chunks and decode tokens (the layout of ``ember.kernels_pallas.ragged_paged_attention``):
+with ``kv`` the cache pages and state slots (donated) and ``batch`` one flat token budget
+of mixed prefill chunks and decode tokens (the layout of ``ember.kernels_pallas.ragged_paged_attention``):
 
     tokens        int32 [num_tokens]              the budget; rows outside every run are padding
     query_starts  int32 [slots]                   first budget row of each slot's run
@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ember.serving.sampling import settings_spec
@@ -39,9 +40,11 @@ StepFunction = Callable[[Any, Any, dict[str, jax.Array], dict[str, jax.Array]], 
 class DeviceProgram:
     """Compiled step functions plus the arrays they run on.
 
-    ``steps`` maps a token bucket (budget size) to its compiled step; ``kv`` is the paged cache
-    (``{"block_<j>": {"k_pages", "v_pages": [groups, num_pages, page_size, kv_heads,
-    head_dim]}}``), replaced by each step's output since its buffers are donated.
+    ``steps`` maps a token bucket (budget size) to its compiled step; ``kv`` is the cache's
+    ``layers`` tree (``ember.models.cache``: pages ``[groups, num_pages, page_size, kv_heads,
+    head_dim]`` and per-slot states ``[groups, num_slots, ...]``), replaced by each step's
+    output since its buffers are donated. A slot whose run starts at position 0 starts
+    from an empty state, so a reused or preempted slot needs no reset.
     """
 
     steps: dict[int, StepFunction]
@@ -53,6 +56,12 @@ class DeviceProgram:
     num_pages: int
     vocab_size: int
     max_context: int
+
+    def fresh_copy(self, params: Any = None) -> DeviceProgram:
+        """A program sharing these compiled steps with its own empty cache (and ``params``
+        instead of these, of the same shapes, if given): engines on copies run independently."""
+        kv = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self.kv)
+        return dataclasses.replace(self, kv=kv, params=self.params if params is None else params)
 
     @property
     def token_buckets(self) -> tuple[int, ...]:

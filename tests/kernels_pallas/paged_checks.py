@@ -1,4 +1,4 @@
-"""Random paged KV caches for the paged / ragged-paged attention tests."""
+"""Random paged KV caches for the ragged paged attention tests."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ KERNELS_DIR = Path(kernels_pallas.__file__).parent
 BLOCK_SIZE_CLASSES = {
     "flash_attention": ("FlashBlockSizes",),
     "linear_attention": ("ChunkSize",),
-    "paged_attention": (),
     "ragged_paged_attention": (),
     "short_conv": (),
     "ssd": (),

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from ember.core.tree import param_bytes, param_count
-from ember.models.cache import init_cache
+from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.layers.cca import CompressedConvAttention
@@ -124,7 +124,7 @@ def test_projection_parameters_shrink_by_the_compression_factor():
 
 def test_kv_cache_bytes_shrink_by_the_compression_factor():
     def page_bytes(config):
-        layers = init_cache(config, batch=2, max_len=64)["layers"]
+        layers = init_cache_layers(config, num_slots=2, num_pages=4)
         return param_bytes({name: {k: v for k, v in state.items() if k.endswith("_pages")} for name, state in layers.items()})
 
     assert page_bytes(MHA) == COMPRESSION * page_bytes(cca())

@@ -1,6 +1,6 @@
 """Hugging Face parity: tiny random ``transformers`` models built locally (no download) give
-the same logits as Ember after ``ember.models.hf.load``, and greedy decoding with Ember's
-paged cache matches ``generate`` token for token."""
+the same logits as Ember after ``ember.models.hf.load``, and greedy decoding through Ember's
+serving engine (its one decode path) matches ``generate`` token for token."""
 
 import json
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from ember.models import hf
-from ember.models.cache import init_cache
 from ember.models.decoder import DecoderLM
+from ember.serving.engine import Engine
+from ember.serving.requests import SamplingParams
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
@@ -89,15 +90,11 @@ def test_greedy_decode_matches_generate(pair, rng):
         expected = model.generate(
             torch.as_tensor(np.array(prompt)), max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=None
         ).numpy()[:, PROMPT_LEN:]
-    model_apply = jax.jit(DecoderLM(config).apply)
-    cache = init_cache(config, batch=2, max_len=PROMPT_LEN + NEW_TOKENS)
-    logits, cache = model_apply({"params": params}, prompt, cache=cache)
-    generated = []
-    for _ in range(NEW_TOKENS):
-        token = jnp.argmax(logits[:, -1], axis=-1)[:, None]
-        generated.append(token)
-        logits, cache = model_apply({"params": params}, token, cache=cache)
-    np.testing.assert_array_equal(np.concatenate(generated, axis=1), expected)
+    # The serving engine's ragged decode path (chunked prefill, paged cache, state slots).
+    engine = Engine.from_model(config, params, num_slots=2, token_buckets=(2 * PROMPT_LEN,),
+                               max_context=PROMPT_LEN + NEW_TOKENS)
+    results = engine.generate(np.asarray(prompt).tolist(), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    np.testing.assert_array_equal([r.tokens for r in results], expected)
 
 
 def test_save_round_trips_through_transformers(pair, tmp_path, rng):

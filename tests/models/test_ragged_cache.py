@@ -1,19 +1,26 @@
-"""A ragged cache (a serving step's flat token budget) gives the logits of one uncached pass:
-three sequences advance by random chunks, prefill and decode mixed in each step, their
-runs packed in random order with padding between them, over a shuffled page table."""
+"""A ragged cache (a serving step's flat token budget) gives the logits of one uncached pass,
+for every layer kind: three sequences advance by random chunks, prefill and decode mixed in
+each step, their runs packed in random order with padding between them, over a shuffled
+page table and a shuffled assignment of sequences to state slots; a slot that held an
+earlier sequence is reused without a reset."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ember.models.cache import init_cache
+from ember.models.cache import init_cache_layers
+from ember.models.config import LAYER_KINDS
 from ember.models.decoder import DecoderLM
-from tests.host_random import numpy_rng
-from tests.models.test_cache import make
+from tests.host_random import numpy_rng, perturbed
+from tests.models.test_cache import KINDS, make
 from tests.tolerances import assert_allclose
 
-SEQS, SEQ, PROMPT, CHUNK, BUDGET = 3, 20, 11, 5, 16
+SEQS, SLOTS, SEQ, PROMPT, CHUNK, BUDGET = 3, 4, 20, 11, 5, 16
+
+
+def test_every_layer_kind_is_covered():
+    assert set(LAYER_KINDS) <= {kind for name in KINDS for kind in make(name).block_pattern}
 
 
 def ragged_steps(generator):
@@ -35,9 +42,9 @@ def ragged_steps(generator):
 
 def pack(generator, counts):
     """``query_starts`` of runs of ``counts`` in a random order with random gaps (<= BUDGET)."""
-    starts, offset = [0] * SEQS, 0
+    starts, offset = [0] * len(counts), 0
     spare = BUDGET - sum(counts)
-    for s in generator.permutation(SEQS):
+    for s in generator.permutation(len(counts)):
         gap = int(generator.integers(0, spare + 1))
         spare -= gap
         offset += gap
@@ -46,22 +53,41 @@ def pack(generator, counts):
     return starts
 
 
-@pytest.mark.parametrize("name", ["global", "block_sparse", "sigmoid"])
+def run_step(apply, params, cache, flat_tokens, runs):
+    """One ragged call; ``runs`` maps slot -> (start, count, kv_len). Returns (logits [BUDGET, vocab], cache)."""
+    metadata = {name: np.zeros(SLOTS, np.int32) for name in ("query_starts", "query_lens", "kv_lens")}
+    for slot, (start, count, kv_len) in runs.items():
+        metadata["query_starts"][slot], metadata["query_lens"][slot], metadata["kv_lens"][slot] = start, count, kv_len
+    cache = {**cache, **{name: jnp.asarray(value) for name, value in metadata.items()}}
+    logits, cache = apply({"params": params}, jnp.asarray(flat_tokens)[None], cache=cache)
+    return logits[0], cache
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
 def test_ragged_steps_equal_the_full_pass(name, rng):
     config = make(name)
     model = DecoderLM(config)
-    init_rng, token_rng, plan_rng = jax.random.split(rng, 3)
-    tokens = jax.random.randint(token_rng, (SEQS, SEQ), 0, config.vocab_size)
-    params = jax.jit(model.init)(init_rng, tokens)["params"]
+    init_rng, token_rng, plan_rng, noise_rng = jax.random.split(rng, 4)
+    tokens = jax.random.randint(token_rng, (SEQS + 1, SEQ), 0, config.vocab_size)
+    params = perturbed(jax.jit(model.init)(init_rng, tokens)["params"], noise_rng)
     expected, _ = jax.jit(model.apply)({"params": params}, tokens)
 
     generator = numpy_rng(plan_rng)
-    cache = init_cache(config, batch=SEQS, max_len=SEQ)
-    shuffled = generator.permutation(cache["page_table"].size).reshape(cache["page_table"].shape)
-    ragged = {"page_table": jnp.asarray(shuffled, jnp.int32), "layers": cache["layers"]}
+    pages_per_seq = -(-SEQ // config.page_size)
+    table = generator.permutation(SLOTS * pages_per_seq).reshape(SLOTS, pages_per_seq)
+    slots = generator.permutation(SLOTS)[:SEQS]
+    layers = init_cache_layers(config, SLOTS, SLOTS * pages_per_seq)
+    cache = {"page_table": jnp.asarray(table, jnp.int32), "layers": layers}
     apply = jax.jit(model.apply)
     host_tokens = np.asarray(tokens)
-    got = np.zeros(expected.shape, np.float32)
+    # An earlier sequence (the last row) fills the slots first, so every state slot is dirty.
+    stale = {int(slot): (0, PROMPT // 2, PROMPT // 2) for slot in slots}
+    flat = np.zeros(BUDGET, np.int32)
+    for slot in slots:
+        flat[stale[slot][0] : stale[slot][1]] = host_tokens[SEQS, : PROMPT // 2]
+        _, cache = run_step(apply, params, cache, flat, {int(slot): stale[int(slot)]})
+
+    got = np.zeros(expected.shape, np.float32)[:SEQS]
     done = [0] * SEQS
     for counts in ragged_steps(generator):
         starts = pack(generator, counts)
@@ -69,33 +95,41 @@ def test_ragged_steps_equal_the_full_pass(name, rng):
         for s in range(SEQS):
             flat[starts[s] : starts[s] + counts[s]] = host_tokens[s, done[s] : done[s] + counts[s]]
         kv_lens = [done[s] + counts[s] for s in range(SEQS)]
-        ragged = {**ragged, **{name: jnp.asarray(v, jnp.int32) for name, v in
-                               (("query_starts", starts), ("query_lens", counts), ("kv_lens", kv_lens))}}
-        logits, ragged = apply({"params": params}, jnp.asarray(flat)[None], cache=ragged)
+        runs = {int(slots[s]): (starts[s], counts[s], kv_lens[s]) for s in range(SEQS) if counts[s]}
+        logits, cache = run_step(apply, params, cache, flat, runs)
         for s in range(SEQS):
-            got[s, done[s] : kv_lens[s]] = np.asarray(logits[0, starts[s] : starts[s] + counts[s]], np.float32)
+            got[s, done[s] : kv_lens[s]] = np.asarray(logits[starts[s] : starts[s] + counts[s]], np.float32)
         done = kv_lens
-    assert_allclose(got, expected, scale=10)
-
-    # logits_at computes the head only where asked: the last token of each run.
-    last = jnp.asarray([starts[s] + counts[s] - 1 for s in range(SEQS)], jnp.int32)
-    # (Running the last step again rewrites the same keys and values.)
-    selected, _ = apply({"params": params}, jnp.asarray(flat)[None], cache=ragged, logits_at=last[None])
-    assert_allclose(selected[0], logits[0, last])
+    assert_allclose(got, expected[:SEQS], scale=10)
 
 
-def test_ragged_cache_rejects_state_layers_and_positions(rng):
+def test_logits_at_computes_the_head_only_where_asked(rng):
+    config = make("global")
+    model = DecoderLM(config)
+    tokens = jax.random.randint(rng, (1, BUDGET), 0, config.vocab_size)
+    params = jax.jit(model.init)(rng, tokens)["params"]
+    cache = {
+        "page_table": jnp.arange(SLOTS * 4, dtype=jnp.int32).reshape(SLOTS, 4),
+        "query_starts": jnp.asarray([0, 5, 9, 0], jnp.int32),
+        "query_lens": jnp.asarray([5, 4, 7, 0], jnp.int32),
+        "kv_lens": jnp.asarray([5, 4, 7, 0], jnp.int32),
+        "layers": init_cache_layers(config, SLOTS, SLOTS * 4),
+    }
+    apply = jax.jit(model.apply)
+    logits, _ = apply({"params": params}, tokens, cache=cache)
+    last = jnp.asarray([[4, 8, 15]], jnp.int32)
+    selected, _ = apply({"params": params}, tokens, cache=cache, logits_at=last)
+    assert_allclose(selected[0], logits[0, last[0]])
+
+
+def test_ragged_cache_rejects_positions_and_segment_ids(rng):
     tokens = jnp.ones((1, 4), jnp.int32)
     metadata = {name: jnp.zeros((1,), jnp.int32) for name in ("query_starts", "query_lens", "kv_lens")}
-    config = make("mixed_unscanned")
-    model = DecoderLM(config)
-    params = jax.jit(model.init)(rng, tokens)["params"]
-    cache = init_cache(config, batch=1, max_len=8)
-    with pytest.raises(ValueError, match="softmax-attention layers .* cca, linear"):
-        model.apply({"params": params}, tokens, cache={**cache, **metadata})
     config = make("global")
     model = DecoderLM(config)
     params = jax.jit(model.init)(rng, tokens)["params"]
-    cache = {**init_cache(config, batch=1, max_len=8), **metadata}
+    cache = {"page_table": jnp.zeros((1, 2), jnp.int32), "layers": init_cache_layers(config, 1, 2), **metadata}
     with pytest.raises(ValueError, match=r"tokens \[1, num_tokens\]"):
         model.apply({"params": params}, tokens, cache=cache, positions=jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"tokens \[1, num_tokens\]"):
+        model.apply({"params": params}, jnp.ones((2, 4), jnp.int32), cache=cache)

@@ -20,9 +20,10 @@ projections, the KV cache and the attention FLOPs all shrink by that factor:
 With packed documents (``segment_ids``), neither convolution nor the value shift reaches
 across a document boundary: each document is computed as if alone.
 
-Cache (see ``ember.models.cache``): latent K/V pages, the last ``2 * (conv_width - 1)``
-pre-convolution query/key latents (both convolutions continue across calls) and the last
-value (for the shift).
+Cache (see ``ember.models.cache``): latent K/V pages and, per sequence slot, the last
+``2 * (conv_width - 1)`` pre-convolution query/key latents (both convolutions continue
+across steps) and the last value (for the shift). In a step's flat token budget each
+token's convolution window comes from its own run, else from its sequence's slot.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from ember.core.sharding import constrain
 from ember.kernels_pallas.document_boundaries import document_index, document_starts
 from ember.kernels_pallas.short_conv import short_conv
+from ember.models.cache import Paging, run_history
 from ember.models.config import ModelConfig
 from ember.models.layers.attention import attend
 from ember.models.layers.norm import RMSNorm
@@ -67,21 +69,12 @@ def convolve_latent(
     return causal_head_conv(mixed.reshape(*x.shape[:2], heads, -1), head_mix, segment_ids)
 
 
-def shift_values(v: jax.Array, v_before: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    """Step 4 on ``v [batch, seq, latent_kv]``: the second half of the channels come from the
-    previous token (``v_before [batch, 1, latent_kv]`` before the first; zeros at a
-    document start, where ``segment_ids`` changes)."""
-    previous = jnp.concatenate([v_before, v[:, :-1]], axis=1)
+def previous_values(v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Step 4's source on ``v [batch, seq, latent_kv]``: each token's previous value (zeros
+    before the sequence and at a document start, where ``segment_ids`` changes)."""
+    previous = jnp.concatenate([jnp.zeros_like(v[:, :1]), v[:, :-1]], axis=1)
     starts = document_starts(segment_ids, *v.shape[:2])[..., None]
-    previous = jnp.where(starts, 0, previous)
-    half = v.shape[-1] // 2
-    return jnp.concatenate([v[..., :half], previous[..., half:]], axis=-1)
-
-
-def _last_valid(history: jax.Array, count: jax.Array, length: int) -> jax.Array:
-    """The ``length`` entries of ``history [batch, time, ...]`` ending before index
-    ``length + count[b]`` of each row (the newest ``length`` valid entries)."""
-    return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, length, axis=0))(history, count)
+    return jnp.where(starts, 0, previous)
 
 
 class CompressedConvAttention(nn.Module):
@@ -100,7 +93,6 @@ class CompressedConvAttention(nn.Module):
         config = self.config
         policy = config.policy
         heads, kv_heads, head_dim = config.cca_query_heads, config.cca_key_value_heads, config.cca_head_size
-        width = config.cca_conv_width
         latent_q, latent_kv = heads * head_dim, kv_heads * head_dim
 
         def dense(name, features, axes):
@@ -113,18 +105,12 @@ class CompressedConvAttention(nn.Module):
         k_raw = dense("k", latent_kv, "kv_heads")
         v = dense("v", latent_kv, "kv_heads")
 
-        tail = 2 * (width - 1)
-        if cache is not None:
-            # Prepend the stored history so both convolutions see the previous tokens.
-            q_in = jnp.concatenate([cache["q_tail"].astype(q_raw.dtype), q_raw], axis=1)
-            k_in = jnp.concatenate([cache["k_tail"].astype(k_raw.dtype), k_raw], axis=1)
-            v_before = cache["v_prev"][:, None].astype(v.dtype)
+        if cache is None:
+            q = self._convolve("q", q_raw, heads, head_dim, "heads", segment_ids)
+            k = self._convolve("k", k_raw, kv_heads, head_dim, "kv_heads", segment_ids)
+            previous = previous_values(v, segment_ids)
         else:
-            q_in, k_in = q_raw, k_raw
-            v_before = jnp.zeros_like(v[:, :1])
-        # Packed documents (segment ids) only come without a cache: the history is empty then.
-        q = self._convolve("q", q_in, heads, head_dim, "heads", segment_ids)[:, q_in.shape[1] - x.shape[1]:]
-        k = self._convolve("k", k_in, kv_heads, head_dim, "kv_heads", segment_ids)[:, k_in.shape[1] - x.shape[1]:]
+            q, k, previous = self._ragged_mixing(q_raw[0], k_raw[0], v[0], cache, paging)
 
         group = heads // kv_heads
         q_pre = q_raw.reshape(*x.shape[:2], heads, head_dim)
@@ -133,7 +119,9 @@ class CompressedConvAttention(nn.Module):
         q = q + jnp.repeat((q_pre_by_kv + k_pre) / 2, group, axis=2)
         k = k + (q_pre_by_kv + k_pre) / 2
 
-        v_shifted = shift_values(v, v_before, segment_ids).reshape(*x.shape[:2], kv_heads, head_dim)
+        half = latent_kv // 2
+        v_shifted = jnp.concatenate([v[..., :half], previous[..., half:]], axis=-1)
+        v_shifted = v_shifted.reshape(*x.shape[:2], kv_heads, head_dim)
 
         q = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="q_norm")(q)
         k = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="k_norm")(k)
@@ -152,15 +140,45 @@ class CompressedConvAttention(nn.Module):
         )(out)
         if cache is None:
             return out, None
-        count = jnp.sum(valid, axis=1).astype(jnp.int32)
-        last_v = _last_valid(jnp.concatenate([v_before, v], axis=1), count, 1)[:, 0]
-        new_cache = dict(
-            pages,
-            q_tail=_last_valid(q_in, count, tail).astype(cache["q_tail"].dtype),
-            k_tail=_last_valid(k_in, count, tail).astype(cache["k_tail"].dtype),
-            v_prev=last_v.astype(cache["v_prev"].dtype),
+        return out, dict(pages, **self._ragged_slots(q_raw[0], k_raw[0], v[0], cache, paging))
+
+    def _ragged_mixing(self, q_raw, k_raw, v, cache, paging: Paging):
+        """Steps 2 and 4 over a flat budget (``q_raw [num_tokens, latent_q]``, ...): each
+        token convolves the ``2 * (width - 1) + 1`` inputs of its sequence ending at it
+        (exact: two stacked width-``w`` convolutions see that far back) and takes its
+        sequence's previous value. Returns ``(q [1, T, heads, d], k [1, T, kv_heads, d],
+        previous values [1, T, latent_kv])``."""
+        config = self.config
+        heads, kv_heads, head_dim = config.cca_query_heads, config.cca_key_value_heads, config.cca_head_size
+        reach = 2 * (config.cca_conv_width - 1) + 1
+        owner, ends = paging.owner, paging.run_offsets() + 1
+
+        def convolved(prefix, raw, slot, count, axis):
+            window = run_history(raw, slot.astype(raw.dtype), paging, owner, ends, reach)  # [T, reach, latent]
+            return self._convolve(prefix, window, count, head_dim, axis, None)[None, :, -1]
+
+        previous = run_history(v, cache["v_prev"][:, None].astype(v.dtype), paging, owner, ends - 1, 1)[:, 0]
+        return (
+            convolved("q", q_raw, cache["q_tail"], heads, "heads"),
+            convolved("k", k_raw, cache["k_tail"], kv_heads, "kv_heads"),
+            previous[None],
         )
-        return out, new_cache
+
+    @staticmethod
+    def _ragged_slots(q_raw, k_raw, v, cache, paging: Paging) -> dict[str, jax.Array]:
+        """Each sequence's ``q_tail``, ``k_tail`` and ``v_prev`` after its run (unchanged
+        for a sequence that sits the step out)."""
+        seqs = jnp.arange(paging.page_table.shape[0])
+        tail = cache["q_tail"].shape[1]
+
+        def last(raw, slot, length):
+            return run_history(raw, slot, paging, seqs, paging.query_lens, length).astype(slot.dtype)
+
+        return dict(
+            q_tail=last(q_raw, cache["q_tail"], tail),
+            k_tail=last(k_raw, cache["k_tail"], tail),
+            v_prev=last(v, cache["v_prev"][:, None], 1)[:, 0],
+        )
 
     def _convolve(
         self, prefix: str, x: jax.Array, heads: int, head_dim: int, heads_axis: str, segment_ids: jax.Array | None

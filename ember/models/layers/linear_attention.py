@@ -1,5 +1,6 @@
 """Linear attention layer: feature-mapped queries and keys, normalised causal linear
-attention from ``ember.kernels_pallas.linear_attention``, a recurrent state as its cache.
+attention from ``ember.kernels_pallas.linear_attention``, a recurrent state slot per
+sequence as its cache (see ``ember.models.cache``).
 
 No rotary embedding: positions enter only through causality (the feature maps need the
 raw projections to stay comparable to softmax attention when linearising).
@@ -12,15 +13,49 @@ import jax
 import jax.numpy as jnp
 
 from ember.core.sharding import constrain
-from ember.kernels_pallas.linear_attention import linear_attention, linear_attention_step
+from ember.kernels_pallas.linear_attention import NORMALIZER_EPS, linear_attention
+from ember.models.cache import Paging
 from ember.models.config import ModelConfig
 from ember.models.layers.feature_maps import FeatureMap
 from ember.models.layers.projection import Projection
 
 
+def ragged_linear_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, states: jax.Array, paging: Paging, valid: jax.Array, impl: str
+) -> tuple[jax.Array, jax.Array]:
+    """Normalised causal linear attention over one flat token budget of sequence runs.
+
+    Args:
+      q, k: ``[num_tokens, heads, feature_dim]`` (feature-mapped); v ``[num_tokens, heads, dv]``.
+      states: float32 ``[seqs, heads, feature_dim, dv + 1]``, each sequence's state before
+        its run (``sum phi(k) [v, 1]`` so far; ignored for a fresh sequence).
+      paging: the runs; valid: bool ``[num_tokens]`` (False: padding, which adds nothing).
+      impl: ``linear_attention``'s implementation.
+
+    Returns:
+      ``(out [num_tokens, heads, dv] in v's dtype, states after the runs)``. A token's
+      numerator and normaliser are its run's chunked linear attention (documents reset at
+      run boundaries) plus ``phi(q_t) . states[owner]``; a run adds its tokens' sums.
+    """
+    f32 = jnp.float32
+    keep = valid[:, None, None]
+    q = q.astype(f32)
+    k = jnp.where(keep, k, 0).astype(f32)
+    values = jnp.where(keep, jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1), 0).astype(f32)
+    num_seqs = paging.page_table.shape[0]
+    runs = jnp.where(valid, paging.owner, num_seqs)
+    within = linear_attention(q[None], k[None], values[None], segment_ids=runs[None], impl=impl)[0]
+    states = jnp.where(paging.fresh()[:, None, None, None], 0.0, states.astype(f32))
+    total = within + jnp.einsum("thf,thfe->the", q, states[paging.owner])
+    out = total[..., :-1] / (total[..., -1:] + NORMALIZER_EPS)
+    member = ((paging.owner[:, None] == jnp.arange(num_seqs)[None, :]) & valid[:, None]).astype(f32)
+    return out.astype(v.dtype), states + jnp.einsum("ts,thf,the->shfe", member, k, values)
+
+
 class LinearAttention(nn.Module):
     """``x [batch, seq, embed] -> [batch, seq, embed]``; the cache entry is ``{"state":
-    [batch, heads, feature_dim, head_dim + 1]}`` (float32).
+    [slots, heads, feature_dim, head_dim + 1]}`` (float32), with a cache ``batch`` is 1
+    (one flat token budget, see :func:`ragged_linear_attention`).
 
     Parameters: ``q/k/v/kernel [embed, heads, head_dim]``, ``o/kernel [heads, head_dim,
     embed]``, and ``q_features``/``k_features`` (Hedgehog weights) when learnable.
@@ -30,7 +65,7 @@ class LinearAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, cache=None, paging=None, valid=None):
-        del positions, paging  # causal order is the sequence order; no pages
+        del positions  # causal order is the sequence order
         config = self.config
         policy = config.policy
         heads, head_dim = config.num_heads, config.head_size
@@ -52,17 +87,10 @@ class LinearAttention(nn.Module):
         if cache is None:
             out = linear_attention(q, k, v, normalize=True, segment_ids=segment_ids, impl=config.attention_impl)
         else:
-            # Padding tokens contribute nothing to the state: zero keys and values.
-            k = jnp.where(valid[..., None, None], k, 0)
-            v = jnp.where(valid[..., None, None], v, 0)
-            if x.shape[1] == 1:
-                out, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], cache["state"], normalize=True)
-                out = out[:, None]
-            else:
-                out, state = linear_attention(
-                    q, k, v, normalize=True, initial_state=cache["state"], return_final_state=True,
-                    impl=config.attention_impl,
-                )
+            out, state = ragged_linear_attention(
+                q[0], k[0], v[0], cache["state"], paging, valid[0], config.attention_impl
+            )
+            out = out[None]
             cache = {"state": state.astype(cache["state"].dtype)}
         out = Projection(
             (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,

@@ -83,11 +83,15 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SampleConfig:
-    """Text sampled from the model at the end of training (empty ``prompts`` skips it)."""
+    """Text sampled from the model at the end of training (empty ``prompts`` skips it), through
+    the serving engine's decode path and sampler: ``temperature`` 0 is greedy, ``top_k`` 0
+    and ``top_p`` 1 are off; prompt ``i`` draws with seed ``seed + i``."""
 
     prompts: tuple[str, ...] = ("def ", "import ", "class ")
     max_tokens: int = 64
     temperature: float = 0.7
+    top_k: int = 0
+    top_p: float = 1.0
     seed: int = 0
 
 

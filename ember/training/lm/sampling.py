@@ -1,58 +1,74 @@
-"""Sampling text from a trained model through its decoding cache (prefill, then one jitted
-``lax.scan`` of single-token decode steps). Used at the end of a run to show what it learned.
+"""Sampling text from a trained model through the serving engine: the same ragged decode
+step (chunked prefill, paged KV cache, per-sequence state slots) and the same on-device
+sampler as ``ember generate``, so a training run's samples are what serving would produce.
+Used at the end of a run to show what it learned.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from ember.core.tokenizer import ByteTokenizer
-from ember.models.cache import init_cache
 from ember.models.decoder import DecoderLM
+from ember.serving.engine import Engine
+from ember.serving.model_program import build_program
+from ember.serving.program import DeviceProgram
+from ember.serving.requests import SamplingParams
 from ember.training.lm.config import SampleConfig
+
+SAMPLE_TOKEN_BUDGET = 64
+"""Tokens per engine step (one compiled bucket: prefill chunks and decodes share it)."""
 
 
 def sample_text(model: DecoderLM, params: Any, tokenizer: ByteTokenizer, config: SampleConfig) -> list[str]:
-    """One continuation of each prompt in ``config.prompts`` (cut at end-of-document)."""
-    prompts = [tokenizer.encode(p) for p in config.prompts]
+    """One continuation of each prompt in ``config.prompts`` (ending at end-of-document, at
+    ``config.max_tokens`` or at the model's ``max_seq_len``); prompt ``i`` samples with
+    seed ``config.seed + i``. Raises ``ValueError`` for an empty or too long prompt."""
+    prompts = [[int(t) for t in tokenizer.encode(p)] for p in config.prompts]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("sample.prompts must not contain empty strings")
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    tokens = np.zeros((len(prompts), lengths.max()), np.int32)
-    for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = prompt
-    valid = (np.arange(tokens.shape[1])[None] < lengths[:, None]).astype(np.int32)
-    cache = init_cache(model.config, len(prompts), int(lengths.max()) + config.max_tokens)
-    generate = jax.jit(functools.partial(_generate, model=model, max_tokens=config.max_tokens,
-                                         temperature=config.temperature, vocab=tokenizer.vocab_size))
-    generated = np.asarray(generate(params, tokens, valid, lengths, cache, jax.random.key(config.seed)))
-    texts = []
-    for row in generated:
-        ends = np.flatnonzero(row == tokenizer.eos_id)
-        texts.append(tokenizer.decode(row[: ends[0]] if ends.size else row))
-    return texts
+    too_long = [row for row, p in enumerate(prompts) if len(p) > model.config.max_seq_len]
+    if too_long:
+        raise ValueError(f"sample.prompts[{too_long[0]}] has {len(prompts[too_long[0]])} tokens, more than the model's "
+                         f"max_seq_len={model.config.max_seq_len}")
+    engine = sampling_engine(model.config, params, tokenizer, len(prompts), max(map(len, prompts)) + config.max_tokens)
+    settings = [
+        SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_k=config.top_k,
+                       top_p=config.top_p, seed=config.seed + row)
+        for row in range(len(prompts))
+    ]
+    results = engine.generate(prompts, settings)
+    errors = [f"prompt {row}: {r.error}" for row, r in enumerate(results) if r.error is not None]
+    if errors:
+        raise ValueError(f"cannot sample: {'; '.join(errors)}")
+    return [r.text for r in results]
 
 
-def _generate(params, tokens, valid, lengths, cache, key, *, model, max_tokens, temperature, vocab):
-    """``[batch, max_tokens]`` sampled ids after prompts ``tokens [batch, prompt_len]`` (padded
-    at the end; ``valid`` marks real tokens, ``lengths`` counts them)."""
-    logits, cache = model.apply({"params": params}, tokens, cache=cache, segment_ids=valid)
-    last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
+def sampling_engine(config: Any, params: Any, tokenizer: ByteTokenizer, num_prompts: int, longest: int) -> Engine:
+    """The engine :func:`sample_text` runs on: a slot per prompt, one token bucket, the context
+    the longest prompt plus its continuation needs (at most ``max_seq_len``). Its compiled
+    steps are kept for later calls with parameters of the same shapes (a run samples
+    periodically). The steps are compiled for one device, so sharded training parameters
+    are gathered onto this process's first device (they must be addressable here:
+    single-process runs)."""
+    params = jax.device_put(params, jax.local_devices()[0])
+    max_context = min(longest, config.max_seq_len)
+    shapes = tuple((leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(params))
+    key = (config, num_prompts, max_context, jax.tree.structure(params), shapes)
+    if key not in _PROGRAMS:
+        budget = max(num_prompts, SAMPLE_TOKEN_BUDGET)
+        program = build_program(config, params, num_slots=num_prompts, token_buckets=(budget,), max_context=max_context)
+        # Kept without buffers: each engine gets the parameters of its call and a fresh cache.
+        kv_shapes = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), program.kv)
+        _PROGRAMS.clear()  # one model per run: keep only the latest
+        _PROGRAMS[key] = dataclasses.replace(program, params=None, kv=kv_shapes)
+    return Engine(_PROGRAMS[key].fresh_copy(params), tokenizer=tokenizer)
 
-    def step(carry, step_key):
-        cache, logits = carry
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits.astype(jnp.float32), -jnp.inf)
-        if temperature > 0:
-            token = jax.random.categorical(step_key, logits / temperature)
-        else:
-            token = jnp.argmax(logits, axis=-1)
-        logits, cache = model.apply({"params": params}, token[:, None].astype(jnp.int32), cache=cache)
-        return (cache, logits[:, 0]), token
 
-    _, sampled = jax.lax.scan(step, (cache, last), jax.random.split(key, max_tokens))
-    return sampled.T
+_PROGRAMS: dict[Any, DeviceProgram] = {}
+
+
+__all__ = ["sample_text", "sampling_engine"]
