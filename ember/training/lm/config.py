@@ -116,10 +116,10 @@ class LMConfig:
 
 
 def flatten_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (empty dicts are kept as values)."""
+    """``{"a": {"b": 1}, "c": {}}`` -> ``{"a.b": 1}`` (an empty dict adds no key)."""
     flat = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict):
             flat.update(flatten_keys(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value

@@ -28,6 +28,15 @@ BATCH_AXES = ("batch", "seq")
 ``positions`` (int32) and ``loss_mask`` (float32)."""
 
 
+def lm_loss(params: Any, batch: dict[str, jax.Array], *, model: DecoderLM, **_: Any) -> LossTerms:
+    """Next-token cross-entropy of a packed batch (sum and token count) plus the auxiliary
+    losses the model sows; ignores the trainer's ``rng`` and ``teacher``."""
+    (logits, _), aux = apply_with_aux(model, params, batch["tokens"], positions=batch["positions"],
+                                      segment_ids=batch["segment_ids"])
+    loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])
+    return LossTerms(loss_sum, count, aux)
+
+
 class LMTask(Task):
     """The ``lm`` kind's task. ``dataset`` defaults to the one ``config.data`` names."""
 
@@ -49,10 +58,7 @@ class LMTask(Task):
         return self.model.init(rng, tokens, positions=jnp.arange(seq_len, dtype=jnp.int32)[None])["params"]
 
     def loss(self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any) -> LossTerms:
-        (logits, _), aux = apply_with_aux(self.model, params, batch["tokens"], positions=batch["positions"],
-                                          segment_ids=batch["segment_ids"])
-        loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])
-        return LossTerms(loss_sum, count, aux)
+        return lm_loss(params, batch, model=self.model)
 
     def _batches(self, stream, **kwargs) -> PackedBatches:
         return PackedBatches(stream, seq_len=self.config.train.seq_len, global_batch=self.config.train.batch_size,
@@ -101,4 +107,4 @@ def _with_model(task: LMTask, model: ModelConfig) -> LMTask:
     return LMTask(dataclasses.replace(task.config, model=model), task.dataset)
 
 
-__all__ = ["BATCH_AXES", "LMTask"]
+__all__ = ["BATCH_AXES", "LMTask", "lm_loss"]
