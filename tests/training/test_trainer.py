@@ -1,6 +1,7 @@
 """The task-generic trainer: a non-LM task trains, checkpoints and resumes exactly; frozen
 parameters carry no optimizer state and match a hand-written optax loop; auxiliary losses
-are weighted, added and logged; hooks run on their interval."""
+are weighted, added and logged; a frozen teacher drives a distillation loss; hooks run on
+their interval."""
 
 import json
 
@@ -11,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from ember.core.checkpoint import CheckpointManager
 from ember.core.errors import ConfigError, EmberError
 from ember.core.sharding import MeshConfig, make_mesh
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
@@ -214,3 +216,42 @@ def test_auxiliary_loss_weights_must_match_the_losses_the_model_returns(tmp_path
 
 def test_non_finite_loss_error_is_an_ember_error():
     assert issubclass(NonFiniteLossError, EmberError)
+
+
+class Distillation(Regression):
+    """The student regresses onto a frozen teacher's outputs (a wider single-layer model)."""
+
+    teacher = nn.Dense(2)
+
+    def teacher_params(self):
+        return self.teacher.init(jax.random.key(11), jnp.zeros((1, 4)))["params"]
+
+    def loss(self, params, batch, *, rng, teacher):
+        target = self.teacher.apply({"params": teacher}, batch["x"])
+        prediction = self.model.apply({"params": params}, batch["x"])
+        return LossTerms(jnp.sum((prediction - target) ** 2), jnp.float32(batch["x"].shape[0]))
+
+
+def test_frozen_teacher_outputs_drive_the_loss_and_are_never_trained(tmp_path):
+    task = Distillation()
+    sgd = OptimConfig(name="sgd", lr=0.05, momentum=0.0, weight_decay=0.0, clip_norm=0.0,
+                      schedule=ScheduleConfig(kind="constant"))
+    trainer = make_trainer(task, tmp_path / "distill", steps=1, optim=sgd)
+    initial = jax.tree.map(np.asarray, trainer.state.params)
+    trainer.train()
+    teacher, batch = task.teacher_params(), RegressionBatches().next()
+
+    def loss_fn(params):
+        target = task.teacher.apply({"params": teacher}, batch["x"])
+        return jnp.mean(jnp.sum((task.model.apply({"params": params}, batch["x"]) - target) ** 2, axis=-1))
+
+    loss, grads = jax.value_and_grad(loss_fn)(initial)
+    assert_allclose(logged(tmp_path / "distill")[1]["loss"], float(loss), dtype=np.float32)
+    expected = jax.tree.map(lambda p, g: p - 0.05 * g, initial, grads)
+    for a, b in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(expected)):
+        assert_allclose(np.asarray(a), np.asarray(b), dtype=np.float32)
+    for a, b in zip(jax.tree.leaves(trainer.teacher), jax.tree.leaves(teacher)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The checkpoint holds the student's state only.
+    saved = CheckpointManager(tmp_path / "distill" / "checkpoints").state_metadata()
+    assert sorted(saved) == ["opt_state", "params", "step"]
