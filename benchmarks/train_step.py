@@ -156,7 +156,7 @@ def measure_frozen(name: str, config: ModelConfig, batch_size: int, seq_len: int
     """The step with ``fraction`` of the parameters frozen against the full step."""
     model = DecoderLM(config)
     batch = random_batch(jax.random.key(0), config, batch_size, seq_len)
-    abstract = jax.eval_shape(lambda k: model.init(k, batch["tokens"][:1])["params"], jax.random.key(0))
+    abstract = unbox(jax.eval_shape(lambda k: model.init(k, batch["tokens"][:1])["params"], jax.random.key(0)))
     mask, frozen = frozen_mask(abstract, fraction)
     full = ember_step_timing(model, config, batch, None, repeats)
     partial = ember_step_timing(model, config, batch, mask, repeats)
