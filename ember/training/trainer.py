@@ -109,12 +109,6 @@ class Trainer:
         self.checkpoint_config, self.logging = checkpoint or CheckpointConfig(), logging or LoggingConfig()
         self.run_dir, self.mesh, self.rules = Path(run_dir), mesh or make_mesh(), rules
         self.is_main = jax.process_index() == 0
-        self.manager = CheckpointManager(self.run_dir / "checkpoints", max_to_keep=self.checkpoint_config.keep,
-                                         async_save=self.checkpoint_config.async_save)
-        if self.manager.latest_step() is not None and not resume:
-            self.manager.close()
-            raise ConfigError(f"run_dir {self.run_dir} already holds checkpoints; pass --resume to continue it, "
-                              "or choose another run_dir", key="run_dir")
         self.tx = make_optimizer(self.optim, self.loop.steps)
         self.schedule = make_schedule(self.optim, self.loop.steps)
         boxed, self.state_shardings, self.mask = self._abstract_state(task)
@@ -123,6 +117,12 @@ class Trainer:
         self._step_fn = self._jit_step(teacher_shardings)
         self._eval_fn = jax.jit(functools.partial(eval_step, loss_fn=task.loss),
                                 in_shardings=(self.state_shardings.params, None, teacher_shardings))
+        self.manager = CheckpointManager(self.run_dir / "checkpoints", max_to_keep=self.checkpoint_config.keep,
+                                         async_save=self.checkpoint_config.async_save)
+        if self.manager.latest_step() is not None and not resume:
+            self.manager.close()
+            raise ConfigError(f"run_dir {self.run_dir} already holds checkpoints; pass --resume to continue it, "
+                              "or choose another run_dir", key="run_dir")
         self.state = self._restore(boxed) if resume and self.manager.latest_step() is not None else self._init(boxed)
         self.last_metrics: dict[str, float] = {}
         self.results: dict[str, Any] = {}

@@ -81,9 +81,9 @@ def test_two_processes_train_like_one_and_resume_after_kill_9_on_a_new_port(tmp_
     assert single.wait(timeout=300) == 0, single.stdout.read()
 
     def workers(port, *flags):
-        return [ember_train(config_path, f"run_dir={tmp_path / 'multi'}", *flags,
+        return [ember_train(config_path, f"run_dir={tmp_path / 'multi'}",
                             f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-                            f"distributed.process_id={process_id}", devices=2)
+                            f"distributed.process_id={process_id}", *flags, devices=2)
                 for process_id in range(2)]
 
     killed = workers(free_port())
