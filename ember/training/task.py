@@ -113,7 +113,8 @@ def apply_with_aux(model: nn.Module, params: Any, *args: Any, **kwargs: Any) -> 
     each name's sown values summed (``{}`` when it sowed none)."""
     output, state = model.apply({"params": params}, *args, mutable=[AUX_COLLECTION], **kwargs)
     sown = state.get(AUX_COLLECTION, {})
-    return output, {name: sum(jnp.asarray(v, jnp.float32) for v in values) for name, values in _sown_by_name(sown).items()}
+    by_name = _sown_by_name(sown)
+    return output, {name: sum(jnp.asarray(v, jnp.float32) for v in values) for name, values in by_name.items()}
 
 
 def _sown_by_name(tree: dict) -> dict[str, list]:

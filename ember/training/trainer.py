@@ -178,7 +178,8 @@ class Trainer:
     def _init(self, boxed: TrainState) -> TrainState:
         # Initialisation needs no activation constraints: out_shardings place the state.
         make_state = functools.partial(init_state, init_params=self.task.init_params, tx=self.tx, mask=self.mask)
-        return jax.jit(lambda key: unbox(make_state(key)), out_shardings=self.state_shardings)(jax.random.key(self.seed))
+        place = jax.jit(lambda key: unbox(make_state(key)), out_shardings=self.state_shardings)
+        return place(jax.random.key(self.seed))
 
     def _restore(self, boxed: TrainState) -> TrainState:
         """The last checkpoint placed on this mesh (converted when its param layout differs)."""

@@ -54,7 +54,8 @@ class TrainLoopConfig(LoopConfig):
         super().__post_init__()
         for name in ("batch_size", "seq_len"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}", key=f"train.{name}")
+                raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}",
+                                  key=f"train.{name}")
         if self.eval_batches < 0:
             raise ConfigError(f"train.eval_batches must be >= 0, got {self.eval_batches}", key="train.eval_batches")
         if self.batch_size % self.grad_accum:
