@@ -5,6 +5,7 @@
         ...
     restored = CheckpointManager(run_dir / "checkpoints").restore(target=abstract_state)
     restored.step, restored.state, restored.extra
+    params = CheckpointManager(run_dir / "checkpoints").restore_part("params")  # reads params only
 
 What it guarantees:
 
@@ -15,6 +16,8 @@ What it guarantees:
   ``jax.ShapeDtypeStruct``s with a ``sharding``: a checkpoint written on one mesh loads onto
   another (or onto one device) without materialising the tree twice. Without a target, the
   tree is restored onto the default device with the saved shapes and dtypes.
+- **Partial reads.** :meth:`CheckpointManager.restore_part` reads one entry of a saved
+  dict (a run's ``params``, not its optimizer moments): only that entry's arrays are read.
 - **Typed PRNG keys** (``jax.random.key``) round-trip: they are saved as their key data.
 """
 
@@ -86,13 +89,7 @@ class CheckpointManager:
         Raises:
           FileNotFoundError: when the directory holds no complete checkpoint, or not ``step``.
         """
-        self.wait()
-        steps = self.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        step = steps[-1] if step is None else int(step)
-        if step not in steps:
-            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available steps: {steps}")
+        step = self._resolve_step(step)
         abstract = self._abstract_target(step, target)
         restored = self._manager.restore(
             step,
@@ -102,6 +99,39 @@ class CheckpointManager:
         if target is not None:
             state = _data_to_keys(state, target)
         return RestoredCheckpoint(step=step, state=state, extra=dict(restored[_EXTRA] or {}))
+
+    def restore_part(self, part: str, step: int | None = None, *, target: Any = None) -> Any:
+        """Restores only entry ``part`` of a saved state that is a dict (or a struct saved as
+        one, such as a train state's ``params``); the other entries are never read.
+
+        Args:
+          part: the top-level key to read.
+          step: which step; ``None`` for the latest.
+          target: like :meth:`restore`'s, for the entry alone; ``None`` restores onto the
+            default device with the saved shapes and dtypes.
+
+        Raises:
+          FileNotFoundError: no complete checkpoint, or not ``step``.
+          KeyError: the saved state has no entry ``part``.
+        """
+        step = self._resolve_step(step)
+        saved = self._manager.item_metadata(step)[_STATE]
+        if part not in saved:
+            raise KeyError(f"the checkpoint at step {step} in {self.directory} has no {part!r} entry "
+                           f"(it has {', '.join(sorted(saved))})")
+        item = {part: jax.tree.map(_abstract_leaf, target) if target is not None else _on_default_device(saved[part])}
+        restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding)
+                                    if getattr(leaf, "sharding", None) is not None else ocp.RestoreArgs(), item)
+        restored = ocp.PyTreeCheckpointer().restore(
+            self.directory / str(step) / _STATE,
+            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+        )[part]
+        return _data_to_keys(restored, target) if target is not None else restored
+
+    def state_metadata(self, step: int | None = None) -> Any:
+        """The saved state's tree of array metadata (``.shape``, ``.dtype``) at ``step``
+        (default: the latest), read without loading any array."""
+        return self._manager.item_metadata(self._resolve_step(step))[_STATE]
 
     def latest_step(self) -> int | None:
         """The newest complete step, or ``None``."""
@@ -125,15 +155,29 @@ class CheckpointManager:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def _resolve_step(self, step: int | None) -> int:
+        """``step`` (default: the latest), after pending saves; raises if it is not complete."""
+        self.wait()
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        step = steps[-1] if step is None else int(step)
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available steps: {steps}")
+        return step
+
     def _abstract_target(self, step: int, target: Any) -> Any:
         if target is not None:
             return jax.tree.map(_abstract_leaf, target)
-        metadata = self._manager.item_metadata(step)[_STATE]
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m,
-            metadata,
-        )
+        return _on_default_device(self._manager.item_metadata(step)[_STATE])
+
+
+def _on_default_device(metadata: Any) -> Any:
+    """``ShapeDtypeStruct``s on the default device for a tree of saved array metadata."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m, metadata
+    )
 
 
 def abstract_with_shardings(tree: Any, shardings: Any) -> Any:

@@ -1,5 +1,9 @@
 """``ModelConfig``: the frozen description of a decoder-only language model.
 
+A config holds the **architecture** (what the parameters mean) and a few **runtime**
+settings (:data:`RUNTIME_FIELDS`: kernel ``attention_impl``, ``remat``, ``scan_layers``,
+``page_size``, compute ``precision``) that a checkpoint does not depend on.
+
 One config builds the model (``DecoderLM(config)``), its cache (``init_cache_layers``), its
 FLOPs estimate and its Hugging Face mapping. Presets live in ``configs/models/*.yaml``:
 
@@ -34,6 +38,10 @@ ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
 SCORE_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 FEATURE_MAPS: tuple[str, ...] = ("elu", "relu", "hedgehog")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
+RUNTIME_FIELDS: frozenset[str] = frozenset({"attention_impl", "remat", "scan_layers", "page_size", "precision"})
+"""Fields that say how a process runs the model, not what its parameters mean: a checkpoint
+may be resumed or served with any of them changed (``precision`` only while its parameter
+dtype stays the same; see :meth:`ModelConfig.architecture`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +217,19 @@ class ModelConfig:
     def policy(self) -> Precision:
         return Precision.from_string(self.precision)
 
+    def architecture(self) -> dict[str, object]:
+        """What the parameters mean: every field except :data:`RUNTIME_FIELDS`, plus
+        ``precision`` reduced to the parameter dtype (compute/output dtypes are runtime).
+        Two configs with equal architectures load each other's checkpoints."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in RUNTIME_FIELDS}
+        fields["rope"] = dataclasses.asdict(self.rope)
+        fields["precision"] = f"params={self.policy.param_dtype.name}"
+        return fields
+
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}", key=name)
 
 
-__all__ = ["FEATURE_MAPS", "LAYER_KINDS", "MLP_KINDS", "ModelConfig", "RopeConfig", "SOFTMAX_FAMILY"]
+__all__ = ["FEATURE_MAPS", "LAYER_KINDS", "MLP_KINDS", "RUNTIME_FIELDS", "SOFTMAX_FAMILY", "ModelConfig", "RopeConfig"]

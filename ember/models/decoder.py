@@ -10,7 +10,8 @@ group ``i // P``. With ``scan_layers`` the groups are one ``nn.scan`` (parameter
 ``params["layers"]["block_<j>"]`` with a leading ``[groups]`` axis, logical name
 ``layers``), so compile time does not grow with depth; otherwise ``params["group_<g>"]
 ["block_<j>"]``. :func:`layers_to_list` / :func:`layers_from_list` convert either layout
-to a per-layer list (checkpoint conversion, LoRA surgery).
+to a per-layer list (checkpoint conversion, LoRA surgery); :func:`convert_layer_layout`
+moves params and optimizer state between the layouts (``scan_layers`` is a runtime setting).
 """
 
 from __future__ import annotations
@@ -236,3 +237,35 @@ def layers_from_list(config: ModelConfig, layers: list[dict[str, Any]]) -> dict[
         container, _, block = layer_location(config, layer)
         result.setdefault(container, {})[block] = tree
     return result
+
+
+def _holds_layers(node: Any) -> bool:
+    return isinstance(node, dict) and any(key == "layers" or key.startswith("group_") for key in node)
+
+
+def saved_scan_layers(params: Any) -> bool:
+    """Whether a parameter tree (or its checkpoint metadata) has the scanned layer layout."""
+    return "layers" in params
+
+
+def convert_layer_layout(tree: Any, source: ModelConfig, target: ModelConfig) -> Any:
+    """``tree`` with every parameter-shaped dict in it (the params, and the optimizer moments
+    mirroring them) moved from ``source.scan_layers``'s layer layout to ``target``'s.
+
+    Raises:
+      ValueError: a parameter-shaped dict holds only some layers (a trainable mask that picks
+        individual layers), which has no stacked equivalent.
+    """
+
+    def convert(node):
+        if not _holds_layers(node):
+            return node
+        rest = {key: value for key, value in node.items() if key != "layers" and not key.startswith("group_")}
+        try:
+            layers = layers_to_list(source, node)
+        except (KeyError, IndexError):
+            raise ValueError("cannot change scan_layers for a tree that holds only some of the layers (a trainable "
+                             "mask that selects individual layers); keep scan_layers as the run started") from None
+        return {**rest, **layers_from_list(target, layers)}
+
+    return jax.tree.map(convert, tree, is_leaf=_holds_layers)

@@ -1,8 +1,9 @@
 """Finds the model to serve at a path: an Ember LM run directory or a Hugging Face directory.
 
 - Ember run directory: ``config.yaml`` whose ``model:`` section is a ``ModelConfig`` and
-  ``checkpoints/`` (``ember.core.checkpoint``) whose state has a ``params`` entry; the
-  tokenizer is Ember's byte tokenizer.
+  ``checkpoints/`` (``ember.core.checkpoint``) whose state has a ``params`` entry. Only the
+  params are read (never the optimizer state), in whichever layer layout they were saved
+  and converted to the config's ``scan_layers``; the tokenizer is Ember's byte tokenizer.
 - Hugging Face directory: ``config.json`` + safetensors, read by ``ember.models.hf``; its
   tokenizer comes from ``transformers`` when that is installed and the directory has one.
 """
@@ -21,6 +22,7 @@ from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, read_key
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
+from ember.models.decoder import convert_layer_layout, saved_scan_layers
 
 
 @dataclasses.dataclass
@@ -50,10 +52,13 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
     if section is None:
         raise ValueError(f"{path / 'config.yaml'} has no model: section")
     config = dataclasses.replace(load_config(ModelConfig, section), **config_overrides)
-    state = CheckpointManager(path / "checkpoints").restore(step).state
-    if "params" not in state:
-        raise ValueError(f"the checkpoint in {path / 'checkpoints'} has no params entry (found {sorted(state)})")
-    params = jax.tree.map(jnp.asarray, state["params"])
+    try:
+        params = CheckpointManager(path / "checkpoints").restore_part("params", step)
+    except KeyError as error:
+        raise ValueError(error.args[0]) from None
+    saved_scan = saved_scan_layers(params)
+    if saved_scan != config.scan_layers:
+        params = convert_layer_layout(params, dataclasses.replace(config, scan_layers=saved_scan), config)
     tokenizer = ByteTokenizer()
     return LoadedModel(config, params, tokenizer, tokenizer.eos_id)
 

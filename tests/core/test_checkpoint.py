@@ -159,3 +159,22 @@ def test_kill_during_save_keeps_previous_step(tmp_path):
     manager.wait()
     assert manager.all_steps() == [1, 2]
     manager.close()
+
+
+def test_restore_part_reads_one_entry_onto_a_target_sharding(tmp_path, rng):
+    state = make_state(rng)
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(4, state)
+    manager = CheckpointManager(tmp_path / "ckpt")
+    params = manager.restore_part("params")
+    assert_trees_equal(params, state["params"])
+    mesh = make_mesh(MeshConfig(data=8))
+    sharding = named_sharding(mesh, ("batch", None))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                          if x.ndim == 2 else x, state["params"])
+    placed = manager.restore_part("params", 4, target=target)
+    assert placed["embed"].sharding == sharding
+    assert_trees_equal(placed, state["params"])
+    assert sorted(manager.state_metadata()) == ["opt_state", "params", "rng", "step"]
+    with pytest.raises(KeyError, match="has no 'moments' entry"):
+        manager.restore_part("moments")

@@ -2,12 +2,7 @@
 two-process data parallelism, early config errors, NaN handling, learning on real text."""
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -18,43 +13,18 @@ from ember.cli import main
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import from_yaml, load_config
 from ember.core.errors import ConfigError
-from ember.training.data import prepare_token_files, stdlib_documents
 from ember.training.lm.config import LMConfig
 from ember.training.lm.trainer import NonFiniteLossError, train
 from tests.tolerances import assert_allclose
-
-REPO = Path(__file__).resolve().parents[2]
-
-# A 2-layer, width-64 byte model: small enough that a step compiles and runs in seconds.
-SMALL = [
-    "model.vocab_size=384", "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=128",
-    "model.max_seq_len=64", "model.attention_impl=xla",
-    "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=0",
-    "optim.lr=3e-3", "checkpoint.every=1000", "logging.progress=false", "logging.tensorboard=false",
-    "sample.prompts=[]",
-]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """A small prepared dataset of real Python source (the first stdlib files)."""
-    directory = tmp_path_factory.mktemp("data")
-    documents = []
-    for name, text in stdlib_documents():
-        documents.append((name, text))
-        if sum(len(t) for _, t in documents) > 400_000:
-            break
-    prepare_token_files(documents, directory, val_fraction=0.1)
-    return directory
-
-
-def small_config(tmp_path, dataset, *overrides):
-    return load_config(LMConfig, None, [*SMALL, f"data.dataset={dataset}", f"run_dir={tmp_path / 'run'}", *overrides])
-
-
-def read_metrics(run_dir):
-    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {entry["step"]: entry for entry in lines if "loss" in entry}
+from tests.training.lm_runs import (
+    REPO,
+    ember_train,
+    free_port,
+    read_metrics,
+    small_config,
+    wait_for_logged_steps,
+    write_config,
+)
 
 
 @pytest.mark.slow
@@ -78,23 +48,6 @@ def test_loss_is_the_same_on_every_mesh_and_with_grad_accumulation(tmp_path, dat
         assert_allclose(curve, losses["data 8x1x1"], dtype=np.float32, scale=20, err_msg=name)
 
 
-def write_config(tmp_path, dataset, *overrides):
-    config = small_config(tmp_path, dataset, *overrides)
-    path = tmp_path / "config.yaml"
-    from ember.core.config import to_yaml
-
-    path.write_text(to_yaml(config))
-    return path
-
-
-def ember_train(*args, devices=2):
-    """``ember train ARGS`` in a subprocess with ``devices`` host CPU devices."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.Popen([sys.executable, "-m", "ember", "train", *map(str, args)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
 @pytest.mark.slow
 def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, dataset):
     config_path = write_config(tmp_path, dataset, "train.steps=14", "checkpoint.every=3", "mesh.data=2",
@@ -102,13 +55,8 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, dataset):
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     reference = ember_train(config_path, f"run_dir={reference_dir}")
     killed = ember_train(config_path, f"run_dir={killed_dir}")
-    kill_after = int(np.random.default_rng(int(time.time())).integers(4, 11))  # a random step past a checkpoint
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        metrics_file = killed_dir / "metrics.jsonl"
-        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= kill_after:
-            break
-        time.sleep(0.02)
+    kill_after = int(np.random.default_rng(1234).integers(4, 11))  # a fixed draw past a checkpoint
+    wait_for_logged_steps(killed_dir, kill_after)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     assert reference.wait(timeout=300) == 0, reference.stdout.read()
@@ -124,26 +72,31 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, dataset):
         assert got[step]["loss"] == expected[step]["loss"], f"step {step}"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_two_processes_train_data_parallel_like_one(tmp_path, dataset):
-    config_path = write_config(tmp_path, dataset, "train.steps=6", "mesh.data=-1", "checkpoint.async_save=false")
+def test_two_processes_train_like_one_and_resume_after_kill_9_on_a_new_port(tmp_path, dataset):
+    config_path = write_config(tmp_path, dataset, "train.steps=6", "mesh.data=-1", "checkpoint.async_save=false",
+                               "checkpoint.every=2")
     # One process with 4 devices against two processes with 2 devices each: the same mesh size.
     single = ember_train(config_path, f"run_dir={tmp_path / 'single'}", devices=4)
     assert single.wait(timeout=300) == 0, single.stdout.read()
-    port = free_port()
-    workers = [
-        ember_train(config_path, f"run_dir={tmp_path / 'multi'}", f"distributed.coordinator_address=127.0.0.1:{port}",
-                    "distributed.num_processes=2", f"distributed.process_id={process_id}", devices=2)
-        for process_id in range(2)
-    ]
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
-    assert all(w.returncode == 0 for w in workers), outputs
+
+    def workers(port, *flags):
+        return [ember_train(config_path, f"run_dir={tmp_path / 'multi'}",
+                            f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                            f"distributed.process_id={process_id}", *flags, devices=2)
+                for process_id in range(2)]
+
+    killed = workers(free_port())
+    wait_for_logged_steps(tmp_path / "multi", 3)
+    for worker in killed:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=60)
+    saved = CheckpointManager(tmp_path / "multi" / "checkpoints").all_steps()
+    assert saved and max(saved) < 6, f"the kill should leave a partial run, found checkpoints {saved}"
+    # Rank 1 resumes against rank 0's config.yaml (process_id 0) and both meet on another port.
+    resumed = workers(free_port(), "--resume")
+    outputs = [w.communicate(timeout=300)[0] for w in resumed]
+    assert all(w.returncode == 0 for w in resumed), outputs
     a = CheckpointManager(tmp_path / "single" / "checkpoints").restore()
     b = CheckpointManager(tmp_path / "multi" / "checkpoints").restore()
     assert a.step == b.step == 6
@@ -225,12 +178,7 @@ def test_sigterm_saves_a_checkpoint_then_exits_cleanly(tmp_path, dataset):
     config_path = write_config(tmp_path, dataset, "train.steps=100000", "checkpoint.every=100000", "mesh.data=2")
     run_dir = tmp_path / "terminated"
     process = ember_train(config_path, f"run_dir={run_dir}")
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        metrics_file = run_dir / "metrics.jsonl"
-        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
+    wait_for_logged_steps(run_dir, 3)
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=120)[0]
     assert process.returncode == 0, output

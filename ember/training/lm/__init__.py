@@ -1,2 +1,2 @@
-"""The language-model trainer: config schema, pure train/eval steps, the training loop and
-end-of-run sampling. ``ember train configs/lm/tiny.yaml`` runs it."""
+"""The language-model kind: config schema, the LM task (model, loss, data, samples) and its
+entry point. ``ember train configs/lm/tiny.yaml`` runs it through ``ember.training.trainer``."""

@@ -8,20 +8,28 @@
     mesh: {data: -1}
 
 Every section is a frozen dataclass, so unknown keys and wrong types fail at load time with
-the key path, before anything compiles.
+the key path, before anything compiles. :meth:`LMConfig.identity` is what a run directory
+is bound to; the rest (``RUNTIME_KEYS``, the model's ``RUNTIME_FIELDS``) may change on resume.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
 from ember.models.config import ModelConfig
+from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.optimizers import OptimConfig
 
-NAN_POLICIES = ("stop", "skip")
+RUNTIME_KEYS: tuple[str, ...] = (
+    "run_dir", "mesh", "sharding", "distributed", "logging", "checkpoint", "sample",
+    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.grad_accum",
+)
+"""Keys (and sections) that say how this process runs the experiment, not what it is: a run
+resumes with any of them changed; so may the model's ``ember.models.config.RUNTIME_FIELDS``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,22 +42,20 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainLoopConfig:
-    """``batch_size`` is global (all processes) and split into ``grad_accum`` micro-batches."""
+class TrainLoopConfig(LoopConfig):
+    """The loop (see ``LoopConfig``) and the batch: ``batch_size`` is global (all processes)
+    and split into ``grad_accum`` micro-batches; ``eval_batches`` validation batches per eval."""
 
-    steps: int = 1000
     batch_size: int = 16
     seq_len: int = 256
-    grad_accum: int = 1
-    log_every: int = 10
-    eval_every: int = 100
     eval_batches: int = 4
-    on_nan: str = "stop"
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every"):
+        super().__post_init__()
+        for name in ("batch_size", "seq_len"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}", key=f"train.{name}")
+                raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}",
+                                  key=f"train.{name}")
         if self.eval_batches < 0:
             raise ConfigError(f"train.eval_batches must be >= 0, got {self.eval_batches}", key="train.eval_batches")
         if self.batch_size % self.grad_accum:
@@ -57,28 +63,6 @@ class TrainLoopConfig:
                 f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum ({self.grad_accum})",
                 key="train.grad_accum",
             )
-        if self.on_nan not in NAN_POLICIES:
-            raise ConfigError(f"train.on_nan must be one of {', '.join(NAN_POLICIES)}, got {self.on_nan!r}",
-                              key="train.on_nan")
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    """``every``: save period in steps (a final save always happens); ``keep``: newest N kept."""
-
-    every: int = 200
-    keep: int = 3
-    async_save: bool = True
-
-    def __post_init__(self):
-        if self.every < 1 or self.keep < 1:
-            raise ConfigError("checkpoint.every and checkpoint.keep must be positive", key="checkpoint.every")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoggingConfig:
-    progress: bool = True
-    tensorboard: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,3 +110,22 @@ class LMConfig:
                 f"train.seq_len ({self.train.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})",
                 key="train.seq_len",
             )
+
+    def identity(self) -> dict[str, Any]:
+        """The flattened ``key: value`` pairs that define the run (what must not change on
+        resume): everything but ``RUNTIME_KEYS``, with the model reduced to its architecture."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["model"] = self.model.architecture()
+        flat = flatten_keys({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in data.items()})
+        return {k: v for k, v in flat.items() if not any(k == r or k.startswith(r + ".") for r in RUNTIME_KEYS)}
+
+
+def flatten_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": {}}`` -> ``{"a.b": 1}`` (an empty dict adds no key)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten_keys(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

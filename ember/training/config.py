@@ -1,0 +1,65 @@
+"""Config sections every task's trainer shares: the loop, checkpoints and logging.
+
+A task's experiment config embeds them (the LM's ``train:`` section extends
+:class:`LoopConfig` with its batch shape). All are frozen dataclasses validated on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ember.core.errors import ConfigError
+
+NAN_POLICIES = ("stop", "skip")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """The training loop.
+
+    ``grad_accum``: micro-batches per step (exact, weighted by each micro-batch's loss count).
+    ``on_nan``: ``stop`` raises on a non-finite loss; ``skip`` leaves the state unchanged.
+    ``aux_loss_weights``: ``{name: weight}`` for every auxiliary loss the model returns or sows
+    (``0`` logs it without training on it). ``freeze``: regular expressions searched in the
+    ``/``-joined parameter paths (``layers/block_0/attn/q/kernel``); matching parameters are
+    frozen (no gradient, no optimizer state).
+    """
+
+    steps: int = 1000
+    grad_accum: int = 1
+    log_every: int = 10
+    eval_every: int = 100
+    on_nan: str = "stop"
+    aux_loss_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    freeze: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("steps", "grad_accum", "log_every", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}",
+                                  key=f"train.{name}")
+        if self.on_nan not in NAN_POLICIES:
+            raise ConfigError(f"train.on_nan must be one of {', '.join(NAN_POLICIES)}, got {self.on_nan!r}",
+                              key="train.on_nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """``every``: save period in steps (a final save always happens); ``keep``: newest N kept."""
+
+    every: int = 200
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        if self.every < 1 or self.keep < 1:
+            raise ConfigError("checkpoint.every and checkpoint.keep must be positive", key="checkpoint.every")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    progress: bool = True
+    tensorboard: bool = True
+
+
+__all__ = ["NAN_POLICIES", "CheckpointConfig", "LoggingConfig", "LoopConfig"]

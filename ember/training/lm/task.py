@@ -1,0 +1,110 @@
+"""Pretraining the decoder LM as a trainer task: ``DecoderLM``, next-token cross-entropy (plus
+any auxiliary losses the model sows), packed token batches, validation, end-of-run samples.
+
+    task = LMTask(config)                       # config: LMConfig
+    Trainer(task, loop=config.train, ...).train()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ember.core.errors import ConfigError
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM, convert_layer_layout, saved_scan_layers
+from ember.models.flops import flops_per_token
+from ember.training.data import PackedBatches, TokenDataset, stdlib_corpus_dir
+from ember.training.lm.config import LMConfig
+from ember.training.lm.sampling import sample_text
+from ember.training.task import LossTerms, Task, apply_with_aux, next_token_loss
+
+BATCH_AXES = ("batch", "seq")
+"""Every LM batch leaf is ``[batch, seq_len]``: ``tokens``, ``targets``, ``segment_ids``,
+``positions`` (int32) and ``loss_mask`` (float32)."""
+
+
+def lm_loss(params: Any, batch: dict[str, jax.Array], *, model: DecoderLM, **_: Any) -> LossTerms:
+    """Next-token cross-entropy of a packed batch (sum and token count) plus the auxiliary
+    losses the model sows; ignores the trainer's ``rng`` and ``teacher``."""
+    (logits, _), aux = apply_with_aux(model, params, batch["tokens"], positions=batch["positions"],
+                                      segment_ids=batch["segment_ids"])
+    loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])
+    return LossTerms(loss_sum, count, aux)
+
+
+class LMTask(Task):
+    """The ``lm`` kind's task. ``dataset`` defaults to the one ``config.data`` names."""
+
+    batch_axes = BATCH_AXES
+    count_name = "tokens"
+
+    def __init__(self, config: LMConfig, dataset: TokenDataset | None = None):
+        self.config = config
+        self.dataset = dataset or TokenDataset.open(
+            stdlib_corpus_dir() if config.data.dataset == "stdlib" else config.data.dataset)
+        if config.model.vocab_size < self.dataset.tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) is smaller than the dataset's tokenizer "
+                              f"vocabulary ({self.dataset.tokenizer.vocab_size})", key="model.vocab_size")
+        self.model = DecoderLM(config.model)
+
+    def init_params(self, rng: jax.Array) -> Any:
+        seq_len = self.config.train.seq_len
+        tokens = jnp.zeros((1, seq_len), jnp.int32)
+        return self.model.init(rng, tokens, positions=jnp.arange(seq_len, dtype=jnp.int32)[None])["params"]
+
+    def loss(self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any) -> LossTerms:
+        return lm_loss(params, batch, model=self.model)
+
+    def _batches(self, stream, **kwargs) -> PackedBatches:
+        return PackedBatches(stream, seq_len=self.config.train.seq_len, global_batch=self.config.train.batch_size,
+                             eos_id=self.dataset.tokenizer.eos_id, process_index=jax.process_index(),
+                             process_count=jax.process_count(), **kwargs)
+
+    def train_data(self) -> PackedBatches:
+        return self._batches(self.dataset.train, seed=self.config.data.seed)
+
+    def eval_data(self) -> Iterator[dict] | None:
+        """The first ``train.eval_batches`` validation batches, fixed and in order."""
+        if self.config.train.eval_batches == 0 or len(self.dataset.val) <= self.config.train.seq_len:
+            return None
+        batches = self._batches(self.dataset.val, shuffle=False)
+        return (batches.next() for _ in range(self.config.train.eval_batches))
+
+    def work_per_step(self) -> dict[str, float]:
+        tokens = self.config.train.batch_size * self.config.train.seq_len
+        return {"tokens": tokens, "flops": flops_per_token(self.config.model, self.config.train.seq_len) * tokens}
+
+    def add_hooks(self, trainer) -> None:
+        if self.config.sample.prompts and trainer.is_main:
+            trainer.add_hook(self._sample, on_last=True)
+
+    def _sample(self, info) -> None:
+        """Continues ``sample.prompts`` with the final model: ``samples.txt`` and the summary."""
+        prompts = self.config.sample.prompts
+        samples = sample_text(self.model, info.state.params, self.dataset.tokenizer, self.config.sample)
+        (info.trainer.run_dir / "samples.txt").write_text(
+            "".join(f"--- {p!r}\n{p}{s}\n" for p, s in zip(prompts, samples)))
+        info.trainer.results["samples"] = samples
+
+    def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:
+        """A checkpoint written with the other ``scan_layers`` (a runtime setting) is read in
+        its own layout and converted, optimizer moments included."""
+        saved_scan = saved_scan_layers(saved_params)
+        if saved_scan == self.config.model.scan_layers:
+            return None
+        saved_model = dataclasses.replace(self.config.model, scan_layers=saved_scan)
+        saved_task = _with_model(self, saved_model)
+        return saved_task, lambda state: convert_layer_layout(state, saved_model, self.config.model)
+
+
+def _with_model(task: LMTask, model: ModelConfig) -> LMTask:
+    """``task`` with another model config, sharing its dataset."""
+    return LMTask(dataclasses.replace(task.config, model=model), task.dataset)
+
+
+__all__ = ["BATCH_AXES", "LMTask", "lm_loss"]

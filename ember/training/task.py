@@ -1,0 +1,140 @@
+"""What a task gives the trainer: the model, the loss, the data, the trainable mask, a teacher.
+
+    class Regression(Task):
+        model = MyFlaxModule()
+        def init_params(self, rng):            return self.model.init(rng, x0)["params"]
+        def loss(self, params, batch, *, rng, teacher):
+            error = self.model.apply({"params": params}, batch["x"]) - batch["y"]
+            return LossTerms(jnp.sum(error ** 2), jnp.float32(error.size))
+        def train_data(self):                  return MyBatches()   # next(), state(), restore()
+
+    Trainer(Regression(), ...).train()
+
+Pretraining the decoder LM is one task (``ember.training.lm.task.LMTask``). The loss
+returns *sums* and a count so gradient accumulation is exact; auxiliary losses (MoE
+balance, ...) come back by name in ``LossTerms.aux`` (see :func:`apply_with_aux` for the
+ones a model sows) and the trainer weights them with ``train.aux_loss_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+if TYPE_CHECKING:
+    from ember.training.trainer import Trainer
+
+Batch = Any
+"""A pytree of host arrays whose leading axis is the (process-local) batch."""
+AUX_COLLECTION = "losses"
+"""The Linen collection auxiliary losses are sown into: ``self.sow("losses", "balance", value)``."""
+
+
+class LossTerms(NamedTuple):
+    """One (micro-)batch's loss: ``loss_sum / count`` is its mean. ``aux``: scalar auxiliary
+    losses by name, each already a mean over this batch."""
+
+    loss_sum: jax.Array
+    count: jax.Array
+    aux: Mapping[str, jax.Array] = MappingProxyType({})
+
+
+class BatchIterator(Protocol):
+    """Training data: an endless iterator whose position can be saved and restored, so a
+    resumed run sees the same batches."""
+
+    def next(self) -> Batch: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+
+class Task:
+    """Base class of a trainer task; override what your task needs (see the module docstring).
+
+    Required: ``model``, :meth:`init_params`, :meth:`loss`, :meth:`train_data`.
+    """
+
+    model: nn.Module
+    batch_axes: tuple[str | None, ...] = ("batch",)
+    """Logical axes of every batch leaf's leading dimensions (the rest are replicated)."""
+    count_name: str = "count"
+    """The metric name of ``LossTerms.count`` summed over a step (the LM says ``tokens``)."""
+
+    def init_params(self, rng: jax.Array) -> Any:
+        """Fresh parameters (they may carry ``nn.with_logical_partitioning`` boxes)."""
+        raise NotImplementedError
+
+    def loss(self, params: Any, batch: Batch, *, rng: jax.Array, teacher: Any) -> LossTerms:
+        """The loss of one micro-batch; ``teacher`` is :meth:`teacher_params` (or None)."""
+        raise NotImplementedError
+
+    def train_data(self) -> BatchIterator:
+        raise NotImplementedError
+
+    def eval_data(self) -> Iterable[Batch] | None:
+        """A fresh, finite iterable of validation batches (``None``: no evaluation)."""
+        return None
+
+    def trainable(self, params: Any) -> Any | None:
+        """A mask of the parameters to train (see ``ember.training.trainable``); ``None`` trains all.
+        ``train.freeze`` patterns freeze further parameters on top of it."""
+        return None
+
+    def teacher_params(self) -> Any | None:
+        """A frozen teacher's parameters, passed to :meth:`loss` (distillation); never trained
+        or checkpointed. May carry logical-partitioning boxes for their shardings."""
+        return None
+
+    def work_per_step(self) -> dict[str, float]:
+        """Amounts per optimizer step for throughput metrics: ``tokens`` gives
+        ``tokens_per_second``, ``flops`` gives ``mfu``."""
+        return {}
+
+    def add_hooks(self, trainer: Trainer) -> None:
+        """Registers the task's own periodic work (samples, ...) with ``trainer.add_hook``."""
+
+    def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:
+        """``None`` when a checkpoint whose params look like ``saved_params`` (metadata) loads
+        as is; otherwise ``(task whose params have the saved layout, convert)`` where
+        ``convert(tree)`` maps a train-state tree from that layout to this task's."""
+        return None
+
+
+def apply_with_aux(model: nn.Module, params: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, jax.Array]]:
+    """``model.apply`` that also returns the auxiliary losses it sowed into ``"losses"``,
+    each name's sown values summed (``{}`` when it sowed none)."""
+    output, state = model.apply({"params": params}, *args, mutable=[AUX_COLLECTION], **kwargs)
+    sown = state.get(AUX_COLLECTION, {})
+    by_name = _sown_by_name(sown)
+    return output, {name: sum(jnp.asarray(v, jnp.float32) for v in values) for name, values in by_name.items()}
+
+
+def _sown_by_name(tree: dict) -> dict[str, list]:
+    """Sown tuples keyed by their sow name (the last path element), across modules."""
+    found: dict[str, list] = {}
+    for key, value in tree.items():
+        if isinstance(value, tuple):
+            found.setdefault(key, []).extend(value)
+        else:
+            for name, values in _sown_by_name(value).items():
+                found.setdefault(name, []).extend(values)
+    return found
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum of masked token cross-entropies, number of unmasked tokens)`` in float32 for
+    ``logits [batch, seq, vocab]``, ``targets [batch, seq]`` ints and ``loss_mask [batch, seq]``."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+__all__ = ["AUX_COLLECTION", "Batch", "BatchIterator", "LossTerms", "Task", "apply_with_aux", "next_token_loss"]

@@ -1,0 +1,129 @@
+"""The train and eval steps of every task: pure module-level functions, jitted by the trainer.
+
+Gradient accumulation is exact: each micro-batch contributes the *sum* of its losses and
+their count, and the update uses the totals, so ``grad_accum=4`` gives the gradient of one
+batch four times larger (up to float summation order). An auxiliary loss ``a`` with weight
+``w`` adds ``w * a`` to the objective, ``a`` averaged over micro-batches weighted by their
+counts (with one micro-batch: exactly ``mean loss + w * a``).
+
+Only ``select(params, mask)`` is differentiated and held in the optimizer state; frozen
+parameters are closed-over constants, returned unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from ember.core.errors import ConfigError
+from ember.training.task import LossTerms
+from ember.training.trainable import Mask, merge, select
+
+LossFn = Callable[..., LossTerms]
+"""``loss_fn(params, batch, *, rng, teacher) -> LossTerms`` (a task's ``loss``)."""
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a run checkpoints: the step, all (float32 master) params, and the optimizer
+    state of the trainable ones."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def init_state(rng: jax.Array, *, init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
+               mask: Mask) -> TrainState:
+    """A fresh state. Parameters (and the optimizer moments built from them) keep their
+    ``nn.Partitioned`` logical annotations, so ``nn.get_partition_spec`` of the abstract
+    state gives the shardings; the trainer unboxes after placement."""
+    params = init_params(rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(select(params, mask)))
+
+
+def _micro_batches(batch: Any, accum: int) -> Any:
+    """``[batch, ...]`` -> ``[accum, batch // accum, ...]`` taking rows ``a, a + accum, ...``
+    into micro-batch ``a``, so every device's contiguous rows split evenly (no resharding)."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def _weighted_aux(aux: dict[str, jax.Array], weights: dict[str, float]) -> jax.Array:
+    """``sum(weights[name] * aux[name])``; every aux loss needs a weight and every weight a loss."""
+    for name in aux:
+        if name not in weights:
+            raise ConfigError(f"the model returns auxiliary loss {name!r} but train.aux_loss_weights has no weight "
+                              f"for it; set train.aux_loss_weights.{name} (0 logs it without training on it)",
+                              key=f"train.aux_loss_weights.{name}")
+    for name in weights:
+        if name not in aux:
+            raise ConfigError(f"train.aux_loss_weights.{name} names no auxiliary loss of the model "
+                              f"(it returns: {', '.join(sorted(aux)) or 'none'})", key=f"train.aux_loss_weights.{name}")
+    return sum((weights[name] * value for name, value in aux.items()), jnp.float32(0))
+
+
+def train_step(state: TrainState, batch: Any, teacher: Any, *, loss_fn: LossFn, tx: optax.GradientTransformation,
+               schedule: optax.Schedule, mask: Mask, aux_weights: dict[str, float] | None = None, grad_accum: int = 1,
+               skip_nonfinite: bool = False, seed: int = 0, count_name: str = "count") -> tuple[TrainState, dict]:
+    """One optimizer step over ``batch`` (``grad_accum`` micro-batches scanned in sequence).
+
+    Returns the new state and metrics: ``loss`` (the mean main loss), each auxiliary loss by
+    name, ``objective`` (loss plus weighted aux; only with aux losses), ``grad_norm``, ``lr``,
+    ``count_name`` (the summed count) and ``finite`` (loss and gradients finite). With
+    ``skip_nonfinite`` a non-finite step leaves params and optimizer state unchanged. The
+    loss's ``rng`` is ``fold_in(fold_in(key(seed), step), micro_batch)``.
+    """
+    weights = dict(aux_weights or {})
+    trainable = select(state.params, mask)
+    step_rng = jax.random.fold_in(jax.random.key(seed), state.step)
+
+    def objective(subset, micro, rng):
+        terms = loss_fn(merge(state.params, subset), micro, rng=rng, teacher=teacher)
+        total = terms.loss_sum + terms.count * _weighted_aux(terms.aux, weights)
+        return total, (terms.loss_sum, terms.count, {k: terms.count * v for k, v in terms.aux.items()})
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    micro_batches = _micro_batches(batch, grad_accum)
+
+    def accumulate(carry, inputs):
+        grads, sums = carry
+        micro, index = inputs
+        (_, micro_sums), micro_grads = grad_fn(trainable, micro, jax.random.fold_in(step_rng, index))
+        return (jax.tree.map(jnp.add, grads, micro_grads), jax.tree.map(jnp.add, sums, micro_sums)), None
+
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    sums_shape = jax.eval_shape(lambda: objective(trainable, first, step_rng)[1])
+    zeros = jax.tree.map(jnp.zeros_like, (trainable, sums_shape))
+    (grads, (loss_sum, count, aux_sums)), _ = jax.lax.scan(
+        accumulate, zeros, (micro_batches, jnp.arange(grad_accum))
+    )
+    denominator = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / denominator, grads)
+    loss = loss_sum / denominator
+    aux = {name: value / denominator for name, value in aux_sums.items()}
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, trainable)
+    new_trainable = optax.apply_updates(trainable, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:
+        new_trainable, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                                (new_trainable, opt_state), (trainable, state.opt_state))
+    metrics = {"loss": loss, **aux, "grad_norm": grad_norm, "lr": schedule(state.step), count_name: count,
+               "finite": finite}
+    if aux:
+        metrics["objective"] = loss + _weighted_aux(aux, weights)
+    return TrainState(step=state.step + 1, params=merge(state.params, new_trainable), opt_state=opt_state), metrics
+
+
+def eval_step(params: Any, batch: Any, teacher: Any, *, loss_fn: LossFn) -> tuple[jax.Array, jax.Array]:
+    """``(sum of losses, count)`` of one validation batch (auxiliary losses left out)."""
+    terms = loss_fn(params, batch, rng=jax.random.key(0), teacher=teacher)
+    return terms.loss_sum, terms.count
+
+
+__all__ = ["LossFn", "TrainState", "eval_step", "init_state", "train_step"]

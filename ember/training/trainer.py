@@ -1,0 +1,346 @@
+"""The trainer every task runs through: a short loop plus hooks with an interval.
+
+    trainer = Trainer(task, loop=LoopConfig(steps=1000), optim=OptimConfig(lr=3e-4),
+                      run_dir="runs/x", mesh=make_mesh(MeshConfig(data=-1)))
+    trainer.add_hook(lambda info: print(info.step), every=100)
+    summary = trainer.train()
+
+Each step runs the jitted :func:`ember.training.train_step.train_step` (explicit in/out
+shardings from the logical rules, donated state). Periodic work is hooks: the trainer
+registers logging (every ``log_every``; the only place metrics leave the device, and where
+the NaN policy acts), evaluation, checkpointing (async; also on the last step and on
+SIGTERM/SIGINT), then the task's own (``task.add_hooks``, e.g. LM samples), then yours.
+
+The run directory holds ``metrics.jsonl`` (+ TensorBoard), ``checkpoints/`` and, at the end,
+``summary.json``. With ``resume=True`` the run continues from its last complete
+checkpoint: params, optimizer state, step and data position, on whatever mesh this process has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+from tqdm import tqdm
+
+from ember.core.checkpoint import CheckpointManager, abstract_with_shardings
+from ember.core.errors import ConfigError, EmberError
+from ember.core.sharding import (
+    DEFAULT_RULES,
+    host_local_to_global,
+    make_mesh,
+    named_sharding,
+    tree_shardings,
+    unbox,
+    use_sharding,
+)
+from ember.core.system_info import peak_flops_per_device
+from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
+from ember.training.metrics import MetricsWriter
+from ember.training.optimizers import OptimConfig, make_optimizer, make_schedule
+from ember.training.task import Task
+from ember.training.train_step import TrainState, eval_step, init_state, train_step
+from ember.training.trainable import select, trainable_mask
+
+SUMMARY_METRICS = ("loss", "val_loss", "tokens_per_second", "mfu")
+
+
+class NonFiniteLossError(EmberError, RuntimeError):
+    """The loss or gradients became NaN/Inf and ``train.on_nan`` is ``stop``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What a hook sees after step ``step`` (1-based count of steps done). ``metrics`` are
+    still on the device: reading them synchronises, so only do it when you need them."""
+
+    step: int
+    state: TrainState
+    metrics: dict[str, jax.Array]
+    is_last: bool
+    stopping: bool
+    trainer: Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """``fn(info)`` after every ``every``-th step (``None``: never periodically), and after
+    the last step (``on_last``) or a step ending in a stop request (``on_stop``)."""
+
+    fn: Callable[[StepInfo], None]
+    every: int | None = None
+    on_last: bool = False
+    on_stop: bool = False
+
+    def due(self, info: StepInfo) -> bool:
+        return bool((self.every and info.step % self.every == 0) or (self.on_last and info.is_last)
+                    or (self.on_stop and info.stopping))
+
+
+class Trainer:
+    """Trains ``task`` (see the module docstring).
+
+    Args:
+      task: the model, loss, data, mask and teacher (``ember.training.task.Task``).
+      loop, optim, checkpoint, logging: config sections (defaults when omitted).
+      run_dir: where metrics, checkpoints and the summary go.
+      mesh, rules: the device mesh and logical-axis rules (default: all devices data-parallel).
+      seed: initialisation and per-step RNG (``fold_in(key(seed), step)``).
+      resume: continue from the last checkpoint in ``run_dir`` (a fresh start if there is none).
+
+    Raises:
+      ConfigError: ``run_dir`` already holds checkpoints and ``resume`` is False.
+    """
+
+    def __init__(self, task: Task, *, loop: LoopConfig | None = None, optim: OptimConfig | None = None,
+                 checkpoint: CheckpointConfig | None = None, logging: LoggingConfig | None = None,
+                 run_dir: str | Path, mesh: Any = None, rules: Any = DEFAULT_RULES, seed: int = 0,
+                 resume: bool = False):
+        self.task, self.seed = task, seed
+        self.loop, self.optim = loop or LoopConfig(), optim or OptimConfig()
+        self.checkpoint_config, self.logging = checkpoint or CheckpointConfig(), logging or LoggingConfig()
+        self.run_dir, self.mesh, self.rules = Path(run_dir), mesh or make_mesh(), rules
+        self.is_main = jax.process_index() == 0
+        self.tx = make_optimizer(self.optim, self.loop.steps)
+        self.schedule = make_schedule(self.optim, self.loop.steps)
+        boxed, self.state_shardings, self.mask = self._abstract_state(task)
+        self.data = task.train_data()
+        self.teacher, teacher_shardings = self._place_teacher()
+        self._step_fn = self._jit_step(teacher_shardings)
+        self._eval_fn = jax.jit(functools.partial(eval_step, loss_fn=task.loss),
+                                in_shardings=(self.state_shardings.params, None, teacher_shardings))
+        self.manager = CheckpointManager(self.run_dir / "checkpoints", max_to_keep=self.checkpoint_config.keep,
+                                         async_save=self.checkpoint_config.async_save)
+        if self.manager.latest_step() is not None and not resume:
+            self.manager.close()
+            raise ConfigError(f"run_dir {self.run_dir} already holds checkpoints; pass --resume to continue it, "
+                              "or choose another run_dir", key="run_dir")
+        self.state = self._restore(boxed) if resume and self.manager.latest_step() is not None else self._init(boxed)
+        self.last_metrics: dict[str, float] = {}
+        self.results: dict[str, Any] = {}
+        self.last_saved = int(self.state.step) if self.manager.latest_step() == int(self.state.step) else None
+        self._hooks: list[Hook] = []
+        self._window: tuple[float, int] | None = None  # (start time, steps since) of the throughput window
+        self.add_hook(self._log, every=self.loop.log_every, on_last=True, on_stop=True)
+        if task.eval_data() is not None:
+            self.add_hook(self._evaluate_hook, every=self.loop.eval_every, on_last=True)
+        self.add_hook(self._save, every=self.checkpoint_config.every, on_last=True, on_stop=True)
+        task.add_hooks(self)
+
+    # ----------------------------------------------------------------------------- set-up
+    def _abstract_state(self, task: Task) -> tuple[TrainState, TrainState, Any]:
+        """``(boxed abstract state, its shardings, trainable mask)`` for ``task``'s param layout."""
+        abstract_params = jax.eval_shape(task.init_params, jax.random.key(self.seed))
+        mask = trainable_mask(abstract_params, freeze=self.loop.freeze, base=task.trainable(abstract_params))
+        make_state = functools.partial(init_state, init_params=task.init_params, tx=self.tx, mask=mask)
+        boxed = jax.eval_shape(make_state, jax.random.key(self.seed))
+        shardings = tree_shardings(self.mesh, nn.get_partition_spec(boxed), self.rules, shapes=boxed)
+        return boxed, shardings, mask
+
+    def _place_teacher(self) -> tuple[Any, Any]:
+        params = self.task.teacher_params()
+        if params is None:
+            return None, None
+        shardings = tree_shardings(self.mesh, nn.get_partition_spec(params), self.rules, shapes=params)
+        return jax.device_put(unbox(params), shardings), shardings
+
+    def _batch_shardings(self) -> Any:
+        def one(leaf):
+            global_shape = (leaf.shape[0] * jax.process_count(), *leaf.shape[1:])
+            axes = (tuple(self.task.batch_axes) + (None,) * leaf.ndim)[: leaf.ndim]
+            return named_sharding(self.mesh, axes, self.rules, global_shape)
+
+        return jax.tree.map(one, self._peek_batch())
+
+    def _peek_batch(self) -> Any:
+        """One batch's shapes, without moving the data iterator."""
+        position = self.data.state()
+        batch = self.data.next()
+        self.data.restore(position)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+
+    def _jit_step(self, teacher_shardings: Any) -> Any:
+        step = functools.partial(
+            train_step, loss_fn=self.task.loss, tx=self.tx, schedule=self.schedule, mask=self.mask,
+            aux_weights=self.loop.aux_loss_weights, grad_accum=self.loop.grad_accum,
+            skip_nonfinite=self.loop.on_nan == "skip", seed=self.seed, count_name=self.task.count_name)
+        return jax.jit(step, in_shardings=(self.state_shardings, self._batch_shardings(), teacher_shardings),
+                       out_shardings=(self.state_shardings, None), donate_argnums=0)
+
+    def _init(self, boxed: TrainState) -> TrainState:
+        # Initialisation needs no activation constraints: out_shardings place the state.
+        make_state = functools.partial(init_state, init_params=self.task.init_params, tx=self.tx, mask=self.mask)
+        place = jax.jit(lambda key: unbox(make_state(key)), out_shardings=self.state_shardings)
+        return place(jax.random.key(self.seed))
+
+    def _restore(self, boxed: TrainState) -> TrainState:
+        """The last checkpoint placed on this mesh (converted when its param layout differs)."""
+        layout = self.task.restore_layout(self.manager.state_metadata()["params"])
+        if layout is None:
+            restored = self.manager.restore(target=abstract_with_shardings(unbox(boxed), self.state_shardings))
+            state = restored.state
+        else:
+            saved_task, convert = layout
+            saved_boxed, saved_shardings, _ = self._abstract_state(saved_task)
+            restored = self.manager.restore(target=abstract_with_shardings(unbox(saved_boxed), saved_shardings))
+            state = jax.jit(convert, out_shardings=self.state_shardings)(restored.state)
+        self.data.restore(restored.extra["data"])
+        return state
+
+    # ----------------------------------------------------------------------------- the loop
+    def add_hook(self, fn: Callable[[StepInfo], None], every: int | None = None, *, on_last: bool = False,
+                 on_stop: bool = False) -> None:
+        """Runs ``fn(StepInfo)`` after every ``every``-th step (and see :class:`Hook`), after
+        the hooks registered before it."""
+        self._hooks.append(Hook(fn, every, on_last, on_stop))
+
+    def train(self) -> dict[str, Any]:
+        """Runs the remaining steps; returns (and, on the main process, writes) the summary."""
+        start = int(self.state.step)
+        self.writer = MetricsWriter(self.run_dir, tensorboard=self.logging.tensorboard, enabled=self.is_main)
+        self.writer.truncate_after(start)
+        stop = _StopFlag()
+        bar = tqdm(total=self.loop.steps, initial=start, desc="train", unit="step",
+                   disable=not (self.is_main and self.logging.progress))
+        try:
+            for step in range(start, self.loop.steps):
+                batch = host_local_to_global(self.data.next(), self.mesh, self.task.batch_axes, self.rules)
+                # The mesh and rules are current only around the trainer's own programs: hooks
+                # (samples through the serving engine, user callbacks) run without an ambient mesh.
+                with use_sharding(self.mesh, self.rules):
+                    self.state, metrics = self._step_fn(self.state, batch, self.teacher)
+                # One reading of the flag per step: a signal that lands later is honoured next step.
+                info = StepInfo(step + 1, self.state, metrics, step + 1 == self.loop.steps, stop.is_set, self)
+                window_start, window_steps = self._window or (None, 0)
+                self._window = (window_start, window_steps + 1)
+                due = [hook for hook in self._hooks if hook.due(info)]
+                for hook in due:
+                    hook.fn(info)
+                bar.update(1)
+                bar.set_postfix(_postfix(self.last_metrics), refresh=False)
+                # Throughput windows count training steps only: compilation and hooks restart them.
+                if due or window_start is None:
+                    jax.block_until_ready(self.state.step)
+                    self._window = (time.perf_counter(), 0)
+                if info.stopping:
+                    break
+            self.manager.wait()
+        finally:
+            bar.close()
+            stop.restore()
+            self.writer.close()
+            self.manager.close()
+        return self._write_summary()
+
+    def _write_summary(self) -> dict[str, Any]:
+        steps = int(self.state.step)
+        summary = {"run_dir": str(self.run_dir), "steps": steps, "stopped_early": steps < self.loop.steps,
+                   "last_checkpoint": self.last_saved,
+                   **{key: self.last_metrics[key] for key in SUMMARY_METRICS if key in self.last_metrics},
+                   **self.results}
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    # ----------------------------------------------------------------------------- built-in hooks
+    def _log(self, info: StepInfo) -> None:
+        """Pulls the step's metrics to the host, applies the NaN policy, adds throughput, writes."""
+        values = {k: float(v) for k, v in jax.device_get(info.metrics).items()}
+        if not values.pop("finite"):
+            if self.loop.on_nan == "stop":
+                raise NonFiniteLossError(self._nan_message(info.step, values))
+            self.writer.event(info.step, "skipped non-finite step")
+        window_start, window_steps = self._window or (None, 0)
+        if window_start is not None and window_steps:
+            elapsed = time.perf_counter() - window_start
+            values["steps_per_second"] = window_steps / elapsed
+            work = self.task.work_per_step()
+            if "tokens" in work:
+                values["tokens_per_second"] = work["tokens"] * window_steps / elapsed
+            peak = peak_flops_per_device()
+            if "flops" in work and peak:
+                values["mfu"] = work["flops"] * window_steps / elapsed / (peak * jax.device_count())
+        self.writer.write(info.step, values)
+        self.last_metrics.update(values)
+
+    def _evaluate_hook(self, info: StepInfo) -> None:
+        val_loss = self.evaluate(info.state.params)
+        if val_loss is not None:
+            self.writer.write(info.step, {"val_loss": val_loss})
+            self.last_metrics["val_loss"] = val_loss
+
+    def evaluate(self, params: Any) -> float | None:
+        """The mean loss over ``task.eval_data()`` (``None`` when it yields no batch)."""
+        total, count = 0.0, 0.0
+        for local in self.task.eval_data() or ():
+            batch = host_local_to_global(local, self.mesh, self.task.batch_axes, self.rules)
+            with use_sharding(self.mesh, self.rules):
+                loss_sum, batch_count = jax.device_get(self._eval_fn(params, batch, self.teacher))
+            total, count = total + float(loss_sum), count + float(batch_count)
+        return total / count if count else None
+
+    def _save(self, info: StepInfo) -> None:
+        if self.loop.on_nan == "stop" and not bool(info.metrics["finite"]):
+            values = {k: float(v) for k, v in jax.device_get(info.metrics).items()}
+            raise NonFiniteLossError(self._nan_message(info.step, values))
+        self.manager.save(info.step, info.state, extra={"data": self.data.state()})
+        self.last_saved = info.step
+
+    def _nan_message(self, step: int, values: dict[str, float]) -> str:
+        last = self.manager.latest_step()
+        pointer = (f"the last good checkpoint is step {last} in {self.manager.directory}" if last is not None
+                   else "no checkpoint was saved yet")
+        return (f"non-finite loss at step {step} (loss={values['loss']}, grad_norm={values['grad_norm']}); {pointer}. "
+                "Lower optim.lr, raise optim.schedule.warmup_steps, or set train.on_nan=skip to skip such steps.")
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the optimizer state (only trainable parameters have any)."""
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.state.opt_state))
+
+    def trainable_params(self) -> Any:
+        """The parameters this run updates (``select(params, mask)``)."""
+        return select(self.state.params, self.mask)
+
+
+def _postfix(values: dict[str, float]) -> dict[str, str]:
+    postfix = {"loss": f"{values['loss']:.3f}"} if "loss" in values else {}
+    if "tokens_per_second" in values:
+        postfix["tok/s"] = f"{values['tokens_per_second']:,.0f}"
+    if "mfu" in values:
+        postfix["mfu"] = f"{100 * values['mfu']:.1f}%"
+    return postfix
+
+
+class _StopFlag:
+    """Turns SIGTERM/SIGINT into a request to checkpoint and stop after the current step."""
+
+    def __init__(self):
+        self.is_set = False
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+
+    def _handle(self, signum, _frame):
+        if self.is_set:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.is_set = True
+        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping")
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+__all__ = ["Hook", "NonFiniteLossError", "StepInfo", "Trainer"]

@@ -1,0 +1,70 @@
+"""``load_model`` on an Ember run directory reads the parameters only (never the optimizer
+state) and serves them in either layer layout (``scan_layers`` is a runtime setting)."""
+
+import gc
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ember.core.checkpoint import CheckpointManager
+from ember.core.config import to_yaml
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
+from ember.serving.loading import load_model
+from tests.tolerances import assert_allclose
+
+CONFIG = ModelConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=4, mlp_dim=64, max_seq_len=16,
+                     attention_impl="xla")
+
+
+@pytest.fixture
+def run_dir(tmp_path, rng):
+    """A run directory as the trainer leaves it: scanned params perturbed away from their
+    init, AdamW moments beside them, and config.yaml."""
+    init_key, noise_key = jax.random.split(rng)
+    params = nn.meta.unbox(DecoderLM(CONFIG).init(init_key, jnp.zeros((1, 4), jnp.int32))["params"])
+    leaves, treedef = jax.tree.flatten(params)
+    noise = jax.random.split(noise_key, len(leaves))
+    params = treedef.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, noise)])
+    tx = optax.adamw(1e-3)
+    _, opt_state = tx.update(params, tx.init(params), params)  # non-zero moments
+    (tmp_path / "config.yaml").write_text("model:\n" + textwrap.indent(to_yaml(CONFIG), "  "))
+    with CheckpointManager(tmp_path / "checkpoints", async_save=False) as manager:
+        manager.save(5, {"step": jnp.int32(5), "params": params, "opt_state": opt_state})
+    return tmp_path, params
+
+
+def live_bytes():
+    gc.collect()
+    return sum(array.nbytes for array in jax.live_arrays())
+
+
+def test_load_reads_the_params_and_never_the_optimizer_state(run_dir, monkeypatch):
+    path, params = run_dir
+
+    def full_restore(*args, **kwargs):
+        raise AssertionError("load_model restored the whole train state")
+
+    monkeypatch.setattr(CheckpointManager, "restore", full_restore)
+    before = live_bytes()
+    loaded = load_model(path)
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    assert live_bytes() - before == param_bytes  # the moments (2x the params) were never materialised
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(params)
+    for got, saved in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
+
+
+def test_scanned_checkpoint_serves_unscanned_with_the_same_logits(run_dir, rng):
+    path, params = run_dir
+    loaded = load_model(path, scan_layers=False)
+    assert loaded.config.scan_layers is False and "group_3" in loaded.params and "layers" not in loaded.params
+    tokens = jax.random.randint(rng, (2, 12), 0, CONFIG.vocab_size)
+    expected, _ = DecoderLM(CONFIG).apply({"params": params}, tokens)
+    got, _ = DecoderLM(loaded.config).apply({"params": loaded.params}, tokens)
+    assert_allclose(got, expected, dtype=np.float32)

@@ -1,0 +1,257 @@
+"""The task-generic trainer: a non-LM task trains, checkpoints and resumes exactly; frozen
+parameters carry no optimizer state and match a hand-written optax loop; auxiliary losses
+are weighted, added and logged; a frozen teacher drives a distillation loss; hooks run on
+their interval."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ember.core.checkpoint import CheckpointManager
+from ember.core.errors import ConfigError, EmberError
+from ember.core.sharding import MeshConfig, make_mesh
+from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
+from ember.training.optimizers import OptimConfig, ScheduleConfig, make_optimizer
+from ember.training.task import LossTerms, Task, apply_with_aux
+from ember.training.trainable import map_paths, param_paths, select
+from ember.training.trainer import NonFiniteLossError, Trainer
+from tests.tolerances import assert_allclose
+
+WIDTH, DEPTH, BATCH = 16, 6, 8
+
+
+class DeepMlp(nn.Module):
+    """``x [batch, 4] -> y [batch, 2]`` through ``DEPTH`` tanh layers; sows the mean squared
+    activation of its last hidden layer as the auxiliary loss ``activation_l2``."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(DEPTH):
+            x = jnp.tanh(nn.Dense(WIDTH, name=f"layer_{i}")(x))
+        self.sow("losses", "activation_l2", jnp.mean(x**2))
+        return nn.Dense(2, name="head")(x)
+
+
+class RegressionBatches:
+    """Endless ``{"x", "y"}`` batches of a fixed random linear map plus noise; batch ``i``
+    is drawn from ``default_rng([seed, i])``, so the position is one integer."""
+
+    def __init__(self, seed: int = 7):
+        self.seed, self.position = seed, 0
+        self.target = np.random.default_rng(seed).normal(size=(4, 2)).astype(np.float32)
+
+    def next(self):
+        rng = np.random.default_rng([self.seed, self.position])
+        self.position += 1
+        x = rng.normal(size=(BATCH, 4)).astype(np.float32)
+        return {"x": x, "y": x @ self.target + 0.1 * rng.normal(size=(BATCH, 2)).astype(np.float32)}
+
+    def state(self):
+        return {"position": self.position}
+
+    def restore(self, state):
+        self.position = state["position"]
+
+
+class Regression(Task):
+    """Mean squared error (summed over outputs, averaged over examples); ``frozen_layers``
+    are frozen by the task's own mask; ``use_aux`` reports the sown loss."""
+
+    model = DeepMlp()
+
+    def __init__(self, frozen_layers=(), use_aux=False):
+        self.frozen_layers, self.use_aux = frozen_layers, use_aux
+
+    def init_params(self, rng):
+        return self.model.init(rng, jnp.zeros((1, 4)))["params"]
+
+    def loss(self, params, batch, *, rng, teacher):
+        prediction, aux = apply_with_aux(self.model, params, batch["x"])
+        error = jnp.sum((prediction - batch["y"]) ** 2)
+        return LossTerms(error, jnp.float32(batch["x"].shape[0]), aux if self.use_aux else {})
+
+    def train_data(self):
+        return RegressionBatches()
+
+    def trainable(self, params):
+        return map_paths(lambda path, _: path.split("/")[0] not in self.frozen_layers, params)
+
+
+def make_trainer(task, run_dir, *, steps=8, resume=False, optim=None, **loop):
+    return Trainer(task, loop=LoopConfig(steps=steps, log_every=1, **loop),
+                   optim=optim or OptimConfig(lr=1e-2, schedule=ScheduleConfig(kind="constant")),
+                   checkpoint=CheckpointConfig(every=2, async_save=False),
+                   logging=LoggingConfig(progress=False, tensorboard=False), run_dir=run_dir,
+                   mesh=make_mesh(MeshConfig(data=2), jax.devices()[:2]), seed=3, resume=resume)
+
+
+def logged(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {entry["step"]: entry for entry in lines if "loss" in entry}
+
+
+def test_custom_task_trains_checkpoints_and_resumes_exactly(tmp_path):
+    reference = make_trainer(Regression(), tmp_path / "reference")
+    seen = []
+    reference.add_hook(lambda info: seen.append(info.step), every=3)
+    summary = reference.train()
+    assert seen == [3, 6] and summary["steps"] == 8 and summary["last_checkpoint"] == 8
+    losses = [logged(tmp_path / "reference")[step]["loss"] for step in range(1, 9)]
+    assert losses[-1] < 0.5 * losses[0]  # it learns the linear map
+
+    class Crash(Exception):
+        pass
+
+    def crash(info):
+        raise Crash
+
+    interrupted = make_trainer(Regression(), tmp_path / "interrupted")
+    interrupted.add_hook(crash, every=5)  # after step 5; the last checkpoint is step 4
+    with pytest.raises(Crash):
+        interrupted.train()
+    resumed = make_trainer(Regression(), tmp_path / "interrupted", resume=True)
+    assert int(resumed.state.step) == 4 and resumed.data.position == 4
+    resumed.train()
+    got = logged(tmp_path / "interrupted")
+    assert sorted(got) == list(range(1, 9))
+    assert [got[step]["loss"] for step in range(1, 9)] == losses
+    for a, b in zip(jax.tree.leaves(reference.state), jax.tree.leaves(resumed.state)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        make_trainer(Regression(), tmp_path / "reference")
+
+
+def test_frozen_layers_have_no_optimizer_state_and_match_a_hand_written_optax_loop(tmp_path):
+    # Layers 0-1 frozen by the task's mask, 2-3 and the head by config patterns: 2 of 6 layers train.
+    task = Regression(frozen_layers=("layer_0", "layer_1"))
+    optim = OptimConfig(lr=3e-2, weight_decay=0.01)
+    trainer = make_trainer(task, tmp_path / "frozen", steps=5, optim=optim, freeze=("layer_[23]/", "^head/"))
+    initial = jax.tree.map(np.asarray, trainer.state.params)
+    trained_layers = {path.split("/")[0] for path, on in param_paths(trainer.mask).items() if on}
+    assert trained_layers == {"layer_4", "layer_5"}
+    trainable_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(select(initial, trainer.mask)))
+    assert trainable_bytes == 2 * (WIDTH * WIDTH + WIDTH) * 4
+    # AdamW keeps two moments per trained parameter plus two int32 step counts (Adam's and the
+    # learning-rate schedule's); nothing for the frozen parameters.
+    moments = [leaf for leaf in jax.tree.leaves(trainer.state.opt_state) if leaf.ndim]
+    assert sum(leaf.nbytes for leaf in moments) == 2 * trainable_bytes
+    assert trainer.optimizer_state_bytes() == 2 * trainable_bytes + 2 * 4
+    trainer.train()
+
+    final = jax.tree.map(np.asarray, trainer.state.params)
+    for path, on in param_paths(trainer.mask).items():
+        before, after = param_paths(initial)[path], param_paths(final)[path]
+        if on:
+            assert not np.array_equal(before, after), path
+        else:
+            np.testing.assert_array_equal(after, before, err_msg=path)  # bit-identical
+
+    # The same five steps by hand: optax on the trained sub-tree, frozen leaves closed over.
+    tx = make_optimizer(optim, 5)
+    trainable = select(initial, trainer.mask)
+    opt_state = tx.init(trainable)
+    frozen = {k: v for k, v in initial.items() if k not in trainable}
+    data, expected = RegressionBatches(), []
+
+    @jax.jit
+    def hand_step(trainable, opt_state, batch):
+        def loss_fn(t):
+            prediction = task.model.apply({"params": {**frozen, **t}}, batch["x"])
+            return jnp.sum((prediction - batch["y"]) ** 2) / batch["x"].shape[0]
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss
+
+    for _ in range(5):
+        trainable, opt_state, loss = hand_step(trainable, opt_state, data.next())
+        expected.append(float(loss))
+    got = logged(tmp_path / "frozen")
+    assert_allclose(np.array([got[s]["loss"] for s in range(1, 6)]), np.array(expected), dtype=np.float32)
+    for a, b in zip(jax.tree.leaves(select(final, trainer.mask)), jax.tree.leaves(trainable)):  # 5 Adam steps: scale 10
+        assert_allclose(a, np.asarray(b), dtype=np.float32, scale=10)
+
+
+def test_auxiliary_loss_is_weighted_added_and_logged_under_its_name(tmp_path):
+    task = Regression(use_aux=True)
+    sgd = OptimConfig(name="sgd", lr=0.1, momentum=0.0, weight_decay=0.0, clip_norm=0.0,
+                      schedule=ScheduleConfig(kind="constant"))
+    trainer = make_trainer(task, tmp_path / "aux", steps=1, optim=sgd, aux_loss_weights={"activation_l2": 0.5})
+    initial = jax.tree.map(np.asarray, trainer.state.params)
+    trainer.train()
+    batch = RegressionBatches().next()
+
+    def objective(params):
+        prediction, aux = apply_with_aux(task.model, params, batch["x"])
+        main = jnp.mean(jnp.sum((prediction - batch["y"]) ** 2, axis=-1))
+        return main + 0.5 * aux["activation_l2"], (main, aux["activation_l2"])
+
+    (total, (main, aux)), grads = jax.value_and_grad(objective, has_aux=True)(initial)
+    assert float(aux) > 0.01  # a real contribution, not a vanishing one
+    entry = logged(tmp_path / "aux")[1]
+    assert_allclose(entry["activation_l2"], float(aux), dtype=np.float32)
+    assert_allclose(entry["loss"], float(main), dtype=np.float32)
+    assert_allclose(entry["objective"], float(total), dtype=np.float32)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, initial, grads)  # SGD on the weighted sum
+    for a, b in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(expected)):
+        assert_allclose(np.asarray(a), np.asarray(b), dtype=np.float32)
+
+
+def test_auxiliary_loss_weights_must_match_the_losses_the_model_returns(tmp_path):
+    with pytest.raises(ConfigError, match="train.aux_loss_weights.activation_l2") as error:
+        make_trainer(Regression(use_aux=True), tmp_path / "unweighted", steps=1).train()
+    assert error.value.key == "train.aux_loss_weights.activation_l2"
+    with pytest.raises(ConfigError, match="names no auxiliary loss of the model"):
+        make_trainer(Regression(), tmp_path / "typo", steps=1, aux_loss_weights={"balance": 0.1}).train()
+    with pytest.raises(ConfigError, match=r"train.freeze\[0\] .* matches no parameter"):
+        make_trainer(Regression(), tmp_path / "nothing", freeze=("^encoder/",))
+    with pytest.raises(ConfigError, match="freezes every parameter"):
+        make_trainer(Regression(), tmp_path / "all", freeze=(".",))
+
+
+def test_non_finite_loss_error_is_an_ember_error():
+    assert issubclass(NonFiniteLossError, EmberError)
+
+
+class Distillation(Regression):
+    """The student regresses onto a frozen teacher's outputs (a wider single-layer model)."""
+
+    teacher = nn.Dense(2)
+
+    def teacher_params(self):
+        return self.teacher.init(jax.random.key(11), jnp.zeros((1, 4)))["params"]
+
+    def loss(self, params, batch, *, rng, teacher):
+        target = self.teacher.apply({"params": teacher}, batch["x"])
+        prediction = self.model.apply({"params": params}, batch["x"])
+        return LossTerms(jnp.sum((prediction - target) ** 2), jnp.float32(batch["x"].shape[0]))
+
+
+def test_frozen_teacher_outputs_drive_the_loss_and_are_never_trained(tmp_path):
+    task = Distillation()
+    sgd = OptimConfig(name="sgd", lr=0.05, momentum=0.0, weight_decay=0.0, clip_norm=0.0,
+                      schedule=ScheduleConfig(kind="constant"))
+    trainer = make_trainer(task, tmp_path / "distill", steps=1, optim=sgd)
+    initial = jax.tree.map(np.asarray, trainer.state.params)
+    trainer.train()
+    teacher, batch = task.teacher_params(), RegressionBatches().next()
+
+    def loss_fn(params):
+        target = task.teacher.apply({"params": teacher}, batch["x"])
+        return jnp.mean(jnp.sum((task.model.apply({"params": params}, batch["x"]) - target) ** 2, axis=-1))
+
+    loss, grads = jax.value_and_grad(loss_fn)(initial)
+    assert_allclose(logged(tmp_path / "distill")[1]["loss"], float(loss), dtype=np.float32)
+    expected = jax.tree.map(lambda p, g: p - 0.05 * g, initial, grads)
+    for a, b in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(expected)):
+        assert_allclose(np.asarray(a), np.asarray(b), dtype=np.float32)
+    for a, b in zip(jax.tree.leaves(trainer.teacher), jax.tree.leaves(teacher)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The checkpoint holds the student's state only.
+    saved = CheckpointManager(tmp_path / "distill" / "checkpoints").state_metadata()
+    assert sorted(saved) == ["opt_state", "params", "step"]
