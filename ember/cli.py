@@ -3,6 +3,10 @@
 Each subcommand lives in the package that owns it and is imported only when run, so
 ``ember --version`` and ``ember --help`` do not import JAX. A subcommand module defines
 ``add_arguments(parser)`` and ``run(args) -> int``.
+
+Options may stand anywhere among a command's positional arguments (``ember train CONFIG
+k=v --resume k=v``). Every failure a user can cause raises an ``EmberError``; it is printed
+here as one line, ``ember COMMAND: what is wrong``, with exit code 2 and no traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import sys
 from collections.abc import Sequence
 
 import ember
+from ember.core.errors import EmberError
+
+USAGE_ERROR = 2  # the exit code of argparse's own usage errors, and of every EmberError
 
 # name -> (module defining add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -46,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = _top_parser()
         parser.parse_args(argv)  # handles --help / --version and exits
         parser.print_help()
-        return 0 if not argv else 2
+        return 0 if not argv else USAGE_ERROR
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         import difflib
@@ -54,12 +61,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         print(f"ember: unknown command '{name}'.{hint} Commands: {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     module_name, help_text = COMMANDS[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"ember {name}", description=help_text)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)) or 0)
+    args = _parse(parser, rest)
+    try:
+        return int(module.run(args) or 0)
+    except EmberError as error:
+        print(f"ember {name}: {error}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options anywhere among the positionals; commands with sub-commands (``envs``, ``data``)
+    parse in the ordinary way, which is all argparse allows for them."""
+    has_subcommands = any(isinstance(action, argparse._SubParsersAction) for action in parser._actions)
+    return parser.parse_args(argv) if has_subcommands else parser.parse_intermixed_args(argv)
 
 
 if __name__ == "__main__":

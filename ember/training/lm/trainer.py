@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ember.core.checkpoint import CheckpointManager, abstract_with_shardings
 from ember.core.config import ConfigError, from_yaml, to_dict, to_yaml
+from ember.core.errors import EmberError
 from ember.core.distributed import initialize_distributed
 from ember.core.sharding import (
     host_local_to_global,
@@ -48,7 +49,7 @@ RESUMABLE_CHANGES = frozenset({"train.steps", "train.log_every", "train.eval_eve
                                "logging.tensorboard", "checkpoint.every", "checkpoint.keep", "sample"})
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(EmberError, RuntimeError):
     """The loss or gradients became NaN/Inf and ``train.on_nan`` is ``stop``."""
 
 
