@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ember.core.errors import DataError, PathNotFoundError
 from ember.core.tokenizer import tokenizer_from_description
 from ember.serving.program import LAYOUT_FIELDS, DeviceProgram, resolve_token_buckets, step_argument_specs
 
@@ -34,7 +35,11 @@ def export_program(config: Any, params: Any, out_dir: str | Path, *, tokenizer: 
                    max_context: int | None = None, num_pages: int | None = None) -> Path:
     """Writes the artifact of ``DecoderLM(config)`` with ``params`` to ``out_dir``
     (sizes as in :func:`ember.serving.model_program.build_program`)."""
-    from ember.serving.model_program import init_pages, jitted_step, program_layout  # model code: export side only
+    from ember.serving.model_program import (  # model code: export side only
+        init_pages,
+        jitted_step,
+        program_layout,
+    )
 
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
     layout = program_layout(config, num_slots, max_context, num_pages)
@@ -65,10 +70,11 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
     directory = Path(directory)
     manifest_file = directory / "manifest.json"
     if not manifest_file.is_file():
-        raise FileNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
+        raise PathNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
     manifest = json.loads(manifest_file.read_text())
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"artifact format {manifest.get('format_version')!r} is not the supported {FORMAT_VERSION}")
+        raise DataError(f"artifact format {manifest.get('format_version')!r} of {directory} is not the supported "
+                        f"{FORMAT_VERSION}: export it again with this version of Ember")
     exported = {
         size: jax.export.deserialize(bytearray((directory / f"step_t{size}.jaxexport").read_bytes()))
         for size in manifest["token_buckets"]

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ember.core.errors import ConfigError
 from ember.models.cache import layer_state_shapes
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.decoder import DecoderLM
@@ -38,9 +39,10 @@ def init_pages(config: ModelConfig, num_pages: int, dtype: Any = None) -> dict[s
     ``[groups, num_pages, page_size, kv_heads, head_dim]``."""
     unsupported = config.state_layer_kinds
     if unsupported:
-        raise ValueError(
+        raise ConfigError(
             f"the serving engine runs softmax-attention layers ({', '.join(SOFTMAX_FAMILY)}) only; this model "
-            f"has {', '.join(unsupported)} layers, whose per-sequence state slots it does not manage yet"
+            f"has {', '.join(unsupported)} layers, whose per-sequence state slots it does not manage yet",
+            key="model.block_pattern",
         )
     dtype = config.policy.compute_dtype if dtype is None else dtype
     groups = math.ceil(config.num_layers / len(config.block_pattern))
@@ -97,7 +99,8 @@ def program_layout(config: ModelConfig, num_slots: int, max_context: int | None,
     with the defaults of :func:`build_program` filled in and checked."""
     max_context = config.max_seq_len if max_context is None else max_context
     if not 1 <= max_context <= config.max_seq_len:
-        raise ValueError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}")
+        raise ConfigError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}",
+                          key="max_context")
     pages_per_seq = math.ceil(max_context / config.page_size)
     return dict(
         num_slots=num_slots,

@@ -21,8 +21,8 @@ import dataclasses
 from ember.core.errors import ConfigError
 from ember.envs import MultiAgentEnvironment
 from ember.envs.config import ENV_SOURCES, EnvConfig, make_from_config
+from ember.training.rl import multi_agent_ppo
 from ember.training.rl.dqn import DQNConfig
-from ember.training.rl.multi_agent_ppo import check_config as check_multi_agent_config
 from ember.training.rl.ppo import PPOConfig
 
 ALGORITHMS = ("ppo", "dqn", "ippo", "mappo")
@@ -71,15 +71,16 @@ class RLConfig:
             )
         if self.algo in MULTI_AGENT_ALGORITHMS:
             try:
-                check_multi_agent_config(self.ppo)
+                multi_agent_ppo.check_config(self.ppo)
             except ConfigError as error:
                 raise ConfigError(f"ppo.{error} (algo {self.algo!r})", key=f"ppo.{error.key}") from None
         if self.env.source == "ember":
             self._check_env_fits_algo()
 
     def _check_env_fits_algo(self) -> None:
-        """The algorithm can drive the (Ember) environment: one agent or many, discrete
-        actions for DQN. Other sources are checked when their library makes the env."""
+        """The algorithm can drive the (Ember) environment: one agent or many (homogeneous
+        ones, for a shared policy), discrete actions for DQN. Other sources are checked when
+        their library makes the env."""
         env, env_params = make_from_config(self.env)
         multi_agent = isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
         if multi_agent != (self.algo in MULTI_AGENT_ALGORITHMS):
@@ -89,6 +90,12 @@ class RLConfig:
                 f"{'multi' if multi_agent else 'single'}-agent environment; use algo {wanted}",
                 key="algo",
             )
+        if multi_agent:
+            try:
+                multi_agent_ppo.make_policy(self.ppo, env, env_params)
+            except ConfigError as error:
+                message = f"algo {self.algo!r} cannot train env.id {self.env.id!r}: {error}"
+                raise ConfigError(message, key="env.id") from None
         if self.algo == "dqn" and not hasattr(env.action_space(env_params), "n"):
             raise ConfigError(
                 f"algo 'dqn' needs discrete actions; env.id {self.env.id!r} has {env.action_space(env_params)!r}",

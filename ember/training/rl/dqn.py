@@ -25,8 +25,8 @@ from ember.core.errors import ConfigError
 from ember.envs.batched import BatchedEnv
 from ember.envs.wrappers import LogWrapper
 from ember.models.policies import PolicyConfig, QNetwork
-from ember.training.rl.losses import q_learning_loss, q_learning_targets
 from ember.training.rl.episode_stats import episode_statistics
+from ember.training.rl.losses import q_learning_loss, q_learning_targets
 from ember.training.rl.replay_buffer import replay_buffer_add, replay_buffer_init, replay_buffer_sample
 
 

@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 
 
-def episode_statistics(episode_done: jax.Array, episode_return: jax.Array, episode_length: jax.Array) -> dict[str, jax.Array]:
+def episode_statistics(
+    episode_done: jax.Array, episode_return: jax.Array, episode_length: jax.Array
+) -> dict[str, jax.Array]:
     """Mean return and length of the episodes that ended in a rollout (``nan`` when none did),
     and their count. All three arguments share one shape (``[steps, envs]``, say):
     ``episode_done`` marks the steps that ended an episode, whose return and length the

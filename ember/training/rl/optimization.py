@@ -12,7 +12,9 @@ import optax
 from flax.training.train_state import TrainState
 
 
-def make_optimizer(learning_rate: jax.Array, max_grad_norm: jax.Array, *, anneal_steps: int | None) -> optax.GradientTransformation:
+def make_optimizer(
+    learning_rate: jax.Array, max_grad_norm: jax.Array, *, anneal_steps: int | None
+) -> optax.GradientTransformation:
     """Adam after a global-norm clip; with ``anneal_steps``, the learning rate decays
     linearly to 0 over that many optimizer steps."""
     if anneal_steps is not None:
