@@ -10,11 +10,11 @@ import pytest
 
 from ember.core.config import load_config
 from ember.core.errors import ConfigError
+from ember.envs import make_from_config
 from ember.training.rl import multi_agent_ppo
 from ember.training.rl.config import RLConfig
-from ember.envs import make_from_config
-from ember.training.rl.experiment import ALGORITHMS
 from ember.training.rl.evaluate import evaluate
+from ember.training.rl.experiment import ALGORITHMS
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 
