@@ -54,17 +54,13 @@ def make_from_config(config: EnvConfig) -> tuple[Environment, EnvParams]:
         name (key ``params.NAME``).
     """
     if config.source == "gymnax":
-        import gymnax
-
         from ember.envs.adapters import GymnaxEnv
 
-        env = GymnaxEnv(*gymnax.make(config.id))
+        env = GymnaxEnv(*_make_in_library(config.source, config.id))
     elif config.source == "jaxmarl":
-        import jaxmarl
-
         from ember.envs.adapters import JaxMARLEnv
 
-        env = JaxMARLEnv(jaxmarl.make(config.id))
+        env = JaxMARLEnv(_make_in_library(config.source, config.id))
     else:
         try:
             env, _ = make(config.id)
@@ -77,6 +73,21 @@ def make_from_config(config: EnvConfig) -> tuple[Environment, EnvParams]:
     if config.flatten_observation:
         env = FlattenObservation(env)
     return env, env_params
+
+
+def _make_in_library(source: str, env_id: str) -> Any:
+    """``gymnax.make(env_id)`` or ``jaxmarl.make(env_id)``; ``ConfigError`` when the library is
+    not installed (key ``source``) or does not know ``env_id`` (key ``id``)."""
+    import importlib
+
+    try:
+        library = importlib.import_module(source)
+    except ImportError:
+        raise ConfigError(f"source: {source} is not installed (pip install {source})", key="source") from None
+    try:
+        return library.make(env_id)
+    except (KeyError, ValueError) as error:  # how both libraries refuse an unknown id
+        raise ConfigError(f"id: {source} cannot make {env_id!r}: {error}", key="id") from None
 
 
 __all__ = ["ENV_SOURCES", "EnvConfig", "make_from_config"]

@@ -48,15 +48,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def check_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Validates the options before any model is loaded; returns the default sampling fields
-    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``)."""
+def check_engine_options(args: argparse.Namespace) -> None:
+    """The engine sizes and checkpoint step of ``ember generate`` and ``ember export``, checked
+    before any model is loaded (``ConfigError`` keyed by the option)."""
     for flag, value in (("--num-slots", args.num_slots), ("--token-budget", args.token_budget),
                         ("--max-context", args.max_context)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}", key=flag)
     if args.step is not None and args.step < 0:
         raise ConfigError(f"--step must be a checkpoint step >= 0, got {args.step}", key="--step")
+
+
+def check_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Validates the options before any model is loaded; returns the default sampling fields
+    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``)."""
+    check_engine_options(args)
     if args.out and not args.prompts:
         raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -129,4 +135,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "build_engine", "check_options", "read_prompts", "run"]
+__all__ = ["add_arguments", "build_engine", "check_engine_options", "check_options", "read_prompts", "run"]
