@@ -34,9 +34,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line, as every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"{self.prog}: {message} (see '{self.prog} --help')\n")
+
+
 def _top_parser() -> argparse.ArgumentParser:
     lines = [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ember",
         description="Ember: efficient sequence models and RL environments in JAX.",
         epilog="commands:\n" + "\n".join(lines) + "\n\nRun 'ember COMMAND --help' for a command's options.",
@@ -64,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     module_name, help_text = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"ember {name}", description=help_text)
+    parser = _Parser(prog=f"ember {name}", description=help_text)
     module.add_arguments(parser)
     args = _parse(parser, rest)
     try:

@@ -141,6 +141,15 @@ def test_user_error_in_process_prints_one_line_and_returns_2(case, workspace, ca
     assert len(lines) == 1 and lines[0].startswith(f"ember {argv[0]}: ") and expected in lines[0], lines
 
 
+def test_usage_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "runs/x", "--episodes", "many"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "ember eval: argument --episodes: invalid int value: 'many' (see 'ember eval --help')"
+    ]
+
+
 @pytest.mark.slow  # two short trainings
 def test_flags_stand_anywhere_among_the_overrides(workspace, capsys):
     """``ember train CONFIG k=v --resume k=v``: both overrides apply and the run resumes."""
