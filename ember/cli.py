@@ -6,7 +6,8 @@ Each subcommand lives in the package that owns it and is imported only when run,
 
 Options may stand anywhere among a command's positional arguments (``ember train CONFIG
 k=v --resume k=v``). Every failure a user can cause raises an ``EmberError``; it is printed
-here as one line, ``ember COMMAND: what is wrong``, with exit code 2 and no traceback.
+here as one line, ``ember COMMAND: what is wrong``, with exit code 2 and no traceback (as
+are argparse's own usage errors).
 """
 
 from __future__ import annotations
