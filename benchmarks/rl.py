@@ -22,9 +22,9 @@ import numpy as np
 
 from benchmarks.harness import on_gpu, print_table, write_results
 from ember.core.config import load_config
-from ember.training.rl.config import EnvConfig, RLConfig
+from ember.envs import EnvConfig, make_from_config
+from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
-from ember.training.rl.experiment import make_env
 from ember.training.rl.ppo import make_act, make_policy, make_train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "rl" / "ppo_cartpole.yaml"
@@ -33,7 +33,7 @@ SOLVED_RETURN = 475.0
 
 def solve_cartpole(source: str, config: RLConfig) -> dict:
     """Compile seconds, train seconds and the 100-episode greedy mean return of one run."""
-    env, env_params = make_env(EnvConfig(id="CartPole-v1", source=source))
+    env, env_params = make_from_config(EnvConfig(id="CartPole-v1", source=source))
     train = jax.jit(make_train(config.ppo, env, env_params))
     rng = jax.random.key(config.seed)
     start = time.perf_counter()
@@ -58,7 +58,7 @@ def solve_cartpole(source: str, config: RLConfig) -> dict:
 
 def steps_per_second(config: RLConfig, num_seeds: int) -> dict:
     """Aggregate env-steps/s of ``num_seeds`` vmapped training runs (compile excluded)."""
-    env, env_params = make_env(config.env)
+    env, env_params = make_from_config(config.env)
     train = jax.jit(jax.vmap(make_train(config.ppo, env, env_params)))
     keys = jax.random.split(jax.random.key(0), num_seeds)
     compiled = train.lower(keys).compile()

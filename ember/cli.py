@@ -3,6 +3,11 @@
 Each subcommand lives in the package that owns it and is imported only when run, so
 ``ember --version`` and ``ember --help`` do not import JAX. A subcommand module defines
 ``add_arguments(parser)`` and ``run(args) -> int``.
+
+Options may stand anywhere among a command's positional arguments (``ember train CONFIG
+k=v --resume k=v``). Every failure a user can cause raises an ``EmberError``; it is printed
+here as one line, ``ember COMMAND: what is wrong``, with exit code 2 and no traceback (as
+are argparse's own usage errors).
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import sys
 from collections.abc import Sequence
 
 import ember
+from ember.core.errors import EmberError
+
+USAGE_ERROR = 2  # the exit code of argparse's own usage errors, and of every EmberError
 
 # name -> (module defining add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -27,9 +35,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line, as every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"{self.prog}: {message} (see '{self.prog} --help')\n")
+
+
 def _top_parser() -> argparse.ArgumentParser:
     lines = [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ember",
         description="Ember: efficient sequence models and RL environments in JAX.",
         epilog="commands:\n" + "\n".join(lines) + "\n\nRun 'ember COMMAND --help' for a command's options.",
@@ -46,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = _top_parser()
         parser.parse_args(argv)  # handles --help / --version and exits
         parser.print_help()
-        return 0 if not argv else 2
+        return 0 if not argv else USAGE_ERROR
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         import difflib
@@ -54,12 +69,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         print(f"ember: unknown command '{name}'.{hint} Commands: {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     module_name, help_text = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"ember {name}", description=help_text)
+    parser = _Parser(prog=f"ember {name}", description=help_text)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)) or 0)
+    args = _parse(parser, rest)
+    try:
+        return int(module.run(args) or 0)
+    except EmberError as error:
+        print(f"ember {name}: {error}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options anywhere among the positionals; commands with sub-commands (``envs``, ``data``)
+    parse in the ordinary way, which is all argparse allows for them."""
+    has_subcommands = any(isinstance(action, argparse._SubParsersAction) for action in parser._actions)
+    return parser.parse_args(argv) if has_subcommands else parser.parse_intermixed_args(argv)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ember.core.errors import PathNotFoundError
+
 _STATE = "state"
 _EXTRA = "extra"
 
@@ -87,7 +89,8 @@ class CheckpointManager:
             ``None`` restores onto the default device.
 
         Raises:
-          FileNotFoundError: when the directory holds no complete checkpoint, or not ``step``.
+          PathNotFoundError (a ``FileNotFoundError``): when the directory holds no complete
+            checkpoint, or not ``step``.
         """
         step = self._resolve_step(step)
         abstract = self._abstract_target(step, target)
@@ -160,10 +163,10 @@ class CheckpointManager:
         self.wait()
         steps = self.all_steps()
         if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+            raise PathNotFoundError(f"no complete checkpoint in {self.directory}")
         step = steps[-1] if step is None else int(step)
         if step not in steps:
-            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available steps: {steps}")
+            raise PathNotFoundError(f"no checkpoint for step {step} in {self.directory}; available steps: {steps}")
         return step
 
     def _abstract_target(self, step: int, target: Any) -> Any:

@@ -212,17 +212,53 @@ def _instantiate(schema: type[T], merged: DictConfig) -> T:
         return OmegaConf.to_object(merged)
     except omegaconf_errors.MissingMandatoryValue as error:
         raise ConfigError(f"config key '{error.full_key}' is required but was not set", key=error.full_key) from None
-    except ConfigError:
-        raise
-    except omegaconf_errors.OmegaConfBaseException as error:
-        cause = error.__cause__ or error.__context__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        if isinstance(cause, ValueError):  # a nested section's own validation (__post_init__)
-            raise ConfigError(f"invalid config: {cause}", key=getattr(error, "full_key", None)) from None
-        raise ConfigError(f"invalid config: {error.msg}", key=getattr(error, "full_key", None)) from None
-    except ValueError as error:  # the top-level schema's own validation (__post_init__)
-        raise ConfigError(f"invalid config: {error}") from None
+    except Exception as error:  # narrowed below: anything but a validation error propagates unchanged
+        invalid = error
+        if isinstance(error, omegaconf_errors.OmegaConfBaseException):
+            cause = error.__cause__ or error.__context__
+            if not isinstance(cause, ValueError):
+                raise ConfigError(f"invalid config: {error.msg}", key=getattr(error, "full_key", None)) from None
+            invalid = cause
+        if not isinstance(invalid, ValueError):  # a schema's own bug, not the user's config
+            raise
+        raise _in_section(invalid, _failing_section(schema, merged)) from None
+
+
+def _failing_section(schema: type, node: DictConfig, prefix: str = "") -> str:
+    """The dotted path (``"ppo.policy."``, ``""`` for the top level) of the innermost section
+    of ``node`` whose own validation (``__post_init__``) fails."""
+    for name, hint in _field_types(schema).items():
+        nested = _dataclass_type(hint)
+        child = node.get(name) if nested is not None else None
+        if not isinstance(child, DictConfig):
+            continue
+        try:
+            OmegaConf.to_object(child)
+        except Exception:  # this section fails: look inside it
+            return _failing_section(nested, child, f"{prefix}{name}.")
+    return prefix
+
+
+def _in_section(error: ValueError, prefix: str) -> ConfigError:
+    """``error`` of the section at ``prefix`` as a ``ConfigError`` keyed by its full path.
+
+    A section names its keys relative to itself (``num_envs``) or under its usual name
+    (``rope.theta``): the full key is ``prefix`` up to where that name starts, then the key
+    (the key alone when it already names the section, as ``optim.schedule.kind`` does); a
+    message that opens with the key opens with the full key instead."""
+    key = getattr(error, "key", None) if isinstance(error, ConfigError) else None
+    if not key:
+        message = str(error) if isinstance(error, ConfigError) else f"invalid config: {error}"
+        return ConfigError(message, key=prefix[:-1] or None)
+    parts = prefix.split(".")[:-1]
+    overlap = next((i for i in range(len(parts)) if key.startswith(".".join(parts[i:]) + ".")), len(parts))
+    if overlap == len(parts) and parts and parts[-1] in key.split(".")[:-1]:
+        overlap = 0  # the key spells the section under a name of its own (``optim.schedule.kind``)
+    full_key = ".".join([*parts[:overlap], key])
+    message = str(error)
+    if message.startswith(key):
+        message = full_key + message[len(key):]
+    return ConfigError(message, key=full_key)
 
 
 def _translate_error(error: Exception, schema: type, layer: DictConfig, origin: str) -> ConfigError:

@@ -33,3 +33,16 @@ class UnknownNameError(EmberError, LookupError):
 
     def __str__(self) -> str:  # LookupError would otherwise repr() the message
         return self.args[0]
+
+
+class PathNotFoundError(EmberError, FileNotFoundError):
+    """A file or directory given by the user does not exist, or does not hold what the
+    command needs (a run directory without its config, a directory that is not an artifact)."""
+
+    def __str__(self) -> str:  # OSError's would prefix an errno when given more arguments
+        return self.args[0]
+
+
+class DataError(EmberError, ValueError):
+    """A file the user gave holds what Ember cannot use: a dataset with no text or torn files,
+    a checkpoint missing tensors, an artifact of another format version."""

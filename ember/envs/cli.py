@@ -26,10 +26,11 @@ def record_episode(env_id: str, seed: int, max_steps: int):
     import jax
     import numpy as np
 
+    from ember.core.errors import ConfigError
     from ember.envs.registry import make
 
     if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        raise ConfigError(f"--max-steps must be >= 1, got {max_steps}", key="--max-steps")
     env, params = make(env_id)
     action_space = env.action_space(params)
 
@@ -55,9 +56,7 @@ def record_episode(env_id: str, seed: int, max_steps: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from ember.core.errors import UnknownNameError
+    from ember.core.errors import ConfigError
     from ember.envs.registry import registered
 
     if args.action == "list":
@@ -66,11 +65,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from ember.envs.rendering import save_gif
 
-    try:
-        frames = record_episode(args.env_id, args.seed, args.max_steps)
-    except (UnknownNameError, ValueError) as error:
-        print(f"ember envs show: {error}", file=sys.stderr)
-        return 2
+    if args.fps < 1:
+        raise ConfigError(f"--fps must be >= 1, got {args.fps}", key="--fps")
+    frames = record_episode(args.env_id, args.seed, args.max_steps)  # an unknown id: UnknownNameError
     path = save_gif(frames, args.out, fps=args.fps)
     print(f"wrote {len(frames)} frames of {args.env_id} to {path}")
     return 0

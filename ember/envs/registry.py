@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Union
 
+from ember.core.errors import ConfigError
 from ember.core.registry import Registry
 from ember.envs.environment import Environment, EnvParams
 
@@ -50,22 +51,28 @@ def make(env_id: str, **overrides) -> tuple[Environment, EnvParams]:
 
     Raises:
       UnknownNameError: unknown ``env_id`` (the message lists the closest ids).
-      ValueError: an override names no field of the environment's params.
+      ConfigError: an override names no field of the environment's params (``key``: its name).
     """
     entry_point = ENVIRONMENTS.get(env_id)
     if isinstance(entry_point, str):
         module_name, attribute = entry_point.split(":")
         entry_point = getattr(importlib.import_module(module_name), attribute)
     env = entry_point()
-    params = env.default_params
-    fields = {field.name for field in dataclasses.fields(params)}
-    unknown = sorted(set(overrides) - fields)
+    return env, with_overrides(env.default_params, overrides, env_id)
+
+
+def with_overrides(params: EnvParams, overrides: dict, env_id: str) -> EnvParams:
+    """``params`` with the fields named in ``overrides`` replaced; ``ConfigError`` (``key``:
+    the first unknown name) for a name that is not a field."""
+    fields = sorted(field.name for field in dataclasses.fields(params))
+    unknown = sorted(set(overrides) - set(fields))
     if unknown:
-        raise ValueError(f"make({env_id!r}): unknown parameter(s) {unknown}; {type(params).__name__} has {sorted(fields)}")
-    return env, params.replace(**overrides)
+        raise ConfigError(f"{env_id}: unknown parameter(s) {unknown}; {type(params).__name__} has {fields}",
+                          key=unknown[0])
+    return params.replace(**overrides)
 
 
 for _env_id, _entry_point in _BUILTIN.items():
     register(_env_id, _entry_point)
 
-__all__ = ["make", "register", "registered", "ENVIRONMENTS"]
+__all__ = ["make", "register", "registered", "with_overrides", "ENVIRONMENTS"]

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ember.core.errors import ConfigError
 from ember.models.initializers import orthogonal
 
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu, "gelu": nn.gelu, "silu": nn.silu}
@@ -166,15 +167,18 @@ class PolicyConfig:
 
     def __post_init__(self):
         if self.torso not in TORSOS:
-            raise ValueError(f"policy.torso must be one of {TORSOS}, got {self.torso!r}")
+            raise ConfigError(f"policy.torso must be one of {TORSOS}, got {self.torso!r}", key="policy.torso")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"policy.activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+            raise ConfigError(f"policy.activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}",
+                              key="policy.activation")
         if not self.hidden_sizes or any(int(h) < 1 for h in self.hidden_sizes):
-            raise ValueError(f"policy.hidden_sizes must be positive widths, got {self.hidden_sizes}")
+            raise ConfigError(f"policy.hidden_sizes must be positive widths, got {self.hidden_sizes}",
+                              key="policy.hidden_sizes")
         if self.log_std not in LOG_STD_KINDS:
-            raise ValueError(f"policy.log_std must be one of {LOG_STD_KINDS}, got {self.log_std!r}")
+            raise ConfigError(f"policy.log_std must be one of {LOG_STD_KINDS}, got {self.log_std!r}",
+                              key="policy.log_std")
         if self.squash not in SQUASH_KINDS:
-            raise ValueError(f"policy.squash must be one of {SQUASH_KINDS}, got {self.squash!r}")
+            raise ConfigError(f"policy.squash must be one of {SQUASH_KINDS}, got {self.squash!r}", key="policy.squash")
 
 
 def _dense(features: int, gain: float, name: str | None = None) -> nn.Dense:

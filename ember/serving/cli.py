@@ -5,7 +5,10 @@
     ember generate --artifact EXPORT_DIR --prompts in.jsonl --out out.jsonl
 
 See :mod:`ember.serving.batch_io` for the JSONL contract. With ``--artifact`` the model
-runs from a ``jax.export`` artifact (``ember export``) without Ember's model code.
+runs from a ``jax.export`` artifact (``ember export``) without Ember's model code. Bad
+options fail before any model loads (``ConfigError`` naming the option); a rejected request
+line is an ``error`` record in the output, except for ``--prompt``, whose rejection is the
+command's error.
 """
 
 from __future__ import annotations
@@ -14,8 +17,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from ember.serving.batch_io import output_record, parse_lines
+from ember.core.errors import ConfigError, EmberError, PathNotFoundError
+from ember.serving.batch_io import InputLine, output_record, parse_lines
+from ember.serving.requests import SamplingParams
+
+# Engine.from_model's arguments that the options set (their ConfigErrors are keyed by these)
+ENGINE_OPTIONS = {"num_slots": "--num-slots", "token_budget": "--token-budget", "max_context": "--max-context"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +48,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def check_engine_options(args: argparse.Namespace) -> None:
+    """The engine sizes and checkpoint step of ``ember generate`` and ``ember export``, checked
+    before any model is loaded (``ConfigError`` keyed by the option)."""
+    for flag, value in (("--num-slots", args.num_slots), ("--token-budget", args.token_budget),
+                        ("--max-context", args.max_context)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}", key=flag)
+    if args.step is not None and args.step < 0:
+        raise ConfigError(f"--step must be a checkpoint step >= 0, got {args.step}", key="--step")
+
+
+def check_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Validates the options before any model is loaded; returns the default sampling fields
+    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``)."""
+    check_engine_options(args)
+    if args.out and not args.prompts:
+        raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    seed=args.seed)
+    for name, value in defaults.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as error:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag}: {error}", key=flag) from None
+    return defaults
+
+
 def build_engine(args: argparse.Namespace):
     """The engine for ``--checkpoint`` or ``--artifact``."""
     from ember.serving.engine import Engine
@@ -51,24 +88,32 @@ def build_engine(args: argparse.Namespace):
     from ember.serving.loading import load_model
 
     loaded = load_model(args.checkpoint, step=args.step)
-    return Engine.from_model(loaded.config, loaded.params, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
-                             num_slots=args.num_slots, token_budget=args.token_budget, max_context=args.max_context)
+    try:
+        return Engine.from_model(loaded.config, loaded.params, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
+                                 num_slots=args.num_slots, token_budget=args.token_budget,
+                                 max_context=args.max_context)
+    except ConfigError as error:
+        flag = ENGINE_OPTIONS.get(error.key)
+        if flag is None:  # about the model (layers the engine cannot serve), not an option
+            raise
+        raise ConfigError(f"{flag}: {error}", key=flag) from None
+
+
+def read_prompts(args: argparse.Namespace, defaults: dict[str, Any]) -> list[InputLine]:
+    """The request lines of ``--prompts`` (a JSONL file) or ``--prompt``."""
+    if args.prompt is not None:
+        return parse_lines([json.dumps({"prompt": args.prompt})], defaults)
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise PathNotFoundError(f"--prompts: no such file: {path}")
+    return parse_lines(path.read_text().splitlines(), defaults)
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.prompts:
-        text = Path(args.prompts).read_text()
-        lines = parse_lines(text.splitlines(), defaults)
-    else:
-        lines = parse_lines([json.dumps({"prompt": args.prompt})], defaults)
-    try:
-        engine = build_engine(args)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"ember generate: {error}", file=sys.stderr)
-        return 2
+    lines = read_prompts(args, check_options(args))
+    engine = build_engine(args)
     valid = [line for line in lines if line.error is None]
     total = sum(line.params.max_tokens for line in valid)
     with tqdm(total=total, unit="tok", desc="generate", disable=args.no_progress, file=sys.stderr) as bar:
@@ -77,17 +122,17 @@ def run(args: argparse.Namespace) -> int:
     records = [output_record(line, by_line.get(line.line_number)) for line in lines]
     if args.prompt is not None:
         record = records[0]
-        if "error" in record:
-            print(f"ember generate: {record['error']}", file=sys.stderr)
-            return 1
+        if "error" in record:  # the one request was rejected (a prompt too long, say): the user's input
+            raise EmberError(record["error"])
         print(record.get("text", record["tokens"]))
         return 0
     out = "".join(json.dumps(record) + "\n" for record in records)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(out)
     else:
         sys.stdout.write(out)
     return 0
 
 
-__all__ = ["add_arguments", "build_engine", "run"]
+__all__ = ["add_arguments", "build_engine", "check_engine_options", "check_options", "read_prompts", "run"]

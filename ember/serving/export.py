@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ember.core.errors import DataError, PathNotFoundError
 from ember.core.tokenizer import tokenizer_from_description
 from ember.serving.program import LAYOUT_FIELDS, DeviceProgram, resolve_token_buckets, step_argument_specs
 
@@ -66,10 +67,11 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
     directory = Path(directory)
     manifest_file = directory / "manifest.json"
     if not manifest_file.is_file():
-        raise FileNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
+        raise PathNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
     manifest = json.loads(manifest_file.read_text())
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"artifact format {manifest.get('format_version')!r} is not the supported {FORMAT_VERSION}")
+        raise DataError(f"artifact format {manifest.get('format_version')!r} of {directory} is not the supported "
+                        f"{FORMAT_VERSION}: export it again with this version of Ember")
     exported = {
         size: jax.export.deserialize(bytearray((directory / f"step_t{size}.jaxexport").read_bytes()))
         for size in manifest["token_buckets"]
@@ -101,8 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ember.serving.cli import check_engine_options
     from ember.serving.loading import load_model
 
+    check_engine_options(args)
     loaded = load_model(args.source, step=args.step)
     out = export_program(loaded.config, loaded.params, args.out_dir, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
                          num_slots=args.num_slots, token_budget=args.token_budget, max_context=args.max_context)

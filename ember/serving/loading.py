@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, read_key
+from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import convert_layer_layout, saved_scan_layers
@@ -35,13 +36,18 @@ class LoadedModel:
 
 def load_model(path: str | Path, *, step: int | None = None, **config_overrides: Any) -> LoadedModel:
     """The model at ``path`` (see the module docstring); ``step`` picks an Ember checkpoint
-    (default the latest); ``config_overrides`` replace ``ModelConfig`` fields."""
+    (default the latest); ``config_overrides`` replace ``ModelConfig`` fields.
+
+    Raises:
+      PathNotFoundError: ``path`` holds no model, or not checkpoint ``step``.
+      ConfigError: its config is invalid (or names an architecture Ember does not support).
+    """
     path = Path(path)
     if (path / "config.json").is_file():
         return _load_hf(path, config_overrides)
     if (path / "config.yaml").is_file():
         return _load_run(path, step, config_overrides)
-    raise FileNotFoundError(
+    raise PathNotFoundError(
         f"{path} is neither an Ember run directory (config.yaml + checkpoints/) nor a Hugging Face "
         "model directory (config.json + safetensors)"
     )
@@ -50,12 +56,18 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
 def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
     section = read_key(path / "config.yaml", "model")
     if section is None:
-        raise ValueError(f"{path / 'config.yaml'} has no model: section")
-    config = dataclasses.replace(load_config(ModelConfig, section), **config_overrides)
+        raise ConfigError(f"{path / 'config.yaml'} has no model: section", key="model")
     try:
-        params = CheckpointManager(path / "checkpoints").restore_part("params", step)
+        config = dataclasses.replace(load_config(ModelConfig, section), **config_overrides)
+    except ConfigError as error:  # keyed within the section: name it as the run's config.yaml does
+        raise ConfigError(f"{path / 'config.yaml'}, model.{error}", key=f"model.{error.key}") from None
+    try:
+        if not (path / "checkpoints").is_dir():  # nothing to open (orbax would start a cleanup thread on it)
+            raise PathNotFoundError(f"no complete checkpoint in {path / 'checkpoints'}")
+        with CheckpointManager(path / "checkpoints") as manager:
+            params = manager.restore_part("params", step)
     except KeyError as error:
-        raise ValueError(error.args[0]) from None
+        raise DataError(error.args[0]) from None
     saved_scan = saved_scan_layers(params)
     if saved_scan != config.scan_layers:
         params = convert_layer_layout(params, dataclasses.replace(config, scan_layers=saved_scan), config)

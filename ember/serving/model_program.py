@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ember.core.errors import ConfigError
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
@@ -78,7 +79,8 @@ def program_layout(config: ModelConfig, num_slots: int, max_context: int | None,
     with the defaults of :func:`build_program` filled in and checked."""
     max_context = config.max_seq_len if max_context is None else max_context
     if not 1 <= max_context <= config.max_seq_len:
-        raise ValueError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}")
+        raise ConfigError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}",
+                          key="max_context")
     pages_per_seq = math.ceil(max_context / config.page_size)
     return dict(
         num_slots=num_slots,

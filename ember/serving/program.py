@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ember.core.errors import ConfigError
 from ember.serving.sampling import settings_spec
 
 StepFunction = Callable[[Any, Any, dict[str, jax.Array], dict[str, jax.Array]], tuple[Any, jax.Array, jax.Array]]
@@ -101,15 +102,16 @@ def step_argument_specs(params: Any, kv: Any, slots: int, num_tokens: int, pages
 def resolve_token_buckets(num_slots: int, token_budget: int, buckets: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The budget sizes to compile, sorted: ``buckets`` if given (their largest is the
     budget), else ``num_slots`` (a step of decodes only) and ``token_budget``. Raises
-    ``ValueError`` for non-positive sizes."""
+    ``ConfigError`` (keyed by the argument) for non-positive sizes."""
     if num_slots < 1:
-        raise ValueError(f"num_slots must be positive, got {num_slots}")
+        raise ConfigError(f"num_slots must be positive, got {num_slots}", key="num_slots")
     if buckets is None:
         if token_budget < 1:
-            raise ValueError(f"token_budget must be positive, got {token_budget}")
+            raise ConfigError(f"token_budget must be positive, got {token_budget}", key="token_budget")
         buckets = (min(num_slots, token_budget), token_budget)
     if not buckets or any(int(b) < 1 for b in buckets):
-        raise ValueError(f"token buckets must be a non-empty list of positive budget sizes, got {buckets!r}")
+        raise ConfigError(f"token_buckets must be a non-empty list of positive budget sizes, got {buckets!r}",
+                          key="token_buckets")
     return tuple(sorted({int(b) for b in buckets}))
 
 

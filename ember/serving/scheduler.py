@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from ember.core.errors import ConfigError
 from ember.serving.pages import PageAllocator, pages_needed
 from ember.serving.requests import FINISH_LENGTH, FINISH_STOP, Request, TokenEvent
 
@@ -46,11 +47,12 @@ class SchedulerConfig:
     def __post_init__(self):
         for name in ("num_slots", "token_budget", "chunk_size", "page_size", "num_pages", "max_context"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}", key=name)
         if self.num_pages < pages_needed(self.max_context, self.page_size):
-            raise ValueError(
+            raise ConfigError(
                 f"num_pages ({self.num_pages}) must hold at least one sequence of max_context "
-                f"({self.max_context}) tokens = {pages_needed(self.max_context, self.page_size)} pages"
+                f"({self.max_context}) tokens = {pages_needed(self.max_context, self.page_size)} pages",
+                key="num_pages",
             )
 
 

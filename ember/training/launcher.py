@@ -1,9 +1,10 @@
 """``ember train CONFIG.yaml [key=value ...] [--resume]`` and ``ember train --list``.
 
 The launcher is thin: it reads the config's ``kind`` (``lm`` by default), loads and
-validates the config against that kind's schema — so an unknown key, a wrong type or a mesh
-that does not fit the devices fails here, before anything compiles — and calls the kind's
-``run(config, resume=...)``. A kind is a module that defines ``CONFIG_SCHEMA`` and ``run``.
+validates the config against that kind's schema — so an unknown key, a wrong type or a bad
+value fails here, before anything compiles — and calls the kind's ``run(config, resume=...)``.
+A kind is a module that defines ``CONFIG_SCHEMA`` and ``run``. Errors are ``EmberError``s,
+which ``ember.cli`` prints as one line (exit code 2).
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import ember
 from ember.core.config import load_config, read_key
-from ember.core.errors import ConfigError, EmberError
+from ember.core.errors import ConfigError
 
 # config kind -> module defining CONFIG_SCHEMA and run(config, *, resume) -> summary dict
 KINDS: dict[str, str] = {
@@ -43,21 +43,13 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         return _list_configs()
     if args.config is None:
-        print("ember train: a CONFIG.yaml is required (see 'ember train --list')", file=sys.stderr)
-        return 2
-    try:
-        kind = read_key(args.config, "kind", args.overrides, default=DEFAULT_KIND)
-        if kind not in KINDS:
-            raise ConfigError(f"unknown config kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}", key="kind")
-        module = importlib.import_module(KINDS[kind])
-        config = load_config(module.CONFIG_SCHEMA, args.config, args.overrides)
-        summary = module.run(config, resume=args.resume)
-    except ConfigError as error:
-        print(f"ember train: {error}", file=sys.stderr)
-        return 2
-    except EmberError as error:
-        print(f"ember train: {error}", file=sys.stderr)
-        return 1
+        raise ConfigError("a CONFIG.yaml is required (see 'ember train --list')")
+    kind = read_key(args.config, "kind", args.overrides, default=DEFAULT_KIND)
+    if kind not in KINDS:
+        raise ConfigError(f"unknown config kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}", key="kind")
+    module = importlib.import_module(KINDS[kind])
+    config = load_config(module.CONFIG_SCHEMA, args.config, args.overrides)
+    summary = module.run(config, resume=args.resume)
     printable = {k: v for k, v in summary.items() if k != "samples"}
     print(json.dumps(printable, indent=2))
     for sample in summary.get("samples", []):

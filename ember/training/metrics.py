@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ember.core.errors import PathNotFoundError
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -69,7 +71,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``run_dir/metrics.jsonl``, in order."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no {METRICS_FILE}; is it an Ember run directory?")
+        raise PathNotFoundError(f"{run_dir} has no {METRICS_FILE}; is it an Ember run directory?")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -10,6 +10,7 @@ import argparse
 import math
 from pathlib import Path
 
+from ember.core.errors import ConfigError
 from ember.training.metrics import read_metrics
 
 SKIPPED = frozenset({"step", "time", "event"})
@@ -40,7 +41,8 @@ def plot_runs(run_dirs: list[Path], out: Path, metrics: list[str] | None = None)
     missing = [name for name in names if not any(name in series for series in runs.values())]
     if missing or not names:
         available = sorted({name for series in runs.values() for name in series})
-        raise ValueError(f"no values for metric(s) {', '.join(missing) or '(any)'}; available: {', '.join(available)}")
+        raise ConfigError(f"no values for metric(s) {', '.join(missing) or '(any)'}; available: {', '.join(available)}",
+                          key="--metrics")
     columns = min(3, len(names))
     rows = math.ceil(len(names) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
@@ -71,10 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = args.out or args.run_dirs[0] / "metrics.png"
     metrics = [m.strip() for m in args.metrics.split(",")] if args.metrics else None
-    try:
-        names = plot_runs(args.run_dirs, out, metrics)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"ember plot: {error}")
-        return 2
+    names = plot_runs(args.run_dirs, out, metrics)
     print(f"wrote {out} ({', '.join(names)})")
     return 0

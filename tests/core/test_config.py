@@ -145,6 +145,42 @@ def test_plain_value_errors_of_a_schema_become_config_errors(override, message):
         load_config(PlainValidatedConfig, None, [override])
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicySection:
+    width: int = 4
+
+    def __post_init__(self):
+        if self.width < 1:  # keyed relative to the section, as a reusable section should be
+            raise ConfigError(f"width must be positive, got {self.width}", key="width")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoSection:
+    steps: int = 1
+    policy: PolicySection = dataclasses.field(default_factory=PolicySection)
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ConfigError(f"steps must be positive, got {self.steps}", key="steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class NestedConfig:
+    algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+
+
+@pytest.mark.parametrize(("override", "key", "message"), [
+    ("algo.steps=0", "algo.steps", "algo.steps must be positive, got 0"),
+    ("algo.policy.width=-3", "algo.policy.width", "algo.policy.width must be positive, got -3"),
+    ("optim.lr=-1", "optim.lr", "optim.lr must be positive, got -1.0"),  # a section that names itself
+])
+def test_a_nested_section_error_carries_the_full_key_path(override, key, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(NestedConfig, None, [override])
+    assert info.value.key == key and str(info.value) == message
+
+
 def test_base_file_inheritance_chain(tmp_path):
     (tmp_path / "sub").mkdir()
     write(tmp_path / "root.yaml", "run_dir: runs/root\nseed: 1\ntrain:\n  steps: 10\n  batch_size: 4\n")

@@ -37,7 +37,7 @@ def test_plot_command_writes_a_png(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert "loss, val_loss" in capsys.readouterr().out
     assert main(["plot", str(tmp_path / "a"), "--metrics", "reward"]) == 2
-    assert "no values for metric(s) reward; available: loss, val_loss" in capsys.readouterr().out
+    assert "no values for metric(s) reward; available: loss, val_loss" in capsys.readouterr().err  # errors: stderr
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         metric_series(tmp_path / "missing")
 

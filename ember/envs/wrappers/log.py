@@ -1,5 +1,8 @@
-"""``LogWrapper``: episode statistics in ``info``, usable under ``vmap`` and ``scan``
-(single-agent environments: the reward must be an array).
+"""``LogWrapper``: episode statistics in ``info``, usable under ``vmap`` and ``scan``.
+
+For a multi-agent environment (reward dicts, ``ember.envs.multi_agent``) the statistics are
+per agent: the return is the episode's rewards averaged over agents (in ``env.agents``
+order) and summed over time, and an episode ends with ``terminated/truncated["__all__"]``.
 
 Adds to ``info`` after every step (scalars per environment):
   * ``"returned_episode"`` (bool): this step ended an episode (terminated or truncated) --
@@ -45,8 +48,8 @@ class LogWrapper(Wrapper):
         obs, env_state, reward, terminated, truncated, info = self.env.step_from_noise(
             noise, state.env_state, action, params
         )
-        done = terminated | truncated
-        episode_return = state.episode_returns + reward.astype(jnp.float32)
+        done, step_reward = _episode_view(self.env, reward, terminated, truncated)
+        episode_return = state.episode_returns + step_reward
         episode_length = state.episode_lengths + 1
         state = LogEnvState(
             env_state=env_state,
@@ -64,3 +67,13 @@ class LogWrapper(Wrapper):
             "timestep": state.timestep,
         }
         return obs, state, reward, terminated, truncated, info
+
+
+def _episode_view(env, reward, terminated, truncated) -> tuple[jax.Array, jax.Array]:
+    """``(done, reward)`` of the whole episode: for a multi-agent step, ``"__all__"`` and the
+    mean reward over agents (float32)."""
+    if isinstance(reward, dict):
+        agents = getattr(env, "unwrapped", env).agents
+        rewards = jnp.stack([reward[agent].astype(jnp.float32) for agent in agents])
+        return terminated["__all__"] | truncated["__all__"], rewards.mean(axis=0)
+    return terminated | truncated, reward.astype(jnp.float32)

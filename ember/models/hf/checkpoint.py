@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from ember.core.errors import PathNotFoundError
 from ember.models.config import ModelConfig
 from ember.models.hf.config_map import config_from_hf, config_to_hf
 from ember.models.hf.weights import params_from_hf, params_to_hf
@@ -28,13 +29,13 @@ def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) 
         ``scan_layers=False``, ``attention_impl=...``).
 
     Raises:
-      FileNotFoundError: no config.json or no safetensors weights in ``path``.
-      ValueError: an unsupported architecture, config field or tensor, named.
+      PathNotFoundError (a ``FileNotFoundError``): no config.json or no safetensors weights.
+      ConfigError, DataError (``ValueError``s): an unsupported architecture or config field; a missing tensor.
     """
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
+        raise PathNotFoundError(f"no config.json in {path}")
     config = config_from_hf(json.loads(config_file.read_text()), **config_overrides)
     return config, params_from_hf(config, read_state(path), dtype=dtype)
 
@@ -65,4 +66,4 @@ def read_state(path: Path) -> dict[str, np.ndarray]:
         return state
     if (path / SINGLE_FILE).is_file():
         return load_file(str(path / SINGLE_FILE))
-    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    raise PathNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")

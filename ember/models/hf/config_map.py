@@ -1,7 +1,7 @@
 """``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral and Qwen2.
 
 Only fields that change the computation are mapped; a field Ember cannot honour (an
-architecture, activation, rope type or bias it does not implement) raises ``ValueError``
+architecture, activation, rope type or bias it does not implement) raises ``ConfigError``
 naming it, rather than loading a model that silently computes something else.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig, RopeConfig
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
@@ -24,15 +25,19 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise ConfigError(
             f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     activation = hf.get("hidden_act", "silu")
     if activation not in _ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {activation!r} in {model_type} config; supported: {', '.join(_ACTIVATIONS)}")
+        raise ConfigError(
+            f"unsupported hidden_act {activation!r} in {model_type} config; supported: {', '.join(_ACTIVATIONS)}"
+        )
     for flag in ("mlp_bias", "attention_bias"):
         if hf.get(flag):
-            raise ValueError(f"unsupported {model_type} config field {flag}=true (Ember's attention/MLP have no such bias)")
+            raise ConfigError(
+                f"unsupported {model_type} config field {flag}=true (Ember's attention/MLP have no such bias)"
+            )
     num_layers = int(hf["num_hidden_layers"])
     kinds = _layer_kinds(hf, model_type, num_layers)
     num_heads = int(hf["num_attention_heads"])
@@ -62,17 +67,19 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
 def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     """A Hugging Face config dict for ``config`` as a ``model_type`` model."""
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+        raise ConfigError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
     kinds = set(config.layer_kinds)
     if not kinds <= {"global", "local"} or config.score != "softmax" or config.qk_norm or config.attn_soft_cap or config.final_soft_cap:
-        raise ValueError(
+        raise ConfigError(
             f"only softmax global/local attention without QK-norm or soft-caps exports to {model_type}; "
             f"this config has layer kinds {sorted(kinds)}, score={config.score!r}, qk_norm={config.qk_norm}"
         )
     if config.norm != "rmsnorm" or config.mlp != "swiglu":
-        raise ValueError(f"{model_type} needs norm='rmsnorm' and mlp='swiglu'; got {config.norm!r}, {config.mlp!r}")
+        raise ConfigError(f"{model_type} needs norm='rmsnorm' and mlp='swiglu'; got {config.norm!r}, {config.mlp!r}")
     if config.qkv_bias != (model_type == "qwen2"):
-        raise ValueError(f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (only qwen2 has q/k/v biases)")
+        raise ConfigError(
+            f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (only qwen2 has q/k/v biases)"
+        )
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -94,10 +101,10 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     if model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
         if "local" in kinds:
-            raise ValueError("llama has no sliding-window layers; export as mistral or qwen2")
+            raise ConfigError("llama has no sliding-window layers; export as mistral or qwen2")
     elif model_type == "mistral":
         if kinds == {"global", "local"}:
-            raise ValueError("mistral applies one sliding window to every layer; a mixed pattern exports as qwen2")
+            raise ConfigError("mistral applies one sliding window to every layer; a mixed pattern exports as qwen2")
         hf["sliding_window"] = config.sliding_window if "local" in kinds else None
     else:
         hf["use_sliding_window"] = "local" in kinds
@@ -123,7 +130,7 @@ def _layer_kinds(hf: Mapping[str, Any], model_type: str, num_layers: int) -> lis
     known = {"full_attention": "global", "sliding_attention": "local"}
     for layer_type in layer_types:
         if layer_type not in known:
-            raise ValueError(f"unsupported qwen2 layer_types entry {layer_type!r}; supported: {', '.join(known)}")
+            raise ConfigError(f"unsupported qwen2 layer_types entry {layer_type!r}; supported: {', '.join(known)}")
     return [known[t] for t in layer_types]
 
 
@@ -152,7 +159,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_len=int(params["original_max_position_embeddings"]),
         )
-    raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
+    raise ConfigError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
 
 
 def _rope_to_hf(rope: RopeConfig) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.core.errors import DataError
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list
 
@@ -20,14 +21,14 @@ def params_from_hf(config: ModelConfig, state: Mapping[str, np.ndarray], dtype: 
     """Ember ``params`` from a HF state dict (``name -> array``) for ``config``.
 
     Raises:
-      ValueError: naming the tensors that are missing or that Ember would ignore.
+      DataError (a ``ValueError``): naming the tensors that are missing or that Ember would ignore.
     """
     heads, kv_heads, head_dim, d_model = config.num_heads, config.kv_heads, config.head_size, config.d_model
     used: set[str] = set()
 
     def take(name: str) -> np.ndarray:
         if name not in state:
-            raise ValueError(f"Hugging Face checkpoint is missing tensor {name!r}")
+            raise DataError(f"Hugging Face checkpoint is missing tensor {name!r}")
         used.add(name)
         return np.asarray(state[name]).astype(dtype)
 
@@ -67,7 +68,7 @@ def params_from_hf(config: ModelConfig, state: Mapping[str, np.ndarray], dtype: 
         used.add("lm_head.weight")  # tied checkpoints may still store the (shared) head
     ignored = sorted(name for name in state if name not in used and not name.endswith("rotary_emb.inv_freq"))
     if ignored:
-        raise ValueError(f"Hugging Face checkpoint has tensors Ember does not use: {', '.join(ignored[:8])}"
+        raise DataError(f"Hugging Face checkpoint has tensors Ember does not use: {', '.join(ignored[:8])}"
                          f"{' ...' if len(ignored) > 8 else ''}")
     return params
 

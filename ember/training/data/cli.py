@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ember.core.errors import PathNotFoundError
 from ember.training.data.token_files import prepare_token_files
 
 
@@ -21,8 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     missing = [str(path) for path in args.files if not path.is_file()]
     if missing:
-        print(f"ember data prepare: not a file: {', '.join(missing)}")
-        return 2
+        raise PathNotFoundError(f"not a file: {', '.join(missing)}")
 
     def documents():
         for path in tqdm(args.files, desc="tokenizing", unit="file"):

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.core.errors import ConfigError, DataError
 from ember.core.tokenizer import ByteTokenizer
 from ember.training.data.packing import pack_window
 
@@ -34,12 +35,12 @@ class PackedBatches:
         if seq_len < 1 or global_batch < 1:
             raise ValueError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
         if global_batch % process_count:
-            raise ValueError(f"global_batch {global_batch} is not divisible by the {process_count} processes")
+            raise ConfigError(f"global_batch {global_batch} is not divisible by the {process_count} processes")
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
         self.num_windows = (len(stream) - 1) // seq_len
         if self.num_windows < 1:
-            raise ValueError(f"the stream holds {len(stream)} tokens, too few for one row of seq_len={seq_len}")
+            raise DataError(f"the stream holds {len(stream)} tokens, too few for one row of seq_len={seq_len}")
         self.stream, self.seq_len, self.global_batch = stream, seq_len, global_batch
         self.seed, self.shuffle, self.eos_id = seed, shuffle, eos_id
         self.local_batch = global_batch // process_count
@@ -53,10 +54,10 @@ class PackedBatches:
                 "seq_len": self.seq_len, "global_batch": self.global_batch}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continues from a saved ``state``; raises ``ValueError`` if the data or shapes changed."""
+        """Continues from a saved ``state``; raises ``ConfigError`` if the data or shapes changed."""
         for key in ("seq_len", "global_batch", "seed", "num_windows"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"cannot resume data iterator: saved {key}={state[key]} but now {getattr(self, key)}")
+                raise ConfigError(f"cannot resume data iterator: saved {key}={state[key]} but now {getattr(self, key)}")
         self.examples_seen = int(state["examples_seen"])
 
     def next(self) -> dict[str, np.ndarray]:

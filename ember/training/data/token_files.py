@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 
 TOKEN_DTYPE = np.uint16
@@ -45,10 +46,10 @@ def prepare_token_files(
     """Tokenizes ``(name, text)`` documents into ``out_dir``; returns the metadata written.
 
     Raises:
-      ValueError: if ``val_fraction`` is outside [0, 1) or no document has any text.
+      ConfigError: ``val_fraction`` is outside [0, 1). DataError: no document has any text.
     """
     if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}", key="val_fraction")
     tokenizer = tokenizer or ByteTokenizer()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +73,7 @@ def prepare_token_files(
     if counts["train"]["tokens"] == 0:
         for path in temporary.values():
             path.unlink(missing_ok=True)
-        raise ValueError("no text to prepare: every document was empty or went to validation")
+        raise DataError("no text to prepare: every document was empty or went to validation")
     for split, path in temporary.items():
         os.replace(path, out_dir / f"{split}.bin")
     meta = {"tokenizer": tokenizer.describe(), "splits": counts, "fingerprint": fingerprint.hexdigest(),
@@ -97,7 +98,7 @@ class TokenDataset:
         directory = Path(directory)
         meta_path = directory / META_FILE
         if not meta_path.is_file():
-            raise FileNotFoundError(
+            raise PathNotFoundError(
                 f"{directory} is not a prepared dataset (no {META_FILE}); create one with "
                 "'ember data prepare TEXT_FILES... --out DIR'"
             )
@@ -108,7 +109,7 @@ class TokenDataset:
             path = directory / f"{split}.bin"
             arrays[split] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if expected else np.zeros(0, TOKEN_DTYPE)
             if arrays[split].size != expected:
-                raise ValueError(f"{path} holds {arrays[split].size} tokens but {META_FILE} says {expected}")
+                raise DataError(f"{path} holds {arrays[split].size} tokens but {META_FILE} says {expected}")
         return cls(directory, arrays["train"], arrays["val"], meta)
 
     @property

@@ -9,38 +9,24 @@
     eval: {episodes: 100}
 
 Only the section of ``algo`` is used (``ippo`` and ``mappo`` read ``ppo:``); setting the
-other section is an error, since its keys would silently do nothing.
+other section is an error, since its keys would silently do nothing. Every value, and
+whether ``algo`` can train an Ember ``env`` at all, is checked when the config is built:
+errors are ``ConfigError``s keyed by the full path (``ppo.num_envs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from ember.core.errors import ConfigError
+from ember.envs import MultiAgentEnvironment
+from ember.envs.config import ENV_SOURCES, EnvConfig, make_from_config
+from ember.training.rl import multi_agent_ppo
 from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
 
 ALGORITHMS = ("ppo", "dqn", "ippo", "mappo")
-ENV_SOURCES = ("ember", "gymnax", "jaxmarl")
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvConfig:
-    """Which environment: ``id`` in the ``source`` library and overrides of its default
-    parameters (``params: {max_steps_in_episode: 200}``). ``source: ember`` (the default)
-    uses ``ember.envs.make``; ``gymnax`` runs ``gymnax.make(id)`` and ``jaxmarl`` runs
-    ``jaxmarl.make(id)`` through Ember's adapters.
-    ``flatten_observation`` wraps the env in ``ember.envs.wrappers.FlattenObservation``
-    (for pytree observations such as the maze's ``{view, has_key}``)."""
-
-    id: str = "CartPole-v1"
-    source: str = "ember"
-    params: dict[str, Any] = dataclasses.field(default_factory=dict)
-    flatten_observation: bool = False
-
-    def __post_init__(self):
-        if self.source not in ENV_SOURCES:
-            raise ValueError(f"env.source must be one of {ENV_SOURCES}, got {self.source!r}")
+MULTI_AGENT_ALGORITHMS = ("ippo", "mappo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +39,7 @@ class EvalConfig:
 
     def __post_init__(self):
         if self.episodes < 1:
-            raise ValueError(f"eval.episodes must be a positive integer, got {self.episodes}")
+            raise ConfigError(f"episodes must be a positive integer, got {self.episodes}", key="episodes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,17 +57,50 @@ class RLConfig:
 
     def __post_init__(self):
         if self.kind != "rl":
-            raise ValueError(f"kind must be 'rl' for an RL config, got {self.kind!r}")
+            raise ConfigError(f"kind must be 'rl' for an RL config, got {self.kind!r}", key="kind")
         if self.algo not in ALGORITHMS:
-            raise ValueError(f"algo must be one of {ALGORITHMS}, got {self.algo!r}")
+            raise ConfigError(f"algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}", key="algo")
         unused = "ppo" if self.algo == "dqn" else "dqn"
         section = getattr(self, unused)
         if section != type(section)():
             used = "dqn" if unused == "ppo" else "ppo"
-            raise ValueError(
+            raise ConfigError(
                 f"algo {self.algo!r} reads the {used}: section, not {unused}:; the {unused}: settings given "
-                f"would have no effect (remove them, or choose an algo that uses them)"
+                f"would have no effect (remove them, or choose an algo that uses them)",
+                key=unused,
+            )
+        if self.algo in MULTI_AGENT_ALGORITHMS:
+            try:
+                multi_agent_ppo.check_config(self.ppo)
+            except ConfigError as error:
+                raise ConfigError(f"ppo.{error} (algo {self.algo!r})", key=f"ppo.{error.key}") from None
+        if self.env.source == "ember":
+            self._check_env_fits_algo()
+
+    def _check_env_fits_algo(self) -> None:
+        """The algorithm can drive the (Ember) environment: one agent or many (homogeneous
+        ones, for a shared policy), discrete actions for DQN. Other sources are checked when
+        their library makes the env."""
+        env, env_params = make_from_config(self.env)
+        multi_agent = isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
+        if multi_agent != (self.algo in MULTI_AGENT_ALGORITHMS):
+            wanted = ", ".join(MULTI_AGENT_ALGORITHMS) if multi_agent else "ppo, dqn"
+            raise ConfigError(
+                f"algo {self.algo!r} cannot train env.id {self.env.id!r}, a "
+                f"{'multi' if multi_agent else 'single'}-agent environment; use algo {wanted}",
+                key="algo",
+            )
+        if multi_agent:
+            try:
+                multi_agent_ppo.make_policy(self.ppo, env, env_params)
+            except ConfigError as error:
+                message = f"algo {self.algo!r} cannot train env.id {self.env.id!r}: {error}"
+                raise ConfigError(message, key="env.id") from None
+        if self.algo == "dqn" and not hasattr(env.action_space(env_params), "n"):
+            raise ConfigError(
+                f"algo 'dqn' needs discrete actions; env.id {self.env.id!r} has {env.action_space(env_params)!r}",
+                key="algo",
             )
 
 
-__all__ = ["ALGORITHMS", "ENV_SOURCES", "EnvConfig", "EvalConfig", "RLConfig"]
+__all__ = ["ALGORITHMS", "ENV_SOURCES", "EnvConfig", "EvalConfig", "MULTI_AGENT_ALGORITHMS", "RLConfig"]

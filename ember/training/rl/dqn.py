@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
+from ember.core.errors import ConfigError
 from ember.envs.batched import BatchedEnv
 from ember.envs.wrappers import LogWrapper
 from ember.models.policies import PolicyConfig, QNetwork
+from ember.training.rl.episode_stats import episode_statistics
 from ember.training.rl.losses import q_learning_loss, q_learning_targets
-from ember.training.rl.ppo import episode_statistics
 from ember.training.rl.replay_buffer import replay_buffer_add, replay_buffer_init, replay_buffer_sample
 
 
@@ -67,19 +68,26 @@ class DQNConfig:
     def __post_init__(self):
         for name in ("num_envs", "total_timesteps", "buffer_size", "batch_size", "target_update_every", "log_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"dqn.{name} must be a positive integer, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}", key=name)
         if self.num_envs > self.buffer_size:
-            raise ValueError(f"dqn.buffer_size ({self.buffer_size}) must hold at least num_envs ({self.num_envs}) transitions")
+            raise ConfigError(
+                f"buffer_size ({self.buffer_size}) must hold at least num_envs ({self.num_envs}) transitions",
+                key="buffer_size",
+            )
         if not 0 <= self.learning_starts <= self.buffer_size:
-            raise ValueError(f"dqn.learning_starts ({self.learning_starts}) must lie in [0, buffer_size={self.buffer_size}]")
+            raise ConfigError(
+                f"learning_starts ({self.learning_starts}) must lie in [0, buffer_size={self.buffer_size}]",
+                key="learning_starts",
+            )
         if self.num_updates < 1:
-            raise ValueError(
-                f"dqn.total_timesteps ({self.total_timesteps}) must cover at least log_every * num_envs "
-                f"= {self.log_every * self.num_envs} env steps"
+            raise ConfigError(
+                f"total_timesteps ({self.total_timesteps}) must cover at least log_every * num_envs "
+                f"= {self.log_every * self.num_envs} env steps",
+                key="total_timesteps",
             )
         for name in ("gamma", "tau", "epsilon_start", "epsilon_end", "exploration_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"dqn.{name} must lie in [0, 1], got {getattr(self, name)}")
+                raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
 
     @property
     def num_updates(self) -> int:
@@ -108,7 +116,7 @@ def epsilon_greedy(key: jax.Array, q_values: jax.Array, epsilon: jax.Array) -> j
 def make_q_network(config: DQNConfig, env, env_params) -> QNetwork:
     space = env.action_space(env_params)
     if not hasattr(space, "n"):
-        raise ValueError(f"DQN needs a discrete action space, got {space!r}")
+        raise ConfigError(f"DQN needs a discrete action space, got {space!r}", key="algo")
     return QNetwork(int(space.n), config.policy)
 
 

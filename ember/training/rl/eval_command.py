@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ember.core.errors import ConfigError
 from ember.training.rl.experiment import evaluate_params, format_summary, load_run, record_episode
 
 
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.episodes < 1:
-        raise ValueError(f"--episodes must be a positive integer, got {args.episodes}")
+        raise ConfigError(f"--episodes must be a positive integer, got {args.episodes}", key="--episodes")
     config, params, obs_stats = load_run(args.run_dir)
     deterministic = False if args.stochastic else None
     summary = evaluate_params(

@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ember.envs
-from ember.envs.wrappers import FlattenObservation, RunningMeanVar
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, to_yaml
-from ember.core.errors import EmberError
+from ember.core.errors import EmberError, PathNotFoundError
+from ember.envs.config import make_from_config
+from ember.envs.wrappers import RunningMeanVar
 from ember.training.metrics import MetricsWriter
 from ember.training.rl import dqn, multi_agent_ppo, ppo
-from ember.training.rl.config import EnvConfig, RLConfig
+from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 
 CONFIG_FILE = "config.yaml"
@@ -112,29 +112,6 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 
-def make_env(config: EnvConfig):
-    """``(env, env_params)`` for the ``env:`` section."""
-    if config.source == "gymnax":
-        import gymnax
-
-        from ember.envs.adapters import GymnaxEnv
-
-        env = GymnaxEnv(*gymnax.make(config.id))
-        env_params = env.default_params.replace(**dict(config.params))
-    elif config.source == "jaxmarl":
-        import jaxmarl
-
-        from ember.envs.adapters import JaxMARLEnv
-
-        env = JaxMARLEnv(jaxmarl.make(config.id))
-        env_params = env.default_params.replace(**dict(config.params))
-    else:
-        env, env_params = ember.envs.make(config.id, **dict(config.params))
-    if config.flatten_observation:
-        env = FlattenObservation(env)
-    return env, env_params
-
-
 def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Trains ``config.algo`` on ``config.env``, writes the run directory (module docstring)
     and returns the evaluation summary written to ``eval.json``.
@@ -153,7 +130,7 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
     (run_dir / CONFIG_FILE).write_text(to_yaml(config))
     algorithm = ALGORITHMS[config.algo]
     section = algorithm.section(config)
-    env, env_params = make_env(config.env)
+    env, env_params = make_from_config(config.env)
     num_updates = algorithm.num_updates(section)
 
     bar = tqdm(total=num_updates, desc=f"{config.algo} {config.env.id}", unit="update", disable=not progress)
@@ -196,7 +173,7 @@ def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]
     finished run."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}")
+        raise PathNotFoundError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}")
     config = load_config(RLConfig, run_dir / CONFIG_FILE)
     state = CheckpointManager(run_dir / CHECKPOINT_DIR).restore().state
     saved_stats = state.get("obs_stats")
@@ -226,7 +203,7 @@ def evaluate_params(
 ) -> dict[str, Any]:
     """Runs the policy ``params`` of ``config`` for ``episodes`` episodes; a JSON-ready summary.
     ``obs_stats``: the run's observation statistics, applied frozen (see :func:`load_run`)."""
-    env, env_params = make_env(config.env)
+    env, env_params = make_from_config(config.env)
     deterministic = config.eval.deterministic if deterministic is None else deterministic
     act = _make_act(config, env, env_params, params, deterministic, obs_stats)
     returns, lengths = evaluate(act, env, env_params, jax.random.key(seed), episodes)
@@ -254,7 +231,7 @@ def record_episode(
 ) -> np.ndarray:
     """Frames ``[time, height, width, 3]`` (uint8) of one episode of the policy, from the
     first observation to the last state before the episode ended."""
-    env, env_params = make_env(config.env)
+    env, env_params = make_from_config(config.env)
     act = _make_act(config, env, env_params, params, deterministic, obs_stats)
     max_steps = int(env_params.max_steps_in_episode)
 
@@ -290,7 +267,6 @@ __all__ = [
     "evaluate_params",
     "format_summary",
     "load_run",
-    "make_env",
     "record_episode",
     "run_experiment",
 ]

@@ -1,4 +1,6 @@
-"""PPO for single-agent environments: the whole run is one jittable ``train(rng)``.
+"""PPO: the whole run is one jittable ``train(rng)``; :func:`make_train` for single-agent
+environments, and the one loop (:func:`make_ppo_train`) that IPPO/MAPPO
+(:mod:`.multi_agent_ppo`) run too, through an :class:`AgentView`.
 
     env, env_params = ember.envs.make("CartPole-v1")
     train = jax.jit(make_train(PPOConfig(), env, env_params))
@@ -9,7 +11,8 @@
 as traced values, so ``jax.vmap`` runs a sweep over learning rates, clip ranges, ... in one
 compiled program. Shapes (``num_envs``, ``num_steps``, minibatches, epochs) are static.
 
-The math lives in :mod:`.gae` and :mod:`.losses`; this module only wires it together:
+The math lives in :mod:`.gae`, :mod:`.losses` and :mod:`.optimization`; this module only
+wires it together:
 rollout of ``num_steps`` in ``num_envs`` auto-resetting environments -> values of the
 observations and of ``info["final_observation"]`` -> GAE -> ``update_epochs`` passes of
 ``num_minibatches`` shuffled minibatches of the PPO loss (with a gradient-norm clip and an
@@ -27,22 +30,26 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from flax import struct
 from flax.training.train_state import TrainState
 
+from ember.core.errors import ConfigError
 from ember.envs.batched import BatchedEnv
 from ember.envs.wrappers import LogWrapper, NormalizeObservation, NormalizeReward, RunningMeanVar
 from ember.models.policies import ActorCritic, PolicyConfig, action_head
+from ember.training.rl.episode_stats import episode_statistics
 from ember.training.rl.gae import gae_advantages
 from ember.training.rl.losses import ppo_loss
+from ember.training.rl.optimization import make_optimizer, minibatch_epochs
 
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    """PPO settings (the ``ppo:`` section of an RL config). Defaults are PureJaxRL's CartPole."""
+    """PPO settings (the ``ppo:`` section of an RL config). Defaults are PureJaxRL's CartPole.
+    Invalid values raise ``ConfigError`` keyed by the field (``num_envs``)."""
 
     num_envs: int = 4
     num_steps: int = 128
@@ -66,20 +73,22 @@ class PPOConfig:
     def __post_init__(self):
         for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
-                raise ValueError(f"ppo.{name} must be a positive integer, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}", key=name)
         if self.num_updates < 1:
-            raise ValueError(
-                f"ppo.total_timesteps ({self.total_timesteps}) must cover at least one rollout of "
-                f"num_envs * num_steps = {self.num_envs * self.num_steps} steps"
+            raise ConfigError(
+                f"total_timesteps ({self.total_timesteps}) must cover at least one rollout of "
+                f"num_envs * num_steps = {self.num_envs * self.num_steps} steps",
+                key="total_timesteps",
             )
         if (self.num_envs * self.num_steps) % self.num_minibatches:
-            raise ValueError(
-                f"ppo.num_minibatches ({self.num_minibatches}) must divide num_envs * num_steps "
-                f"= {self.num_envs * self.num_steps}"
+            raise ConfigError(
+                f"num_minibatches ({self.num_minibatches}) must divide num_envs * num_steps "
+                f"= {self.num_envs * self.num_steps}",
+                key="num_minibatches",
             )
         for name in ("gamma", "gae_lambda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"ppo.{name} must lie in [0, 1], got {getattr(self, name)}")
+                raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
 
     @property
     def num_updates(self) -> int:
@@ -114,7 +123,8 @@ class PPOHyperparams:
 
 @struct.dataclass
 class Transition:
-    """One rollout step of ``num_envs`` environments (time-major once scanned: ``[T, N, ...]``)."""
+    """One rollout step of ``num_envs`` environments (time-major once scanned: ``[T, N, ...]``;
+    a multi-agent rollout adds an agent axis after ``N`` to every field but the episode ones)."""
 
     obs: Any
     raw_action: jax.Array
@@ -129,43 +139,27 @@ class Transition:
     episode_length: jax.Array
 
 
-def make_optimizer(learning_rate: jax.Array, max_grad_norm: jax.Array, *, anneal_steps: int | None) -> optax.GradientTransformation:
-    """Adam after a global-norm clip; with ``anneal_steps``, the learning rate decays
-    linearly to 0 over that many optimizer steps."""
-    if anneal_steps is not None:
-        learning_rate = optax.linear_schedule(learning_rate, 0.0, anneal_steps)
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate, eps=1e-5))
+@dataclasses.dataclass(frozen=True)
+class AgentView:
+    """How PPO's loop (:func:`make_ppo_train`) sees an environment's agents and its policy's
+    inputs. The defaults are one agent; :mod:`.multi_agent_ppo` stacks agents along an axis.
 
-
-def minibatch_epochs(
-    train_state: TrainState,
-    batch: Any,
-    loss_fn: Callable[[Any, Any], tuple[jax.Array, dict[str, jax.Array]]],
-    rng: jax.Array,
-    *,
-    num_epochs: int,
-    num_minibatches: int,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """``num_epochs`` passes over ``batch`` (a pytree with a leading ``[batch]`` axis), each
-    split into ``num_minibatches`` shuffled minibatches, one gradient step per minibatch.
-
-    Returns:
-      The updated train state and ``loss_fn``'s aux (plus ``loss``) averaged over all steps.
+    Attributes:
+      observe: the environment's observation -> the policy's observation ``[N, ...]``.
+      env_action: the policy's action ``[N, ...]`` -> the environment's action.
+      step_arrays: ``(reward, terminated, truncated)`` of a step -> three arrays of one shape
+        (``[N]``, or ``[N, agents]``): the learner's reward and episode ends.
+      policy_inputs: observations ``[..., *obs_shape]`` -> the policy's positional inputs.
+      value_inputs: observations -> the inputs of the policy's ``value`` method.
     """
-    batch_size = jax.tree.leaves(batch)[0].shape[0]
 
-    def epoch(state, key):
-        permutation = jax.random.permutation(key, batch_size)
-        shuffled = jax.tree.map(lambda x: x[permutation].reshape(num_minibatches, -1, *x.shape[1:]), batch)
-
-        def step(state, minibatch):
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, minibatch)
-            return state.apply_gradients(grads=grads), {"loss": loss, **aux}
-
-        return jax.lax.scan(step, state, shuffled)
-
-    train_state, stats = jax.lax.scan(epoch, train_state, jax.random.split(rng, num_epochs))
-    return train_state, jax.tree.map(jnp.mean, stats)
+    observe: Callable[[Any], Any] = lambda obs: obs
+    env_action: Callable[[jax.Array], Any] = lambda action: action
+    step_arrays: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = (
+        lambda reward, terminated, truncated: (reward.astype(jnp.float32), terminated, truncated)
+    )
+    policy_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
+    value_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
 
 
 def minibatch_loss(dist, value: jax.Array, minibatch: dict[str, jax.Array], hp: PPOHyperparams, *,
@@ -186,19 +180,6 @@ def minibatch_loss(dist, value: jax.Array, minibatch: dict[str, jax.Array], hp: 
         entropy_coef=hp.entropy_coef,
         normalize_advantage=normalize_advantage,
     )
-
-
-def episode_statistics(episode_done: jax.Array, episode_return: jax.Array, episode_length: jax.Array) -> dict[str, jax.Array]:
-    """Mean return and length of the episodes that ended in a rollout (``nan`` when none did),
-    and their count."""
-    count = episode_done.sum()
-    denominator = jnp.maximum(count, 1)
-    mean_or_nan = lambda x: jnp.where(count > 0, (x * episode_done).sum() / denominator, jnp.nan)  # noqa: E731
-    return {
-        "episode_return": mean_or_nan(episode_return.astype(jnp.float32)),
-        "episode_length": mean_or_nan(episode_length.astype(jnp.float32)),
-        "episodes": count,
-    }
 
 
 def make_policy(config: PPOConfig, env, env_params) -> ActorCritic:
@@ -237,47 +218,66 @@ def make_train(
       ``policy_loss``, ``value_loss``, ``entropy``, ``clip_fraction``, ``approx_kl``.
       ``jax.jit``- and ``jax.vmap``-able (over ``rng`` and ``hyperparams``).
     """
+    policy = make_policy(config, env, env_params)
+    return make_ppo_train(config, env, env_params, policy, AgentView(), on_update=on_update)
+
+
+def make_ppo_train(
+    config: PPOConfig,
+    env,
+    env_params,
+    policy: nn.Module,
+    view: AgentView,
+    *,
+    on_update: Callable[[Any], None] | None = None,
+) -> Callable[..., dict[str, Any]]:
+    """PPO's loop for ``policy`` (``apply(params, *inputs) -> (dist, value)`` and a ``value``
+    method) on ``env`` seen through ``view``: what :func:`make_train` returns for one agent and
+    :func:`.multi_agent_ppo.make_train` for many. Each update: a rollout of ``num_steps`` in
+    ``num_envs`` environments -> values of ``info["final_observation"]`` -> GAE ->
+    ``update_epochs`` passes of ``num_minibatches`` minibatches of the PPO loss."""
     envs = BatchedEnv(LogWrapper(env), config.num_envs)  # episode statistics on raw rewards
     if config.normalize_rewards:
         envs = NormalizeReward(envs, gamma=config.gamma)
     if config.normalize_observations:  # outermost, so the statistics are env_state.stats
         envs = NormalizeObservation(envs)
-    policy = make_policy(config, env, env_params)
     num_updates = config.num_updates
 
     def train(rng: jax.Array, hyperparams: PPOHyperparams | None = None) -> dict[str, Any]:
         hp = PPOHyperparams.from_config(config) if hyperparams is None else hyperparams
         rng, init_key, reset_key = jax.random.split(rng, 3)
-        obs, env_state = envs.reset(reset_key, env_params)
-        params = policy.init(init_key, obs)
+        env_obs, env_state = envs.reset(reset_key, env_params)
+        obs = view.observe(env_obs)
+        params = policy.init(init_key, *view.policy_inputs(obs))
         optimizer = make_optimizer(hp.learning_rate, hp.max_grad_norm, anneal_steps=config.anneal_steps)
         train_state = TrainState.create(apply_fn=policy.apply, params=params, tx=optimizer)
 
         def rollout_step(carry, key):
             params, env_state, obs = carry
             action_key, env_key = jax.random.split(key)
-            dist, value = policy.apply(params, obs)
+            dist, value = policy.apply(params, *view.policy_inputs(obs))
             raw_action = dist.sample(action_key)
             next_obs, env_state, reward, terminated, truncated, info = envs.step(
-                env_key, env_state, dist.env_action(raw_action), env_params
+                env_key, env_state, view.env_action(dist.env_action(raw_action)), env_params
             )
+            reward, terminated, truncated = view.step_arrays(reward, terminated, truncated)
             transition = Transition(
                 obs=obs,
                 raw_action=raw_action,
                 log_prob=dist.log_prob(raw_action),
                 value=value,
-                reward=reward.astype(jnp.float32),
+                reward=reward,
                 terminated=terminated,
                 truncated=truncated,
-                final_obs=info["final_observation"],
+                final_obs=view.observe(info["final_observation"]),
                 episode_done=info["returned_episode"],
                 episode_return=info["returned_episode_returns"],
                 episode_length=info["returned_episode_lengths"],
             )
-            return (params, env_state, next_obs), transition
+            return (params, env_state, view.observe(next_obs)), transition
 
         def loss_fn(params, minibatch):
-            dist, value = policy.apply(params, minibatch["obs"])
+            dist, value = policy.apply(params, *minibatch["inputs"])
             return minibatch_loss(dist, value, minibatch, hp, normalize_advantage=config.normalize_advantage)
 
         def update(carry, update_index):
@@ -286,7 +286,7 @@ def make_train(
             (_, env_state, obs), rollout = jax.lax.scan(
                 rollout_step, (train_state.params, env_state, obs), jax.random.split(rollout_key, config.num_steps)
             )
-            next_values = policy.apply(train_state.params, rollout.final_obs, method="value")
+            next_values = policy.apply(train_state.params, *view.value_inputs(rollout.final_obs), method="value")
             advantages, returns = gae_advantages(
                 rollout.reward,
                 rollout.value,
@@ -297,14 +297,15 @@ def make_train(
                 gae_lambda=hp.gae_lambda,
             )
             batch = {
-                "obs": rollout.obs,
+                "inputs": view.policy_inputs(rollout.obs),
                 "raw_action": rollout.raw_action,
                 "log_prob": rollout.log_prob,
                 "value": rollout.value,
                 "advantages": advantages,
                 "returns": returns,
             }
-            batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)  # [T * N, ...]
+            leading = rollout.reward.ndim  # [T, N] or [T, N, agents]: one sample per element
+            batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[leading:]), batch)
             train_state, losses = minibatch_epochs(
                 train_state,
                 batch,
@@ -349,14 +350,13 @@ def make_act(
 
 
 __all__ = [
+    "AgentView",
     "PPOConfig",
     "PPOHyperparams",
     "Transition",
-    "episode_statistics",
     "make_act",
-    "make_optimizer",
     "make_policy",
+    "make_ppo_train",
     "make_train",
-    "minibatch_epochs",
     "minibatch_loss",
 ]

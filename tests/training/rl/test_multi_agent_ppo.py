@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from ember.core.config import load_config
+from ember.core.errors import ConfigError
+from ember.envs import make_from_config
 from ember.training.rl import multi_agent_ppo
 from ember.training.rl.config import RLConfig
-from ember.training.rl.experiment import ALGORITHMS, make_env
 from ember.training.rl.evaluate import evaluate
+from ember.training.rl.experiment import ALGORITHMS
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 
@@ -31,7 +33,7 @@ def test_algo_selects_the_critic_input(algo, critic_features):
     """The launcher's ``mappo`` trains a critic on the global state (3 agents' 18-dim
     observations and a one-hot id), ``ippo`` one on the agent's own observation."""
     config = load_config(RLConfig, CONFIGS / f"{algo}_simple_spread.yaml")
-    env, env_params = make_env(config.env)
+    env, env_params = make_from_config(config.env)
     train = ALGORITHMS[config.algo].make_train(config.ppo, env, env_params, None)
     result = jax.eval_shape(train, jax.random.key(0))  # traced, not compiled or run
     first_layer = result["params"]["params"]["critic"]["torso"]["Dense_0"]["kernel"]
@@ -40,9 +42,13 @@ def test_algo_selects_the_critic_input(algo, critic_features):
 
 @pytest.mark.parametrize("option", ["normalize_rewards", "normalize_observations"])
 def test_normalisation_options_are_refused_for_multi_agent_training(option):
+    """Refused when the config loads (keyed by the full path), and by ``make_train`` itself."""
+    with pytest.raises(ConfigError, match=f"ppo.{option} is not supported for multi-agent") as info:
+        load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml", [f"ppo.{option}=true"])
+    assert info.value.key == f"ppo.{option}"
     config = load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml")
-    env, env_params = make_env(config.env)
-    with pytest.raises(ValueError, match=f"ppo.{option} is not supported for multi-agent"):
+    env, env_params = make_from_config(config.env)
+    with pytest.raises(ConfigError, match=f"{option} is not supported for multi-agent"):
         multi_agent_ppo.make_train(dataclasses.replace(config.ppo, **{option: True}), env, env_params)
 
 
@@ -64,7 +70,7 @@ def test_shipped_multi_agent_config_beats_random_on_simple_spread(config_name, m
     the centralised critic)."""
     config = load_config(RLConfig, CONFIGS / config_name)
     algorithm = ALGORITHMS[config.algo]
-    env, env_params = make_env(config.env)
+    env, env_params = make_from_config(config.env)
     result = jax.jit(algorithm.make_train(config.ppo, env, env_params, None))(jax.random.key(config.seed))
     act = algorithm.make_act(config.ppo, env, env_params, result["params"], True, None)
     trained, _ = evaluate(act, env, env_params, jax.random.key(1), 100)

@@ -1,0 +1,93 @@
+"""An environment described by a config section (``env:`` of an RL config), and the
+``(env, params)`` it names.
+
+    env: {id: CartPole-v1, params: {max_steps_in_episode: 200}}
+    env: {id: CartPole-v1, source: gymnax}
+    env: {id: MPE_simple_spread_v3, source: jaxmarl}
+
+    env, env_params = make_from_config(EnvConfig(id="CartPole-v1"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ember.core.errors import ConfigError, UnknownNameError
+from ember.envs.environment import Environment, EnvParams
+from ember.envs.registry import make, with_overrides
+from ember.envs.wrappers import FlattenObservation
+
+ENV_SOURCES = ("ember", "gymnax", "jaxmarl")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """Which environment: ``id`` in the ``source`` library and overrides of its default
+    parameters (``params: {max_steps_in_episode: 200}``). ``source: ember`` (the default)
+    uses ``ember.envs.make``; ``gymnax`` runs ``gymnax.make(id)`` and ``jaxmarl`` runs
+    ``jaxmarl.make(id)`` through Ember's adapters.
+    ``flatten_observation`` wraps the env in ``ember.envs.wrappers.FlattenObservation``
+    (for pytree observations such as the maze's ``{view, has_key}``).
+
+    An Ember ``id`` and its ``params`` names are checked when the config is built (an
+    unknown one is a ``ConfigError`` keyed ``id`` or ``params.NAME``); those of the other
+    sources when the environment is made, since that imports their library."""
+
+    id: str = "CartPole-v1"
+    source: str = "ember"
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    flatten_observation: bool = False
+
+    def __post_init__(self):
+        if self.source not in ENV_SOURCES:
+            raise ConfigError(f"source must be one of {', '.join(ENV_SOURCES)}, got {self.source!r}", key="source")
+        if self.source == "ember":
+            make_from_config(self)
+
+
+def make_from_config(config: EnvConfig) -> tuple[Environment, EnvParams]:
+    """``(env, env_params)`` of an :class:`EnvConfig`.
+
+    Raises:
+      ConfigError: an unknown Ember ``id`` (key ``id``, with the closest ids) or parameter
+        name (key ``params.NAME``).
+    """
+    if config.source == "gymnax":
+        from ember.envs.adapters import GymnaxEnv
+
+        env = GymnaxEnv(*_make_in_library(config.source, config.id))
+    elif config.source == "jaxmarl":
+        from ember.envs.adapters import JaxMARLEnv
+
+        env = JaxMARLEnv(_make_in_library(config.source, config.id))
+    else:
+        try:
+            env, _ = make(config.id)
+        except UnknownNameError as error:
+            raise ConfigError(f"id: {error}", key="id") from None
+    try:
+        env_params = with_overrides(env.default_params, dict(config.params), config.id)
+    except ConfigError as error:
+        raise ConfigError(f"params.{error.key}: {error}", key=f"params.{error.key}") from None
+    if config.flatten_observation:
+        env = FlattenObservation(env)
+    return env, env_params
+
+
+def _make_in_library(source: str, env_id: str) -> Any:
+    """``gymnax.make(env_id)`` or ``jaxmarl.make(env_id)``; ``ConfigError`` when the library is
+    not installed (key ``source``) or does not know ``env_id`` (key ``id``)."""
+    import importlib
+
+    try:
+        library = importlib.import_module(source)
+    except ImportError:
+        raise ConfigError(f"source: {source} is not installed (pip install {source})", key="source") from None
+    try:
+        return library.make(env_id)
+    except (KeyError, ValueError) as error:  # how both libraries refuse an unknown id
+        raise ConfigError(f"id: {source} cannot make {env_id!r}: {error}", key="id") from None
+
+
+__all__ = ["ENV_SOURCES", "EnvConfig", "make_from_config"]

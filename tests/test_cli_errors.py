@@ -1,0 +1,164 @@
+"""Every failure a user can cause prints one line naming the problem, exits with code 2 and
+shows no traceback, whichever ``ember`` command it is; flags stand anywhere among arguments.
+
+The failures run as ``ember`` subprocesses (what a user sees), more of them in this process
+through ``main``, from fixtures built once: a prepared dataset, an LM config and run
+directories that conflict with it. Most fail before anything compiles.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ember.cli import main
+from ember.core.checkpoint import CheckpointManager
+from ember.core.config import load_config, to_yaml
+from ember.training.data import prepare_token_files, stdlib_documents
+from ember.training.lm.config import LMConfig
+from ember.training.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+RL_CONFIGS = REPO / "configs" / "rl"
+
+# A 1-layer, width-32 byte model: the one case that trains (non-finite loss) compiles in seconds.
+TINY_LM = [
+    "model.vocab_size=384", "model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.mlp_dim=64",
+    "model.max_seq_len=32", "model.attention_impl=xla", "train.batch_size=8", "train.seq_len=16",
+    "train.log_every=1", "train.eval_every=1000", "train.eval_batches=0", "checkpoint.every=1000",
+    "checkpoint.async_save=false", "logging.progress=false", "logging.tensorboard=false", "sample.prompts=[]",
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A directory with a dataset, an LM config on it, run directories holding a checkpoint
+    (``existing``), one started with a wider model (``wider``), one with no checkpoint
+    (``untrained``) and one with metrics (``plotted``)."""
+    root = tmp_path_factory.mktemp("cli_errors")
+    documents = []
+    for name, text in stdlib_documents():
+        documents.append((name, text))
+        if sum(len(t) for _, t in documents) > 50_000:
+            break
+    prepare_token_files(documents, root / "data", val_fraction=0.1)
+    config = load_config(LMConfig, None, [*TINY_LM, f"data.dataset={root / 'data'}", f"run_dir={root / 'run'}"])
+    (root / "lm.yaml").write_text(to_yaml(config))
+    for name, changes in (("existing", {}), ("wider", {"d_model": 64})):
+        saved = dataclasses.replace(config, run_dir=str(root / name), model=dataclasses.replace(config.model, **changes))
+        with CheckpointManager(root / name / "checkpoints", async_save=False) as manager:
+            manager.save(1, {"params": {"w": np.ones(2, np.float32)}})
+        (root / name / "config.yaml").write_text(to_yaml(saved))
+    (root / "plotted").mkdir()
+    (root / "plotted" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.5}) + "\n")
+    (root / "untrained").mkdir()
+    (root / "untrained" / "config.yaml").write_text(to_yaml(config))
+    return root
+
+
+def train(*args):
+    return ["train", "{root}/lm.yaml", *args]
+
+
+# (command line, a piece of the one-line message); "{root}" is the workspace. Each runs as a
+# subprocess, as a user would run it.
+SUBPROCESS_FAILURES = {
+    "lm unknown key": (train("train.stpes=3"), "unknown config key 'train.stpes'"),
+    "lm wrong type": (train("optim.lr=fast"), "config key 'optim.lr' (from command-line overrides) expects float"),
+    "lm bad model value": (train("model.num_layers=0"), "model.num_layers must be a positive integer, got 0"),
+    "mesh does not fit": (train("mesh.data=3"), "mesh mesh.data=3 x mesh.fsdp=1"),
+    "existing run without --resume": (train("run_dir={root}/existing"), "already holds checkpoints; pass --resume"),
+    "resume with another architecture": (train("run_dir={root}/wider", "--resume"), "changed keys: model.d_model."),
+    "non-finite loss": (
+        train("run_dir={root}/nan", "train.steps=3", "optim.lr=1e30", "optim.clip_norm=0", "optim.schedule.kind=constant"),
+        "non-finite loss at step",
+    ),
+    "rl bad value": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "ppo.num_envs=0"],
+                     "ppo.num_envs must be a positive integer, got 0"),
+    "eval bad episodes": (["eval", "{root}/existing", "--episodes", "0"], "--episodes must be a positive integer"),
+    "generate bad option": (
+        ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"
+    ),
+    "generate missing prompts": (
+        ["generate", "--checkpoint", "{root}/existing", "--prompts", "{root}/nowhere.jsonl"], "--prompts: no such file"
+    ),
+    "export no checkpoint": (["export", "{root}/untrained", "{root}/artifact"], "no complete checkpoint"),
+    "plot no metrics": (["plot", "{root}/existing"], "has no metrics.jsonl"),
+}
+
+# More of the same, run in this process (each subprocess pays JAX's import again).
+IN_PROCESS_FAILURES = {
+    "lm malformed override": (train("train.steps"), "malformed override 'train.steps'"),
+    "missing config file": (["train", "{root}/nowhere.yaml"], "config file not found"),
+    "missing dataset": (train("run_dir={root}/no_data", "data.dataset={root}/nowhere"), "not a prepared dataset"),
+    "rl unknown env": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "env.id=CartPol-v1"],
+                       "env.id: unknown environment 'CartPol-v1'. Did you mean 'CartPole-v1'?"),
+    "rl algo cannot train env": (["train", str(RL_CONFIGS / "dqn_cartpole.yaml"), "env.id=Pendulum-v1"],
+                                 "algo 'dqn' needs discrete actions"),
+    "rl multi-agent option": (["train", str(RL_CONFIGS / "ippo_simple_spread.yaml"), "ppo.normalize_rewards=true"],
+                              "ppo.normalize_rewards is not supported for multi-agent training"),
+    "rl resume": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "run_dir={root}/rl", "--resume"], "cannot --resume"),
+    "eval no run dir": (["eval", "{root}/nowhere"], "is not a run directory"),
+    "generate bad budget": (["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--token-budget", "0"],
+                            "--token-budget must be a positive integer"),
+    "plot unknown metric": (["plot", "{root}/plotted", "--metrics", "reward"], "no values for metric(s) reward"),
+    "data missing file": (["data", "prepare", "{root}/nowhere.txt", "--out", "{root}/d"], "not a file: "),
+    "envs bad max steps": (["envs", "show", "CartPole-v1", "--out", "{root}/x.gif", "--max-steps", "0"],
+                           "--max-steps must be >= 1"),
+}
+
+
+def expand(argv, root):
+    return [arg.format(root=root) for arg in argv]
+
+
+TRAINS = {"non-finite loss"}  # compiles and runs a step: marked slow
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, marks=pytest.mark.slow) if case in TRAINS else case for case in sorted(SUBPROCESS_FAILURES)]
+)
+def test_user_error_prints_one_line_and_exits_2(case, workspace):
+    argv, expected = SUBPROCESS_FAILURES[case]
+    argv = expand(argv, workspace)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "ember", *argv], capture_output=True, text=True, env=env,
+                            cwd=workspace, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines[0].startswith(f"ember {argv[0]}: ") and expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case", sorted(IN_PROCESS_FAILURES))
+def test_user_error_in_process_prints_one_line_and_returns_2(case, workspace, capsys):
+    argv, expected = IN_PROCESS_FAILURES[case]
+    argv = expand(argv, workspace)
+    assert main(argv) == 2  # an exception other than an EmberError would propagate out of main
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ember {argv[0]}: ") and expected in lines[0], lines
+
+
+def test_usage_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "runs/x", "--episodes", "many"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "ember eval: argument --episodes: invalid int value: 'many' (see 'ember eval --help')"
+    ]
+
+
+@pytest.mark.slow  # two short trainings
+def test_flags_stand_anywhere_among_the_overrides(workspace, capsys):
+    """``ember train CONFIG k=v --resume k=v``: both overrides apply and the run resumes."""
+    config, run_dir = workspace / "lm.yaml", workspace / "resumed"
+    assert main(["train", str(config), f"run_dir={run_dir}", "train.steps=1"]) == 0
+    assert main(["train", str(config), f"run_dir={run_dir}", "--resume", "train.steps=2"]) == 0
+    capsys.readouterr()
+    assert [record["step"] for record in read_metrics(run_dir) if "loss" in record] == [1, 2]
+    assert load_config(LMConfig, run_dir / "config.yaml").train.steps == 2
