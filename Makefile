@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,hf]"
 	touch $(STAMP)
 
+# Lint and format check first (fast, and a failure stops before the long suite), then pytest.
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15
 
 # Trains the tiny byte-level LM on this machine's Python stdlib sources (~2 minutes on CPU) into a

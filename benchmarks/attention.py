@@ -81,8 +81,14 @@ def _pallas_mosaic(q, k, v, causal):
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     config = attention_mgpu.TuningConfig(
-        block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
-        block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+        block_q=64,
+        block_kv=128,
+        max_concurrent_steps=2,
+        causal=causal,
+        block_q_dkv=64,
+        block_kv_dkv=64,
+        block_q_dq=64,
+        block_kv_dq=64,
     )
     return attention_mgpu.attention(q, k, v, config)
 
@@ -123,7 +129,7 @@ def _time_or_error(fn, *args, repeats=10):
     """Seconds per call, or the error text (e.g. a baseline that does not support a case)."""
     try:
         return time_fn(fn, *args, warmup=2, repeats=repeats)
-    except Exception as error:  # noqa: BLE001 - a baseline failing is a result, not a crash
+    except Exception as error:
         return _error_text(error)
 
 
@@ -143,7 +149,7 @@ def _diff_or_error(fn, args, want):
     """``||fn(*args) - want|| / ||want||``, or the error text."""
     try:
         return relative_error(fn(*args), want)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return _error_text(error)
 
 
@@ -202,8 +208,13 @@ def block_sparse_rows(impl, baseline, batch, q_len, heads, head_dim, dtype, mask
         fwd, fwd_bwd = _fwd_and_fwd_bwd(attend)
         times[name] = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
     row = dict(
-        section="block_sparse", q_len=q_len, batch=batch, mask=repr(mask), live_blocks=int(live.sum()),
-        total_blocks=int(live.size), live_fraction=float(live.mean()),
+        section="block_sparse",
+        q_len=q_len,
+        batch=batch,
+        mask=repr(mask),
+        live_blocks=int(live.sum()),
+        total_blocks=int(live.size),
+        live_fraction=float(live.mean()),
         ours_fwd_tflops=_tflops(flops, times["ours"][0]),
     )
     for name, (fwd_s, fwd_bwd_s) in times.items():
@@ -225,13 +236,20 @@ def sigmoid_rows(impl, q_len, batch, heads, head_dim, dtype, causal_values=(Fals
                 lambda q, k, v, s=score, c=causal: flash_attention(q, k, v, score=s, causal=c, impl=impl)
             )
             times[score] = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
-        rows.append(dict(
-            section="sigmoid", q_len=q_len, batch=batch, causal=causal,
-            softmax_fwd_ms=_ms(times["softmax"][0]), sigmoid_fwd_ms=_ms(times["sigmoid"][0]),
-            softmax_fwd_bwd_ms=_ms(times["softmax"][1]), sigmoid_fwd_bwd_ms=_ms(times["sigmoid"][1]),
-            fwd_speedup_sigmoid_vs_softmax=_ratio(times["sigmoid"][0], times["softmax"][0]),
-            fwd_bwd_speedup_sigmoid_vs_softmax=_ratio(times["sigmoid"][1], times["softmax"][1]),
-        ))
+        rows.append(
+            dict(
+                section="sigmoid",
+                q_len=q_len,
+                batch=batch,
+                causal=causal,
+                softmax_fwd_ms=_ms(times["softmax"][0]),
+                sigmoid_fwd_ms=_ms(times["sigmoid"][0]),
+                softmax_fwd_bwd_ms=_ms(times["softmax"][1]),
+                sigmoid_fwd_bwd_ms=_ms(times["sigmoid"][1]),
+                fwd_speedup_sigmoid_vs_softmax=_ratio(times["sigmoid"][0], times["softmax"][0]),
+                fwd_bwd_speedup_sigmoid_vs_softmax=_ratio(times["sigmoid"][1], times["softmax"][1]),
+            )
+        )
     return rows
 
 
@@ -251,11 +269,21 @@ def ragged_decode_rows(impl, num_seqs, heads, kv_heads, head_dim, page_size, len
     seconds = _time_or_error(step, q, k_pages, v_pages, table, starts, query_lens, kv_lens, repeats=repeats)
     cache_bytes = 2 * num_seqs * length * kv_heads * head_dim * jnp.dtype(dtype).itemsize
     gbs = cache_bytes / seconds / 1e9 if isinstance(seconds, float) else None
-    return [dict(
-        section="ragged_decode", num_seqs=num_seqs, length=length, page_size=page_size, heads=heads, kv_heads=kv_heads,
-        cache_gb=cache_bytes / 1e9, ours_ms=_ms(seconds), ours_gbs=gbs, measured_bandwidth_gbs=bandwidth_gbs,
-        fraction_of_bandwidth=gbs / bandwidth_gbs if gbs else None,
-    )]
+    return [
+        dict(
+            section="ragged_decode",
+            num_seqs=num_seqs,
+            length=length,
+            page_size=page_size,
+            heads=heads,
+            kv_heads=kv_heads,
+            cache_gb=cache_bytes / 1e9,
+            ours_ms=_ms(seconds),
+            ours_gbs=gbs,
+            measured_bandwidth_gbs=bandwidth_gbs,
+            fraction_of_bandwidth=gbs / bandwidth_gbs if gbs else None,
+        )
+    ]
 
 
 def print_sections(rows, title: str) -> None:
@@ -296,11 +324,20 @@ def main(argv=None) -> int:
     rows += sigmoid_rows(impl, sizes["q_lens"][-1], sizes["batch"], sizes["heads"], sizes["head_dim"], dtype)
     rows += ragged_decode_rows(impl, dtype=dtype, bandwidth_gbs=bandwidth, **decode)
     print_sections(rows, f"{impl}, {jnp.dtype(dtype).name}")
-    path = write_results("attention", dict(
-        impl=impl, dtype=jnp.dtype(dtype).name, gpu=gpu, device_value_checks=checks,
-        measured_bandwidth_gbs=bandwidth, rows=rows,
-        note=None if gpu else "no GPU found: XLA paths at small sizes; the test suite checks kernels in interpret mode",
-    ))
+    path = write_results(
+        "attention",
+        dict(
+            impl=impl,
+            dtype=jnp.dtype(dtype).name,
+            gpu=gpu,
+            device_value_checks=checks,
+            measured_bandwidth_gbs=bandwidth,
+            rows=rows,
+            note=None
+            if gpu
+            else "no GPU found: XLA paths at small sizes; the test suite checks kernels in interpret mode",
+        ),
+    )
     print(f"\nwrote {path}")
     return 0
 

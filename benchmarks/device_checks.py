@@ -62,12 +62,32 @@ class CheckSizes:
 
 
 GPU_CHECK_SIZES = CheckSizes(
-    impl="pallas", dtypes=("bfloat16", "float32"), batch=2, q_len=333, kv_len=461, heads=4, kv_heads=2,
-    head_dim=128, block=64, chunk_size=64, ssd_state=64, page_size=16,
+    impl="pallas",
+    dtypes=("bfloat16", "float32"),
+    batch=2,
+    q_len=333,
+    kv_len=461,
+    heads=4,
+    kv_heads=2,
+    head_dim=128,
+    block=64,
+    chunk_size=64,
+    ssd_state=64,
+    page_size=16,
 )
 TOY_CHECK_SIZES = CheckSizes(
-    impl="interpret", dtypes=("float32",), batch=1, q_len=21, kv_len=27, heads=2, kv_heads=1,
-    head_dim=16, block=8, chunk_size=8, ssd_state=8, page_size=4,
+    impl="interpret",
+    dtypes=("float32",),
+    batch=1,
+    q_len=21,
+    kv_len=27,
+    heads=2,
+    kv_heads=1,
+    head_dim=16,
+    block=8,
+    chunk_size=8,
+    ssd_state=8,
+    page_size=4,
 )
 
 
@@ -218,8 +238,11 @@ def _ragged(**options) -> Callable:
         k_pages, v_pages, table = _random_paged_cache(gen, sizes, dtype, len(query_lens), pages_per_seq)
         q = _normal(gen, (int(query_lens.sum()) + 5, sizes.heads, sizes.head_dim), dtype)
         metadata = dict(
-            page_table=table, **{n: jnp.asarray(a, jnp.int32) for n, a in
-                                 (("query_starts", starts), ("query_lens", query_lens), ("kv_lens", kv_lens))}
+            page_table=table,
+            **{
+                n: jnp.asarray(a, jnp.int32)
+                for n, a in (("query_starts", starts), ("query_lens", query_lens), ("kv_lens", kv_lens))
+            },
         )
         block_q = 16 if sizes.impl == "pallas" else 8
 
@@ -291,8 +314,12 @@ def _short_conv(sizes: CheckSizes, dtype, gen):
 
     def peer(x, weight, bias):
         y = jax.lax.conv_general_dilated(
-            x, weight[:, None, :], window_strides=(1,), padding=[(width - 1, 0)],
-            dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=channels,
+            x,
+            weight[:, None, :],
+            window_strides=(1,),
+            padding=[(width - 1, 0)],
+            dimension_numbers=("NWC", "WIO", "NWC"),
+            feature_group_count=channels,
         )
         return y + bias
 
@@ -334,7 +361,7 @@ def run_check(check: KernelCheck, sizes: CheckSizes, dtype: str, seed: int) -> d
             max_relative_error=max(errors.values()),
             relative_errors=errors,
         )
-    except Exception as error:  # noqa: BLE001 - a kernel that breaks is a result; the next one runs
+    except Exception as error:
         lines = traceback.format_exception(error)
         record.update(passed=False, error=f"{type(error).__name__}: {error}"[:2000], traceback="".join(lines)[-4000:])
     record["seconds"] = time.perf_counter() - started
@@ -342,7 +369,10 @@ def run_check(check: KernelCheck, sizes: CheckSizes, dtype: str, seed: int) -> d
 
 
 def run_checks(
-    sizes: CheckSizes, seed: int, only: tuple[str, ...] = (), deadline: float | None = None,
+    sizes: CheckSizes,
+    seed: int,
+    only: tuple[str, ...] = (),
+    deadline: float | None = None,
     on_result: Callable | None = None,
 ) -> dict:
     """``{"<kernel> <dtype>": record}`` for every check in :data:`KERNEL_CHECKS` (with

@@ -130,14 +130,38 @@ def main() -> None:
                     "ember_steps_per_s": ours,
                     "gymnax_steps_per_s": theirs,
                     "gymnasium_steps_per_s": host,
-                    "gymnasium_vector_env": "CartPoleVectorEnv (NumPy)" if mode == "vector_entry_point" else "SyncVectorEnv",
+                    "gymnasium_vector_env": "CartPoleVectorEnv (NumPy)"
+                    if mode == "vector_entry_point"
+                    else "SyncVectorEnv",
                     "ember_over_gymnax": ours / theirs,
                     "ember_over_gymnasium": ours / host,
                 }
             )
-            print_table(rows[-1:], ["env", "batch", "ember_steps_per_s", "gymnax_steps_per_s", "gymnasium_steps_per_s", "ember_over_gymnax", "ember_over_gymnasium"])
+            print_table(
+                rows[-1:],
+                [
+                    "env",
+                    "batch",
+                    "ember_steps_per_s",
+                    "gymnax_steps_per_s",
+                    "gymnasium_steps_per_s",
+                    "ember_over_gymnax",
+                    "ember_over_gymnasium",
+                ],
+            )
     print()
-    print_table(rows, ["env", "batch", "ember_steps_per_s", "gymnax_steps_per_s", "gymnasium_steps_per_s", "ember_over_gymnax", "ember_over_gymnasium"])
+    print_table(
+        rows,
+        [
+            "env",
+            "batch",
+            "ember_steps_per_s",
+            "gymnax_steps_per_s",
+            "gymnasium_steps_per_s",
+            "ember_over_gymnax",
+            "ember_over_gymnasium",
+        ],
+    )
     path = write_results("envs", {"scan_steps": SCAN_STEPS, "batches": list(BATCHES), "rows": rows})
     print(f"wrote {path}")
 

@@ -86,8 +86,15 @@ class PerfSizes:
 
 
 GPU_SIZES = PerfSizes(
-    impl="pallas", dtype="bfloat16", batch=8, heads=16, head_dim=128, goal_len=8192, long_len=16384,
-    sweep_lens=(16384, 4096, 2048, 1024), causal_values=(True, False),
+    impl="pallas",
+    dtype="bfloat16",
+    batch=8,
+    heads=16,
+    head_dim=128,
+    goal_len=8192,
+    long_len=16384,
+    sweep_lens=(16384, 4096, 2048, 1024),
+    causal_values=(True, False),
     baselines=("cudnn", "pallas_triton", "pallas_mosaic"),
     # 16k / 128-blocks: a 640-token window each side is ~11 live blocks of 128 per row, plus
     # one global block row and column: ~10% live.
@@ -96,19 +103,33 @@ GPU_SIZES = PerfSizes(
         sequence_mixers.GPU_SIZES, seq_lens=(16384,), scan_max_seq=16384, quadratic_max_seq=0, repeats=5
     ),
     decode=dict(num_seqs=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096),
-    train=("350m", 16, 2048), train_overrides=dict(precision="bf16", remat="none"),
-    bandwidth_bytes=4 << 30, matmul_size=8192, repeats=10,
+    train=("350m", 16, 2048),
+    train_overrides=dict(precision="bf16", remat="none"),
+    bandwidth_bytes=4 << 30,
+    matmul_size=8192,
+    repeats=10,
 )
 TOY_SIZES = PerfSizes(
-    impl="xla", dtype="float32", batch=1, heads=2, head_dim=16, goal_len=64, long_len=128,
-    sweep_lens=(), causal_values=(True,), baselines=("xla",),
+    impl="xla",
+    dtype="float32",
+    batch=1,
+    heads=2,
+    head_dim=16,
+    goal_len=64,
+    long_len=128,
+    sweep_lens=(),
+    causal_values=(True,),
+    baselines=("xla",),
     sparse_mask=LocalGlobalMask(8, 8, 4),
     mixers=dataclasses.replace(
         sequence_mixers.CPU_SIZES, seq_lens=(128,), scan_max_seq=128, quadratic_max_seq=0, repeats=1
     ),
     decode=dict(num_seqs=2, heads=2, kv_heads=1, head_dim=16, page_size=8, length=64),
-    train=("tiny", 8, 32), train_overrides=dict(max_seq_len=32),
-    bandwidth_bytes=1 << 20, matmul_size=64, repeats=1,
+    train=("tiny", 8, 32),
+    train_overrides=dict(max_seq_len=32),
+    bandwidth_bytes=1 << 20,
+    matmul_size=64,
+    repeats=1,
 )
 
 
@@ -125,15 +146,29 @@ class Measurement:
 def _ceilings(sizes: PerfSizes, context: dict) -> list[dict]:
     context["bandwidth_gbs"] = measured_bandwidth_gbs(sizes.bandwidth_bytes)
     matmul = measured_matmul_tflops(sizes.matmul_size, jnp.dtype(sizes.dtype))
-    return [dict(section="ceilings", measured_bandwidth_gbs=context["bandwidth_gbs"], matmul_tflops=matmul,
-                 matmul_size=sizes.matmul_size, dtype=sizes.dtype)]
+    return [
+        dict(
+            section="ceilings",
+            measured_bandwidth_gbs=context["bandwidth_gbs"],
+            matmul_tflops=matmul,
+            matmul_size=sizes.matmul_size,
+            dtype=sizes.dtype,
+        )
+    ]
 
 
 def _dense(lengths: Callable[[PerfSizes], tuple[int, ...]]):
     def run(sizes: PerfSizes, context: dict) -> list[dict]:
         return attention.dense_rows(
-            sizes.impl, sizes.baselines, lengths(sizes), sizes.batch, sizes.heads, sizes.head_dim,
-            jnp.dtype(sizes.dtype), causal_values=sizes.causal_values, repeats=sizes.repeats,
+            sizes.impl,
+            sizes.baselines,
+            lengths(sizes),
+            sizes.batch,
+            sizes.heads,
+            sizes.head_dim,
+            jnp.dtype(sizes.dtype),
+            causal_values=sizes.causal_values,
+            repeats=sizes.repeats,
         )
 
     return run
@@ -141,15 +176,28 @@ def _dense(lengths: Callable[[PerfSizes], tuple[int, ...]]):
 
 def _block_sparse(sizes: PerfSizes, context: dict) -> list[dict]:
     return attention.block_sparse_rows(
-        sizes.impl, sizes.baselines[0], sizes.batch, sizes.long_len, sizes.heads, sizes.head_dim,
-        jnp.dtype(sizes.dtype), sizes.sparse_mask, repeats=sizes.repeats,
+        sizes.impl,
+        sizes.baselines[0],
+        sizes.batch,
+        sizes.long_len,
+        sizes.heads,
+        sizes.head_dim,
+        jnp.dtype(sizes.dtype),
+        sizes.sparse_mask,
+        repeats=sizes.repeats,
     )
 
 
 def _sigmoid(sizes: PerfSizes, context: dict) -> list[dict]:
     return attention.sigmoid_rows(
-        sizes.impl, sizes.goal_len, sizes.batch, sizes.heads, sizes.head_dim, jnp.dtype(sizes.dtype),
-        causal_values=sizes.causal_values, repeats=sizes.repeats,
+        sizes.impl,
+        sizes.goal_len,
+        sizes.batch,
+        sizes.heads,
+        sizes.head_dim,
+        jnp.dtype(sizes.dtype),
+        causal_values=sizes.causal_values,
+        repeats=sizes.repeats,
     )
 
 
@@ -214,11 +262,17 @@ def goals(rows: list[dict], sizes: PerfSizes) -> dict[str, dict]:
     measured = {
         f"flash_fwd_{sizes.goal_len}_causal_speed_vs_{baseline}": (dense.get(f"fwd_speedup_vs_{baseline}"), 0.8),
         f"block_sparse_{sizes.long_len}_fwd_speedup_vs_{baseline}_with_mask": (
-            sparse.get(f"fwd_speedup_vs_{baseline}_with_mask"), 3.0),
+            sparse.get(f"fwd_speedup_vs_{baseline}_with_mask"),
+            3.0,
+        ),
         f"linear_attention_fwd_bwd_{sizes.long_len}_speedup_vs_our_flash": (
-            over(flash.get("fwd_bwd_ms"), linear.get("fwd_bwd_ms")), 4.0),
+            over(flash.get("fwd_bwd_ms"), linear.get("fwd_bwd_ms")),
+            4.0,
+        ),
         f"ssd_fwd_bwd_{sizes.long_len}_speedup_vs_naive_scan": (
-            over(ssd_scan.get("fwd_bwd_ms"), ssd_chunked.get("fwd_bwd_ms")), 5.0),
+            over(ssd_scan.get("fwd_bwd_ms"), ssd_chunked.get("fwd_bwd_ms")),
+            5.0,
+        ),
         "ragged_decode_fraction_of_measured_bandwidth": (decode.get("fraction_of_bandwidth"), 0.7),
         f"{sizes.train[0]}_train_step_mfu": (train.get("ember_mfu"), 0.45),
     }
@@ -236,9 +290,14 @@ def _run_measurement(measurement: Measurement, sizes: PerfSizes, context: dict, 
     started = time.perf_counter()
     try:
         rows = measurement.run(sizes, context)
-    except Exception as error:  # noqa: BLE001 - one failed measurement must not lose the others
-        rows = [dict(section=measurement.name, error=f"{type(error).__name__}: {error}"[:2000],
-                     traceback="".join(traceback.format_exception(error))[-4000:])]
+    except Exception as error:
+        rows = [
+            dict(
+                section=measurement.name,
+                error=f"{type(error).__name__}: {error}"[:2000],
+                traceback="".join(traceback.format_exception(error))[-4000:],
+            )
+        ]
     seconds = time.perf_counter() - started
     print(f"[perf] {measurement.name}: {len(rows)} rows in {seconds:.1f} s", flush=True)
     for row in rows:
@@ -247,16 +306,28 @@ def _run_measurement(measurement: Measurement, sizes: PerfSizes, context: dict, 
     return rows
 
 
-def run(toy: bool, results_dir: Path | None, budget_s: float, seed: int, only_checks: tuple[str, ...] = (),
-        skip: tuple[str, ...] = ()) -> Path:
+def run(
+    toy: bool,
+    results_dir: Path | None,
+    budget_s: float,
+    seed: int,
+    only_checks: tuple[str, ...] = (),
+    skip: tuple[str, ...] = (),
+) -> Path:
     """Runs the checks and the measurements; returns the results file's path."""
     check_sizes: CheckSizes = TOY_CHECK_SIZES if toy else GPU_CHECK_SIZES
     sizes = TOY_SIZES if toy else GPU_SIZES
     deadline = time.monotonic() + budget_s
     record: dict[str, Any] = dict(
-        toy=toy, seed=seed, budget_s=budget_s, check_sizes=dataclasses.asdict(check_sizes),
+        toy=toy,
+        seed=seed,
+        budget_s=budget_s,
+        check_sizes=dataclasses.asdict(check_sizes),
         perf_sizes={k: repr(v) for k, v in dataclasses.asdict(sizes).items()},
-        kernels=[check.name for check in KERNEL_CHECKS], device_value_checks={}, rows=[], goals={},
+        kernels=[check.name for check in KERNEL_CHECKS],
+        device_value_checks={},
+        rows=[],
+        goals={},
     )
 
     def save() -> Path:
@@ -265,8 +336,13 @@ def run(toy: bool, results_dir: Path | None, budget_s: float, seed: int, only_ch
     def run_checks_in(dtypes, deadline=None):
         if "checks" not in skip and dtypes:
             results = record["device_value_checks"]
-            run_checks(dataclasses.replace(check_sizes, dtypes=dtypes), seed, only=only_checks, deadline=deadline,
-                       on_result=lambda new: (results.update(new), save()))
+            run_checks(
+                dataclasses.replace(check_sizes, dtypes=dtypes),
+                seed,
+                only=only_checks,
+                deadline=deadline,
+                on_result=lambda new: (results.update(new), save()),
+            )
 
     # The first dtype (bf16 on a GPU) is checked first; the others after the timings, in
     # what is left of the budget: they compile the same kernels again.
@@ -289,12 +365,21 @@ def _print_summary(record: dict) -> None:
     checks = record["device_value_checks"]
     print("\n== device value checks ==")
     print_table(
-        [dict(kernel=name, passed=r["passed"], max_rel_error=r.get("max_relative_error"),
-              error=(r.get("error") or "")[:80]) for name, r in checks.items()],
+        [
+            dict(
+                kernel=name,
+                passed=r["passed"],
+                max_rel_error=r.get("max_relative_error"),
+                error=(r.get("error") or "")[:80],
+            )
+            for name, r in checks.items()
+        ],
         ["kernel", "passed", "max_rel_error", "error"],
     )
-    attention.print_sections([r for r in record["rows"] if "section" in r and r.get("section") != "sequence_mixers"],
-                             "see the JSON for every column")
+    attention.print_sections(
+        [r for r in record["rows"] if "section" in r and r.get("section") != "sequence_mixers"],
+        "see the JSON for every column",
+    )
     mixers = [r for r in record["rows"] if r.get("section") == "sequence_mixers"]
     if mixers:
         print("\n== sequence_mixers ==")

@@ -91,7 +91,7 @@ def write_results(name: str, payload: dict[str, Any], results_dir: Path | None =
     record = {
         "benchmark": name,
         "device": device_label(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "system": system_info(),
         **payload,
     }

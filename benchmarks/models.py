@@ -75,7 +75,10 @@ class PlainLM(nn.Module):
 
 def plain_params_from_ember(config: ModelConfig, params) -> dict:
     """The same weights in the plain model's layout."""
-    plain = {"embed": {"embedding": params["embed"]["embedding"]}, "final_norm": {"scale": params["final_norm"]["scale"]}}
+    plain = {
+        "embed": {"embedding": params["embed"]["embedding"]},
+        "final_norm": {"scale": params["final_norm"]["scale"]},
+    }
     for i, layer in enumerate(layers_to_list(config, params)):
         plain[f"block_{i}"] = {
             "attn_norm": {"scale": layer["attn_norm"]["scale"]},
@@ -136,7 +139,20 @@ def main() -> None:
     else:
         print("No GPU found: timing the tiny preset on CPU at batch 8, seq 128 (f32).")
         rows = [run_preset(name, batch=8, seq=128, precision="f32") for name in (args.presets or ["tiny"])]
-    print_table(rows, ["preset", "batch", "seq", "precision", "ours_tokens_per_s", "plain_tokens_per_s", "ratio", "ours_tflops", "ours_mfu"])
+    print_table(
+        rows,
+        [
+            "preset",
+            "batch",
+            "seq",
+            "precision",
+            "ours_tokens_per_s",
+            "plain_tokens_per_s",
+            "ratio",
+            "ours_tflops",
+            "ours_mfu",
+        ],
+    )
     path = write_results("models", {"rows": rows})
     print(f"wrote {path}")
 

@@ -45,15 +45,35 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(
-    batch=1, heads=16, head_dim=128, ssd_heads=32, ssd_head_dim=64, ssd_state=128,
-    seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536), scan_max_seq=16384, quadratic_max_seq=8192,
-    decode_positions=(128, 512, 2048, 8192, 32768), dtype="bfloat16", chunk_impls=("pallas", "xla"), repeats=10,
+    batch=1,
+    heads=16,
+    head_dim=128,
+    ssd_heads=32,
+    ssd_head_dim=64,
+    ssd_state=128,
+    seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536),
+    scan_max_seq=16384,
+    quadratic_max_seq=8192,
+    decode_positions=(128, 512, 2048, 8192, 32768),
+    dtype="bfloat16",
+    chunk_impls=("pallas", "xla"),
+    repeats=10,
 )
 # The Pallas interpreter is far too slow to time; on CPU the chunked form is the XLA path.
 CPU_SIZES = Sizes(
-    batch=1, heads=2, head_dim=32, ssd_heads=4, ssd_head_dim=16, ssd_state=16,
-    seq_lens=(256, 1024), scan_max_seq=1024, quadratic_max_seq=1024,
-    decode_positions=(128, 512, 2048), dtype="float32", chunk_impls=("xla",), repeats=5,
+    batch=1,
+    heads=2,
+    head_dim=32,
+    ssd_heads=4,
+    ssd_head_dim=16,
+    ssd_state=16,
+    seq_lens=(256, 1024),
+    scan_max_seq=1024,
+    quadratic_max_seq=1024,
+    decode_positions=(128, 512, 2048),
+    dtype="float32",
+    chunk_impls=("xla",),
+    repeats=5,
 )
 
 
@@ -61,7 +81,8 @@ DECODE_REPEATS = 200  # a step takes ~0.1 ms: many repeats make its median stabl
 
 
 def flash_attention_baseline() -> tuple[str, Callable]:
-    """The "flash attention" rows (causal, same shapes): Ember's flash attention, or ``jax.nn.dot_product_attention`` if it is not importable."""
+    """The "flash attention" rows (causal, same shapes): Ember's flash attention, or
+    ``jax.nn.dot_product_attention`` if it is not importable."""
     try:
         from ember.kernels_pallas.flash_attention import flash_attention
     except ImportError:
@@ -79,7 +100,7 @@ def measure(fn: Callable, args, repeats: int) -> float | str:
     """Milliseconds per call, or the error's first line (e.g. out of memory)."""
     try:
         return 1e3 * time_fn(fn, *args, warmup=1, repeats=repeats)
-    except Exception as error:  # noqa: BLE001 - a failed size is reported, not fatal
+    except Exception as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
 
 
@@ -101,11 +122,25 @@ def linear_attention_rows(sizes: Sizes, dtype, keys) -> list[dict]:
             forms["quadratic"] = lambda q, k, v, g: linear_attention_quadratic(q, k, v, log_decay=g)
         for form, fn in forms.items():
             forward, both = forward_and_backward(fn, (0, 1, 2, 3))
-            rows.append(dict(op="linear_attention", seq=seq, form=form, fwd_ms=measure(forward, (q, k, v, log_decay), sizes.repeats),
-                             fwd_bwd_ms=measure(both, (q, k, v, log_decay), sizes.repeats)))
+            rows.append(
+                dict(
+                    op="linear_attention",
+                    seq=seq,
+                    form=form,
+                    fwd_ms=measure(forward, (q, k, v, log_decay), sizes.repeats),
+                    fwd_bwd_ms=measure(both, (q, k, v, log_decay), sizes.repeats),
+                )
+            )
         forward, both = forward_and_backward(baseline, (0, 1, 2))
-        rows.append(dict(op="linear_attention", seq=seq, form="flash attention", fwd_ms=measure(forward, (q, k, v), sizes.repeats),
-                         fwd_bwd_ms=measure(both, (q, k, v), sizes.repeats)))
+        rows.append(
+            dict(
+                op="linear_attention",
+                seq=seq,
+                form="flash attention",
+                fwd_ms=measure(forward, (q, k, v), sizes.repeats),
+                fwd_bwd_ms=measure(both, (q, k, v), sizes.repeats),
+            )
+        )
     return rows
 
 
@@ -133,8 +168,15 @@ def ssd_rows(sizes: Sizes, dtype, keys) -> list[dict]:
             forms["quadratic"] = ssd_quadratic
         for form, fn in forms.items():
             forward, both = forward_and_backward(fn, (0, 1, 2, 3, 4))
-            rows.append(dict(op="ssd", seq=seq, form=form, fwd_ms=measure(forward, args, sizes.repeats),
-                             fwd_bwd_ms=measure(both, args, sizes.repeats)))
+            rows.append(
+                dict(
+                    op="ssd",
+                    seq=seq,
+                    form=form,
+                    fwd_ms=measure(forward, args, sizes.repeats),
+                    fwd_bwd_ms=measure(both, args, sizes.repeats),
+                )
+            )
     return rows
 
 
@@ -145,15 +187,25 @@ def decode_rows(sizes: Sizes, dtype, keys) -> list[dict]:
     s_step = jax.jit(ssd_step)
     shape = (sizes.batch, 1, sizes.heads, sizes.head_dim)
     for position in sizes.decode_positions:
-        q, k, v = (jax.random.normal(key, (sizes.batch, position, sizes.heads, sizes.head_dim), dtype) for key in keys[:3])
+        q, k, v = (
+            jax.random.normal(key, (sizes.batch, position, sizes.heads, sizes.head_dim), dtype) for key in keys[:3]
+        )
         _, state = linear_attention(jax.nn.softplus(q), jax.nn.softplus(k), v, return_final_state=True)
         token = [jax.random.normal(key, shape, dtype)[:, 0] for key in keys[3:6]]
-        rows.append(dict(op="linear_attention_step", position=position,
-                         step_ms=measure(la_step, (*token, state), DECODE_REPEATS)))
+        rows.append(
+            dict(
+                op="linear_attention_step", position=position, step_ms=measure(la_step, (*token, state), DECODE_REPEATS)
+            )
+        )
         x, dt, A, B, C = ssd_inputs(sizes, position, dtype, keys)
         _, ssm_state = ssd(x, dt, A, B, C, return_final_state=True)
-        rows.append(dict(op="ssd_step", position=position,
-                         step_ms=measure(s_step, (x[:, -1], dt[:, -1], A, B[:, -1], C[:, -1], ssm_state), DECODE_REPEATS)))
+        rows.append(
+            dict(
+                op="ssd_step",
+                position=position,
+                step_ms=measure(s_step, (x[:, -1], dt[:, -1], A, B[:, -1], C[:, -1], ssm_state), DECODE_REPEATS),
+            )
+        )
     return rows
 
 
@@ -191,10 +243,15 @@ def main() -> None:
     summary = ratios(mixer_rows + step_rows, sizes)
     for name, value in summary.items():
         print(f"{name}: {value}")
-    path = write_results("sequence_mixers", {
-        "sizes": dataclasses.asdict(sizes), "baseline": flash_attention_baseline()[0],
-        "rows": mixer_rows + step_rows, "ratios": summary,
-    })
+    path = write_results(
+        "sequence_mixers",
+        {
+            "sizes": dataclasses.asdict(sizes),
+            "baseline": flash_attention_baseline()[0],
+            "rows": mixer_rows + step_rows,
+            "ratios": summary,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import tempfile
 import time
 
@@ -49,8 +50,16 @@ from ember.serving.requests import SamplingParams
 from ember.serving.sampling import settings_array
 
 TINY = ModelConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, mlp_dim=256, max_seq_len=1024, page_size=16)
-M125 = ModelConfig(vocab_size=32768, d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, max_seq_len=1024,
-                   page_size=16, precision="bf16")
+M125 = ModelConfig(
+    vocab_size=32768,
+    d_model=768,
+    num_layers=12,
+    num_heads=12,
+    mlp_dim=2048,
+    max_seq_len=1024,
+    page_size=16,
+    precision="bf16",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +69,15 @@ class Workload:
     output_lens: list[int]
 
 
-def make_workload(seed: int, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  rate: float, vocab: int) -> Workload:
+def make_workload(
+    seed: int, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], rate: float, vocab: int
+) -> Workload:
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=count))
     arrivals -= arrivals[0]
-    prompts = [rng.integers(0, vocab, size=int(rng.integers(*prompt_range, endpoint=True))).tolist() for _ in range(count)]
+    prompts = [
+        rng.integers(0, vocab, size=int(rng.integers(*prompt_range, endpoint=True))).tolist() for _ in range(count)
+    ]
     outputs = [int(rng.integers(*output_range, endpoint=True)) for _ in range(count)]
     return Workload(arrivals.tolist(), prompts, outputs)
 
@@ -73,7 +85,7 @@ def make_workload(seed: int, count: int, prompt_range: tuple[int, int], output_r
 def summarize(name: str, workload: Workload, token_times: list[list[float]], elapsed: float) -> dict:
     """Throughput and latency percentiles from each request's token timestamps."""
     ttft = [times[0] - arrival for times, arrival in zip(token_times, workload.arrivals)]
-    tbt = [b - a for times in token_times for a, b in zip(times, times[1:])]
+    tbt = [b - a for times in token_times for a, b in itertools.pairwise(times)]
     tokens = sum(len(times) for times in token_times)
     row = {"system": name, "output_tok_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens}
     for label, values in (("ttft", ttft), ("tbt", tbt)):
@@ -142,14 +154,16 @@ def run_transformers(config: ModelConfig, params, workload: Workload) -> tuple[l
         time.sleep(max(0.0, arrival - (time.perf_counter() - start)))
         streamer = TimingStreamer(start)
         with torch.no_grad():
-            model.generate(torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length, do_sample=False,
-                           streamer=streamer)
+            model.generate(
+                torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length, do_sample=False, streamer=streamer
+            )
         token_times.append(streamer.times)
     return token_times, time.perf_counter() - start
 
 
-def bench_model(name: str, config: ModelConfig, workload: Workload, *, num_slots: int, token_budget: int,
-                with_hf: bool) -> list[dict]:
+def bench_model(
+    name: str, config: ModelConfig, workload: Workload, *, num_slots: int, token_budget: int, with_hf: bool
+) -> list[dict]:
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     max_context = max(len(p) for p in workload.prompts) + max(workload.output_lens)
     max_context = -(-max_context // config.page_size) * config.page_size
@@ -196,9 +210,16 @@ def decode_bandwidth(name: str, config: ModelConfig, *, rows: int, context: int,
     copy_seconds = time_fn(jax.jit(lambda x: x + 1.0), source, repeats=20)
     copy_bandwidth = 2 * source.nbytes / copy_seconds
     achieved = (weight_bytes + kv_bytes) / seconds
-    return {"model": name, "rows": rows, "context": context, "step_ms": seconds * 1e3,
-            "bytes_per_step": weight_bytes + kv_bytes, "achieved_gb_s": achieved / 1e9,
-            "copy_gb_s": copy_bandwidth / 1e9, "fraction_of_copy": achieved / copy_bandwidth}
+    return {
+        "model": name,
+        "rows": rows,
+        "context": context,
+        "step_ms": seconds * 1e3,
+        "bytes_per_step": weight_bytes + kv_bytes,
+        "achieved_gb_s": achieved / 1e9,
+        "copy_gb_s": copy_bandwidth / 1e9,
+        "fraction_of_copy": achieved / copy_bandwidth,
+    }
 
 
 def main() -> None:
@@ -219,8 +240,9 @@ def main() -> None:
     rows = []
     for name, config, num_slots, token_budget in cases:
         workload = make_workload(0, vocab=config.vocab_size, **shape)
-        rows += bench_model(name, config, workload, num_slots=num_slots, token_budget=token_budget,
-                            with_hf=not args.skip_hf)
+        rows += bench_model(
+            name, config, workload, num_slots=num_slots, token_budget=token_budget, with_hf=not args.skip_hf
+        )
     columns = ["model", "system", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "seconds"]
     print_table(rows, columns)
     for name in dict.fromkeys(row["model"] for row in rows):

@@ -27,7 +27,15 @@ import numpy as np
 import optax
 
 from benchmarks.harness import on_gpu, print_table, time_compile, time_fn, write_results
-from ember.core.sharding import DEFAULT_RULES, MeshConfig, make_mesh, named_sharding, tree_shardings, unbox, use_sharding
+from ember.core.sharding import (
+    DEFAULT_RULES,
+    MeshConfig,
+    make_mesh,
+    named_sharding,
+    tree_shardings,
+    unbox,
+    use_sharding,
+)
 from ember.core.system_info import peak_flops_per_device
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
@@ -38,14 +46,39 @@ from ember.training.train_step import init_state, train_step
 from ember.training.trainable import map_paths, param_paths
 
 CPU_CASES = {
-    "tiny (2x64)": (ModelConfig(vocab_size=384, d_model=64, num_layers=2, num_heads=4, mlp_dim=256, max_seq_len=256), 16, 128),
-    "small (4x256)": (ModelConfig(vocab_size=384, d_model=256, num_layers=4, num_heads=4, mlp_dim=1024, max_seq_len=256), 8, 256),
+    "tiny (2x64)": (
+        ModelConfig(vocab_size=384, d_model=64, num_layers=2, num_heads=4, mlp_dim=256, max_seq_len=256),
+        16,
+        128,
+    ),
+    "small (4x256)": (
+        ModelConfig(vocab_size=384, d_model=256, num_layers=4, num_heads=4, mlp_dim=1024, max_seq_len=256),
+        8,
+        256,
+    ),
 }
 GPU_CASES = {
-    "~125M (12x768)": (ModelConfig(vocab_size=32768, d_model=768, num_layers=12, num_heads=12, mlp_dim=2048,
-                                   max_seq_len=2048, precision="bf16"), 32, 1024),
-    "~350M (24x1024)": (ModelConfig(vocab_size=32768, d_model=1024, num_layers=24, num_heads=16, mlp_dim=2816,
-                                    max_seq_len=2048, precision="bf16", remat="dots"), 16, 2048),
+    "~125M (12x768)": (
+        ModelConfig(
+            vocab_size=32768, d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, max_seq_len=2048, precision="bf16"
+        ),
+        32,
+        1024,
+    ),
+    "~350M (24x1024)": (
+        ModelConfig(
+            vocab_size=32768,
+            d_model=1024,
+            num_layers=24,
+            num_heads=16,
+            mlp_dim=2816,
+            max_seq_len=2048,
+            precision="bf16",
+            remat="dots",
+        ),
+        16,
+        2048,
+    ),
 }
 
 
@@ -103,9 +136,18 @@ def ember_step_timing(model, config: ModelConfig, batch, mask, repeats: int) -> 
     shardings = tree_shardings(mesh, nn.get_partition_spec(boxed), DEFAULT_RULES, shapes=boxed)
     batch_sharding = named_sharding(mesh, ("batch", "seq"), DEFAULT_RULES, batch["tokens"].shape)
     state = jax.jit(lambda k: unbox(make_state(k)), out_shardings=shardings)(key)
-    step = jax.jit(functools.partial(train_step, loss_fn=functools.partial(lm_loss, model=model), tx=tx,
-                                     schedule=make_schedule(optim, 1000), mask=mask),
-                   in_shardings=(shardings, batch_sharding, None), out_shardings=(shardings, None), donate_argnums=0)
+    step = jax.jit(
+        functools.partial(
+            train_step,
+            loss_fn=functools.partial(lm_loss, model=model),
+            tx=tx,
+            schedule=make_schedule(optim, 1000),
+            mask=mask,
+        ),
+        in_shardings=(shardings, batch_sharding, None),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
     opt_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state.opt_state))
     with use_sharding(mesh):
         compile_seconds = time_compile(step, state, batch, None)
@@ -119,8 +161,9 @@ def ember_step_timing(model, config: ModelConfig, batch, mask, repeats: int) -> 
     return {"seconds": seconds, "compile": compile_seconds, "opt_bytes": opt_bytes}
 
 
-def measure(name: str, config: ModelConfig, batch_size: int, seq_len: int, repeats: int = 10,
-            compare_plain: bool = True) -> dict:
+def measure(
+    name: str, config: ModelConfig, batch_size: int, seq_len: int, repeats: int = 10, compare_plain: bool = True
+) -> dict:
     """Ember's step time, tokens/s and MFU (where the device's peak is known) for one model
     and batch; with ``compare_plain``, also the plain step's time and the ratio."""
     model = DecoderLM(config)
@@ -129,8 +172,12 @@ def measure(name: str, config: ModelConfig, batch_size: int, seq_len: int, repea
     ember = ember_step_timing(model, config, batch, None, repeats)
     tokens = batch_size * seq_len
     row = {
-        "model": name, "batch": batch_size, "seq_len": seq_len, "ember_ms": 1e3 * ember["seconds"],
-        "ember_compile_s": ember["compile"], "ember_tokens_per_s": tokens / ember["seconds"],
+        "model": name,
+        "batch": batch_size,
+        "seq_len": seq_len,
+        "ember_ms": 1e3 * ember["seconds"],
+        "ember_compile_s": ember["compile"],
+        "ember_tokens_per_s": tokens / ember["seconds"],
     }
     if compare_plain:
         plain_seconds, plain_compile = _time_plain_step(model, key, batch, repeats)
@@ -158,8 +205,9 @@ def _time_plain_step(model, key, batch, repeats: int) -> tuple[float, float]:
     return time_fn(run_plain, warmup=2, repeats=repeats), plain_compile
 
 
-def measure_frozen(name: str, config: ModelConfig, batch_size: int, seq_len: int, repeats: int = 10,
-                   fraction: float = 0.9) -> dict:
+def measure_frozen(
+    name: str, config: ModelConfig, batch_size: int, seq_len: int, repeats: int = 10, fraction: float = 0.9
+) -> dict:
     """The step with ``fraction`` of the parameters frozen against the full step."""
     model = DecoderLM(config)
     batch = random_batch(jax.random.key(0), config, batch_size, seq_len)
@@ -168,10 +216,13 @@ def measure_frozen(name: str, config: ModelConfig, batch_size: int, seq_len: int
     full = ember_step_timing(model, config, batch, None, repeats)
     partial = ember_step_timing(model, config, batch, mask, repeats)
     return {
-        "model": name, "frozen_fraction": frozen,
-        "full_ms": 1e3 * full["seconds"], "frozen_ms": 1e3 * partial["seconds"],
+        "model": name,
+        "frozen_fraction": frozen,
+        "full_ms": 1e3 * full["seconds"],
+        "frozen_ms": 1e3 * partial["seconds"],
         "time_ratio": partial["seconds"] / full["seconds"],
-        "full_opt_mib": full["opt_bytes"] / 2**20, "frozen_opt_mib": partial["opt_bytes"] / 2**20,
+        "full_opt_mib": full["opt_bytes"] / 2**20,
+        "frozen_opt_mib": partial["opt_bytes"] / 2**20,
         "opt_bytes_ratio": partial["opt_bytes"] / full["opt_bytes"],
     }
 
@@ -187,16 +238,46 @@ def main() -> None:
         print("no GPU found: timing the CPU cases only (the ~125M / ~350M cases need a GPU)")
     repeats = 3 if args.quick else 10
     rows = [measure(name, *case, repeats=repeats) for name, case in cases.items()]
-    print_table(rows, ["model", "batch", "seq_len", "ember_ms", "plain_ms", "ratio", "ember_compile_s",
-                       "plain_compile_s", "ember_tokens_per_s", "ember_mfu"])
+    print_table(
+        rows,
+        [
+            "model",
+            "batch",
+            "seq_len",
+            "ember_ms",
+            "plain_ms",
+            "ratio",
+            "ember_compile_s",
+            "plain_compile_s",
+            "ember_tokens_per_s",
+            "ember_mfu",
+        ],
+    )
     frozen_rows = [measure_frozen(name, *case, repeats=repeats) for name, case in cases.items()]
-    print_table(frozen_rows, ["model", "frozen_fraction", "full_ms", "frozen_ms", "time_ratio", "full_opt_mib",
-                              "frozen_opt_mib", "opt_bytes_ratio"])
+    print_table(
+        frozen_rows,
+        [
+            "model",
+            "frozen_fraction",
+            "full_ms",
+            "frozen_ms",
+            "time_ratio",
+            "full_opt_mib",
+            "frozen_opt_mib",
+            "opt_bytes_ratio",
+        ],
+    )
     if args.quick:
         return
-    path = write_results("train_step", {"rows": rows, "frozen_rows": frozen_rows,
-                                        "note": "ratio = Ember step time / plain Flax+optax step time; frozen rows: "
-                                                "a step with ~90% of parameters frozen against the full step"})
+    path = write_results(
+        "train_step",
+        {
+            "rows": rows,
+            "frozen_rows": frozen_rows,
+            "note": "ratio = Ember step time / plain Flax+optax step time; frozen rows: "
+            "a step with ~90% of parameters frozen against the full step",
+        },
+    )
     print(f"wrote {path}")
 
 

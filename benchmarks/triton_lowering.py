@@ -74,7 +74,7 @@ def lower_all(sizes: CheckSizes = GPU_CHECK_SIZES, only: tuple[str, ...] = ()) -
                 try:
                     problem = check.problem(sizes, jnp.dtype(dtype), np.random.default_rng(0))
                     record = {"lowered": True, "triton_kernels": triton_kernels_in(problem)}
-                except Exception as error:  # noqa: BLE001 - each kernel's lowering is reported on its own
+                except Exception as error:
                     record = {"lowered": False, "error": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
                 results[f"{check.name} {dtype}"] = record
     return results
@@ -82,8 +82,10 @@ def lower_all(sizes: CheckSizes = GPU_CHECK_SIZES, only: tuple[str, ...] = ()) -
 
 def main(argv=None) -> int:
     results = lower_all(only=tuple(sys.argv[1:] if argv is None else argv))
-    print_table([dict(kernel=name, **record) for name, record in results.items()],
-                ["kernel", "lowered", "triton_kernels", "error"])
+    print_table(
+        [dict(kernel=name, **record) for name, record in results.items()],
+        ["kernel", "lowered", "triton_kernels", "error"],
+    )
     return 0 if all(record["lowered"] for record in results.values()) else 1
 
 

@@ -26,12 +26,24 @@ USAGE_ERROR = 2  # the exit code of argparse's own usage errors, and of every Em
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ember.core.system_info", "show JAX version, backend, devices and Pallas lowering support"),
     "envs": ("ember.envs.cli", "list RL environments, or record a random-policy episode as a GIF"),
-    "train": ("ember.training.launcher", "train from a YAML config: ember train CONFIG.yaml [key=value ...] [--resume]"),
+    "train": (
+        "ember.training.launcher",
+        "train from a YAML config: ember train CONFIG.yaml [key=value ...] [--resume]",
+    ),
     "plot": ("ember.training.plot", "draw a run's metrics (loss, returns, ...) against the step into a PNG"),
-    "eval": ("ember.training.rl.eval_command", "run a trained RL policy for N episodes: ember eval RUN_DIR --episodes N [--gif out.gif]"),
+    "eval": (
+        "ember.training.rl.eval_command",
+        "run a trained RL policy for N episodes: ember eval RUN_DIR --episodes N [--gif out.gif]",
+    ),
     "data": ("ember.training.data.cli", "prepare text files as memory-mapped token files for LM training"),
-    "generate": ("ember.serving.cli", "batch inference: ember generate --checkpoint PATH --prompts in.jsonl --out out.jsonl"),
-    "export": ("ember.serving.export", "serialize a model's serving steps with jax.export: ember export RUN_DIR OUT_DIR"),
+    "generate": (
+        "ember.serving.cli",
+        "batch inference: ember generate --checkpoint PATH --prompts in.jsonl --out out.jsonl",
+    ),
+    "export": (
+        "ember.serving.export",
+        "serialize a model's serving steps with jax.export: ember export RUN_DIR OUT_DIR",
+    ),
 }
 
 

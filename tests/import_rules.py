@@ -126,8 +126,11 @@ class _Collector(ast.NodeVisitor):
             target = node.args[0].value
             if isinstance(target, str):
                 self.import_names.add(id(node.args[0]))
-                package = node.args[1] if len(node.args) > 1 else next(
-                    (kw.value for kw in node.keywords if kw.arg == "package"), None)
+                package = (
+                    node.args[1]
+                    if len(node.args) > 1
+                    else next((kw.value for kw in node.keywords if kw.arg == "package"), None)
+                )
                 if target.startswith(".") and isinstance(package, ast.Constant):
                     stripped = target.lstrip(".")
                     level = len(target) - len(stripped)
@@ -148,7 +151,7 @@ def references(path: Path, root: Path) -> tuple[Reference, ...]:
     return _references(str(path.relative_to(root.parent)), path.read_text())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _references(relative: str, text: str) -> tuple[Reference, ...]:
     # Cached on the file's place and text: the checker's own tests run it on many copies
     # of the tree that differ in one file.

@@ -17,5 +17,7 @@ def test_time_fn_and_results_file(tmp_path, monkeypatch):
     path = harness.write_results("unit", {"rows": [{"seconds": seconds}]})
     record = json.loads(path.read_text())
     assert path.name == "unit-cpu.json"
-    assert record["device"] == "cpu" and record["system"]["backend"] == "cpu" and record["rows"][0]["seconds"] == seconds
+    assert (
+        record["device"] == "cpu" and record["system"]["backend"] == "cpu" and record["rows"][0]["seconds"] == seconds
+    )
     assert record["date"][:2] == "20"

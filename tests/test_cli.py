@@ -15,7 +15,11 @@ def run_cli(*args):
 
 
 def test_version_and_help_do_not_import_jax():
-    code = "import sys; from ember.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit: pass\nprint('jax' in sys.modules)"
+    code = (
+        "import sys; from ember.cli import main\n"
+        "try:\n    main(['--version'])\nexcept SystemExit: pass\n"
+        "print('jax' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.splitlines() == [f"ember {ember.__version__}", "False"]
     help_text = run_cli("--help").stdout

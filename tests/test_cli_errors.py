@@ -28,10 +28,23 @@ RL_CONFIGS = REPO / "configs" / "rl"
 
 # A 1-layer, width-32 byte model: the one case that trains (non-finite loss) compiles in seconds.
 TINY_LM = [
-    "model.vocab_size=384", "model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.mlp_dim=64",
-    "model.max_seq_len=32", "model.attention_impl=xla", "train.batch_size=8", "train.seq_len=16",
-    "train.log_every=1", "train.eval_every=1000", "train.eval_batches=0", "checkpoint.every=1000",
-    "checkpoint.async_save=false", "logging.progress=false", "logging.tensorboard=false", "sample.prompts=[]",
+    "model.vocab_size=384",
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.mlp_dim=64",
+    "model.max_seq_len=32",
+    "model.attention_impl=xla",
+    "train.batch_size=8",
+    "train.seq_len=16",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "train.eval_batches=0",
+    "checkpoint.every=1000",
+    "checkpoint.async_save=false",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "sample.prompts=[]",
 ]
 
 
@@ -50,7 +63,9 @@ def workspace(tmp_path_factory):
     config = load_config(LMConfig, None, [*TINY_LM, f"data.dataset={root / 'data'}", f"run_dir={root / 'run'}"])
     (root / "lm.yaml").write_text(to_yaml(config))
     for name, changes in (("existing", {}), ("wider", {"d_model": 64})):
-        saved = dataclasses.replace(config, run_dir=str(root / name), model=dataclasses.replace(config.model, **changes))
+        saved = dataclasses.replace(
+            config, run_dir=str(root / name), model=dataclasses.replace(config.model, **changes)
+        )
         with CheckpointManager(root / name / "checkpoints", async_save=False) as manager:
             manager.save(1, {"params": {"w": np.ones(2, np.float32)}})
         (root / name / "config.yaml").write_text(to_yaml(saved))
@@ -75,17 +90,23 @@ SUBPROCESS_FAILURES = {
     "existing run without --resume": (train("run_dir={root}/existing"), "already holds checkpoints; pass --resume"),
     "resume with another architecture": (train("run_dir={root}/wider", "--resume"), "changed keys: model.d_model."),
     "non-finite loss": (
-        train("run_dir={root}/nan", "train.steps=3", "optim.lr=1e30", "optim.clip_norm=0", "optim.schedule.kind=constant"),
+        train(
+            "run_dir={root}/nan", "train.steps=3", "optim.lr=1e30", "optim.clip_norm=0", "optim.schedule.kind=constant"
+        ),
         "non-finite loss at step",
     ),
-    "rl bad value": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "ppo.num_envs=0"],
-                     "ppo.num_envs must be a positive integer, got 0"),
+    "rl bad value": (
+        ["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "ppo.num_envs=0"],
+        "ppo.num_envs must be a positive integer, got 0",
+    ),
     "eval bad episodes": (["eval", "{root}/existing", "--episodes", "0"], "--episodes must be a positive integer"),
     "generate bad option": (
-        ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--top-p", "0"], "--top-p: top_p must be in (0, 1]"
+        ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--top-p", "0"],
+        "--top-p: top_p must be in (0, 1]",
     ),
     "generate missing prompts": (
-        ["generate", "--checkpoint", "{root}/existing", "--prompts", "{root}/nowhere.jsonl"], "--prompts: no such file"
+        ["generate", "--checkpoint", "{root}/existing", "--prompts", "{root}/nowhere.jsonl"],
+        "--prompts: no such file",
     ),
     "export no checkpoint": (["export", "{root}/untrained", "{root}/artifact"], "no complete checkpoint"),
     "plot no metrics": (["plot", "{root}/existing"], "has no metrics.jsonl"),
@@ -96,20 +117,30 @@ IN_PROCESS_FAILURES = {
     "lm malformed override": (train("train.steps"), "malformed override 'train.steps'"),
     "missing config file": (["train", "{root}/nowhere.yaml"], "config file not found"),
     "missing dataset": (train("run_dir={root}/no_data", "data.dataset={root}/nowhere"), "not a prepared dataset"),
-    "rl unknown env": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "env.id=CartPol-v1"],
-                       "env.id: unknown environment 'CartPol-v1'. Did you mean 'CartPole-v1'?"),
-    "rl algo cannot train env": (["train", str(RL_CONFIGS / "dqn_cartpole.yaml"), "env.id=Pendulum-v1"],
-                                 "algo 'dqn' needs discrete actions"),
-    "rl multi-agent option": (["train", str(RL_CONFIGS / "ippo_simple_spread.yaml"), "ppo.normalize_rewards=true"],
-                              "ppo.normalize_rewards is not supported for multi-agent training"),
+    "rl unknown env": (
+        ["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "env.id=CartPol-v1"],
+        "env.id: unknown environment 'CartPol-v1'. Did you mean 'CartPole-v1'?",
+    ),
+    "rl algo cannot train env": (
+        ["train", str(RL_CONFIGS / "dqn_cartpole.yaml"), "env.id=Pendulum-v1"],
+        "algo 'dqn' needs discrete actions",
+    ),
+    "rl multi-agent option": (
+        ["train", str(RL_CONFIGS / "ippo_simple_spread.yaml"), "ppo.normalize_rewards=true"],
+        "ppo.normalize_rewards is not supported for multi-agent training",
+    ),
     "rl resume": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "run_dir={root}/rl", "--resume"], "cannot --resume"),
     "eval no run dir": (["eval", "{root}/nowhere"], "is not a run directory"),
-    "generate bad budget": (["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--token-budget", "0"],
-                            "--token-budget must be a positive integer"),
+    "generate bad budget": (
+        ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--token-budget", "0"],
+        "--token-budget must be a positive integer",
+    ),
     "plot unknown metric": (["plot", "{root}/plotted", "--metrics", "reward"], "no values for metric(s) reward"),
     "data missing file": (["data", "prepare", "{root}/nowhere.txt", "--out", "{root}/d"], "not a file: "),
-    "envs bad max steps": (["envs", "show", "CartPole-v1", "--out", "{root}/x.gif", "--max-steps", "0"],
-                           "--max-steps must be >= 1"),
+    "envs bad max steps": (
+        ["envs", "show", "CartPole-v1", "--out", "{root}/x.gif", "--max-steps", "0"],
+        "--max-steps must be >= 1",
+    ),
 }
 
 
@@ -121,14 +152,16 @@ TRAINS = {"non-finite loss"}  # compiles and runs a step: marked slow
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(case, marks=pytest.mark.slow) if case in TRAINS else case for case in sorted(SUBPROCESS_FAILURES)]
+    "case",
+    [pytest.param(case, marks=pytest.mark.slow) if case in TRAINS else case for case in sorted(SUBPROCESS_FAILURES)],
 )
 def test_user_error_prints_one_line_and_exits_2(case, workspace):
     argv, expected = SUBPROCESS_FAILURES[case]
     argv = expand(argv, workspace)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "ember", *argv], capture_output=True, text=True, env=env,
-                            cwd=workspace, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "ember", *argv], capture_output=True, text=True, env=env, cwd=workspace, timeout=300
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

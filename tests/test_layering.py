@@ -46,21 +46,29 @@ BYPASSES = {
         "imports ember.training;",
     ),
     "entry_point_string": (
-        "core/registry.py", "_DEFAULT = 'ember.models.decoder:DecoderLM'\n", "imports ember.models.decoder;"
+        "core/registry.py",
+        "_DEFAULT = 'ember.models.decoder:DecoderLM'\n",
+        "imports ember.models.decoder;",
     ),
     "top_level_init": ("__init__.py", "from ember import models\n", "imports ember.models at import time"),
     "top_level_cli_eager": ("cli.py", "import ember.serving.engine\n", "imports ember.serving.engine at import time"),
     "top_level_cli_lazy": (
-        "cli.py", "def _model():\n    from ember.models import decoder\n", "imports ember.models.decoder lazily"
+        "cli.py",
+        "def _model():\n    from ember.models import decoder\n",
+        "imports ember.models.decoder lazily",
     ),
     "top_level_new_file": ("extra.py", "import ember.core\n", "top-level file 'extra' has no import rule"),
     "new_package": ("plugins/__init__.py", "import ember.core\n", "package 'plugins' has no import rule"),
     "tests": ("core/tree.py", "from tests.tolerances import tolerance\n", "nothing in ember imports tests"),
     "benchmarks": (
-        "models/flops.py", "def _f():\n    import benchmarks.attention\n", "nothing in ember imports benchmarks"
+        "models/flops.py",
+        "def _f():\n    import benchmarks.attention\n",
+        "nothing in ember imports benchmarks",
     ),
     "shadowed_op_module": (
-        "models/decoder.py", "import ember.kernels_pallas.flash_attention as fa\n", "use 'from ... import'"
+        "models/decoder.py",
+        "import ember.kernels_pallas.flash_attention as fa\n",
+        "use 'from ... import'",
     ),
 }
 

@@ -120,11 +120,19 @@ class CheckpointManager:
         step = self._resolve_step(step)
         saved = self._manager.item_metadata(step)[_STATE]
         if part not in saved:
-            raise KeyError(f"the checkpoint at step {step} in {self.directory} has no {part!r} entry "
-                           f"(it has {', '.join(sorted(saved))})")
+            raise KeyError(
+                f"the checkpoint at step {step} in {self.directory} has no {part!r} entry "
+                f"(it has {', '.join(sorted(saved))})"
+            )
         item = {part: jax.tree.map(_abstract_leaf, target) if target is not None else _on_default_device(saved[part])}
-        restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding)
-                                    if getattr(leaf, "sharding", None) is not None else ocp.RestoreArgs(), item)
+        restore_args = jax.tree.map(
+            lambda leaf: (
+                ocp.ArrayRestoreArgs(sharding=leaf.sharding)
+                if getattr(leaf, "sharding", None) is not None
+                else ocp.RestoreArgs()
+            ),
+            item,
+        )
         restored = ocp.PyTreeCheckpointer().restore(
             self.directory / str(step) / _STATE,
             args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
@@ -186,7 +194,9 @@ def _on_default_device(metadata: Any) -> Any:
 def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
     """``ShapeDtypeStruct``s of ``tree``'s leaves placed by the matching ``shardings`` tree,
     for restoring onto a new mesh (``tree`` may itself be abstract, e.g. from ``jax.eval_shape``)."""
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), tree, shardings)
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), tree, shardings
+    )
 
 
 def _is_key(leaf: Any) -> bool:

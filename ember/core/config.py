@@ -126,7 +126,9 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except omegaconf_errors.OmegaConfBaseException as error:
-        raise ConfigError(f"could not parse overrides {list(overrides)}: {error.msg}; expected {_OVERRIDE_FORM}") from None
+        raise ConfigError(
+            f"could not parse overrides {list(overrides)}: {error.msg}; expected {_OVERRIDE_FORM}"
+        ) from None
 
 
 def check_keys(schema: type, data: Any, *, origin: str = "config", prefix: str = "") -> None:
@@ -191,7 +193,9 @@ def _expand_section_bases(node: DictConfig, path: Path, seen: tuple[Path, ...]) 
         if BASE_KEY in value:
             base = value[BASE_KEY]
             if not isinstance(base, str):
-                raise ConfigError(f"'base:' of section '{key}' in {path} must be a path string, got {base!r}", key=f"{key}.base")
+                raise ConfigError(
+                    f"'base:' of section '{key}' in {path} must be a path string, got {base!r}", key=f"{key}.base"
+                )
             merged = OmegaConf.create({})
             for _, layer in _load_yaml_chain(path.parent / base, seen):
                 merged = OmegaConf.merge(merged, layer)
@@ -257,7 +261,7 @@ def _in_section(error: ValueError, prefix: str) -> ConfigError:
     full_key = ".".join([*parts[:overlap], key])
     message = str(error)
     if message.startswith(key):
-        message = full_key + message[len(key):]
+        message = full_key + message[len(key) :]
     return ConfigError(message, key=full_key)
 
 

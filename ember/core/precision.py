@@ -17,10 +17,17 @@ from typing import Any
 import jax.numpy as jnp
 
 DTYPE_NAMES: dict[str, Any] = {
-    "f32": jnp.float32, "float32": jnp.float32, "fp32": jnp.float32,
-    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
-    "f16": jnp.float16, "float16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
-    "f64": jnp.float64, "float64": jnp.float64,
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+    "half": jnp.float16,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
 }
 
 _NAMED_POLICIES: dict[str, tuple[str, str, str]] = {

@@ -1,11 +1,11 @@
 """Named registries (models, environments, algorithms, ...) with helpful lookup errors.
 
-    ENVS = Registry("environment")
+ENVS = Registry("environment")
 
-    @ENVS.register("CartPole-v1")
-    def make_cartpole(**overrides): ...
+@ENVS.register("CartPole-v1")
+def make_cartpole(**overrides): ...
 
-    ENVS.get("CartPol-v1")   # UnknownNameError: unknown environment 'CartPol-v1'. Did you mean 'CartPole-v1'? ...
+ENVS.get("CartPol-v1")   # UnknownNameError: unknown environment 'CartPol-v1'. Did you mean 'CartPole-v1'? ...
 """
 
 from __future__ import annotations

@@ -36,7 +36,17 @@ MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
 """Mesh axes, outermost first: data parallel, fully-sharded data parallel, tensor, expert."""
 
 LOGICAL_AXES: tuple[str, ...] = (
-    "batch", "seq", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "expert", "layers", "state",
+    "batch",
+    "seq",
+    "embed",
+    "mlp",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "vocab",
+    "expert",
+    "layers",
+    "state",
 )
 """The logical axis vocabulary every parameter and activation annotation draws from."""
 
@@ -75,7 +85,9 @@ class MeshConfig:
         sizes = self.sizes()
         for axis, size in sizes.items():
             if size != -1 and size < 1:
-                raise ConfigError(f"mesh.{axis} must be a positive size or -1 (the rest), got {size}", key=f"mesh.{axis}")
+                raise ConfigError(
+                    f"mesh.{axis} must be a positive size or -1 (the rest), got {size}", key=f"mesh.{axis}"
+                )
         flexible = [axis for axis, size in sizes.items() if size == -1]
         if len(flexible) > 1:
             raise ConfigError(

@@ -110,7 +110,13 @@ def format_info(info: dict[str, Any]) -> str:
         "pallas lowerings:",
     ]
     for name, status in info["pallas"].items():
-        state = "usable here" if status["usable_here"] else "importable, no matching device" if status["importable"] else "not available"
+        state = (
+            "usable here"
+            if status["usable_here"]
+            else "importable, no matching device"
+            if status["importable"]
+            else "not available"
+        )
         lines.append(f"  {name:<22} {state}")
     if not any(s["usable_here"] for s in info["pallas"].values()):
         lines.append("  (kernels run through the XLA path here; impl='interpret' runs Pallas kernels on any backend)")

@@ -1,12 +1,12 @@
 """Pytree helpers: parameter counts, byte sizes and a readable per-module summary.
 
-    print(summary(params, depth=2))
+print(summary(params, depth=2))
 
-    module                      params      bytes  dtypes
-    --------------------------  ----------  -------  --------
-    decoder/layers              1,234,560   4.7 MiB  float32
-    ...
-    total                       1,300,000   5.0 MiB
+module                      params      bytes  dtypes
+--------------------------  ----------  -------  --------
+decoder/layers              1,234,560   4.7 MiB  float32
+...
+total                       1,300,000   5.0 MiB
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ from ember.envs.wrappers import LogWrapper, Wrapper
 
 __all__ = [
     "BatchedEnv",
-    "Environment",
-    "EnvParams",
     "EnvConfig",
+    "EnvParams",
     "EnvState",
+    "Environment",
     "LogWrapper",
     "MultiAgentEnvironment",
     "Wrapper",

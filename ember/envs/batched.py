@@ -23,7 +23,6 @@ from ember.envs import noise as noise_lib
 from ember.envs.environment import Environment
 from ember.envs.wrappers.base import Wrapper
 
-
 BATCHED_DRAW_MIN_ENVS = 64
 
 

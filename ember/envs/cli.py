@@ -1,7 +1,7 @@
 """``ember envs``: list the registered environments, or record a random-policy episode.
 
-    ember envs list
-    ember envs show CartPole-v1 --out cartpole.gif [--seed 0] [--max-steps 300] [--fps 30]
+ember envs list
+ember envs show CartPole-v1 --out cartpole.gif [--seed 0] [--max-steps 300] [--fps 30]
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def record_episode(env_id: str, seed: int, max_steps: int):
 
         def body(state, key):
             action_key, step_key = jax.random.split(key)
-            _, next_state, _, terminated, truncated, _ = env.step(step_key, state, action_space.sample(action_key), params)
+            _, next_state, _, terminated, truncated, _ = env.step(
+                step_key, state, action_space.sample(action_key), params
+            )
             done = terminated | truncated
             if isinstance(done, dict):
                 done = done["__all__"]

@@ -166,4 +166,4 @@ class Environment:
         return f"{self.name}()"
 
 
-__all__ = ["Environment", "EnvState", "EnvParams", "select_tree"]
+__all__ = ["EnvParams", "EnvState", "Environment", "select_tree"]

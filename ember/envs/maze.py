@@ -147,7 +147,9 @@ class KeyDoorMaze(Environment):
         on_path = inside & from_agent[clipped[:, 0], clipped[:, 1]]
         door = clipped[jnp.argmax(on_path)]
         key_region = reachable(~walls & ~_square(grid, door), agent) & rooms
-        key_region = jnp.where((key_region & ~_square(grid, agent)).any(), key_region & ~_square(grid, agent), key_region)
+        key_region = jnp.where(
+            (key_region & ~_square(grid, agent)).any(), key_region & ~_square(grid, agent), key_region
+        )
         key = _pick(key_word, key_region)
         state = MazeState(
             time=jnp.int32(0), walls=walls, agent=agent, key=key, door=door, goal=goal, has_key=jnp.asarray(False)
@@ -186,9 +188,7 @@ class KeyDoorMaze(Environment):
         return {"view": view, "has_key": state.has_key.astype(jnp.float32)[None]}
 
     def observation_space(self, params):
-        return Dict(
-            {"view": Box(0.0, 1.0, (self.view, self.view, 4)), "has_key": Box(0.0, 1.0, (1,))}
-        )
+        return Dict({"view": Box(0.0, 1.0, (self.view, self.view, 4)), "has_key": Box(0.0, 1.0, (1,))})
 
     def action_space(self, params):
         return Discrete(4)

@@ -14,13 +14,15 @@ per-agent spaces; actions are clipped into them as for single-agent environments
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
 from ember.envs.environment import Environment
 
 
 class MultiAgentEnvironment(Environment):
-    #: agent names, in a fixed order
-    agents: list[str] = []
+    #: agent names, in a fixed order (set per instance by each environment; an immutable
+    #: empty default so no list is shared between instances)
+    agents: Sequence[str] = ()
 
     @property
     def num_agents(self) -> int:

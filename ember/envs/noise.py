@@ -60,4 +60,4 @@ def to_key(words: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(words[..., :2], impl="threefry2x32")
 
 
-__all__ = ["draw", "draw_batch", "uniform", "randint", "bernoulli", "to_key"]
+__all__ = ["bernoulli", "draw", "draw_batch", "randint", "to_key", "uniform"]

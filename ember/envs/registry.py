@@ -9,13 +9,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable
-from typing import Union
 
 from ember.core.errors import ConfigError
 from ember.core.registry import Registry
 from ember.envs.environment import Environment, EnvParams
 
-EntryPoint = Union[str, Callable[[], Environment]]
+EntryPoint = str | Callable[[], Environment]
 
 ENVIRONMENTS: Registry[EntryPoint] = Registry("environment")
 
@@ -67,12 +66,13 @@ def with_overrides(params: EnvParams, overrides: dict, env_id: str) -> EnvParams
     fields = sorted(field.name for field in dataclasses.fields(params))
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
-        raise ConfigError(f"{env_id}: unknown parameter(s) {unknown}; {type(params).__name__} has {fields}",
-                          key=unknown[0])
+        raise ConfigError(
+            f"{env_id}: unknown parameter(s) {unknown}; {type(params).__name__} has {fields}", key=unknown[0]
+        )
     return params.replace(**overrides)
 
 
 for _env_id, _entry_point in _BUILTIN.items():
     register(_env_id, _entry_point)
 
-__all__ = ["make", "register", "registered", "with_overrides", "ENVIRONMENTS"]
+__all__ = ["ENVIRONMENTS", "make", "register", "registered", "with_overrides"]

@@ -79,4 +79,4 @@ def save_gif(frames, path: str | Path, fps: int = 30) -> Path:
     return path
 
 
-__all__ = ["canvas", "paint", "fill_rect", "fill_circle", "draw_segment", "grid_image", "save_gif"]
+__all__ = ["canvas", "draw_segment", "fill_circle", "fill_rect", "grid_image", "paint", "save_gif"]

@@ -106,7 +106,10 @@ class Box(Space):
         # Gymnasium's convention: uniform where bounded, a standard normal clipped to the
         # bounds where a side is infinite.
         uniform = jax.random.uniform(
-            key, self.shape, self.dtype, np.where(np.isfinite(self.low), self.low, 0.0),
+            key,
+            self.shape,
+            self.dtype,
+            np.where(np.isfinite(self.low), self.low, 0.0),
             np.where(np.isfinite(self.high), self.high, 1.0),
         )
         normal = jnp.clip(jax.random.normal(key, self.shape, self.dtype), self.low, self.high)
@@ -183,4 +186,4 @@ class Tuple(Space):
         return f"Tuple({self.spaces})"
 
 
-__all__ = ["Space", "Discrete", "MultiDiscrete", "Box", "Dict", "Tuple"]
+__all__ = ["Box", "Dict", "Discrete", "MultiDiscrete", "Space", "Tuple"]

@@ -195,8 +195,17 @@ def flash_attention_reference(
     float32; differentiable by autodiff. Returns ``[batch, q_len, heads, head_dim]`` in
     ``q.dtype``."""
     problem = attention_problem(
-        q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
-        logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask, segment_positions=segment_positions,
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=sm_scale,
+        segment_ids=segment_ids,
+        window=window,
+        logits_soft_cap=logits_soft_cap,
+        score=score,
+        block_mask=block_mask,
+        segment_positions=segment_positions,
     )
     rows = _row_arrays(problem, segment_ids, segment_positions)
     return _dense_attention(q, k, v, _query_side(rows), _key_side(rows), problem, q_offset=0)
@@ -234,7 +243,13 @@ def _dense_attention(q, k, v, q_rows, kv_rows, problem: AttentionProblem, *, q_o
     if q_segments is not None:
         visible = visible & (q_segments[:, :, None] == kv_segments[:, None, :])
     out = reference_attention(
-        q, k, v, visible, sm_scale=problem.sm_scale, logits_soft_cap=problem.logits_soft_cap, score=problem.score,
+        q,
+        k,
+        v,
+        visible,
+        sm_scale=problem.sm_scale,
+        logits_soft_cap=problem.logits_soft_cap,
+        score=problem.score,
         sigmoid_bias=problem.sigmoid_bias,
     )
     return out.astype(q.dtype)
@@ -269,7 +284,14 @@ def _chunked_xla_attention(q, k, v, rows, problem: AttentionProblem) -> jax.Arra
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "causal", "sm_scale", "window", "logits_soft_cap", "score", "block_mask", "block_sizes", "impl",
+        "causal",
+        "sm_scale",
+        "window",
+        "logits_soft_cap",
+        "score",
+        "block_mask",
+        "block_sizes",
+        "impl",
     ),
 )
 def flash_attention(
@@ -335,8 +357,17 @@ def flash_attention(
       ValueError: naming the argument, for bad ranks/shapes or options.
     """
     problem = attention_problem(
-        q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
-        logits_soft_cap=logits_soft_cap, score=score, block_mask=block_mask, segment_positions=segment_positions,
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=sm_scale,
+        segment_ids=segment_ids,
+        window=window,
+        logits_soft_cap=logits_soft_cap,
+        score=score,
+        block_mask=block_mask,
+        segment_positions=segment_positions,
     )
     block_sizes = _default_block_sizes(block_mask) if block_sizes is None else block_sizes
     if not isinstance(block_sizes, FlashBlockSizes):
@@ -346,7 +377,12 @@ def flash_attention(
     if resolved == "xla":
         return _chunked_xla_attention(q, k, v, rows, problem)
     return flash_attention_kernel(
-        q, k, v, *rows, problem=problem, block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),
+        q,
+        k,
+        v,
+        *rows,
+        problem=problem,
+        block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),
         interpret=resolved == "interpret",
     )
 
@@ -364,8 +400,8 @@ def _default_block_sizes(block_mask: BlockMask | None) -> FlashBlockSizes:
 
 
 __all__ = [
-    "FlashBlockSizes",
     "SCORES",
+    "FlashBlockSizes",
     "default_sigmoid_bias",
     "flash_attention",
     "flash_attention_reference",

@@ -354,7 +354,7 @@ def flash_forward(q, k, v, rows, config: KernelConfig, count_visits: bool = Fals
     each program visited.
     """
     p = config.problem
-    bq, bk, group = config.block_q, config.block_kv, p.group
+    bq, group = config.block_q, p.group
     qp, kp, vp, row_args = _padded_inputs(config, q, k, v, rows)
     kv_table, _ = _block_tables(config, rows)
     num_q_blocks = config.padded_q_len // bq

@@ -80,7 +80,7 @@ def _validate(op, q, k, v, log_decay, initial_state, segment_ids, normalize) -> 
             raise ValueError(f"{op}: {name} must be a floating dtype, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{op}: q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    batch, seq, heads, dv = v.shape
+    batch, seq, heads, _dv = v.shape
     if log_decay is not None and (log_decay.shape != (batch, seq, heads) or not _is_float(log_decay)):
         raise ValueError(
             f"{op}: log_decay must be a float array [batch, seq, heads] = {(batch, seq, heads)}, "
@@ -115,7 +115,7 @@ def state_shape(q_shape, v_shape, *, normalize: bool = False) -> tuple[int, int,
 def _with_key_sum_column(v: jax.Array) -> jax.Array:
     """``[..., dv] -> [..., dv + 1]``: a column of ones, so the state's last column
     accumulates the (decayed) key sum used by ``normalize``."""
-    return jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+    return jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
 
 
 def _normalized(outputs: jax.Array) -> jax.Array:
@@ -157,10 +157,16 @@ def linear_attention_step(q, k, v, state, *, log_decay=None, normalize=False):
     Returns:
       ``(output [batch, heads, dv] in v's dtype, new_state float32)``.
     """
-    batch, heads, dv = v.shape
+    batch, heads, _dv = v.shape
     _validate(
-        "linear_attention_step", q[:, None], k[:, None], v[:, None],
-        None if log_decay is None else log_decay[:, None], state, None, normalize,
+        "linear_attention_step",
+        q[:, None],
+        k[:, None],
+        v[:, None],
+        None if log_decay is None else log_decay[:, None],
+        state,
+        None,
+        normalize,
     )
     f32 = jnp.float32
     values = _with_key_sum_column(v) if normalize else v
@@ -185,7 +191,9 @@ def linear_attention_reference(
     f32 = jnp.float32
     values = _with_key_sum_column(v) if normalize else v
     log_decay = _zero_log_decay(v) if log_decay is None else log_decay
-    state = jnp.zeros(state_shape(q.shape, v.shape, normalize=normalize), f32) if initial_state is None else initial_state
+    state = (
+        jnp.zeros(state_shape(q.shape, v.shape, normalize=normalize), f32) if initial_state is None else initial_state
+    )
     new_document = document_starts(segment_ids, batch, seq)
 
     def step(state, inputs):
@@ -285,9 +293,7 @@ def _chunked_xla(q, k, v, log_decay, doc, initial_state, chunk_size):
     )
     entering_states = jnp.moveaxis(entering_states, 0, 2)  # [batch, heads, chunks, dk, dv]
     entering = chunks.entering_state_weights(cum_log_decay, doc_c, doc_before)
-    outputs = outputs + entering[..., None] * jnp.einsum(
-        "bhntd,bhndv->bhntv", q_c.astype(jnp.float32), entering_states
-    )
+    outputs = outputs + entering[..., None] * jnp.einsum("bhntd,bhndv->bhntv", q_c.astype(jnp.float32), entering_states)
     outputs = jnp.moveaxis(outputs, 1, 3).reshape(v.shape[0], -1, heads, v.shape[-1])[:, :seq]
     return outputs, final_state
 
@@ -333,8 +339,10 @@ def linear_attention(
     ChunkSize(chunk_size)
     impl = resolve_impl(impl, op="linear_attention", kernel_backends=KERNEL_BACKENDS)
     if impl == "pallas" and chunk_size < 16:
-        raise ValueError(f"linear_attention: chunk_size must be >= 16 for impl='pallas' (Triton tiles), got {chunk_size}")
-    batch, seq, heads, _ = v.shape
+        raise ValueError(
+            f"linear_attention: chunk_size must be >= 16 for impl='pallas' (Triton tiles), got {chunk_size}"
+        )
+    batch, seq, _heads, _ = v.shape
     values = _with_key_sum_column(v) if normalize else v
     log_decay = _zero_log_decay(v) if log_decay is None else log_decay.astype(jnp.float32)
     shape = state_shape(q.shape, v.shape, normalize=normalize)

@@ -59,7 +59,9 @@ def entering_state_weights(cum_log_decay: jax.Array, doc: jax.Array, doc_before:
     return jnp.where(same_doc, jnp.exp(cum_log_decay), 0.0)
 
 
-def leaving_state_weights(cum_log_decay: jax.Array, doc: jax.Array, doc_before: jax.Array) -> tuple[jax.Array, jax.Array]:
+def leaving_state_weights(
+    cum_log_decay: jax.Array, doc: jax.Array, doc_before: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """How the state leaving the chunk is formed: ``(key_weights [..., L], carry [...])`` with
     ``state_out = carry * state_in + sum_s key_weights[s] * k[s]^T v[s]``."""
     # The last position's values as masked sums: Pallas' Triton lowering has no `slice`.

@@ -65,8 +65,22 @@ def _forward_kernel(q_ref, k_ref, v_ref, cum_ref, doc_ref, state_ref, out_ref, s
 
 
 def _backward_kernel(
-    q_ref, k_ref, v_ref, cum_ref, doc_ref, states_ref, dout_ref, dfinal_ref,
-    dq_ref, dk_ref, dv_ref, dcum_ref, dstate_ref, *, chunk_size, n_chunks,
+    q_ref,
+    k_ref,
+    v_ref,
+    cum_ref,
+    doc_ref,
+    states_ref,
+    dout_ref,
+    dfinal_ref,
+    dq_ref,
+    dk_ref,
+    dv_ref,
+    dcum_ref,
+    dstate_ref,
+    *,
+    chunk_size,
+    n_chunks,
 ):
     """One (batch, head, value block), chunks in reverse. Extra refs: dout ``[seq, dv]``,
     dfinal ``[dk, dv]``; gradients dq/dk ``[seq, dk]`` and dcum ``[seq]`` (this value head's
@@ -99,9 +113,7 @@ def _backward_kernel(
         dv = matmul("ts,tv->sv", scores, dout) + key_weights[:, None] * matmul("sd,dv->sv", k, dstate_out)
         is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
         dcum = (
-            jnp.sum(q * dq, axis=1)
-            - jnp.sum(k * dk, axis=1)
-            + jnp.where(is_last, jnp.sum(dstate_out * state_out), 0.0)
+            jnp.sum(q * dq, axis=1) - jnp.sum(k * dk, axis=1) + jnp.where(is_last, jnp.sum(dstate_out * state_out), 0.0)
         )
         rows = pl.ds(index * chunk_size, chunk_size)
         dq_ref[rows, :] = dq
@@ -180,8 +192,14 @@ def _backward(q, k, v, cum, doc, states, dout, dfinal, chunk_size, interpret):
         functools.partial(_backward_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
         grid=grid,
         in_specs=[
-            specs["qk"], specs["qk"], specs["v"], specs["per_head_scalar"], specs["doc"], specs["states"],
-            specs["v"], specs["state"],
+            specs["qk"],
+            specs["qk"],
+            specs["v"],
+            specs["per_head_scalar"],
+            specs["doc"],
+            specs["states"],
+            specs["v"],
+            specs["state"],
         ],
         out_specs=[specs["partial_qk"], specs["partial_qk"], specs["v"], specs["partial_scalar"], specs["state"]],
         out_shape=[

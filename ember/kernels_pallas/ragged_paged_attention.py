@@ -30,7 +30,11 @@ from ember.kernels_pallas.attention_math import check_soft_cap, check_window, re
 from ember.kernels_pallas.block_mask import check_non_negative_int
 from ember.kernels_pallas.dispatch import resolve_impl
 from ember.kernels_pallas.flash_attention import SCORES
-from ember.kernels_pallas.ragged_paged_attention_kernel import items_to_tokens, ragged_paged_attention_kernel, work_items
+from ember.kernels_pallas.ragged_paged_attention_kernel import (
+    items_to_tokens,
+    ragged_paged_attention_kernel,
+    work_items,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +56,13 @@ def check_paged_cache(k_pages, v_pages, page_table, *, num_seqs: int, heads: int
     """Checks the cache arrays against the query; raises ``ValueError`` naming the argument."""
     if getattr(k_pages, "ndim", None) != 4:
         raise ValueError(
-            f"k_pages must have rank 4 [num_pages, page_size, kv_heads, head_dim], got shape {getattr(k_pages, 'shape', None)}"
+            "k_pages must have rank 4 [num_pages, page_size, kv_heads, head_dim], "
+            f"got shape {getattr(k_pages, 'shape', None)}"
         )
     if getattr(v_pages, "shape", None) != k_pages.shape:
-        raise ValueError(f"v_pages must have the shape of k_pages {k_pages.shape}, got {getattr(v_pages, 'shape', None)}")
+        raise ValueError(
+            f"v_pages must have the shape of k_pages {k_pages.shape}, got {getattr(v_pages, 'shape', None)}"
+        )
     num_pages, page_size, kv_heads, page_head_dim = k_pages.shape
     if page_head_dim != head_dim:
         raise ValueError(f"k_pages head_dim {page_head_dim} != q head_dim {head_dim}")
@@ -72,7 +79,9 @@ def check_paged_cache(k_pages, v_pages, page_table, *, num_seqs: int, heads: int
 
 def check_lengths(name: str, lengths, num_seqs: int) -> None:
     if getattr(lengths, "shape", None) != (num_seqs,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array of shape [{num_seqs}], got {getattr(lengths, 'shape', None)}")
+        raise ValueError(
+            f"{name} must be an integer array of shape [{num_seqs}], got {getattr(lengths, 'shape', None)}"
+        )
 
 
 def gather_sequence_kv(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -118,21 +127,41 @@ def ragged_paged_attention_reference(
     of queries instead). Returns ``[num_tokens, heads, head_dim]``
     in ``q.dtype``."""
     _, logits_soft_cap, window, sigmoid_bias = _check_call(
-        q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens,
-        logits_soft_cap=logits_soft_cap, window=window, score=score, sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        query_starts,
+        query_lens,
+        kv_lens,
+        logits_soft_cap=logits_soft_cap,
+        window=window,
+        score=score,
+        sigmoid_bias=sigmoid_bias,
+        global_tokens=global_tokens,
     )
     owner, position, covered = token_owners(query_starts, query_lens, kv_lens, q.shape[0])
     keys = gather_sequence_kv(k_pages, page_table[owner])  # [T, max_len, kv_heads, d]
     values = gather_sequence_kv(v_pages, page_table[owner])
     out = _attend_rows(
-        q[:, None], keys, values, position[:, None], covered[:, None], sm_scale=sm_scale,
-        logits_soft_cap=logits_soft_cap, window=window, score=score, sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
+        q[:, None],
+        keys,
+        values,
+        position[:, None],
+        covered[:, None],
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        window=window,
+        score=score,
+        sigmoid_bias=sigmoid_bias,
+        global_tokens=global_tokens,
     )
     return out[:, 0].astype(q.dtype)
 
 
-def _attend_rows(q, keys, values, q_positions, rows_valid, *, sm_scale, logits_soft_cap, window, score, sigmoid_bias,
-                 global_tokens):
+def _attend_rows(
+    q, keys, values, q_positions, rows_valid, *, sm_scale, logits_soft_cap, window, score, sigmoid_bias, global_tokens
+):
     """The attention math, in float32, of ``n`` groups of ``r`` query rows that each see one
     sequence's cache: ``q [n, r, heads, d]``, ``keys``/``values [n, max_len, kv_heads, d]``
     (cache position ``t`` at index ``t``), ``q_positions``/``rows_valid [n, r]`` ->
@@ -145,7 +174,13 @@ def _attend_rows(q, keys, values, q_positions, rows_valid, *, sm_scale, logits_s
     if window is not None:
         visible = visible & ((kv_pos >= position - window[0]) | (kv_pos < global_tokens))
     return reference_attention(
-        q, keys, values, visible, sm_scale=scale, logits_soft_cap=logits_soft_cap, score=score,
+        q,
+        keys,
+        values,
+        visible,
+        sm_scale=scale,
+        logits_soft_cap=logits_soft_cap,
+        score=score,
         sigmoid_bias=sigmoid_bias,
     )
 
@@ -159,7 +194,9 @@ def _blocked_xla(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_l
     num_tokens, num_seqs = q.shape[0], page_table.shape[0]
     block_q = max(1, min(block_q, num_tokens // num_seqs))
     if block_q == 1:  # blocks of one row are the tokens themselves: no padding blocks
-        return ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, **options)
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, **options
+        )
     table, offsets = work_items(query_starts, query_lens, kv_lens, num_tokens=num_tokens, block_q=block_q)
     seq, token_start, rows, first_pos = (table[:, column] for column in range(4))
     row = jnp.arange(block_q)[None, :]
@@ -174,7 +211,14 @@ def _blocked_xla(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_l
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "logits_soft_cap", "window", "score", "sigmoid_bias", "global_tokens", "block_q", "pages_per_block",
+        "sm_scale",
+        "logits_soft_cap",
+        "window",
+        "score",
+        "sigmoid_bias",
+        "global_tokens",
+        "block_q",
+        "pages_per_block",
         "impl",
     ),
 )
@@ -258,25 +302,62 @@ def ragged_paged_attention(
         ``"softmax"``, a negative ``global_tokens``).
     """
     cache, logits_soft_cap, window, sigmoid_bias = _check_call(
-        q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens,
-        logits_soft_cap=logits_soft_cap, window=window, score=score, sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        query_starts,
+        query_lens,
+        kv_lens,
+        logits_soft_cap=logits_soft_cap,
+        window=window,
+        score=score,
+        sigmoid_bias=sigmoid_bias,
+        global_tokens=global_tokens,
     )
     num_tokens, _, head_dim = q.shape
     if not isinstance(block_q, int) or block_q < 1:
         raise ValueError(f"block_q must be a positive int, got {block_q!r}")
-    resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=("gpu",))  # written for the GPU (Triton) lowering
+    resolved = resolve_impl(
+        impl, op="ragged_paged_attention", kernel_backends=("gpu",)
+    )  # written for the GPU (Triton) lowering
     if resolved == "xla":
         return _blocked_xla(
-            q, k_pages, v_pages, page_table, query_starts.astype(jnp.int32), query_lens.astype(jnp.int32),
-            kv_lens.astype(jnp.int32), block_q=block_q, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-            window=window, score=score, sigmoid_bias=sigmoid_bias, global_tokens=global_tokens,
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            query_starts.astype(jnp.int32),
+            query_lens.astype(jnp.int32),
+            kv_lens.astype(jnp.int32),
+            block_q=block_q,
+            sm_scale=sm_scale,
+            logits_soft_cap=logits_soft_cap,
+            window=window,
+            score=score,
+            sigmoid_bias=sigmoid_bias,
+            global_tokens=global_tokens,
         )
     owner, _, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
     return ragged_paged_attention_kernel(
-        q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, owner=owner, covered=covered, cache=cache,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        query_starts,
+        query_lens,
+        kv_lens,
+        owner=owner,
+        covered=covered,
+        cache=cache,
         sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
-        logits_soft_cap=logits_soft_cap, window=window, score=score, sigmoid_bias=sigmoid_bias,
-        global_tokens=int(global_tokens), block_q=block_q, pages_per_block=pages_per_block,
+        logits_soft_cap=logits_soft_cap,
+        window=window,
+        score=score,
+        sigmoid_bias=sigmoid_bias,
+        global_tokens=int(global_tokens),
+        block_q=block_q,
+        pages_per_block=pages_per_block,
         interpret=resolved == "interpret",
     )
 
@@ -301,8 +382,21 @@ def check_score(score, sigmoid_bias) -> float | None:
     return float(sigmoid_bias)
 
 
-def _check_call(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, *, logits_soft_cap, window, score,
-                sigmoid_bias, global_tokens):
+def _check_call(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    query_starts,
+    query_lens,
+    kv_lens,
+    *,
+    logits_soft_cap,
+    window,
+    score,
+    sigmoid_bias,
+    global_tokens,
+):
     """Validates the arguments the op and its reference share; returns ``(cache shape,
     logits_soft_cap, window, sigmoid_bias)`` in their checked forms."""
     if getattr(q, "ndim", None) != 3:

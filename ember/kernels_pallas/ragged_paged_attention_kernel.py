@@ -63,8 +63,23 @@ def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: i
 
 
 def _ragged_kernel(
-    work_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, block_q, group, page_size, pages_per_block, sm_scale,
-    soft_cap_value, window, score, sigmoid_bias, global_tokens,
+    work_ref,
+    page_table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    block_q,
+    group,
+    page_size,
+    pages_per_block,
+    sm_scale,
+    soft_cap_value,
+    window,
+    score,
+    sigmoid_bias,
+    global_tokens,
 ):
     kv_head = pl.program_id(1) // group
     seq, token_start, rows, first_pos = (work_ref[c] for c in (_SEQ, _TOKEN_START, _ROWS, _FIRST_POS))
@@ -113,8 +128,26 @@ def _ragged_kernel(
 
 
 def ragged_paged_attention_kernel(
-    q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, *, owner, covered, cache, sm_scale,
-    logits_soft_cap, window, score, sigmoid_bias, global_tokens, block_q, pages_per_block, interpret,
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    query_starts,
+    query_lens,
+    kv_lens,
+    *,
+    owner,
+    covered,
+    cache,
+    sm_scale,
+    logits_soft_cap,
+    window,
+    score,
+    sigmoid_bias,
+    global_tokens,
+    block_q,
+    pages_per_block,
+    interpret,
 ):
     """The Pallas path of ``ragged_paged_attention`` (arguments already validated;
     ``owner``/``covered`` ``[num_tokens]`` say which sequence owns each token row)."""

@@ -47,7 +47,7 @@ def _validate(op, x, dt, A, B, C, D, dt_bias, initial_state, segment_ids) -> Non
     """Raises ``ValueError`` naming the first argument whose shape or dtype is wrong."""
     if x.ndim != 4:
         raise ValueError(f"{op}: x must be [batch, seq, heads, head_dim], got shape {x.shape}")
-    batch, seq, heads, head_dim = x.shape
+    batch, seq, heads, _head_dim = x.shape
     if B.ndim != 4 or B.shape[:2] != (batch, seq) or heads % B.shape[2]:
         raise ValueError(
             f"{op}: B must be [batch, seq, groups, state] with x's batch and seq {(batch, seq)} and "
@@ -142,7 +142,17 @@ def ssd_step(x, dt, A, B, C, state, *, D=None, dt_bias=None, dt_softplus=True):
 
 
 def ssd_reference(
-    x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_state=None, return_final_state=False,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    *,
+    D=None,
+    dt_bias=None,
+    dt_softplus=True,
+    initial_state=None,
+    return_final_state=False,
     segment_ids=None,
 ):
     """The definition: a sequential ``lax.scan`` of :func:`ssd_step`'s update in float32.
@@ -197,7 +207,17 @@ def _from_linear_attention(result, x, D, return_final_state):
 
 
 def ssd_quadratic(
-    x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True, initial_state=None, return_final_state=False,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    *,
+    D=None,
+    dt_bias=None,
+    dt_softplus=True,
+    initial_state=None,
+    return_final_state=False,
     segment_ids=None,
 ):
     """The masked-matrix form ``y = (L o C B^T)(dt x) + D x`` with ``L`` the
@@ -251,7 +271,14 @@ def ssd(
     impl = resolve_impl(impl, op="ssd", kernel_backends=KERNEL_BACKENDS)
     keys, values, log_decay, state = _as_linear_attention(x, dt, A, B, initial_state, dt_bias, dt_softplus)
     result = linear_attention(
-        C, keys, values, log_decay=log_decay, initial_state=state, return_final_state=True,
-        segment_ids=segment_ids, chunk_size=chunk_size, impl=impl,
+        C,
+        keys,
+        values,
+        log_decay=log_decay,
+        initial_state=state,
+        return_final_state=True,
+        segment_ids=segment_ids,
+        chunk_size=chunk_size,
+        impl=impl,
     )
     return _from_linear_attention(result, x, D, return_final_state)

@@ -14,5 +14,11 @@ from ember.models.decoder import DecoderLM, layers_from_list, layers_to_list
 from ember.models.flops import flops_per_token
 
 __all__ = [
-    "DecoderLM", "ModelConfig", "RopeConfig", "flops_per_token", "init_cache_layers", "layers_from_list", "layers_to_list",
+    "DecoderLM",
+    "ModelConfig",
+    "RopeConfig",
+    "flops_per_token",
+    "init_cache_layers",
+    "layers_from_list",
+    "layers_to_list",
 ]

@@ -140,8 +140,9 @@ def write_pages(pages: jax.Array, new: jax.Array, paging: Paging, positions: jax
     return pages.at[page, positions % page_size].set(new.astype(pages.dtype), mode="drop")
 
 
-def run_history(flat: jax.Array, slots: jax.Array, paging: Paging, seqs: jax.Array, ends: jax.Array,
-                length: int) -> jax.Array:
+def run_history(
+    flat: jax.Array, slots: jax.Array, paging: Paging, seqs: jax.Array, ends: jax.Array, length: int
+) -> jax.Array:
     """Per item ``i``, the ``length`` inputs of sequence ``seqs[i]`` just before run offset
     ``ends[i]`` (offsets ``ends[i] - length .. ends[i] - 1``): from the step's budget ``flat
     [num_tokens, ...]`` inside the run, from the sequence's slot ``slots [seqs, >= length,

@@ -65,9 +65,7 @@ class Block(nn.Module):
         h, state = mixer(h, positions, segment_ids, state, paging, valid)
         x = constrain(x + h, ("batch", "seq", "embed"))
         h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="mlp_norm")(x)
-        h = Mlp(
-            config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp"
-        )(h)
+        h = Mlp(config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp")(h)
         return constrain(x + h, ("batch", "seq", "embed")), state
 
 
@@ -140,7 +138,9 @@ class DecoderLM(nn.Module):
         if positions.shape != tokens.shape:
             raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
 
-        embed = Embed(config.vocab_size, config.d_model, config.init_std, policy.compute_dtype, policy.param_dtype, name="embed")
+        embed = Embed(
+            config.vocab_size, config.d_model, config.init_std, policy.compute_dtype, policy.param_dtype, name="embed"
+        )
         x = constrain(embed(tokens), ("batch", "seq", "embed"))
         states = None if cache is None else cache["layers"]
         x, states = self._layers(x, states, positions, segment_ids, paging, valid)
@@ -150,7 +150,9 @@ class DecoderLM(nn.Module):
         if config.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = OutputHead(config.vocab_size, config.init_std, policy.compute_dtype, policy.param_dtype, name="head")(x)
+            logits = OutputHead(
+                config.vocab_size, config.init_std, policy.compute_dtype, policy.param_dtype, name="head"
+            )(x)
         logits = soft_cap(logits.astype(jnp.float32), config.final_soft_cap or None).astype(policy.output_dtype)
         logits = constrain(logits, ("batch", "seq", "vocab"))
         if cache is None:
@@ -188,7 +190,7 @@ class DecoderLM(nn.Module):
             return scanned(config, period, name="layers")(x, states, positions, segment_ids, paging, valid)
         new_groups = []
         for g in range(math.ceil(config.num_layers / period)):
-            group_states = None if states is None else jax.tree.map(lambda leaf: leaf[g], states)
+            group_states = None if states is None else jax.tree.map(lambda leaf, g=g: leaf[g], states)
             num_blocks = min(period, config.num_layers - g * period)
             x, group_states = group_cls(config, num_blocks, name=f"group_{g}")(
                 x, group_states, positions, segment_ids, paging, valid
@@ -198,6 +200,7 @@ class DecoderLM(nn.Module):
             return x, None
         # Every group returns all its entries (a last partial group passes unused ones through).
         return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *new_groups)
+
 
 def layer_location(config: ModelConfig, layer: int) -> tuple[str, int, str]:
     """``(container, group, block)`` of layer ``layer``: ``("layers", g, "block_j")`` when
@@ -216,7 +219,7 @@ def layers_to_list(config: ModelConfig, params: dict[str, Any]) -> list[dict[str
     for layer in range(config.num_layers):
         container, group, block = layer_location(config, layer)
         tree = params[container][block]
-        result.append(jax.tree.map(lambda leaf: leaf[group], tree) if group >= 0 else tree)
+        result.append(jax.tree.map(lambda leaf, group=group: leaf[group], tree) if group >= 0 else tree)
     return result
 
 
@@ -264,8 +267,10 @@ def convert_layer_layout(tree: Any, source: ModelConfig, target: ModelConfig) ->
         try:
             layers = layers_to_list(source, node)
         except (KeyError, IndexError):
-            raise ValueError("cannot change scan_layers for a tree that holds only some of the layers (a trainable "
-                             "mask that selects individual layers); keep scan_layers as the run started") from None
+            raise ValueError(
+                "cannot change scan_layers for a tree that holds only some of the layers (a trainable "
+                "mask that selects individual layers); keep scan_layers as the run started"
+            ) from None
         return {**rest, **layers_from_list(target, layers)}
 
     return jax.tree.map(convert, tree, is_leaf=_holds_layers)

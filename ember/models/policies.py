@@ -169,14 +169,18 @@ class PolicyConfig:
         if self.torso not in TORSOS:
             raise ConfigError(f"policy.torso must be one of {TORSOS}, got {self.torso!r}", key="policy.torso")
         if self.activation not in ACTIVATIONS:
-            raise ConfigError(f"policy.activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}",
-                              key="policy.activation")
+            raise ConfigError(
+                f"policy.activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}",
+                key="policy.activation",
+            )
         if not self.hidden_sizes or any(int(h) < 1 for h in self.hidden_sizes):
-            raise ConfigError(f"policy.hidden_sizes must be positive widths, got {self.hidden_sizes}",
-                              key="policy.hidden_sizes")
+            raise ConfigError(
+                f"policy.hidden_sizes must be positive widths, got {self.hidden_sizes}", key="policy.hidden_sizes"
+            )
         if self.log_std not in LOG_STD_KINDS:
-            raise ConfigError(f"policy.log_std must be one of {LOG_STD_KINDS}, got {self.log_std!r}",
-                              key="policy.log_std")
+            raise ConfigError(
+                f"policy.log_std must be one of {LOG_STD_KINDS}, got {self.log_std!r}", key="policy.log_std"
+            )
         if self.squash not in SQUASH_KINDS:
             raise ConfigError(f"policy.squash must be one of {SQUASH_KINDS}, got {self.squash!r}", key="policy.squash")
 

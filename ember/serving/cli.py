@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="default top_p (1 = off)")
     parser.add_argument("--seed", type=int, default=0, help="default per-request seed")
     parser.add_argument("--num-slots", type=int, default=8, help="requests served at once (--checkpoint)")
-    parser.add_argument("--token-budget", type=int, default=64,
-                        help="most tokens per step, decodes + prefill chunks (--checkpoint)")
+    parser.add_argument(
+        "--token-budget", type=int, default=64, help="most tokens per step, decodes + prefill chunks (--checkpoint)"
+    )
     parser.add_argument("--max-context", type=int, default=None, help="longest sequence (default: the model's)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -51,8 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_engine_options(args: argparse.Namespace) -> None:
     """The engine sizes and checkpoint step of ``ember generate`` and ``ember export``, checked
     before any model is loaded (``ConfigError`` keyed by the option)."""
-    for flag, value in (("--num-slots", args.num_slots), ("--token-budget", args.token_budget),
-                        ("--max-context", args.max_context)):
+    for flag, value in (
+        ("--num-slots", args.num_slots),
+        ("--token-budget", args.token_budget),
+        ("--max-context", args.max_context),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}", key=flag)
     if args.step is not None and args.step < 0:
@@ -65,8 +69,9 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
     check_engine_options(args)
     if args.out and not args.prompts:
         raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
-    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed)
+    defaults = dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
     for name, value in defaults.items():
         try:
             SamplingParams(**{name: value})
@@ -89,9 +94,15 @@ def build_engine(args: argparse.Namespace):
 
     loaded = load_model(args.checkpoint, step=args.step)
     try:
-        return Engine.from_model(loaded.config, loaded.params, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
-                                 num_slots=args.num_slots, token_budget=args.token_budget,
-                                 max_context=args.max_context)
+        return Engine.from_model(
+            loaded.config,
+            loaded.params,
+            tokenizer=loaded.tokenizer,
+            eos_id=loaded.eos_id,
+            num_slots=args.num_slots,
+            token_budget=args.token_budget,
+            max_context=args.max_context,
+        )
     except ConfigError as error:
         flag = ENGINE_OPTIONS.get(error.key)
         if flag is None:  # about the model (layers the engine cannot serve), not an option

@@ -49,17 +49,19 @@ class Engine:
         eos_id: int | None = None,
     ):
         """Args:
-          program: the compiled steps and their cache.
-          token_budget: tokens per step over all slots (decodes first, then prefill
-            chunks); default and most the program's largest token bucket.
-          tokenizer: turns text prompts and stop strings into tokens and outputs into text.
-          eos_id: end-of-sequence token; default the tokenizer's, else none.
+        program: the compiled steps and their cache.
+        token_budget: tokens per step over all slots (decodes first, then prefill
+          chunks); default and most the program's largest token bucket.
+        tokenizer: turns text prompts and stop strings into tokens and outputs into text.
+        eos_id: end-of-sequence token; default the tokenizer's, else none.
         """
         self.program = program
         self.tokenizer = tokenizer
         token_budget = program.token_budget if token_budget is None else token_budget
         if not 1 <= token_budget <= program.token_budget:
-            raise ValueError(f"token_budget must be in [1, {program.token_budget}] (the largest compiled bucket), got {token_budget}")
+            raise ValueError(
+                f"token_budget must be in [1, {program.token_budget}] (the largest compiled bucket), got {token_budget}"
+            )
         self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -77,8 +79,15 @@ class Engine:
         self.tokens_generated = 0
 
     @classmethod
-    def from_model(cls, config: Any, params: Any, *, tokenizer: Tokenizer | None = None, eos_id: int | None = None,
-                   **program_options: Any) -> Engine:
+    def from_model(
+        cls,
+        config: Any,
+        params: Any,
+        *,
+        tokenizer: Tokenizer | None = None,
+        eos_id: int | None = None,
+        **program_options: Any,
+    ) -> Engine:
         """An engine for ``DecoderLM(config)`` with ``params``; ``program_options`` go to
         :func:`ember.serving.model_program.build_program` (``num_slots``, ``token_budget``,
         ``token_buckets``, ``max_context``, ``num_pages``, ``kv_dtype``)."""
@@ -105,7 +114,9 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token {tokens[bad]} at index {bad} is out of range [0, {vocab})")
         if len(tokens) > self.program.max_context:
-            raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context of {self.program.max_context}")
+            raise ValueError(
+                f"the prompt has {len(tokens)} tokens, more than the context of {self.program.max_context}"
+            )
         return tokens
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
@@ -146,7 +157,9 @@ class Engine:
     def step(self, token_budget: int | None = None) -> list[TokenEvent]:
         """Runs one iteration; returns the token events it produced."""
         if token_budget is not None and token_budget > self.program.token_budget:
-            raise ValueError(f"token_budget {token_budget} exceeds the largest compiled bucket {self.program.token_budget}")
+            raise ValueError(
+                f"token_budget {token_budget} exceeds the largest compiled bucket {self.program.token_budget}"
+            )
         chunks = self.scheduler.schedule(token_budget)
         if not chunks:
             return []
@@ -184,7 +197,9 @@ class Engine:
                     if event.finish_reason is not None:
                         pending.discard(event.request_id)
 
-    def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[TokenEvent]:
+    def stream(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[TokenEvent]:
         """Token events of ``prompts`` as they are generated (request ids count up from the
         first prompt's). Every prompt is validated before any runs (``ValueError``).
         Tokens are streamed as sampled: the tail of a stop sequence appears in the stream
@@ -197,8 +212,13 @@ class Engine:
         for request_id in ids:
             self._requests.pop(request_id, None)
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, progress: Any = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: Any = None,
+    ) -> list[GenerationResult]:
         """Generates for every prompt; results in prompt order. A bad prompt gets a result
         with ``finish_reason="error"``, ``error`` set and ``request_id`` -1 (it never became
         a request); the others run normally.
@@ -213,9 +233,7 @@ class Engine:
         for event in self.run_until_done([i for i in ids if isinstance(i, int)]):
             if progress is not None and event.token is not None:
                 progress.update(1)
-        return [
-            self.result(i) if isinstance(i, int) else GenerationResult(-1, [], FINISH_ERROR, error=i) for i in ids
-        ]
+        return [self.result(i) if isinstance(i, int) else GenerationResult(-1, [], FINISH_ERROR, error=i) for i in ids]
 
 
 def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingParams]:

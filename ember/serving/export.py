@@ -30,9 +30,19 @@ from ember.serving.program import LAYOUT_FIELDS, DeviceProgram, resolve_token_bu
 FORMAT_VERSION = 2
 
 
-def export_program(config: Any, params: Any, out_dir: str | Path, *, tokenizer: Any = None, eos_id: int | None = None,
-                   num_slots: int = 8, token_budget: int = 64, token_buckets: tuple[int, ...] | None = None,
-                   max_context: int | None = None, num_pages: int | None = None) -> Path:
+def export_program(
+    config: Any,
+    params: Any,
+    out_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    eos_id: int | None = None,
+    num_slots: int = 8,
+    token_budget: int = 64,
+    token_buckets: tuple[int, ...] | None = None,
+    max_context: int | None = None,
+    num_pages: int | None = None,
+) -> Path:
     """Writes the artifact of ``DecoderLM(config)`` with ``params`` to ``out_dir``
     (sizes as in :func:`ember.serving.model_program.build_program`)."""
     from ember.models.cache import init_cache_layers  # model code: export side only
@@ -70,8 +80,10 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
         raise PathNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
     manifest = json.loads(manifest_file.read_text())
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"artifact format {manifest.get('format_version')!r} of {directory} is not the supported "
-                        f"{FORMAT_VERSION}: export it again with this version of Ember")
+        raise DataError(
+            f"artifact format {manifest.get('format_version')!r} of {directory} is not the supported "
+            f"{FORMAT_VERSION}: export it again with this version of Ember"
+        )
     exported = {
         size: jax.export.deserialize(bytearray((directory / f"step_t{size}.jaxexport").read_bytes()))
         for size in manifest["token_buckets"]
@@ -86,7 +98,9 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
     kv = jax.tree_util.tree_unflatten(kv_tree, [jnp.zeros(aval.shape, aval.dtype) for aval in kv_avals])
     steps = {}
     for size, function in exported.items():
-        specs = jax.tree_util.tree_unflatten(args_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in function.in_avals])
+        specs = jax.tree_util.tree_unflatten(
+            args_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in function.in_avals]
+        )
         steps[size] = jax.jit(function.call, donate_argnums=1).lower(*specs).compile()
     program = DeviceProgram(steps=steps, params=params, kv=kv, **{name: manifest[name] for name in LAYOUT_FIELDS})
     tokenizer = tokenizer_from_description(manifest["tokenizer"]) if manifest["tokenizer"] else None
@@ -108,8 +122,16 @@ def run(args: argparse.Namespace) -> int:
 
     check_engine_options(args)
     loaded = load_model(args.source, step=args.step)
-    out = export_program(loaded.config, loaded.params, args.out_dir, tokenizer=loaded.tokenizer, eos_id=loaded.eos_id,
-                         num_slots=args.num_slots, token_budget=args.token_budget, max_context=args.max_context)
+    out = export_program(
+        loaded.config,
+        loaded.params,
+        args.out_dir,
+        tokenizer=loaded.tokenizer,
+        eos_id=loaded.eos_id,
+        num_slots=args.num_slots,
+        token_budget=args.token_budget,
+        max_context=args.max_context,
+    )
     buckets = resolve_token_buckets(args.num_slots, args.token_budget)
     print(f"wrote {out} (token buckets {', '.join(map(str, buckets))})")
     return 0

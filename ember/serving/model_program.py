@@ -74,13 +74,16 @@ def build_program(
     return DeviceProgram(steps=steps, params=params, kv=kv, **layout)
 
 
-def program_layout(config: ModelConfig, num_slots: int, max_context: int | None, num_pages: int | None) -> dict[str, int]:
+def program_layout(
+    config: ModelConfig, num_slots: int, max_context: int | None, num_pages: int | None
+) -> dict[str, int]:
     """The size fields of a program of ``DecoderLM(config)`` (``ember.serving.program.LAYOUT_FIELDS``),
     with the defaults of :func:`build_program` filled in and checked."""
     max_context = config.max_seq_len if max_context is None else max_context
     if not 1 <= max_context <= config.max_seq_len:
-        raise ConfigError(f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}",
-                          key="max_context")
+        raise ConfigError(
+            f"max_context must be in [1, max_seq_len={config.max_seq_len}], got {max_context}", key="max_context"
+        )
     pages_per_seq = math.ceil(max_context / config.page_size)
     return dict(
         num_slots=num_slots,

@@ -110,9 +110,17 @@ def resolve_token_buckets(num_slots: int, token_budget: int, buckets: tuple[int,
             raise ConfigError(f"token_budget must be positive, got {token_budget}", key="token_budget")
         buckets = (min(num_slots, token_budget), token_budget)
     if not buckets or any(int(b) < 1 for b in buckets):
-        raise ConfigError(f"token_buckets must be a non-empty list of positive budget sizes, got {buckets!r}",
-                          key="token_buckets")
+        raise ConfigError(
+            f"token_buckets must be a non-empty list of positive budget sizes, got {buckets!r}", key="token_buckets"
+        )
     return tuple(sorted({int(b) for b in buckets}))
 
 
-__all__ = ["LAYOUT_FIELDS", "DeviceProgram", "StepFunction", "batch_arrays", "resolve_token_buckets", "step_argument_specs"]
+__all__ = [
+    "LAYOUT_FIELDS",
+    "DeviceProgram",
+    "StepFunction",
+    "batch_arrays",
+    "resolve_token_buckets",
+    "step_argument_specs",
+]

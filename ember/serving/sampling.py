@@ -16,6 +16,7 @@ import numpy as np
 
 from ember.serving.requests import SamplingParams
 
+
 def sample_tokens(logits: jax.Array, settings: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 

@@ -36,11 +36,13 @@ class LoopConfig:
     def __post_init__(self):
         for name in ("steps", "grad_accum", "log_every", "eval_every"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}",
-                                  key=f"train.{name}")
+                raise ConfigError(
+                    f"train.{name} must be a positive integer, got {getattr(self, name)}", key=f"train.{name}"
+                )
         if self.on_nan not in NAN_POLICIES:
-            raise ConfigError(f"train.on_nan must be one of {', '.join(NAN_POLICIES)}, got {self.on_nan!r}",
-                              key="train.on_nan")
+            raise ConfigError(
+                f"train.on_nan must be one of {', '.join(NAN_POLICIES)}, got {self.on_nan!r}", key="train.on_nan"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

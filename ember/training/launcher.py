@@ -65,5 +65,5 @@ def _list_configs() -> int:
     runnable = [(path, read_key(path, "kind")) for path in sorted(root.rglob("*.yaml"))]
     for path, kind in runnable:
         if kind is not None:  # files without a kind are presets other configs extend
-            print(f"{str(path.relative_to(root.parent)):<40} kind={kind}")
+            print(f"{path.relative_to(root.parent)!s:<40} kind={kind}")
     return 0

@@ -34,14 +34,19 @@ class ScheduleConfig:
 
     def __post_init__(self):
         if self.kind not in SCHEDULES:
-            raise ConfigError(f"optim.schedule.kind must be one of {', '.join(SCHEDULES)}, got {self.kind!r}",
-                              key="optim.schedule.kind")
+            raise ConfigError(
+                f"optim.schedule.kind must be one of {', '.join(SCHEDULES)}, got {self.kind!r}",
+                key="optim.schedule.kind",
+            )
         if self.warmup_steps < 0:
-            raise ConfigError(f"optim.schedule.warmup_steps must be >= 0, got {self.warmup_steps}",
-                              key="optim.schedule.warmup_steps")
+            raise ConfigError(
+                f"optim.schedule.warmup_steps must be >= 0, got {self.warmup_steps}", key="optim.schedule.warmup_steps"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"optim.schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
-                              key="optim.schedule.min_lr_ratio")
+            raise ConfigError(
+                f"optim.schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
+                key="optim.schedule.min_lr_ratio",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,15 +105,18 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
     """Clipping, then the optimizer with its schedule (and decoupled weight decay)."""
     lr = make_schedule(config, total_steps)
     if config.name == "adamw":
-        core = optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                           mask=decay_mask)
+        core = optax.adamw(
+            lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay, mask=decay_mask
+        )
     elif config.name == "lion":
         core = optax.lion(lr, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay, mask=decay_mask)
     elif config.name == "adafactor":
         core = optax.adafactor(lr, weight_decay_rate=config.weight_decay or None, weight_decay_mask=decay_mask)
     else:
-        core = optax.chain(optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
-                           optax.sgd(lr, momentum=config.momentum or None, nesterov=config.nesterov))
+        core = optax.chain(
+            optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
+            optax.sgd(lr, momentum=config.momentum or None, nesterov=config.nesterov),
+        )
     if config.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(config.clip_norm), core)
     return core

@@ -21,7 +21,12 @@ def metric_series(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]
     series: dict[str, tuple[list[int], list[float]]] = {}
     for record in read_metrics(run_dir):
         for key, value in record.items():
-            if key in SKIPPED or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (
+                key in SKIPPED
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 continue
             steps, values = series.setdefault(key, ([], []))
             steps.append(record["step"])
@@ -41,8 +46,10 @@ def plot_runs(run_dirs: list[Path], out: Path, metrics: list[str] | None = None)
     missing = [name for name in names if not any(name in series for series in runs.values())]
     if missing or not names:
         available = sorted({name for series in runs.values() for name in series})
-        raise ConfigError(f"no values for metric(s) {', '.join(missing) or '(any)'}; available: {', '.join(available)}",
-                          key="--metrics")
+        raise ConfigError(
+            f"no values for metric(s) {', '.join(missing) or '(any)'}; available: {', '.join(available)}",
+            key="--metrics",
+        )
     columns = min(3, len(names))
     rows = math.ceil(len(names) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
@@ -55,7 +62,7 @@ def plot_runs(run_dirs: list[Path], out: Path, metrics: list[str] | None = None)
         axis.grid(alpha=0.3)
         if len(runs) > 1:
             axis.legend(fontsize=8)
-    for axis in list(axes.flat)[len(names):]:
+    for axis in list(axes.flat)[len(names) :]:
         axis.set_visible(False)
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,8 +38,9 @@ class TrainState:
     opt_state: Any
 
 
-def init_state(rng: jax.Array, *, init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
-               mask: Mask) -> TrainState:
+def init_state(
+    rng: jax.Array, *, init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation, mask: Mask
+) -> TrainState:
     """A fresh state. Parameters (and the optimizer moments built from them) keep their
     ``nn.Partitioned`` logical annotations, so ``nn.get_partition_spec`` of the abstract
     state gives the shardings; the trainer unboxes after placement."""
@@ -57,19 +58,36 @@ def _weighted_aux(aux: dict[str, jax.Array], weights: dict[str, float]) -> jax.A
     """``sum(weights[name] * aux[name])``; every aux loss needs a weight and every weight a loss."""
     for name in aux:
         if name not in weights:
-            raise ConfigError(f"the model returns auxiliary loss {name!r} but train.aux_loss_weights has no weight "
-                              f"for it; set train.aux_loss_weights.{name} (0 logs it without training on it)",
-                              key=f"train.aux_loss_weights.{name}")
+            raise ConfigError(
+                f"the model returns auxiliary loss {name!r} but train.aux_loss_weights has no weight "
+                f"for it; set train.aux_loss_weights.{name} (0 logs it without training on it)",
+                key=f"train.aux_loss_weights.{name}",
+            )
     for name in weights:
         if name not in aux:
-            raise ConfigError(f"train.aux_loss_weights.{name} names no auxiliary loss of the model "
-                              f"(it returns: {', '.join(sorted(aux)) or 'none'})", key=f"train.aux_loss_weights.{name}")
+            raise ConfigError(
+                f"train.aux_loss_weights.{name} names no auxiliary loss of the model "
+                f"(it returns: {', '.join(sorted(aux)) or 'none'})",
+                key=f"train.aux_loss_weights.{name}",
+            )
     return sum((weights[name] * value for name, value in aux.items()), jnp.float32(0))
 
 
-def train_step(state: TrainState, batch: Any, teacher: Any, *, loss_fn: LossFn, tx: optax.GradientTransformation,
-               schedule: optax.Schedule, mask: Mask, aux_weights: dict[str, float] | None = None, grad_accum: int = 1,
-               skip_nonfinite: bool = False, seed: int = 0, count_name: str = "count") -> tuple[TrainState, dict]:
+def train_step(
+    state: TrainState,
+    batch: Any,
+    teacher: Any,
+    *,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    mask: Mask,
+    aux_weights: dict[str, float] | None = None,
+    grad_accum: int = 1,
+    skip_nonfinite: bool = False,
+    seed: int = 0,
+    count_name: str = "count",
+) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch`` (``grad_accum`` micro-batches scanned in sequence).
 
     Returns the new state and metrics: ``loss`` (the mean main loss), each auxiliary loss by
@@ -99,9 +117,7 @@ def train_step(state: TrainState, batch: Any, teacher: Any, *, loss_fn: LossFn, 
     first = jax.tree.map(lambda x: x[0], micro_batches)
     sums_shape = jax.eval_shape(lambda: objective(trainable, first, step_rng)[1])
     zeros = jax.tree.map(jnp.zeros_like, (trainable, sums_shape))
-    (grads, (loss_sum, count, aux_sums)), _ = jax.lax.scan(
-        accumulate, zeros, (micro_batches, jnp.arange(grad_accum))
-    )
+    (grads, (loss_sum, count, aux_sums)), _ = jax.lax.scan(accumulate, zeros, (micro_batches, jnp.arange(grad_accum)))
     denominator = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denominator, grads)
     loss = loss_sum / denominator
@@ -111,10 +127,17 @@ def train_step(state: TrainState, batch: Any, teacher: Any, *, loss_fn: LossFn, 
     new_trainable = optax.apply_updates(trainable, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
-        new_trainable, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                                (new_trainable, opt_state), (trainable, state.opt_state))
-    metrics = {"loss": loss, **aux, "grad_norm": grad_norm, "lr": schedule(state.step), count_name: count,
-               "finite": finite}
+        new_trainable, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), (new_trainable, opt_state), (trainable, state.opt_state)
+        )
+    metrics = {
+        "loss": loss,
+        **aux,
+        "grad_norm": grad_norm,
+        "lr": schedule(state.step),
+        count_name: count,
+        "finite": finite,
+    }
     if aux:
         metrics["objective"] = loss + _weighted_aux(aux, weights)
     return TrainState(step=state.step + 1, params=merge(state.params, new_trainable), opt_state=opt_state), metrics

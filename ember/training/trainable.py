@@ -38,12 +38,15 @@ def param_paths(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def map_paths(fn: Callable[[str, Any], Any], tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``tree`` with every leaf replaced by ``fn(path, leaf)`` (paths as in :func:`param_paths`)."""
-    return {key: map_paths(fn, value, f"{prefix}{key}/") if isinstance(value, Mapping) else fn(f"{prefix}{key}", value)
-            for key, value in tree.items()}
+    return {
+        key: map_paths(fn, value, f"{prefix}{key}/") if isinstance(value, Mapping) else fn(f"{prefix}{key}", value)
+        for key, value in tree.items()
+    }
 
 
-def trainable_mask(params: Mapping[str, Any], *, freeze: Sequence[str] = (), base: Mask | None = None,
-                   key: str = "train.freeze") -> Mask:
+def trainable_mask(
+    params: Mapping[str, Any], *, freeze: Sequence[str] = (), base: Mask | None = None, key: str = "train.freeze"
+) -> Mask:
     """The mask of ``params``: ``base`` (all True when ``None``) with every parameter whose
     ``/``-joined path matches one of the ``freeze`` regular expressions (``re.search``) set
     to False.
@@ -61,11 +64,15 @@ def trainable_mask(params: Mapping[str, Any], *, freeze: Sequence[str] = (), bas
     paths = param_paths(params)
     for index, pattern in enumerate(patterns):
         if not any(pattern.search(path) for path in paths):
-            raise ConfigError(f"{key}[{index}] ({pattern.pattern!r}) matches no parameter; parameter paths look like "
-                              f"{', '.join(sorted(paths)[:4])}", key=key)
+            raise ConfigError(
+                f"{key}[{index}] ({pattern.pattern!r}) matches no parameter; parameter paths look like "
+                f"{', '.join(sorted(paths)[:4])}",
+                key=key,
+            )
     base_flat = param_paths(base) if base is not None else {}
-    mask = map_paths(lambda path, _: bool(base_flat.get(path, True)) and not any(p.search(path) for p in patterns),
-                     params)
+    mask = map_paths(
+        lambda path, _: bool(base_flat.get(path, True)) and not any(p.search(path) for p in patterns), params
+    )
     if not any(param_paths(mask).values()):
         raise ConfigError(f"{key} freezes every parameter; nothing is left to train", key=key)
     return mask

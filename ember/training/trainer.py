@@ -81,8 +81,11 @@ class Hook:
     on_stop: bool = False
 
     def due(self, info: StepInfo) -> bool:
-        return bool((self.every and info.step % self.every == 0) or (self.on_last and info.is_last)
-                    or (self.on_stop and info.stopping))
+        return bool(
+            (self.every and info.step % self.every == 0)
+            or (self.on_last and info.is_last)
+            or (self.on_stop and info.stopping)
+        )
 
 
 class Trainer:
@@ -100,10 +103,20 @@ class Trainer:
       ConfigError: ``run_dir`` already holds checkpoints and ``resume`` is False.
     """
 
-    def __init__(self, task: Task, *, loop: LoopConfig | None = None, optim: OptimConfig | None = None,
-                 checkpoint: CheckpointConfig | None = None, logging: LoggingConfig | None = None,
-                 run_dir: str | Path, mesh: Any = None, rules: Any = DEFAULT_RULES, seed: int = 0,
-                 resume: bool = False):
+    def __init__(
+        self,
+        task: Task,
+        *,
+        loop: LoopConfig | None = None,
+        optim: OptimConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        logging: LoggingConfig | None = None,
+        run_dir: str | Path,
+        mesh: Any = None,
+        rules: Any = DEFAULT_RULES,
+        seed: int = 0,
+        resume: bool = False,
+    ):
         self.task, self.seed = task, seed
         self.loop, self.optim = loop or LoopConfig(), optim or OptimConfig()
         self.checkpoint_config, self.logging = checkpoint or CheckpointConfig(), logging or LoggingConfig()
@@ -115,14 +128,22 @@ class Trainer:
         self.data = task.train_data()
         self.teacher, teacher_shardings = self._place_teacher()
         self._step_fn = self._jit_step(teacher_shardings)
-        self._eval_fn = jax.jit(functools.partial(eval_step, loss_fn=task.loss),
-                                in_shardings=(self.state_shardings.params, None, teacher_shardings))
-        self.manager = CheckpointManager(self.run_dir / "checkpoints", max_to_keep=self.checkpoint_config.keep,
-                                         async_save=self.checkpoint_config.async_save)
+        self._eval_fn = jax.jit(
+            functools.partial(eval_step, loss_fn=task.loss),
+            in_shardings=(self.state_shardings.params, None, teacher_shardings),
+        )
+        self.manager = CheckpointManager(
+            self.run_dir / "checkpoints",
+            max_to_keep=self.checkpoint_config.keep,
+            async_save=self.checkpoint_config.async_save,
+        )
         if self.manager.latest_step() is not None and not resume:
             self.manager.close()
-            raise ConfigError(f"run_dir {self.run_dir} already holds checkpoints; pass --resume to continue it, "
-                              "or choose another run_dir", key="run_dir")
+            raise ConfigError(
+                f"run_dir {self.run_dir} already holds checkpoints; pass --resume to continue it, "
+                "or choose another run_dir",
+                key="run_dir",
+            )
         self.state = self._restore(boxed) if resume and self.manager.latest_step() is not None else self._init(boxed)
         self.last_metrics: dict[str, float] = {}
         self.results: dict[str, Any] = {}
@@ -169,11 +190,23 @@ class Trainer:
 
     def _jit_step(self, teacher_shardings: Any) -> Any:
         step = functools.partial(
-            train_step, loss_fn=self.task.loss, tx=self.tx, schedule=self.schedule, mask=self.mask,
-            aux_weights=self.loop.aux_loss_weights, grad_accum=self.loop.grad_accum,
-            skip_nonfinite=self.loop.on_nan == "skip", seed=self.seed, count_name=self.task.count_name)
-        return jax.jit(step, in_shardings=(self.state_shardings, self._batch_shardings(), teacher_shardings),
-                       out_shardings=(self.state_shardings, None), donate_argnums=0)
+            train_step,
+            loss_fn=self.task.loss,
+            tx=self.tx,
+            schedule=self.schedule,
+            mask=self.mask,
+            aux_weights=self.loop.aux_loss_weights,
+            grad_accum=self.loop.grad_accum,
+            skip_nonfinite=self.loop.on_nan == "skip",
+            seed=self.seed,
+            count_name=self.task.count_name,
+        )
+        return jax.jit(
+            step,
+            in_shardings=(self.state_shardings, self._batch_shardings(), teacher_shardings),
+            out_shardings=(self.state_shardings, None),
+            donate_argnums=0,
+        )
 
     def _init(self, boxed: TrainState) -> TrainState:
         # Initialisation needs no activation constraints: out_shardings place the state.
@@ -196,8 +229,9 @@ class Trainer:
         return state
 
     # ----------------------------------------------------------------------------- the loop
-    def add_hook(self, fn: Callable[[StepInfo], None], every: int | None = None, *, on_last: bool = False,
-                 on_stop: bool = False) -> None:
+    def add_hook(
+        self, fn: Callable[[StepInfo], None], every: int | None = None, *, on_last: bool = False, on_stop: bool = False
+    ) -> None:
         """Runs ``fn(StepInfo)`` after every ``every``-th step (and see :class:`Hook`), after
         the hooks registered before it."""
         self._hooks.append(Hook(fn, every, on_last, on_stop))
@@ -208,8 +242,13 @@ class Trainer:
         self.writer = MetricsWriter(self.run_dir, tensorboard=self.logging.tensorboard, enabled=self.is_main)
         self.writer.truncate_after(start)
         stop = _StopFlag()
-        bar = tqdm(total=self.loop.steps, initial=start, desc="train", unit="step",
-                   disable=not (self.is_main and self.logging.progress))
+        bar = tqdm(
+            total=self.loop.steps,
+            initial=start,
+            desc="train",
+            unit="step",
+            disable=not (self.is_main and self.logging.progress),
+        )
         try:
             for step in range(start, self.loop.steps):
                 batch = host_local_to_global(self.data.next(), self.mesh, self.task.batch_axes, self.rules)
@@ -242,10 +281,14 @@ class Trainer:
 
     def _write_summary(self) -> dict[str, Any]:
         steps = int(self.state.step)
-        summary = {"run_dir": str(self.run_dir), "steps": steps, "stopped_early": steps < self.loop.steps,
-                   "last_checkpoint": self.last_saved,
-                   **{key: self.last_metrics[key] for key in SUMMARY_METRICS if key in self.last_metrics},
-                   **self.results}
+        summary = {
+            "run_dir": str(self.run_dir),
+            "steps": steps,
+            "stopped_early": steps < self.loop.steps,
+            "last_checkpoint": self.last_saved,
+            **{key: self.last_metrics[key] for key in SUMMARY_METRICS if key in self.last_metrics},
+            **self.results,
+        }
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -297,10 +340,15 @@ class Trainer:
 
     def _nan_message(self, step: int, values: dict[str, float]) -> str:
         last = self.manager.latest_step()
-        pointer = (f"the last good checkpoint is step {last} in {self.manager.directory}" if last is not None
-                   else "no checkpoint was saved yet")
-        return (f"non-finite loss at step {step} (loss={values['loss']}, grad_norm={values['grad_norm']}); {pointer}. "
-                "Lower optim.lr, raise optim.schedule.warmup_steps, or set train.on_nan=skip to skip such steps.")
+        pointer = (
+            f"the last good checkpoint is step {last} in {self.manager.directory}"
+            if last is not None
+            else "no checkpoint was saved yet"
+        )
+        return (
+            f"non-finite loss at step {step} (loss={values['loss']}, grad_norm={values['grad_norm']}); {pointer}. "
+            "Lower optim.lr, raise optim.schedule.warmup_steps, or set train.on_nan=skip to skip such steps."
+        )
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the optimizer state (only trainable parameters have any)."""

@@ -22,8 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def make_state(key):
     k1, k2, k3 = jax.random.split(key, 3)
-    params = {"dense": {"kernel": jax.random.normal(k1, (16, 8)), "bias": jax.random.normal(k2, (8,))},
-              "embed": jax.random.normal(k3, (32, 16)).astype(jnp.bfloat16)}
+    params = {
+        "dense": {"kernel": jax.random.normal(k1, (16, 8)), "bias": jax.random.normal(k2, (8,))},
+        "embed": jax.random.normal(k3, (32, 16)).astype(jnp.bfloat16),
+    }
     optimizer = optax.adamw(1e-3)
     opt_state = optimizer.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
@@ -108,7 +110,9 @@ def test_save_on_4x2_restore_on_2x4_and_single_device(tmp_path, rng):
     assert on_2x4["kernel"].addressable_shards[0].data.shape == (4, 4)
 
     single = jax.sharding.SingleDeviceSharding(jax.devices()[3])
-    on_one = CheckpointManager(tmp_path).restore(target=abstract_with_shardings(values, {k: single for k in values})).state
+    on_one = (
+        CheckpointManager(tmp_path).restore(target=abstract_with_shardings(values, {k: single for k in values})).state
+    )
     for name in values:
         assert on_one[name].sharding == single
         np.testing.assert_array_equal(np.asarray(on_one[name]), np.asarray(values[name]))
@@ -170,8 +174,9 @@ def test_restore_part_reads_one_entry_onto_a_target_sharding(tmp_path, rng):
     assert_trees_equal(params, state["params"])
     mesh = make_mesh(MeshConfig(data=8))
     sharding = named_sharding(mesh, ("batch", None))
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-                          if x.ndim == 2 else x, state["params"])
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) if x.ndim == 2 else x, state["params"]
+    )
     placed = manager.restore_part("params", 4, target=target)
     assert placed["embed"].sharding == sharding
     assert_trees_equal(placed, state["params"])

@@ -1,7 +1,7 @@
 """ember.core.config: schemas from YAML + overrides, precise errors, base files, round trip."""
 
 import dataclasses
-from typing import Optional
+import re
 
 import pytest
 
@@ -31,7 +31,7 @@ class TrainConfig:
 class ExperimentConfig:
     run_dir: str = "runs/default"
     seed: int = 0
-    notes: Optional[str] = None
+    notes: str | None = None
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     tags: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -82,7 +82,9 @@ def test_unknown_key_lists_valid_keys_and_closest_match(tmp_path):
 
 
 def test_unknown_key_without_close_match_still_lists_valid_keys():
-    with pytest.raises(ConfigError, match=r"unknown config key 'zzz' \(from command-line overrides\)\. Valid keys: notes"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'zzz' \(from command-line overrides\)\. Valid keys: notes"
+    ):
         load_config(ExperimentConfig, None, ["zzz=1"])
 
 
@@ -135,11 +137,14 @@ class PlainValidatedConfig:
             raise ValueError(f"train.steps must be >= 0, got {self.train.steps}")
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("mode=c", "mode must be 'a' or 'b', got 'c'"),
-    ("train.steps=-2", "train.steps must be >= 0, got -2"),
-    ("section.width=0", "section.width must be positive, got 0"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("mode=c", "mode must be 'a' or 'b', got 'c'"),
+        ("train.steps=-2", "train.steps must be >= 0, got -2"),
+        ("section.width=0", "section.width must be positive, got 0"),
+    ],
+)
 def test_plain_value_errors_of_a_schema_become_config_errors(override, message):
     with pytest.raises(ConfigError, match=f"invalid config: {message}"):
         load_config(PlainValidatedConfig, None, [override])
@@ -170,11 +175,14 @@ class NestedConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
 
-@pytest.mark.parametrize(("override", "key", "message"), [
-    ("algo.steps=0", "algo.steps", "algo.steps must be positive, got 0"),
-    ("algo.policy.width=-3", "algo.policy.width", "algo.policy.width must be positive, got -3"),
-    ("optim.lr=-1", "optim.lr", "optim.lr must be positive, got -1.0"),  # a section that names itself
-])
+@pytest.mark.parametrize(
+    ("override", "key", "message"),
+    [
+        ("algo.steps=0", "algo.steps", "algo.steps must be positive, got 0"),
+        ("algo.policy.width=-3", "algo.policy.width", "algo.policy.width must be positive, got -3"),
+        ("optim.lr=-1", "optim.lr", "optim.lr must be positive, got -1.0"),  # a section that names itself
+    ],
+)
 def test_a_nested_section_error_carries_the_full_key_path(override, key, message):
     with pytest.raises(ConfigError) as info:
         load_config(NestedConfig, None, [override])
@@ -199,7 +207,7 @@ def test_a_section_can_extend_its_own_base_file(tmp_path):
     assert config.optim == OptimConfig(name="sgd", lr=2.0, betas=(0.3,))
     assert config.seed == 4
     write(tmp_path / "typo.yaml", "optim:\n  base: optim/base.yaml\n  lrr: 1.0\n")
-    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'.*Did you mean 'optim.lr'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr'.*Did you mean 'optim.lr'"):
         load_config(ExperimentConfig, tmp_path / "typo.yaml")
 
 
@@ -209,7 +217,7 @@ def test_base_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="form a cycle"):
         load_config(ExperimentConfig, a)
     missing = write(tmp_path / "c.yaml", "base: nowhere.yaml\n")
-    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+    with pytest.raises(ConfigError, match=r"config file not found: .*nowhere.yaml"):
         load_config(ExperimentConfig, missing)
     broken = write(tmp_path / "d.yaml", "train: [unclosed\n")
     with pytest.raises(ConfigError, match="could not parse YAML file"):
@@ -220,8 +228,15 @@ def test_yaml_round_trip_is_exact():
     config = load_config(
         ExperimentConfig,
         None,
-        ["run_dir=runs/x y", "seed=123", "notes='a: colon'", "train.remat=true", "optim.lr=1.5e-4",
-         "optim.betas=[0.5,0.25]", "tags.k=v"],
+        [
+            "run_dir=runs/x y",
+            "seed=123",
+            "notes='a: colon'",
+            "train.remat=true",
+            "optim.lr=1.5e-4",
+            "optim.betas=[0.5,0.25]",
+            "tags.k=v",
+        ],
     )
     text = to_yaml(config)
     assert from_yaml(ExperimentConfig, text) == config
@@ -231,7 +246,7 @@ def test_yaml_round_trip_is_exact():
 
 def test_mapping_source_is_validated_like_a_file():
     assert load_config(ExperimentConfig, {"train": {"steps": 5}}).train.steps == 5
-    with pytest.raises(ConfigError, match="unknown config key 'train.step'"):
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'train.step'")):
         load_config(ExperimentConfig, {"train": {"step": 5}})
 
 

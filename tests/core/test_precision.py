@@ -11,7 +11,7 @@ def test_parse_dtype_names():
     assert parse_dtype("bf16") == jnp.bfloat16 and parse_dtype("BFloat16") == jnp.bfloat16
     assert parse_dtype("fp32") == jnp.float32 and parse_dtype("half") == jnp.float16
     assert parse_dtype(np.float32) == jnp.float32
-    with pytest.raises(ValueError, match="unknown dtype 'bf15'; valid names: .*bf16"):
+    with pytest.raises(ValueError, match=r"unknown dtype 'bf15'; valid names: .*bf16"):
         parse_dtype("bf15")
     with pytest.raises(ValueError, match="must be floating point"):
         parse_dtype(np.int32)

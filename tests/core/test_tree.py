@@ -28,7 +28,9 @@ def test_boxed_flax_params_are_counted():
     class Dense(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return nn.Dense(3, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+            return nn.Dense(
+                3, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            )(x)
 
     variables = Dense().init(jax.random.key(0), jnp.ones((1, 5)))
     assert param_count(variables) == 5 * 3 + 3

@@ -1,8 +1,8 @@
 """Adapters against the real libraries: gymnax and JaxMARL environments behind Ember's
 contract, and Ember environments as a gymnasium VectorEnv checked with gymnasium's own tools."""
 
-import gymnax
 import gymnasium
+import gymnax
 import jax
 import jax.numpy as jnp
 import jaxmarl
@@ -45,7 +45,9 @@ def test_gymnax_env_steps_as_gymnax_and_splits_terminated_from_truncated(rng):
     # Always pushing one way topples the pole: a termination.
     _, state = env.reset(rng, params.replace(max_steps_in_episode=500))
     for t in range(30):
-        _, state, _, terminated, truncated, _ = step(jax.random.fold_in(rng, t), state, jnp.int32(1), params.replace(max_steps_in_episode=500))
+        _, state, _, terminated, truncated, _ = step(
+            jax.random.fold_in(rng, t), state, jnp.int32(1), params.replace(max_steps_in_episode=500)
+        )
         if bool(terminated):
             break
     assert bool(terminated) and not bool(truncated)
@@ -54,10 +56,10 @@ def test_gymnax_env_steps_as_gymnax_and_splits_terminated_from_truncated(rng):
 def test_gymnax_env_runs_batched_with_log_wrapper(rng):
     env = ember.envs.BatchedEnv(ember.envs.LogWrapper(GymnaxEnv(*gymnax.make("Pendulum-v1"))), num_envs=4)
     params = env.default_params
-    obs, state = env.reset(rng, params)
+    _obs, state = env.reset(rng, params)
 
     def body(state, key):
-        obs, state, reward, terminated, truncated, info = env.step(key, state, jnp.zeros((4, 1)), params)
+        _obs, state, reward, _terminated, _truncated, info = env.step(key, state, jnp.zeros((4, 1)), params)
         return state, (reward, info["returned_episode"], info["returned_episode_returns"])
 
     _, (reward, done, returns) = jax.jit(lambda s, k: jax.lax.scan(body, s, jax.random.split(k, 200)))(state, rng)
@@ -73,10 +75,12 @@ def test_jaxmarl_env_steps_as_jaxmarl(rng):
     obs, state = jax.jit(env.reset_from_noise)(words[:2], params)
     expected_obs, expected_state = reference.reset(noise_lib.to_key(words[:2]))
     actions = {agent: jnp.int32(i + 1) for i, agent in enumerate(env.agents)}
-    obs, state, rewards, terminated, truncated, info = jax.jit(env.step_from_noise)(
+    obs, state, rewards, terminated, truncated, _info = jax.jit(env.step_from_noise)(
         jnp.concatenate([words[2:], words[:2]]), state, actions, params
     )
-    expected_obs, _, expected_rewards, _, _ = jax.jit(reference.step_env)(noise_lib.to_key(words[2:]), expected_state, actions)
+    expected_obs, _, expected_rewards, _, _ = jax.jit(reference.step_env)(
+        noise_lib.to_key(words[2:]), expected_state, actions
+    )
     for agent in env.agents:
         assert_allclose(obs[agent], expected_obs[agent])
         assert_allclose(rewards[agent], expected_rewards[agent])
@@ -86,7 +90,7 @@ def test_jaxmarl_env_steps_as_jaxmarl(rng):
     step = jax.jit(batched.step)
     for t in range(5):
         actions = {agent: jnp.full((3,), t % 5, jnp.int32) for agent in env.agents}
-        obs, state, rewards, terminated, truncated, info = step(jax.random.fold_in(rng, t), state, actions, params)
+        obs, state, rewards, terminated, truncated, _info = step(jax.random.fold_in(rng, t), state, actions, params)
     assert bool(truncated["__all__"].all()) and not bool(terminated["__all__"].any())
 
 
@@ -111,7 +115,7 @@ def test_gymnasium_vector_env_passes_gymnasium_checks():
         runs.append([envs.step(a) for a in actions])
     assert data_equivalence([r[:4] for r in runs[0]], [r[:4] for r in runs[1]])
     ended = 0
-    for t, (obs, reward, terminated, truncated, infos) in enumerate(runs[0]):
+    for _t, (obs, reward, terminated, truncated, infos) in enumerate(runs[0]):
         check_obs(obs, envs.observation_space, "step")
         assert reward.shape == (6,) and reward.dtype == np.float32
         assert terminated.dtype == np.bool_ and truncated.dtype == np.bool_

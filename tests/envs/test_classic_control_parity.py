@@ -65,7 +65,11 @@ def discrete(n):
 CASES = {
     "CartPole-v1": (cartpole_state, cartpole_from, lambda gym: np.asarray(gym.state), discrete(2)),
     "Pendulum-v1": (*fields_state("theta", "theta_dot"), pendulum_observation, continuous(-2.0, 2.0)),
-    "MountainCar-v0": (*fields_state("position", "velocity"), lambda gym: np.asarray(gym.state, np.float64), discrete(3)),
+    "MountainCar-v0": (
+        *fields_state("position", "velocity"),
+        lambda gym: np.asarray(gym.state, np.float64),
+        discrete(3),
+    ),
     "MountainCarContinuous-v0": (
         *fields_state("position", "velocity"),
         lambda gym: np.asarray(gym.state, np.float64),
@@ -101,10 +105,12 @@ def run_parity(env_id, dtype, key):
         action = random_action(rng)
         state = from_gym(gym_env.unwrapped.state, state)
         key, step_key = jax.random.split(key)
-        obs, next_state, reward, terminated, truncated, info = step(step_key, state, jnp.asarray(action), params)
+        _obs, next_state, reward, terminated, truncated, info = step(step_key, state, jnp.asarray(action), params)
         _, gym_reward, gym_terminated, gym_truncated, _ = gym_env.step(action)
         message = f"{env_id} step {t}"
-        assert_allclose(info["final_observation"], gym_observation(gym_env.unwrapped), dtype=dtype, scale=scale, err_msg=message)
+        assert_allclose(
+            info["final_observation"], gym_observation(gym_env.unwrapped), dtype=dtype, scale=scale, err_msg=message
+        )
         assert_allclose(reward, gym_reward, dtype=dtype, scale=scale, err_msg=message)
         assert bool(terminated) == gym_terminated, message
         assert bool(truncated) == gym_truncated, message

@@ -44,7 +44,7 @@ def gym_cartpole_step(obs, action):
 def test_auto_reset_loses_and_duplicates_no_step(rng):
     env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=9)
     actions = jax.random.randint(rng, (40,), 0, 2)
-    first_obs, (obs, reward, terminated, truncated, info, time) = jax.jit(rollout, static_argnums=0)(
+    first_obs, (obs, _reward, terminated, truncated, info, time) = jax.jit(rollout, static_argnums=0)(
         env, params, rng, actions
     )
     previous = np.asarray(first_obs)
@@ -95,19 +95,19 @@ def test_batched_env_draws_one_batch_of_words_and_matches_single_envs(rng):
     step_words = noise_lib.draw(jax.random.fold_in(rng, 1), (64, 4))
     batch_out = batched.step_from_noise(step_words, state, actions, params)
     for i in (0, 3, 9):
-        single = env.step_from_noise(step_words[i], jax.tree.map(lambda x: x[i], state), actions[i], params)
-        jax.tree.map(lambda b, s: assert_same(b[i], s), batch_out, single)
+        single = env.step_from_noise(step_words[i], jax.tree.map(lambda x, i=i: x[i], state), actions[i], params)
+        jax.tree.map(lambda b, s, i=i: assert_same(b[i], s), batch_out, single)
     assert int(batch_out[4].sum()) == 16  # time 3 -> 4 == limit for envs 3, 7, ..., 63
 
 
 def test_log_wrapper_statistics_match_hand_count(rng):
     env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=6)
     env = ember.envs.BatchedEnv(ember.envs.LogWrapper(env), num_envs=3)
-    obs, state = env.reset(rng, params)
+    _obs, state = env.reset(rng, params)
     lengths = []
     for t in range(20):
         actions = jnp.array([t % 2, 1, 0])
-        obs, state, reward, terminated, truncated, info = env.step(jax.random.fold_in(rng, t), state, actions, params)
+        _obs, state, _reward, terminated, truncated, info = env.step(jax.random.fold_in(rng, t), state, actions, params)
         lengths.append((terminated | truncated, info))
     # Recompute returned lengths by hand: CartPole's reward is 1 per step, so return == length.
     count = np.zeros(3, int)

@@ -39,7 +39,9 @@ def test_matches_minatar_breakout_step_by_step(rng):
         state = state_from_minatar(reference.env, state)
         _, state, reward, terminated, _, info = step(jax.random.fold_in(rng, t), state, jnp.int32(action), params)
         expected_reward, expected_terminal = reference.act(MINATAR_ACTIONS[action])
-        np.testing.assert_array_equal(info["final_observation"], reference.state().astype(np.float32), err_msg=f"step {t}")
+        np.testing.assert_array_equal(
+            info["final_observation"], reference.state().astype(np.float32), err_msg=f"step {t}"
+        )
         assert_allclose(reward, float(expected_reward), err_msg=f"step {t}")
         assert bool(terminated) == expected_terminal, f"step {t}"
         rewards += expected_reward
@@ -80,7 +82,7 @@ def test_scripted_wall_brick_paddle_and_loss():
 
     # Ball missed: paddle far away -> episode terminates with reward 0 and auto-resets.
     state = scripted(env, params, ball_x=3, ball_y=8, ball_dir=2, paddle_x=8)
-    obs, state, reward, terminated, _, info = env.step(key, state, no_op, params)
+    _obs, state, reward, terminated, _, info = env.step(key, state, no_op, params)
     assert bool(terminated) and float(reward) == 0.0
     assert float(info["final_observation"][9, 4, 1]) == 1.0, "the lost ball reached the bottom row"
     assert int(state.ball_y) == 3 and int(state.time) == 0 and int(state.bricks.sum()) == 30

@@ -41,7 +41,7 @@ def test_matches_jaxmarl_physics_observations_and_rewards(env_id, rng):
         key = keys[t]
         actions = {agent: jnp.int32(all_actions[t, i]) for i, agent in enumerate(env.agents)}
         state = state.replace(pos=reference_state.p_pos, vel=reference_state.p_vel)
-        _, next_state, rewards, *_ = ours_step(key, state, actions, params)
+        _, next_state, _rewards, *_ = ours_step(key, state, actions, params)
         reference_obs, reference_next, reference_rewards, _, _ = reference_step(key, reference_state, actions)
         message = f"{env_id} step {t}"
         assert_allclose(next_state.vel[:n], reference_next.p_vel[:n], err_msg=message)
@@ -64,7 +64,7 @@ def test_multi_agent_auto_reset_and_all_key(rng):
     step = jax.jit(env.step)
     for t in range(3):
         actions = {agent: jnp.int32(t % 5) for agent in env.agents}
-        obs, state, rewards, terminated, truncated, info = step(jax.random.fold_in(rng, t), state, actions, params)
+        obs, state, _rewards, terminated, truncated, info = step(jax.random.fold_in(rng, t), state, actions, params)
     assert bool(truncated["__all__"]) and all(bool(truncated[a]) for a in env.agents)
     assert not bool(terminated["__all__"])
     assert int(state.time) == 0

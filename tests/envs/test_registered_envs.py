@@ -33,7 +33,7 @@ def test_registry_lists_ids_suggests_close_ones_and_rejects_unknown_params():
         ember.envs.make("CartPol-v1")
     with pytest.raises(ValueError, match="unknown parameter"):
         ember.envs.make("CartPole-v1", gravityy=3.0)
-    env, params = ember.envs.make("CartPole-v1", gravity=3.0)
+    _env, params = ember.envs.make("CartPole-v1", gravity=3.0)
     assert params.gravity == 3.0
 
 
@@ -69,7 +69,7 @@ def test_reset_and_step_under_jit_and_vmap(env_id, num_envs, rng):
     for name, flags in zip(("reset observation", "sampled action", "step observation"), contained):
         assert bool(flags.all()), f"{env_id}: a {name} lies outside its space"
     for i in {0, num_envs - 1}:
-        row = lambda tree: jax.tree.map(lambda leaf: leaf[i], tree)  # noqa: E731
+        row = lambda tree, i=i: jax.tree.map(lambda leaf: leaf[i], tree)  # noqa: E731
         jax.tree.map(assert_same, row((obs, state)), single_reset(reset_words[i], params))
         jax.tree.map(assert_same, row(out), single_step(step_words[i], row(state), row(actions), params))
 
@@ -81,7 +81,9 @@ def invalid_and_clipped(space, key):
     if isinstance(space, spaces.Box):
         nan_and_large = jnp.where(jnp.arange(np.prod(space.shape)).reshape(space.shape) % 2 == 0, jnp.nan, 1e6)
         middle = (space.low + space.high) / 2
-        return nan_and_large.astype(space.dtype), jnp.where(jnp.isnan(nan_and_large), middle, space.high).astype(space.dtype)
+        return nan_and_large.astype(space.dtype), jnp.where(jnp.isnan(nan_and_large), middle, space.high).astype(
+            space.dtype
+        )
     if isinstance(space, spaces.Dict):
         pairs = {name: invalid_and_clipped(sub, key) for name, sub in space.spaces.items()}
         return {n: p[0] for n, p in pairs.items()}, {n: p[1] for n, p in pairs.items()}

@@ -49,7 +49,9 @@ def test_normalize_observation_and_reward_match_gymnasium_formulas(rng):
     ours, plain = paired_rollout(wrapped, env, params, rng, 30, actions)
     obs_stats, return_stats = RunningMeanStd(shape=(3,)), RunningMeanStd(shape=())
     discounted = 0.0
-    for t, ((obs, reward, terminated, _, info), (raw_obs, raw_reward, raw_terminated, _, _)) in enumerate(zip(ours, plain)):
+    for t, ((obs, reward, _terminated, _, info), (raw_obs, raw_reward, raw_terminated, _, _)) in enumerate(
+        zip(ours, plain)
+    ):
         obs_stats.update(np.asarray(raw_obs, np.float64)[None])
         assert_allclose(obs, (raw_obs - obs_stats.mean) / np.sqrt(obs_stats.var + 1e-8), err_msg=f"obs {t}")
         if t == 0:
@@ -68,7 +70,7 @@ def test_frame_stack_keeps_last_frames_and_restarts_with_reset_frame(rng):
     assert_allclose(ours[0][0], np.stack(episode))
     for t in range(1, 10):
         obs, _, terminated, truncated, info = ours[t]
-        final = episode[1:] + [np.asarray(plain[t][4]["final_observation"])]
+        final = [*episode[1:], np.asarray(plain[t][4]["final_observation"])]
         assert_allclose(info["final_observation"], np.stack(final), err_msg=f"step {t}")
         episode = [raw[t]] * 3 if bool(terminated | truncated) else final
         assert_allclose(obs, np.stack(episode), err_msg=f"step {t}")
@@ -89,7 +91,7 @@ def test_flatten_observation_and_time_limit(rng):
 def test_rescale_and_clip_action_map_onto_the_inner_box(rng):
     env, params = ember.envs.make("Pendulum-v1")
     actions = jax.random.uniform(rng, (6, 1), minval=-1.0, maxval=1.0)
-    rescaled, plain = paired_rollout(wrappers.RescaleAction(env), env, params, rng, 6, actions * 1.0)
+    rescaled, _plain = paired_rollout(wrappers.RescaleAction(env), env, params, rng, 6, actions * 1.0)
     _, scaled_plain = paired_rollout(env, env, params, rng, 6, actions * 2.0)
     for (obs, *_), (expected, *_) in zip(rescaled[1:], scaled_plain[1:]):
         assert_allclose(obs, expected)

@@ -21,7 +21,8 @@ def random_qkv(rng, *, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jn
     gen = numpy_rng(rng)
     q_shape, kv_shape = (batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim)
     return tuple(
-        jnp.asarray(gen.standard_normal(shape, dtype=np.float32), dtype) for shape in (q_shape, kv_shape, kv_shape, q_shape)
+        jnp.asarray(gen.standard_normal(shape, dtype=np.float32), dtype)
+        for shape in (q_shape, kv_shape, kv_shape, q_shape)
     )
 
 

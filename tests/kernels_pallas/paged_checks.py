@@ -9,7 +9,9 @@ import numpy as np
 from tests.host_random import numpy_rng
 
 
-def random_paged_cache(rng, *, num_pages, page_size, kv_heads, head_dim, num_seqs, max_pages_per_seq, dtype=jnp.float32):
+def random_paged_cache(
+    rng, *, num_pages, page_size, kv_heads, head_dim, num_seqs, max_pages_per_seq, dtype=jnp.float32
+):
     """``(k_pages, v_pages [num_pages, page_size, kv_heads, head_dim], page_table [num_seqs,
     max_pages_per_seq] int32)``; the table holds distinct pages in random order."""
     gen = numpy_rng(rng)

@@ -13,7 +13,7 @@ from tests.host_random import numpy_rng
 from tests.tolerances import assert_allclose
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_loss_and_grads(fn, options):
     """Jitted value-and-grad of ``sum(results * cotangents)``, cached per form and options
     so tests with equal shapes share one compilation."""

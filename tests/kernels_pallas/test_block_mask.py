@@ -54,9 +54,7 @@ def _brute_force_live(mask, q_len, kv_len, block_q, block_kv):
 def test_live_block_grid_is_any_visible_pair_per_block(mask, _, lengths, blocks):
     if isinstance(mask, ExplicitBlockMask) and lengths[0] > 20:
         mask = ExplicitBlockMask.from_array(np.random.default_rng(0).random((18, 3)) < 0.5, 64, 16)
-    np.testing.assert_array_equal(
-        live_block_grid(mask, *lengths, *blocks), _brute_force_live(mask, *lengths, *blocks)
-    )
+    np.testing.assert_array_equal(live_block_grid(mask, *lengths, *blocks), _brute_force_live(mask, *lengths, *blocks))
 
 
 def test_live_block_grid_without_mask_is_all_live():
@@ -100,4 +98,6 @@ def test_bad_descriptions_raise_value_error_naming_the_argument(build, argument)
 
 def test_masks_are_hashable_static_arguments():
     assert hash(LocalGlobalMask(4, 4, 2)) == hash(LocalGlobalMask(4, 4, 2))
-    assert hash(ExplicitBlockMask.from_array(np.eye(2), 8, 8)) == hash(ExplicitBlockMask(((True, False), (False, True)), 8, 8))
+    assert hash(ExplicitBlockMask.from_array(np.eye(2), 8, 8)) == hash(
+        ExplicitBlockMask(((True, False), (False, True)), 8, 8)
+    )

@@ -13,7 +13,9 @@ def test_auto_on_cpu_is_xla_and_explicit_choices_pass_through():
 
 
 def test_bad_impl_and_pallas_without_kernel_raise():
-    with pytest.raises(ValueError, match=r"flash_attention: impl must be one of 'auto', 'pallas', 'interpret', 'xla', got 'cuda'"):
+    with pytest.raises(
+        ValueError, match=r"flash_attention: impl must be one of 'auto', 'pallas', 'interpret', 'xla', got 'cuda'"
+    ):
         resolve_impl("cuda", op="flash_attention")
     with pytest.raises(ValueError, match=r"ssd: impl='pallas' needs a backend .* use impl='interpret'"):
         resolve_impl("pallas", op="ssd")

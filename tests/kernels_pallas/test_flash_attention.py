@@ -24,8 +24,14 @@ from tests.tolerances import assert_allclose
 def test_kernel_values_and_grads_match_reference(rng, dtype, causal, group, head_dim, q_len, kv_len):
     kv_heads = 2 if group <= 2 else 1
     q, k, v, d_out = random_qkv(
-        rng, batch=2 if group == 1 else 1, q_len=q_len, kv_len=kv_len, heads=group * kv_heads,
-        kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+        rng,
+        batch=2 if group == 1 else 1,
+        q_len=q_len,
+        kv_len=kv_len,
+        heads=group * kv_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
     )
     assert_kernel_matches_reference(q, k, v, d_out, causal=causal)
 
@@ -68,7 +74,10 @@ def test_xla_path_chunks_long_queries_like_the_reference(rng):
     @jax.jit
     def values_and_grads(q, k, v, d_out):
         results = []
-        for fn in (lambda *a: flash_attention(*a, impl="xla", **options), lambda *a: flash_attention_reference(*a, **options)):
+        for fn in (
+            lambda *a: flash_attention(*a, impl="xla", **options),
+            lambda *a: flash_attention_reference(*a, **options),
+        ):
             out, vjp = jax.vjp(fn, q, k, v)
             results.append((out, vjp(d_out)))
         return results

@@ -94,8 +94,16 @@ def test_kernel_visits_exactly_the_live_blocks(rng, mask):
     length = 200  # 13 x 13 blocks of 16
     q, k, v, _ = random_qkv(rng, batch=1, q_len=length, kv_len=length, heads=2, kv_heads=1, head_dim=16)
     problem = attention_problem(
-        q, k, v, causal=False, sm_scale=None, segment_ids=None, window=None, logits_soft_cap=None,
-        score="softmax", block_mask=mask,
+        q,
+        k,
+        v,
+        causal=False,
+        sm_scale=None,
+        segment_ids=None,
+        window=None,
+        logits_soft_cap=None,
+        score="softmax",
+        block_mask=mask,
     )
     config = KernelConfig(problem, 16, 16, interpret=True)
     run = jax.jit(
@@ -130,7 +138,14 @@ def test_per_document_global_tokens_values_and_grads_match_reference(rng, impl):
     segment_ids, positions = packed_rows(DOCUMENTS)
     q, k, v, d_out = random_qkv(rng, batch=2, q_len=LENGTH, kv_len=LENGTH, heads=4, kv_heads=2, head_dim=32)
     assert_kernel_matches_reference(
-        q, k, v, d_out, block_sizes=BLOCKS, impl=impl, segment_ids=segment_ids, segment_positions=positions,
+        q,
+        k,
+        v,
+        d_out,
+        block_sizes=BLOCKS,
+        impl=impl,
+        segment_ids=segment_ids,
+        segment_positions=positions,
         **PER_DOCUMENT_GLOBALS,
     )
 
@@ -164,8 +179,17 @@ def test_per_document_global_tokens_visit_the_blocks_of_document_starts(rng):
     segment_ids, positions = packed_rows([[100], [40, 30, 30]])
     q, k, v, _ = random_qkv(rng, batch=2, q_len=length, kv_len=length, heads=1, kv_heads=1, head_dim=16)
     problem = attention_problem(
-        q, k, v, causal=True, sm_scale=None, segment_ids=segment_ids, window=None, logits_soft_cap=None,
-        score="softmax", block_mask=mask, segment_positions=positions,
+        q,
+        k,
+        v,
+        causal=True,
+        sm_scale=None,
+        segment_ids=segment_ids,
+        window=None,
+        logits_soft_cap=None,
+        score="softmax",
+        block_mask=mask,
+        segment_positions=positions,
     )
     config = KernelConfig(problem, 16, 16, interpret=True)
     rows = ((segment_ids, segment_ids), (positions, positions))
@@ -203,9 +227,16 @@ def test_per_document_global_tokens_visit_the_blocks_of_document_starts(rng):
     block=st.sampled_from([8, 16]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_hypothesis_sweep_small_shapes(batch, q_len, kv_len, kv_heads, group, head_dim, causal, score, window, block, seed):
+def test_hypothesis_sweep_small_shapes(
+    batch, q_len, kv_len, kv_heads, group, head_dim, causal, score, window, block, seed
+):
     q, k, v, d_out = random_qkv(
-        jax.random.key(seed), batch=batch, q_len=q_len, kv_len=kv_len, heads=kv_heads * group, kv_heads=kv_heads,
+        jax.random.key(seed),
+        batch=batch,
+        q_len=q_len,
+        kv_len=kv_len,
+        heads=kv_heads * group,
+        kv_heads=kv_heads,
         head_dim=head_dim,
     )
     assert_kernel_matches_reference(

@@ -1,7 +1,6 @@
 """ember.kernels_pallas.linear_attention: the chunked forms (XLA and the Pallas kernels in
 the interpreter) against the scan reference and the quadratic form, values and gradients."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,8 +54,12 @@ def test_reference_matches_hand_computed_recurrence(rng):
     inputs = make_inputs(rng, batch=1, seq=9, qk_heads=2, heads=2)
     segment_ids = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
     outputs = linear_attention_reference(
-        inputs["q"], inputs["k"], inputs["v"], log_decay=inputs["log_decay"],
-        initial_state=inputs["initial_state"], segment_ids=segment_ids,
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        log_decay=inputs["log_decay"],
+        initial_state=inputs["initial_state"],
+        segment_ids=segment_ids,
     )
     q, k, v, g = (np.asarray(inputs[n], np.float64)[0] for n in ("q", "k", "v", "log_decay"))
     for head in range(2):
@@ -76,7 +79,9 @@ def test_chunked_scan_and_quadratic_agree_in_values_and_gradients(rng, impl, dty
         "chunked": values_and_grads(linear_attention, inputs, key_cotangent, chunk_size=8, impl=impl),
         "quadratic": values_and_grads(linear_attention_quadratic, inputs, key_cotangent),
     }
-    scan_checks.assert_forms_agree(forms, expected, expected_grads, dtype=dtype, grad_args=GRAD_ARGS, output_name="outputs")
+    scan_checks.assert_forms_agree(
+        forms, expected, expected_grads, dtype=dtype, grad_args=GRAD_ARGS, output_name="outputs"
+    )
 
 
 def test_kernel_splits_wide_values_across_programs(rng):
@@ -144,8 +149,12 @@ def test_step_by_step_decode_equals_the_full_scan(rng):
     state, outputs = inputs["initial_state"], []
     for t in range(12):
         output, state = step(
-            inputs["q"][:, t], inputs["k"][:, t], inputs["v"][:, t], state,
-            log_decay=inputs["log_decay"][:, t], normalize=True,
+            inputs["q"][:, t],
+            inputs["k"][:, t],
+            inputs["v"][:, t],
+            state,
+            log_decay=inputs["log_decay"][:, t],
+            normalize=True,
         )
         outputs.append(output)
     assert_allclose(jnp.stack(outputs, axis=1), full)

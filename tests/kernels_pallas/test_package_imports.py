@@ -83,4 +83,3 @@ def test_both_import_forms_in_a_fresh_interpreter():
     ]
     result = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-

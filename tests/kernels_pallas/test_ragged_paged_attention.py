@@ -36,8 +36,14 @@ PADDING_ROWS = slice(41, None)
 def _setup(rng, dtype, heads=8, kv_heads=2, head_dim=64):
     k_cache, k_query = jax.random.split(rng)
     k_pages, v_pages, page_table = random_paged_cache(
-        k_cache, num_pages=40, page_size=PAGE_SIZE, kv_heads=kv_heads, head_dim=head_dim,
-        num_seqs=QUERY_LENS.shape[0], max_pages_per_seq=4, dtype=dtype,
+        k_cache,
+        num_pages=40,
+        page_size=PAGE_SIZE,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_seqs=QUERY_LENS.shape[0],
+        max_pages_per_seq=4,
+        dtype=dtype,
     )
     q = random_normal(k_query, (NUM_TOKENS, heads, head_dim), dtype)
     return q, k_pages, v_pages, page_table
@@ -117,7 +123,8 @@ def test_xla_path_matches_hand_computed_attention(rng, options):
     run = jax.jit(lambda *a: ragged_paged_attention(*a, impl="xla", **options))
     out = np.asarray(run(q, k_pages, v_pages, page_table, *_metadata()))
     numpy_options = dict(
-        window=options.get("window"), global_tokens=options.get("global_tokens", 0),
+        window=options.get("window"),
+        global_tokens=options.get("global_tokens", 0),
         sigmoid_bias=options.get("sigmoid_bias"),
     )
     covered = np.zeros(NUM_TOKENS, dtype=bool)
@@ -175,8 +182,13 @@ def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options)
 def test_bad_arguments_raise_value_error_naming_them(rng, change, argument):
     q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=4, kv_heads=2, head_dim=16)
     args = dict(
-        q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table,
-        query_starts=QUERY_STARTS, query_lens=QUERY_LENS, kv_lens=KV_LENS,
+        q=q,
+        k_pages=k_pages,
+        v_pages=v_pages,
+        page_table=page_table,
+        query_starts=QUERY_STARTS,
+        query_lens=QUERY_LENS,
+        kv_lens=KV_LENS,
     )
     with pytest.raises(ValueError, match=argument):
         ragged_paged_attention(**change(args), impl="xla")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ember.kernels_pallas.short_conv import short_conv, short_conv_reference, short_conv_step
+from ember.kernels_pallas.short_conv import short_conv, short_conv_step
 from tests.host_random import numpy_rng
 from tests.tolerances import assert_allclose
 
@@ -28,8 +28,13 @@ def grouped_conv(x, weight, bias, initial_state):
     inputs = jnp.concatenate([initial_state, x], axis=1)
     kernel = weight[:, None, :]  # [width, in_channels / groups = 1, channels]
     y = jax.lax.conv_general_dilated(
-        inputs, kernel, window_strides=(1,), padding="VALID", dimension_numbers=("NWC", "WIO", "NWC"),
-        feature_group_count=x.shape[-1], precision=jax.lax.Precision.HIGHEST,
+        inputs,
+        kernel,
+        window_strides=(1,),
+        padding="VALID",
+        dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=x.shape[-1],
+        precision=jax.lax.Precision.HIGHEST,
     )
     return y + bias
 
@@ -64,8 +69,9 @@ def test_pieces_with_state_passed_and_step_by_step_equal_the_whole(rng):
     whole, whole_state = short_conv(**inputs, return_final_state=True)
     state, pieces = inputs["initial_state"], []
     for part in (slice(0, 2), slice(2, 11), slice(11, None)):  # a piece shorter than the history
-        piece, state = short_conv(inputs["x"][:, part], inputs["weight"], inputs["bias"], initial_state=state,
-                                  return_final_state=True)
+        piece, state = short_conv(
+            inputs["x"][:, part], inputs["weight"], inputs["bias"], initial_state=state, return_final_state=True
+        )
         pieces.append(piece)
     assert_allclose(jnp.concatenate(pieces, axis=1), whole)
     assert_allclose(state, whole_state)
@@ -87,8 +93,13 @@ def test_segment_resets_equal_documents_run_separately(rng):
     start = 0
     for index, length in enumerate(lengths):
         history = inputs["initial_state"] if index == 0 else None  # the first document's only
-        alone, state = short_conv(inputs["x"][:, start : start + length], inputs["weight"], inputs["bias"],
-                                  initial_state=history, return_final_state=True)
+        alone, state = short_conv(
+            inputs["x"][:, start : start + length],
+            inputs["weight"],
+            inputs["bias"],
+            initial_state=history,
+            return_final_state=True,
+        )
         assert_allclose(packed[:, start : start + length], alone, err_msg=f"document {index}")
         start += length
     assert_allclose(packed_state, state)  # the last document's history only

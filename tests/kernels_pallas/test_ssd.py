@@ -1,7 +1,6 @@
 """ember.kernels_pallas.ssd: Mamba-2's SSD chunked (XLA and the Pallas kernels in the
 interpreter) against the scan reference and the quadratic form, values and gradients."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,8 +105,14 @@ def test_step_by_step_decode_equals_the_full_scan(rng):
     state, ys = inputs["initial_state"], []
     for t in range(10):
         y, state = step(
-            inputs["x"][:, t], inputs["dt"][:, t], per_head["A"], inputs["B"][:, t], inputs["C"][:, t], state,
-            D=per_head["D"], dt_bias=per_head["dt_bias"],
+            inputs["x"][:, t],
+            inputs["dt"][:, t],
+            per_head["A"],
+            inputs["B"][:, t],
+            inputs["C"][:, t],
+            state,
+            D=per_head["D"],
+            dt_bias=per_head["dt_bias"],
         )
         ys.append(y)
     assert_allclose(jnp.stack(ys, axis=1), full)
@@ -156,7 +161,10 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("argument, changes", BAD_INPUTS, ids=[f"{name}-{i}" for i, (name, _) in enumerate(BAD_INPUTS)])
 def test_bad_arguments_raise_value_error_naming_them(argument, changes):
     good = dict(
-        x=jnp.ones((2, 5, 4, 4)), dt=jnp.ones((2, 5, 4)), A=-jnp.ones((4,)), B=jnp.ones((2, 5, 2, 8)),
+        x=jnp.ones((2, 5, 4, 4)),
+        dt=jnp.ones((2, 5, 4)),
+        A=-jnp.ones((4,)),
+        B=jnp.ones((2, 5, 2, 8)),
         C=jnp.ones((2, 5, 2, 8)),
     )
     with pytest.raises(ValueError, match=argument):

@@ -12,8 +12,17 @@ from ember.models.cache import init_cache_layers, layer_state_shapes
 from ember.models.config import ModelConfig
 
 BASE = ModelConfig(
-    vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128, max_seq_len=48,
-    sliding_window=6, global_tokens=3, page_size=4, attention_impl="xla",
+    vocab_size=128,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=128,
+    max_seq_len=48,
+    sliding_window=6,
+    global_tokens=3,
+    page_size=4,
+    attention_impl="xla",
 )
 KINDS = {
     "global": dict(qk_norm=True, attn_soft_cap=20.0, final_soft_cap=30.0),

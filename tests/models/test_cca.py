@@ -19,18 +19,25 @@ from ember.models.layers.cca import CompressedConvAttention
 from tests.host_random import numpy_rng, perturbed
 from tests.tolerances import assert_allclose
 
-MHA = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, attention_impl="xla", max_seq_len=64)
+MHA = ModelConfig(
+    vocab_size=64, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, attention_impl="xla", max_seq_len=64
+)
 COMPRESSION = 4
 
 
 def cca(kv_heads=0):
-    return dataclasses.replace(MHA, block_pattern=("cca",), cca_compression=COMPRESSION, cca_heads=2, cca_kv_heads=kv_heads)
+    return dataclasses.replace(
+        MHA, block_pattern=("cca",), cca_compression=COMPRESSION, cca_heads=2, cca_kv_heads=kv_heads
+    )
 
 
 def attention_params(config):
     shapes = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), jnp.ones((1, 8), jnp.int32))
-    return jax.tree.map(lambda box: box.value if hasattr(box, "value") else box, shapes["params"]["layers"]["block_0"]["attn"],
-                        is_leaf=lambda x: hasattr(x, "value"))
+    return jax.tree.map(
+        lambda box: box.value if hasattr(box, "value") else box,
+        shapes["params"]["layers"]["block_0"]["attn"],
+        is_leaf=lambda x: hasattr(x, "value"),
+    )
 
 
 def causal_conv_over_sequence(x, weight):
@@ -125,7 +132,9 @@ def test_projection_parameters_shrink_by_the_compression_factor():
 def test_kv_cache_bytes_shrink_by_the_compression_factor():
     def page_bytes(config):
         layers = init_cache_layers(config, num_slots=2, num_pages=4)
-        return param_bytes({name: {k: v for k, v in state.items() if k.endswith("_pages")} for name, state in layers.items()})
+        return param_bytes(
+            {name: {k: v for k, v in state.items() if k.endswith("_pages")} for name, state in layers.items()}
+        )
 
     assert page_bytes(MHA) == COMPRESSION * page_bytes(cca())
     assert page_bytes(MHA) == 2 * COMPRESSION * page_bytes(cca(kv_heads=1))  # CCGQA: heads shared too

@@ -14,9 +14,19 @@ from tests.host_random import perturbed
 from tests.tolerances import assert_allclose
 
 CONFIG = ModelConfig(
-    vocab_size=64, d_model=64, num_layers=4, num_heads=4, num_kv_heads=1, mlp_dim=96, mlp="geglu",
-    norm="layernorm", block_pattern=("local", "global"), sliding_window=5, tie_embeddings=False,
-    attention_impl="xla", max_seq_len=32,
+    vocab_size=64,
+    d_model=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=1,
+    mlp_dim=96,
+    mlp="geglu",
+    norm="layernorm",
+    block_pattern=("local", "global"),
+    sliding_window=5,
+    tie_embeddings=False,
+    attention_impl="xla",
+    max_seq_len=32,
 )
 
 
@@ -56,8 +66,14 @@ def test_packed_documents_are_independent(rng, kind):
     second document outlasts the sliding window, so block_sparse layers must still see its
     own first tokens as global ones."""
     config = dataclasses.replace(
-        CONFIG, num_layers=2, block_pattern=(kind,), sliding_window=3, global_tokens=2, cca_conv_width=3,
-        cca_heads=2, cca_kv_heads=1,
+        CONFIG,
+        num_layers=2,
+        block_pattern=(kind,),
+        sliding_window=3,
+        global_tokens=2,
+        cca_conv_width=3,
+        cca_heads=2,
+        cca_kv_heads=1,
     )
     model = DecoderLM(config)
     first = jax.random.randint(rng, (1, 7), 0, 64)

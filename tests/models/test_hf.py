@@ -19,14 +19,29 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 COMMON = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
 )
 CASES = {
     # Llama-3 rope scaling with a short original context so that all three frequency bands occur.
     "llama": lambda: transformers.LlamaConfig(
-        **COMMON, rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        **COMMON,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=8),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
 }
@@ -63,7 +78,7 @@ def hf_logits(model, tokens):
 
 
 def test_config_maps_the_architecture(pair):
-    name, model, path, config, _ = pair
+    name, _model, path, config, _ = pair
     assert config.kv_heads == 2 and config.num_heads == 4 and config.head_size == 16
     assert config.qkv_bias == (name == "qwen2")
     assert config.tie_embeddings == (name == "qwen2")
@@ -76,7 +91,7 @@ def test_config_maps_the_architecture(pair):
 
 
 def test_logits_match_transformers(pair, rng):
-    name, model, _, config, params = pair
+    _name, model, _, config, params = pair
     tokens = jax.random.randint(rng, (2, 40), 0, config.vocab_size)
     ours, _ = DecoderLM(config).apply({"params": params}, tokens)
     # The bar is 1e-4 on float32 logits: torch and XLA sum the matmuls in different orders.
@@ -84,15 +99,16 @@ def test_logits_match_transformers(pair, rng):
 
 
 def test_greedy_decode_matches_generate(pair, rng):
-    name, model, _, config, params = pair
+    _name, model, _, config, params = pair
     prompt = jax.random.randint(rng, (2, PROMPT_LEN), 0, config.vocab_size)
     with torch.no_grad():
         expected = model.generate(
             torch.as_tensor(np.array(prompt)), max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=None
         ).numpy()[:, PROMPT_LEN:]
     # The serving engine's ragged decode path (chunked prefill, paged cache, state slots).
-    engine = Engine.from_model(config, params, num_slots=2, token_buckets=(2 * PROMPT_LEN,),
-                               max_context=PROMPT_LEN + NEW_TOKENS)
+    engine = Engine.from_model(
+        config, params, num_slots=2, token_buckets=(2 * PROMPT_LEN,), max_context=PROMPT_LEN + NEW_TOKENS
+    )
     results = engine.generate(np.asarray(prompt).tolist(), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     np.testing.assert_array_equal([r.tokens for r in results], expected)
 

@@ -3,6 +3,7 @@ feature maps, and ModelConfig validation."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,7 @@ def test_config_validation_names_the_field():
     for key, fields in cases.items():
         with pytest.raises(ConfigError, match=key.split(".")[-1]):
             ModelConfig(**fields)
-    with pytest.raises(ConfigError, match="rope.scaling"):
+    with pytest.raises(ConfigError, match=re.escape("rope.scaling")):
         RopeConfig(scaling="yarn")
     # Lists from YAML become the tuple block pattern; unscanned depth need not be a multiple.
     config = load_config(ModelConfig, {"block_pattern": ["local", "global"], "num_layers": 3, "scan_layers": False})

@@ -18,9 +18,21 @@ from tests.tolerances import assert_allclose
 # One of each parameter kind: attention with biases and QK-norm, CCGQA, Hedgehog linear
 # attention, an untied head.
 CONFIG = ModelConfig(
-    vocab_size=128, d_model=64, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=128, qkv_bias=True,
-    qk_norm=True, tie_embeddings=False, block_pattern=("global", "cca", "linear"), cca_heads=2, cca_kv_heads=1,
-    linear_feature_map="hedgehog", attention_impl="xla", max_seq_len=64,
+    vocab_size=128,
+    d_model=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=128,
+    qkv_bias=True,
+    qk_norm=True,
+    tie_embeddings=False,
+    block_pattern=("global", "cca", "linear"),
+    cca_heads=2,
+    cca_kv_heads=1,
+    linear_feature_map="hedgehog",
+    attention_impl="xla",
+    max_seq_len=64,
 )
 
 
@@ -38,7 +50,9 @@ def test_every_parameter_has_logical_axes_from_the_vocabulary(variables):
         assert leaf.names[0] == "layers" or leaf.value.ndim <= 2  # scanned leaves lead with layers
 
 
-@pytest.mark.parametrize("mesh_config", [MeshConfig(data=2, fsdp=4), MeshConfig(data=2, tensor=4)], ids=["fsdp", "tensor"])
+@pytest.mark.parametrize(
+    "mesh_config", [MeshConfig(data=2, fsdp=4), MeshConfig(data=2, tensor=4)], ids=["fsdp", "tensor"]
+)
 def test_sharded_forward_equals_single_device(mesh_config, variables, rng):
     model = DecoderLM(CONFIG)
     tokens = jax.random.randint(rng, (8, 16), 0, CONFIG.vocab_size)

@@ -19,12 +19,20 @@ from ember.serving.requests import SamplingParams
 from tests.host_random import numpy_rng, perturbed
 from tests.serving.greedy_reference import greedy_reference
 
-CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
-                     page_size=4, max_seq_len=48)
+CONFIG = ModelConfig(
+    vocab_size=257, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128, page_size=4, max_seq_len=48
+)
 MAX_CONTEXT = 48
 NUM_PAGES = 16  # 12 pages hold one full sequence; 4 slots would want 48: preemption happens.
-STATE_CONFIG = dataclasses.replace(CONFIG, block_pattern=("cca", "linear"), cca_compression=2, cca_heads=2,
-                                   cca_kv_heads=1, cca_conv_width=3, attention_impl="xla")
+STATE_CONFIG = dataclasses.replace(
+    CONFIG,
+    block_pattern=("cca", "linear"),
+    cca_compression=2,
+    cca_heads=2,
+    cca_kv_heads=1,
+    cca_conv_width=3,
+    attention_impl="xla",
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +43,9 @@ def params():
 
 @pytest.fixture(scope="module")
 def program(params):
-    return build_program(CONFIG, params, num_slots=4, token_buckets=(4, 8, 16), max_context=MAX_CONTEXT,
-                         num_pages=NUM_PAGES)
+    return build_program(
+        CONFIG, params, num_slots=4, token_buckets=(4, 8, 16), max_context=MAX_CONTEXT, num_pages=NUM_PAGES
+    )
 
 
 @pytest.fixture
@@ -56,7 +65,7 @@ def random_prompts(generator, count, low=1, high=40):
 def run_random_arrivals(engine, generator):
     """Serves 15 random prompts (one near the context) arriving at random steps, each step
     with a random budget; returns ``(prompts, max_tokens, results)``."""
-    prompts = random_prompts(generator, 14) + [generator.integers(0, 256, size=MAX_CONTEXT - 2).tolist()]
+    prompts = [*random_prompts(generator, 14), generator.integers(0, 256, size=MAX_CONTEXT - 2).tolist()]
     max_tokens = [int(generator.integers(1, 14)) for _ in prompts]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     ids = [engine.add_request(p, s) for p, s in zip(prompts[:5], params[:5])]
@@ -102,11 +111,13 @@ def test_generate_keeps_order_reports_errors_and_decodes_text(engine, reference_
 def test_seeded_sampling_is_the_same_alone_or_in_a_batch(engine, rng):
     generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
     prompt = random_prompts(generator, 1, 5, 20)[0]
-    mine = SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.95, seed=int(generator.integers(0, 1000)), ignore_eos=True)
+    mine = SamplingParams(
+        max_tokens=10, temperature=0.9, top_k=40, top_p=0.95, seed=int(generator.integers(0, 1000)), ignore_eos=True
+    )
     alone = engine.generate([prompt], mine)[0].tokens
     others = random_prompts(generator, 5)
     other_params = [SamplingParams(max_tokens=12, temperature=1.2, seed=s, ignore_eos=True) for s in range(5)]
-    batch = engine.generate(others[:3] + [prompt] + others[3:], other_params[:3] + [mine] + other_params[3:])
+    batch = engine.generate([*others[:3], prompt, *others[3:]], [*other_params[:3], mine, *other_params[3:]])
     assert batch[3].tokens == alone
     # A different seed draws differently (so the check above is not vacuous).
     other_seed = engine.generate([prompt], SamplingParams(**{**mine.__dict__, "seed": mine.seed + 1}))[0].tokens
@@ -140,8 +151,9 @@ def test_cca_and_linear_attention_models_serve_through_state_slots_equal_to_full
     must carry across chunks and decodes."""
     init_rng, noise_rng, plan_rng = jax.random.split(rng, 3)
     params = perturbed(DecoderLM(STATE_CONFIG).init(init_rng, jnp.zeros((1, 8), jnp.int32))["params"], noise_rng)
-    engine = Engine.from_model(STATE_CONFIG, params, num_slots=4, token_buckets=(16,), max_context=MAX_CONTEXT,
-                               num_pages=NUM_PAGES)
+    engine = Engine.from_model(
+        STATE_CONFIG, params, num_slots=4, token_buckets=(16,), max_context=MAX_CONTEXT, num_pages=NUM_PAGES
+    )
     prompts, max_tokens, results = run_random_arrivals(engine, numpy_rng(plan_rng))
     expected = greedy_reference(STATE_CONFIG, params, MAX_CONTEXT)(prompts, max_tokens)
     for index, (result, tokens) in enumerate(zip(results, expected)):

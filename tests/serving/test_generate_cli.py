@@ -53,19 +53,24 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
     path, params = run_dir
     generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
     tokens = generator.integers(0, 256, size=int(generator.integers(3, 20))).tolist()
-    prompts = write_lines(tmp_path / "in.jsonl", [
-        json.dumps({"id": "a", "prompt": "Hello", "max_tokens": 6}),
-        json.dumps({"prompt_tokens": tokens, "max_tokens": 5, "stop": ["zz"]}),
-        "{not json",
-        "",
-        json.dumps({"prompt": "", "max_tokens": 3}),
-        json.dumps({"id": 9, "prompt_tokens": [1, 257]}),
-        json.dumps({"prompt": "x", "max_tokens": 0}),
-        json.dumps({"prompt_tokens": list(range(41))}),
-        json.dumps({"prompt": "abc", "temperature": 0.8, "seed": 5, "max_tokens": 7}),
-    ])
+    prompts = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            json.dumps({"id": "a", "prompt": "Hello", "max_tokens": 6}),
+            json.dumps({"prompt_tokens": tokens, "max_tokens": 5, "stop": ["zz"]}),
+            "{not json",
+            "",
+            json.dumps({"prompt": "", "max_tokens": 3}),
+            json.dumps({"id": 9, "prompt_tokens": [1, 257]}),
+            json.dumps({"prompt": "x", "max_tokens": 0}),
+            json.dumps({"prompt_tokens": list(range(41))}),
+            json.dumps({"prompt": "abc", "temperature": 0.8, "seed": 5, "max_tokens": 7}),
+        ],
+    )
     out = tmp_path / "out.jsonl"
-    assert main(["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *ENGINE_FLAGS]) == 0
+    assert (
+        main(["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *ENGINE_FLAGS]) == 0
+    )
     records = read_records(out)
     assert [r["id"] for r in records] == ["a", 2, 3, 5, 9, 7, 8, 9]
     expected = greedy_reference(CONFIG, params, 40)([list(b"Hello"), tokens], [6, 5])
@@ -91,7 +96,9 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
         "sys.exit(code)\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert read_records(tmp_path / "artifact.jsonl") == records
 
@@ -99,8 +106,22 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
 def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
     path, params = run_dir
     # One compiled bucket (a single token per step) keeps this start-up short.
-    code = main(["generate", "--checkpoint", str(path), "--prompt", "Once", "--max-tokens", "4", "--token-budget", "1",
-                 "--num-slots", "1", "--no-progress"])
+    code = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(path),
+            "--prompt",
+            "Once",
+            "--max-tokens",
+            "4",
+            "--token-budget",
+            "1",
+            "--num-slots",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     expected = greedy_reference(CONFIG, params, 40)([list(b"Once")], [4])[0]
     # EOS (256) would end generation early without being printed.
@@ -114,8 +135,16 @@ def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
     hf_config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     hf_config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
@@ -128,11 +157,27 @@ def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
     prompts = [generator.integers(0, 97, size=int(n)).tolist() for n in generator.integers(2, 20, size=4)]
     lines = write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt_tokens": p, "max_tokens": 12}) for p in prompts])
     out = tmp_path / "out.jsonl"
-    assert main(["generate", "--checkpoint", str(tmp_path / "llama"), "--prompts", str(lines), "--out", str(out), *ENGINE_FLAGS]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(tmp_path / "llama"),
+                "--prompts",
+                str(lines),
+                "--out",
+                str(out),
+                *ENGINE_FLAGS,
+            ]
+        )
+        == 0
+    )
     records = read_records(out)
     for prompt, record in zip(prompts, records):
         with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False).numpy()[0, len(prompt) :]
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False).numpy()[
+                0, len(prompt) :
+            ]
         assert record["tokens"] == expected.tolist() and record["finish_reason"] == "length"
         assert "text" not in record  # no tokenizer in the directory
 

@@ -18,8 +18,9 @@ from ember.models.decoder import DecoderLM
 from ember.serving.loading import load_model
 from tests.tolerances import assert_allclose
 
-CONFIG = ModelConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=4, mlp_dim=64, max_seq_len=16,
-                     attention_impl="xla")
+CONFIG = ModelConfig(
+    vocab_size=64, d_model=32, num_layers=4, num_heads=4, mlp_dim=64, max_seq_len=16, attention_impl="xla"
+)
 
 
 @pytest.fixture

@@ -77,7 +77,10 @@ def test_masked_sampling_matches_categorical_over_the_hand_mask(rng, top_k, top_
     rows = 16
     logits = np.asarray(jax.random.normal(logit_key, (rows, 40)) * 2)
     temperatures = np.asarray(jax.random.uniform(temperature_key, (rows,), minval=0.3, maxval=2.0))
-    params = [SamplingParams(temperature=float(t), top_k=top_k, top_p=top_p, seed=1000 + r) for r, t in enumerate(temperatures)]
+    params = [
+        SamplingParams(temperature=float(t), top_k=top_k, top_p=top_p, seed=1000 + r)
+        for r, t in enumerate(temperatures)
+    ]
     indices = list(range(rows))
     tokens, _ = sample(jnp.asarray(logits), settings_for(params, indices))
     masked = np.stack([hand_masked(logits[row], params[row]) for row in range(rows)]).astype(np.float32)
@@ -91,7 +94,9 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch_position(rng):
     alone, _ = sample(logits, settings_for([mine], [7]))
     others = [SamplingParams(temperature=0.7, seed=s) for s in range(5)]
     batch = jnp.concatenate([jax.random.normal(jax.random.fold_in(rng, 1), (5, 64)), logits])
-    together, _ = sample(batch[jnp.array([0, 1, 5, 2, 3, 4])], settings_for(others[:2] + [mine] + others[2:], [0, 1, 7, 2, 3, 4]))
+    together, _ = sample(
+        batch[jnp.array([0, 1, 5, 2, 3, 4])], settings_for([*others[:2], mine, *others[2:]], [0, 1, 7, 2, 3, 4])
+    )
     assert int(together[2]) == int(alone[0])
     # Over the sample index, the draws vary: the key depends on it.
     draws, _ = sample(jnp.repeat(logits, 12, axis=0), settings_for([mine] * 12, range(12)))

@@ -141,7 +141,9 @@ def test_random_workloads_keep_page_accounting(rng):
         )
         config["num_pages"] = -(-24 // config["page_size"]) + int(generator.integers(0, 6))
         scheduler = make_scheduler(**config)
-        requests = [request(i, int(generator.integers(1, 16)), max_tokens=int(generator.integers(1, 10))) for i in range(8)]
+        requests = [
+            request(i, int(generator.integers(1, 16)), max_tokens=int(generator.integers(1, 10))) for i in range(8)
+        ]
         for r in requests[:4]:
             scheduler.add(r)
         pending = requests[4:]

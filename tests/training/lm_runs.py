@@ -16,10 +16,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 # A 2-layer, width-64 byte model: small enough that a step compiles and runs in seconds.
 SMALL = [
-    "model.vocab_size=384", "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=128",
-    "model.max_seq_len=64", "model.attention_impl=xla",
-    "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=0",
-    "optim.lr=3e-3", "checkpoint.every=1000", "logging.progress=false", "logging.tensorboard=false",
+    "model.vocab_size=384",
+    "model.d_model=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.mlp_dim=128",
+    "model.max_seq_len=64",
+    "model.attention_impl=xla",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "train.eval_batches=0",
+    "optim.lr=3e-3",
+    "checkpoint.every=1000",
+    "logging.progress=false",
+    "logging.tensorboard=false",
     "sample.prompts=[]",
 ]
 
@@ -41,10 +53,19 @@ def write_config(tmp_path, dataset, *overrides):
 
 def ember_train(*args, devices=2):
     """``ember train ARGS`` in a subprocess with ``devices`` host CPU devices."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.Popen([sys.executable, "-m", "ember", "train", *map(str, args)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "ember", "train", *map(str, args)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def wait_for_logged_steps(run_dir, steps, timeout=240):

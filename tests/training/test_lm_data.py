@@ -53,7 +53,9 @@ def test_prepare_and_open(tmp_path):
     val_names = [name for name, _ in documents if validation_split(name, 0.2)]
     assert 0 < len(val_names) < 60
     assert meta["splits"]["val"]["documents"] == len(val_names)
-    expected_train = np.concatenate([ByteTokenizer().encode(t, add_eos=True) for n, t in documents if n not in val_names])
+    expected_train = np.concatenate(
+        [ByteTokenizer().encode(t, add_eos=True) for n, t in documents if n not in val_names]
+    )
     np.testing.assert_array_equal(np.asarray(data.train), expected_train)
     assert data.meta == json.loads((tmp_path / "ds" / "meta.json").read_text())
     assert not list((tmp_path / "ds").glob(".*partial"))
@@ -63,12 +65,12 @@ def test_prepare_and_open(tmp_path):
 
 
 def test_open_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a prepared dataset .* 'ember data prepare"):
+    with pytest.raises(FileNotFoundError, match=r"not a prepared dataset .* 'ember data prepare"):
         TokenDataset.open(tmp_path)
     prepare_token_files(make_documents(10), tmp_path / "ds", val_fraction=0.0)
     with open(tmp_path / "ds" / "train.bin", "ab") as f:
         f.write(b"\0\0")
-    with pytest.raises(ValueError, match="train.bin holds .* tokens but meta.json says"):
+    with pytest.raises(ValueError, match=r"train.bin holds .* tokens but meta.json says"):
         TokenDataset.open(tmp_path / "ds")
     with pytest.raises(ValueError, match="no text to prepare"):
         prepare_token_files([("a", "")], tmp_path / "empty")
@@ -85,7 +87,10 @@ def test_iterator_visits_every_window_once_per_epoch():
     batches = PackedBatches(stream, seq_len=8, global_batch=5, seed=3)
     assert batches.num_windows == 25
     epoch = np.concatenate([batches.next()["tokens"] for _ in range(5)])
-    starts = sorted(int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(stream[:-1], 8) == row, axis=1))[0]) for row in epoch)
+    starts = sorted(
+        int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(stream[:-1], 8) == row, axis=1))[0])
+        for row in epoch
+    )
     assert starts == [8 * i for i in range(25)]
     second_epoch = np.concatenate([batches.next()["tokens"] for _ in range(5)])
     assert not np.array_equal(epoch, second_epoch)  # a new permutation each epoch
@@ -112,7 +117,9 @@ def test_iterator_resume_is_exact():
 def test_processes_read_disjoint_rows_of_the_same_global_batch():
     stream = stream_of(4000)
     whole = PackedBatches(stream, seq_len=16, global_batch=8, seed=2)
-    parts = [PackedBatches(stream, seq_len=16, global_batch=8, seed=2, process_index=i, process_count=4) for i in range(4)]
+    parts = [
+        PackedBatches(stream, seq_len=16, global_batch=8, seed=2, process_index=i, process_count=4) for i in range(4)
+    ]
     for _ in range(3):
         expected = whole.next()
         got = [p.next() for p in parts]

@@ -37,8 +37,9 @@ def killed_run(tmp_path_factory, dataset):
     """``(config path, metrics of the uninterrupted run, run directory killed mid-run)``,
     both run by ``ember train`` on 8 host devices (the mesh this process has too)."""
     root = tmp_path_factory.mktemp("resume")
-    config_path = write_config(root, dataset, f"train.steps={STEPS}", "checkpoint.every=3", "mesh.data=8",
-                               "checkpoint.async_save=false")
+    config_path = write_config(
+        root, dataset, f"train.steps={STEPS}", "checkpoint.every=3", "mesh.data=8", "checkpoint.async_save=false"
+    )
     reference_dir, killed_dir = root / "reference", root / "killed"
     reference = ember_train(config_path, f"run_dir={reference_dir}", devices=8)
     killed = ember_train(config_path, f"run_dir={killed_dir}", devices=8)
@@ -76,8 +77,11 @@ def test_resume_with_a_runtime_setting_changed_continues_the_trajectory(killed_r
 
 @pytest.mark.slow
 def test_resume_with_an_architecture_key_changed_is_refused_by_name(killed_run, tmp_path):
-    for change, key in [("model.mlp_dim=256", "model.mlp_dim"), ("model.precision=pure_bf16", "model.precision"),
-                        ("train.freeze=['^embed/']", "train.freeze")]:
+    for change, key in [
+        ("model.mlp_dim=256", "model.mlp_dim"),
+        ("model.precision=pure_bf16", "model.precision"),
+        ("train.freeze=['^embed/']", "train.freeze"),
+    ]:
         with pytest.raises(ConfigError, match=f"changed keys: {key}") as error:
             resume_copy(killed_run, tmp_path / key, change)
         assert error.value.key == key
@@ -89,17 +93,32 @@ def test_resume_guard_compares_the_architecture_only(tmp_path, dataset):
     config = small_config(tmp_path, dataset, "mesh.data=8")
     (run_dir / "config.yaml").write_text(to_yaml(config))
     runtime = [
-        "distributed.process_id=1", "distributed.num_processes=2", "distributed.coordinator_address=10.0.0.1:1234",
-        "model.attention_impl=interpret", "model.remat=dots", "model.scan_layers=false", "model.page_size=8",
-        "model.precision=bf16", "mesh.data=2", "mesh.fsdp=4", "logging.progress=true", "train.grad_accum=2",
-        "checkpoint.every=7", "train.steps=99", "sample.max_tokens=3",
+        "distributed.process_id=1",
+        "distributed.num_processes=2",
+        "distributed.coordinator_address=10.0.0.1:1234",
+        "model.attention_impl=interpret",
+        "model.remat=dots",
+        "model.scan_layers=false",
+        "model.page_size=8",
+        "model.precision=bf16",
+        "mesh.data=2",
+        "mesh.fsdp=4",
+        "logging.progress=true",
+        "train.grad_accum=2",
+        "checkpoint.every=7",
+        "train.steps=99",
+        "sample.max_tokens=3",
     ]
     for change in runtime:
         check_resumable(run_dir, small_config(tmp_path, dataset, "mesh.data=8", change))  # accepted
-    for change, key in [("model.d_model=128", "model.d_model"), ("model.precision=pure_bf16", "model.precision"),
-                        ("model.rope.theta=500000", "model.rope.theta"), ("optim.lr=1e-3", "optim.lr"),
-                        ("data.seed=5", "data.seed"), ("train.aux_loss_weights={balance: 0.1}",
-                                                       "train.aux_loss_weights.balance")]:
+    for change, key in [
+        ("model.d_model=128", "model.d_model"),
+        ("model.precision=pure_bf16", "model.precision"),
+        ("model.rope.theta=500000", "model.rope.theta"),
+        ("optim.lr=1e-3", "optim.lr"),
+        ("data.seed=5", "data.seed"),
+        ("train.aux_loss_weights={balance: 0.1}", "train.aux_loss_weights.balance"),
+    ]:
         with pytest.raises(ConfigError, match=f"changed keys: {key}") as error:
             check_resumable(run_dir, small_config(tmp_path, dataset, "mesh.data=8", change))
         assert error.value.key == key

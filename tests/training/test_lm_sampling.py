@@ -20,8 +20,19 @@ from tests.host_random import perturbed
 from tests.serving.greedy_reference import greedy_reference
 
 CONFIG = ModelConfig(
-    vocab_size=260, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=64, max_seq_len=32, page_size=4,
-    block_pattern=("global", "cca", "linear"), cca_compression=2, cca_heads=2, cca_kv_heads=1, attention_impl="xla",
+    vocab_size=260,
+    d_model=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=64,
+    max_seq_len=32,
+    page_size=4,
+    block_pattern=("global", "cca", "linear"),
+    cca_compression=2,
+    cca_heads=2,
+    cca_kv_heads=1,
+    attention_impl="xla",
 )
 PROMPTS = ("def ", "import numpy", "x")
 MAX_TOKENS = 10
@@ -68,8 +79,10 @@ def test_seeded_samples_equal_the_engine_with_the_same_settings(model_and_params
     model, params = model_and_params
     config = SampleConfig(prompts=PROMPTS, max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, top_p=0.9, seed=11)
     samples = sample_text(model, params, ByteTokenizer(), config)
-    settings = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, top_p=0.9, seed=11 + i)
-                for i in range(len(PROMPTS))]
+    settings = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, top_p=0.9, seed=11 + i)
+        for i in range(len(PROMPTS))
+    ]
     assert samples == [result.text for result in other_engine.generate(list(PROMPTS), settings)]
     reseeded = sample_text(model, params, ByteTokenizer(), dataclasses.replace(config, seed=12))
     assert reseeded != samples  # the seed matters, so the equality above is not vacuous

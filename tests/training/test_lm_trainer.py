@@ -2,6 +2,7 @@
 two-process data parallelism, early config errors, NaN handling, learning on real text."""
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -50,8 +51,9 @@ def test_loss_is_the_same_on_every_mesh_and_with_grad_accumulation(tmp_path, dat
 
 @pytest.mark.slow
 def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, dataset):
-    config_path = write_config(tmp_path, dataset, "train.steps=14", "checkpoint.every=3", "mesh.data=2",
-                               "checkpoint.async_save=false")
+    config_path = write_config(
+        tmp_path, dataset, "train.steps=14", "checkpoint.every=3", "mesh.data=2", "checkpoint.async_save=false"
+    )
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     reference = ember_train(config_path, f"run_dir={reference_dir}")
     killed = ember_train(config_path, f"run_dir={killed_dir}")
@@ -74,17 +76,26 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, dataset):
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_resume_after_kill_9_on_a_new_port(tmp_path, dataset):
-    config_path = write_config(tmp_path, dataset, "train.steps=6", "mesh.data=-1", "checkpoint.async_save=false",
-                               "checkpoint.every=2")
+    config_path = write_config(
+        tmp_path, dataset, "train.steps=6", "mesh.data=-1", "checkpoint.async_save=false", "checkpoint.every=2"
+    )
     # One process with 4 devices against two processes with 2 devices each: the same mesh size.
     single = ember_train(config_path, f"run_dir={tmp_path / 'single'}", devices=4)
     assert single.wait(timeout=300) == 0, single.stdout.read()
 
     def workers(port, *flags):
-        return [ember_train(config_path, f"run_dir={tmp_path / 'multi'}",
-                            f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-                            f"distributed.process_id={process_id}", *flags, devices=2)
-                for process_id in range(2)]
+        return [
+            ember_train(
+                config_path,
+                f"run_dir={tmp_path / 'multi'}",
+                f"distributed.coordinator_address=127.0.0.1:{port}",
+                "distributed.num_processes=2",
+                f"distributed.process_id={process_id}",
+                *flags,
+                devices=2,
+            )
+            for process_id in range(2)
+        ]
 
     killed = workers(free_port())
     wait_for_logged_steps(tmp_path / "multi", 3)
@@ -117,12 +128,30 @@ def test_bad_configs_fail_before_compiling(tmp_path, dataset, capsys):
 
 
 def test_nan_stops_with_pointer_to_last_checkpoint_or_is_skipped(tmp_path, dataset):
-    config = small_config(tmp_path, dataset, "train.steps=6", "optim.lr=1e30", "optim.clip_norm=0",
-                          "checkpoint.every=1", "mesh.data=8", "optim.schedule.kind=constant")
-    with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step \d \(loss=.*\); the last good checkpoint is step \d"):
+    config = small_config(
+        tmp_path,
+        dataset,
+        "train.steps=6",
+        "optim.lr=1e30",
+        "optim.clip_norm=0",
+        "checkpoint.every=1",
+        "mesh.data=8",
+        "optim.schedule.kind=constant",
+    )
+    with pytest.raises(
+        NonFiniteLossError, match=r"non-finite loss at step \d \(loss=.*\); the last good checkpoint is step \d"
+    ):
         train(config)
-    skipping = small_config(tmp_path / "skip", dataset, "train.steps=4", "optim.lr=1e30", "optim.clip_norm=0",
-                            "train.on_nan=skip", "mesh.data=8", "optim.schedule.kind=constant")
+    skipping = small_config(
+        tmp_path / "skip",
+        dataset,
+        "train.steps=4",
+        "optim.lr=1e30",
+        "optim.clip_norm=0",
+        "train.on_nan=skip",
+        "mesh.data=8",
+        "optim.schedule.kind=constant",
+    )
     summary = train(skipping)
     assert summary["steps"] == 4
     events = [json.loads(line) for line in (tmp_path / "skip" / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -130,8 +159,17 @@ def test_nan_stops_with_pointer_to_last_checkpoint_or_is_skipped(tmp_path, datas
 
 
 def test_run_directory_contents_and_resume_guard(tmp_path, dataset):
-    config = small_config(tmp_path, dataset, "train.steps=3", "mesh.data=8", "logging.tensorboard=true",
-                          "train.eval_batches=1", "train.eval_every=3", "sample.prompts=['def ']", "sample.max_tokens=8")
+    config = small_config(
+        tmp_path,
+        dataset,
+        "train.steps=3",
+        "mesh.data=8",
+        "logging.tensorboard=true",
+        "train.eval_batches=1",
+        "train.eval_every=3",
+        "sample.prompts=['def ']",
+        "sample.max_tokens=8",
+    )
     summary = train(config)
     run_dir = Path(config.run_dir)
     assert from_yaml(LMConfig, (run_dir / "config.yaml").read_text()) == config
@@ -143,10 +181,19 @@ def test_run_directory_contents_and_resume_guard(tmp_path, dataset):
     with pytest.raises(ConfigError, match="already holds checkpoints; pass --resume"):
         train(config)
     changed = small_config(tmp_path, dataset, "train.steps=5", "mesh.data=8", "optim.lr=1e-3")
-    with pytest.raises(ConfigError, match="changed keys: optim.lr"):
+    with pytest.raises(ConfigError, match=re.escape("changed keys: optim.lr")):
         train(changed, resume=True)
-    longer = small_config(tmp_path, dataset, "train.steps=5", "mesh.data=8", "logging.tensorboard=true",
-                          "train.eval_batches=1", "train.eval_every=3", "sample.prompts=['def ']", "sample.max_tokens=8")
+    longer = small_config(
+        tmp_path,
+        dataset,
+        "train.steps=5",
+        "mesh.data=8",
+        "logging.tensorboard=true",
+        "train.eval_batches=1",
+        "train.eval_every=3",
+        "sample.prompts=['def ']",
+        "sample.max_tokens=8",
+    )
     assert train(longer, resume=True)["steps"] == 5
     assert sorted(read_metrics(run_dir)) == [1, 2, 3, 4, 5]
 
@@ -161,10 +208,19 @@ def test_tiny_preset_learns_far_below_the_unigram_entropy(tmp_path, monkeypatch)
     counts = np.bincount(validation)
     probabilities = counts[counts > 0] / counts.sum()
     unigram_entropy = float(-(probabilities * np.log(probabilities)).sum())
-    config = load_config(LMConfig, REPO / "configs" / "lm" / "tiny.yaml", [
-        f"run_dir={tmp_path / 'run'}", "train.steps=200", "train.eval_every=200", "checkpoint.every=1000",
-        "logging.progress=false", "logging.tensorboard=false", "sample.prompts=[]",
-    ])
+    config = load_config(
+        LMConfig,
+        REPO / "configs" / "lm" / "tiny.yaml",
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "train.steps=200",
+            "train.eval_every=200",
+            "checkpoint.every=1000",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "sample.prompts=[]",
+        ],
+    )
     summary = train(config)
     print(f"unigram entropy {unigram_entropy:.3f} nats, validation loss after 200 steps {summary['val_loss']:.3f}")
     assert 3.0 < unigram_entropy < 3.5
@@ -185,5 +241,7 @@ def test_sigterm_saves_a_checkpoint_then_exits_cleanly(tmp_path, dataset):
     assert "received SIGTERM: saving a checkpoint" in output
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = CheckpointManager(run_dir / "checkpoints").all_steps()
-    assert summary["stopped_early"] and steps == [summary["steps"]] and summary["last_checkpoint"] == summary["steps"] >= 3
+    assert (
+        summary["stopped_early"] and steps == [summary["steps"]] and summary["last_checkpoint"] == summary["steps"] >= 3
+    )
     assert max(read_metrics(run_dir)) == summary["steps"]

@@ -1,5 +1,7 @@
 """``ember plot``: metrics.jsonl -> PNG, several runs overlaid."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -38,7 +40,7 @@ def test_plot_command_writes_a_png(tmp_path, capsys):
     assert "loss, val_loss" in capsys.readouterr().out
     assert main(["plot", str(tmp_path / "a"), "--metrics", "reward"]) == 2
     assert "no values for metric(s) reward; available: loss, val_loss" in capsys.readouterr().err  # errors: stderr
-    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+    with pytest.raises(FileNotFoundError, match=re.escape("no metrics.jsonl")):
         metric_series(tmp_path / "missing")
 
 

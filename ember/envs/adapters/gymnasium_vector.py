@@ -105,7 +105,7 @@ class GymnasiumVectorEnv(VectorEnv):
         done = terminated | truncated
         final = np.full(self.num_envs, None, dtype=object)
         for index in np.flatnonzero(done):
-            final[index] = jax.tree.map(lambda leaf: leaf[index], info["final_observation"])
+            final[index] = jax.tree.map(lambda leaf, index=index: leaf[index], info["final_observation"])
         infos = {"final_obs": final, "_final_obs": done}
         return obs, reward, terminated, truncated, infos
 
@@ -119,14 +119,20 @@ class GymnasiumVectorEnv(VectorEnv):
                 previous_state,
                 self._state,
             )
-            obs = jax.tree.map(lambda reset, new: np.where(pending.reshape((-1,) + (1,) * (new.ndim - 1)), reset, new), self._reset_obs, obs)
+            obs = jax.tree.map(
+                lambda reset, new: np.where(pending.reshape((-1,) + (1,) * (new.ndim - 1)), reset, new),
+                self._reset_obs,
+                obs,
+            )
             reward[pending], terminated[pending], truncated[pending] = 0, False, False
         done = terminated | truncated
         # The returned observation of an ending episode is its last one; keep the new
         # episode's first observation for the next call.
         self._reset_obs = obs
         obs = jax.tree.map(
-            lambda final, new: np.where(done.reshape((-1,) + (1,) * (new.ndim - 1)), final, new), info["final_observation"], obs
+            lambda final, new: np.where(done.reshape((-1,) + (1,) * (new.ndim - 1)), final, new),
+            info["final_observation"],
+            obs,
         )
         self._pending_reset = done
         return obs, reward, terminated, truncated, {}

@@ -47,7 +47,9 @@ class GymnaxEnv(Environment):
     def __init__(self, gymnax_env: Any, gymnax_params: Any = None):
         for method in ("reset_env", "step_env", "default_params", "action_space", "observation_space"):
             if not hasattr(gymnax_env, method):
-                raise ValueError(f"GymnaxEnv: expected a gymnax environment (no '{method}' on {type(gymnax_env).__name__})")
+                raise ValueError(
+                    f"GymnaxEnv: expected a gymnax environment (no '{method}' on {type(gymnax_env).__name__})"
+                )
         self.gymnax_env = gymnax_env
         self.gymnax_params = gymnax_params if gymnax_params is not None else gymnax_env.default_params
 

@@ -36,7 +36,9 @@ class JaxMARLEnv(MultiAgentEnvironment):
     def __init__(self, jaxmarl_env: Any, max_steps: int | None = None):
         for attribute in ("agents", "reset", "step_env", "observation_space", "action_space"):
             if not hasattr(jaxmarl_env, attribute):
-                raise ValueError(f"JaxMARLEnv: expected a JaxMARL environment (no '{attribute}' on {type(jaxmarl_env).__name__})")
+                raise ValueError(
+                    f"JaxMARLEnv: expected a JaxMARL environment (no '{attribute}' on {type(jaxmarl_env).__name__})"
+                )
         self.jaxmarl_env = jaxmarl_env
         self.agents = list(jaxmarl_env.agents)
         limit = max_steps if max_steps is not None else getattr(jaxmarl_env, "max_steps", None)
@@ -53,7 +55,9 @@ class JaxMARLEnv(MultiAgentEnvironment):
         return obs, JaxMARLState(time=jnp.int32(0), env_state=env_state)
 
     def step_env(self, noise, state, actions, params):
-        obs, env_state, rewards, dones, info = self.jaxmarl_env.step_env(noise_lib.to_key(noise), state.env_state, actions)
+        obs, env_state, rewards, dones, info = self.jaxmarl_env.step_env(
+            noise_lib.to_key(noise), state.env_state, actions
+        )
         time_up = state.time + 1 >= params.max_steps_in_episode
         terminated = jnp.asarray(dones["__all__"], bool) & ~time_up
         return obs, state.replace(env_state=env_state), rewards, terminated, info

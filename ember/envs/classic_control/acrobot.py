@@ -45,7 +45,14 @@ class AcrobotParams(EnvParams):
 
 def _derivatives(s: jax.Array, torque: jax.Array, p: AcrobotParams) -> jax.Array:
     """d/dt of ``s = [theta1, theta2, dtheta1, dtheta2]`` under ``torque`` (book dynamics)."""
-    m1, m2, l1, lc1, lc2, inertia = p.link_mass_1, p.link_mass_2, p.link_length_1, p.link_com_pos_1, p.link_com_pos_2, p.link_moi
+    m1, m2, l1, lc1, lc2, inertia = (
+        p.link_mass_1,
+        p.link_mass_2,
+        p.link_length_1,
+        p.link_com_pos_1,
+        p.link_com_pos_2,
+        p.link_moi,
+    )
     theta1, theta2, dtheta1, dtheta2 = s
     d1 = m1 * lc1**2 + m2 * (l1**2 + lc2**2 + 2 * l1 * lc2 * jnp.cos(theta2)) + 2 * inertia
     d2 = m2 * (lc2**2 + l1 * lc2 * jnp.cos(theta2)) + inertia

@@ -56,7 +56,9 @@ class MountainCarContinuousParams(EnvParams):
 def _move(state: MountainCarState, acceleration: jax.Array, params) -> MountainCarState:
     """Velocity then position update with the walls of both variants; the left wall stops the car."""
     velocity = jnp.clip(
-        state.velocity + acceleration - params.gravity * jnp.cos(3 * state.position), -params.max_speed, params.max_speed
+        state.velocity + acceleration - params.gravity * jnp.cos(3 * state.position),
+        -params.max_speed,
+        params.max_speed,
     )
     position = jnp.clip(state.position + velocity, params.min_position, params.max_position)
     velocity = jnp.where((position == params.min_position) & (velocity < 0), jnp.zeros_like(velocity), velocity)

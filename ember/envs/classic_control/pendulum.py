@@ -57,9 +57,11 @@ class Pendulum(Environment):
     def step_env(self, noise, state, action, params):
         torque = action[0].astype(state.theta.dtype)
         cost = angle_normalize(state.theta) ** 2 + 0.1 * state.theta_dot**2 + 0.001 * torque**2
-        theta_dot = state.theta_dot + (
-            3 * params.g / (2 * params.l) * jnp.sin(state.theta) + 3.0 / (params.m * params.l**2) * torque
-        ) * params.dt
+        theta_dot = (
+            state.theta_dot
+            + (3 * params.g / (2 * params.l) * jnp.sin(state.theta) + 3.0 / (params.m * params.l**2) * torque)
+            * params.dt
+        )
         theta_dot = jnp.clip(theta_dot, -params.max_speed, params.max_speed)
         state = state.replace(theta=state.theta + theta_dot * params.dt, theta_dot=theta_dot, last_torque=torque)
         return self.observation(state), state, -cost, jnp.asarray(False), {}

@@ -41,7 +41,8 @@ class SimpleTag(ParticleWorld):
     def __init__(self, num_good: int = 1, num_adversaries: int = 3, num_obstacles: int = 2):
         if num_good < 1 or num_adversaries < 1 or num_obstacles < 0:
             raise ValueError(
-                f"SimpleTag: need >= 1 good agent and adversary and >= 0 obstacles, got {num_good}, {num_adversaries}, {num_obstacles}"
+                "SimpleTag: need >= 1 good agent and adversary and >= 0 obstacles, "
+                f"got {num_good}, {num_adversaries}, {num_obstacles}"
             )
         self.num_good, self.num_adversaries, self.num_obstacles = num_good, num_adversaries, num_obstacles
         self.agents = [f"adversary_{i}" for i in range(num_adversaries)] + [f"agent_{i}" for i in range(num_good)]

@@ -29,7 +29,12 @@ class LegacyStep:
 
     def step(self, key, state, action, params=None):
         obs, state, reward, terminated, truncated, info = self.env.step(key, state, action, params)
-        info = {**info, "terminated": terminated, "truncated": truncated, "discount": 1.0 - terminated.astype(jnp.float32)}
+        info = {
+            **info,
+            "terminated": terminated,
+            "truncated": truncated,
+            "discount": 1.0 - terminated.astype(jnp.float32),
+        }
         return obs, state, reward, terminated | truncated, info
 
     def observation_space(self, params):

@@ -103,7 +103,14 @@ class NormalizeObservation(Wrapper):
         )
         stats = state.stats.update(obs, self.batch_axes)
         info = {**info, "final_observation": stats.normalize(info["final_observation"], self.epsilon)}
-        return stats.normalize(obs, self.epsilon), NormalizeObservationState(env_state, stats), reward, terminated, truncated, info
+        return (
+            stats.normalize(obs, self.epsilon),
+            NormalizeObservationState(env_state, stats),
+            reward,
+            terminated,
+            truncated,
+            info,
+        )
 
 
 @struct.dataclass

@@ -40,7 +40,9 @@ def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) 
     return config, params_from_hf(config, read_state(path), dtype=dtype)
 
 
-def save(path: str | Path, config: ModelConfig, params: dict[str, Any], *, model_type: str = "llama", dtype: Any = None) -> None:
+def save(
+    path: str | Path, config: ModelConfig, params: dict[str, Any], *, model_type: str = "llama", dtype: Any = None
+) -> None:
     """Writes ``config.json`` and ``model.safetensors`` (one file) loadable by
     ``transformers`` ``AutoModelForCausalLM.from_pretrained(path)`` and by :func:`load`.
 

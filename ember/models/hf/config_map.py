@@ -69,7 +69,13 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
     kinds = set(config.layer_kinds)
-    if not kinds <= {"global", "local"} or config.score != "softmax" or config.qk_norm or config.attn_soft_cap or config.final_soft_cap:
+    if (
+        not kinds <= {"global", "local"}
+        or config.score != "softmax"
+        or config.qk_norm
+        or config.attn_soft_cap
+        or config.final_soft_cap
+    ):
         raise ConfigError(
             f"only softmax global/local attention without QK-norm or soft-caps exports to {model_type}; "
             f"this config has layer kinds {sorted(kinds)}, score={config.score!r}, qk_norm={config.qk_norm}"
@@ -174,4 +180,3 @@ def _rope_to_hf(rope: RopeConfig) -> dict[str, Any] | None:
         "high_freq_factor": rope.high_freq_factor,
         "original_max_position_embeddings": rope.original_max_len,
     }
-

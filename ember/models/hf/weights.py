@@ -68,8 +68,10 @@ def params_from_hf(config: ModelConfig, state: Mapping[str, np.ndarray], dtype: 
         used.add("lm_head.weight")  # tied checkpoints may still store the (shared) head
     ignored = sorted(name for name in state if name not in used and not name.endswith("rotary_emb.inv_freq"))
     if ignored:
-        raise DataError(f"Hugging Face checkpoint has tensors Ember does not use: {', '.join(ignored[:8])}"
-                         f"{' ...' if len(ignored) > 8 else ''}")
+        raise DataError(
+            f"Hugging Face checkpoint has tensors Ember does not use: {', '.join(ignored[:8])}"
+            f"{' ...' if len(ignored) > 8 else ''}"
+        )
     return params
 
 
@@ -93,7 +95,9 @@ def params_to_hf(config: ModelConfig, params: Mapping[str, Any], dtype: Any = No
         state[prefix + "input_layernorm.weight"] = out(layer["attn_norm"]["scale"])
         state[prefix + "post_attention_layernorm.weight"] = out(layer["mlp_norm"]["scale"])
         for name in ("q", "k", "v"):
-            state[prefix + f"self_attn.{name}_proj.weight"] = out(np.asarray(attn[name]["kernel"]).reshape(d_model, -1).T)
+            state[prefix + f"self_attn.{name}_proj.weight"] = out(
+                np.asarray(attn[name]["kernel"]).reshape(d_model, -1).T
+            )
             if config.qkv_bias:
                 state[prefix + f"self_attn.{name}_proj.bias"] = out(np.asarray(attn[name]["bias"]).reshape(-1))
         state[prefix + "self_attn.o_proj.weight"] = out(np.asarray(attn["o"]["kernel"]).reshape(-1, d_model).T)

@@ -100,8 +100,15 @@ def _attend_ragged(q, k, v, pages, *, config, kind, paging, positions, valid, op
     if kind == "block_sparse":
         score_options["global_tokens"] = config.global_tokens
     out = ragged_paged_attention(
-        q[0], pages["k_pages"], pages["v_pages"], paging.page_table, paging.query_starts, paging.query_lens,
-        paging.kv_lens, window=None if kind == "global" else (config.sliding_window - 1, 0), **score_options,
+        q[0],
+        pages["k_pages"],
+        pages["v_pages"],
+        paging.page_table,
+        paging.query_starts,
+        paging.query_lens,
+        paging.kv_lens,
+        window=None if kind == "global" else (config.sliding_window - 1, 0),
+        **score_options,
     )
     return out[None], pages
 
@@ -122,8 +129,15 @@ def _attend_sequence(q, k, v, *, config, kind, segment_ids, positions, options) 
         if segment_positions is not None:
             segment_positions = (segment_positions, jnp.pad(segment_positions, ((0, 0), (0, pad))))
     return flash_attention(
-        q, k, v, causal=True, window=window, block_mask=block_mask, segment_ids=segment_ids,
-        segment_positions=segment_positions, **options,
+        q,
+        k,
+        v,
+        causal=True,
+        window=window,
+        block_mask=block_mask,
+        segment_ids=segment_ids,
+        segment_positions=segment_positions,
+        **options,
     )
 
 
@@ -154,8 +168,13 @@ class Attention(nn.Module):
 
         def projection(name, features, axes):
             return Projection(
-                features, ("embed", *axes), use_bias=config.qkv_bias, init_std=config.init_std,
-                dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name=name,
+                features,
+                ("embed", *axes),
+                use_bias=config.qkv_bias,
+                init_std=config.init_std,
+                dtype=policy.compute_dtype,
+                param_dtype=policy.param_dtype,
+                name=name,
             )
 
         q = projection("q", (heads, head_dim), ("heads", "head_dim"))(x)
@@ -169,11 +188,24 @@ class Attention(nn.Module):
         k = constrain(apply_rope(k, positions, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         out, pages = attend(
-            q, k, v, config=config, kind=self.kind, segment_ids=segment_ids,
-            pages=pages, paging=paging, positions=positions, valid=valid,
+            q,
+            k,
+            v,
+            config=config,
+            kind=self.kind,
+            segment_ids=segment_ids,
+            pages=pages,
+            paging=paging,
+            positions=positions,
+            valid=valid,
         )
         out = Projection(
-            (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,
-            dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="o",
+            (x.shape[-1],),
+            ("heads", "head_dim", "embed"),
+            in_dims=2,
+            init_std=config.init_std,
+            dtype=policy.compute_dtype,
+            param_dtype=policy.param_dtype,
+            name="o",
         )(out)
         return out, pages

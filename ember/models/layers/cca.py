@@ -97,8 +97,12 @@ class CompressedConvAttention(nn.Module):
 
         def dense(name, features, axes):
             return Projection(
-                (features,), ("embed", axes), init_std=config.init_std, dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype, name=name,
+                (features,),
+                ("embed", axes),
+                init_std=config.init_std,
+                dtype=policy.compute_dtype,
+                param_dtype=policy.param_dtype,
+                name=name,
             )(x)
 
         q_raw = dense("q", latent_q, "heads")
@@ -131,12 +135,25 @@ class CompressedConvAttention(nn.Module):
 
         pages = None if cache is None else {"k_pages": cache["k_pages"], "v_pages": cache["v_pages"]}
         out, pages = attend(
-            q, k, v_shifted, config=config, kind="global", segment_ids=segment_ids,
-            pages=pages, paging=paging, positions=positions, valid=valid,
+            q,
+            k,
+            v_shifted,
+            config=config,
+            kind="global",
+            segment_ids=segment_ids,
+            pages=pages,
+            paging=paging,
+            positions=positions,
+            valid=valid,
         )
         out = Projection(
-            (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,
-            dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="o",
+            (x.shape[-1],),
+            ("heads", "head_dim", "embed"),
+            in_dims=2,
+            init_std=config.init_std,
+            dtype=policy.compute_dtype,
+            param_dtype=policy.param_dtype,
+            name="o",
         )(out)
         if cache is None:
             return out, None
@@ -189,7 +206,9 @@ class CompressedConvAttention(nn.Module):
         # layer starts as plain latent attention.
         depthwise = self.param(
             f"{prefix}_conv1",
-            nn.with_logical_partitioning(lambda key, shape, dtype: jnp.zeros(shape, dtype).at[-1].set(1.0), (None, heads_axis)),
+            nn.with_logical_partitioning(
+                lambda key, shape, dtype: jnp.zeros(shape, dtype).at[-1].set(1.0), (None, heads_axis)
+            ),
             (width, heads * head_dim),
             param_dtype,
         )

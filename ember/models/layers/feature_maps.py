@@ -35,7 +35,7 @@ def hedgehog_features(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 def _identity_init(key, shape, dtype=jnp.float32):
     """``[heads, head_dim, feature_dim]``: identity blocks (truncated or zero-padded)."""
-    heads, head_dim, feature_dim = shape
+    _heads, head_dim, feature_dim = shape
     return jnp.broadcast_to(jnp.eye(head_dim, feature_dim, dtype=dtype), shape)
 
 

@@ -72,8 +72,12 @@ class LinearAttention(nn.Module):
 
         def projection(name):
             return Projection(
-                (heads, head_dim), ("embed", "heads", "head_dim"), init_std=config.init_std,
-                dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name=name,
+                (heads, head_dim),
+                ("embed", "heads", "head_dim"),
+                init_std=config.init_std,
+                dtype=policy.compute_dtype,
+                param_dtype=policy.param_dtype,
+                name=name,
             )(x)
 
         def features(name):
@@ -93,7 +97,12 @@ class LinearAttention(nn.Module):
             out = out[None]
             cache = {"state": state.astype(cache["state"].dtype)}
         out = Projection(
-            (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,
-            dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="o",
+            (x.shape[-1],),
+            ("heads", "head_dim", "embed"),
+            in_dims=2,
+            init_std=config.init_std,
+            dtype=policy.compute_dtype,
+            param_dtype=policy.param_dtype,
+            name="o",
         )(out)
         return out, cache

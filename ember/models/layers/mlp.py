@@ -54,7 +54,9 @@ class Mlp(nn.Module):
         init = nn.initializers.normal(self.init_std)
 
         def weight(name, shape, axes):
-            return self.param(name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype).astype(self.dtype)
+            return self.param(name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype).astype(
+                self.dtype
+            )
 
         gate = weight("gate", (embed, self.hidden_dim), ("embed", "mlp")) if self.kind in GATED else None
         up = weight("up", (embed, self.hidden_dim), ("embed", "mlp"))

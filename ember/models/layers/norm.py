@@ -41,7 +41,10 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)), (x.shape[-1],), self.param_dtype
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],),
+            self.param_dtype,
         )
         return rms_norm(x, scale, self.eps)
 
@@ -56,12 +59,18 @@ class LayerNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (x.shape[-1],)
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)), shape, self.param_dtype)
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,)), shape, self.param_dtype)
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)), shape, self.param_dtype
+        )
+        bias = self.param(
+            "bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,)), shape, self.param_dtype
+        )
         return layer_norm(x, scale, bias, self.eps)
 
 
-def make_norm(kind: str, eps: float, *, axis_name: str = "embed", param_dtype=jnp.float32, name: str | None = None) -> nn.Module:
+def make_norm(
+    kind: str, eps: float, *, axis_name: str = "embed", param_dtype=jnp.float32, name: str | None = None
+) -> nn.Module:
     """The norm module for ``kind`` in {"rmsnorm", "layernorm"}."""
     if kind == "rmsnorm":
         return RMSNorm(eps=eps, axis_name=axis_name, param_dtype=param_dtype, name=name)

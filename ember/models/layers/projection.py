@@ -34,13 +34,18 @@ class Projection(nn.Module):
         if len(self.kernel_axes) != len(shape):
             raise ValueError(f"kernel_axes {self.kernel_axes} must name all {len(shape)} kernel dimensions {shape}")
         kernel = self.param(
-            "kernel", nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.kernel_axes), shape, self.param_dtype
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.kernel_axes),
+            shape,
+            self.param_dtype,
         )
         y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.in_dims)
         if self.use_bias:
             bias = self.param(
-                "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[self.in_dims :]),
-                self.out_shape, self.param_dtype,
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[self.in_dims :]),
+                self.out_shape,
+                self.param_dtype,
             )
             y = y + bias.astype(self.dtype)
         return y

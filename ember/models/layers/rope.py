@@ -32,7 +32,9 @@ def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> np.ndarray:
         low_freq_wavelen = rope.original_max_len / rope.low_freq_factor
         high_freq_wavelen = rope.original_max_len / rope.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
-        smooth = (rope.original_max_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smooth = (rope.original_max_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
         blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
         scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
@@ -47,7 +49,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array | np.ndar
     computed in float32; the result has ``x``'s dtype.
     """
     if x.ndim != 4 or positions.shape != x.shape[:2]:
-        raise ValueError(f"apply_rope: x must be [batch, seq, heads, head_dim] and positions [batch, seq]; got {x.shape} and {positions.shape}")
+        raise ValueError(
+            "apply_rope: x must be [batch, seq, heads, head_dim] and positions [batch, seq]; "
+            f"got {x.shape} and {positions.shape}"
+        )
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [batch, seq, head_dim/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]

@@ -1,10 +1,10 @@
 """Language-model data: corpora, memory-mapped token files, packing and a resumable iterator.
 
-    prepare_token_files(documents, "data/mine")            # or: ember data prepare *.txt --out data/mine
-    data = TokenDataset.open("data/mine")
-    batches = PackedBatches(data.train, seq_len=256, global_batch=32, seed=0)
-    batch = batches.next()      # tokens/targets/segment_ids/positions/loss_mask [local_batch, seq_len]
-    state = batches.state()     # saved in the checkpoint; batches.restore(state) resumes exactly
+prepare_token_files(documents, "data/mine")            # or: ember data prepare *.txt --out data/mine
+data = TokenDataset.open("data/mine")
+batches = PackedBatches(data.train, seq_len=256, global_batch=32, seed=0)
+batch = batches.next()      # tokens/targets/segment_ids/positions/loss_mask [local_batch, seq_len]
+state = batches.state()     # saved in the checkpoint; batches.restore(state) resumes exactly
 """
 
 from ember.training.data.corpus import stdlib_corpus_dir, stdlib_documents

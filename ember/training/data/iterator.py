@@ -30,8 +30,18 @@ class PackedBatches:
       process_index, process_count: this process's share of every global batch.
     """
 
-    def __init__(self, stream: np.ndarray, *, seq_len: int, global_batch: int, seed: int = 0, shuffle: bool = True,
-                 eos_id: int = ByteTokenizer.eos_id, process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        stream: np.ndarray,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        eos_id: int = ByteTokenizer.eos_id,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         if seq_len < 1 or global_batch < 1:
             raise ValueError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
         if global_batch % process_count:
@@ -50,8 +60,13 @@ class PackedBatches:
 
     def state(self) -> dict[str, Any]:
         """The iterator position, JSON-serialisable (saved with checkpoints)."""
-        return {"examples_seen": self.examples_seen, "num_windows": self.num_windows, "seed": self.seed,
-                "seq_len": self.seq_len, "global_batch": self.global_batch}
+        return {
+            "examples_seen": self.examples_seen,
+            "num_windows": self.num_windows,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continues from a saved ``state``; raises ``ConfigError`` if the data or shapes changed."""

@@ -32,5 +32,10 @@ def pack_window(window: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
     start_index = np.maximum.accumulate(np.where(starts, np.arange(tokens.size), 0))
     positions = (np.arange(tokens.size) - start_index).astype(np.int32)
     loss_mask = (~ends).astype(np.float32)
-    return {"tokens": tokens, "targets": targets, "segment_ids": segment_ids, "positions": positions,
-            "loss_mask": loss_mask}
+    return {
+        "tokens": tokens,
+        "targets": targets,
+        "segment_ids": segment_ids,
+        "positions": positions,
+        "loss_mask": loss_mask,
+    }

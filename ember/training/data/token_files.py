@@ -76,8 +76,12 @@ def prepare_token_files(
         raise DataError("no text to prepare: every document was empty or went to validation")
     for split, path in temporary.items():
         os.replace(path, out_dir / f"{split}.bin")
-    meta = {"tokenizer": tokenizer.describe(), "splits": counts, "fingerprint": fingerprint.hexdigest(),
-            "val_fraction": val_fraction}
+    meta = {
+        "tokenizer": tokenizer.describe(),
+        "splits": counts,
+        "fingerprint": fingerprint.hexdigest(),
+        "val_fraction": val_fraction,
+    }
     partial_meta = out_dir / f".{META_FILE}.partial"
     partial_meta.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(partial_meta, out_dir / META_FILE)

@@ -25,8 +25,18 @@ from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.optimizers import OptimConfig
 
 RUNTIME_KEYS: tuple[str, ...] = (
-    "run_dir", "mesh", "sharding", "distributed", "logging", "checkpoint", "sample",
-    "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.grad_accum",
+    "run_dir",
+    "mesh",
+    "sharding",
+    "distributed",
+    "logging",
+    "checkpoint",
+    "sample",
+    "train.steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.grad_accum",
 )
 """Keys (and sections) that say how this process runs the experiment, not what it is: a run
 resumes with any of them changed; so may the model's ``ember.models.config.RUNTIME_FIELDS``."""
@@ -54,8 +64,9 @@ class TrainLoopConfig(LoopConfig):
         super().__post_init__()
         for name in ("batch_size", "seq_len"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}",
-                                  key=f"train.{name}")
+                raise ConfigError(
+                    f"train.{name} must be a positive integer, got {getattr(self, name)}", key=f"train.{name}"
+                )
         if self.eval_batches < 0:
             raise ConfigError(f"train.eval_batches must be >= 0, got {self.eval_batches}", key="train.eval_batches")
         if self.batch_size % self.grad_accum:

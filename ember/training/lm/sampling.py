@@ -32,12 +32,19 @@ def sample_text(model: DecoderLM, params: Any, tokenizer: ByteTokenizer, config:
         raise ValueError("sample.prompts must not contain empty strings")
     too_long = [row for row, p in enumerate(prompts) if len(p) > model.config.max_seq_len]
     if too_long:
-        raise ValueError(f"sample.prompts[{too_long[0]}] has {len(prompts[too_long[0]])} tokens, more than the model's "
-                         f"max_seq_len={model.config.max_seq_len}")
+        raise ValueError(
+            f"sample.prompts[{too_long[0]}] has {len(prompts[too_long[0]])} tokens, more than the model's "
+            f"max_seq_len={model.config.max_seq_len}"
+        )
     engine = sampling_engine(model.config, params, tokenizer, len(prompts), max(map(len, prompts)) + config.max_tokens)
     settings = [
-        SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_k=config.top_k,
-                       top_p=config.top_p, seed=config.seed + row)
+        SamplingParams(
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            seed=config.seed + row,
+        )
         for row in range(len(prompts))
     ]
     results = engine.generate(prompts, settings)

@@ -31,8 +31,9 @@ BATCH_AXES = ("batch", "seq")
 def lm_loss(params: Any, batch: dict[str, jax.Array], *, model: DecoderLM, **_: Any) -> LossTerms:
     """Next-token cross-entropy of a packed batch (sum and token count) plus the auxiliary
     losses the model sows; ignores the trainer's ``rng`` and ``teacher``."""
-    (logits, _), aux = apply_with_aux(model, params, batch["tokens"], positions=batch["positions"],
-                                      segment_ids=batch["segment_ids"])
+    (logits, _), aux = apply_with_aux(
+        model, params, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"]
+    )
     loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])
     return LossTerms(loss_sum, count, aux)
 
@@ -46,10 +47,14 @@ class LMTask(Task):
     def __init__(self, config: LMConfig, dataset: TokenDataset | None = None):
         self.config = config
         self.dataset = dataset or TokenDataset.open(
-            stdlib_corpus_dir() if config.data.dataset == "stdlib" else config.data.dataset)
+            stdlib_corpus_dir() if config.data.dataset == "stdlib" else config.data.dataset
+        )
         if config.model.vocab_size < self.dataset.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) is smaller than the dataset's tokenizer "
-                              f"vocabulary ({self.dataset.tokenizer.vocab_size})", key="model.vocab_size")
+            raise ConfigError(
+                f"model.vocab_size ({config.model.vocab_size}) is smaller than the dataset's tokenizer "
+                f"vocabulary ({self.dataset.tokenizer.vocab_size})",
+                key="model.vocab_size",
+            )
         self.model = DecoderLM(config.model)
 
     def init_params(self, rng: jax.Array) -> Any:
@@ -61,9 +66,15 @@ class LMTask(Task):
         return lm_loss(params, batch, model=self.model)
 
     def _batches(self, stream, **kwargs) -> PackedBatches:
-        return PackedBatches(stream, seq_len=self.config.train.seq_len, global_batch=self.config.train.batch_size,
-                             eos_id=self.dataset.tokenizer.eos_id, process_index=jax.process_index(),
-                             process_count=jax.process_count(), **kwargs)
+        return PackedBatches(
+            stream,
+            seq_len=self.config.train.seq_len,
+            global_batch=self.config.train.batch_size,
+            eos_id=self.dataset.tokenizer.eos_id,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            **kwargs,
+        )
 
     def train_data(self) -> PackedBatches:
         return self._batches(self.dataset.train, seed=self.config.data.seed)
@@ -88,7 +99,8 @@ class LMTask(Task):
         prompts = self.config.sample.prompts
         samples = sample_text(self.model, info.state.params, self.dataset.tokenizer, self.config.sample)
         (info.trainer.run_dir / "samples.txt").write_text(
-            "".join(f"--- {p!r}\n{p}{s}\n" for p, s in zip(prompts, samples)))
+            "".join(f"--- {p!r}\n{p}{s}\n" for p, s in zip(prompts, samples))
+        )
         info.trainer.results["samples"] = samples
 
     def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:

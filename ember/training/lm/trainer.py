@@ -46,9 +46,18 @@ def make_trainer(config: LMConfig, *, resume: bool = False, task: LMTask | None 
     if resume:
         check_resumable(run_dir, config)
     task = task or LMTask(config)
-    trainer = Trainer(task, loop=config.train, optim=config.optim, checkpoint=config.checkpoint,
-                      logging=config.logging, run_dir=run_dir, mesh=make_mesh(config.mesh),
-                      rules=logical_rules(config.sharding.rules), seed=config.seed, resume=resume)
+    trainer = Trainer(
+        task,
+        loop=config.train,
+        optim=config.optim,
+        checkpoint=config.checkpoint,
+        logging=config.logging,
+        run_dir=run_dir,
+        mesh=make_mesh(config.mesh),
+        rules=logical_rules(config.sharding.rules),
+        seed=config.seed,
+        resume=resume,
+    )
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(config))
@@ -67,7 +76,9 @@ def check_resumable(run_dir: Path, config: LMConfig) -> None:
     saved, current = from_yaml(LMConfig, saved_path.read_text()).identity(), config.identity()
     changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     if changed:
-        raise ConfigError(f"run_dir {run_dir} was started with a different config; changed keys: {', '.join(changed)}. "
-                          "Use a new run_dir, or change only runtime settings (mesh, distributed, logging, "
-                          "checkpoint, sample, train.steps, model.attention_impl / remat / scan_layers / page_size)",
-                          key=changed[0])
+        raise ConfigError(
+            f"run_dir {run_dir} was started with a different config; changed keys: {', '.join(changed)}. "
+            "Use a new run_dir, or change only runtime settings (mesh, distributed, logging, "
+            "checkpoint, sample, train.steps, model.attention_impl / remat / scan_layers / page_size)",
+            key=changed[0],
+        )

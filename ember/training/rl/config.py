@@ -103,4 +103,4 @@ class RLConfig:
             )
 
 
-__all__ = ["ALGORITHMS", "ENV_SOURCES", "EnvConfig", "EvalConfig", "MULTI_AGENT_ALGORITHMS", "RLConfig"]
+__all__ = ["ALGORITHMS", "ENV_SOURCES", "MULTI_AGENT_ALGORITHMS", "EnvConfig", "EvalConfig", "RLConfig"]

@@ -147,7 +147,9 @@ def make_train(
             targets = q_learning_targets(
                 batch["reward"], next_target, batch["terminated"], gamma=config.gamma, double_q_next=next_online
             )
-            return q_learning_loss(network.apply(params, batch["obs"]), batch["action"], targets, huber_delta=config.huber_delta)
+            return q_learning_loss(
+                network.apply(params, batch["obs"]), batch["action"], targets, huber_delta=config.huber_delta
+            )
 
         def iteration(carry, index):
             train_state, target_params, buffer, env_state, obs, rng = carry

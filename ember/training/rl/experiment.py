@@ -80,7 +80,10 @@ def _multi_agent(centralised_critic: bool) -> Algorithm:
         num_updates=lambda section: section.num_updates,
         make_act=_without_obs_stats(
             lambda section, env, env_params, params, deterministic: multi_agent_ppo.make_act(
-                multi_agent_ppo.make_policy(section, env, env_params), params, list(env.agents), deterministic=deterministic
+                multi_agent_ppo.make_policy(section, env, env_params),
+                params,
+                list(env.agents),
+                deterministic=deterministic,
             )
         ),
     )
@@ -89,7 +92,9 @@ def _multi_agent(centralised_critic: bool) -> Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm(
         section=lambda config: config.ppo,
-        make_train=lambda section, env, env_params, on_update: ppo.make_train(section, env, env_params, on_update=on_update),
+        make_train=lambda section, env, env_params, on_update: ppo.make_train(
+            section, env, env_params, on_update=on_update
+        ),
         steps_per_update=lambda section: section.num_envs * section.num_steps,
         num_updates=lambda section: section.num_updates,
         make_act=lambda section, env, env_params, params, deterministic, obs_stats: ppo.make_act(
@@ -98,12 +103,16 @@ ALGORITHMS: dict[str, Algorithm] = {
     ),
     "dqn": Algorithm(
         section=lambda config: config.dqn,
-        make_train=lambda section, env, env_params, on_update: dqn.make_train(section, env, env_params, on_update=on_update),
+        make_train=lambda section, env, env_params, on_update: dqn.make_train(
+            section, env, env_params, on_update=on_update
+        ),
         steps_per_update=lambda section: section.num_envs * section.log_every,
         num_updates=lambda section: section.num_updates,
         make_act=_without_obs_stats(
             lambda section, env, env_params, params, deterministic: dqn.make_act(
-                dqn.make_q_network(section, env, env_params), params, epsilon=0.0 if deterministic else section.epsilon_end
+                dqn.make_q_network(section, env, env_params),
+                params,
+                epsilon=0.0 if deterministic else section.epsilon_end,
             )
         ),
     ),
@@ -123,7 +132,9 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
 
     run_dir = Path(config.run_dir)
     if resume:
-        raise EmberError("RL runs are one compiled program without intermediate checkpoints and cannot --resume; rerun instead")
+        raise EmberError(
+            "RL runs are one compiled program without intermediate checkpoints and cannot --resume; rerun instead"
+        )
     if (run_dir / CHECKPOINT_DIR).is_dir() and any((run_dir / CHECKPOINT_DIR).iterdir()):
         raise EmberError(f"run_dir {run_dir} already holds a finished run; choose another run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -258,7 +269,9 @@ def record_episode(
 def format_summary(summary: dict[str, Any]) -> str:
     mean, std = summary["mean_return"], summary["std_return"]
     spread = "" if math.isnan(std) else f" +- {std:.2f}"
-    return f"{summary['algo']} on {summary['env_id']}: mean return {mean:.2f}{spread} over {summary['episodes']} episodes"
+    return (
+        f"{summary['algo']} on {summary['env_id']}: mean return {mean:.2f}{spread} over {summary['episodes']} episodes"
+    )
 
 
 __all__ = [

@@ -36,7 +36,9 @@ def clipped_surrogate_loss(
     return loss, clip_fraction
 
 
-def clipped_value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, clip_eps: float | None) -> jax.Array:
+def clipped_value_loss(
+    values: jax.Array, old_values: jax.Array, returns: jax.Array, clip_eps: float | None
+) -> jax.Array:
     """``0.5 * mean(max((V - R)^2, (V_clipped - R)^2))`` with
     ``V_clipped = old_V + clip(V - old_V, -eps, eps)``; ``clip_eps=None`` gives the plain
     ``0.5 * mean((V - R)^2)``."""
@@ -98,7 +100,12 @@ def ppo_loss(
 
 
 def q_learning_targets(
-    rewards: jax.Array, next_q_values: jax.Array, terminated: jax.Array, *, gamma: float, double_q_next: jax.Array | None = None
+    rewards: jax.Array,
+    next_q_values: jax.Array,
+    terminated: jax.Array,
+    *,
+    gamma: float,
+    double_q_next: jax.Array | None = None,
 ) -> jax.Array:
     """One-step Q-learning targets ``r + gamma * (1 - terminated) * max_a Q_target(s', a)``.
 
@@ -121,7 +128,9 @@ def q_learning_targets(
     return rewards + gamma * (1.0 - terminated.astype(next_value.dtype)) * next_value
 
 
-def q_learning_loss(q_values: jax.Array, actions: jax.Array, targets: jax.Array, *, huber_delta: float | None = None) -> jax.Array:
+def q_learning_loss(
+    q_values: jax.Array, actions: jax.Array, targets: jax.Array, *, huber_delta: float | None = None
+) -> jax.Array:
     """Mean regression loss of ``Q(s, a)`` to ``targets``.
 
     Args:

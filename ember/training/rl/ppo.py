@@ -155,15 +155,18 @@ class AgentView:
 
     observe: Callable[[Any], Any] = lambda obs: obs
     env_action: Callable[[jax.Array], Any] = lambda action: action
-    step_arrays: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = (
-        lambda reward, terminated, truncated: (reward.astype(jnp.float32), terminated, truncated)
+    step_arrays: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = lambda reward, terminated, truncated: (
+        reward.astype(jnp.float32),
+        terminated,
+        truncated,
     )
     policy_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
     value_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
 
 
-def minibatch_loss(dist, value: jax.Array, minibatch: dict[str, jax.Array], hp: PPOHyperparams, *,
-                   normalize_advantage: bool):
+def minibatch_loss(
+    dist, value: jax.Array, minibatch: dict[str, jax.Array], hp: PPOHyperparams, *, normalize_advantage: bool
+):
     """:func:`ppo_loss` of a policy's ``dist``/``value`` on a rollout ``minibatch`` (keys
     ``raw_action``, ``log_prob``, ``advantages``, ``value``, ``returns``)."""
     return ppo_loss(

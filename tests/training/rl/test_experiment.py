@@ -71,8 +71,13 @@ def test_train_rejects_settings_of_the_section_algo_does_not_read(tmp_path, caps
 def test_observation_statistics_are_saved_and_evaluated_frozen(tmp_path, capsys):
     run_dir = tmp_path / "run"
     overrides = [
-        f"run_dir={run_dir}", "ppo.normalize_observations=true", "ppo.num_steps=32", "ppo.total_timesteps=1024",
-        "ppo.update_epochs=2", "ppo.policy.hidden_sizes=[16]", "eval.episodes=4",
+        f"run_dir={run_dir}",
+        "ppo.normalize_observations=true",
+        "ppo.num_steps=32",
+        "ppo.total_timesteps=1024",
+        "ppo.update_epochs=2",
+        "ppo.policy.hidden_sizes=[16]",
+        "eval.episodes=4",
     ]
     assert main(["train", str(CONFIGS / "ppo_pendulum.yaml"), *overrides]) == 0
     capsys.readouterr()

@@ -42,8 +42,18 @@ def test_clipped_value_loss():
 
 def test_ppo_loss_total_and_diagnostics():
     loss, aux = ppo_loss(
-        LOG_PROB, OLD_LOG_PROB, ADVANTAGES, VALUES, OLD_VALUES, RETURNS, ENTROPY,
-        clip_eps=0.2, value_clip_eps=0.2, value_coef=0.5, entropy_coef=0.01, normalize_advantage=False,
+        LOG_PROB,
+        OLD_LOG_PROB,
+        ADVANTAGES,
+        VALUES,
+        OLD_VALUES,
+        RETURNS,
+        ENTROPY,
+        clip_eps=0.2,
+        value_clip_eps=0.2,
+        value_coef=0.5,
+        entropy_coef=0.01,
+        normalize_advantage=False,
     )
     policy, value = 0.5 / 3, 0.5 * 2.78 / 3
     assert_allclose(aux["policy_loss"], policy)
@@ -59,8 +69,19 @@ def test_advantage_normalisation_is_applied(rng):
     assert_allclose(normalized, (np.asarray(advantages) - np.mean(advantages)) / (np.std(advantages) + 1e-8), scale=10)
     log_prob = jax.random.normal(jax.random.fold_in(rng, 1), (64,)) * 0.1
     zeros = jnp.zeros(64)
-    _, aux = ppo_loss(log_prob, zeros, advantages, zeros, zeros, zeros, zeros,
-                      clip_eps=0.2, value_clip_eps=None, value_coef=0.0, entropy_coef=0.0)
+    _, aux = ppo_loss(
+        log_prob,
+        zeros,
+        advantages,
+        zeros,
+        zeros,
+        zeros,
+        zeros,
+        clip_eps=0.2,
+        value_clip_eps=None,
+        value_coef=0.0,
+        entropy_coef=0.0,
+    )
     expected, _ = clipped_surrogate_loss(log_prob, zeros, normalized, 0.2)
     assert_allclose(aux["policy_loss"], expected)
 

@@ -19,8 +19,13 @@ from tests.tolerances import assert_allclose
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 SMALL = PPOConfig(
-    num_envs=4, num_steps=16, total_timesteps=4 * 16 * 5, update_epochs=2, num_minibatches=2,
-    learning_rate=1e-3, policy=PolicyConfig(hidden_sizes=(16, 16)),
+    num_envs=4,
+    num_steps=16,
+    total_timesteps=4 * 16 * 5,
+    update_epochs=2,
+    num_minibatches=2,
+    learning_rate=1e-3,
+    policy=PolicyConfig(hidden_sizes=(16, 16)),
 )
 
 
@@ -37,7 +42,7 @@ def test_vmap_over_seeds_and_hyperparameters_equals_separate_runs(rng):
     single = jax.jit(train)
     for i in range(4):
         alone = single(seeds[i], base.replace(learning_rate=learning_rates[i]))
-        take = lambda tree: jax.tree.map(lambda leaf: leaf[i], tree)  # noqa: E731
+        take = lambda tree, i=i: jax.tree.map(lambda leaf: leaf[i], tree)  # noqa: E731
         # The rollouts (sampled actions, episode ends) are the same ...
         np.testing.assert_array_equal(batched["metrics"]["episodes"][i], alone["metrics"]["episodes"])
         np.testing.assert_array_equal(batched["metrics"]["episode_return"][i], alone["metrics"]["episode_return"])
@@ -57,8 +62,14 @@ def test_vmap_over_seeds_and_hyperparameters_equals_separate_runs(rng):
 
 def test_one_update_changes_only_with_nonzero_learning_rate(rng):
     env, env_params = ember.envs.make("CartPole-v1")
-    config = PPOConfig(num_envs=2, num_steps=8, total_timesteps=16, update_epochs=1, num_minibatches=1,
-                       policy=PolicyConfig(hidden_sizes=(8,)))
+    config = PPOConfig(
+        num_envs=2,
+        num_steps=8,
+        total_timesteps=16,
+        update_epochs=1,
+        num_minibatches=1,
+        policy=PolicyConfig(hidden_sizes=(8,)),
+    )
     train = jax.jit(make_train(config, env, env_params))
     hp = PPOHyperparams.from_config(config)
     frozen = train(rng, hp.replace(learning_rate=jnp.float32(0.0)))
@@ -66,7 +77,9 @@ def test_one_update_changes_only_with_nonzero_learning_rate(rng):
     for leaf, init_leaf in zip(jax.tree.leaves(frozen["params"]), jax.tree.leaves(init)):
         assert_allclose(leaf, init_leaf)
     moved = train(rng, hp)
-    assert not np.allclose(moved["params"]["params"]["actor"]["logits"]["kernel"], init["params"]["actor"]["logits"]["kernel"])
+    assert not np.allclose(
+        moved["params"]["params"]["actor"]["logits"]["kernel"], init["params"]["actor"]["logits"]["kernel"]
+    )
 
 
 def test_config_rejects_inconsistent_sizes():
