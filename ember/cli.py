@@ -18,7 +18,6 @@ import sys
 from collections.abc import Sequence
 
 import ember
-from ember.core.errors import EmberError
 
 USAGE_ERROR = 2  # the exit code of argparse's own usage errors, and of every EmberError
 
@@ -82,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = f" Did you mean '{close[0]}'?" if close else ""
         print(f"ember: unknown command '{name}'.{hint} Commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return USAGE_ERROR
+    from ember.core.errors import EmberError  # lazily, like the commands: `ember --version` imports no JAX
+
     module_name, help_text = COMMANDS[name]
     module = importlib.import_module(module_name)
     parser = _Parser(prog=f"ember {name}", description=help_text)
