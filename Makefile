@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15
 
 # Trains the tiny byte-level LM on this machine's Python stdlib sources (~2 minutes on CPU) into a
 # fresh run directory, samples text from it, and plots its curves.

@@ -24,10 +24,6 @@ from benchmarks.device_checks import (
     run_check,
 )
 
-# Its tests share expensive module fixtures: run them on one xdist worker (make test uses
-# --dist loadgroup), so each fixture is built once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("test_benchmark_gpu")
-
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -23,10 +23,6 @@ from ember.training.data import prepare_token_files, stdlib_documents
 from ember.training.lm.config import LMConfig
 from ember.training.metrics import read_metrics
 
-# Its tests share expensive module fixtures: run them on one xdist worker (make test uses
-# --dist loadgroup), so each fixture is built once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("test_cli_errors")
-
 REPO = Path(__file__).resolve().parents[1]
 RL_CONFIGS = REPO / "configs" / "rl"
 

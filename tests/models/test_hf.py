@@ -15,10 +15,6 @@ from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
 from tests.tolerances import assert_allclose
 
-# Its tests share expensive module fixtures: run them on one xdist worker (make test uses
-# --dist loadgroup), so each fixture is built once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("test_hf")
-
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -15,10 +15,6 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from tests.tolerances import assert_allclose
 
-# Its tests share expensive module fixtures: run them on one xdist worker (make test uses
-# --dist loadgroup), so each fixture is built once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("test_sharding")
-
 # One of each parameter kind: attention with biases and QK-norm, CCGQA, Hedgehog linear
 # attention, an untied head.
 CONFIG = ModelConfig(

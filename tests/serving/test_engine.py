@@ -19,10 +19,6 @@ from ember.serving.requests import SamplingParams
 from tests.host_random import numpy_rng, perturbed
 from tests.serving.greedy_reference import greedy_reference
 
-# Its tests share expensive module fixtures: run them on one xdist worker (make test uses
-# --dist loadgroup), so each fixture is built once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("test_engine")
-
 CONFIG = ModelConfig(
     vocab_size=257, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128, page_size=4, max_seq_len=48
 )

@@ -22,10 +22,6 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from tests.serving.greedy_reference import greedy_reference
 
-# Its tests share expensive module fixtures: run them on one xdist worker (make test uses
-# --dist loadgroup), so each fixture is built once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("test_generate_cli")
-
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, page_size=8, max_seq_len=40)
 ENGINE_FLAGS = ["--num-slots", "3", "--token-budget", "4", "--no-progress"]

@@ -17,10 +17,6 @@ from ember.training.lm.trainer import check_resumable, train
 from tests.tolerances import assert_allclose
 from tests.training.lm_runs import ember_train, read_metrics, small_config, wait_for_logged_steps, write_config
 
-# Its tests share expensive module fixtures: run them on one xdist worker (make test uses
-# --dist loadgroup), so each fixture is built once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("test_lm_resume")
-
 STEPS = 8
 
 # change -> whether the resumed trajectory must equal the uninterrupted one bit for bit. Where

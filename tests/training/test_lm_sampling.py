@@ -19,10 +19,6 @@ from ember.training.lm.sampling import sample_text
 from tests.host_random import perturbed
 from tests.serving.greedy_reference import greedy_reference
 
-# Its tests share expensive module fixtures: run them on one xdist worker (make test uses
-# --dist loadgroup), so each fixture is built once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("test_lm_sampling")
-
 CONFIG = ModelConfig(
     vocab_size=260,
     d_model=32,
