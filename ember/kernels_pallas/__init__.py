@@ -25,6 +25,7 @@ from ember.kernels_pallas.block_mask import (
     LocalMask,
 )
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
+from ember.kernels_pallas.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from ember.kernels_pallas.linear_attention import (
     ChunkSize,
     linear_attention,
@@ -46,6 +47,8 @@ __all__ = [
     "LocalMask",
     "flash_attention",
     "flash_attention_reference",
+    "grouped_matmul",
+    "grouped_matmul_reference",
     "linear_attention",
     "linear_attention_reference",
     "linear_attention_step",

@@ -14,8 +14,8 @@ Sequence ``s`` (a *slot*) owns row ``s`` of the page table and of every state sl
 query_lens[s]``; a run starting at position 0 begins a new sequence, and its layers start
 from an empty state (the slot's old state is ignored), so a slot is reused without a reset.
 
-``layers`` holds ``{"block_<j>": state}``, one entry per block_pattern position, every leaf
-with a leading ``[groups]`` axis (layer ``i`` is ``block_<i % period>`` at group
+``layers`` holds ``{"block_<j>": state}``, one entry per position in the layer period
+(``config.layer_period``), every leaf with a leading ``[groups]`` axis (layer ``i`` is ``block_<i % period>`` at group
 ``i // period``, as in the parameters); ``state`` is, by layer kind:
 
 - softmax family (global/local/block_sparse): ``k_pages``, ``v_pages``
@@ -88,13 +88,13 @@ def init_cache_layers(config: ModelConfig, num_slots: int, num_pages: int, dtype
     if num_slots < 1 or num_pages < 1:
         raise ValueError(f"num_slots and num_pages must be positive, got num_slots={num_slots}, num_pages={num_pages}")
     dtype = config.policy.compute_dtype if dtype is None else dtype
-    groups = math.ceil(config.num_layers / len(config.block_pattern))
+    groups = math.ceil(config.num_layers / config.layer_period)
     return {
         f"block_{j}": {
             name: jnp.zeros((groups, *shape), jnp.float32 if name == "state" else dtype)
             for name, shape in layer_state_shapes(config, kind, num_slots, num_pages).items()
         }
-        for j, kind in enumerate(config.block_pattern)
+        for j, kind in enumerate(config.layer_kinds[: config.layer_period])
     }
 
 

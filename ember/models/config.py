@@ -20,11 +20,18 @@ Layer kinds (``block_pattern``, repeated cyclically over ``num_layers``):
 - ``cca``: Compressed Convolutional Attention in a latent space ``cca_compression`` times
   narrower than the model (CCGQA when ``cca_kv_heads < cca_heads``).
 - ``linear``: linear attention with the ``linear_feature_map`` feature map.
+
+MLP placement (``mlp_pattern``, repeated cyclically over ``num_layers`` like the block
+pattern): ``dense`` (the ``mlp`` feed-forward block) or ``none`` (the block is the mixer
+alone). Layer ``i`` has mixer ``block_pattern[i % len(block_pattern)]`` and MLP
+``mlp_pattern[i % len(mlp_pattern)]``; the layers repeat with period
+:attr:`ModelConfig.layer_period`, the least common multiple of the two lengths.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ember.core.errors import ConfigError
 from ember.core.precision import Precision
@@ -33,6 +40,8 @@ LAYER_KINDS: tuple[str, ...] = ("global", "local", "block_sparse", "cca", "linea
 SOFTMAX_FAMILY: tuple[str, ...] = ("global", "local", "block_sparse")
 """Kinds that run the ordinary multi-head attention module over a paged KV cache."""
 MLP_KINDS: tuple[str, ...] = ("swiglu", "geglu", "gelu", "relu")
+MLP_PLACEMENTS: tuple[str, ...] = ("dense", "none")
+"""What follows a layer's mixer (``mlp_pattern`` entries)."""
 NORM_KINDS: tuple[str, ...] = ("rmsnorm", "layernorm")
 ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
 SCORE_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
@@ -98,6 +107,7 @@ class ModelConfig:
     final_soft_cap: float = 0.0
     score: str = "softmax"
     block_pattern: tuple[str, ...] = ("global",)
+    mlp_pattern: tuple[str, ...] = ("dense",)
     sliding_window: int = 4096
     global_tokens: int = 64
     cca_compression: int = 2
@@ -129,6 +139,10 @@ class ModelConfig:
             raise ConfigError("block_pattern must name at least one layer kind", key="block_pattern")
         for kind in self.block_pattern:
             _check_choice("block_pattern", kind, LAYER_KINDS)
+        if not self.mlp_pattern:
+            raise ConfigError("mlp_pattern must name at least one MLP placement", key="mlp_pattern")
+        for placement in self.mlp_pattern:
+            _check_choice("mlp_pattern", placement, MLP_PLACEMENTS)
         if self.head_dim == 0 and self.d_model % self.num_heads:
             raise ConfigError(
                 f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}) unless head_dim is set",
@@ -138,10 +152,11 @@ class ModelConfig:
             raise ConfigError(
                 f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})", key="num_kv_heads"
             )
-        if self.scan_layers and self.num_layers % len(self.block_pattern):
+        if self.scan_layers and self.num_layers % self.layer_period:
             raise ConfigError(
-                f"scan_layers needs num_layers ({self.num_layers}) to be a multiple of the block_pattern "
-                f"length ({len(self.block_pattern)}); set scan_layers=false or change the pattern",
+                f"scan_layers needs num_layers ({self.num_layers}) to be a multiple of the layer period "
+                f"({self.layer_period}: the least common multiple of the block_pattern and mlp_pattern "
+                "lengths); set scan_layers=false or change the patterns",
                 key="num_layers",
             )
         if self.attn_soft_cap < 0 or self.final_soft_cap < 0:
@@ -208,10 +223,21 @@ class ModelConfig:
         return self.d_model // self.cca_compression // self.cca_query_heads
 
     @property
+    def layer_period(self) -> int:
+        """Layers after which both patterns repeat: the blocks of one scanned group."""
+        return math.lcm(len(self.block_pattern), len(self.mlp_pattern))
+
+    @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """The kind of every layer, ``block_pattern`` repeated over ``num_layers``."""
+        """The mixer kind of every layer, ``block_pattern`` repeated over ``num_layers``."""
         period = len(self.block_pattern)
         return tuple(self.block_pattern[i % period] for i in range(self.num_layers))
+
+    @property
+    def layer_mlps(self) -> tuple[str, ...]:
+        """The MLP placement of every layer, ``mlp_pattern`` repeated over ``num_layers``."""
+        period = len(self.mlp_pattern)
+        return tuple(self.mlp_pattern[i % period] for i in range(self.num_layers))
 
     @property
     def policy(self) -> Precision:
@@ -232,4 +258,13 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}", key=name)
 
 
-__all__ = ["FEATURE_MAPS", "LAYER_KINDS", "MLP_KINDS", "RUNTIME_FIELDS", "SOFTMAX_FAMILY", "ModelConfig", "RopeConfig"]
+__all__ = [
+    "FEATURE_MAPS",
+    "LAYER_KINDS",
+    "MLP_KINDS",
+    "MLP_PLACEMENTS",
+    "RUNTIME_FIELDS",
+    "SOFTMAX_FAMILY",
+    "ModelConfig",
+    "RopeConfig",
+]

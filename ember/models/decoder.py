@@ -5,9 +5,10 @@
     logits, _ = model.apply({"params": params}, tokens)                       # training
     logits, cache = model.apply({"params": params}, flat[None], cache=cache, logits_at=last[None])  # prefill + decode
 
-Layers follow ``config.block_pattern`` (period ``P``): layer ``i`` is block ``i % P`` of
-group ``i // P``. With ``scan_layers`` the groups are one ``nn.scan`` (parameters
-``params["layers"]["block_<j>"]`` with a leading ``[groups]`` axis, logical name
+Layers follow ``config.block_pattern`` and ``config.mlp_pattern`` (together period
+``P = config.layer_period``): layer ``i`` is block ``i % P`` of group ``i // P``. With
+``scan_layers`` the groups are one ``nn.scan`` (parameters ``params["layers"]["block_<j>"]``
+with a leading ``[groups]`` axis, logical name
 ``layers``), so compile time does not grow with depth; otherwise ``params["group_<g>"]
 ["block_<j>"]``. :func:`layers_to_list` / :func:`layers_from_list` convert either layout
 to a per-layer list (checkpoint conversion, LoRA surgery); :func:`convert_layer_layout`
@@ -45,11 +46,13 @@ _REMAT_POLICIES = {
 class Block(nn.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
 
-    The mixer is chosen by ``kind``; ``state`` is this layer's cache entry (or None).
+    The mixer is chosen by ``kind``, the MLP by ``mlp_placement`` (``none``: no MLP and no
+    ``mlp_norm``); ``state`` is this layer's cache entry (or None).
     """
 
     config: ModelConfig
     kind: str
+    mlp_placement: str = "dense"
 
     @nn.compact
     def __call__(self, x, positions, segment_ids, state, paging, valid):
@@ -64,6 +67,8 @@ class Block(nn.Module):
             mixer = LinearAttention(config, name="attn")
         h, state = mixer(h, positions, segment_ids, state, paging, valid)
         x = constrain(x + h, ("batch", "seq", "embed"))
+        if self.mlp_placement == "none":
+            return x, state
         h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="mlp_norm")(x)
         h = Mlp(config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp")(h)
         return constrain(x + h, ("batch", "seq", "embed")), state
@@ -84,7 +89,7 @@ class BlockGroup(nn.Module):
         for j in range(self.num_blocks):
             name = f"block_{j}"
             state = None if states is None else states[name]
-            x, state = Block(self.config, self.config.block_pattern[j], name=name)(
+            x, state = Block(self.config, self.config.layer_kinds[j], self.config.layer_mlps[j], name=name)(
                 x, positions, segment_ids, state, paging, valid
             )
             if new_states is not None:
@@ -174,7 +179,7 @@ class DecoderLM(nn.Module):
 
     def _layers(self, x, states, positions, segment_ids, paging, valid):
         config = self.config
-        period = len(config.block_pattern)
+        period = config.layer_period
         group_cls = BlockGroup
         if config.remat != "none":
             group_cls = nn.remat(BlockGroup, policy=_REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers)
@@ -207,7 +212,7 @@ def layer_location(config: ModelConfig, layer: int) -> tuple[str, int, str]:
     scanned (index ``g`` of the leading axis), ``("group_g", -1, "block_j")`` otherwise."""
     if not 0 <= layer < config.num_layers:
         raise ValueError(f"layer must be in [0, {config.num_layers}), got {layer}")
-    group, block = divmod(layer, len(config.block_pattern))
+    group, block = divmod(layer, config.layer_period)
     if config.scan_layers:
         return "layers", group, f"block_{block}"
     return f"group_{group}", -1, f"block_{block}"
@@ -228,7 +233,7 @@ def layers_from_list(config: ModelConfig, layers: list[dict[str, Any]]) -> dict[
     (``{"layers": ...}`` scanned, ``{"group_<g>": ...}`` otherwise)."""
     if len(layers) != config.num_layers:
         raise ValueError(f"expected {config.num_layers} layer trees, got {len(layers)}")
-    period = len(config.block_pattern)
+    period = config.layer_period
     if config.scan_layers:
         return {
             "layers": {

@@ -53,7 +53,10 @@ def flops_per_token(config: ModelConfig, seq_len: int, *, training: bool = True)
     """Matmul FLOPs per token for sequences of ``seq_len`` (x3 when ``training``)."""
     matrices = 3 if config.mlp in ("swiglu", "geglu") else 2
     mlp = 2 * matrices * config.d_model * config.mlp_dim
-    layers = sum(mixer_flops(config, kind, seq_len) + mlp for kind in config.layer_kinds)
+    layers = sum(
+        mixer_flops(config, kind, seq_len) + (mlp if placement == "dense" else 0)
+        for kind, placement in zip(config.layer_kinds, config.layer_mlps)
+    )
     head = 2 * config.d_model * config.vocab_size
     forward = layers + head
     return 3 * forward if training else forward
