@@ -31,6 +31,7 @@ import numpy as np
 
 from ember.kernels_pallas.block_mask import ChunkedCausalMask, ExplicitBlockMask, LocalGlobalMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
+from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul, grouped_matmul_reference
 from ember.kernels_pallas.linear_attention import linear_attention, linear_attention_reference, state_shape
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from ember.kernels_pallas.short_conv import short_conv
@@ -326,6 +327,31 @@ def _short_conv(sizes: CheckSizes, dtype, gen):
     return Problem(lambda **a: short_conv(**a, impl="auto"), peer, primals)
 
 
+# ----------------------------------------------------------------------------- grouped matmul
+
+
+def _grouped_matmul(sizes: CheckSizes, dtype, gen):
+    """Expert-parallel shard: ``rhs`` holds global groups 1..groups-2 of ``groups``; random
+    sizes with an empty local group, one local group holding most rows, and rows past the
+    groups. Rows ``q_len``, contraction ``head_dim``, output ``kv_len`` (not tile multiples)."""
+    groups, m = 2 * sizes.heads + 1, sizes.q_len
+    group_sizes = gen.multinomial(m - 3, np.full(groups, 1.0 / groups))
+    group_sizes[2] = 0
+    group_sizes[3] += group_sizes[4:-1].sum() // 2
+    group_sizes[4:-1] -= group_sizes[4:-1] // 2
+    primals = dict(
+        lhs=_normal(gen, (m, sizes.head_dim), dtype),
+        rhs=_normal(gen, (groups - 2, sizes.head_dim, sizes.kv_len), dtype),
+    )
+    extra = dict(group_sizes=jnp.asarray(group_sizes, jnp.int32), group_offset=jnp.int32(1))
+    tiles = GroupedMatmulBlockSizes(sizes.block, sizes.block, sizes.block)
+
+    def kernel(lhs, rhs):
+        return grouped_matmul(lhs, rhs, impl=sizes.impl, block_sizes=tiles, **extra)
+
+    return Problem(kernel, lambda lhs, rhs: grouped_matmul_reference(lhs, rhs, **extra), primals)
+
+
 KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck("flash_attention[dense,cross_lengths]", _flash()),
     KernelCheck("flash_attention[causal,mqa]", _flash(causal=True, kv_heads=1)),
@@ -343,6 +369,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck("linear_attention[normalize,decay,state,segments]", _linear_attention(normalize=True)),
     KernelCheck("ssd[groups,D,dt_bias,state]", _ssd),  # linear attention's kernels without normalize
     KernelCheck("short_conv[xla_path]", _short_conv),
+    KernelCheck("grouped_matmul[group_offset,empty,skewed,tail_rows]", _grouped_matmul),
 )
 """The kernels the GPU command checks, in order. One line per kernel (and option set)."""
 

@@ -25,7 +25,7 @@ from ember.kernels_pallas.block_mask import (
     LocalMask,
 )
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
-from ember.kernels_pallas.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul, grouped_matmul_reference
 from ember.kernels_pallas.linear_attention import (
     ChunkSize,
     linear_attention,
@@ -43,6 +43,7 @@ __all__ = [
     "ChunkedCausalMask",
     "ExplicitBlockMask",
     "FlashBlockSizes",
+    "GroupedMatmulBlockSizes",
     "LocalGlobalMask",
     "LocalMask",
     "flash_attention",

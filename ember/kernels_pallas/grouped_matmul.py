@@ -17,19 +17,54 @@ Forms:
 - :func:`grouped_matmul_reference`: a loop over groups with row masks, THE reference.
 - :func:`grouped_matmul` with ``impl="xla"``: ``jax.lax.ragged_dot`` (with a zero matrix for
   the rows before the local groups when ``group_offset`` is given).
+- :func:`grouped_matmul` with ``impl="pallas"`` / ``"interpret"``: the tiled Pallas kernels of
+  :mod:`ember.kernels_pallas.grouped_matmul_kernels` (forward ``gmm``; backward ``d_lhs`` by
+  ``gmm`` against ``rhs^T`` and ``d_rhs`` by the transposed ``tgmm``), tiles from
+  :class:`GroupedMatmulBlockSizes`.
+
+    out = grouped_matmul(tokens_by_expert, expert_weights, tokens_per_expert)   # [m, n]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.grouped_matmul_kernels import grouped_matmul_kernel
 
-KERNEL_BACKENDS: tuple[str, ...] = ()
+# The kernels are written for the GPU (Triton) lowering; TPU "auto" uses the XLA path.
+KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
 """Backends with a compiled Pallas kernel for this op."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulBlockSizes:
+    """Kernel tiles: ``block_m`` rows, ``block_k`` of the contracted dimension and ``block_n``
+    output columns per step (the backward kernels use the same tiles: ``d_lhs`` contracts
+    over ``n``, ``d_rhs`` over rows). Powers of two, at least 8 (GPU dots want 16+; 8 keeps
+    CPU interpret tests cheap); a dimension shorter than its tile gets the next power of two
+    above it (at least 16) instead. ``num_warps`` and ``num_stages`` are the Triton compiler
+    parameters on a GPU."""
+
+    block_m: int = 128
+    block_k: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 8 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 8, got {value!r}")
+        if not isinstance(self.num_warps, int) or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
 
 
 def _validate(op, lhs, rhs, group_sizes, group_offset) -> None:
@@ -64,6 +99,14 @@ def _local_layout(group_sizes, num_local, group_offset):
     offset = jnp.reshape(group_offset, ()).astype(jnp.int32)
     before = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < offset, group_sizes, 0))
     return before, jax.lax.dynamic_slice(group_sizes, (offset,), (num_local,))
+
+
+def _local_bounds(group_sizes, num_local, group_offset, num_rows):
+    """int32 ``[num_local + 1]``: local group ``g`` owns rows ``[bounds[g], bounds[g + 1])``
+    (clipped to the ``num_rows`` rows there are)."""
+    before, sizes = _local_layout(group_sizes, num_local, group_offset)
+    bounds = before + jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
+    return jnp.minimum(bounds, num_rows)
 
 
 def grouped_matmul_reference(lhs, rhs, group_sizes, *, group_offset=None, preferred_element_type=None):
@@ -102,19 +145,35 @@ def _xla(lhs, rhs, group_sizes, group_offset, out_dtype):
     return jax.lax.ragged_dot(lhs, padded, jnp.concatenate([before[None], sizes]), preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "preferred_element_type"))
-def grouped_matmul(lhs, rhs, group_sizes, *, group_offset=None, preferred_element_type=None, impl="auto"):
+@functools.partial(jax.jit, static_argnames=("impl", "preferred_element_type", "block_sizes"))
+def grouped_matmul(
+    lhs, rhs, group_sizes, *, group_offset=None, preferred_element_type=None, impl="auto", block_sizes=None
+):
     """``lhs [m, k]`` rows grouped contiguously by ``group_sizes`` times ``rhs [groups, k, n]``.
 
     Same arguments and result as :func:`grouped_matmul_reference`, plus ``impl`` in
-    {"auto", "pallas", "interpret", "xla"}. Differentiable in ``lhs`` and ``rhs``.
+    {"auto", "pallas", "interpret", "xla"} and, for the kernel, ``block_sizes`` (a
+    :class:`GroupedMatmulBlockSizes`; default tiles if None). Differentiable in ``lhs`` and
+    ``rhs`` (the gradients are ``lhs``'s and ``rhs``'s dtypes).
     """
     _validate("grouped_matmul", lhs, rhs, group_sizes, group_offset)
+    if block_sizes is not None and not isinstance(block_sizes, GroupedMatmulBlockSizes):
+        raise ValueError(
+            f"grouped_matmul: block_sizes must be a GroupedMatmulBlockSizes, got {type(block_sizes).__name__}"
+        )
     impl = resolve_impl(impl, op="grouped_matmul", kernel_backends=KERNEL_BACKENDS)
     out_dtype = preferred_element_type or lhs.dtype
     if impl == "xla":
         return _xla(lhs, rhs, group_sizes, group_offset, out_dtype)
-    raise NotImplementedError("grouped_matmul: the Pallas kernel is being written; use impl='xla'")
+    bounds = _local_bounds(group_sizes, rhs.shape[0], group_offset, lhs.shape[0])
+    return grouped_matmul_kernel(
+        lhs,
+        rhs,
+        bounds,
+        block_sizes=block_sizes or GroupedMatmulBlockSizes(),
+        out_dtype=out_dtype,
+        interpret=impl == "interpret",
+    )
 
 
-__all__ = ["KERNEL_BACKENDS", "grouped_matmul", "grouped_matmul_reference"]
+__all__ = ["KERNEL_BACKENDS", "GroupedMatmulBlockSizes", "grouped_matmul", "grouped_matmul_reference"]

@@ -20,7 +20,7 @@ KERNELS_DIR = Path(kernels_pallas.__file__).parent
 # op -> the block-size classes its callers configure it with
 BLOCK_SIZE_CLASSES = {
     "flash_attention": ("FlashBlockSizes",),
-    "grouped_matmul": (),
+    "grouped_matmul": ("GroupedMatmulBlockSizes",),
     "linear_attention": ("ChunkSize",),
     "ragged_paged_attention": (),
     "short_conv": (),
