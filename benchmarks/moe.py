@@ -22,6 +22,7 @@ equal-FLOP dense matmul. Results: ``benchmarks/results/moe-<device>.json``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import jax
@@ -89,7 +90,7 @@ def per_expert_loop(group_sizes: np.ndarray) -> Callable:
     bounds = np.concatenate([[0], np.cumsum(group_sizes)]).tolist()
 
     def fn(lhs, rhs):
-        pieces = [lhs[lo:hi] @ rhs[g] for g, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])) if hi > lo]
+        pieces = [lhs[lo:hi] @ rhs[g] for g, (lo, hi) in enumerate(itertools.pairwise(bounds)) if hi > lo]
         return jnp.concatenate(pieces, axis=0)
 
     return fn

@@ -129,6 +129,9 @@ def gmm(lhs, rhs, bounds, config: GmmConfig, *, transpose_rhs: bool = False, out
     m, k = lhs.shape
     groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_dtype = jnp.dtype(out_dtype or config.out_dtype)
+    if 0 in (m, k, n, groups):  # an empty grid or contraction: nothing to launch
+        return jnp.zeros((m, n), out_dtype)
     bm, bk, bn = _fit(config.block_m, m), _fit(config.block_k, k), _fit(config.block_n, n)
     config = dataclasses.replace(config, block_m=bm, block_k=bk, block_n=bn)
     lhs_p = pad_axis_to_multiple(pad_axis_to_multiple(lhs, 0, bm), 1, bk)
@@ -141,7 +144,6 @@ def gmm(lhs, rhs, bounds, config: GmmConfig, *, transpose_rhs: bool = False, out
         rhs_spec = pl.BlockSpec((groups, bn, k_pad), lambda i, j: (0, j, 0))
     else:
         rhs_spec = pl.BlockSpec((groups, k_pad, bn), lambda i, j: (0, 0, j))
-    out_dtype = jnp.dtype(out_dtype or config.out_dtype)
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, config=config, k_tiles=k_pad // bk, transpose_rhs=transpose_rhs),
         grid=(m_tiles, n_pad // bn),
@@ -193,6 +195,8 @@ def tgmm(lhs, d_out, bounds, config: GmmConfig, *, out_dtype):
     m, k = lhs.shape
     n = d_out.shape[1]
     groups = bounds.shape[0] - 1
+    if 0 in (m, k, n, groups):
+        return jnp.zeros((groups, k, n), out_dtype)
     bm, bk, bn = _fit(config.block_m, m), _fit(config.block_k, k), _fit(config.block_n, n)
     config = dataclasses.replace(config, block_m=bm, block_k=bk, block_n=bn)
     lhs_p = pad_axis_to_multiple(pad_axis_to_multiple(lhs, 0, bm), 1, bk)

@@ -135,7 +135,7 @@ def test_group_offset_selects_the_local_groups(rng, impl):
 
 
 def test_non_finite_rows_past_the_groups_never_reach_the_results(rng):
-    gen, lhs, rhs, cotangent = draw(rng, jnp.float32)
+    _, lhs, rhs, cotangent = draw(rng, jnp.float32)
     group_sizes = jnp.asarray([5, 0, 9, 3, 8, 2], jnp.int32)  # 27 of 37 rows
     lhs = lhs.at[27:].set(jnp.nan).at[30].set(jnp.inf)
     out, d_lhs, d_rhs = OURS["interpret"](lhs, rhs, cotangent, group_sizes)
@@ -202,3 +202,16 @@ def test_tile_table_visits_each_tile_once_per_group_meeting_it():
     np.testing.assert_array_equal(np.asarray(table), [[1, 4], [4, 3], [6, 1]])
     # A tile past every group visits none: its rows come out zero without a matmul.
     np.testing.assert_array_equal(np.asarray(tile_group_table(bounds, num_tiles=4, block_m=8))[3], [7, 0])
+
+
+@pytest.mark.parametrize("m, k", [(0, 5), (4, 0)])
+def test_no_rows_or_no_contraction_give_zeros_like_the_reference(rng, m, k):
+    gen = numpy_rng(rng)
+    lhs = jnp.asarray(gen.standard_normal((m, k)), jnp.float32)
+    rhs = jnp.asarray(gen.standard_normal((2, k, 3)), jnp.float32)
+    sizes = jnp.asarray([m // 2, m - m // 2], jnp.int32)
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, impl="interpret"), lhs, rhs)
+    d_lhs, d_rhs = vjp(jnp.ones_like(out))
+    assert out.shape == (m, 3) and d_lhs.shape == (m, k) and d_rhs.shape == (2, k, 3)
+    assert_allclose(out, grouped_matmul_reference(lhs, rhs, sizes))
+    assert not np.any(np.asarray(out)) and not np.any(np.asarray(d_rhs))
