@@ -7,15 +7,18 @@ issue's performance rows, writing ``gpu-<device>.json`` after every step.
 
 1. ``device_value_checks``: every kernel of :data:`benchmarks.device_checks.KERNEL_CHECKS`
    (flash attention forward + backward with every mask kind, paged and ragged paged
-   attention, linear attention, SSD, short conv) against its reference on the device, in
-   bf16 and f32, errors recorded per kernel; a kernel that breaks does not stop the run.
+   attention, linear attention, SSD, short conv, grouped matmul) against its reference on
+   the device, in bf16 and f32, errors recorded per kernel; a kernel that breaks does not
+   stop the run.
 2. ``rows``: the performance rows of :data:`MEASUREMENTS`, most important first, each
-   reusing :mod:`benchmarks.attention`, :mod:`benchmarks.sequence_mixers` and
-   :mod:`benchmarks.train_step`: the measured ceilings (HBM bandwidth, bf16 matmul rate);
+   reusing :mod:`benchmarks.attention`, :mod:`benchmarks.sequence_mixers`,
+   :mod:`benchmarks.moe` and :mod:`benchmarks.train_step`: the measured ceilings (HBM
+   bandwidth, bf16 matmul rate);
    flash attention forward and forward+backward vs cuDNN and JAX's Pallas attention
    (Triton and Mosaic GPU), batch 8, 16 heads, head_dim 128, 1k-16k, causal and not;
    block-sparse local + global vs cuDNN given the mask; sigmoid vs softmax scores; linear
-   attention and SSD vs our flash attention and their naive scans at 16k; ragged paged
+   attention and SSD vs our flash attention and their naive scans at 16k; the grouped
+   matmul vs ``ragged_dot``, a per-expert loop and the equal-FLOP dense matmul; ragged paged
    decode vs the measured bandwidth; the ~350M preset's train step MFU in bf16.
 3. ``goals``: the issue's targets as measured ratios, each with its threshold.
 
@@ -43,7 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks import attention, sequence_mixers, train_step
+from benchmarks import attention, moe, sequence_mixers, train_step
 from benchmarks.device_checks import GPU_CHECK_SIZES, KERNEL_CHECKS, TOY_CHECK_SIZES, CheckSizes, run_checks
 from benchmarks.harness import (
     device_label,
@@ -77,6 +80,7 @@ class PerfSizes:
     baselines: tuple[str, ...]
     sparse_mask: LocalGlobalMask  # ~10% live blocks at long_len
     mixers: sequence_mixers.Sizes
+    moe: moe.Sizes
     decode: dict[str, int]
     train: tuple[str, int, int]  # preset, batch, seq_len
     train_overrides: dict[str, Any]
@@ -102,6 +106,7 @@ GPU_SIZES = PerfSizes(
     mixers=dataclasses.replace(
         sequence_mixers.GPU_SIZES, seq_lens=(16384,), scan_max_seq=16384, quadratic_max_seq=0, repeats=5
     ),
+    moe=moe.GPU_SIZES,
     decode=dict(num_seqs=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096),
     train=("350m", 16, 2048),
     train_overrides=dict(precision="bf16", remat="none"),
@@ -124,6 +129,7 @@ TOY_SIZES = PerfSizes(
     mixers=dataclasses.replace(
         sequence_mixers.CPU_SIZES, seq_lens=(128,), scan_max_seq=128, quadratic_max_seq=0, repeats=1
     ),
+    moe=moe.Sizes(problems=(moe.Problem(4, 64, 16, 32),), loads=("skewed",), dtype="float32", impl="xla", repeats=1),
     decode=dict(num_seqs=2, heads=2, kv_heads=1, head_dim=16, page_size=8, length=64),
     train=("tiny", 8, 32),
     train_overrides=dict(max_seq_len=32),
@@ -217,6 +223,10 @@ def _mixer_rows(rows_fn):
     return run
 
 
+def _grouped_matmul(sizes: PerfSizes, context: dict) -> list[dict]:
+    return moe.grouped_matmul_rows(sizes.moe)
+
+
 def _train_step(sizes: PerfSizes, context: dict) -> list[dict]:
     preset, batch, seq_len = sizes.train
     config = load_config(ModelConfig, PRESETS / f"{preset}.yaml")
@@ -231,6 +241,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("block_sparse", _block_sparse, 40),
     Measurement("linear_attention", _mixer_rows(sequence_mixers.linear_attention_rows), 40),
     Measurement("ssd", _mixer_rows(sequence_mixers.ssd_rows), 40),
+    Measurement("grouped_matmul", _grouped_matmul, 90),
     Measurement("ragged_decode", _ragged_decode, 15),
     Measurement("train_step", _train_step, 120),
     Measurement("sigmoid", _sigmoid, 30),
@@ -255,6 +266,10 @@ def goals(rows: list[dict], sizes: PerfSizes) -> dict[str, dict]:
     ssd_scan = _first(rows, section="sequence_mixers", op="ssd", seq=sizes.long_len, form="scan")
     train = _first(rows, section="train_step")
     decode = _first(rows, section="ragged_decode")
+    load, problem = sizes.moe.loads[0], sizes.moe.problems[0]
+    moe_row = dict(section="grouped_matmul", experts=problem.experts, k=problem.k, n=problem.n, load=load)
+    grouped = _first(rows, **moe_row, form=f"grouped_matmul[{sizes.moe.impl}]")
+    dense_matmul = _first(rows, **moe_row, form="dense_equal_flops")
 
     def over(a, b):
         return a / b if isinstance(a, float) and isinstance(b, float) else None
@@ -274,6 +289,10 @@ def goals(rows: list[dict], sizes: PerfSizes) -> dict[str, dict]:
             5.0,
         ),
         "ragged_decode_fraction_of_measured_bandwidth": (decode.get("fraction_of_bandwidth"), 0.7),
+        f"grouped_matmul_fwd_{load}_tflops_vs_equal_flop_dense_matmul": (
+            over(grouped.get("fwd_tflops"), dense_matmul.get("fwd_tflops")),
+            0.8,
+        ),
         f"{sizes.train[0]}_train_step_mfu": (train.get("ember_mfu"), 0.45),
     }
     return {
