@@ -123,8 +123,18 @@ def _tflops(flops: float, ms) -> float | None:
     return flops / ms / 1e9 if isinstance(ms, float) else None
 
 
+def _relative_diff(fn: Callable, args, want: jax.Array) -> float | str:
+    """``||fn(*args) - want|| / ||want||`` in float32 (a check that the timed forms agree)."""
+    try:
+        got = jax.jit(fn)(*args).astype(jnp.float32)
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
 def grouped_matmul_rows(sizes: Sizes, key=None) -> list[dict]:
-    """One row per (problem, load, form): ``fwd_ms``, ``fwd_bwd_ms`` and their TFLOP/s."""
+    """One row per (problem, load, form): ``fwd_ms``, ``fwd_bwd_ms``, their TFLOP/s and,
+    for the grouped forms, the relative difference of the output from ``ragged_dot``'s."""
     dtype = jnp.dtype(sizes.dtype)
     key = jax.random.key(0) if key is None else key
     rows = []
@@ -132,8 +142,12 @@ def grouped_matmul_rows(sizes: Sizes, key=None) -> list[dict]:
         flops = 2.0 * problem.rows * problem.k * problem.n
         for load in sizes.loads:
             group_sizes = group_sizes_for(load, problem.experts, problem.rows)
-            for form, (fn, args) in forms_for(sizes, problem, group_sizes, dtype, key).items():
+            forms = forms_for(sizes, problem, group_sizes, dtype, key)
+            peer_fn, peer_args = forms["ragged_dot"]
+            peer_out = jax.jit(peer_fn)(*peer_args).astype(jnp.float32)
+            for form, (fn, args) in forms.items():
                 loss = lambda *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
+                grouped = form in ("grouped_matmul", "per_expert_loop")
                 fwd_ms = _timed_ms(jax.jit(fn), args, sizes.repeats)
                 fwd_bwd_ms = _timed_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), args, sizes.repeats)
                 rows.append(
@@ -148,8 +162,10 @@ def grouped_matmul_rows(sizes: Sizes, key=None) -> list[dict]:
                         fwd_bwd_ms=fwd_bwd_ms,
                         fwd_tflops=_tflops(flops, fwd_ms),
                         fwd_bwd_tflops=_tflops(3 * flops, fwd_bwd_ms),
+                        rel_diff_vs_ragged_dot=_relative_diff(fn, args, peer_out) if grouped else None,
                     )
                 )
+            del peer_out
     return rows
 
 
@@ -176,7 +192,8 @@ def main() -> None:
     if not on_gpu():
         print(f"No GPU found ({device_label()}): small sizes; grouped_matmul on its XLA path (ragged_dot).")
     rows = grouped_matmul_rows(sizes)
-    print_table(rows, ["experts", "rows", "k", "n", "load", "form", "fwd_ms", "fwd_bwd_ms", "fwd_tflops"])
+    columns = ["experts", "rows", "k", "n", "load", "form", "fwd_ms", "fwd_bwd_ms", "fwd_tflops"]
+    print_table(rows, [*columns, "rel_diff_vs_ragged_dot"])
     ratios = grouped_matmul_ratios(rows)
     for name, value in ratios.items():
         print(f"{name}: {value:.3g}")
