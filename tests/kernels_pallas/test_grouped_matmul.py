@@ -14,10 +14,10 @@ from tests.host_random import numpy_rng
 from tests.tolerances import assert_allclose
 
 # Shared by every test, so each (impl, dtype, offset or not) compiles once: 37 rows are 5
-# tiles of 8 (the last partial), k = 20 and n = 24 are 3 tiles each (k's last partial).
-M, K, N, GROUPS = 37, 20, 24, 6
+# tiles of 8, k = 20 and n = 21 are 3 tiles each: every last tile is partial.
+M, K, N, GROUPS = 37, 20, 21, 6
 TILES = GroupedMatmulBlockSizes(block_m=8, block_k=8, block_n=8)
-# Global groups of the expert-parallel shard: rhs holds LOCAL of them, from global group OFFSET.
+# The expert-parallel shard: GLOBAL_GROUPS groups in all, rhs holds GROUPS of them from global group OFFSET.
 GLOBAL_GROUPS, OFFSET = 9, 2
 
 
