@@ -4,7 +4,8 @@ Groups reach the kernels as one int32 vector ``bounds``: local group ``g`` owns 
 ``[bounds[g], bounds[g + 1])`` (local groups are contiguous; rows outside
 ``[bounds[0], bounds[groups])`` belong to no local group). Two kernels, tied by ``custom_vjp``:
 
-- ``gmm`` (forward, and ``d_lhs = gmm(d_out, rhs^T)``): grid ``(m_tiles, n_tiles)``. A
+- ``gmm`` (forward, and ``d_lhs = gmm(d_out, rhs^T)``): a 1-D grid over the
+  ``m_tiles x n_tiles`` output tiles (numbered in L2-friendly bands, :func:`swizzled_tile`). A
   metadata table gives every m-tile ``[first group, group count]``: the groups whose rows
   meet the tile. The program visits each of them once -- a tile straddling a group boundary
   once per group, with the rows outside the group masked to zero -- streaming the k-tiles of
@@ -34,6 +35,9 @@ from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
+# Output tiles are numbered in bands of this many m-tiles, column by column inside a band, so
+# programs running at the same time share their lhs rows and rhs columns in the L2 cache.
+SWIZZLE_M_TILES = 8
 _NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
 _NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -88,13 +92,25 @@ def tile_group_table(bounds: jax.Array, num_tiles: int, block_m: int) -> jax.Arr
     return jnp.stack([first, jnp.maximum(stop - first, 0)], axis=1)
 
 
+def swizzled_tile(pid, m_tiles: int, n_tiles: int):
+    """``(m_tile, n_tile)`` of program ``pid`` of a 1-D grid over the ``m_tiles x n_tiles``
+    output tiles: bands of :data:`SWIZZLE_M_TILES` m-tiles, each walked column by column."""
+    per_band = SWIZZLE_M_TILES * n_tiles
+    first_m = (pid // per_band) * SWIZZLE_M_TILES
+    band_height = jnp.minimum(m_tiles - first_m, SWIZZLE_M_TILES)
+    within = pid % per_band
+    return first_m + within % band_height, within // band_height
+
+
 def _owned(rows, lo, hi):
     return ((rows >= lo) & (rows < hi))[:, None]
 
 
-def _gmm_kernel(table_ref, bounds_ref, lhs_ref, rhs_ref, out_ref, *, config: GmmConfig, k_tiles, transpose_rhs):
+def _gmm_kernel(table_ref, bounds_ref, lhs_ref, rhs_ref, out_ref, *, config: GmmConfig, tiles, transpose_rhs):
     bm, bk = config.block_m, config.block_k
-    rows = pl.program_id(0) * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
+    m_tiles, k_tiles, n_tiles = tiles
+    m_tile, _ = swizzled_tile(pl.program_id(0), m_tiles, n_tiles)
+    rows = m_tile * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
 
     def visit_group(t, acc):
         group = table_ref[0] + t
@@ -138,22 +154,30 @@ def gmm(lhs, rhs, bounds, config: GmmConfig, *, transpose_rhs: bool = False, out
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
     rhs_p = pad_axis_to_multiple(pad_axis_to_multiple(rhs, k_axis, bk), n_axis, bn)
     m_tiles, k_pad, n_pad = lhs_p.shape[0] // bm, lhs_p.shape[1], round_up(n, bn)
+    tiles = (m_tiles, k_pad // bk, n_pad // bn)
     table = tile_group_table(bounds, m_tiles, bm)
     bounds_p = padded_bounds(bounds)
+
+    def m_tile(pid):
+        return swizzled_tile(pid, m_tiles, tiles[2])[0]
+
+    def n_tile(pid):
+        return swizzled_tile(pid, m_tiles, tiles[2])[1]
+
     if transpose_rhs:
-        rhs_spec = pl.BlockSpec((groups, bn, k_pad), lambda i, j: (0, j, 0))
+        rhs_spec = pl.BlockSpec((groups, bn, k_pad), lambda pid: (0, n_tile(pid), 0))
     else:
-        rhs_spec = pl.BlockSpec((groups, k_pad, bn), lambda i, j: (0, 0, j))
+        rhs_spec = pl.BlockSpec((groups, k_pad, bn), lambda pid: (0, 0, n_tile(pid)))
     out = pl.pallas_call(
-        functools.partial(_gmm_kernel, config=config, k_tiles=k_pad // bk, transpose_rhs=transpose_rhs),
-        grid=(m_tiles, n_pad // bn),
+        functools.partial(_gmm_kernel, config=config, tiles=tiles, transpose_rhs=transpose_rhs),
+        grid=(m_tiles * tiles[2],),
         in_specs=[
-            pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
-            pl.BlockSpec(bounds_p.shape, lambda i, j: (0,)),
-            pl.BlockSpec((bm, k_pad), lambda i, j: (i, 0)),
+            pl.BlockSpec((None, 2), lambda pid: (m_tile(pid), 0)),
+            pl.BlockSpec(bounds_p.shape, lambda pid: (0,)),
+            pl.BlockSpec((bm, k_pad), lambda pid: (m_tile(pid), 0)),
             rhs_spec,
         ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((bm, bn), lambda pid: (m_tile(pid), n_tile(pid))),
         out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n_pad), out_dtype),
         compiler_params=_compiler_params(config),
         cost_estimate=pl.CostEstimate(

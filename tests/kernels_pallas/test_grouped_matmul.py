@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul, grouped_matmul_reference
-from ember.kernels_pallas.grouped_matmul_kernels import tile_group_table
+from ember.kernels_pallas.grouped_matmul_kernels import SWIZZLE_M_TILES, swizzled_tile, tile_group_table
 from tests.host_random import numpy_rng
 from tests.tolerances import assert_allclose
 
@@ -215,3 +215,13 @@ def test_no_rows_or_no_contraction_give_zeros_like_the_reference(rng, m, k):
     assert out.shape == (m, 3) and d_lhs.shape == (m, k) and d_rhs.shape == (2, k, 3)
     assert_allclose(out, grouped_matmul_reference(lhs, rhs, sizes))
     assert not np.any(np.asarray(out)) and not np.any(np.asarray(d_rhs))
+
+
+@pytest.mark.parametrize("m_tiles, n_tiles", [(1, 1), (5, 3), (8, 2), (19, 4)])
+def test_swizzled_grid_visits_every_output_tile_once(m_tiles, n_tiles):
+    pids = jnp.arange(m_tiles * n_tiles)
+    m_tile, n_tile = swizzled_tile(pids, m_tiles, n_tiles)
+    visited = sorted(zip(np.asarray(m_tile).tolist(), np.asarray(n_tile).tolist()))
+    assert visited == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
+    # Consecutive programs stay within a band of SWIZZLE_M_TILES rows of tiles.
+    assert np.all(np.asarray(m_tile)[: SWIZZLE_M_TILES * n_tiles] < SWIZZLE_M_TILES)
