@@ -1,9 +1,7 @@
-"""The engine against a plain full-recompute greedy loop on tiny random ``DecoderLM``s (a
-softmax-attention one and one of CCA and linear-attention layers, whose per-sequence state
-slots the engine carries). Tests share compiled programs, never an engine: each test's
-engine runs on a fresh copy of the program's cache."""
-
-import dataclasses
+"""The engine against a plain full-recompute greedy loop on a tiny random softmax-attention
+``DecoderLM`` (models with per-sequence state slots: ``test_state_serving.py``). Tests share
+compiled programs, never an engine: each test's engine runs on a fresh copy of the program's
+cache."""
 
 import jax
 import jax.numpy as jnp
@@ -16,23 +14,14 @@ from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.model_program import build_program
 from ember.serving.requests import SamplingParams
-from tests.host_random import numpy_rng, perturbed
 from tests.serving.greedy_reference import greedy_reference
+from tests.serving.random_workload import random_prompts, run_random_arrivals
 
 CONFIG = ModelConfig(
     vocab_size=257, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128, page_size=4, max_seq_len=48
 )
 MAX_CONTEXT = 48
 NUM_PAGES = 16  # 12 pages hold one full sequence; 4 slots would want 48: preemption happens.
-STATE_CONFIG = dataclasses.replace(
-    CONFIG,
-    block_pattern=("cca", "linear"),
-    cca_compression=2,
-    cca_heads=2,
-    cca_kv_heads=1,
-    cca_conv_width=3,
-    attention_impl="xla",
-)
 
 
 @pytest.fixture(scope="module")
@@ -58,28 +47,9 @@ def reference_greedy(params):
     return greedy_reference(CONFIG, params, MAX_CONTEXT)
 
 
-def random_prompts(generator, count, low=1, high=40):
-    return [generator.integers(0, 256, size=int(generator.integers(low, high))).tolist() for _ in range(count)]
-
-
-def run_random_arrivals(engine, generator):
-    """Serves 15 random prompts (one near the context) arriving at random steps, each step
-    with a random budget; returns ``(prompts, max_tokens, results)``."""
-    prompts = [*random_prompts(generator, 14), generator.integers(0, 256, size=MAX_CONTEXT - 2).tolist()]
-    max_tokens = [int(generator.integers(1, 14)) for _ in prompts]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-    ids = [engine.add_request(p, s) for p, s in zip(prompts[:5], params[:5])]
-    arriving = list(zip(prompts[5:], params[5:]))
-    while engine.has_unfinished or arriving:
-        if arriving and generator.random() < 0.4:
-            ids.append(engine.add_request(*arriving.pop(0)))
-        engine.step(token_budget=int(generator.integers(1, 14)))
-    return prompts, max_tokens, [engine.result(i) for i in ids]
-
-
 def test_continuous_batching_with_random_chunks_and_arrivals_equals_full_recompute(engine, reference_greedy, rng):
     generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
-    prompts, max_tokens, results = run_random_arrivals(engine, generator)
+    prompts, max_tokens, results = run_random_arrivals(engine, generator, MAX_CONTEXT)
     expected = reference_greedy(prompts, max_tokens)
     for index, (result, tokens) in enumerate(zip(results, expected)):
         assert result.tokens == tokens, f"prompt {index} (length {len(prompts[index])})"
@@ -142,23 +112,6 @@ def test_a_step_moves_nothing_implicitly_between_host_and_device(engine):
     with jax.transfer_guard("disallow"):
         while engine.has_unfinished:
             engine.step()
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
-
-
-def test_cca_and_linear_attention_models_serve_through_state_slots_equal_to_full_recompute(rng):
-    """Slots are reused by later requests and preempted ones are recomputed: a slot's state
-    must restart with each new sequence, and the convolution tails and recurrent states
-    must carry across chunks and decodes."""
-    init_rng, noise_rng, plan_rng = jax.random.split(rng, 3)
-    params = perturbed(DecoderLM(STATE_CONFIG).init(init_rng, jnp.zeros((1, 8), jnp.int32))["params"], noise_rng)
-    engine = Engine.from_model(
-        STATE_CONFIG, params, num_slots=4, token_buckets=(16,), max_context=MAX_CONTEXT, num_pages=NUM_PAGES
-    )
-    prompts, max_tokens, results = run_random_arrivals(engine, numpy_rng(plan_rng))
-    expected = greedy_reference(STATE_CONFIG, params, MAX_CONTEXT)(prompts, max_tokens)
-    for index, (result, tokens) in enumerate(zip(results, expected)):
-        assert result.tokens == tokens, f"prompt {index} (length {len(prompts[index])})"
-    assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.allocator.num_free == NUM_PAGES
 
 

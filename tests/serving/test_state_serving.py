@@ -1,0 +1,172 @@
+"""Serving models whose layers keep an O(1) state slot per sequence (``STATE_KINDS``) beside
+the paged KV cache: a tiny random hybrid of every state kind interleaved with global and
+local attention, served with continuous batching, random chunked prefill, mid-flight
+arrivals and preemption, equals a full-recompute greedy loop; so does its exported artifact.
+State slots are donated like the pages; a preempted sequence restarts its state from
+position 0 whatever its slot holds.
+
+One program (and one artifact) per module; each test's engine runs on a fresh cache.
+A new state kind is one more entry of ``STATE_KINDS`` (plus its settings in ``CONFIG``)."""
+
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.core.tokenizer import ByteTokenizer
+from ember.models.cache import init_cache_layers
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
+from ember.serving.engine import Engine
+from ember.serving.export import export_program, load_artifact
+from ember.serving.model_program import build_program
+from ember.serving.requests import SamplingParams
+from tests.host_random import numpy_rng
+from tests.serving.greedy_reference import greedy_reference
+from tests.serving.random_workload import run_random_arrivals
+from tests.tolerances import assert_allclose
+
+STATE_KINDS = ("linear", "cca")
+"""Layer kinds with a per-sequence state slot in the ragged cache (``ember.models.cache``)."""
+HYBRID_PATTERN = tuple(itertools.chain(*zip(STATE_KINDS, itertools.cycle(("global", "local")))))
+"""Each state kind followed by an attention layer: ``(linear, global, cca, local)``."""
+
+MAX_CONTEXT = 48
+NUM_PAGES = 16  # 12 pages hold one full sequence; 4 slots would want 48: preemption happens.
+NUM_SLOTS = 4
+BUCKETS = (16,)
+REFERENCE_BATCH = 15  # every reference call runs this many rows: the loop compiles once
+CONFIG = ModelConfig(
+    vocab_size=257,
+    d_model=64,
+    num_layers=2 * len(HYBRID_PATTERN),  # two scanned groups
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=96,
+    page_size=4,
+    max_seq_len=MAX_CONTEXT,
+    block_pattern=HYBRID_PATTERN,
+    sliding_window=6,  # local layers see less than a prompt
+    cca_compression=2,
+    cca_heads=2,
+    cca_kv_heads=1,
+    cca_conv_width=3,
+    attention_impl="xla",
+)
+
+
+@pytest.fixture(scope="module")
+def params():
+    """Random parameters drawn on the host into the model's parameter shapes (norm scales
+    around 1, everything else around 0): initialising a model of every kind eagerly costs
+    more than the rest of this module."""
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    shapes = nn.meta.unbox(jax.eval_shape(DecoderLM(CONFIG).init, jax.random.key(0), tokens)["params"])
+    generator = np.random.default_rng(20261123)
+
+    def draw(path, leaf):
+        centre = 1.0 if jax.tree_util.keystr(path).endswith("['scale']") else 0.0
+        return jnp.asarray(centre + 0.1 * generator.standard_normal(leaf.shape), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@pytest.fixture(scope="module")
+def program(params):
+    return build_program(
+        CONFIG, params, num_slots=NUM_SLOTS, token_buckets=BUCKETS, max_context=MAX_CONTEXT, num_pages=NUM_PAGES
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    """``(prompts, max_tokens) -> token lists`` of the full-recompute greedy loop, in batches
+    padded to ``REFERENCE_BATCH`` rows (repeats of the first prompt) so it compiles once."""
+    run = greedy_reference(CONFIG, params, MAX_CONTEXT)
+
+    def padded(prompts, max_tokens):
+        fill = REFERENCE_BATCH - len(prompts)
+        return run([*prompts, *[prompts[0]] * fill], [*max_tokens, *[max_tokens[0]] * fill])[: len(prompts)]
+
+    return padded
+
+
+def state_blocks(kind):
+    """Names of the cache entries (``block_<j>``) of the layers of ``kind``."""
+    return [f"block_{j}" for j, k in enumerate(CONFIG.layer_kinds[: CONFIG.layer_period]) if k == kind]
+
+
+def assert_serves_like_full_recompute(program, reference, rng):
+    engine = Engine(program.fresh_copy(), tokenizer=ByteTokenizer())
+    first_cache = engine.program.kv
+    prompts, max_tokens, results = run_random_arrivals(engine, numpy_rng(rng), MAX_CONTEXT, max(BUCKETS))
+    expected = reference(prompts, max_tokens)
+    for index, (result, tokens) in enumerate(zip(results, expected)):
+        assert result.tokens == tokens, f"prompt {index} (length {len(prompts[index])})"
+    assert len(results[-1].tokens) == min(max_tokens[-1], 3)  # the near-full prompt stops at the context
+    assert engine.scheduler.num_preemptions > 0, "the tiny pool should have forced a preemption"
+    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    # Every step donates the cache, state slots as well as pages: the first one's buffers are gone.
+    leaves = jax.tree_util.tree_leaves_with_path(first_cache)
+    kept = [jax.tree_util.keystr(path) for path, leaf in leaves if not leaf.is_deleted()]
+    assert not kept, f"cache buffers not donated: {kept}"
+
+
+def test_hybrid_with_arrivals_chunks_and_preemption_equals_full_recompute(program, reference, rng):
+    assert_serves_like_full_recompute(program, reference, rng)
+
+
+def test_exported_hybrid_artifact_serves_the_same_tokens(params, reference, tmp_path, rng):
+    export_program(
+        CONFIG,
+        params,
+        tmp_path,
+        tokenizer=ByteTokenizer(),
+        num_slots=NUM_SLOTS,
+        token_buckets=BUCKETS,
+        max_context=MAX_CONTEXT,
+        num_pages=NUM_PAGES,
+    )
+    artifact, _, _ = load_artifact(tmp_path)
+    expected_cache = jax.eval_shape(lambda: init_cache_layers(CONFIG, NUM_SLOTS, NUM_PAGES))
+    assert jax.tree.map(lambda leaf: (leaf.shape, leaf.dtype), artifact.kv) == jax.tree.map(
+        lambda leaf: (leaf.shape, leaf.dtype), expected_cache
+    )
+    assert_serves_like_full_recompute(artifact, reference, rng)
+
+
+def preempted_generation(program, prompt, poison_kind, generator):
+    """Generates 10 greedy tokens (with log-probabilities) of ``prompt``, preempting it after
+    its 4th token; first, if ``poison_kind`` is set, the cache entries of those layers (of
+    every slot) are overwritten with noise. Returns the finished request."""
+    engine = Engine(program.fresh_copy())
+    engine.add_request(prompt, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True))
+    request = engine.scheduler.waiting[0]
+    while len(request.output) < 4:
+        engine.step(token_budget=7)
+    for name in state_blocks(poison_kind) if poison_kind else ():
+        engine.program.kv[name] = {
+            leaf_name: jnp.asarray(3.0 * generator.standard_normal(leaf.shape), leaf.dtype)
+            for leaf_name, leaf in engine.program.kv[name].items()
+        }
+    engine.scheduler.preempt(request)
+    while engine.has_unfinished:
+        engine.step(token_budget=7)
+    assert request.num_preemptions == 1 and request.finished
+    return request
+
+
+@pytest.mark.parametrize("kind", STATE_KINDS)
+def test_a_preempted_sequence_restarts_its_state_from_position_zero(program, reference, kind, rng):
+    """Recomputed from position 0 in a slot full of noise, the sequence must ignore what the
+    slot held: the same tokens as the full recompute, the same log-probabilities as a
+    preemption with a clean cache."""
+    generator = numpy_rng(rng)
+    prompt = generator.integers(0, 256, size=20).tolist()
+    clean = preempted_generation(program, prompt, None, generator)
+    poisoned = preempted_generation(program, prompt, kind, generator)
+    assert poisoned.output == clean.output == reference([prompt], [10])[0]
+    assert_allclose(poisoned.logprobs, clean.logprobs, dtype=np.float32)
