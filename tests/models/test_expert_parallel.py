@@ -102,7 +102,7 @@ def test_expert_parallel_equals_per_expert_loop_with_gradients(cases, mesh_name)
 
 
 def test_ungated_activation_and_errors(cases):
-    inputs, cotangent, _ = cases["random"]
+    inputs, _, _ = cases["random"]
     x, expert_ids, combine_weights, _, up, down = inputs
     with use_sharding(make_mesh(MESHES["expert4"])):
         out = jax.jit(functools.partial(expert_parallel_routed_mlp, activation="gelu", impl="xla"))(
