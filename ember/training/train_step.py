@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ember.core.errors import ConfigError
+from ember.core.errors import ConfigError, EmberError
 from ember.models.variables import split_variables
 from ember.training.task import LossTerms
 from ember.training.trainable import Mask, merge, select
@@ -176,7 +176,9 @@ def train_step(
         metrics["objective"] = loss + _weighted_aux(aux, weights)
     clashing = sorted(set(metric_sums) & (set(metrics) | {"objective"}))
     if clashing:
-        raise ValueError(f"the model sows metric(s) {', '.join(clashing)} whose names the trainer's metrics use")
+        raise EmberError(
+            f"the model sows metric(s) {', '.join(clashing)} under names the trainer's own metrics use; rename them"
+        )
     metrics.update({name: value / denominator for name, value in metric_sums.items()})
     new_state = TrainState(
         step=state.step + 1, params=merge(state.params, new_trainable), opt_state=opt_state, model_state=model_state

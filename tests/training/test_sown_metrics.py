@@ -3,19 +3,24 @@
 micro-batches every step (the vector as ``expert_load/<i>``), equal to a hand computation,
 and ``ember plot`` draws the vector's entries in one panel."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from ember.cli import main
+from ember.core.errors import EmberError
 from ember.core.sharding import MeshConfig, make_mesh
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.metrics import read_metrics
 from ember.training.optimizers import OptimConfig, ScheduleConfig
 from ember.training.plot import metric_series
 from ember.training.task import LossTerms, Task, apply_model
+from ember.training.train_step import TrainState, train_step
 from tests.tolerances import assert_allclose
 
 BATCH, FEATURES, EXPERTS, STEPS = 8, 4, 3, 3
@@ -90,6 +95,21 @@ def test_apply_model_averages_sown_metrics_over_layers(rng):
     assert outputs.aux == {} and outputs.model_state is None
     assert_allclose(outputs.metrics["expert_load"], 1.5 * jnp.mean(jnp.abs(x), axis=0)[:EXPERTS])
     assert_allclose(outputs.metrics["router_entropy"], jnp.mean(x) + 0.5)
+
+
+def test_a_metric_named_like_a_trainer_metric_is_an_error(rng):
+    task = SowingTask()
+    params = task.init_params(rng)
+    tx = optax.sgd(0.1)
+    state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), model_state={})
+
+    def loss(params, batch, *, rng, teacher):
+        return LossTerms(jnp.sum(batch["x"]), jnp.float32(BATCH), metrics={"grad_norm": jnp.float32(1)})
+
+    mask = jax.tree.map(lambda _: True, params)
+    step = functools.partial(train_step, loss_fn=loss, tx=tx, schedule=lambda _: 0.1, mask=mask)
+    with pytest.raises(EmberError, match="sows metric\\(s\\) grad_norm under names the trainer's own"):
+        jax.eval_shape(step, state, {"x": jnp.ones((BATCH, FEATURES))}, None)
 
 
 def test_logged_metrics_equal_the_hand_computation(run_dir):

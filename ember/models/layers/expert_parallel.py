@@ -74,13 +74,12 @@ def expert_parallel_routed_mlp(
     body = functools.partial(_dispatch_on_device, activation=activation, impl=impl)
     if mesh is None or mesh.empty:
         return body(x, expert_ids, combine_weights, gate, up, down, expert_axis=None, tensor_axes=())
-    token_axes, tensor_axes, embed_axes = _mesh_axes(mesh, x.shape[0], up.shape[0], up.shape[2])
+    token_axes, tensor_axes = _mesh_axes(mesh, x.shape[0], up.shape[0], up.shape[2])
     ranks = mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
     tokens = PartitionSpec(token_axes or None)
     hidden = tensor_axes or None
     in_weights = PartitionSpec(EXPERT_AXIS if ranks > 1 else None, None, hidden)
-    down_spec = PartitionSpec(EXPERT_AXIS if ranks > 1 else None, hidden, None)
-    del embed_axes  # embed is gathered: each rank's experts see whole tokens
+    down_spec = PartitionSpec(EXPERT_AXIS if ranks > 1 else None, hidden, None)  # embed whole (gathered over fsdp)
     mapped = jax.shard_map(
         functools.partial(body, expert_axis=EXPERT_AXIS if ranks > 1 else None, tensor_axes=tensor_axes),
         mesh=mesh,
@@ -91,8 +90,9 @@ def expert_parallel_routed_mlp(
     return mapped(x, expert_ids, combine_weights, gate, up, down)
 
 
-def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tuple[str, ...], tuple[str, ...], ()]:
-    """``(token axes, tensor axes of the hidden dim, ())`` from the current logical rules."""
+def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(mesh axes splitting the tokens, mesh axes splitting the experts' hidden dim)`` from
+    the current logical rules (``batch`` and ``mlp``); raises ``EmberError`` when they do not divide."""
     rules = dict(nn.get_logical_axis_rules() or DEFAULT_RULES)
     ranks = mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
     if num_experts % ranks:
@@ -114,7 +114,7 @@ def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tu
     )
     if hidden % math.prod(mesh.shape[axis] for axis in tensor_axes):
         tensor_axes = ()
-    return token_axes, tensor_axes, ()
+    return token_axes, tensor_axes
 
 
 def _dispatch_on_device(x, expert_ids, combine_weights, gate, up, down, *, activation, impl, expert_axis, tensor_axes):
