@@ -2,8 +2,10 @@
 
 - Ember run directory: ``config.yaml`` whose ``model:`` section is a ``ModelConfig`` and
   ``checkpoints/`` (``ember.core.checkpoint``) whose state has a ``params`` entry. Only the
-  params are read (never the optimizer state), in whichever layer layout they were saved
-  and converted to the config's ``scan_layers``; the tokenizer is Ember's byte tokenizer.
+  params and the model state (a trained MoE's balancing bias: ``ember.models.variables``)
+  are read (never the optimizer state), in whichever layer layout they were saved and
+  converted to the config's ``scan_layers``; the tokenizer is Ember's byte tokenizer.
+  ``LoadedModel.params`` are the weights serving applies (``serving_weights``).
 - Hugging Face directory: ``config.json`` + safetensors, read by ``ember.models.hf``; its
   tokenizer comes from ``transformers`` when that is installed and the directory has one.
 """
@@ -24,12 +26,14 @@ from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import convert_layer_layout, saved_scan_layers
+from ember.models.variables import serving_weights
 
 
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
     params: Any
+    """The weights serving applies: the param tree, or with model state ``{"params", <state>}``."""
     tokenizer: Any
     eos_id: int | None
 
@@ -66,13 +70,16 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
             raise PathNotFoundError(f"no complete checkpoint in {path / 'checkpoints'}")
         with CheckpointManager(path / "checkpoints") as manager:
             params = manager.restore_part("params", step)
+            has_state = "model_state" in manager.state_metadata(step)
+            model_state = manager.restore_part("model_state", step) if has_state else {}
     except KeyError as error:
         raise DataError(error.args[0]) from None
     saved_scan = saved_scan_layers(params)
     if saved_scan != config.scan_layers:
-        params = convert_layer_layout(params, dataclasses.replace(config, scan_layers=saved_scan), config)
+        saved_config = dataclasses.replace(config, scan_layers=saved_scan)
+        params, model_state = convert_layer_layout((params, model_state), saved_config, config)
     tokenizer = ByteTokenizer()
-    return LoadedModel(config, params, tokenizer, tokenizer.eos_id)
+    return LoadedModel(config, serving_weights(params, model_state), tokenizer, tokenizer.eos_id)
 
 
 def _load_hf(path: Path, config_overrides: dict[str, Any]) -> LoadedModel:

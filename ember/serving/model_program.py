@@ -20,16 +20,19 @@ from ember.core.errors import ConfigError
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.models.variables import as_variables
 from ember.serving.program import DeviceProgram, resolve_token_buckets, step_argument_specs
 from ember.serving.sampling import sample_tokens
 
 
 def model_step(model: DecoderLM, params: Any, kv: Any, batch: dict[str, jax.Array], settings: dict[str, jax.Array]):
-    """One serving step of ``model`` (the ``StepFunction`` signature of ``ember.serving.program``)."""
+    """One serving step of ``model`` (the ``StepFunction`` signature of ``ember.serving.program``);
+    ``params`` are the model's weights as ``ember.models.variables.serving_weights`` gives them
+    (the param tree, or the parameters with the model state, such as an MoE balancing bias)."""
     cache = {name: batch[name] for name in ("page_table", "query_starts", "query_lens", "kv_lens")}
     last = jnp.maximum(batch["query_starts"] + batch["query_lens"] - 1, 0)  # [slots]
     logits, cache = model.apply(
-        {"params": params}, batch["tokens"][None], cache={**cache, "layers": kv}, logits_at=last[None]
+        as_variables(params), batch["tokens"][None], cache={**cache, "layers": kv}, logits_at=last[None]
     )
     next_tokens, logprobs = sample_tokens(logits[0], settings)
     return cache["layers"], next_tokens, logprobs

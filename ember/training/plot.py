@@ -1,19 +1,37 @@
 """``ember plot RUN_DIR [RUN_DIR ...] [--out FILE.png] [--metrics loss,val_loss]``.
 
 Draws every numeric metric of the runs' ``metrics.jsonl`` against the step, one panel per
-metric, several runs overlaid (so seeds or variants compare at a glance), into a PNG.
+metric, several runs overlaid (so seeds or variants compare at a glance), into a PNG. The
+entries ``name/0``, ``name/1``, ... of a vector metric (an MoE's ``expert_load``, one per
+expert) share the panel ``name``, one line each.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 from ember.core.errors import ConfigError
 from ember.training.metrics import read_metrics
 
 SKIPPED = frozenset({"step", "time", "event"})
+_VECTOR_ENTRY = re.compile(r"^(.+)/(\d+)$")
+
+
+def panel_of(metric: str) -> str:
+    """The panel a metric is drawn in: ``name`` for a vector entry ``name/<i>``, else itself."""
+    match = _VECTOR_ENTRY.match(metric)
+    return match.group(1) if match else metric
+
+
+def _entries(series: dict[str, tuple[list[int], list[float]]], panel: str) -> list[tuple[str, tuple]]:
+    """``(label suffix, (steps, values))`` of the metrics drawn in ``panel``, vector entries in index order."""
+    if panel in series:
+        return [("", series[panel])]
+    entries = [(m, series[m]) for m in series if _VECTOR_ENTRY.match(m) and panel_of(m) == panel]
+    return [(f" {m.rsplit('/', 1)[1]}", data) for m, data in sorted(entries, key=lambda e: int(e[0].rsplit("/", 1)[1]))]
 
 
 def metric_series(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]]:
@@ -42,10 +60,10 @@ def plot_runs(run_dirs: list[Path], out: Path, metrics: list[str] | None = None)
     import matplotlib.pyplot as plt
 
     runs = {str(run_dir): metric_series(run_dir) for run_dir in run_dirs}
-    names = metrics or sorted({name for series in runs.values() for name in series})
-    missing = [name for name in names if not any(name in series for series in runs.values())]
+    names = metrics or sorted({panel_of(name) for series in runs.values() for name in series})
+    missing = [name for name in names if not any(_entries(series, name) for series in runs.values())]
     if missing or not names:
-        available = sorted({name for series in runs.values() for name in series})
+        available = sorted({panel_of(name) for series in runs.values() for name in series})
         raise ConfigError(
             f"no values for metric(s) {', '.join(missing) or '(any)'}; available: {', '.join(available)}",
             key="--metrics",
@@ -54,13 +72,15 @@ def plot_runs(run_dirs: list[Path], out: Path, metrics: list[str] | None = None)
     rows = math.ceil(len(names) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
     for axis, name in zip(axes.flat, names):
+        lines = 0
         for label, series in runs.items():
-            if name in series:
-                axis.plot(*series[name], label=Path(label).name, linewidth=1.2)
+            for suffix, data in _entries(series, name):
+                axis.plot(*data, label=Path(label).name + suffix, linewidth=1.2)
+                lines += 1
         axis.set_title(name)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-        if len(runs) > 1:
+        if lines > 1:
             axis.legend(fontsize=8)
     for axis in list(axes.flat)[len(names) :]:
         axis.set_visible(False)

@@ -14,6 +14,12 @@ Pretraining the decoder LM is one task (``ember.training.lm.task.LMTask``). The 
 returns *sums* and a count so gradient accumulation is exact; auxiliary losses (MoE
 balance, ...) come back by name in ``LossTerms.aux`` (see :func:`apply_with_aux` for the
 ones a model sows) and the trainer weights them with ``train.aux_loss_weights``.
+
+Models with **state** (non-gradient collections their forward pass updates, see
+``ember.models.variables``) override :meth:`Task.init_variables`; their ``loss`` then takes
+a ``model_state`` keyword (the current state) and returns the updated one in
+``LossTerms.model_state`` (:func:`apply_model` does both). Scalars or small vectors a model
+sows into ``"metrics"`` come back in ``LossTerms.metrics`` and are logged per step.
 """
 
 from __future__ import annotations
@@ -34,15 +40,21 @@ Batch = Any
 """A pytree of host arrays whose leading axis is the (process-local) batch."""
 AUX_COLLECTION = "losses"
 """The Linen collection auxiliary losses are sown into: ``self.sow("losses", "balance", value)``."""
+METRICS_COLLECTION = "metrics"
+"""The Linen collection logged metrics are sown into: ``self.sow("metrics", "expert_load", load)``."""
 
 
 class LossTerms(NamedTuple):
     """One (micro-)batch's loss: ``loss_sum / count`` is its mean. ``aux``: scalar auxiliary
-    losses by name, each already a mean over this batch."""
+    losses by name, each already a mean over this batch. ``metrics``: scalars or small
+    vectors to log by name (means over this batch). ``model_state``: the updated model state
+    (``None``: the model has none, or left it unchanged)."""
 
     loss_sum: jax.Array
     count: jax.Array
     aux: Mapping[str, jax.Array] = MappingProxyType({})
+    metrics: Mapping[str, jax.Array] = MappingProxyType({})
+    model_state: Any = None
 
 
 class BatchIterator(Protocol):
@@ -72,8 +84,14 @@ class Task:
         """Fresh parameters (they may carry ``nn.with_logical_partitioning`` boxes)."""
         raise NotImplementedError
 
+    def init_variables(self, rng: jax.Array) -> dict[str, Any]:
+        """Fresh variables: ``{"params": ..., <state collection>: ...}`` (what ``model.init``
+        returns). Override it when the model has state; by default ``{"params": init_params}``."""
+        return {"params": self.init_params(rng)}
+
     def loss(self, params: Any, batch: Batch, *, rng: jax.Array, teacher: Any) -> LossTerms:
-        """The loss of one micro-batch; ``teacher`` is :meth:`teacher_params` (or None)."""
+        """The loss of one micro-batch; ``teacher`` is :meth:`teacher_params` (or None). A
+        task whose model has state also receives ``model_state=`` (see the module docstring)."""
         raise NotImplementedError
 
     def train_data(self) -> BatchIterator:
@@ -108,13 +126,41 @@ class Task:
         return None
 
 
+class ModelOutputs(NamedTuple):
+    """What :func:`apply_model` returns."""
+
+    output: Any
+    aux: dict[str, jax.Array]
+    """Auxiliary losses sown into ``"losses"``, each name's values summed over layers."""
+    metrics: dict[str, jax.Array]
+    """Metrics sown into ``"metrics"``, each name's values averaged over the layers that sowed it."""
+    model_state: dict[str, Any] | None
+    """The updated model state (``None`` when called without one)."""
+
+
+def apply_model(
+    model: nn.Module, params: Any, *args: Any, model_state: Mapping[str, Any] | None = None, **kwargs: Any
+) -> ModelOutputs:
+    """``model.apply`` on ``params`` and ``model_state`` (updated in the pass: its
+    collections are mutable), collecting what the model sows (see :class:`ModelOutputs`)."""
+    state = dict(model_state or {})
+    mutable = [AUX_COLLECTION, METRICS_COLLECTION, *state]
+    output, updated = model.apply({"params": params, **state}, *args, mutable=mutable, **kwargs)
+    aux = _sown_by_name(updated.get(AUX_COLLECTION, {}))
+    metrics = _sown_by_name(updated.get(METRICS_COLLECTION, {}))
+    return ModelOutputs(
+        output,
+        {name: sum(jnp.asarray(v, jnp.float32) for v in values) for name, values in aux.items()},
+        {name: sum(jnp.asarray(v, jnp.float32) for v in values) / len(values) for name, values in metrics.items()},
+        {name: updated[name] for name in state} if model_state is not None else None,
+    )
+
+
 def apply_with_aux(model: nn.Module, params: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, jax.Array]]:
     """``model.apply`` that also returns the auxiliary losses it sowed into ``"losses"``,
     each name's sown values summed (``{}`` when it sowed none)."""
-    output, state = model.apply({"params": params}, *args, mutable=[AUX_COLLECTION], **kwargs)
-    sown = state.get(AUX_COLLECTION, {})
-    by_name = _sown_by_name(sown)
-    return output, {name: sum(jnp.asarray(v, jnp.float32) for v in values) for name, values in by_name.items()}
+    outputs = apply_model(model, params, *args, **kwargs)
+    return outputs.output, outputs.aux
 
 
 def _sown_by_name(tree: dict) -> dict[str, list]:
@@ -137,4 +183,15 @@ def next_token_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array)
     return jnp.sum(losses * mask), jnp.sum(mask)
 
 
-__all__ = ["AUX_COLLECTION", "Batch", "BatchIterator", "LossTerms", "Task", "apply_with_aux", "next_token_loss"]
+__all__ = [
+    "AUX_COLLECTION",
+    "METRICS_COLLECTION",
+    "Batch",
+    "BatchIterator",
+    "LossTerms",
+    "ModelOutputs",
+    "Task",
+    "apply_model",
+    "apply_with_aux",
+    "next_token_loss",
+]

@@ -8,6 +8,11 @@ counts (with one micro-batch: exactly ``mean loss + w * a``).
 
 Only ``select(params, mask)`` is differentiated and held in the optimizer state; frozen
 parameters are closed-over constants, returned unchanged.
+
+Model state (``ember.models.variables``) is updated by the forward passes, not by the
+optimizer: micro-batches apply it **sequentially** (micro-batch ``a + 1`` sees the state
+micro-batch ``a`` left), so ``grad_accum=k`` updates it as ``k`` smaller steps would. Sown
+metrics are averaged over micro-batches weighted by their counts, like auxiliary losses.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ember.core.errors import ConfigError
+from ember.core.errors import ConfigError, EmberError
+from ember.models.variables import split_variables
 from ember.training.task import LossTerms
 from ember.training.trainable import Mask, merge, select
 
@@ -30,22 +36,37 @@ LossFn = Callable[..., LossTerms]
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything a run checkpoints: the step, all (float32 master) params, and the optimizer
-    state of the trainable ones."""
+    """Everything a run checkpoints: the step, all (float32 master) params, the optimizer
+    state of the trainable ones, and the model state (``{}`` for models without any)."""
 
     step: jax.Array
     params: Any
     opt_state: Any
+    model_state: Any
 
 
 def init_state(
-    rng: jax.Array, *, init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation, mask: Mask
+    rng: jax.Array,
+    *,
+    init_variables: Callable[[jax.Array], Any],
+    tx: optax.GradientTransformation,
+    mask: Mask,
 ) -> TrainState:
-    """A fresh state. Parameters (and the optimizer moments built from them) keep their
-    ``nn.Partitioned`` logical annotations, so ``nn.get_partition_spec`` of the abstract
-    state gives the shardings; the trainer unboxes after placement."""
-    params = init_params(rng)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(select(params, mask)))
+    """A fresh state from ``init_variables(rng)`` (a task's). Parameters (and the optimizer
+    moments built from them) keep their ``nn.Partitioned`` logical annotations, so
+    ``nn.get_partition_spec`` of the abstract state gives the shardings; the trainer unboxes
+    after placement."""
+    params, model_state = split_variables(init_variables(rng))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(select(params, mask)), model_state=model_state
+    )
+
+
+def call_loss(loss_fn: LossFn, params: Any, batch: Any, model_state: Any, *, rng: jax.Array, teacher: Any) -> LossTerms:
+    """``loss_fn`` on one micro-batch, given ``model_state=`` only when the model has state
+    (tasks without state keep the plain ``loss(params, batch, *, rng, teacher)``)."""
+    state_arg = {"model_state": model_state} if model_state else {}
+    return loss_fn(params, batch, rng=rng, teacher=teacher, **state_arg)
 
 
 def _micro_batches(batch: Any, accum: int) -> Any:
@@ -92,32 +113,43 @@ def train_step(
 
     Returns the new state and metrics: ``loss`` (the mean main loss), each auxiliary loss by
     name, ``objective`` (loss plus weighted aux; only with aux losses), ``grad_norm``, ``lr``,
-    ``count_name`` (the summed count) and ``finite`` (loss and gradients finite). With
-    ``skip_nonfinite`` a non-finite step leaves params and optimizer state unchanged. The
-    loss's ``rng`` is ``fold_in(fold_in(key(seed), step), micro_batch)``.
+    ``count_name`` (the summed count), ``finite`` (loss and gradients finite) and each
+    metric the model sowed (scalar or vector). With ``skip_nonfinite`` a non-finite step
+    leaves params, optimizer state and model state unchanged. The loss's ``rng`` is
+    ``fold_in(fold_in(key(seed), step), micro_batch)``.
     """
     weights = dict(aux_weights or {})
     trainable = select(state.params, mask)
     step_rng = jax.random.fold_in(jax.random.key(seed), state.step)
 
-    def objective(subset, micro, rng):
-        terms = loss_fn(merge(state.params, subset), micro, rng=rng, teacher=teacher)
+    def objective(subset, micro, rng, model_state):
+        terms = call_loss(loss_fn, merge(state.params, subset), micro, model_state, rng=rng, teacher=teacher)
         total = terms.loss_sum + terms.count * _weighted_aux(terms.aux, weights)
-        return total, (terms.loss_sum, terms.count, {k: terms.count * v for k, v in terms.aux.items()})
+        sums = (
+            terms.loss_sum,
+            terms.count,
+            {k: terms.count * v for k, v in terms.aux.items()},
+            {k: terms.count * v for k, v in terms.metrics.items()},
+        )
+        return total, (sums, model_state if terms.model_state is None else terms.model_state)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     micro_batches = _micro_batches(batch, grad_accum)
 
     def accumulate(carry, inputs):
-        grads, sums = carry
+        grads, sums, model_state = carry
         micro, index = inputs
-        (_, micro_sums), micro_grads = grad_fn(trainable, micro, jax.random.fold_in(step_rng, index))
-        return (jax.tree.map(jnp.add, grads, micro_grads), jax.tree.map(jnp.add, sums, micro_sums)), None
+        (_, (micro_sums, model_state)), micro_grads = grad_fn(
+            trainable, micro, jax.random.fold_in(step_rng, index), model_state
+        )
+        return (jax.tree.map(jnp.add, grads, micro_grads), jax.tree.map(jnp.add, sums, micro_sums), model_state), None
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
-    sums_shape = jax.eval_shape(lambda: objective(trainable, first, step_rng)[1])
+    sums_shape = jax.eval_shape(lambda: objective(trainable, first, step_rng, state.model_state)[1][0])
     zeros = jax.tree.map(jnp.zeros_like, (trainable, sums_shape))
-    (grads, (loss_sum, count, aux_sums)), _ = jax.lax.scan(accumulate, zeros, (micro_batches, jnp.arange(grad_accum)))
+    (grads, (loss_sum, count, aux_sums, metric_sums), model_state), _ = jax.lax.scan(
+        accumulate, (*zeros, state.model_state), (micro_batches, jnp.arange(grad_accum))
+    )
     denominator = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denominator, grads)
     loss = loss_sum / denominator
@@ -127,8 +159,10 @@ def train_step(
     new_trainable = optax.apply_updates(trainable, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
-        new_trainable, opt_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old), (new_trainable, opt_state), (trainable, state.opt_state)
+        new_trainable, opt_state, model_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (new_trainable, opt_state, model_state),
+            (trainable, state.opt_state, state.model_state),
         )
     metrics = {
         "loss": loss,
@@ -140,13 +174,25 @@ def train_step(
     }
     if aux:
         metrics["objective"] = loss + _weighted_aux(aux, weights)
-    return TrainState(step=state.step + 1, params=merge(state.params, new_trainable), opt_state=opt_state), metrics
+    clashing = sorted(set(metric_sums) & (set(metrics) | {"objective"}))
+    if clashing:
+        raise EmberError(
+            f"the model sows metric(s) {', '.join(clashing)} under names the trainer's own metrics use; rename them"
+        )
+    metrics.update({name: value / denominator for name, value in metric_sums.items()})
+    new_state = TrainState(
+        step=state.step + 1, params=merge(state.params, new_trainable), opt_state=opt_state, model_state=model_state
+    )
+    return new_state, metrics
 
 
-def eval_step(params: Any, batch: Any, teacher: Any, *, loss_fn: LossFn) -> tuple[jax.Array, jax.Array]:
-    """``(sum of losses, count)`` of one validation batch (auxiliary losses left out)."""
-    terms = loss_fn(params, batch, rng=jax.random.key(0), teacher=teacher)
+def eval_step(
+    params: Any, model_state: Any, batch: Any, teacher: Any, *, loss_fn: LossFn
+) -> tuple[jax.Array, jax.Array]:
+    """``(sum of losses, count)`` of one validation batch (auxiliary losses left out), the
+    model reading ``model_state`` (its updates in this pass are dropped)."""
+    terms = call_loss(loss_fn, params, batch, model_state, rng=jax.random.key(0), teacher=teacher)
     return terms.loss_sum, terms.count
 
 
-__all__ = ["LossFn", "TrainState", "eval_step", "init_state", "train_step"]
+__all__ = ["LossFn", "TrainState", "call_loss", "eval_step", "init_state", "train_step"]

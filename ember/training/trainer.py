@@ -13,7 +13,15 @@ SIGTERM/SIGINT), then the task's own (``task.add_hooks``, e.g. LM samples), then
 
 The run directory holds ``metrics.jsonl`` (+ TensorBoard), ``checkpoints/`` and, at the end,
 ``summary.json``. With ``resume=True`` the run continues from its last complete
-checkpoint: params, optimizer state, step and data position, on whatever mesh this process has.
+checkpoint: params, optimizer state, model state, step and data position, on whatever mesh
+this process has.
+
+Model state (non-gradient collections the model updates in its forward pass, see
+``ember.models.variables``) lives in ``TrainState.model_state``: placed by its logical
+annotations (replicated where it has none), checkpointed with the rest, read by evaluation.
+Metrics the model sows (``LossTerms.metrics``) are logged with the step's own; a vector
+``v`` of metric ``name`` is logged as scalars ``name/0``, ``name/1``, ... (``ember plot``
+draws them in one panel).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from ember.core.checkpoint import CheckpointManager, abstract_with_shardings
@@ -130,7 +139,7 @@ class Trainer:
         self._step_fn = self._jit_step(teacher_shardings)
         self._eval_fn = jax.jit(
             functools.partial(eval_step, loss_fn=task.loss),
-            in_shardings=(self.state_shardings.params, None, teacher_shardings),
+            in_shardings=(self.state_shardings.params, self.state_shardings.model_state, None, teacher_shardings),
         )
         self.manager = CheckpointManager(
             self.run_dir / "checkpoints",
@@ -159,9 +168,9 @@ class Trainer:
     # ----------------------------------------------------------------------------- set-up
     def _abstract_state(self, task: Task) -> tuple[TrainState, TrainState, Any]:
         """``(boxed abstract state, its shardings, trainable mask)`` for ``task``'s param layout."""
-        abstract_params = jax.eval_shape(task.init_params, jax.random.key(self.seed))
+        abstract_params = jax.eval_shape(task.init_variables, jax.random.key(self.seed))["params"]
         mask = trainable_mask(abstract_params, freeze=self.loop.freeze, base=task.trainable(abstract_params))
-        make_state = functools.partial(init_state, init_params=task.init_params, tx=self.tx, mask=mask)
+        make_state = functools.partial(init_state, init_variables=task.init_variables, tx=self.tx, mask=mask)
         boxed = jax.eval_shape(make_state, jax.random.key(self.seed))
         shardings = tree_shardings(self.mesh, nn.get_partition_spec(boxed), self.rules, shapes=boxed)
         return boxed, shardings, mask
@@ -210,7 +219,7 @@ class Trainer:
 
     def _init(self, boxed: TrainState) -> TrainState:
         # Initialisation needs no activation constraints: out_shardings place the state.
-        make_state = functools.partial(init_state, init_params=self.task.init_params, tx=self.tx, mask=self.mask)
+        make_state = functools.partial(init_state, init_variables=self.task.init_variables, tx=self.tx, mask=self.mask)
         place = jax.jit(lambda key: unbox(make_state(key)), out_shardings=self.state_shardings)
         return place(jax.random.key(self.seed))
 
@@ -297,7 +306,7 @@ class Trainer:
     # ----------------------------------------------------------------------------- built-in hooks
     def _log(self, info: StepInfo) -> None:
         """Pulls the step's metrics to the host, applies the NaN policy, adds throughput, writes."""
-        values = {k: float(v) for k, v in jax.device_get(info.metrics).items()}
+        values = scalar_metrics(jax.device_get(info.metrics))
         if not values.pop("finite"):
             if self.loop.on_nan == "stop":
                 raise NonFiniteLossError(self._nan_message(info.step, values))
@@ -316,24 +325,26 @@ class Trainer:
         self.last_metrics.update(values)
 
     def _evaluate_hook(self, info: StepInfo) -> None:
-        val_loss = self.evaluate(info.state.params)
+        val_loss = self.evaluate(info.state.params, info.state.model_state)
         if val_loss is not None:
             self.writer.write(info.step, {"val_loss": val_loss})
             self.last_metrics["val_loss"] = val_loss
 
-    def evaluate(self, params: Any) -> float | None:
-        """The mean loss over ``task.eval_data()`` (``None`` when it yields no batch)."""
+    def evaluate(self, params: Any, model_state: Any = None) -> float | None:
+        """The mean loss over ``task.eval_data()`` (``None`` when it yields no batch) of
+        ``params`` with ``model_state`` (default: the run's current model state)."""
+        model_state = self.state.model_state if model_state is None else model_state
         total, count = 0.0, 0.0
         for local in self.task.eval_data() or ():
             batch = host_local_to_global(local, self.mesh, self.task.batch_axes, self.rules)
             with use_sharding(self.mesh, self.rules):
-                loss_sum, batch_count = jax.device_get(self._eval_fn(params, batch, self.teacher))
+                loss_sum, batch_count = jax.device_get(self._eval_fn(params, model_state, batch, self.teacher))
             total, count = total + float(loss_sum), count + float(batch_count)
         return total / count if count else None
 
     def _save(self, info: StepInfo) -> None:
         if self.loop.on_nan == "stop" and not bool(info.metrics["finite"]):
-            values = {k: float(v) for k, v in jax.device_get(info.metrics).items()}
+            values = scalar_metrics(jax.device_get(info.metrics))
             raise NonFiniteLossError(self._nan_message(info.step, values))
         self.manager.save(info.step, info.state, extra={"data": self.data.state()})
         self.last_saved = info.step
@@ -357,6 +368,18 @@ class Trainer:
     def trainable_params(self) -> Any:
         """The parameters this run updates (``select(params, mask)``)."""
         return select(self.state.params, self.mask)
+
+
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """Host metrics as scalars: a vector ``v`` of ``name`` becomes ``name/0``, ``name/1``, ..."""
+    values = {}
+    for name, value in metrics.items():
+        array = np.asarray(value)
+        if array.ndim == 0:
+            values[name] = float(array)
+        else:
+            values.update({f"{name}/{index}": float(entry) for index, entry in enumerate(array.reshape(-1))})
+    return values
 
 
 def _postfix(values: dict[str, float]) -> dict[str, str]:
@@ -391,4 +414,4 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-__all__ = ["Hook", "NonFiniteLossError", "StepInfo", "Trainer"]
+__all__ = ["Hook", "NonFiniteLossError", "StepInfo", "Trainer", "scalar_metrics"]

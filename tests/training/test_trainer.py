@@ -263,4 +263,4 @@ def test_frozen_teacher_outputs_drive_the_loss_and_are_never_trained(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The checkpoint holds the student's state only.
     saved = CheckpointManager(tmp_path / "distill" / "checkpoints").state_metadata()
-    assert sorted(saved) == ["opt_state", "params", "step"]
+    assert sorted(saved) == ["model_state", "opt_state", "params", "step"]  # model_state: {} here

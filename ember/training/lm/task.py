@@ -18,24 +18,34 @@ from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM, convert_layer_layout, saved_scan_layers
 from ember.models.flops import flops_per_token
+from ember.models.variables import serving_weights
 from ember.training.data import PackedBatches, TokenDataset, stdlib_corpus_dir
 from ember.training.lm.config import LMConfig
 from ember.training.lm.sampling import sample_text
-from ember.training.task import LossTerms, Task, apply_with_aux, next_token_loss
+from ember.training.task import LossTerms, Task, apply_model, next_token_loss
 
 BATCH_AXES = ("batch", "seq")
 """Every LM batch leaf is ``[batch, seq_len]``: ``tokens``, ``targets``, ``segment_ids``,
 ``positions`` (int32) and ``loss_mask`` (float32)."""
 
 
-def lm_loss(params: Any, batch: dict[str, jax.Array], *, model: DecoderLM, **_: Any) -> LossTerms:
+def lm_loss(
+    params: Any, batch: dict[str, jax.Array], *, model: DecoderLM, model_state: Any = None, **_: Any
+) -> LossTerms:
     """Next-token cross-entropy of a packed batch (sum and token count) plus the auxiliary
-    losses the model sows; ignores the trainer's ``rng`` and ``teacher``."""
-    (logits, _), aux = apply_with_aux(
-        model, params, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"]
+    losses and metrics the model sows, and its updated ``model_state`` (when it has one);
+    ignores the trainer's ``rng`` and ``teacher``."""
+    outputs = apply_model(
+        model,
+        params,
+        batch["tokens"],
+        positions=batch["positions"],
+        segment_ids=batch["segment_ids"],
+        model_state=model_state,
     )
+    logits, _ = outputs.output
     loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])
-    return LossTerms(loss_sum, count, aux)
+    return LossTerms(loss_sum, count, outputs.aux, outputs.metrics, outputs.model_state)
 
 
 class LMTask(Task):
@@ -57,13 +67,19 @@ class LMTask(Task):
             )
         self.model = DecoderLM(config.model)
 
-    def init_params(self, rng: jax.Array) -> Any:
+    def init_variables(self, rng: jax.Array) -> dict[str, Any]:
+        """What ``DecoderLM.init`` returns: the parameters and any state collections."""
         seq_len = self.config.train.seq_len
         tokens = jnp.zeros((1, seq_len), jnp.int32)
-        return self.model.init(rng, tokens, positions=jnp.arange(seq_len, dtype=jnp.int32)[None])["params"]
+        return dict(self.model.init(rng, tokens, positions=jnp.arange(seq_len, dtype=jnp.int32)[None]))
 
-    def loss(self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any) -> LossTerms:
-        return lm_loss(params, batch, model=self.model)
+    def init_params(self, rng: jax.Array) -> Any:
+        return self.init_variables(rng)["params"]
+
+    def loss(
+        self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any, model_state: Any = None
+    ) -> LossTerms:
+        return lm_loss(params, batch, model=self.model, model_state=model_state)
 
     def _batches(self, stream, **kwargs) -> PackedBatches:
         return PackedBatches(
@@ -97,7 +113,8 @@ class LMTask(Task):
     def _sample(self, info) -> None:
         """Continues ``sample.prompts`` with the final model: ``samples.txt`` and the summary."""
         prompts = self.config.sample.prompts
-        samples = sample_text(self.model, info.state.params, self.dataset.tokenizer, self.config.sample)
+        weights = serving_weights(info.state.params, info.state.model_state)
+        samples = sample_text(self.model, weights, self.dataset.tokenizer, self.config.sample)
         (info.trainer.run_dir / "samples.txt").write_text(
             "".join(f"--- {p!r}\n{p}{s}\n" for p, s in zip(prompts, samples))
         )

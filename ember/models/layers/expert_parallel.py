@@ -1,0 +1,183 @@
+"""Expert parallelism: routed experts sharded over the ``expert`` mesh axis, tokens exchanged
+with ``jax.lax.all_to_all`` inside ``shard_map``.
+
+:func:`expert_parallel_routed_mlp` has the signature of the MoE layer's local dispatch
+(``routed_expert_mlp``) and the same result; it reads the mesh and logical rules that
+``ember.core.sharding.use_sharding`` made current. Per device, with ``D`` expert-parallel
+ranks, ``E_l = E / D`` local experts and ``S = tokens_local * top_k`` token-slots:
+
+1. sort the slots by expert (so the slots bound for each rank are one contiguous run);
+2. exchange each rank's per-expert counts, then its rows, with ``all_to_all`` over
+   ``expert``; a send buffer holds ``S`` rows per destination, so even every slot of a
+   device going to one rank fits: **dropless, no capacity bound** (memory ``D * S`` rows);
+3. regroup the received rows by local expert and run the expert MLP with ``grouped_matmul``
+   on the local experts (local group sizes);
+4. send the results back with the inverse ``all_to_all``, unsort, weight and sum over top-k.
+
+Other mesh axes combine: tokens are split over every axis the ``batch`` rule names (data,
+fsdp, expert); expert weights are gathered over fsdp where the rules shard ``embed`` and
+split over ``tensor`` on their hidden dimension where the ``mlp`` rule names it (the partial
+down-projections are summed with ``psum``). Without a current mesh it runs the same
+algorithm on one device with no exchange.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ember.core.errors import EmberError
+from ember.core.sharding import DEFAULT_RULES
+from ember.kernels_pallas import grouped_matmul
+from ember.models.layers.mlp import _ACTIVATIONS, GATED
+
+EXPERT_AXIS = "expert"
+"""The mesh axis experts are sharded over (the ``expert`` logical axis's rule)."""
+
+
+def expert_parallel_routed_mlp(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    combine_weights: jax.Array,
+    gate: jax.Array | None,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    activation: str,
+    impl: str = "auto",
+) -> jax.Array:
+    """The routed experts' output ``[tokens, embed]``, experts sharded over the mesh.
+
+    Args:
+      x: ``[tokens, embed]`` token activations.
+      expert_ids: int32 ``[tokens, top_k]`` the experts each token is routed to.
+      combine_weights: f32 ``[tokens, top_k]`` the weight of each routed expert's output.
+      gate: ``[E, embed, f]`` (gated ``activation`` kinds) or ``None``.
+      up: ``[E, embed, f]``; down: ``[E, f, embed]``.
+      activation: an MLP kind of ``ember.models.layers.mlp`` (``swiglu``, ``gelu``, ...).
+      impl: the ``grouped_matmul`` implementation.
+
+    Raises:
+      EmberError: the expert count does not divide over the ``expert`` mesh axis, or the
+        tokens do not divide over the token-parallel axes.
+    """
+    if activation not in _ACTIVATIONS:
+        raise EmberError(f"activation must be one of {', '.join(_ACTIVATIONS)}; got {activation!r}")
+    if (activation in GATED) != (gate is not None):
+        raise EmberError(f"activation {activation!r} {'needs' if activation in GATED else 'takes no'} gate weights")
+    mesh = jax.sharding.get_abstract_mesh()
+    body = functools.partial(_dispatch_on_device, activation=activation, impl=impl)
+    if mesh is None or mesh.empty:
+        return body(x, expert_ids, combine_weights, gate, up, down, expert_axis=None, tensor_axes=())
+    token_axes, tensor_axes = _mesh_axes(mesh, x.shape[0], up.shape[0], up.shape[2])
+    ranks = mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
+    tokens = PartitionSpec(token_axes or None)
+    hidden = tensor_axes or None
+    in_weights = PartitionSpec(EXPERT_AXIS if ranks > 1 else None, None, hidden)
+    down_spec = PartitionSpec(EXPERT_AXIS if ranks > 1 else None, hidden, None)  # embed whole (gathered over fsdp)
+    mapped = jax.shard_map(
+        functools.partial(body, expert_axis=EXPERT_AXIS if ranks > 1 else None, tensor_axes=tensor_axes),
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, None if gate is None else in_weights, in_weights, down_spec),
+        out_specs=tokens,
+        check_vma=False,
+    )
+    return mapped(x, expert_ids, combine_weights, gate, up, down)
+
+
+def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(mesh axes splitting the tokens, mesh axes splitting the experts' hidden dim)`` from
+    the current logical rules (``batch`` and ``mlp``); raises ``EmberError`` when they do not divide."""
+    rules = dict(nn.get_logical_axis_rules() or DEFAULT_RULES)
+    ranks = mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
+    if num_experts % ranks:
+        raise EmberError(
+            f"{num_experts} experts do not divide over the {ranks} ranks of the {EXPERT_AXIS!r} mesh axis; "
+            "choose mesh.expert dividing the expert count"
+        )
+    token_axes = tuple(axis for axis in rules.get("batch", ()) if mesh.shape[axis] > 1)
+    if ranks > 1 and EXPERT_AXIS not in token_axes:
+        token_axes += (EXPERT_AXIS,)
+    token_ranks = math.prod(mesh.shape[axis] for axis in token_axes)
+    if num_tokens % token_ranks:
+        raise EmberError(
+            f"{num_tokens} tokens do not divide over the {token_ranks} token-parallel ranks "
+            f"({' x '.join(token_axes)}); use a batch divisible by them"
+        )
+    tensor_axes = tuple(
+        axis for axis in rules.get("mlp", ()) if mesh.shape[axis] > 1 and axis not in token_axes and axis != EXPERT_AXIS
+    )
+    if hidden % math.prod(mesh.shape[axis] for axis in tensor_axes):
+        tensor_axes = ()
+    return token_axes, tensor_axes
+
+
+def _dispatch_on_device(x, expert_ids, combine_weights, gate, up, down, *, activation, impl, expert_axis, tensor_axes):
+    """One device's share: its tokens ``x [t, embed]`` through the experts of all ranks,
+    its local experts ``up [E_l, embed, f_local]`` applied to the rows other ranks send."""
+    tokens, top_k = expert_ids.shape
+    local_experts = up.shape[0]
+    ranks = jax.lax.axis_size(expert_axis) if expert_axis else 1
+    slots = tokens * top_k
+    # 1. slots sorted by expert: rows bound for rank r are one run starting at starts[r].
+    flat_ids = expert_ids.reshape(slots).astype(jnp.int32)
+    order = jnp.argsort(flat_ids, stable=True)
+    sorted_rows = x[order // top_k]
+    counts = jnp.bincount(flat_ids, length=local_experts * ranks).astype(jnp.int32).reshape(ranks, local_experts)
+    rank_counts = counts.sum(axis=1)
+    starts = jnp.cumsum(rank_counts) - rank_counts
+    # 2. a block of ``slots`` rows per destination rank (the worst case: all slots to one rank).
+    index = jnp.arange(slots)
+    send_valid = index[None, :] < rank_counts[:, None]  # [ranks, slots]
+    send = jnp.where(send_valid[..., None], sorted_rows[jnp.minimum(starts[:, None] + index, slots - 1)], 0)
+    if expert_axis:
+        counts_in = jax.lax.all_to_all(counts, expert_axis, 0, 0, tiled=True)  # [source ranks, E_l]
+        received = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)  # [source ranks, slots, embed]
+    else:
+        counts_in, received = counts, send
+    # 3. regroup every source's (expert-sorted) block by local expert, invalid rows last.
+    local_ids = _local_expert_of_rows(counts_in, slots)  # [source ranks * slots], E_l = padding
+    regroup = jnp.argsort(local_ids, stable=True)
+    rows = received.reshape(ranks * slots, -1)[regroup]
+    group_sizes = counts_in.sum(axis=0)
+    out = _expert_mlp(rows, gate, up, down, group_sizes, activation=activation, impl=impl)
+    if tensor_axes:
+        out = jax.lax.psum(out, tensor_axes)
+    out = jnp.zeros_like(out).at[regroup].set(out).reshape(ranks, slots, -1)
+    # 4. results back to the ranks that sent the rows, then slot order, then top-k sum.
+    back = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True) if expert_axis else out
+    rank_of_sorted = jnp.searchsorted(jnp.cumsum(rank_counts), index, side="right")
+    rank_of_sorted = jnp.minimum(rank_of_sorted, ranks - 1)
+    sorted_out = back[rank_of_sorted, index - starts[rank_of_sorted]]
+    slot_out = jnp.zeros_like(sorted_out).at[order].set(sorted_out).reshape(tokens, top_k, -1)
+    weights = combine_weights.astype(jnp.float32)[..., None]
+    return jnp.sum(slot_out.astype(jnp.float32) * weights, axis=1).astype(x.dtype)
+
+
+def _local_expert_of_rows(counts_in: jax.Array, slots: int) -> jax.Array:
+    """``[sources * slots]`` the local expert of every received row (``E_l`` for padding):
+    a source's block holds ``counts_in[s, 0]`` rows of expert 0, then expert 1's, ..."""
+    local_experts = counts_in.shape[1]
+    ends = jnp.cumsum(counts_in, axis=1)  # [sources, E_l]
+    index = jnp.arange(slots)
+    ids = jax.vmap(lambda e: jnp.searchsorted(e, index, side="right"))(ends)  # [sources, slots]
+    return jnp.minimum(ids, local_experts).reshape(-1)
+
+
+def _expert_mlp(rows, gate, up, down, group_sizes, *, activation, impl):
+    """The expert MLP on ``rows`` grouped contiguously by local expert (``group_sizes``)."""
+    matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=impl)
+    hidden = matmul(rows, up)
+    if gate is not None:
+        hidden = _ACTIVATIONS[activation](matmul(rows, gate)) * hidden
+    else:
+        hidden = _ACTIVATIONS[activation](hidden)
+    return matmul(hidden, down)
+
+
+__all__ = ["EXPERT_AXIS", "expert_parallel_routed_mlp"]
