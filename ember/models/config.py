@@ -23,7 +23,8 @@ Layer kinds (``block_pattern``, repeated cyclically over ``num_layers``):
 
 MLP placement (``mlp_pattern``, repeated cyclically over ``num_layers`` like the block
 pattern): ``dense`` (the ``mlp`` feed-forward block), ``moe`` (a mixture of experts
-described by ``moe``, a :class:`MoEConfig`) or ``none`` (the block is the mixer alone). Layer ``i`` has mixer ``block_pattern[i % len(block_pattern)]`` and MLP
+described by ``moe``, a :class:`MoEConfig`) or ``none`` (the block is the mixer alone).
+Layer ``i`` has mixer ``block_pattern[i % len(block_pattern)]`` and MLP
 ``mlp_pattern[i % len(mlp_pattern)]``; the layers repeat with period
 :attr:`ModelConfig.layer_period`, the least common multiple of the two lengths.
 """
@@ -152,7 +153,9 @@ class MoEConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"moe.{name} must be >= 0 (0 = off), got {getattr(self, name)}", key=f"moe.{name}")
         if self.routed_scaling <= 0:
-            raise ConfigError(f"moe.routed_scaling must be positive, got {self.routed_scaling}", key="moe.routed_scaling")
+            raise ConfigError(
+                f"moe.routed_scaling must be positive, got {self.routed_scaling}", key="moe.routed_scaling"
+            )
         if self.shared_expert_gate and not self.shared_experts:
             raise ConfigError("moe.shared_expert_gate needs moe.shared_experts >= 1", key="moe.shared_expert_gate")
 
@@ -352,9 +355,9 @@ __all__ = [
     "LAYER_KINDS",
     "MLP_KINDS",
     "MLP_PLACEMENTS",
-    "MoEConfig",
     "RUNTIME_FIELDS",
     "SOFTMAX_FAMILY",
+    "MoEConfig",
     "ModelConfig",
     "RopeConfig",
 ]

@@ -13,6 +13,12 @@ with a leading ``[groups]`` axis, logical name
 ["block_<j>"]``. :func:`layers_to_list` / :func:`layers_from_list` convert either layout
 to a per-layer list (checkpoint conversion, LoRA surgery); :func:`convert_layer_layout`
 moves params and optimizer state between the layouts (``scan_layers`` is a runtime setting).
+
+MoE layers (``mlp_pattern`` entry ``moe``) sow, when the collections are mutable: the global
+load-balancing loss and the router z-loss (collection ``losses``: ``load_balance``,
+``router_z``, computed from all MoE layers' statistics together) and per MoE layer, in layer
+order, ``expert_load [experts]``, ``dropped_fraction`` and ``router_entropy`` (``metrics``).
+With ``moe.bias_balancing_rate`` the ``balance`` collection must be passed to ``apply``.
 """
 
 from __future__ import annotations

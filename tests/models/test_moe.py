@@ -17,7 +17,7 @@ from ember.models.layers.mlp import mlp
 from ember.models.layers.moe import MoeMlp
 from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp
 from ember.models.layers.router import balance_statistics, load_balancing_loss, router_z_loss
-from tests.host_random import numpy_rng, perturbed
+from tests.host_random import numpy_rng
 from tests.tolerances import assert_allclose
 
 BASE = ModelConfig(vocab_size=61, d_model=16, num_layers=2, num_heads=2, mlp_dim=24, moe_impl="xla")
@@ -97,16 +97,28 @@ def reference_moe(config, params, bias, x, previous, dropped):
     return out, logits, expert_ids
 
 
+def random_params(module, key, *args):
+    """Random parameters of ``module``'s shapes (no init compiled): norm scales ``1 + N(0,
+    0.1)``, the rest ``N(0, 0.3)``, far from any initialisation's structure."""
+    abstract = nn.meta.unbox(jax.eval_shape(module.init, jax.random.PRNGKey(0), *args)["params"])
+    generator = numpy_rng(key)
+
+    def draw(path, leaf):
+        noise = generator.standard_normal(leaf.shape).astype(np.float32)
+        return jnp.asarray(1.0 + 0.1 * noise if path[-1].key == "scale" else 0.3 * noise)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def layer_case(request):
-    """(name, config, module, unboxed params, bias or None): parameters perturbed from init."""
+    """(name, config, module, random params, bias or None)."""
     config = dataclasses.replace(BASE, moe=CASES[request.param])
     module = MoeMlp(config)
     key = jax.random.PRNGKey(len(request.param))
     x = jnp.zeros((1, TOKENS, config.d_model))
     previous = jnp.zeros((1, TOKENS, config.moe.total_experts)) if config.moe.gating_residual else None
-    variables = module.init(key, x, previous)
-    params = perturbed(jax.tree.map(jnp.asarray, nn.meta.unbox(variables["params"])), key, scale=0.3)
+    params = random_params(module, key, x, previous)
     bias = None
     if config.moe.bias_balancing_rate:
         bias = jnp.asarray(numpy_rng(key).normal(0, 0.05, config.moe.total_experts), jnp.float32)
@@ -128,8 +140,9 @@ def test_layer_equals_per_expert_loop_values_and_gradients(layer_case, rng):
         y, logits, stats = module.apply({**variables, "params": params}, x[None], previous_3d)
         return jnp.sum(y[0] * cotangent), (y[0], logits[0], stats)
 
-    (_, (y, logits, stats)), grads = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(params, x)
-    _, _, chosen = reference_moe(config, params, bias, x, previous, np.zeros((TOKENS, config.moe.top_k), bool))
+    (_, (y, logits, stats)), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(params, x)
+    chosen = jnp.argsort(-(jax.nn.softmax(logits) if config.moe.score == "softmax" else jax.nn.sigmoid(logits))
+                         - (0.0 if bias is None else bias), axis=-1)[:, : config.moe.top_k]  # fmt: skip
     dropped = np.zeros(chosen.shape, bool)
     if config.moe.capacity_factor:
         capacity = int(np.ceil(config.moe.capacity_factor * TOKENS * config.moe.top_k / config.moe.num_experts))
@@ -141,7 +154,7 @@ def test_layer_equals_per_expert_loop_values_and_gradients(layer_case, rng):
         out, _, _ = reference_moe(config, params, bias, x, previous, dropped)
         return jnp.sum(out * cotangent), out
 
-    (_, expected), expected_grads = jax.value_and_grad(reference, argnums=(0, 1), has_aux=True)(params, x)
+    (_, expected), expected_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1), has_aux=True))(params, x)
     assert_allclose(y, expected, scale=10, err_msg=name)  # f32 sums in another order
     jax.tree.map(lambda a, b: assert_allclose(a, b, scale=10, err_msg=name), grads, expected_grads)
     np.testing.assert_array_equal(stats["counts"], np.bincount(np.asarray(chosen).ravel(), minlength=logits.shape[-1]))
@@ -151,7 +164,7 @@ def test_capacity_drops_exactly_the_reference_slots(rng):
     generator = numpy_rng(rng)
     for num_experts, capacity in ((4, 3), (6, 1), (3, 9)):
         ids = generator.integers(0, num_experts + 2, size=(23, 3))  # ids >= num_experts: zero-computation
-        ours_ids, dropped = apply_capacity(jnp.asarray(ids, jnp.int32), num_experts, capacity)
+        ours_ids, dropped = jax.jit(apply_capacity, static_argnums=(1, 2))(ids.astype(np.int32), num_experts, capacity)
         expected = reference_drops(ids, num_experts, capacity)
         np.testing.assert_array_equal(dropped, expected)
         np.testing.assert_array_equal(ours_ids, np.where(expected, num_experts, ids))
@@ -175,14 +188,13 @@ def test_bias_balancing_updates_toward_the_mean_load(rng):
     config = dataclasses.replace(BASE, moe=CASES["sigmoid_scaled_bias"])
     module = MoeMlp(config)
     x = jax.random.normal(rng, (2, 9, config.d_model))
-    variables = module.init(jax.random.PRNGKey(3), x)
     bias = jnp.linspace(-0.1, 0.1, config.moe.total_experts)
-    variables = {**variables, "balance": {"router_bias": bias}}
-    (_, _, stats), state = module.apply(variables, x, mutable=["balance"])
+    variables = {"params": random_params(module, rng, x), "balance": {"router_bias": bias}}
+    (_, _, stats), state = jax.jit(lambda v, x: module.apply(v, x, mutable=["balance"]))(variables, x)
     counts = np.asarray(stats["counts"])
     expected = np.asarray(bias) + 0.01 * np.sign(counts.mean() - counts)
     assert_allclose(state["balance"]["router_bias"], expected)
-    _, _, stats_frozen = module.apply(variables, x)  # not mutable: the bias stays, no error
+    _, _, stats_frozen = jax.jit(module.apply)(variables, x)  # not mutable: the bias stays, no error
     np.testing.assert_array_equal(stats_frozen["counts"], counts)
 
 
@@ -193,46 +205,42 @@ def test_bias_balancing_lowers_the_max_load_of_a_skewed_router():
     logits = jax.random.normal(jax.random.PRNGKey(0), (256, 8)) * 0.3 + jnp.array([1.5, 1.0] + [0.0] * 6)
     bias = jnp.zeros(8)
 
+    @jax.jit
     def max_over_mean(bias):
         ids = route(logits, top_k=2, score="sigmoid", renormalize=True, selection_bias=bias).expert_ids
         counts = jnp.bincount(ids.ravel(), length=8)
-        return float(jnp.max(counts) / jnp.mean(counts)), counts
+        return jnp.max(counts) / jnp.mean(counts), counts
 
     start, _ = max_over_mean(bias)
     for _ in range(60):
         _, counts = max_over_mean(bias)
         bias = updated_balance_bias(bias, counts, 0.01)
     end, _ = max_over_mean(bias)
-    assert start > 3.0 and end < 1.5, (start, end)
+    assert float(start) > 3.0 and float(end) < 1.5, (start, end)
 
 
 MODEL = dataclasses.replace(
     BASE,
     num_layers=4,
-    block_pattern=("global", "local"),
-    mlp_pattern=("moe", "dense", "dense", "moe"),
-    sliding_window=4,
+    mlp_pattern=("moe", "dense"),
     moe=MoEConfig(num_experts=4, top_k=2, expert_dim=12, gating_residual=True, num_copy_experts=1),
 )
 
 
 @pytest.fixture(scope="module")
 def decoder_params():
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    params = nn.meta.unbox(DecoderLM(MODEL).init(jax.random.PRNGKey(5), tokens)["params"])
-    return perturbed(params, jax.random.PRNGKey(6), scale=0.2)
+    return random_params(DecoderLM(MODEL), jax.random.PRNGKey(5), jnp.zeros((1, 8), jnp.int32))
 
 
 def test_interleaved_moe_layers_scan_and_unrolled_agree_and_sow_global_losses(decoder_params, rng):
     tokens = jax.random.randint(rng, (2, 10), 0, MODEL.vocab_size)
-    assert MODEL.layer_mlps == ("moe", "dense", "dense", "moe") and MODEL.layer_period == 4
-    (logits, _), sown = DecoderLM(MODEL).apply({"params": decoder_params}, tokens, mutable=["losses", "metrics"])
+    # Two scanned groups: the MoE++ gating residual crosses the scan's carry.
+    assert MODEL.layer_mlps == ("moe", "dense", "moe", "dense") and MODEL.layer_period == 2
+    (logits, _), sown = apply_sowing(MODEL, decoder_params, tokens)
     unrolled = dataclasses.replace(MODEL, scan_layers=False)
     layers = layers_to_list(MODEL, decoder_params)
     params_unrolled = {k: v for k, v in decoder_params.items() if k != "layers"} | layers_from_list(unrolled, layers)
-    (logits_unrolled, _), sown_unrolled = DecoderLM(unrolled).apply(
-        {"params": params_unrolled}, tokens, mutable=["losses", "metrics"]
-    )
+    (logits_unrolled, _), sown_unrolled = apply_sowing(unrolled, params_unrolled, tokens)
     assert_allclose(logits, logits_unrolled, scale=10)
     jax.tree.map(lambda a, b: assert_allclose(a, b, scale=10), sown, sown_unrolled)
     assert len(sown["metrics"]["expert_load"]) == 2 and len(sown["losses"]["load_balance"]) == 1
@@ -240,24 +248,28 @@ def test_interleaved_moe_layers_scan_and_unrolled_agree_and_sow_global_losses(de
         assert_allclose(np.sum(load), 1.0)
     # The global loss combines the layers' sums before the product; the mean of per-layer losses differs.
     intermediates = _router_logits_by_layer(unrolled, params_unrolled, tokens)
-    per_layer = [
-        balance_statistics(lg, jax.lax.top_k(jax.nn.softmax(lg), 2)[1], score="softmax", dropped=jnp.zeros((1, 1)))
-        for lg in intermediates
-    ]
+    statistics = jax.jit(
+        lambda lg: balance_statistics(lg, jax.lax.top_k(jax.nn.softmax(lg), 2)[1], score="softmax", dropped=lg < 0)
+    )
+    per_layer = [statistics(lg) for lg in intermediates]
     total = jax.tree.map(lambda a, b: a + b, *per_layer)
     assert_allclose(sown["losses"]["load_balance"][0], load_balancing_loss(total), scale=10)
     assert_allclose(sown["losses"]["router_z"][0], router_z_loss(total), scale=10)
     assert abs(float(load_balancing_loss(total)) - np.mean([load_balancing_loss(s) for s in per_layer])) > 1e-4
 
 
+def apply_sowing(config, params, tokens):
+    model = DecoderLM(config)
+    return jax.jit(lambda p, t: model.apply({"params": p}, t, mutable=["losses", "metrics"]))(params, tokens)
+
+
 def _router_logits_by_layer(config, params, tokens):
     """Each MoE layer's router logits ``[tokens, R]``, captured with ``capture_intermediates``."""
-    _, state = DecoderLM(config).apply(
-        {"params": params},
-        tokens,
-        capture_intermediates=lambda module, _: type(module).__name__ == "Router",
-        mutable=["intermediates"],
-    )
+    model = DecoderLM(config)
+    capture = lambda module, _: type(module).__name__ == "Router"  # noqa: E731
+    _, state = jax.jit(
+        lambda p, t: model.apply({"params": p}, t, capture_intermediates=capture, mutable=["intermediates"])
+    )(params, tokens)
     found = []
     for group in sorted(state["intermediates"]):
         for block in sorted(state["intermediates"][group]):
@@ -270,13 +282,28 @@ def test_first_dense_layers_and_config_errors():
         MODEL, scan_layers=False, mlp_pattern=("moe",), moe=dataclasses.replace(MODEL.moe, first_dense_layers=3)
     )
     assert config.layer_mlps == ("dense", "dense", "dense", "moe")
-    with pytest.raises(ConfigError, match="moe.first_dense_layers needs scan_layers=false") as error:
+    shapes = jax.eval_shape(DecoderLM(config).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    assert [sorted(shapes[f"group_{g}"]["block_0"]) for g in (2, 3)] == [
+        ["attn", "attn_norm", "mlp", "mlp_norm"],
+        ["attn", "attn_norm", "mlp_norm", "moe"],
+    ]
+    with pytest.raises(ConfigError, match=r"moe\.first_dense_layers needs scan_layers=false") as error:
         dataclasses.replace(config, scan_layers=True)
     assert error.value.key == "moe.first_dense_layers"
     with pytest.raises(ConfigError, match=r"moe.top_k must be in \[1, 4\]") as error:
         MoEConfig(num_experts=4, top_k=5)
     assert error.value.key == "moe.top_k"
-    with pytest.raises(ConfigError, match="moe.score must be one of softmax, sigmoid"):
+    with pytest.raises(ConfigError, match=r"moe\.score must be one of softmax, sigmoid"):
         MoEConfig(score="relu")
     with pytest.raises(ConfigError, match="moe_impl must be one of"):
         dataclasses.replace(MODEL, moe_impl="cuda")
+
+
+def test_moe_flops_count_the_active_experts():
+    from ember.models.flops import flops_per_token
+
+    dense = dataclasses.replace(BASE, mlp_dim=32)
+    sparse = dataclasses.replace(dense, mlp_pattern=("moe",), moe=MoEConfig(num_experts=6, top_k=2, expert_dim=16))
+    # Two experts of 16 channels are one MLP of 32; the router adds 2 * embed * experts per layer.
+    router = 2 * BASE.d_model * 6 * BASE.num_layers
+    assert flops_per_token(sparse, 8, training=False) == flops_per_token(dense, 8, training=False) + router

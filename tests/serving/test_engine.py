@@ -1,6 +1,6 @@
 """The engine against a plain full-recompute greedy loop on tiny random ``DecoderLM``s (a
 softmax-attention one and one of CCA and linear-attention layers, whose per-sequence state
-slots the engine carries). Tests share compiled programs, never an engine: each test's
+slots the engine carries, with a mixture-of-experts MLP in every other layer). Tests share compiled programs, never an engine: each test's
 engine runs on a fresh copy of the program's cache."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ember.core.tokenizer import ByteTokenizer
-from ember.models.config import ModelConfig
+from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.model_program import build_program
@@ -32,6 +32,9 @@ STATE_CONFIG = dataclasses.replace(
     cca_kv_heads=1,
     cca_conv_width=3,
     attention_impl="xla",
+    mlp_pattern=("moe", "dense"),
+    moe=MoEConfig(num_experts=4, top_k=2, expert_dim=32, gating_residual=True),
+    moe_impl="xla",
 )
 
 
@@ -148,7 +151,8 @@ def test_a_step_moves_nothing_implicitly_between_host_and_device(engine):
 def test_cca_and_linear_attention_models_serve_through_state_slots_equal_to_full_recompute(rng):
     """Slots are reused by later requests and preempted ones are recomputed: a slot's state
     must restart with each new sequence, and the convolution tails and recurrent states
-    must carry across chunks and decodes."""
+    must carry across chunks and decodes. The MoE layers (no state: routing per token) route
+    padded token budgets and chunks exactly as the full recompute routes whole sequences."""
     init_rng, noise_rng, plan_rng = jax.random.split(rng, 3)
     params = perturbed(DecoderLM(STATE_CONFIG).init(init_rng, jnp.zeros((1, 8), jnp.int32))["params"], noise_rng)
     engine = Engine.from_model(

@@ -5,8 +5,8 @@ Parameters (``E`` FFN experts, ``R`` routed experts with MoE++'s zero-computatio
 - ``router/kernel [embed, R]``; with ``gating_residual`` also ``router/residual [R, R]``.
 - ``experts/gate`` (gated kinds), ``experts/up [E, embed, expert_mlp]``, ``experts/down
   [E, expert_mlp, embed]``, logical axes ``("expert", "embed", "mlp")`` / ``("expert", "mlp", "embed")``.
-- ``shared/{gate,up,down}`` (an ordinary ``Mlp``) and ``shared_gate/kernel [embed, 1]``.
-- ``constant/vectors [C, embed]`` and ``constant/kernel [embed, C, 2]`` (MoE++ constant experts).
+- ``shared/{gate,up,down}`` (an ordinary ``Mlp``) and ``shared_gate [embed, 1]``.
+- ``constant_vectors [C, embed]`` and ``constant_kernel [embed, C, 2]`` (MoE++ constant experts).
 - collection ``balance``: ``router_bias [R]`` f32 (not a parameter) with ``bias_balancing_rate``.
 
 The routing math is in ``router.py``, the dispatch in ``moe_dispatch.py``.

@@ -36,7 +36,7 @@ def _permute_fwd(x, order, inverse):
 
 
 def _permute_bwd(residuals, g):
-    order, inverse = residuals
+    _, inverse = residuals
     return jnp.take(g, inverse, axis=0), None, None
 
 
