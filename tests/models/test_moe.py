@@ -170,6 +170,26 @@ def test_capacity_drops_exactly_the_reference_slots(rng):
         np.testing.assert_array_equal(ours_ids, np.where(expected, num_experts, ids))
 
 
+def test_masked_tokens_take_no_capacity(rng):
+    """Padding interleaved with real tokens changes nothing for the real ones, even when
+    capacity drops slots (ranks count real tokens only)."""
+    config = dataclasses.replace(BASE, moe=CASES["capacity"])
+    module = MoeMlp(config)
+    generator = numpy_rng(rng)
+    mask = np.array([True, False, True, True, False, True, True, False, True, True, True, False] * 2)
+    x = jnp.asarray(generator.standard_normal((1, mask.size, config.d_model)), jnp.float32)
+    params = random_params(module, rng, x)
+    apply = jax.jit(lambda x, mask: module.apply({"params": params}, x, None, mask))
+    padded, _, padded_stats = apply(x, jnp.asarray(mask)[None])
+    # Compact with the same capacity: the real tokens plus padding at the end, masked out.
+    compact = jnp.concatenate([x[:, mask], x[:, ~mask]], axis=1)
+    compact_mask = jnp.asarray(np.arange(mask.size) < mask.sum())[None]
+    expected, _, expected_stats = apply(compact, compact_mask)
+    assert float(expected_stats["dropped"]) > 0
+    assert_allclose(padded[0, mask], expected[0, : mask.sum()])
+    jax.tree.map(assert_allclose, padded_stats, expected_stats)
+
+
 def test_dispatch_gradient_has_no_scatter():
     x = jnp.ones((6, 8))
     ids = jnp.array([[0, 1], [1, 2], [2, 0], [0, 1], [3, 2], [1, 0]], jnp.int32)

@@ -1,7 +1,8 @@
 """The engine against a plain full-recompute greedy loop on tiny random ``DecoderLM``s (a
 softmax-attention one and one of CCA and linear-attention layers, whose per-sequence state
-slots the engine carries, with a mixture-of-experts MLP in every other layer). Tests share compiled programs, never an engine: each test's
-engine runs on a fresh copy of the program's cache."""
+slots the engine carries, with a mixture-of-experts MLP in every other layer). Tests share
+compiled programs, never an engine: each test's engine runs on a fresh copy of the program's
+cache."""
 
 import dataclasses
 

@@ -71,7 +71,8 @@ class MoeMlp(nn.Module):
     balance statistics)`` (see ``router.balance_statistics``).
 
     ``previous_logits``: the last MoE layer's router logits (``gating_residual``; None
-    otherwise); ``token_mask [batch, seq]``: tokens that count in the statistics (None: all).
+    otherwise); ``token_mask [batch, seq]``: the real tokens (None: all); the others (a
+    serving step's padding) take no expert rows or capacity and do not count in the statistics.
     """
 
     config: ModelConfig
@@ -97,6 +98,9 @@ class MoeMlp(nn.Module):
             selection_bias=None if bias is None else bias.value,
         )
         expert_ids, dropped = routing.expert_ids, jnp.zeros(routing.expert_ids.shape, bool)
+        mask = None if token_mask is None else token_mask.reshape(-1)
+        if mask is not None:  # padding (a serving step's unused budget) takes no expert rows or capacity
+            expert_ids = jnp.where(mask[:, None], expert_ids, moe.total_experts)
         if moe.capacity_factor:
             capacity = slot_capacity(moe.capacity_factor, batch * seq, moe.top_k, moe.num_experts)
             expert_ids, dropped = apply_capacity(expert_ids, moe.num_experts, capacity)
@@ -107,7 +111,6 @@ class MoeMlp(nn.Module):
         y = y + self._zero_computation_experts(flat, expert_ids, routing.weights)
         if moe.shared_experts:
             y = y + self._shared_experts(flat)
-        mask = None if token_mask is None else token_mask.reshape(-1)
         stats = balance_statistics(logits, routing.expert_ids, score=moe.score, dropped=dropped, token_mask=mask)
         if bias is not None and self.is_mutable_collection("balance") and not self.is_initializing():
             bias.value = updated_balance_bias(bias.value, stats["counts"], moe.bias_balancing_rate)
