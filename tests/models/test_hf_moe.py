@@ -115,7 +115,7 @@ def test_save_round_trips_through_transformers(pair, tmp_path, rng):
     name, model, _, config, params = pair
     hf.save(tmp_path, config, params, model_type=name)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    tokens = torch.as_tensor(np.asarray(jax.random.randint(rng, (1, 16), 0, config.vocab_size)))
+    tokens = torch.as_tensor(np.array(jax.random.randint(rng, (1, 16), 0, config.vocab_size)))
     with torch.no_grad():
         np.testing.assert_array_equal(reloaded(tokens).logits.numpy(), model(tokens).logits.numpy())
     config_again, params_again = hf.load(tmp_path, attention_impl="xla", moe_impl="xla")

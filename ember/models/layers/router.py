@@ -79,7 +79,8 @@ def balance_statistics(
     num_experts = logits.shape[-1]
     mask = jnp.ones(logits.shape[:1], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
     probs = routing_probabilities(logits, score)
-    chosen = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32), axis=1)  # [tokens, E]
+    # [tokens, E], one choice at a time: no [tokens, top_k, E] tensor.
+    chosen = sum(jax.nn.one_hot(expert_ids[:, k], num_experts, dtype=jnp.float32) for k in range(expert_ids.shape[1]))
     entropy = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(jnp.maximum(probs, 1e-30)), 0.0), axis=-1)
     return {
         "counts": jnp.sum(chosen * mask[:, None], axis=0),
