@@ -1,7 +1,7 @@
 """``ModelConfig``: the frozen description of a decoder-only language model.
 
 A config holds the **architecture** (what the parameters mean) and a few **runtime**
-settings (:data:`RUNTIME_FIELDS`: kernel ``attention_impl``, ``remat``, ``scan_layers``,
+settings (:data:`RUNTIME_FIELDS`: kernel ``attention_impl`` and ``moe_impl``, ``remat``, ``scan_layers``,
 ``page_size``, compute ``precision``) that a checkpoint does not depend on.
 
 One config builds the model (``DecoderLM(config)``), its cache (``init_cache_layers``), its
@@ -22,8 +22,9 @@ Layer kinds (``block_pattern``, repeated cyclically over ``num_layers``):
 - ``linear``: linear attention with the ``linear_feature_map`` feature map.
 
 MLP placement (``mlp_pattern``, repeated cyclically over ``num_layers`` like the block
-pattern): ``dense`` (the ``mlp`` feed-forward block) or ``none`` (the block is the mixer
-alone). Layer ``i`` has mixer ``block_pattern[i % len(block_pattern)]`` and MLP
+pattern): ``dense`` (the ``mlp`` feed-forward block), ``moe`` (a mixture of experts
+described by ``moe``, a :class:`MoEConfig`) or ``none`` (the block is the mixer alone).
+Layer ``i`` has mixer ``block_pattern[i % len(block_pattern)]`` and MLP
 ``mlp_pattern[i % len(mlp_pattern)]``; the layers repeat with period
 :attr:`ModelConfig.layer_period`, the least common multiple of the two lengths.
 """
@@ -40,14 +41,16 @@ LAYER_KINDS: tuple[str, ...] = ("global", "local", "block_sparse", "cca", "linea
 SOFTMAX_FAMILY: tuple[str, ...] = ("global", "local", "block_sparse")
 """Kinds that run the ordinary multi-head attention module over a paged KV cache."""
 MLP_KINDS: tuple[str, ...] = ("swiglu", "geglu", "gelu", "relu")
-MLP_PLACEMENTS: tuple[str, ...] = ("dense", "none")
+MLP_PLACEMENTS: tuple[str, ...] = ("dense", "moe", "none")
 """What follows a layer's mixer (``mlp_pattern`` entries)."""
 NORM_KINDS: tuple[str, ...] = ("rmsnorm", "layernorm")
 ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
 SCORE_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 FEATURE_MAPS: tuple[str, ...] = ("elu", "relu", "hedgehog")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
-RUNTIME_FIELDS: frozenset[str] = frozenset({"attention_impl", "remat", "scan_layers", "page_size", "precision"})
+RUNTIME_FIELDS: frozenset[str] = frozenset(
+    {"attention_impl", "moe_impl", "remat", "scan_layers", "page_size", "precision"}
+)
 """Fields that say how a process runs the model, not what its parameters mean: a checkpoint
 may be resumed or served with any of them changed (``precision`` only while its parameter
 dtype stays the same; see :meth:`ModelConfig.architecture`)."""
@@ -84,6 +87,85 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The mixture of experts of every ``moe`` layer (``mlp_pattern``).
+
+    Routing: router logits ``x @ router [embed, experts]`` in f32 (plus, with
+    ``gating_residual``, a learned projection of the previous MoE layer's logits: MoE++);
+    scores ``softmax`` or ``sigmoid`` of them; the ``top_k`` highest scores (plus the
+    ``balance`` bias with ``bias_balancing_rate``, for the choice only) pick the experts; their
+    scores, divided by their sum when ``renormalize`` (Mixtral: yes, Qwen2-MoE: no), times
+    ``routed_scaling``, weight the expert outputs.
+
+    - ``expert_dim``: hidden width of one expert; 0 means the model's ``mlp_dim``.
+    - ``capacity_factor``: 0 is dropless; otherwise each expert takes at most
+      ``ceil(capacity_factor * tokens * top_k / num_experts)`` token-slots per forward pass,
+      first choices before second ones, each in token order; the rest are dropped.
+    - ``shared_experts`` (of ``shared_expert_dim`` each, 0 = ``expert_dim``): always-on
+      experts, one MLP of ``shared_experts * shared_expert_dim`` channels, scaled by
+      ``sigmoid(x @ shared_gate)`` when ``shared_expert_gate`` (Qwen2-MoE).
+    - ``first_dense_layers``: layers ``[0, k)`` are ``dense`` whatever ``mlp_pattern`` says
+      (DeepSeek); needs ``scan_layers=false``.
+    - MoE++ zero-computation experts, routed like the others after the ``num_experts`` FFN
+      experts: ``num_zero_experts`` (output 0), ``num_copy_experts`` (output x),
+      ``num_constant_experts`` (``a x + b v`` with a learned vector ``v`` and ``(a, b)`` a
+      softmax of a learned projection of ``x``).
+    - ``bias_balancing_rate``: DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias
+      (Linen collection ``balance``, ``router_bias``) added to the scores for the choice of
+      experts only, updated when that collection is mutable by
+      ``rate * sign(mean load - load)``. 0 = off (no ``balance`` collection).
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_dim: int = 0
+    score: str = "softmax"
+    renormalize: bool = True
+    routed_scaling: float = 1.0
+    capacity_factor: float = 0.0
+    shared_experts: int = 0
+    shared_expert_dim: int = 0
+    shared_expert_gate: bool = False
+    first_dense_layers: int = 0
+    num_zero_experts: int = 0
+    num_copy_experts: int = 0
+    num_constant_experts: int = 0
+    gating_residual: bool = False
+    bias_balancing_rate: float = 0.0
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            raise ConfigError(f"moe.num_experts must be >= 1, got {self.num_experts}", key="moe.num_experts")
+        if not 1 <= self.top_k <= self.total_experts:
+            raise ConfigError(
+                f"moe.top_k must be in [1, {self.total_experts}] (the routed experts, zero-computation ones "
+                f"included), got {self.top_k}",
+                key="moe.top_k",
+            )
+        for name in (
+            "expert_dim", "shared_experts", "shared_expert_dim", "first_dense_layers",
+            "num_zero_experts", "num_copy_experts", "num_constant_experts",
+        ):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ConfigError(f"moe.{name} must be >= 0, got {getattr(self, name)}", key=f"moe.{name}")
+        _check_choice("moe.score", self.score, SCORE_KINDS)
+        for name in ("capacity_factor", "bias_balancing_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"moe.{name} must be >= 0 (0 = off), got {getattr(self, name)}", key=f"moe.{name}")
+        if self.routed_scaling <= 0:
+            raise ConfigError(
+                f"moe.routed_scaling must be positive, got {self.routed_scaling}", key="moe.routed_scaling"
+            )
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ConfigError("moe.shared_expert_gate needs moe.shared_experts >= 1", key="moe.shared_expert_gate")
+
+    @property
+    def total_experts(self) -> int:
+        """Routed experts: the FFN experts then the zero, copy and constant ones."""
+        return self.num_experts + self.num_zero_experts + self.num_copy_experts + self.num_constant_experts
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only LM. ``head_dim``/``num_kv_heads`` of 0 mean ``d_model // num_heads`` /
     ``num_heads``; ``attn_soft_cap``/``final_soft_cap`` of 0 mean no soft-cap."""
@@ -108,6 +190,7 @@ class ModelConfig:
     score: str = "softmax"
     block_pattern: tuple[str, ...] = ("global",)
     mlp_pattern: tuple[str, ...] = ("dense",)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     sliding_window: int = 4096
     global_tokens: int = 64
     cca_compression: int = 2
@@ -121,6 +204,7 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"
     attention_impl: str = "auto"
+    moe_impl: str = "auto"
     page_size: int = 16
 
     def __post_init__(self):
@@ -169,10 +253,13 @@ class ModelConfig:
             self._check_cca()
         if self.head_size % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_size}", key="head_dim")
-        if self.attention_impl not in ("auto", "pallas", "interpret", "xla"):
+        for name in ("attention_impl", "moe_impl"):
+            _check_choice(name, getattr(self, name), ("auto", "pallas", "interpret", "xla"))
+        if self.moe.first_dense_layers and self.scan_layers:
             raise ConfigError(
-                f"attention_impl must be one of auto, pallas, interpret, xla; got {self.attention_impl!r}",
-                key="attention_impl",
+                "moe.first_dense_layers needs scan_layers=false (the first layers differ from the scanned "
+                "period); or write the dense layers into mlp_pattern",
+                key="moe.first_dense_layers",
             )
         try:
             Precision.from_string(self.precision)
@@ -236,8 +323,12 @@ class ModelConfig:
     @property
     def layer_mlps(self) -> tuple[str, ...]:
         """The MLP placement of every layer, ``mlp_pattern`` repeated over ``num_layers``."""
-        period = len(self.mlp_pattern)
-        return tuple(self.mlp_pattern[i % period] for i in range(self.num_layers))
+        period, first_dense = len(self.mlp_pattern), self.moe.first_dense_layers
+        return tuple("dense" if i < first_dense else self.mlp_pattern[i % period] for i in range(self.num_layers))
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe.expert_dim or self.mlp_dim
 
     @property
     def policy(self) -> Precision:
@@ -249,6 +340,7 @@ class ModelConfig:
         Two configs with equal architectures load each other's checkpoints."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in RUNTIME_FIELDS}
         fields["rope"] = dataclasses.asdict(self.rope)
+        fields["moe"] = dataclasses.asdict(self.moe)
         fields["precision"] = f"params={self.policy.param_dtype.name}"
         return fields
 
@@ -265,6 +357,7 @@ __all__ = [
     "MLP_PLACEMENTS",
     "RUNTIME_FIELDS",
     "SOFTMAX_FAMILY",
+    "MoEConfig",
     "ModelConfig",
     "RopeConfig",
 ]

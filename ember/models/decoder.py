@@ -13,6 +13,12 @@ with a leading ``[groups]`` axis, logical name
 ["block_<j>"]``. :func:`layers_to_list` / :func:`layers_from_list` convert either layout
 to a per-layer list (checkpoint conversion, LoRA surgery); :func:`convert_layer_layout`
 moves params and optimizer state between the layouts (``scan_layers`` is a runtime setting).
+
+MoE layers (``mlp_pattern`` entry ``moe``) sow, when the collections are mutable: the global
+load-balancing loss and the router z-loss (collection ``losses``: ``load_balance``,
+``router_z``, computed from all MoE layers' statistics together) and per MoE layer, in layer
+order, ``expert_load [experts]``, ``dropped_fraction`` and ``router_entropy`` (``metrics``).
+With ``moe.bias_balancing_rate`` the ``balance`` collection must be passed to ``apply``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from ember.models.layers.cca import CompressedConvAttention
 from ember.models.layers.embedding import Embed, OutputHead
 from ember.models.layers.linear_attention import LinearAttention
 from ember.models.layers.mlp import Mlp
+from ember.models.layers.moe import MoeMlp
 from ember.models.layers.norm import make_norm
+from ember.models.layers.router import combine_statistics, layer_metrics, load_balancing_loss, router_z_loss
 
 _REMAT_POLICIES = {
     "full": None,
@@ -46,8 +54,10 @@ _REMAT_POLICIES = {
 class Block(nn.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
 
-    The mixer is chosen by ``kind``, the MLP by ``mlp_placement`` (``none``: no MLP and no
-    ``mlp_norm``); ``state`` is this layer's cache entry (or None).
+    The mixer is chosen by ``kind``, the MLP by ``mlp_placement`` (``moe``: a ``MoeMlp``;
+    ``none``: no MLP and no ``mlp_norm``); ``state`` is this layer's cache entry (or None).
+    ``router_logits``: the last MoE layer's router logits, carried for MoE++'s gating residual
+    (None without it). Returns ``(x, state, router_logits, balance statistics or None)``.
     """
 
     config: ModelConfig
@@ -55,7 +65,7 @@ class Block(nn.Module):
     mlp_placement: str = "dense"
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids, state, paging, valid):
+    def __call__(self, x, positions, segment_ids, state, paging, valid, router_logits=None):
         config = self.config
         param_dtype = config.policy.param_dtype
         h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="attn_norm")(x)
@@ -68,33 +78,51 @@ class Block(nn.Module):
         h, state = mixer(h, positions, segment_ids, state, paging, valid)
         x = constrain(x + h, ("batch", "seq", "embed"))
         if self.mlp_placement == "none":
-            return x, state
+            return x, state, router_logits, None
         h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="mlp_norm")(x)
-        h = Mlp(config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp")(h)
-        return constrain(x + h, ("batch", "seq", "embed")), state
+        stats = None
+        if self.mlp_placement == "moe":
+            h, new_logits, stats = MoeMlp(config, name="moe")(h, router_logits, valid)
+            if router_logits is not None:
+                router_logits = new_logits.astype(router_logits.dtype)
+        else:
+            h = Mlp(config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp")(
+                h
+            )
+        return constrain(x + h, ("batch", "seq", "embed")), state, router_logits, stats
 
 
 class BlockGroup(nn.Module):
-    """One period of the block pattern: blocks ``block_0 .. block_<n-1>`` in order.
+    """One period of the block pattern: blocks ``block_0 .. block_<n-1>`` in order, the first
+    of them layer ``first_layer``.
 
-    ``(x, states, broadcast...) -> (x, states)``: the signature ``nn.scan`` iterates.
+    ``((x, router_logits), states, broadcast...) -> ((x, router_logits), (states, stats))``:
+    the signature ``nn.scan`` iterates; ``stats`` holds the balance statistics of the MoE
+    blocks by block name.
     """
 
     config: ModelConfig
     num_blocks: int
+    first_layer: int = 0
 
     @nn.compact
-    def __call__(self, x, states, positions, segment_ids, paging, valid):
+    def __call__(self, carry, states, positions, segment_ids, paging, valid):
+        x, router_logits = carry
         new_states = None if states is None else dict(states)
+        stats = {}
         for j in range(self.num_blocks):
             name = f"block_{j}"
+            layer = self.first_layer + j
             state = None if states is None else states[name]
-            x, state = Block(self.config, self.config.layer_kinds[j], self.config.layer_mlps[j], name=name)(
-                x, positions, segment_ids, state, paging, valid
+            block = Block(self.config, self.config.layer_kinds[layer], self.config.layer_mlps[layer], name=name)
+            x, state, router_logits, block_stats = block(
+                x, positions, segment_ids, state, paging, valid, router_logits
             )
             if new_states is not None:
                 new_states[name] = state
-        return x, new_states
+            if block_stats is not None:
+                stats[name] = block_stats
+        return (x, router_logits), (new_states, stats)
 
 
 class DecoderLM(nn.Module):
@@ -148,7 +176,9 @@ class DecoderLM(nn.Module):
         )
         x = constrain(embed(tokens), ("batch", "seq", "embed"))
         states = None if cache is None else cache["layers"]
-        x, states = self._layers(x, states, positions, segment_ids, paging, valid)
+        x, states, moe_stats = self._layers(x, states, positions, segment_ids, paging, valid)
+        if moe_stats:
+            self._sow_moe_outputs(moe_stats)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
         x = make_norm(config.norm, config.norm_eps, param_dtype=policy.param_dtype, name="final_norm")(x)
@@ -178,33 +208,59 @@ class DecoderLM(nn.Module):
         return paging, jnp.where(covered, token_positions, 0)[None], covered[None]
 
     def _layers(self, x, states, positions, segment_ids, paging, valid):
+        """``(x, states, per-MoE-layer balance statistics in layer order)``."""
         config = self.config
         period = config.layer_period
+        router_logits = None
+        if config.moe.gating_residual and "moe" in config.layer_mlps:
+            router_logits = jnp.zeros((*x.shape[:2], config.moe.total_experts), jnp.float32)
         group_cls = BlockGroup
         if config.remat != "none":
             group_cls = nn.remat(BlockGroup, policy=_REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers)
         if config.scan_layers:
             scanned = nn.scan(
                 group_cls,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "balance": 0},
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=config.num_layers // period,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            return scanned(config, period, name="layers")(x, states, positions, segment_ids, paging, valid)
-        new_groups = []
+            (x, _), (states, stats) = scanned(config, period, name="layers")(
+                (x, router_logits), states, positions, segment_ids, paging, valid
+            )
+            groups = config.num_layers // period
+            per_layer = [
+                jax.tree.map(lambda leaf, g=g: leaf[g], stats[f"block_{j}"])
+                for g in range(groups)
+                for j in range(period)
+                if f"block_{j}" in stats
+            ]
+            return x, states, per_layer
+        new_groups, per_layer = [], []
         for g in range(math.ceil(config.num_layers / period)):
             group_states = None if states is None else jax.tree.map(lambda leaf, g=g: leaf[g], states)
             num_blocks = min(period, config.num_layers - g * period)
-            x, group_states = group_cls(config, num_blocks, name=f"group_{g}")(
-                x, group_states, positions, segment_ids, paging, valid
+            (x, router_logits), (group_states, stats) = group_cls(config, num_blocks, g * period, name=f"group_{g}")(
+                (x, router_logits), group_states, positions, segment_ids, paging, valid
             )
             new_groups.append(group_states)
+            per_layer.extend(stats[f"block_{j}"] for j in range(num_blocks) if f"block_{j}" in stats)
         if states is None:
-            return x, None
+            return x, None, per_layer
         # Every group returns all its entries (a last partial group passes unused ones through).
-        return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *new_groups)
+        return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *new_groups), per_layer
+
+    def _sow_moe_outputs(self, per_layer: list[dict[str, jax.Array]]) -> None:
+        """Sows the global load-balancing and z losses (collection ``losses``: ``load_balance``,
+        ``router_z``) and each MoE layer's ``metrics`` (``expert_load [R]``,
+        ``dropped_fraction``, ``router_entropy``, once per layer in layer order)."""
+        total = combine_statistics(per_layer)
+        self.sow("losses", "load_balance", load_balancing_loss(total))
+        self.sow("losses", "router_z", router_z_loss(total))
+        for stats in per_layer:
+            for name, value in layer_metrics(stats, self.config.moe.top_k).items():
+                self.sow("metrics", name, value)
 
 
 def layer_location(config: ModelConfig, layer: int) -> tuple[str, int, str]:

@@ -49,12 +49,23 @@ def mixer_flops(config: ModelConfig, kind: str, seq_len: int) -> float:
     return projections + 4 * inner * mean_visible_keys(config, kind, seq_len)
 
 
+def moe_flops(config: ModelConfig) -> float:
+    """Forward FLOPs per token of one MoE block: the router, ``top_k`` experts' MLPs (an upper
+    bound with MoE++ zero-computation experts, which cost next to nothing) and the shared experts."""
+    moe, d = config.moe, config.d_model
+    matrices = 3 if config.mlp in ("swiglu", "geglu") else 2
+    shared = moe.shared_experts * (moe.shared_expert_dim or config.expert_dim)
+    router = 2 * d * moe.total_experts + (2 * moe.total_experts**2 if moe.gating_residual else 0)
+    shared_gate = 2 * d if moe.shared_expert_gate else 0
+    return router + 2 * matrices * d * (moe.top_k * config.expert_dim + shared) + shared_gate
+
+
 def flops_per_token(config: ModelConfig, seq_len: int, *, training: bool = True) -> float:
     """Matmul FLOPs per token for sequences of ``seq_len`` (x3 when ``training``)."""
     matrices = 3 if config.mlp in ("swiglu", "geglu") else 2
-    mlp = 2 * matrices * config.d_model * config.mlp_dim
+    mlp = {"dense": 2 * matrices * config.d_model * config.mlp_dim, "moe": moe_flops(config), "none": 0}
     layers = sum(
-        mixer_flops(config, kind, seq_len) + (mlp if placement == "dense" else 0)
+        mixer_flops(config, kind, seq_len) + mlp[placement]
         for kind, placement in zip(config.layer_kinds, config.layer_mlps)
     )
     head = 2 * config.d_model * config.vocab_size
@@ -62,4 +73,4 @@ def flops_per_token(config: ModelConfig, seq_len: int, *, training: bool = True)
     return 3 * forward if training else forward
 
 
-__all__ = ["flops_per_token", "mean_visible_keys", "mixer_flops"]
+__all__ = ["flops_per_token", "mean_visible_keys", "mixer_flops", "moe_flops"]

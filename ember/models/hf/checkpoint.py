@@ -19,7 +19,7 @@ SINGLE_FILE = "model.safetensors"
 
 
 def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
-    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 directory.
+    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE directory.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or a sharded
@@ -36,8 +36,9 @@ def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) 
     config_file = path / "config.json"
     if not config_file.is_file():
         raise PathNotFoundError(f"no config.json in {path}")
-    config = config_from_hf(json.loads(config_file.read_text()), **config_overrides)
-    return config, params_from_hf(config, read_state(path), dtype=dtype)
+    hf_config = json.loads(config_file.read_text())
+    config = config_from_hf(hf_config, **config_overrides)
+    return config, params_from_hf(config, read_state(path), dtype=dtype, model_type=hf_config["model_type"])
 
 
 def save(
@@ -46,12 +47,12 @@ def save(
     """Writes ``config.json`` and ``model.safetensors`` (one file) loadable by
     ``transformers`` ``AutoModelForCausalLM.from_pretrained(path)`` and by :func:`load`.
 
-    ``model_type``: ``llama``, ``mistral`` or ``qwen2`` (must express ``config``).
+    ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``mixtral`` or ``qwen2_moe`` (must express ``config``).
     """
     path = Path(path)
     hf_config = config_to_hf(config, model_type)
     path.mkdir(parents=True, exist_ok=True)
-    state = params_to_hf(config, params, dtype=dtype)
+    state = params_to_hf(config, params, dtype=dtype, model_type=model_type)
     hf_config["torch_dtype"] = str(next(iter(state.values())).dtype)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     save_file(state, str(path / SINGLE_FILE), metadata={"format": "pt"})

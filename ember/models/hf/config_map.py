@@ -1,4 +1,4 @@
-"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral and Qwen2.
+"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE.
 
 Only fields that change the computation are mapped; a field Ember cannot honour (an
 architecture, activation, rope type or bias it does not implement) raises ``ConfigError``
@@ -11,11 +11,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from ember.core.errors import ConfigError
-from ember.models.config import ModelConfig, RopeConfig
+from ember.models.config import ModelConfig, MoEConfig, RopeConfig
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe")
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+_QKV_BIAS = ("qwen2", "qwen2_moe")
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
@@ -55,11 +63,13 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         rope=_rope_from_hf(hf),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type in _QKV_BIAS and bool(hf.get("qkv_bias", True)),
         block_pattern=_shortest_period(kinds),
         sliding_window=int(hf.get("sliding_window") or 4096),
         init_std=float(hf.get("initializer_range", 0.02)),
     )
+    if model_type in MOE_MODEL_TYPES:
+        fields.update(_moe_from_hf(hf, model_type, num_layers))
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -82,9 +92,15 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         )
     if config.norm != "rmsnorm" or config.mlp != "swiglu":
         raise ConfigError(f"{model_type} needs norm='rmsnorm' and mlp='swiglu'; got {config.norm!r}, {config.mlp!r}")
-    if config.qkv_bias != (model_type == "qwen2"):
+    if config.qkv_bias != (model_type in _QKV_BIAS):
         raise ConfigError(
-            f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (only qwen2 has q/k/v biases)"
+            f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (only qwen2 and qwen2_moe have "
+            "q/k/v biases)"
+        )
+    if ("moe" in config.layer_mlps) != (model_type in MOE_MODEL_TYPES) or "none" in config.layer_mlps:
+        raise ConfigError(
+            f"{model_type} cannot express mlp placements {sorted(set(config.layer_mlps))}: mixtral and qwen2_moe "
+            "have moe layers (qwen2_moe also dense ones), the others dense layers only"
         )
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type]],
@@ -108,7 +124,7 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         hf.update(attention_bias=False, mlp_bias=False)
         if "local" in kinds:
             raise ConfigError("llama has no sliding-window layers; export as mistral or qwen2")
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "mixtral"):
         if kinds == {"global", "local"}:
             raise ConfigError("mistral applies one sliding window to every layer; a mixed pattern exports as qwen2")
         hf["sliding_window"] = config.sliding_window if "local" in kinds else None
@@ -117,15 +133,79 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         hf["sliding_window"] = config.sliding_window if "local" in kinds else None
         hf["layer_types"] = ["sliding_attention" if k == "local" else "full_attention" for k in config.layer_kinds]
         hf["max_window_layers"] = config.num_layers
+    if model_type in MOE_MODEL_TYPES:
+        hf.update(_moe_to_hf(config, model_type))
     if hf["rope_scaling"] is None:
         del hf["rope_scaling"]
+    return hf
+
+
+def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of a Mixtral (every layer sparse) or Qwen2-MoE (``decoder_sparse_step``,
+    ``mlp_only_layers``, a sigmoid-gated shared expert) config."""
+    top_k = int(hf.get("num_experts_per_tok", 2))
+    if model_type == "mixtral":
+        moe = MoEConfig(num_experts=int(hf["num_local_experts"]), top_k=top_k, expert_dim=int(hf["intermediate_size"]))
+        return {"mlp_pattern": ("moe",), "moe": moe}
+    num_experts = int(hf["num_experts"])
+    step, dense_layers = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
+    sparse = [i not in dense_layers and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+    mlps = ["moe" if is_sparse else "dense" for is_sparse in sparse]
+    shared_dim = int(hf.get("shared_expert_intermediate_size") or 0)
+    moe = MoEConfig(
+        num_experts=max(num_experts, 1),
+        top_k=top_k,
+        expert_dim=int(hf["moe_intermediate_size"]),
+        renormalize=bool(hf.get("norm_topk_prob", False)),
+        shared_experts=1 if shared_dim else 0,
+        shared_expert_dim=shared_dim,
+        shared_expert_gate=bool(shared_dim),
+    )
+    return {"mlp_pattern": _shortest_period(mlps), "moe": moe}
+
+
+def _moe_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
+    moe = config.moe
+    if model_type == "qwen2_moe":
+        shared_ok = moe.shared_experts == 1 and moe.shared_expert_gate
+    else:
+        shared_ok = not moe.shared_experts
+    if (
+        moe.score != "softmax"
+        or moe.routed_scaling != 1.0
+        or moe.capacity_factor
+        or moe.total_experts != moe.num_experts
+        or moe.gating_residual
+        or moe.bias_balancing_rate
+        or not shared_ok
+        or (model_type == "mixtral" and not moe.renormalize)
+    ):
+        raise ConfigError(
+            f"this moe config does not export to {model_type}: it needs softmax scores, routed_scaling 1, no "
+            "capacity factor, no MoE++ experts or gating residual, no bias balancing, "
+            + ("renormalize=true and no shared experts" if model_type == "mixtral" else "one gated shared expert"),
+            key="moe",
+        )
+    hf: dict[str, Any] = {"num_experts_per_tok": moe.top_k, "output_router_logits": False}
+    if model_type == "mixtral":
+        hf.update(num_local_experts=moe.num_experts, intermediate_size=config.expert_dim, router_jitter_noise=0.0)
+        return hf
+    hf.update(
+        num_experts=moe.num_experts,
+        moe_intermediate_size=config.expert_dim,
+        shared_expert_intermediate_size=moe.shared_expert_dim or config.expert_dim,
+        norm_topk_prob=moe.renormalize,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i, placement in enumerate(config.layer_mlps) if placement == "dense"],
+        qkv_bias=True,
+    )
     return hf
 
 
 def _layer_kinds(hf: Mapping[str, Any], model_type: str, num_layers: int) -> list[str]:
     if model_type == "llama":
         return ["global"] * num_layers
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return ["local" if hf.get("sliding_window") else "global"] * num_layers
     layer_types = hf.get("layer_types")
     if layer_types is None:

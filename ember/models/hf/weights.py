@@ -1,8 +1,13 @@
-"""Hugging Face state-dict names <-> Ember parameter trees (Llama / Mistral / Qwen2 layout).
+"""Hugging Face state-dict names <-> Ember parameter trees (Llama / Mistral / Qwen2 layout,
+plus the MoE layers of Mixtral and Qwen2-MoE).
 
 HF linear weights are ``[out, in]``; Ember kernels are ``[in, ...out]`` with heads split:
 ``q/kernel [embed, heads, head_dim]``, ``o/kernel [heads, head_dim, embed]``. Rotary
 embedding uses the same "rotate half" channel order, so no permutation is needed.
+
+MoE experts load from either layout: per-expert tensors (``experts.<e>.w1`` / ``gate_proj``,
+what ``save_pretrained`` writes) or the fused ``experts.gate_up_proj [E, 2f, embed]`` and
+``experts.down_proj [E, embed, f]`` of transformers 5's modules. They save per expert.
 """
 
 from __future__ import annotations
@@ -16,8 +21,16 @@ from ember.core.errors import DataError
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list
 
+# The MoE block's module name and its experts' (gate, up, down) names, per model type.
+_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
 
-def params_from_hf(config: ModelConfig, state: Mapping[str, np.ndarray], dtype: Any = np.float32) -> dict[str, Any]:
+
+def params_from_hf(
+    config: ModelConfig, state: Mapping[str, np.ndarray], dtype: Any = np.float32, *, model_type: str = "llama"
+) -> dict[str, Any]:
     """Ember ``params`` from a HF state dict (``name -> array``) for ``config``.
 
     Raises:
@@ -26,11 +39,13 @@ def params_from_hf(config: ModelConfig, state: Mapping[str, np.ndarray], dtype: 
     heads, kv_heads, head_dim, d_model = config.num_heads, config.kv_heads, config.head_size, config.d_model
     used: set[str] = set()
 
-    def take(name: str) -> np.ndarray:
-        if name not in state:
-            raise DataError(f"Hugging Face checkpoint is missing tensor {name!r}")
-        used.add(name)
-        return np.asarray(state[name]).astype(dtype)
+    def take(*names: str) -> np.ndarray:
+        """The first of ``names`` (alternative spellings of one tensor) the checkpoint has."""
+        for name in names:
+            if name in state:
+                used.add(name)
+                return np.asarray(state[name]).astype(dtype)
+        raise DataError(f"Hugging Face checkpoint is missing tensor {names[0]!r}")
 
     layers = []
     for i in range(config.num_layers):
@@ -50,13 +65,12 @@ def params_from_hf(config: ModelConfig, state: Mapping[str, np.ndarray], dtype: 
                 "attn_norm": {"scale": take(prefix + "input_layernorm.weight")},
                 "attn": attn,
                 "mlp_norm": {"scale": take(prefix + "post_attention_layernorm.weight")},
-                "mlp": {
-                    "gate": take(prefix + "mlp.gate_proj.weight").T,
-                    "up": take(prefix + "mlp.up_proj.weight").T,
-                    "down": take(prefix + "mlp.down_proj.weight").T,
-                },
             }
         )
+        if config.layer_mlps[i] == "moe":
+            layers[-1]["moe"] = _moe_from_hf(take, prefix, config, model_type)
+        else:
+            layers[-1]["mlp"] = {name: take(prefix + f"mlp.{name}_proj.weight").T for name in ("gate", "up", "down")}
     params: dict[str, Any] = {
         "embed": {"embedding": take("model.embed_tokens.weight")},
         "final_norm": {"scale": take("model.norm.weight")},
@@ -75,8 +89,55 @@ def params_from_hf(config: ModelConfig, state: Mapping[str, np.ndarray], dtype: 
     return params
 
 
-def params_to_hf(config: ModelConfig, params: Mapping[str, Any], dtype: Any = None) -> dict[str, np.ndarray]:
-    """The HF state dict (``name -> numpy array``) of Ember ``params``."""
+def _moe_from_hf(take, prefix: str, config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """One MoE layer's params (``router``, ``experts``, ``shared``, ``shared_gate``)."""
+    block, (gate_name, up_name, down_name) = _MOE_NAMES[model_type]
+    router = take(prefix + f"{block}.gate.weight", prefix + "mlp.gate.weight").T
+    fused = prefix + "mlp.experts.gate_up_proj", prefix + f"{block}.experts.gate_up_proj"
+    try:
+        gate_up = take(*fused)  # [E, 2f, embed]: gate rows then up rows
+    except DataError:
+        expert = [prefix + f"{block}.experts.{e}." for e in range(config.moe.num_experts)]
+        experts = {
+            key: np.stack([take(p + f"{name}.weight").T for p in expert])
+            for key, name in (("gate", gate_name), ("up", up_name), ("down", down_name))
+        }
+    else:
+        down = take(prefix + "mlp.experts.down_proj", prefix + f"{block}.experts.down_proj")
+        half = gate_up.shape[1] // 2
+        experts = {
+            "gate": gate_up[:, :half].transpose(0, 2, 1),
+            "up": gate_up[:, half:].transpose(0, 2, 1),
+            "down": down.transpose(0, 2, 1),
+        }
+    params: dict[str, Any] = {"router": {"kernel": router}, "experts": experts}
+    if config.moe.shared_experts:
+        params["shared"] = {
+            name: take(prefix + f"mlp.shared_expert.{name}_proj.weight").T for name in ("gate", "up", "down")
+        }
+        params["shared_gate"] = take(prefix + "mlp.shared_expert_gate.weight").T
+    return params
+
+
+def _moe_to_hf(layer: Mapping[str, Any], prefix: str, model_type: str, out) -> dict[str, np.ndarray]:
+    """One MoE layer's HF tensors, experts saved one by one."""
+    block, names = _MOE_NAMES[model_type]
+    moe = layer["moe"]
+    state = {prefix + f"{block}.gate.weight": out(np.asarray(moe["router"]["kernel"]).T)}
+    for key, name in zip(("gate", "up", "down"), names):
+        for e, matrix in enumerate(np.asarray(moe["experts"][key])):
+            state[prefix + f"{block}.experts.{e}.{name}.weight"] = out(matrix.T)
+    if "shared" in moe:
+        for name in ("gate", "up", "down"):
+            state[prefix + f"mlp.shared_expert.{name}_proj.weight"] = out(np.asarray(moe["shared"][name]).T)
+        state[prefix + "mlp.shared_expert_gate.weight"] = out(np.asarray(moe["shared_gate"]).T)
+    return state
+
+
+def params_to_hf(
+    config: ModelConfig, params: Mapping[str, Any], dtype: Any = None, *, model_type: str = "llama"
+) -> dict[str, np.ndarray]:
+    """The HF state dict (``name -> numpy array``) of Ember ``params`` as a ``model_type`` model."""
     d_model = config.d_model
 
     def out(x) -> np.ndarray:
@@ -101,6 +162,9 @@ def params_to_hf(config: ModelConfig, params: Mapping[str, Any], dtype: Any = No
             if config.qkv_bias:
                 state[prefix + f"self_attn.{name}_proj.bias"] = out(np.asarray(attn[name]["bias"]).reshape(-1))
         state[prefix + "self_attn.o_proj.weight"] = out(np.asarray(attn["o"]["kernel"]).reshape(-1, d_model).T)
+        if "moe" in layer:
+            state.update(_moe_to_hf(layer, prefix, model_type, out))
+            continue
         for name in ("gate", "up", "down"):
             state[prefix + f"mlp.{name}_proj.weight"] = out(np.asarray(layer["mlp"][name]).T)
     return state

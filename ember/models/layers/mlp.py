@@ -12,20 +12,21 @@ import jax.numpy as jnp
 
 from ember.core.sharding import constrain
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "swiglu": nn.silu,
     "geglu": lambda x: nn.gelu(x, approximate=True),
     "gelu": lambda x: nn.gelu(x, approximate=True),
     "relu": nn.relu,
 }
+"""The activation of each MLP kind (shared with the MoE experts)."""
 GATED = ("swiglu", "geglu")
 
 
 def mlp(x: jax.Array, up: jax.Array, down: jax.Array, kind: str, gate: jax.Array | None = None) -> jax.Array:
     """The MLP of ``kind`` on ``x [..., embed]``: ``down(act(x @ gate) * (x @ up))`` when
     gated, else ``down(act(x @ up))``."""
-    if kind not in _ACTIVATIONS:
-        raise ValueError(f"mlp kind must be one of {', '.join(_ACTIVATIONS)}; got {kind!r}")
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"mlp kind must be one of {', '.join(ACTIVATIONS)}; got {kind!r}")
     if (kind in GATED) != (gate is not None):
         raise ValueError(f"mlp kind {kind!r} {'needs' if kind in GATED else 'takes no'} a gate matrix")
     # The hidden activations are the largest tensors of the block: keep them split over
@@ -33,9 +34,9 @@ def mlp(x: jax.Array, up: jax.Array, down: jax.Array, kind: str, gate: jax.Array
     hidden = constrain(x @ up, ("batch", "seq", "mlp")) if x.ndim == 3 else x @ up
     if gate is not None:
         gate_hidden = constrain(x @ gate, ("batch", "seq", "mlp")) if x.ndim == 3 else x @ gate
-        hidden = _ACTIVATIONS[kind](gate_hidden) * hidden
+        hidden = ACTIVATIONS[kind](gate_hidden) * hidden
     else:
-        hidden = _ACTIVATIONS[kind](hidden)
+        hidden = ACTIVATIONS[kind](hidden)
     return hidden @ down
 
 

@@ -1,0 +1,125 @@
+"""Dropless expert dispatch: token-slots sorted by expert, grouped matmuls, unsorted, combined.
+
+:func:`routed_expert_mlp` is the single-device dispatch; ``expert_parallel.py`` has a twin with
+the same signature that exchanges token-slots over the ``expert`` mesh axis.
+:func:`apply_capacity` turns dropless routing into capacity-factor routing by marking the slots
+past each expert's capacity as dropped.
+
+Conventions: a *slot* is one (token, choice) pair, ``tokens * top_k`` of them, numbered
+token-major. Expert ids outside ``[0, num_experts)`` (dropped slots, MoE++'s zero-computation
+experts) contribute nothing and cost no matmul rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ember.kernels_pallas import grouped_matmul
+from ember.models.layers.mlp import ACTIVATIONS
+
+
+@jax.custom_vjp
+def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``x[order]`` for a permutation ``order`` whose inverse is ``inverse``.
+
+    The VJP is ``g[inverse]``, another gather: autodiff of a gather would scatter-add, which
+    is slow on accelerators and needless for a permutation.
+    """
+    return jnp.take(x, order, axis=0)
+
+
+def _permute_fwd(x, order, inverse):
+    return jnp.take(x, order, axis=0), (order, inverse)
+
+
+def _permute_bwd(residuals, g):
+    _, inverse = residuals
+    return jnp.take(g, inverse, axis=0), None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+def sort_slots(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(order, inverse, group_sizes [num_experts])`` of the flattened slots sorted by expert
+    (stable: within an expert, slot order); out-of-range ids sort last, outside every group."""
+    flat = expert_ids.reshape(-1)
+    key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = jnp.argsort(key, stable=True)
+    inverse = jnp.argsort(order)
+    # Group boundaries by binary search in the sorted keys (a bincount would scatter-add).
+    bounds = jnp.searchsorted(jnp.take(key, order), jnp.arange(num_experts + 1), side="left")
+    return order, inverse, jnp.diff(bounds).astype(jnp.int32)
+
+
+def routed_expert_mlp(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    combine_weights: jax.Array,
+    gate: jax.Array | None,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    activation: str,
+    impl: str,
+) -> jax.Array:
+    """Each token's chosen experts' MLP outputs, weighted and summed.
+
+    Args:
+      x: ``[tokens, embed]``.
+      expert_ids: int32 ``[tokens, top_k]``; ids outside ``[0, E)`` are skipped.
+      combine_weights: f32 ``[tokens, top_k]``, the weight of each choice's output.
+      gate: ``[E, embed, f]`` for gated activations (``swiglu``, ``geglu``), else None.
+      up: ``[E, embed, f]``. down: ``[E, f, embed]``.
+      activation: an ``ember.models.layers.mlp`` kind.
+      impl: ``grouped_matmul``'s implementation.
+
+    Returns:
+      ``[tokens, embed]`` in ``x``'s dtype: ``sum_k w[t, k] * mlp_{e[t, k]}(x[t])``.
+    """
+    tokens, top_k = expert_ids.shape
+    num_experts = up.shape[0]
+    order, inverse, group_sizes = sort_slots(expert_ids, num_experts)
+    # Slot s = t * top_k + k holds token t; broadcasting (not gathering) keeps its VJP a sum.
+    slots = jnp.broadcast_to(x[:, None, :], (tokens, top_k, x.shape[-1])).reshape(tokens * top_k, -1)
+    rows = permute_rows(slots, order, inverse)
+    hidden = grouped_matmul(rows, up, group_sizes, impl=impl)
+    if gate is not None:
+        hidden = ACTIVATIONS[activation](grouped_matmul(rows, gate, group_sizes, impl=impl)) * hidden
+    else:
+        hidden = ACTIVATIONS[activation](hidden)
+    out = permute_rows(grouped_matmul(hidden, down, group_sizes, impl=impl), inverse, order)
+    out = out.reshape(tokens, top_k, -1).astype(jnp.float32)
+    routed = ((expert_ids >= 0) & (expert_ids < num_experts))[..., None]
+    # Rows past the groups are unspecified in grouped_matmul's contract: select, never multiply.
+    out = jnp.where(routed, out * combine_weights[..., None].astype(jnp.float32), 0.0)
+    return jnp.sum(out, axis=1).astype(x.dtype)
+
+
+def slot_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """Token-slots one expert takes: ``ceil(capacity_factor * tokens * top_k / num_experts)``."""
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def apply_capacity(expert_ids: jax.Array, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Capacity-factor routing: each expert in ``[0, num_experts)`` keeps its first ``capacity``
+    slots, first choices before second ones (``k``-major), each in token order.
+
+    Returns:
+      ``(expert_ids with dropped slots set to num_experts, dropped bool [tokens, top_k])``. Ids
+      outside ``[0, num_experts)`` (zero-computation experts) are never dropped.
+    """
+    by_priority = expert_ids.T  # [top_k, tokens]: row-major order is the priority order
+    order, inverse, group_sizes = sort_slots(by_priority, num_experts)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    sorted_ids = jnp.take(by_priority.reshape(-1), order)
+    in_range = (sorted_ids >= 0) & (sorted_ids < num_experts)
+    rank = jnp.arange(sorted_ids.shape[0]) - jnp.take(starts, jnp.clip(sorted_ids, 0, num_experts - 1))
+    dropped = jnp.take(in_range & (rank >= capacity), inverse).reshape(by_priority.shape).T
+    return jnp.where(dropped, num_experts, expert_ids), dropped
+
+
+__all__ = ["apply_capacity", "permute_rows", "routed_expert_mlp", "slot_capacity", "sort_slots"]
