@@ -33,6 +33,7 @@ from ember.models.layers.attention import Attention
 from ember.models.layers.cca import CompressedConvAttention
 from ember.models.layers.embedding import Embed, OutputHead
 from ember.models.layers.linear_attention import LinearAttention
+from ember.models.layers.mamba2 import Mamba2Mixer
 from ember.models.layers.mlp import Mlp
 from ember.models.layers.norm import make_norm
 
@@ -46,8 +47,8 @@ _REMAT_POLICIES = {
 class Block(nn.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
 
-    The mixer is chosen by ``kind``, the MLP by ``mlp_placement`` (``none``: no MLP and no
-    ``mlp_norm``); ``state`` is this layer's cache entry (or None).
+    The mixer (named ``attn`` whatever its kind) is chosen by ``kind``, the MLP by
+    ``mlp_placement`` (``none``: no MLP and no ``mlp_norm``); ``state`` is this layer's cache entry (or None).
     """
 
     config: ModelConfig
@@ -63,6 +64,8 @@ class Block(nn.Module):
             mixer = Attention(config, self.kind, name="attn")
         elif self.kind == "cca":
             mixer = CompressedConvAttention(config, name="attn")
+        elif self.kind == "mamba2":
+            mixer = Mamba2Mixer(config, name="attn")
         else:
             mixer = LinearAttention(config, name="attn")
         h, state = mixer(h, positions, segment_ids, state, paging, valid)

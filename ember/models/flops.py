@@ -39,6 +39,8 @@ def mixer_flops(config: ModelConfig, kind: str, seq_len: int) -> float:
         projections = 2 * d * (latent_q + 2 * latent_kv) + 2 * latent_q * d
         convolutions = 2 * width * (latent_q + latent_kv) * (1 + head)
         return projections + convolutions + 4 * latent_q * mean_visible_keys(config, kind, seq_len)
+    if kind == "mamba2":
+        return _mamba2_flops(config)
     inner = config.num_heads * config.head_size
     if kind == "linear":
         features = linear_feature_dim(config)
@@ -47,6 +49,20 @@ def mixer_flops(config: ModelConfig, kind: str, seq_len: int) -> float:
     kv = config.kv_heads * config.head_size
     projections = 2 * d * (inner + 2 * kv) + 2 * inner * d
     return projections + 4 * inner * mean_visible_keys(config, kind, seq_len)
+
+
+def _mamba2_flops(config: ModelConfig) -> float:
+    """Projections, the depthwise convolution and the chunked SSD scan per token: per head,
+    the inter-chunk state update and readout (``2 P N`` multiply-adds each) and the
+    intra-chunk scores ``C B^T`` and their product with ``x`` over the half chunk a token
+    sees on average."""
+    ssm, d = config.ssm, config.d_model
+    heads, inner, conv_dim = ssm.heads(d), ssm.expand * d, ssm.conv_dim(d)
+    projections = 2 * d * (inner + conv_dim + heads) + 2 * inner * d
+    convolution = 2 * ssm.conv_kernel * conv_dim
+    inter_chunk = 4 * heads * ssm.head_dim * ssm.state_size
+    intra_chunk = heads * ssm.chunk_size * (ssm.state_size + ssm.head_dim)
+    return projections + convolution + inter_chunk + intra_chunk
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, *, training: bool = True) -> float:
