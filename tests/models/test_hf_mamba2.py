@@ -5,6 +5,7 @@ at sequence lengths that are not multiples of the SSD chunk; ``save`` round-trip
 ragged decode path: chunked prefill, state slots, more prompts than slots) generates 64
 greedy tokens equal to a full-recompute argmax loop over the ``transformers`` forward."""
 
+import dataclasses
 import json
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from ember.cli import main
+from ember.core.errors import ConfigError
 from ember.models import hf
 from ember.models.decoder import DecoderLM
 from tests.tolerances import assert_allclose
@@ -113,3 +115,20 @@ def test_ember_generate_matches_a_full_recompute_greedy_loop(pair, tmp_path, rng
     for prompt, record in zip(prompts, records):
         assert record["tokens"] == full_recompute_greedy(model, prompt, NEW_TOKENS)
         assert record["finish_reason"] == "length"
+
+
+def test_unsupported_mamba2_configs_are_named(pair, tmp_path):
+    _, path, config, params = pair
+    hf_config = json.loads((path / "config.json").read_text())
+    for field, value, match in (
+        ("use_bias", True, "use_bias"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("num_heads", 3, "num_heads"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            hf.config_from_hf({**hf_config, field: value})
+    # Any power-of-two chunk computes the same function; others fall back to 64.
+    assert hf.config_from_hf({**hf_config, "chunk_size": 100}).ssm.chunk_size == 64
+    hybrid = dataclasses.replace(config, block_pattern=("mamba2", "global"), mlp_pattern=("none", "dense"))
+    with pytest.raises(ConfigError, match="every layer is a mamba2 block"):
+        hf.save(tmp_path, hybrid, params, model_type="mamba2")

@@ -112,10 +112,8 @@ def ragged_ssd(
     heads, num_seqs = x.shape[1], paging.page_table.shape[0]
     dt = jnp.where(valid[:, None], dt, 0.0)
     runs = jnp.where(valid, paging.owner, num_seqs)
-    within = ssd(
-        x[None], dt[None], A, B[None], C[None], D=D, dt_softplus=False, segment_ids=runs[None],
-        chunk_size=chunk_size, impl=impl,
-    )[0]
+    scan = dict(D=D, dt_softplus=False, segment_ids=runs[None], chunk_size=chunk_size, impl=impl)
+    within = ssd(x[None], dt[None], A, B[None], C[None], **scan)[0]
     cumulative = segmented_cumsum(dt * A.astype(f32), (paging.run_offsets() == 0) | ~valid)  # [T, H]
     states = jnp.where(paging.fresh()[:, None, None, None], 0.0, states.astype(f32))
     B_heads = jnp.repeat(B, heads // B.shape[1], axis=1).astype(f32)
@@ -180,41 +178,22 @@ class Mamba2Mixer(nn.Module):
     def __call__(self, x, positions, segment_ids=None, cache=None, paging=None, valid=None):
         del positions  # order enters through the convolution and the scan
         config, ssm = self.config, self.config.ssm
-        policy = config.policy
         heads, head_dim, groups, state = ssm.heads(config.d_model), ssm.head_dim, ssm.n_groups, ssm.state_size
-        conv_dim = ssm.conv_dim(config.d_model)
-
-        def projection(name, shape, axes):
-            return Projection(
-                shape, ("embed", *axes), init_std=config.init_std, dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype, name=name,
-            )(x)
-
-        def param(name, init, shape, axes):
-            return self.param(name, nn.with_logical_partitioning(init, axes), shape, policy.param_dtype)
-
-        z = projection("z", (heads, head_dim), ("heads", "head_dim"))
-        xs = projection("x", (heads, head_dim), ("heads", "head_dim"))
-        B = projection("B", (groups, state), (None, "state"))
-        C = projection("C", (groups, state), (None, "state"))
-        dt = projection("dt", (heads,), ("heads",))
-        conv_weight = param("conv_weight", _conv_init, (ssm.conv_kernel, conv_dim), (None, None))
-        conv_bias = param("conv_bias", nn.initializers.zeros, (conv_dim,), (None,)) if ssm.use_conv_bias else None
-        dt_bias = param("dt_bias", _dt_bias_init, (heads,), ("heads",))
-        A_log = param("A_log", lambda key, shape, dtype: jnp.log(jnp.arange(1, shape[0] + 1, dtype=dtype)), (heads,),
-                      ("heads",))
-        D = param("D", nn.initializers.ones, (heads,), ("heads",))
-        norm_scale = param("norm_scale", nn.initializers.ones, (heads, head_dim), ("heads", "head_dim"))
+        z = self._project(x, "z", (heads, head_dim), ("heads", "head_dim"))
+        xs = self._project(x, "x", (heads, head_dim), ("heads", "head_dim"))
+        B = self._project(x, "B", (groups, state), (None, "state"))
+        C = self._project(x, "C", (groups, state), (None, "state"))
+        dt = self._project(x, "dt", (heads,), ("heads",))
+        weight, bias, dt_bias, A_log, D, norm_scale = self._mixer_params(heads, head_dim)
 
         lead = x.shape[:2]
         xbc = jnp.concatenate([xs.reshape(*lead, -1), B.reshape(*lead, -1), C.reshape(*lead, -1)], axis=-1)
-        dtype = xbc.dtype
-        weight = conv_weight.astype(dtype)
-        bias = None if conv_bias is None else conv_bias.astype(dtype)
+        weight = weight.astype(xbc.dtype)
+        bias = None if bias is None else bias.astype(xbc.dtype)
         if cache is None:
             xbc = short_conv(xbc, weight, bias, segment_ids=segment_ids)
         else:
-            xbc, conv_state = ragged_conv(xbc[0], cache["conv_state"].astype(dtype), weight, bias, paging)
+            xbc, conv_state = ragged_conv(xbc[0], cache["conv_state"].astype(xbc.dtype), weight, bias, paging)
             xbc = xbc[None]
         xbc = jax.nn.silu(xbc)
         inner = heads * head_dim
@@ -223,21 +202,46 @@ class Mamba2Mixer(nn.Module):
         C = xbc[..., inner + groups * state :].reshape(*lead, groups, state)
         dt = time_steps(dt, dt_bias, ssm.time_step_limit)
         A = -jnp.exp(A_log.astype(jnp.float32))
+        scan = dict(chunk_size=ssm.chunk_size, impl=config.attention_impl)
         if cache is None:
-            y = ssd(
-                xs, dt, A, B, C, D=D, dt_softplus=False, segment_ids=segment_ids, chunk_size=ssm.chunk_size,
-                impl=config.attention_impl,
-            )
+            y = ssd(xs, dt, A, B, C, D=D, dt_softplus=False, segment_ids=segment_ids, **scan)
         else:
-            y, ssm_state = ragged_ssd(
-                xs[0], dt[0], A, B[0], C[0], D, cache["ssm_state"], paging, valid[0],
-                chunk_size=ssm.chunk_size, impl=config.attention_impl,
-            )
+            y, ssm_state = ragged_ssd(xs[0], dt[0], A, B[0], C[0], D, cache["ssm_state"], paging, valid[0], **scan)
             y = y[None]
             cache = {"conv_state": conv_state.astype(cache["conv_state"].dtype), "ssm_state": ssm_state}
         y = gated_rms_norm(y, z, norm_scale, groups, config.norm_eps)
-        out = Projection(
-            (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, init_std=config.init_std,
-            dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="o",
-        )(y)
-        return out, cache
+        return self._project(y, "o", (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2), cache
+
+    def _project(self, x, name, shape, axes, in_dims=1):
+        policy = self.config.policy
+        kernel_axes = ("embed", *axes) if in_dims == 1 else axes
+        return Projection(
+            shape,
+            kernel_axes,
+            in_dims=in_dims,
+            init_std=self.config.init_std,
+            dtype=policy.compute_dtype,
+            param_dtype=policy.param_dtype,
+            name=name,
+        )(x)
+
+    def _mixer_params(self, heads, head_dim):
+        """``(conv_weight, conv_bias or None, dt_bias, A_log, D, norm_scale)``, initialised as
+        Hugging Face's ``Mamba2Mixer`` (``A = 1..heads``, ``D = 1``, log-uniform step sizes)."""
+        ssm, param_dtype = self.config.ssm, self.config.policy.param_dtype
+        conv_dim = ssm.conv_dim(self.config.d_model)
+
+        def param(name, init, shape, axes):
+            return self.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
+
+        def a_log_init(key, shape, dtype):
+            return jnp.log(jnp.arange(1, shape[0] + 1, dtype=dtype))
+
+        return (
+            param("conv_weight", _conv_init, (ssm.conv_kernel, conv_dim), (None, None)),
+            param("conv_bias", nn.initializers.zeros, (conv_dim,), (None,)) if ssm.use_conv_bias else None,
+            param("dt_bias", _dt_bias_init, (heads,), ("heads",)),
+            param("A_log", a_log_init, (heads,), ("heads",)),
+            param("D", nn.initializers.ones, (heads,), ("heads",)),
+            param("norm_scale", nn.initializers.ones, (heads, head_dim), ("heads", "head_dim")),
+        )
