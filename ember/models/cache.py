@@ -27,6 +27,9 @@ from an empty state (the slot's old state is ignored), so a slot is reused witho
   (the last value, for the value shift).
 - ``linear``: per-slot ``state [num_slots, heads, feature_dim, head_dim + 1]`` (float32
   recurrent state with the normaliser column).
+- ``mamba2``: per-slot ``conv_state [num_slots, conv_kernel - 1, conv_dim]`` (the last
+  pre-convolution ``x, B, C`` inputs) and ``ssm_state [num_slots, ssm_heads, ssm_head_dim,
+  state_size]`` (float32).
 
 Pages are shared by all layers of a sequence (one page table); state slots are O(1) per
 sequence. Layers see the step's metadata through :class:`Paging`.
@@ -42,6 +45,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
+
+FLOAT32_ENTRIES: frozenset[str] = frozenset({"state", "ssm_state"})
+"""Cache entries kept in float32 whatever the storage dtype: recurrent states accumulate."""
 
 
 @struct.dataclass
@@ -83,7 +89,7 @@ def init_cache_layers(config: ModelConfig, num_slots: int, num_pages: int, dtype
       num_slots: sequences served at once (rows of the page table).
       num_pages: pages in the pool.
       dtype: K/V and convolution-tail storage dtype; default the config's compute dtype.
-        Linear attention's recurrent states are always float32.
+        Recurrent states (:data:`FLOAT32_ENTRIES`) are always float32.
     """
     if num_slots < 1 or num_pages < 1:
         raise ValueError(f"num_slots and num_pages must be positive, got num_slots={num_slots}, num_pages={num_pages}")
@@ -91,7 +97,7 @@ def init_cache_layers(config: ModelConfig, num_slots: int, num_pages: int, dtype
     groups = math.ceil(config.num_layers / config.layer_period)
     return {
         f"block_{j}": {
-            name: jnp.zeros((groups, *shape), jnp.float32 if name == "state" else dtype)
+            name: jnp.zeros((groups, *shape), jnp.float32 if name in FLOAT32_ENTRIES else dtype)
             for name, shape in layer_state_shapes(config, kind, num_slots, num_pages).items()
         }
         for j, kind in enumerate(config.layer_kinds[: config.layer_period])
@@ -118,6 +124,12 @@ def layer_state_shapes(config: ModelConfig, kind: str, num_slots: int, num_pages
         }
     if kind == "linear":
         return {"state": (num_slots, config.num_heads, linear_feature_dim(config), config.head_size + 1)}
+    if kind == "mamba2":
+        ssm = config.ssm
+        return {
+            "conv_state": (num_slots, ssm.conv_kernel - 1, ssm.conv_dim(config.d_model)),
+            "ssm_state": (num_slots, ssm.heads(config.d_model), ssm.head_dim, ssm.state_size),
+        }
     raise ValueError(f"no cache layout for layer kind {kind!r}")
 
 
@@ -160,4 +172,12 @@ def run_history(
     return jnp.where(mask, flat[token], from_slot)
 
 
-__all__ = ["Paging", "init_cache_layers", "layer_state_shapes", "linear_feature_dim", "run_history", "write_pages"]
+__all__ = [
+    "FLOAT32_ENTRIES",
+    "Paging",
+    "init_cache_layers",
+    "layer_state_shapes",
+    "linear_feature_dim",
+    "run_history",
+    "write_pages",
+]

@@ -20,6 +20,10 @@ Layer kinds (``block_pattern``, repeated cyclically over ``num_layers``):
 - ``cca``: Compressed Convolutional Attention in a latent space ``cca_compression`` times
   narrower than the model (CCGQA when ``cca_kv_heads < cca_heads``).
 - ``linear``: linear attention with the ``linear_feature_map`` feature map.
+- ``mamba2``: the Mamba-2 mixer (``ssm``, an :class:`SSMConfig`): input projections, a
+  causal depthwise convolution, the SSD scan, a gated per-group RMSNorm. Mamba-2 models set
+  ``mlp_pattern: [none]``; hybrids mix it with the attention kinds (e.g. ``[mamba2, mamba2,
+  mamba2, global]``). Its cache is an O(1) state slot per sequence.
 
 MLP placement (``mlp_pattern``, repeated cyclically over ``num_layers`` like the block
 pattern): ``dense`` (the ``mlp`` feed-forward block), ``moe`` (a mixture of experts
@@ -37,9 +41,11 @@ import math
 from ember.core.errors import ConfigError
 from ember.core.precision import Precision
 
-LAYER_KINDS: tuple[str, ...] = ("global", "local", "block_sparse", "cca", "linear")
+LAYER_KINDS: tuple[str, ...] = ("global", "local", "block_sparse", "cca", "linear", "mamba2")
 SOFTMAX_FAMILY: tuple[str, ...] = ("global", "local", "block_sparse")
 """Kinds that run the ordinary multi-head attention module over a paged KV cache."""
+ROTARY_KINDS: tuple[str, ...] = (*SOFTMAX_FAMILY, "cca")
+"""Kinds that apply rotary embeddings (their head size must be even)."""
 MLP_KINDS: tuple[str, ...] = ("swiglu", "geglu", "gelu", "relu")
 MLP_PLACEMENTS: tuple[str, ...] = ("dense", "moe", "none")
 """What follows a layer's mixer (``mlp_pattern`` entries)."""
@@ -166,6 +172,53 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SSMConfig:
+    """The Mamba-2 mixer of ``mamba2`` layers (names as Hugging Face's ``Mamba2Config``).
+
+    The inner width is ``expand * d_model``, split into ``expand * d_model // head_dim``
+    heads; ``B``/``C`` have ``n_groups`` groups of ``state_size`` (shared by the heads of a
+    group; the gated norm also normalises per group). ``conv_kernel`` taps of causal
+    depthwise convolution over ``x, B, C``; ``chunk_size`` is the SSD chunk (a power of two
+    >= 8; results do not depend on it). The step size ``dt = softplus(dt + dt_bias)`` is
+    clamped to ``time_step_limit`` (``(0, inf)``: no clamp).
+    """
+
+    state_size: int = 16
+    n_groups: int = 1
+    expand: int = 2
+    head_dim: int = 16
+    conv_kernel: int = 4
+    chunk_size: int = 64
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    use_conv_bias: bool = True
+
+    def __post_init__(self):
+        for name in ("state_size", "n_groups", "expand", "head_dim", "conv_kernel"):
+            if getattr(self, name) < 1:
+                key = f"ssm.{name}"
+                raise ConfigError(f"{key} must be a positive integer, got {getattr(self, name)}", key=key)
+        if self.chunk_size < 8 or self.chunk_size & (self.chunk_size - 1):
+            raise ConfigError(
+                f"ssm.chunk_size must be a power of two >= 8, got {self.chunk_size}", key="ssm.chunk_size"
+            )
+        limit = tuple(float(v) for v in self.time_step_limit)
+        if len(limit) != 2 or not 0 <= limit[0] < limit[1]:
+            raise ConfigError(
+                f"ssm.time_step_limit must be [low, high] with 0 <= low < high, got {list(self.time_step_limit)}",
+                key="ssm.time_step_limit",
+            )
+        object.__setattr__(self, "time_step_limit", limit)
+
+    def heads(self, d_model: int) -> int:
+        """SSM heads of a ``d_model`` model: ``expand * d_model // head_dim``."""
+        return self.expand * d_model // self.head_dim
+
+    def conv_dim(self, d_model: int) -> int:
+        """Channels of the convolution (and of its state): ``x``, ``B`` and ``C``."""
+        return self.expand * d_model + 2 * self.n_groups * self.state_size
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only LM. ``head_dim``/``num_kv_heads`` of 0 mean ``d_model // num_heads`` /
     ``num_heads``; ``attn_soft_cap``/``final_soft_cap`` of 0 mean no soft-cap."""
@@ -199,6 +252,7 @@ class ModelConfig:
     cca_conv_width: int = 2
     linear_feature_map: str = "elu"
     linear_feature_dim: int = 0
+    ssm: SSMConfig = dataclasses.field(default_factory=SSMConfig)
     init_std: float = 0.02
     precision: str = "f32"
     scan_layers: bool = True
@@ -251,7 +305,9 @@ class ModelConfig:
             raise ConfigError(f"global_tokens must be >= 0, got {self.global_tokens}", key="global_tokens")
         if "cca" in self.block_pattern:
             self._check_cca()
-        if self.head_size % 2:
+        if "mamba2" in self.block_pattern:
+            self._check_ssm()
+        if self.head_size % 2 and set(self.block_pattern) & set(ROTARY_KINDS):
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_size}", key="head_dim")
         for name in ("attention_impl", "moe_impl"):
             _check_choice(name, getattr(self, name), ("auto", "pallas", "interpret", "xla"))
@@ -286,6 +342,20 @@ class ModelConfig:
             )
         if self.cca_conv_width < 1:
             raise ConfigError(f"cca_conv_width must be >= 1, got {self.cca_conv_width}", key="cca_conv_width")
+
+    def _check_ssm(self) -> None:
+        ssm = self.ssm
+        inner = ssm.expand * self.d_model
+        if inner % ssm.head_dim:
+            raise ConfigError(
+                f"ssm.head_dim ({ssm.head_dim}) must divide the inner width ssm.expand * d_model = {inner}",
+                key="ssm.head_dim",
+            )
+        if ssm.heads(self.d_model) % ssm.n_groups:
+            raise ConfigError(
+                f"ssm.n_groups ({ssm.n_groups}) must divide the SSM heads ({ssm.heads(self.d_model)})",
+                key="ssm.n_groups",
+            )
 
     # Derived sizes. Properties (not fields) so that ``replace`` keeps them consistent.
     @property
@@ -341,6 +411,7 @@ class ModelConfig:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in RUNTIME_FIELDS}
         fields["rope"] = dataclasses.asdict(self.rope)
         fields["moe"] = dataclasses.asdict(self.moe)
+        fields["ssm"] = dataclasses.asdict(self.ssm)
         fields["precision"] = f"params={self.policy.param_dtype.name}"
         return fields
 
@@ -355,9 +426,11 @@ __all__ = [
     "LAYER_KINDS",
     "MLP_KINDS",
     "MLP_PLACEMENTS",
+    "ROTARY_KINDS",
     "RUNTIME_FIELDS",
     "SOFTMAX_FAMILY",
     "MoEConfig",
     "ModelConfig",
     "RopeConfig",
+    "SSMConfig",
 ]

@@ -39,6 +39,7 @@ from ember.models.layers.attention import Attention
 from ember.models.layers.cca import CompressedConvAttention
 from ember.models.layers.embedding import Embed, OutputHead
 from ember.models.layers.linear_attention import LinearAttention
+from ember.models.layers.mamba2 import Mamba2Mixer
 from ember.models.layers.mlp import Mlp
 from ember.models.layers.moe import MoeMlp
 from ember.models.layers.norm import make_norm
@@ -54,10 +55,11 @@ _REMAT_POLICIES = {
 class Block(nn.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
 
-    The mixer is chosen by ``kind``, the MLP by ``mlp_placement`` (``moe``: a ``MoeMlp``;
-    ``none``: no MLP and no ``mlp_norm``); ``state`` is this layer's cache entry (or None).
-    ``router_logits``: the last MoE layer's router logits, carried for MoE++'s gating residual
-    (None without it). Returns ``(x, state, router_logits, balance statistics or None)``.
+    The mixer (named ``attn`` whatever its kind) is chosen by ``kind``, the MLP by
+    ``mlp_placement`` (``moe``: a ``MoeMlp``; ``none``: no MLP and no ``mlp_norm``); ``state``
+    is this layer's cache entry (or None). ``router_logits``: the last MoE layer's router
+    logits, carried for MoE++'s gating residual (None without it). Returns ``(x, state,
+    router_logits, balance statistics or None)``.
     """
 
     config: ModelConfig
@@ -73,6 +75,8 @@ class Block(nn.Module):
             mixer = Attention(config, self.kind, name="attn")
         elif self.kind == "cca":
             mixer = CompressedConvAttention(config, name="attn")
+        elif self.kind == "mamba2":
+            mixer = Mamba2Mixer(config, name="attn")
         else:
             mixer = LinearAttention(config, name="attn")
         h, state = mixer(h, positions, segment_ids, state, paging, valid)
@@ -115,9 +119,7 @@ class BlockGroup(nn.Module):
             layer = self.first_layer + j
             state = None if states is None else states[name]
             block = Block(self.config, self.config.layer_kinds[layer], self.config.layer_mlps[layer], name=name)
-            x, state, router_logits, block_stats = block(
-                x, positions, segment_ids, state, paging, valid, router_logits
-            )
+            x, state, router_logits, block_stats = block(x, positions, segment_ids, state, paging, valid, router_logits)
             if new_states is not None:
                 new_states[name] = state
             if block_stats is not None:

@@ -39,6 +39,8 @@ def mixer_flops(config: ModelConfig, kind: str, seq_len: int) -> float:
         projections = 2 * d * (latent_q + 2 * latent_kv) + 2 * latent_q * d
         convolutions = 2 * width * (latent_q + latent_kv) * (1 + head)
         return projections + convolutions + 4 * latent_q * mean_visible_keys(config, kind, seq_len)
+    if kind == "mamba2":
+        return _mamba2_flops(config)
     inner = config.num_heads * config.head_size
     if kind == "linear":
         features = linear_feature_dim(config)
@@ -58,6 +60,20 @@ def moe_flops(config: ModelConfig) -> float:
     router = 2 * d * moe.total_experts + (2 * moe.total_experts**2 if moe.gating_residual else 0)
     shared_gate = 2 * d if moe.shared_expert_gate else 0
     return router + 2 * matrices * d * (moe.top_k * config.expert_dim + shared) + shared_gate
+
+
+def _mamba2_flops(config: ModelConfig) -> float:
+    """Projections, the depthwise convolution and the chunked SSD scan per token: per head,
+    the inter-chunk state update and readout (``2 P N`` multiply-adds each) and the
+    intra-chunk scores ``C B^T`` and their product with ``x`` over the half chunk a token
+    sees on average."""
+    ssm, d = config.ssm, config.d_model
+    heads, inner, conv_dim = ssm.heads(d), ssm.expand * d, ssm.conv_dim(d)
+    projections = 2 * d * (inner + conv_dim + heads) + 2 * inner * d
+    convolution = 2 * ssm.conv_kernel * conv_dim
+    inter_chunk = 4 * heads * ssm.head_dim * ssm.state_size
+    intra_chunk = heads * ssm.chunk_size * (ssm.state_size + ssm.head_dim)
+    return projections + convolution + inter_chunk + intra_chunk
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, *, training: bool = True) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ember.models.cache import init_cache_layers, layer_state_shapes
-from ember.models.config import ModelConfig
+from ember.models.config import ModelConfig, SSMConfig
 
 BASE = ModelConfig(
     vocab_size=128,
@@ -31,6 +31,17 @@ KINDS = {
     "sigmoid": dict(score="sigmoid", block_pattern=("global", "local")),
     "cca": dict(block_pattern=("cca",), cca_compression=2, cca_heads=2, cca_kv_heads=1, cca_conv_width=3),
     "linear_hedgehog": dict(block_pattern=("linear",), linear_feature_map="hedgehog", linear_feature_dim=8),
+    # Two groups, a sequence (20) and prompt chunks that are not multiples of the SSD chunk.
+    "mamba2": dict(
+        mlp_pattern=("none",), ssm=SSMConfig(state_size=8, n_groups=2, head_dim=16, conv_kernel=4, chunk_size=8)
+    ),
+    # Three SSM blocks without an MLP per attention block with one (a Jamba/Zamba-style ratio).
+    "hybrid": dict(
+        block_pattern=("mamba2", "mamba2", "mamba2", "global"),
+        mlp_pattern=("none", "none", "none", "dense"),
+        num_layers=4,
+        ssm=SSMConfig(state_size=8, head_dim=32, conv_kernel=3, chunk_size=8),
+    ),
     # Elu linear layers and a partial last group are covered here, next to the others.
     "mixed_unscanned": dict(block_pattern=("global", "local", "cca", "linear"), num_layers=5, scan_layers=False),
 }

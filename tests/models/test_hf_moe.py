@@ -142,9 +142,7 @@ def test_greedy_decoding_matches_transformers(pair, tmp_path, rng):
     prompts = [generator.integers(0, config.vocab_size, size=n).tolist() for n in (PROMPT_LEN, 3)]
     expected = hf_greedy(model, prompts, NEW_TOKENS)
     if name == "qwen2_moe":  # the serving engine's ragged path (chunked prefill, paged cache)
-        engine = Engine.from_model(
-            config, params, num_slots=2, token_buckets=(4,), max_context=PROMPT_LEN + NEW_TOKENS
-        )
+        engine = Engine.from_model(config, params, num_slots=2, token_buckets=(4,), max_context=PROMPT_LEN + NEW_TOKENS)
         results = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         assert [r.tokens for r in results] == expected
         return

@@ -21,7 +21,7 @@ def abstract_params(config):
     return jax.eval_shape(DecoderLM(config).init, jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
 
 
-@pytest.mark.parametrize("name, millions", [("125m", 125), ("350m", 350), ("1b", 1000)])
+@pytest.mark.parametrize("name, millions", [("125m", 125), ("350m", 350), ("1b", 1000), ("mamba2_130m", 130)])
 def test_preset_sizes(name, millions):
     config = load_config(ModelConfig, PRESETS / f"{name}.yaml")
     assert abs(param_count(abstract_params(config)) / 1e6 - millions) < 0.05 * millions

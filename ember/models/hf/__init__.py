@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) <-> Ember ``(ModelConfig, params)``.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Mamba-2) <-> Ember ``(ModelConfig, params)``.
 
 config, params = ember.models.hf.load("path/to/hf_model")
 ember.models.hf.save("path/out", config, params, model_type="llama")

@@ -19,7 +19,8 @@ SINGLE_FILE = "model.safetensors"
 
 
 def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
-    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE directory.
+    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE /
+    Mamba-2 directory.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or a sharded
@@ -47,7 +48,8 @@ def save(
     """Writes ``config.json`` and ``model.safetensors`` (one file) loadable by
     ``transformers`` ``AutoModelForCausalLM.from_pretrained(path)`` and by :func:`load`.
 
-    ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``mixtral`` or ``qwen2_moe`` (must express ``config``).
+    ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``mixtral``, ``qwen2_moe`` or ``mamba2`` (must
+    express ``config``).
     """
     path = Path(path)
     hf_config = config_to_hf(config, model_type)

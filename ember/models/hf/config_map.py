@@ -1,4 +1,5 @@
-"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE.
+"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE
+and Mamba-2 (the last in ``ember.models.hf.mamba2``).
 
 Only fields that change the computation are mapped; a field Ember cannot honour (an
 architecture, activation, rope type or bias it does not implement) raises ``ConfigError``
@@ -12,8 +13,9 @@ from typing import Any
 
 from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig, MoEConfig, RopeConfig
+from ember.models.hf.mamba2 import mamba2_config_from_hf, mamba2_config_to_hf
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "mamba2")
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe")
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
 _ARCHITECTURES = {
@@ -36,6 +38,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         raise ConfigError(
             f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if model_type == "mamba2":
+        return mamba2_config_from_hf(hf, **overrides)
     activation = hf.get("hidden_act", "silu")
     if activation not in _ACTIVATIONS:
         raise ConfigError(
@@ -78,6 +82,8 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     """A Hugging Face config dict for ``config`` as a ``model_type`` model."""
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+    if model_type == "mamba2":
+        return mamba2_config_to_hf(config)
     kinds = set(config.layer_kinds)
     if (
         not kinds <= {"global", "local"}

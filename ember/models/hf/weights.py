@@ -1,5 +1,5 @@
 """Hugging Face state-dict names <-> Ember parameter trees (Llama / Mistral / Qwen2 layout,
-plus the MoE layers of Mixtral and Qwen2-MoE).
+plus the MoE layers of Mixtral and Qwen2-MoE; Mamba-2's in ``ember.models.hf.mamba2``).
 
 HF linear weights are ``[out, in]``; Ember kernels are ``[in, ...out]`` with heads split:
 ``q/kernel [embed, heads, head_dim]``, ``o/kernel [heads, head_dim, embed]``. Rotary
@@ -20,6 +20,7 @@ import numpy as np
 from ember.core.errors import DataError
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list
+from ember.models.hf.mamba2 import mamba2_params_from_hf, mamba2_params_to_hf
 
 # The MoE block's module name and its experts' (gate, up, down) names, per model type.
 _MOE_NAMES = {
@@ -47,6 +48,10 @@ def params_from_hf(
                 return np.asarray(state[name]).astype(dtype)
         raise DataError(f"Hugging Face checkpoint is missing tensor {names[0]!r}")
 
+    if "mamba2" in config.layer_kinds:
+        params = mamba2_params_from_hf(config, take)
+        _check_all_used(config, state, used)
+        return params
     layers = []
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
@@ -78,7 +83,12 @@ def params_from_hf(
     }
     if not config.tie_embeddings:
         params["head"] = {"kernel": take("lm_head.weight").T}
-    elif "lm_head.weight" in state:
+    _check_all_used(config, state, used)
+    return params
+
+
+def _check_all_used(config: ModelConfig, state: Mapping[str, np.ndarray], used: set[str]) -> None:
+    if config.tie_embeddings and "lm_head.weight" in state:
         used.add("lm_head.weight")  # tied checkpoints may still store the (shared) head
     ignored = sorted(name for name in state if name not in used and not name.endswith("rotary_emb.inv_freq"))
     if ignored:
@@ -86,7 +96,6 @@ def params_from_hf(
             f"Hugging Face checkpoint has tensors Ember does not use: {', '.join(ignored[:8])}"
             f"{' ...' if len(ignored) > 8 else ''}"
         )
-    return params
 
 
 def _moe_from_hf(take, prefix: str, config: ModelConfig, model_type: str) -> dict[str, Any]:
@@ -144,6 +153,8 @@ def params_to_hf(
         x = np.asarray(x)
         return np.ascontiguousarray(x if dtype is None else x.astype(dtype))
 
+    if "mamba2" in config.layer_kinds:
+        return mamba2_params_to_hf(config, params, out)
     state = {
         "model.embed_tokens.weight": out(params["embed"]["embedding"]),
         "model.norm.weight": out(params["final_norm"]["scale"]),

@@ -34,10 +34,18 @@ from jax.sharding import PartitionSpec
 from ember.core.errors import EmberError
 from ember.core.sharding import DEFAULT_RULES
 from ember.kernels_pallas import grouped_matmul
-from ember.models.layers.mlp import _ACTIVATIONS, GATED
+from ember.models.layers.mlp import ACTIVATIONS, GATED
 
 EXPERT_AXIS = "expert"
 """The mesh axis experts are sharded over (the ``expert`` logical axis's rule)."""
+
+
+def expert_parallel_ranks() -> int:
+    """The size of the current mesh's ``expert`` axis (1 without a mesh or without that axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return 1
+    return mesh.shape[EXPERT_AXIS]
 
 
 def expert_parallel_routed_mlp(
@@ -55,7 +63,9 @@ def expert_parallel_routed_mlp(
 
     Args:
       x: ``[tokens, embed]`` token activations.
-      expert_ids: int32 ``[tokens, top_k]`` the experts each token is routed to.
+      expert_ids: int32 ``[tokens, top_k]`` the experts each token is routed to; ids outside
+        ``[0, E)`` (dropped slots, MoE++ zero-computation experts, padding) cost nothing and
+        contribute nothing, as in the local dispatch.
       combine_weights: f32 ``[tokens, top_k]`` the weight of each routed expert's output.
       gate: ``[E, embed, f]`` (gated ``activation`` kinds) or ``None``.
       up: ``[E, embed, f]``; down: ``[E, f, embed]``.
@@ -66,8 +76,8 @@ def expert_parallel_routed_mlp(
       EmberError: the expert count does not divide over the ``expert`` mesh axis, or the
         tokens do not divide over the token-parallel axes.
     """
-    if activation not in _ACTIVATIONS:
-        raise EmberError(f"activation must be one of {', '.join(_ACTIVATIONS)}; got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise EmberError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
     if (activation in GATED) != (gate is not None):
         raise EmberError(f"activation {activation!r} {'needs' if activation in GATED else 'takes no'} gate weights")
     mesh = jax.sharding.get_abstract_mesh()
@@ -155,7 +165,8 @@ def _dispatch_on_device(x, expert_ids, combine_weights, gate, up, down, *, activ
     rank_of_sorted = jnp.minimum(rank_of_sorted, ranks - 1)
     sorted_out = back[rank_of_sorted, index - starts[rank_of_sorted]]
     slot_out = jnp.zeros_like(sorted_out).at[order].set(sorted_out).reshape(tokens, top_k, -1)
-    weights = combine_weights.astype(jnp.float32)[..., None]
+    in_range = (flat_ids < local_experts * ranks).reshape(tokens, top_k)
+    weights = jnp.where(in_range, combine_weights.astype(jnp.float32), 0.0)[..., None]
     return jnp.sum(slot_out.astype(jnp.float32) * weights, axis=1).astype(x.dtype)
 
 
@@ -174,10 +185,10 @@ def _expert_mlp(rows, gate, up, down, group_sizes, *, activation, impl):
     matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=impl)
     hidden = matmul(rows, up)
     if gate is not None:
-        hidden = _ACTIVATIONS[activation](matmul(rows, gate)) * hidden
+        hidden = ACTIVATIONS[activation](matmul(rows, gate)) * hidden
     else:
-        hidden = _ACTIVATIONS[activation](hidden)
+        hidden = ACTIVATIONS[activation](hidden)
     return matmul(hidden, down)
 
 
-__all__ = ["EXPERT_AXIS", "expert_parallel_routed_mlp"]
+__all__ = ["EXPERT_AXIS", "expert_parallel_ranks", "expert_parallel_routed_mlp"]

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.models.config import ModelConfig
+from ember.models.layers.expert_parallel import expert_parallel_ranks, expert_parallel_routed_mlp
 from ember.models.layers.mlp import GATED, Mlp
 from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp, slot_capacity
 from ember.models.layers.router import balance_statistics, route, updated_balance_bias
@@ -105,9 +106,9 @@ class MoeMlp(nn.Module):
             capacity = slot_capacity(moe.capacity_factor, batch * seq, moe.top_k, moe.num_experts)
             expert_ids, dropped = apply_capacity(expert_ids, moe.num_experts, capacity)
         gate, up, down = ExpertWeights(config, name="experts")()
-        y = routed_expert_mlp(
-            flat, expert_ids, routing.weights, gate, up, down, activation=config.mlp, impl=config.moe_impl
-        )
+        # Experts sharded over a current mesh's expert axis exchange tokens with all_to_all.
+        dispatch = expert_parallel_routed_mlp if expert_parallel_ranks() > 1 else routed_expert_mlp
+        y = dispatch(flat, expert_ids, routing.weights, gate, up, down, activation=config.mlp, impl=config.moe_impl)
         y = y + self._zero_computation_experts(flat, expert_ids, routing.weights)
         if moe.shared_experts:
             y = y + self._shared_experts(flat)
