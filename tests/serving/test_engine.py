@@ -17,6 +17,7 @@ from ember.serving.engine import Engine
 from ember.serving.model_program import build_program
 from ember.serving.requests import SamplingParams
 from tests.host_random import numpy_rng, perturbed
+from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
 
 CONFIG = ModelConfig(
@@ -42,10 +43,11 @@ def params():
 
 
 @pytest.fixture(scope="module")
-def program(params):
-    return build_program(
-        CONFIG, params, num_slots=4, token_buckets=(4, 8, 16), max_context=MAX_CONTEXT, num_pages=NUM_PAGES
-    )
+def program(params, tmp_path_factory):
+    with one_at_a_time(tmp_path_factory, "serving-engine-program"):  # compiled once per session
+        return build_program(
+            CONFIG, params, num_slots=4, token_buckets=(4, 8, 16), max_context=MAX_CONTEXT, num_pages=NUM_PAGES
+        )
 
 
 @pytest.fixture
