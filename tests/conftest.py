@@ -3,14 +3,30 @@
 JAX is given 8 host CPU devices *before it is imported anywhere*, so sharding is tested on
 every machine. Hypothesis gets a profile without deadlines (JIT compilation makes first
 examples slow) and a bounded example count for CI.
+
+Every process of a test session -- the xdist workers and each subprocess a test spawns (``ember``
+CLI runs, notebook kernels, multi-process trainers) -- shares one JAX persistent compilation cache
+in a temporary directory made for the session, so a program is compiled by XLA once per session
+rather than once per process or per test that rebuilds it. The cache is keyed by the program, its
+devices and compile options, so a hit runs the same executable a compilation would have built.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+# Environment variables (not jax.config) so that workers and subprocesses inherit them; the first
+# process of the session (xdist's controller, or plain pytest) makes the directory and removes it.
+_OWN_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ember-test-jax-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import hypothesis  # noqa: E402
 import jax  # noqa: E402
@@ -18,6 +34,11 @@ import pytest  # noqa: E402
 
 hypothesis.settings.register_profile("ember", deadline=None, max_examples=20, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ember"))
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture

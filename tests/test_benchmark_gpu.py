@@ -23,21 +23,24 @@ from benchmarks.device_checks import (
     Problem,
     run_check,
 )
+from tests.once_per_session import build_once
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def toy_record(tmp_path_factory):
-    """The JSON record of one ``python -m benchmarks.gpu --toy`` run. A subprocess, so it
-    gets one CPU device and XLA's backend optimizations off (compile time dominates at toy
-    sizes and they buy nothing there)."""
-    results_dir = tmp_path_factory.mktemp("gpu_results")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    command = [sys.executable, "-m", "benchmarks.gpu", "--toy", "--results-dir", str(results_dir), "--seed", "11"]
-    done = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    files = list(results_dir.iterdir())
+    """The JSON record of one ``python -m benchmarks.gpu --toy`` run (once per session). A
+    subprocess, so it gets one CPU device and XLA's backend optimizations off (compile time
+    dominates at toy sizes and they buy nothing there)."""
+
+    def run(results_dir):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+        command = [sys.executable, "-m", "benchmarks.gpu", "--toy", "--results-dir", str(results_dir), "--seed", "11"]
+        done = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    files = list(build_once(tmp_path_factory, "gpu-toy-results", run).iterdir())
     assert [f.name for f in files] == ["gpu-cpu.json"]
     return json.loads(files[0].read_text())
 

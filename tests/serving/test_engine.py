@@ -14,6 +14,7 @@ from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.model_program import build_program
 from ember.serving.requests import SamplingParams
+from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
 from tests.serving.random_workload import random_prompts, run_random_arrivals
 
@@ -31,10 +32,11 @@ def params():
 
 
 @pytest.fixture(scope="module")
-def program(params):
-    return build_program(
-        CONFIG, params, num_slots=4, token_buckets=(4, 8, 16), max_context=MAX_CONTEXT, num_pages=NUM_PAGES
-    )
+def program(params, tmp_path_factory):
+    with one_at_a_time(tmp_path_factory, "serving-engine-program"):  # compiled once per session
+        return build_program(
+            CONFIG, params, num_slots=4, token_buckets=(4, 8, 16), max_context=MAX_CONTEXT, num_pages=NUM_PAGES
+        )
 
 
 @pytest.fixture

@@ -68,8 +68,10 @@ def ember_train(*args, devices=2):
     )
 
 
-def wait_for_logged_steps(run_dir, steps, timeout=240):
-    """Polls ``run_dir/metrics.jsonl`` until it holds ``steps`` lines (or ``timeout`` passes)."""
+def wait_for_logged_steps(run_dir, steps, timeout=600):
+    """Polls ``run_dir/metrics.jsonl`` until it holds ``steps`` lines (or ``timeout`` passes:
+    the callers' assertions then say what is missing). Generous, since a loaded machine can take
+    minutes to start a run, and a kill before the first checkpoint fails the test."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics_file = Path(run_dir) / "metrics.jsonl"

@@ -14,6 +14,7 @@ from ember.core.config import load_config, to_yaml
 from ember.core.errors import ConfigError
 from ember.training.lm.config import LMConfig
 from ember.training.lm.trainer import check_resumable, train
+from tests.once_per_session import build_once
 from tests.tolerances import assert_allclose
 from tests.training.lm_runs import ember_train, read_metrics, small_config, wait_for_logged_steps, write_config
 
@@ -35,21 +36,25 @@ RUNTIME_CHANGES = {
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory, dataset):
     """``(config path, metrics of the uninterrupted run, run directory killed mid-run)``,
-    both run by ``ember train`` on 8 host devices (the mesh this process has too)."""
-    root = tmp_path_factory.mktemp("resume")
-    config_path = write_config(
-        root, dataset, f"train.steps={STEPS}", "checkpoint.every=3", "mesh.data=8", "checkpoint.async_save=false"
-    )
-    reference_dir, killed_dir = root / "reference", root / "killed"
-    reference = ember_train(config_path, f"run_dir={reference_dir}", devices=8)
-    killed = ember_train(config_path, f"run_dir={killed_dir}", devices=8)
-    wait_for_logged_steps(killed_dir, 4)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait(timeout=60)
-    assert reference.wait(timeout=300) == 0, reference.stdout.read()
-    saved = CheckpointManager(killed_dir / "checkpoints").all_steps()
-    assert saved and max(saved) < STEPS, f"the kill should leave a partial run, found checkpoints {saved}"
-    return config_path, read_metrics(reference_dir), killed_dir
+    both run by ``ember train`` on 8 host devices (the mesh this process has too); built once
+    per session and only read by the tests (each resumes a copy)."""
+
+    def run_and_kill(root):
+        config_path = write_config(
+            root, dataset, f"train.steps={STEPS}", "checkpoint.every=3", "mesh.data=8", "checkpoint.async_save=false"
+        )
+        reference_dir, killed_dir = root / "reference", root / "killed"
+        reference = ember_train(config_path, f"run_dir={reference_dir}", devices=8)
+        killed = ember_train(config_path, f"run_dir={killed_dir}", devices=8)
+        wait_for_logged_steps(killed_dir, 4)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=60)
+        assert reference.wait(timeout=300) == 0, reference.stdout.read()
+        saved = CheckpointManager(killed_dir / "checkpoints").all_steps()
+        assert saved and max(saved) < STEPS, f"the kill should leave a partial run, found checkpoints {saved}"
+
+    root = build_once(tmp_path_factory, "lm-resume-killed-run", run_and_kill)
+    return root / "config.yaml", read_metrics(root / "reference"), root / "killed"
 
 
 def resume_copy(killed_run, tmp_path, *changes):

@@ -17,6 +17,7 @@ from ember.serving.requests import SamplingParams
 from ember.training.lm.config import SampleConfig
 from ember.training.lm.sampling import sample_text
 from tests.host_random import perturbed
+from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
 
 CONFIG = ModelConfig(
@@ -46,10 +47,11 @@ def model_and_params():
 
 
 @pytest.fixture(scope="module")
-def other_engine(model_and_params):
+def other_engine(model_and_params, tmp_path_factory):
     """An engine of another shape than the one ``sample_text`` builds."""
     _, params = model_and_params
-    return Engine.from_model(CONFIG, params, tokenizer=ByteTokenizer(), num_slots=5, token_buckets=(7,))
+    with one_at_a_time(tmp_path_factory, "lm-sampling-other-engine"):  # compiled once per session
+        return Engine.from_model(CONFIG, params, tokenizer=ByteTokenizer(), num_slots=5, token_buckets=(7,))
 
 
 def test_greedy_samples_equal_the_engine_and_a_full_recompute(model_and_params, other_engine):
