@@ -66,8 +66,8 @@ CONFIG = ModelConfig(
 @pytest.fixture(scope="module")
 def params():
     """Random parameters drawn on the host into the model's parameter shapes (norm scales,
-    the Mamba-2 gated norm's ``norm_scale`` too, around 1, everything else around 0): initialising a model of every kind eagerly costs
-    more than the rest of this module."""
+    the Mamba-2 gated norm's ``norm_scale`` too, around 1, everything else around 0):
+    initialising a model of every kind eagerly costs more than the rest of this module."""
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     shapes = nn.meta.unbox(jax.eval_shape(DecoderLM(CONFIG).init, jax.random.key(0), tokens)["params"])
     generator = np.random.default_rng(20261123)
