@@ -70,6 +70,17 @@ def test_config_maps_the_architecture(pair):
     assert ssm.conv_kernel == 4 and ssm.chunk_size == CHUNK and ssm.time_step_limit == (0.0, 1.5)
 
 
+def test_the_default_unclamped_step_size_limit_loads(tmp_path):
+    """transformers writes the default ``time_step_limit`` ``(0, inf)`` as ``[0.0, {"__float__":
+    "Infinity"}]`` in config.json; it loads as no clamp."""
+    config = transformers.Mamba2Config(
+        vocab_size=97, hidden_size=32, num_hidden_layers=1, head_dim=16, num_heads=4, n_groups=1
+    )
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert hf.config_from_hf(written).ssm.time_step_limit == (0.0, float("inf")), written["time_step_limit"]
+
+
 def test_logits_match_transformers(pair, rng):
     model, _, config, params = pair
     forward = jax.jit(DecoderLM(config).apply)

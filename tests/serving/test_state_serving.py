@@ -2,6 +2,7 @@
 the paged KV cache: a tiny random hybrid of every state kind interleaved with global and
 local attention, served with continuous batching, random chunked prefill, mid-flight
 arrivals and preemption, equals a full-recompute greedy loop; so does its exported artifact.
+Every other layer's MLP is a mixture of experts, so hybrids with MoE MLPs serve in the same program.
 State slots are donated like the pages; a preempted sequence restarts its state from
 position 0 whatever its slot holds.
 
@@ -18,7 +19,7 @@ import pytest
 
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.cache import init_cache_layers
-from ember.models.config import ModelConfig
+from ember.models.config import ModelConfig, MoEConfig, SSMConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.export import export_program, load_artifact
@@ -29,10 +30,10 @@ from tests.serving.greedy_reference import greedy_reference
 from tests.serving.random_workload import run_random_arrivals
 from tests.tolerances import assert_allclose
 
-STATE_KINDS = ("linear", "cca")
+STATE_KINDS = ("linear", "cca", "mamba2")
 """Layer kinds with a per-sequence state slot in the ragged cache (``ember.models.cache``)."""
 HYBRID_PATTERN = tuple(itertools.chain(*zip(STATE_KINDS, itertools.cycle(("global", "local")))))
-"""Each state kind followed by an attention layer: ``(linear, global, cca, local)``."""
+"""Each state kind followed by an attention layer: ``(linear, global, cca, local, mamba2, global)``."""
 
 MAX_CONTEXT = 48
 NUM_PAGES = 16  # 12 pages hold one full sequence; 4 slots would want 48: preemption happens.
@@ -49,26 +50,30 @@ CONFIG = ModelConfig(
     page_size=4,
     max_seq_len=MAX_CONTEXT,
     block_pattern=HYBRID_PATTERN,
+    mlp_pattern=("moe", "dense"),
+    moe=MoEConfig(num_experts=4, top_k=2, expert_dim=32),
+    moe_impl="xla",
     sliding_window=6,  # local layers see less than a prompt
     cca_compression=2,
     cca_heads=2,
     cca_kv_heads=1,
     cca_conv_width=3,
+    ssm=SSMConfig(state_size=8, head_dim=16, conv_kernel=3, chunk_size=8),
     attention_impl="xla",
 )
 
 
 @pytest.fixture(scope="module")
 def params():
-    """Random parameters drawn on the host into the model's parameter shapes (norm scales
-    around 1, everything else around 0): initialising a model of every kind eagerly costs
-    more than the rest of this module."""
+    """Random parameters drawn on the host into the model's parameter shapes (norm scales,
+    the Mamba-2 gated norm's ``norm_scale`` too, around 1, everything else around 0):
+    initialising a model of every kind eagerly costs more than the rest of this module."""
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     shapes = nn.meta.unbox(jax.eval_shape(DecoderLM(CONFIG).init, jax.random.key(0), tokens)["params"])
     generator = np.random.default_rng(20261123)
 
     def draw(path, leaf):
-        centre = 1.0 if jax.tree_util.keystr(path).endswith("['scale']") else 0.0
+        centre = 1.0 if jax.tree_util.keystr(path).endswith(("['scale']", "['norm_scale']")) else 0.0
         return jnp.asarray(centre + 0.1 * generator.standard_normal(leaf.shape), leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, shapes)

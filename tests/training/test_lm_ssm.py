@@ -1,13 +1,19 @@
 """A tiny Mamba-2 model and a tiny Mamba-2/attention hybrid learn real text: their shipped
 ``configs/lm`` recipes, on a much shorter budget, reach a validation loss well below the
-unigram entropy of the stdlib corpus (as the transformer's demo preset does)."""
+unigram entropy of the stdlib corpus (as the transformer's demo preset does); ``ember generate
+--checkpoint <the hybrid's run directory>`` then serves it, greedy tokens equal to a
+full-recompute loop over the checkpointed parameters."""
 
 import numpy as np
 import pytest
 
+from ember.cli import main
+from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config
+from ember.core.tokenizer import ByteTokenizer
 from ember.training.lm.config import LMConfig
 from ember.training.lm.trainer import train
+from tests.serving.greedy_reference import greedy_reference
 from tests.training.lm_runs import REPO
 
 STEPS = 80
@@ -21,7 +27,7 @@ def corpus_cache(tmp_path_factory):
 
 @pytest.mark.slow  # two short training runs (each ~50 s of CPU on a loaded 2-core machine)
 @pytest.mark.parametrize("name", ["mamba2_tiny", "hybrid_tiny"])
-def test_tiny_ssm_presets_learn_below_the_unigram_entropy(name, tmp_path, monkeypatch, corpus_cache):
+def test_tiny_ssm_presets_learn_below_the_unigram_entropy(name, tmp_path, monkeypatch, corpus_cache, capsys):
     from ember.training.data import TokenDataset, stdlib_corpus_dir
 
     monkeypatch.setenv("EMBER_CACHE", str(corpus_cache))
@@ -51,3 +57,18 @@ def test_tiny_ssm_presets_learn_below_the_unigram_entropy(name, tmp_path, monkey
     print(f"{name}: unigram entropy {unigram_entropy:.3f} nats, val loss after {STEPS} steps {summary['val_loss']:.3f}")
     # Measured: 2.46 (mamba2_tiny) and 2.53 (hybrid_tiny) after 80 steps against 3.19.
     assert summary["val_loss"] < unigram_entropy - 0.5
+    if name == "hybrid_tiny":
+        assert_generate_serves_the_run(tmp_path / "run", config.model, capsys)
+
+
+def assert_generate_serves_the_run(run_dir, model_config, capsys):
+    """``ember generate --checkpoint run_dir`` prints the greedy continuation that a full
+    recompute over the run's last checkpoint gives (up to an EOS, which is not printed)."""
+    params = CheckpointManager(run_dir / "checkpoints").restore_part("params")
+    capsys.readouterr()
+    flags = ["--max-tokens", "12", "--token-budget", "4", "--num-slots", "1", "--no-progress"]
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def ", *flags]) == 0
+    expected = greedy_reference(model_config, params, 32)([list(b"def ")], [12])[0]
+    eos = ByteTokenizer().eos_id
+    expected = expected[: expected.index(eos)] if eos in expected else expected
+    assert capsys.readouterr().out == ByteTokenizer().decode(expected) + "\n"

@@ -24,6 +24,14 @@ from ember.models.config import ModelConfig, SSMConfig
 from ember.models.decoder import layers_from_list, layers_to_list
 
 
+def _json_float(value: Any) -> float:
+    """A float of a ``config.json``: a number, or transformers' encoding of a non-finite one
+    (``{"__float__": "Infinity"}``, what recent releases write for the default step-size limit)."""
+    if isinstance(value, Mapping) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
 def mamba2_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face ``mamba2`` config dict."""
     for flag, allowed in (("use_bias", False), ("hidden_act", "silu"), ("rms_norm", True)):
@@ -48,7 +56,7 @@ def mamba2_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfi
         head_dim=head_dim,
         conv_kernel=int(hf.get("conv_kernel", 4)),
         chunk_size=chunk,
-        time_step_limit=(float(limit[0]), float(limit[1])),
+        time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
         use_conv_bias=bool(hf.get("use_conv_bias", True)),
     )
     fields = dict(
