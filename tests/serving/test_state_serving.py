@@ -26,6 +26,7 @@ from ember.serving.export import export_program, load_artifact
 from ember.serving.model_program import build_program
 from ember.serving.requests import SamplingParams
 from tests.host_random import numpy_rng
+from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
 from tests.serving.random_workload import run_random_arrivals
 from tests.tolerances import assert_allclose
@@ -80,10 +81,11 @@ def params():
 
 
 @pytest.fixture(scope="module")
-def program(params):
-    return build_program(
-        CONFIG, params, num_slots=NUM_SLOTS, token_buckets=BUCKETS, max_context=MAX_CONTEXT, num_pages=NUM_PAGES
-    )
+def program(params, tmp_path_factory):
+    with one_at_a_time(tmp_path_factory, "state-serving-program"):  # compiled once per session
+        return build_program(
+            CONFIG, params, num_slots=NUM_SLOTS, token_buckets=BUCKETS, max_context=MAX_CONTEXT, num_pages=NUM_PAGES
+        )
 
 
 @pytest.fixture(scope="module")
