@@ -130,7 +130,9 @@ def ember_step_timing(model, config: ModelConfig, batch, mask, repeats: int) -> 
 
     if mask is None:
         mask = map_paths(lambda path, _: True, jax.eval_shape(init_params, key))
-    make_state = functools.partial(init_state, init_params=init_params, tx=tx, mask=mask)
+    make_state = functools.partial(
+        init_state, init_variables=lambda rng: {"params": init_params(rng)}, tx=tx, mask=mask
+    )
     mesh = make_mesh(MeshConfig(data=-1))
     boxed = jax.eval_shape(make_state, key)
     shardings = tree_shardings(mesh, nn.get_partition_spec(boxed), DEFAULT_RULES, shapes=boxed)
