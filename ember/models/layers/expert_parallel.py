@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec
 
 from ember.core.errors import EmberError
 from ember.core.sharding import DEFAULT_RULES
-from ember.kernels_pallas import grouped_matmul
 from ember.models.layers.mlp import ACTIVATIONS, GATED
+from ember.models.layers.moe_dispatch import grouped_expert_mlp
 
 EXPERT_AXIS = "expert"
 """The mesh axis experts are sharded over (the ``expert`` logical axis's rule)."""
@@ -155,7 +155,7 @@ def _dispatch_on_device(x, expert_ids, combine_weights, gate, up, down, *, activ
     regroup = jnp.argsort(local_ids, stable=True)
     rows = received.reshape(ranks * slots, -1)[regroup]
     group_sizes = counts_in.sum(axis=0)
-    out = _expert_mlp(rows, gate, up, down, group_sizes, activation=activation, impl=impl)
+    out = grouped_expert_mlp(rows, gate, up, down, group_sizes, activation=activation, impl=impl)
     if tensor_axes:
         out = jax.lax.psum(out, tensor_axes)
     out = jnp.zeros_like(out).at[regroup].set(out).reshape(ranks, slots, -1)
@@ -178,17 +178,6 @@ def _local_expert_of_rows(counts_in: jax.Array, slots: int) -> jax.Array:
     index = jnp.arange(slots)
     ids = jax.vmap(lambda e: jnp.searchsorted(e, index, side="right"))(ends)  # [sources, slots]
     return jnp.minimum(ids, local_experts).reshape(-1)
-
-
-def _expert_mlp(rows, gate, up, down, group_sizes, *, activation, impl):
-    """The expert MLP on ``rows`` grouped contiguously by local expert (``group_sizes``)."""
-    matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, impl=impl)
-    hidden = matmul(rows, up)
-    if gate is not None:
-        hidden = ACTIVATIONS[activation](matmul(rows, gate)) * hidden
-    else:
-        hidden = ACTIVATIONS[activation](hidden)
-    return matmul(hidden, down)
 
 
 __all__ = ["EXPERT_AXIS", "expert_parallel_ranks", "expert_parallel_routed_mlp"]

@@ -55,6 +55,17 @@ def sort_slots(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
     return order, inverse, jnp.diff(bounds).astype(jnp.int32)
 
 
+def grouped_expert_mlp(rows, gate, up, down, group_sizes, *, activation: str, impl: str) -> jax.Array:
+    """The expert MLP on ``rows [m, embed]`` grouped contiguously by expert (``group_sizes``
+    ``[E]``): ``down(act(rows @ gate) * (rows @ up))`` per group, through ``grouped_matmul``."""
+    hidden = grouped_matmul(rows, up, group_sizes, impl=impl)
+    if gate is not None:
+        hidden = ACTIVATIONS[activation](grouped_matmul(rows, gate, group_sizes, impl=impl)) * hidden
+    else:
+        hidden = ACTIVATIONS[activation](hidden)
+    return grouped_matmul(hidden, down, group_sizes, impl=impl)
+
+
 def routed_expert_mlp(
     x: jax.Array,
     expert_ids: jax.Array,
@@ -86,12 +97,9 @@ def routed_expert_mlp(
     # Slot s = t * top_k + k holds token t; broadcasting (not gathering) keeps its VJP a sum.
     slots = jnp.broadcast_to(x[:, None, :], (tokens, top_k, x.shape[-1])).reshape(tokens * top_k, -1)
     rows = permute_rows(slots, order, inverse)
-    hidden = grouped_matmul(rows, up, group_sizes, impl=impl)
-    if gate is not None:
-        hidden = ACTIVATIONS[activation](grouped_matmul(rows, gate, group_sizes, impl=impl)) * hidden
-    else:
-        hidden = ACTIVATIONS[activation](hidden)
-    out = permute_rows(grouped_matmul(hidden, down, group_sizes, impl=impl), inverse, order)
+    out = permute_rows(
+        grouped_expert_mlp(rows, gate, up, down, group_sizes, activation=activation, impl=impl), inverse, order
+    )
     out = out.reshape(tokens, top_k, -1).astype(jnp.float32)
     routed = ((expert_ids >= 0) & (expert_ids < num_experts))[..., None]
     # Rows past the groups are unspecified in grouped_matmul's contract: select, never multiply.
