@@ -1,4 +1,7 @@
-"""The suite's own set-up: 8 CPU devices and the tolerance table."""
+"""The suite's own set-up: 8 CPU devices, XLA optimizations off unless a test is marked, and the
+tolerance table."""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,3 +31,14 @@ def test_assert_allclose_uses_the_dtype_of_actual(rng):
         assert_allclose(x, x + 1e-3)  # ... but far outside the f32 one
     with pytest.raises(AssertionError, match="NaN"):
         assert_allclose(x.at[3].set(jnp.nan), x)
+
+
+def test_xla_optimizations_are_off_by_default():
+    assert jax.config.read("jax_disable_most_optimizations")
+    assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"  # and in the subprocesses tests start
+
+
+@pytest.mark.xla_optimized
+def test_a_marked_test_compiles_with_xla_optimizations():
+    assert not jax.config.read("jax_disable_most_optimizations")
+    assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "0"

@@ -14,7 +14,10 @@ from ember.training.lm.config import LMConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A 2-layer, width-64 byte model: small enough that a step compiles and runs in seconds.
+# A 2-layer, width-64 byte model: small enough that a step compiles and runs in seconds. A
+# constant learning rate keeps ``train.steps`` out of the compiled step (a decay schedule bakes the
+# run's length in), so runs of different lengths on one mesh share one compilation through the
+# session's compilation cache; test_lm_resume.py keeps a decaying schedule across its resumes.
 SMALL = [
     "model.vocab_size=384",
     "model.d_model=64",
@@ -29,6 +32,7 @@ SMALL = [
     "train.eval_every=1000",
     "train.eval_batches=0",
     "optim.lr=3e-3",
+    "optim.schedule.kind=constant",
     "checkpoint.every=1000",
     "logging.progress=false",
     "logging.tensorboard=false",

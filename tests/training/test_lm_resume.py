@@ -41,7 +41,13 @@ def killed_run(tmp_path_factory, dataset):
 
     def run_and_kill(root):
         config_path = write_config(
-            root, dataset, f"train.steps={STEPS}", "checkpoint.every=3", "mesh.data=8", "checkpoint.async_save=false"
+            root,
+            dataset,
+            f"train.steps={STEPS}",
+            "checkpoint.every=3",
+            "mesh.data=8",
+            "checkpoint.async_save=false",
+            "optim.schedule.kind=cosine",  # the resumed steps must continue the decay, not restart it
         )
         reference_dir, killed_dir = root / "reference", root / "killed"
         reference = ember_train(config_path, f"run_dir={reference_dir}", devices=8)

@@ -26,6 +26,7 @@ def corpus_cache(tmp_path_factory):
 
 
 @pytest.mark.slow  # two short training runs (each ~50 s of CPU on a loaded 2-core machine)
+@pytest.mark.xla_optimized
 @pytest.mark.parametrize("name", ["mamba2_tiny", "hybrid_tiny"])
 def test_tiny_ssm_presets_learn_below_the_unigram_entropy(name, tmp_path, monkeypatch, corpus_cache, capsys):
     from ember.training.data import TokenDataset, stdlib_corpus_dir

@@ -199,6 +199,7 @@ def test_run_directory_contents_and_resume_guard(tmp_path, dataset):
 
 
 @pytest.mark.slow
+@pytest.mark.xla_optimized  # 200 steps: run time outweighs compile time
 def test_tiny_preset_learns_far_below_the_unigram_entropy(tmp_path, monkeypatch):
     """The demo's config on the real stdlib corpus, on a shorter budget (200 of its 1500 steps)."""
     from ember.training.data import TokenDataset, stdlib_corpus_dir

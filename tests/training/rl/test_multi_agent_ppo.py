@@ -53,6 +53,7 @@ def test_normalisation_options_are_refused_for_multi_agent_training(option):
 
 
 @pytest.mark.slow
+@pytest.mark.xla_optimized  # whole training runs: run time outweighs compile time
 @pytest.mark.parametrize(
     ("config_name", "min_margin"),
     [

@@ -142,6 +142,7 @@ def test_observation_statistics_are_the_moments_seen_and_act_applies_them_frozen
 
 
 @pytest.mark.slow
+@pytest.mark.xla_optimized  # thousands of environment steps: run time outweighs compile time
 def test_shipped_cartpole_config_solves_cartpole():
     config = load_config(RLConfig, CONFIGS / "ppo_cartpole.yaml")
     env, env_params = ember.envs.make(config.env.id)
@@ -153,6 +154,7 @@ def test_shipped_cartpole_config_solves_cartpole():
 
 
 @pytest.mark.slow
+@pytest.mark.xla_optimized
 def test_shipped_pendulum_config_improves_past_threshold():
     config = load_config(RLConfig, CONFIGS / "ppo_pendulum.yaml")
     env, env_params = ember.envs.make(config.env.id)
