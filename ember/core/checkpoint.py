@@ -158,6 +158,12 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager's resources."""
+        # Orbax's close() does not wait for the clean-up of unfinished temporary directories that
+        # its constructor starts in a thread; a process exiting right after (a refused run) then
+        # printed that thread's "cannot schedule new futures after shutdown" traceback.
+        await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:
+            await_cleanup()
         self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
