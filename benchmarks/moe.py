@@ -1,6 +1,15 @@
-"""Mixture of experts: the grouped matmul against its baselines.
+"""Mixture of experts against its baselines: grouped matmul, MoE layer, MoE++, a tiny MoE LM.
 
-    python -m benchmarks.moe          # GPU: MoE-sized problems; CPU: small sizes
+The grouped matmul against ragged_dot and dense loops, the MoE layer and MoE++ against the
+dense MLP and plain MoE, and a tiny MoE language model against the dense one of equal active
+parameters.
+
+    python -m benchmarks.moe                          # GPU: MoE-sized problems; CPU: small sizes
+    python -m benchmarks.moe --section moe_layer      # one section (repeat --section for more)
+    python -m benchmarks.moe --section stdlib_lm --steps 300   # opt-in: trains two models (minutes)
+
+The default run is ``grouped_matmul``, ``moe_layer`` and ``moe_plus_plus``; ``stdlib_lm`` runs
+only when named.
 
 ``grouped_matmul`` section: for each problem (experts, rows, k, n) and load (balanced:
 every expert the same rows; skewed: a Zipf-like draw, one expert with about half the rows
@@ -16,21 +25,56 @@ and some with none), forward and forward+backward (gradients of ``lhs`` and ``rh
 
 TFLOP/s count the useful FLOPs (``2 * rows * k * n`` forward, three times that forward +
 backward). Target on an H100 (the issue): grouped_matmul >= 0.8x the TFLOP/s of the
-equal-FLOP dense matmul. Results: ``benchmarks/results/moe-<device>.json``.
+equal-FLOP dense matmul.
+
+``moe_layer`` section: tokens/s of one training step (jitted ``value_and_grad`` of a
+squared-output loss over the parameters and the input) of ``MoeMlp`` against the dense
+``Mlp`` of equal *active* parameters (``mlp_dim = top_k * expert_dim``), same ``d_model`` and
+tokens: ``moe_dropless[<impl>]`` (``pallas`` grouped matmul on a GPU, ``xla`` on CPU) and
+``moe_capacity`` (capacity-factor dispatch, same impl). Ratios: MoE tokens/s over dense.
+
+``moe_plus_plus`` section: the same step for plain MoE (``E`` FFN experts, top-k) against MoE++
+(the same ``E`` FFN experts plus zero, copy and constant experts, gating residual fed the
+previous layer's logits, here a fixed random draw), with the measured fraction of token-slots
+that went to FFN experts: the slots a zero-computation expert takes cost no matmul rows,
+which is where MoE++'s speed comes from (the paper: 1.1-2.1x expert throughput). The routers
+are randomly initialised, so the zero-computation experts win only the slots they draw by
+chance (about their share of the routed experts); a trained MoE++ router learns to send
+more (easy tokens) there. The ratio measured here is that of an untrained router.
+
+``stdlib_lm`` section (opt-in): ``configs/lm/tiny.yaml`` (dense MLP of 256) and
+``configs/lm/moe_tiny.yaml`` (8 experts of 128, top-2: equal active MLP width) trained the
+same steps (``--steps``, default their configured 1500) through the LM trainer on the Python
+standard library's source; final validation loss of each, the gap and tokens/s.
+
+Results: ``benchmarks/results/moe-<device>.json`` (a run of some sections keeps the other
+sections' figures already in that file).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
+import json
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import device_label, on_gpu, print_table, time_fn, write_results
+from benchmarks.harness import RESULTS_DIR, device_label, on_gpu, print_table, time_fn, write_results
+from ember.core.config import load_config
+from ember.core.tree import param_count
 from ember.kernels_pallas.grouped_matmul import grouped_matmul
+from ember.models.config import ModelConfig, MoEConfig
+from ember.models.layers.mlp import Mlp
+from ember.models.layers.moe import MoeMlp
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "lm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,18 +231,284 @@ def grouped_matmul_ratios(rows: list[dict]) -> dict[str, float]:
     return ratios
 
 
-def main() -> None:
-    sizes = GPU_SIZES if on_gpu() else CPU_SIZES
+@dataclasses.dataclass(frozen=True)
+class LayerSizes:
+    """One MoE layer: ``tokens`` rows of ``d_model`` through ``experts`` FFN experts of
+    ``expert_dim`` channels, ``top_k`` per token; the dense baseline has ``top_k * expert_dim``.
+    MoE++ adds ``zero_experts``, ``copy_experts`` and ``constant_experts`` to the routed ones."""
+
+    tokens: int
+    d_model: int
+    experts: int
+    expert_dim: int
+    top_k: int
+    capacity_factor: float
+    zero_experts: int
+    copy_experts: int
+    constant_experts: int
+    precision: str  # the models' ``precision`` policy
+    impl: str  # the models' ``moe_impl``
+    repeats: int
+
+
+GPU_LAYER_SIZES = LayerSizes(
+    # One Mixtral-8x7B MLP layer (8 experts of 14336, top-2) on 8k tokens in bf16 compute;
+    # MoE++ adds the paper's 1 zero, 1 copy and 2 constant experts.
+    tokens=8192,
+    d_model=4096,
+    experts=8,
+    expert_dim=14336,
+    top_k=2,
+    capacity_factor=1.25,
+    zero_experts=1,
+    copy_experts=1,
+    constant_experts=2,
+    precision="bf16",
+    impl="pallas",
+    repeats=10,
+)
+CPU_LAYER_SIZES = LayerSizes(
+    tokens=2048,
+    d_model=128,
+    experts=8,
+    expert_dim=256,
+    top_k=2,
+    capacity_factor=1.25,
+    zero_experts=1,
+    copy_experts=1,
+    constant_experts=2,
+    precision="f32",
+    impl="xla",
+    repeats=10,
+)
+
+
+def layer_config(sizes: LayerSizes, *, capacity: bool = False, plus_plus: bool = False) -> ModelConfig:
+    """The model config of one layer: dropless (or ``capacity``-factor) MoE, MoE++ with
+    ``plus_plus``; its ``mlp_dim`` is the dense baseline's width ``top_k * expert_dim``."""
+    extra = (sizes.zero_experts, sizes.copy_experts, sizes.constant_experts) if plus_plus else (0, 0, 0)
+    moe = MoEConfig(
+        num_experts=sizes.experts,
+        top_k=sizes.top_k,
+        expert_dim=sizes.expert_dim,
+        capacity_factor=sizes.capacity_factor if capacity else 0.0,
+        num_zero_experts=extra[0],
+        num_copy_experts=extra[1],
+        num_constant_experts=extra[2],
+        gating_residual=plus_plus,
+    )
+    return ModelConfig(
+        d_model=sizes.d_model,
+        mlp_dim=sizes.top_k * sizes.expert_dim,
+        mlp_pattern=("moe",),
+        moe=moe,
+        precision=sizes.precision,
+        moe_impl=sizes.impl,
+    )
+
+
+def _perturbed(params, key):
+    """``params`` plus 10% relative noise: away from the initialisation's symmetries."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    noisy = [leaf * (1 + 0.1 * jax.random.normal(k, leaf.shape, leaf.dtype)) for leaf, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, noisy)
+
+
+def _inactive_expert_params(params, moe: MoEConfig) -> int:
+    """The parameters of the ``num_experts - top_k`` FFN experts a token does not use."""
+    return param_count(params["experts"]) * (moe.num_experts - moe.top_k) // moe.num_experts
+
+
+def layer_row(section: str, form: str, config: ModelConfig, sizes: LayerSizes, key) -> dict:
+    """Times one training step (``value_and_grad`` over parameters and input of
+    ``mean(y^2)``) of ``form``: ``dense`` (the ``Mlp`` of ``config.mlp_dim``) or an MoE form
+    (``MoeMlp(config)``, fed a fixed random ``previous_logits`` when the router has a gating
+    residual). Returns ms, tokens/s, parameter counts and, for MoE forms, the fraction of
+    token-slots that reached an FFN expert's matmul (not a zero-computation expert, not dropped)."""
+    k_x, k_prev, k_init, k_noise = jax.random.split(key, 4)
+    policy = config.policy
+    x = jax.random.normal(k_x, (1, sizes.tokens, sizes.d_model), policy.compute_dtype)
+    dense = form == "dense"
+    if dense:
+        module = Mlp(config.mlp_dim, config.mlp, config.init_std, policy.compute_dtype, policy.param_dtype)
+        inputs = (x,)
+    else:
+        module = MoeMlp(config)
+        previous = jax.random.normal(k_prev, (1, sizes.tokens, config.moe.total_experts), jnp.float32)
+        inputs = (x, previous if config.moe.gating_residual else None)
+    params = _perturbed(module.init(k_init, *inputs)["params"], k_noise)
+
+    def loss(params, x):
+        out = module.apply({"params": params}, x, *inputs[1:])
+        y = out if dense else out[0]
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    step_ms = _timed_ms(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x), sizes.repeats)
+    row = dict(
+        section=section,
+        form=form,
+        tokens=sizes.tokens,
+        d_model=sizes.d_model,
+        params=param_count(params),
+        # Per token: the dense MLP's all; an MoE's router and extras plus top_k of its E experts.
+        active_params=param_count(params) - (0 if dense else _inactive_expert_params(params, config.moe)),
+        step_ms=step_ms,
+        tokens_per_s=sizes.tokens / step_ms * 1e3 if isinstance(step_ms, float) else None,
+    )
+    if not dense:
+        stats = jax.jit(lambda p, *a: module.apply({"params": p}, *a)[2])(params, *inputs)
+        slots = float(stats["rows"]) * config.moe.top_k
+        ffn_slots = float(jnp.sum(stats["counts"][: config.moe.num_experts]) - stats["dropped"])
+        row.update(ffn_slot_fraction=ffn_slots / slots, dropped_fraction=float(stats["dropped"]) / slots)
+    return row
+
+
+def moe_layer_rows(sizes: LayerSizes, key=None) -> list[dict]:
+    """``dense`` (``mlp_dim = top_k * expert_dim``), ``moe_dropless[<impl>]`` and
+    ``moe_capacity[<factor>]`` training steps on the same tokens."""
+    key = jax.random.key(1) if key is None else key
+    forms = {
+        "dense": layer_config(sizes),
+        f"moe_dropless[{sizes.impl}]": layer_config(sizes),
+        f"moe_capacity[{sizes.capacity_factor:g}]": layer_config(sizes, capacity=True),
+    }
+    return [layer_row("moe_layer", form, config, sizes, key) for form, config in forms.items()]
+
+
+def moe_plus_plus_rows(sizes: LayerSizes, key=None) -> list[dict]:
+    """Dropless plain MoE (``experts`` FFN experts, top-k) and MoE++ (the same plus the zero,
+    copy and constant experts, gating residual), randomly initialised routers."""
+    key = jax.random.key(2) if key is None else key
+    forms = {
+        f"moe[{sizes.experts}e top{sizes.top_k}]": layer_config(sizes),
+        f"moe++[{sizes.experts}e+{sizes.zero_experts}z+{sizes.copy_experts}c+{sizes.constant_experts}k]": (
+            layer_config(sizes, plus_plus=True)
+        ),
+    }
+    return [layer_row("moe_plus_plus", form, config, sizes, key) for form, config in forms.items()]
+
+
+def layer_ratios(rows: list[dict]) -> dict[str, float]:
+    """Tokens/s ratios: each MoE form over ``dense`` (``moe_layer``) and MoE++ over plain MoE
+    (``moe_plus_plus``; the paper reports 1.1-2.1x expert throughput)."""
+    ratios = {}
+    for section in ("moe_layer", "moe_plus_plus"):
+        timed = [r for r in rows if r.get("section") == section and r["tokens_per_s"] is not None]
+        if not timed:
+            continue
+        base = timed[0]
+        for row in timed[1:]:
+            ratios[f"{section} {row['form']} / {base['form']} tokens/s"] = row["tokens_per_s"] / base["tokens_per_s"]
+    return ratios
+
+
+STDLIB_CONFIGS = {"dense": CONFIGS / "tiny.yaml", "moe": CONFIGS / "moe_tiny.yaml"}
+"""The two demo runs the ``stdlib_lm`` section trains: equal active MLP width (dense 256
+channels; 8 experts of 128, top-2)."""
+
+
+def train_stdlib_lm(name: str, steps: int | None, run_root: Path) -> dict:
+    """Trains ``STDLIB_CONFIGS[name]`` through the LM trainer (``steps``: None keeps the
+    configured count) in ``run_root/name``, without samples or TensorBoard; returns its
+    final validation loss, last training loss, median tokens/s over the logging windows and
+    the wall time (compilation, evaluation and checkpoints included)."""
+    # Imported here: the trainer pulls in orbax and tqdm, which benchmarks.gpu (importing this
+    # module for its grouped_matmul rows) must not need on the device image.
+    from ember.training.lm.config import LMConfig
+    from ember.training.lm.trainer import train as train_lm
+
+    overrides = [f"run_dir={run_root / name}", "sample.prompts=[]", "logging.tensorboard=false"]
+    if steps is not None:
+        overrides += [f"train.steps={steps}", f"checkpoint.every={steps}"]
+    config = load_config(LMConfig, STDLIB_CONFIGS[name], overrides)
+    start = time.perf_counter()
+    summary = train_lm(config)
+    return dict(
+        section="stdlib_lm",
+        model=name,
+        config=str(STDLIB_CONFIGS[name].relative_to(CONFIGS.parents[1])),
+        steps=summary["steps"],
+        val_loss=summary.get("val_loss"),
+        train_loss=summary.get("loss"),
+        tokens_per_s=_median_logged(run_root / name, "tokens_per_second"),
+        wall_s=time.perf_counter() - start,
+    )
+
+
+def _median_logged(run_dir: Path, key: str) -> float | None:
+    """The median of ``key`` over a run's ``metrics.jsonl`` lines (one logging window each:
+    steadier than the last window alone on a shared machine)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    values = [record[key] for record in map(json.loads, lines) if key in record]
+    return float(np.median(values)) if values else None
+
+
+def stdlib_lm_rows(steps: int | None) -> list[dict]:
+    """The dense and the MoE demo model trained the same steps, each in a fresh temporary run
+    directory."""
+    with tempfile.TemporaryDirectory(prefix="ember-moe-bench-") as root:
+        return [train_stdlib_lm(name, steps, Path(root)) for name in STDLIB_CONFIGS]
+
+
+def stdlib_lm_ratios(rows: list[dict]) -> dict[str, float]:
+    """The validation-loss gap MoE minus dense (< 0: the MoE model is ahead) and the tokens/s
+    ratio MoE over dense."""
+    dense, moe = (next(r for r in rows if r["model"] == name) for name in ("dense", "moe"))
+    figures = {"stdlib_lm val_loss moe - dense": moe["val_loss"] - dense["val_loss"]}
+    if moe["tokens_per_s"] and dense["tokens_per_s"]:
+        figures["stdlib_lm moe / dense tokens/s"] = moe["tokens_per_s"] / dense["tokens_per_s"]
+    return figures
+
+
+SECTIONS = ("grouped_matmul", "moe_layer", "moe_plus_plus", "stdlib_lm")
+DEFAULT_SECTIONS = ("grouped_matmul", "moe_layer", "moe_plus_plus")
+"""``stdlib_lm`` trains two models for minutes: it runs only when named with ``--section``."""
+
+
+def run_section(name: str, steps: int | None) -> dict:
+    """``{"sizes", "rows", "ratios"}`` of one section, its table and ratios printed."""
+    if name == "grouped_matmul":
+        sizes = GPU_SIZES if on_gpu() else CPU_SIZES
+        rows = grouped_matmul_rows(sizes)
+        columns = ["experts", "rows", "k", "n", "load", "form", "fwd_ms", "fwd_bwd_ms", "fwd_tflops"]
+        print_table(rows, [*columns, "rel_diff_vs_ragged_dot"])
+        ratios = grouped_matmul_ratios(rows)
+    elif name in ("moe_layer", "moe_plus_plus"):
+        sizes = GPU_LAYER_SIZES if on_gpu() else CPU_LAYER_SIZES
+        rows = moe_layer_rows(sizes) if name == "moe_layer" else moe_plus_plus_rows(sizes)
+        columns = ["form", "tokens", "d_model", "params", "active_params", "step_ms", "tokens_per_s"]
+        print_table(rows, [*columns, "ffn_slot_fraction"])
+        ratios = layer_ratios(rows)
+    else:
+        sizes = {"steps": steps}  # None: the configs' own
+        rows = stdlib_lm_rows(steps)
+        print_table(rows, ["model", "steps", "val_loss", "train_loss", "tokens_per_s", "wall_s"])
+        ratios = stdlib_lm_ratios(rows)
+    for key, value in ratios.items():
+        print(f"{key}: {value:.3g}")
+    sizes = sizes if isinstance(sizes, dict) else dataclasses.asdict(sizes)
+    return {"sizes": sizes, "rows": rows, "ratios": ratios}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", action="append", choices=SECTIONS, help="run only these (repeatable)")
+    parser.add_argument("--steps", type=int, default=None, help="stdlib_lm training steps (default: the configs')")
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     if not on_gpu():
-        print(f"No GPU found ({device_label()}): small sizes; grouped_matmul on its XLA path (ragged_dot).")
-    rows = grouped_matmul_rows(sizes)
-    columns = ["experts", "rows", "k", "n", "load", "form", "fwd_ms", "fwd_bwd_ms", "fwd_tflops"]
-    print_table(rows, [*columns, "rel_diff_vs_ragged_dot"])
-    ratios = grouped_matmul_ratios(rows)
-    for name, value in ratios.items():
-        print(f"{name}: {value:.3g}")
-    path = write_results("moe", {"sizes": dataclasses.asdict(sizes), "rows": rows, "ratios": ratios})
-    print(f"wrote {path}")
+        print(f"No GPU found ({device_label()}): small sizes; MoE on the XLA path (ragged_dot).")
+    measured = {}
+    for name in args.section or DEFAULT_SECTIONS:
+        print(f"== {name}")
+        measured[name] = run_section(name, args.steps)
+    # A run of some sections keeps the others' figures recorded for this device (read now, not
+    # at the start: another run of other sections may have written meanwhile).
+    path = RESULTS_DIR / f"moe-{device_label()}.json"
+    previous = json.loads(path.read_text()).get("sections", {}) if path.is_file() else {}
+    print(f"wrote {write_results('moe', {'sections': {**previous, **measured}})}")
 
 
 if __name__ == "__main__":
