@@ -17,7 +17,8 @@ moves params and optimizer state between the layouts (``scan_layers`` is a runti
 MoE layers (``mlp_pattern`` entry ``moe``) sow, when the collections are mutable: the global
 load-balancing loss and the router z-loss (collection ``losses``: ``load_balance``,
 ``router_z``, computed from all MoE layers' statistics together) and per MoE layer, in layer
-order, ``expert_load [experts]``, ``dropped_fraction`` and ``router_entropy`` (``metrics``).
+order, ``expert_load [experts]``, ``load_imbalance``, ``dropped_fraction`` and ``router_entropy``
+(``metrics``).
 With ``moe.bias_balancing_rate`` the ``balance`` collection must be passed to ``apply``.
 """
 
@@ -256,7 +257,7 @@ class DecoderLM(nn.Module):
     def _sow_moe_outputs(self, per_layer: list[dict[str, jax.Array]]) -> None:
         """Sows the global load-balancing and z losses (collection ``losses``: ``load_balance``,
         ``router_z``) and each MoE layer's ``metrics`` (``expert_load [R]``,
-        ``dropped_fraction``, ``router_entropy``, once per layer in layer order)."""
+        ``load_imbalance``, ``dropped_fraction``, ``router_entropy``, once per layer in layer order)."""
         total = combine_statistics(per_layer)
         self.sow("losses", "load_balance", load_balancing_loss(total))
         self.sow("losses", "router_z", router_z_loss(total))

@@ -264,8 +264,9 @@ def test_interleaved_moe_layers_scan_and_unrolled_agree_and_sow_global_losses(de
     assert_allclose(logits, logits_unrolled, scale=10)
     jax.tree.map(lambda a, b: assert_allclose(a, b, scale=10), sown, sown_unrolled)
     assert len(sown["metrics"]["expert_load"]) == 2 and len(sown["losses"]["load_balance"]) == 1
-    for load in sown["metrics"]["expert_load"]:
+    for load, imbalance in zip(sown["metrics"]["expert_load"], sown["metrics"]["load_imbalance"], strict=True):
         assert_allclose(np.sum(load), 1.0)
+        assert_allclose(imbalance, np.max(load) / np.mean(load))
     # The global loss combines the layers' sums before the product; the mean of per-layer losses differs.
     intermediates = _router_logits_by_layer(unrolled, params_unrolled, tokens)
     statistics = jax.jit(

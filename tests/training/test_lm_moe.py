@@ -76,6 +76,7 @@ def test_bias_balancing_is_learned_checkpointed_resumed_and_served(tmp_path, dat
     for step in range(1, 7):
         load = [metrics[step][f"expert_load/{e}"] for e in range(EXPERTS)]
         assert_allclose(sum(load), 1.0, dtype=np.float32)
+        assert metrics[step]["load_imbalance"] >= max(load) * EXPERTS - 1e-5  # layers' max >= the mean's max
 
     # Stopped at step 3, then resumed to 6: the same losses and the same bias.
     split = small_config(tmp_path / "split", dataset, *balancing, "train.steps=3", "mesh.data=8")
