@@ -13,6 +13,7 @@ from ember.models import hf
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
+from tests.hf_peers import random_hf_model
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
@@ -48,23 +49,11 @@ CASES = {
 PROMPT_LEN, NEW_TOKENS = 12, 32
 
 
-def build_hf_model(name, seed):
-    torch.manual_seed(seed)
-    config = CASES[name]()
-    config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # HF initialises biases to zero and norms to one: randomise all
-        for param_name, param in model.named_parameters():
-            noise = torch.randn_like(param) * 0.1
-            param.copy_(1.0 + noise if "norm" in param_name else noise * (3.0 if param.ndim == 1 else 1.0))
-    return model
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     """(name, hf_model, directory it was saved to, ember config, ember params)."""
     name = request.param
-    model = build_hf_model(name, seed=len(name))
+    model = random_hf_model(CASES[name](), seed=len(name))
     path = tmp_path_factory.mktemp(name)
     # Mistral is saved in small shards to exercise the sharded-index reader.
     model.save_pretrained(path, max_shard_size="40KB" if name == "mistral" else "1GB")

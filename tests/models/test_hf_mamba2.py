@@ -17,6 +17,7 @@ from ember.cli import main
 from ember.core.errors import ConfigError
 from ember.models import hf
 from ember.models.decoder import DecoderLM
+from tests.hf_peers import random_hf_model
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
@@ -28,7 +29,6 @@ CHUNK, NEW_TOKENS = 16, 64
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(hf_model, directory it was saved to, ember config, ember params)."""
-    torch.manual_seed(21)
     config = transformers.Mamba2Config(
         vocab_size=97,
         hidden_size=32,
@@ -46,11 +46,7 @@ def pair(tmp_path_factory):
         eos_token_id=None,
         pad_token_id=None,
     )
-    model = transformers.Mamba2ForCausalLM(config).eval()
-    with torch.no_grad():  # HF initialises biases to zero and norms to one: randomise all
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param) * 0.1
-            param.copy_(1.0 + noise if "norm" in name else noise * (3.0 if param.ndim == 1 else 1.0))
+    model = random_hf_model(config, seed=21)
     path = tmp_path_factory.mktemp("mamba2")
     model.save_pretrained(path)
     ember_config, params = hf.load(path, attention_impl="xla")

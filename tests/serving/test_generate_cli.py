@@ -20,6 +20,7 @@ from ember.core.config import to_yaml
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from tests.hf_peers import random_hf_model
 from tests.serving.greedy_reference import greedy_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,7 +134,6 @@ def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
 def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
     hf_config = transformers.LlamaConfig(
         vocab_size=97,
         hidden_size=64,
@@ -146,12 +146,7 @@ def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
         eos_token_id=None,
         pad_token_id=None,
     )
-    hf_config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-    with torch.no_grad():  # HF initialises norms to one: randomise everything
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param) * 0.1
-            param.copy_(1.0 + noise if "norm" in name else noise)
+    model = random_hf_model(hf_config, seed=int(jax.random.randint(rng, (), 0, 2**31 - 1)))
     model.save_pretrained(tmp_path / "llama")
     generator = np.random.default_rng(int(jax.random.randint(jax.random.fold_in(rng, 1), (), 0, 2**31 - 1)))
     prompts = [generator.integers(0, 97, size=int(n)).tolist() for n in generator.integers(2, 20, size=4)]
