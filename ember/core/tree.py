@@ -12,6 +12,7 @@ total                       1,300,000   5.0 MiB
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -81,4 +82,46 @@ def summary(tree: Any, depth: int = 2) -> str:
     return "\n".join([line(headers), rule, *(line(row) for row in table[:-1]), rule, line(table[-1])])
 
 
-__all__ = ["format_bytes", "param_bytes", "param_count", "summary", "summary_rows"]
+def param_paths(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a/b/kernel": leaf}`` for every leaf of the nested dict ``tree`` (any non-dict value,
+    a boxed ``nn.Partitioned`` parameter included, is one leaf)."""
+    flat = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(param_paths(value, path + "/"))
+        else:
+            flat[path] = value
+    return flat
+
+
+def tree_from_paths(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`param_paths`: ``{"a/b": 1, "a/c": 2}`` -> ``{"a": {"b": 1, "c": 2}}``."""
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, name = path.split("/")
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[name] = value
+    return tree
+
+
+def map_paths(fn: Callable[[str, Any], Any], tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``tree`` with every leaf replaced by ``fn(path, leaf)`` (paths as in :func:`param_paths`)."""
+    return {
+        key: map_paths(fn, value, f"{prefix}{key}/") if isinstance(value, Mapping) else fn(f"{prefix}{key}", value)
+        for key, value in tree.items()
+    }
+
+
+__all__ = [
+    "format_bytes",
+    "map_paths",
+    "param_bytes",
+    "param_count",
+    "param_paths",
+    "summary",
+    "summary_rows",
+    "tree_from_paths",
+]

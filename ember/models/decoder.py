@@ -224,7 +224,7 @@ class DecoderLM(nn.Module):
             scanned = nn.scan(
                 group_cls,
                 variable_axes={"params": 0, "balance": 0},
-                split_rngs={"params": True},
+                split_rngs={"params": True, "dropout": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=config.num_layers // period,
                 metadata_params={nn.PARTITION_NAME: "layers"},

@@ -15,33 +15,14 @@ parameters get neither gradient buffers nor optimizer state; checkpoints hold al
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ember.core.errors import ConfigError
+from ember.core.tree import map_paths, param_paths
 
 Mask = Any
 """A nested dict of bools shaped like the parameters."""
-
-
-def param_paths(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a/b/kernel": leaf}`` for every leaf of the nested dict ``tree``."""
-    flat = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(param_paths(value, path + "/"))
-        else:
-            flat[path] = value
-    return flat
-
-
-def map_paths(fn: Callable[[str, Any], Any], tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``tree`` with every leaf replaced by ``fn(path, leaf)`` (paths as in :func:`param_paths`)."""
-    return {
-        key: map_paths(fn, value, f"{prefix}{key}/") if isinstance(value, Mapping) else fn(f"{prefix}{key}", value)
-        for key, value in tree.items()
-    }
 
 
 def trainable_mask(

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ember.models.adapters.lowrank import adapted_weight, read_low_rank
 from ember.models.config import ModelConfig
 from ember.models.layers.expert_parallel import expert_parallel_ranks, expert_parallel_routed_mlp
 from ember.models.layers.mlp import GATED, Mlp
@@ -26,7 +27,13 @@ from ember.models.layers.router import balance_statistics, route, updated_balanc
 
 
 class ExpertWeights(nn.Module):
-    """The stacked FFN experts' matrices ``(gate | None, up, down)`` in the compute dtype."""
+    """The stacked FFN experts' matrices ``(gate | None, up, down)`` in the compute dtype.
+
+    A matrix with a low-rank adapter per expert (``up_lora_a [E, embed, rank]`` ..., see
+    ``ember.models.adapters``) is returned merged, ``W_e + scale A_e B_e``: the expert
+    dispatch paths (grouped, capacity, expert-parallel) take weight matrices. The cost over an
+    unmerged delta is the experts' weight-gradient matmul while fine-tuning.
+    """
 
     config: ModelConfig
 
@@ -38,6 +45,7 @@ class ExpertWeights(nn.Module):
 
         def weight(name, shape, axes):
             param = self.param(name, nn.with_logical_partitioning(init, axes), shape, config.policy.param_dtype)
+            param = adapted_weight(param, read_low_rank(self, name), in_dims=1, lead_dims=1)
             return param.astype(config.policy.compute_dtype)
 
         gate = None

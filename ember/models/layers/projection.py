@@ -2,7 +2,8 @@
 
 Unlike ``nn.DenseGeneral`` (which initialises a flattened 2-D kernel and reshapes it), the
 kernel is created with its real shape, so its logical-axis annotation always matches its
-rank (needed for eager sharding under ``nnx.bridge.ToNNX``).
+rank (needed for eager sharding under ``nnx.bridge.ToNNX``). A low-rank adapter next to the
+kernel (``kernel_lora_a`` ..., see ``ember.models.adapters``) adds its delta.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ember.models.adapters.lowrank import adapted_matmul, read_low_rank
+
 
 class Projection(nn.Module):
     """``x [..., *in_shape] -> [..., *out_shape]`` with ``kernel [*in_shape, *out_shape]``.
 
     ``in_dims`` trailing dimensions of ``x`` are contracted; ``kernel_axes`` names every
     kernel dimension; ``bias [*out_shape]`` (axes ``kernel_axes[in_dims:]``) when ``use_bias``.
+    ``adapter_ids [*x.shape[:-in_dims]]``: each token's adapter when the kernel carries
+    several stacked adapters (serving), else None.
     """
 
     out_shape: tuple[int, ...]
@@ -28,7 +33,7 @@ class Projection(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
         in_shape = x.shape[x.ndim - self.in_dims :]
         shape = (*in_shape, *self.out_shape)
         if len(self.kernel_axes) != len(shape):
@@ -39,7 +44,9 @@ class Projection(nn.Module):
             shape,
             self.param_dtype,
         )
-        y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.in_dims)
+        adapter = read_low_rank(self, "kernel")
+        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        y = adapted_matmul(self, x, kernel, adapter, in_dims=self.in_dims, adapter_ids=adapter_ids)
         if self.use_bias:
             bias = self.param(
                 "bias",

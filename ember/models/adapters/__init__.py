@@ -1,0 +1,35 @@
+"""Low-rank adapters (LoRA, rsLoRA, DoRA, PiSSA, LoRA-GA) as parameter-tree surgery.
+
+    params = add_lora(params, LoraConfig(rank=8, targets=("q", "v")), rng)
+    mask = adapter_mask(params)                  # the trainer trains the adapters only
+    merged, record = merge(params)               # fold in; unmerge(merged, record) restores
+
+The layer side (how a layer applies the adapter it finds next to a weight) is
+``lowrank``; PEFT's file format is ``ember.models.hf.peft``.
+"""
+
+from ember.models.adapters.lora import (
+    TARGETS,
+    LoraConfig,
+    adapted_paths,
+    adapter_leaves,
+    adapter_mask,
+    add_lora,
+    target_paths,
+    without_adapters,
+)
+from ember.models.adapters.merge import merge, merged_weights, unmerge
+
+__all__ = [
+    "TARGETS",
+    "LoraConfig",
+    "adapted_paths",
+    "adapter_leaves",
+    "adapter_mask",
+    "add_lora",
+    "merge",
+    "merged_weights",
+    "target_paths",
+    "unmerge",
+    "without_adapters",
+]

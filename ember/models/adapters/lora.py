@@ -1,0 +1,313 @@
+"""LoRA, rsLoRA, DoRA and PiSSA as surgery on a parameter tree.
+
+    config = LoraConfig(rank=8, alpha=16, targets=("q", "v", "up", "down"))
+    params = add_lora(params, config, rng)          # base weights + adapter leaves
+    mask = adapter_mask(params)                     # train the adapters only
+
+Adapters attach to weights chosen by ``targets``: the names in :data:`TARGETS` (``q k v o``
+attention projections, ``gate up down`` dense or shared-expert MLP matrices, ``experts``
+every routed expert's matrices) or regular expressions on ``/``-joined parameter paths
+(``"block_0/attn/q/kernel$"``); ``rank_pattern`` / ``alpha_pattern`` give matching weights
+their own rank or alpha. The added leaves and their meaning are in
+``ember.models.adapters.lowrank``. With the default initialisation (``A`` uniform as PEFT's
+Kaiming init, ``B`` zero) the adapted model equals the base exactly; with DoRA's magnitude
+``||W||`` it does up to the norm's rounding (``m / ||W||`` is 1 within an ulp). PiSSA moves
+the weight's top ``rank`` singular directions into the adapter and keeps the residual as the
+base (remembering the initial ``A0, B0`` so an export can express the change against the
+original weight); LoRA-GA is in ``ember.models.adapters.lora_ga``.
+
+Trees may be boxed (``nn.Partitioned``, as ``init`` returns): then an adapter's leaves
+carry the logical axes of its weight (``A``: the weight's leading and input axes, ``B``:
+its output axes), so they shard like it. Unboxed trees work too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ember.core.errors import ConfigError
+from ember.core.tree import param_paths, tree_from_paths
+from ember.models.adapters.lowrank import TRAINED_PARTS, LowRank, low_rank_product, part_name, weight_norm
+
+TARGETS: dict[str, str] = {
+    "q": r"(^|/)attn/q/kernel$",
+    "k": r"(^|/)attn/k/kernel$",
+    "v": r"(^|/)attn/v/kernel$",
+    "o": r"(^|/)attn/o/kernel$",
+    "gate": r"(^|/)(mlp|shared)/gate$",
+    "up": r"(^|/)(mlp|shared)/up$",
+    "down": r"(^|/)(mlp|shared)/down$",
+    "experts": r"(^|/)experts/(gate|up|down)$",
+}
+"""Target names and the parameter paths they select."""
+INITS: tuple[str, ...] = ("lora", "gaussian", "pissa", "lora_ga")
+"""``lora``: ``A`` Kaiming-uniform, ``B`` zero. ``gaussian``: ``A ~ N(0, 1/rank)``, ``B`` zero.
+``pissa``: principal singular vectors (base keeps the residual). ``lora_ga``: gradient SVD
+(``ember.models.adapters.lora_ga``; ``add_lora`` gives the ``lora`` init until then)."""
+LEAD_AXES = frozenset({"layers", "expert"})
+"""Logical axes that stack independent weights (each gets its own adapter)."""
+_LAYOUTS = ((r"attn/o/kernel$", 2, 1), (r"attn/(q|k|v)/kernel$", 1, 2), (r"(mlp|shared|experts)/(gate|up|down)$", 1, 1))
+"""``(path pattern, input dims, output dims)`` of weights whose tree carries no logical axes."""
+INITIAL_PARTS = ("lora_a0", "lora_b0")
+"""PiSSA / LoRA-GA: the adapter's initial factors (frozen), for exporting against the original weight."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """The adapters to add (see the module docstring). ``scale = alpha / rank``, or ``alpha /
+    sqrt(rank)`` with ``rslora``; ``dora`` adds the magnitude vector; ``dropout`` drops the
+    adapter's input while training."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    rslora: bool = False
+    dora: bool = False
+    dropout: float = 0.0
+    init: str = "lora"
+    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: dict[str, float] = dataclasses.field(default_factory=dict)
+    key: str = dataclasses.field(default="adapter", compare=False, repr=False)
+    """The config section these came from (prefix of error keys)."""
+
+    def __post_init__(self):
+        def fail(field, message):
+            raise ConfigError(f"{self.key}.{field} {message}", key=f"{self.key}.{field}")
+
+        if self.rank < 1 or any(r < 1 for r in self.rank_pattern.values()):
+            fail("rank", f"must be a positive integer, got {self.rank} (rank_pattern {self.rank_pattern})")
+        if self.alpha <= 0 or any(a <= 0 for a in self.alpha_pattern.values()):
+            fail("alpha", f"must be positive, got {self.alpha} (alpha_pattern {self.alpha_pattern})")
+        if not 0 <= self.dropout < 1:
+            fail("dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.init not in INITS:
+            fail("init", f"must be one of {', '.join(INITS)}, got {self.init!r}")
+        if not self.targets:
+            fail("targets", f"must name at least one weight: {', '.join(TARGETS)} or a path regex")
+        for target in (*self.targets, *self.rank_pattern, *self.alpha_pattern):
+            if target not in TARGETS:
+                try:
+                    re.compile(target)
+                except re.error as error:
+                    names = ", ".join(TARGETS)
+                    fail("targets", f"entry {target!r} is neither a target name ({names}) nor a regex ({error})")
+
+    def pattern(self, target: str) -> re.Pattern:
+        return re.compile(TARGETS.get(target, target))
+
+    def rank_and_alpha(self, path: str) -> tuple[int, float]:
+        """This weight's rank and alpha (the first matching ``*_pattern`` entry wins)."""
+        rank = next((r for p, r in self.rank_pattern.items() if self.pattern(p).search(path)), self.rank)
+        alpha = next((a for p, a in self.alpha_pattern.items() if self.pattern(p).search(path)), self.alpha)
+        return rank, alpha
+
+    def scale(self, path: str) -> float:
+        rank, alpha = self.rank_and_alpha(path)
+        return alpha / math.sqrt(rank) if self.rslora else alpha / rank
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """A weight's dimensions: ``lead`` stacking axes, then ``in_dims`` input and ``out_dims``
+    output ones; ``names`` its logical axes (None when the tree carries none)."""
+
+    lead: int
+    in_dims: int
+    out_dims: int
+    names: tuple[str | None, ...] | None = None
+
+    def split(self, shape):
+        lead, rest = shape[: self.lead], shape[self.lead :]
+        return lead, rest[: self.in_dims], rest[self.in_dims :]
+
+
+def weight_layout(path: str, leaf: Any) -> WeightLayout:
+    """How ``leaf`` at ``path`` maps inputs to outputs: from its logical axes when boxed (the
+    residual-stream axis ``embed`` is its input when first, its output when last), else from
+    the weight's name.
+
+    Raises:
+      ConfigError: the weight's layout cannot be told (not a matrix into or out of ``embed``).
+    """
+    shape = np.shape(_value(leaf))
+    if isinstance(leaf, nn.Partitioned):
+        names = tuple(leaf.names)
+        lead = 0
+        while lead < len(names) and names[lead] in LEAD_AXES:
+            lead += 1
+        rest = names[lead:]
+        if len(rest) >= 2 and rest[0] == "embed":
+            return WeightLayout(lead, 1, len(rest) - 1, names)
+        if len(rest) >= 2 and rest[-1] == "embed":
+            return WeightLayout(lead, len(rest) - 1, 1, names)
+    else:
+        for pattern, in_dims, out_dims in _LAYOUTS:
+            if re.search(pattern, path) and len(shape) >= in_dims + out_dims:
+                return WeightLayout(len(shape) - in_dims - out_dims, in_dims, out_dims)
+    raise ConfigError(
+        f"adapter target {path!r} (shape {shape}) is not a weight an adapter can attach to: "
+        "a matrix into or out of the model width (embed)",
+        key="adapter.targets",
+    )
+
+
+def target_paths(params: Mapping[str, Any], config: LoraConfig) -> list[str]:
+    """The ``/``-joined paths of the weights ``config.targets`` selects, in tree order.
+
+    Raises:
+      ConfigError: a target selects nothing (listing what paths look like).
+    """
+    paths = [p for p in param_paths(params) if not _is_adapter_leaf(p)]
+    chosen = []
+    for target in config.targets:
+        pattern = config.pattern(target)
+        found = [p for p in paths if pattern.search(p)]
+        if not found:
+            raise ConfigError(
+                f"{config.key}.targets entry {target!r} matches no parameter; names: {', '.join(TARGETS)}; "
+                f"paths look like {', '.join(paths[:4])}",
+                key=f"{config.key}.targets",
+            )
+        chosen += [p for p in found if p not in chosen]
+    return [p for p in paths if p in chosen]
+
+
+def add_lora(params: Mapping[str, Any], config: LoraConfig, rng: jax.Array) -> dict[str, Any]:
+    """``params`` with an adapter on every target weight (see the module docstring).
+
+    PiSSA replaces each target weight by its residual. Raises ``ConfigError`` for a target that
+    selects nothing or a weight that already has an adapter.
+    """
+    flat = param_paths(params)
+    updates = {}
+    for index, path in enumerate(target_paths(params, config)):
+        if part_name(path, "lora_a") in flat:
+            raise ConfigError(f"{path} already has an adapter", key=f"{config.key}.targets")
+        updates.update(_new_adapter(path, flat[path], config, jax.random.fold_in(rng, index)))
+    return tree_from_paths({**flat, **updates})
+
+
+def _new_adapter(path: str, leaf: Any, config: LoraConfig, rng: jax.Array) -> dict[str, Any]:
+    layout = weight_layout(path, leaf)
+    kernel = jnp.asarray(_value(leaf))
+    lead, in_shape, out_shape = layout.split(kernel.shape)
+    rank, _ = config.rank_and_alpha(path)
+    scale = config.scale(path)
+    fan_in = math.prod(in_shape)
+    dtype = kernel.dtype
+    leaves = {}
+    if config.init == "pissa":
+        a, b, kernel = pissa_factors(kernel, layout, rank, scale)
+        leaves.update(lora_a0=a, lora_b0=b, **{"": kernel})
+    elif config.init == "gaussian":
+        a = jax.random.normal(rng, (*lead, *in_shape, rank), jnp.float32) / rank
+        b = jnp.zeros((*lead, rank, *out_shape), jnp.float32)
+    else:  # lora (and lora_ga before its gradient step): PEFT's kaiming_uniform_(a=sqrt(5))
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(rng, (*lead, *in_shape, rank), jnp.float32, -bound, bound)
+        b = jnp.zeros((*lead, rank, *out_shape), jnp.float32)
+    leaves.update(lora_a=a, lora_b=b, lora_scale=jnp.full(lead, scale, jnp.float32))
+    if config.dora:
+        adapted = kernel.astype(jnp.float32) + low_rank_product(LowRank(a, b, leaves["lora_scale"]), layout.lead)
+        leaves["lora_magnitude"] = weight_norm(adapted, layout.in_dims, layout.lead)
+    if config.dropout:
+        leaves["lora_dropout"] = jnp.full(lead, config.dropout, jnp.float32)
+    names = layout.names
+    result = {}
+    for part, value in leaves.items():
+        value = value.astype(dtype) if part in ("lora_a", "lora_b", "lora_a0", "lora_b0", "") else value
+        axes = None if names is None else _part_axes(part, names, layout)
+        name = path if part == "" else part_name(path, part)
+        result[name] = nn.Partitioned(value, axes) if axes is not None else value
+    return result
+
+
+def _part_axes(part: str, names, layout: WeightLayout):
+    lead, ins, outs = names[: layout.lead], names[layout.lead : layout.lead + layout.in_dims], names[-layout.out_dims :]
+    return {
+        "": names,
+        "lora_a": (*lead, *ins, None),
+        "lora_a0": (*lead, *ins, None),
+        "lora_b": (*lead, None, *outs),
+        "lora_b0": (*lead, None, *outs),
+        "lora_scale": lead,
+        "lora_dropout": lead,
+        "lora_magnitude": (*lead, *outs),
+    }[part]
+
+
+def pissa_factors(kernel: jax.Array, layout: WeightLayout, rank: int, scale: float):
+    """PiSSA: ``(A, B, residual)`` with ``scale * A B`` the rank-``rank`` truncated SVD of
+    each stacked weight (``A = U sqrt(S) / sqrt(scale)``, ``B = sqrt(S) V^T / sqrt(scale)``)
+    and ``residual = W - scale * A B``."""
+    lead, in_shape, out_shape = layout.split(kernel.shape)
+    matrices = kernel.astype(jnp.float32).reshape(-1, math.prod(in_shape), math.prod(out_shape))
+    u, s, vt = jnp.linalg.svd(matrices, full_matrices=False)
+    root = jnp.sqrt(s[:, :rank] / scale)
+    a = (u[:, :, :rank] * root[:, None, :]).reshape(*lead, *in_shape, rank)
+    b = (root[:, :, None] * vt[:, :rank, :]).reshape(*lead, rank, *out_shape)
+    residual = kernel.astype(jnp.float32) - low_rank_product(LowRank(a, b, jnp.full(lead, scale)), layout.lead)
+    return a, b, residual.astype(kernel.dtype)
+
+
+def adapter_mask(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The trainable mask of an adapter fine-tune: True on ``A``, ``B`` and DoRA magnitudes."""
+    flat = param_paths(params)
+    if not any(_is_adapter_leaf(p) for p in flat):
+        raise ConfigError("the parameters carry no adapters to train", key="adapter")
+    return tree_from_paths({p: adapter_part(p) in TRAINED_PARTS for p in flat})
+
+
+def adapter_leaves(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the adapter leaves of ``params`` (as a nested dict)."""
+    return tree_from_paths({p: v for p, v in param_paths(params).items() if _is_adapter_leaf(p)})
+
+
+def without_adapters(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with every adapter leaf removed (the base weights as they are)."""
+    return tree_from_paths({p: v for p, v in param_paths(params).items() if not _is_adapter_leaf(p)})
+
+
+def adapted_paths(params: Mapping[str, Any]) -> list[str]:
+    """The paths of the weights that carry an adapter."""
+    return [p[: -len("_lora_a")] for p in param_paths(params) if p.endswith("_lora_a")]
+
+
+def adapter_part(path: str) -> str | None:
+    """``"attn/q/kernel_lora_a"`` -> ``"lora_a"``; None for a path that is not an adapter leaf."""
+    found = re.search(r"_(lora_[a-z0-9]+)$", path)
+    return found.group(1) if found else None
+
+
+def _is_adapter_leaf(path: str) -> bool:
+    return adapter_part(path) is not None
+
+
+def _value(leaf):
+    return leaf.value if isinstance(leaf, nn.Partitioned) else leaf
+
+
+__all__ = [
+    "INITS",
+    "TARGETS",
+    "LoraConfig",
+    "WeightLayout",
+    "adapted_paths",
+    "adapter_leaves",
+    "adapter_mask",
+    "adapter_part",
+    "add_lora",
+    "pissa_factors",
+    "target_paths",
+    "weight_layout",
+    "without_adapters",
+]

@@ -1,0 +1,173 @@
+"""Adapters as tree surgery: the default initialisation changes nothing, an adapted model
+equals its merged weights (LoRA, rsLoRA, DoRA, experts, scanned and unrolled layers), merge
+then unmerge is bit for bit, PiSSA keeps the model, gradients through the unmerged delta
+equal those through the merged weight, adapters carry their weights' logical axes, dropout
+applies only with a dropout RNG, and bad configs name their key."""
+
+import dataclasses
+import zlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.core.errors import ConfigError
+from ember.core.tree import param_paths, tree_from_paths
+from ember.models.adapters import LoraConfig, adapter_mask, add_lora, merge, merged_weights, unmerge, without_adapters
+from ember.models.config import ModelConfig, MoEConfig
+from ember.models.decoder import DecoderLM
+from tests.tolerances import assert_allclose
+
+DENSE = ModelConfig(vocab_size=53, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=24, max_seq_len=32)
+MOE = dataclasses.replace(
+    DENSE, mlp_pattern=("moe",), moe=MoEConfig(num_experts=3, top_k=2, expert_dim=8, shared_experts=1), moe_impl="xla"
+)
+ALL = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def init(config, seed=0):
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    return DecoderLM(config).init(jax.random.key(seed), tokens)["params"]
+
+
+def logits(config, params, tokens, **kwargs):
+    return DecoderLM(config).apply({"params": nn.meta.unbox(params)}, tokens, **kwargs)[0]
+
+
+def perturbed(params, seed, scale=0.05):
+    """Adapter leaves A, B and magnitudes moved away from their initial values."""
+    out = {}
+    for path, value in param_paths(nn.meta.unbox(params)).items():
+        if path.endswith(("_lora_a", "_lora_b", "_lora_magnitude")):
+            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
+            value = value + scale * jax.random.normal(key, value.shape, value.dtype)
+        out[path] = value
+    return tree_from_paths(out)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(7), (2, 8), 0, DENSE.vocab_size)
+
+
+@pytest.mark.parametrize(
+    "config, lora",
+    [
+        (DENSE, LoraConfig(rank=4, targets=ALL)),
+        (DENSE, LoraConfig(rank=4, targets=ALL, dora=True, rslora=True)),
+        (MOE, LoraConfig(rank=2, targets=("q", "v", "experts", "up"), dora=True)),
+    ],
+    ids=["lora", "dora_rslora", "moe_experts_dora"],
+)
+def test_default_init_is_exact_and_merged_equals_unmerged(config, lora, tokens):
+    base = init(config)
+    adapted = add_lora(base, lora, jax.random.key(1))
+    if lora.dora:  # m / ||W|| is 1 up to the norm's summation order in another program
+        assert_allclose(logits(config, adapted, tokens), logits(config, base, tokens))
+    else:
+        np.testing.assert_array_equal(logits(config, adapted, tokens), logits(config, base, tokens))
+    trained = perturbed(adapted, seed=2)
+    out = logits(config, trained, tokens)
+    assert not np.allclose(out, logits(config, base, tokens), atol=1e-3)
+    merged, record = merge(trained)
+    assert all("_lora_" not in p for p in param_paths(merged))
+    assert_allclose(logits(config, merged, tokens), out, scale=10)  # f32 sums in another order
+    restored = unmerge(merged, record)
+    jax.tree.map(np.testing.assert_array_equal, restored, trained)
+
+
+def test_unscanned_layers_and_boxed_axes(tokens):
+    config = dataclasses.replace(DENSE, scan_layers=False)
+    boxed = init(config)
+    adapted = add_lora(boxed, LoraConfig(rank=3, targets=("o", "down")), jax.random.key(0))
+    flat = param_paths(adapted)
+    o = "group_0/block_0/attn/o/kernel"
+    assert flat[o + "_lora_a"].names == ("heads", "head_dim", None)
+    assert flat[o + "_lora_b"].names == (None, "embed")
+    assert flat[o + "_lora_a"].value.shape == (4, 4, 3)
+    assert flat["group_1/block_0/mlp/down_lora_b"].names == (None, "embed")
+    trained = perturbed(adapted, seed=3)
+    assert_allclose(logits(config, merged_weights(trained), tokens), logits(config, trained, tokens), scale=10)
+    scanned_a = param_paths(add_lora(init(DENSE), LoraConfig(targets=("q",)), jax.random.key(0)))
+    assert scanned_a["layers/block_0/attn/q/kernel_lora_a"].names == ("layers", "embed", None)
+
+
+def test_gradients_through_the_delta_equal_those_through_the_merged_weight(tokens):
+    adapted = perturbed(add_lora(init(DENSE), LoraConfig(rank=2, targets=("q", "up"), alpha=5), jax.random.key(0)), 4)
+
+    def loss_unmerged(p):
+        return jnp.sum(logits(DENSE, p, tokens) ** 2)
+
+    def loss_merged(p):
+        return jnp.sum(logits(DENSE, merged_weights(p), tokens) ** 2)
+
+    grads = jax.grad(loss_unmerged)(adapted)
+    expected = jax.grad(loss_merged)(adapted)
+    for path, value in param_paths(grads).items():
+        if path.endswith(("_lora_a", "_lora_b")):
+            assert np.abs(value).max() > 0, path
+            assert_allclose(value, param_paths(expected)[path], scale=20, err_msg=path)
+
+
+def test_pissa_moves_the_principal_part_into_the_adapter(tokens):
+    base = nn.meta.unbox(init(DENSE))
+    adapted = add_lora(base, LoraConfig(rank=4, alpha=8, targets=("q", "down"), init="pissa"), jax.random.key(0))
+    assert_allclose(logits(DENSE, adapted, tokens), logits(DENSE, base, tokens), scale=10)
+    flat, base_flat = param_paths(adapted), param_paths(base)
+    q = "layers/block_0/attn/q/kernel"
+    residual, a, b = flat[q], flat[q + "_lora_a"], flat[q + "_lora_b"]
+    # The adapter holds the top singular directions: the residual's norm is the tail's.
+    singular = np.linalg.svd(np.asarray(base_flat[q]).reshape(2, 16, 16), compute_uv=False)
+    assert_allclose(np.linalg.norm(np.asarray(residual).reshape(2, -1), axis=1),
+                    np.sqrt((singular[:, 4:] ** 2).sum(1)), scale=10)  # fmt: skip
+    np.testing.assert_array_equal(flat[q + "_lora_a0"], a)
+    np.testing.assert_array_equal(flat[q + "_lora_b0"], b)
+    assert not np.any(np.all(np.asarray(b) == 0, axis=(1, 2, 3)))
+
+
+def test_adapter_mask_trains_factors_and_magnitudes_only():
+    adapted = add_lora(init(DENSE), LoraConfig(targets=("v",), dora=True, dropout=0.1), jax.random.key(0))
+    mask = param_paths(adapter_mask(adapted))
+    trained = sorted(p.rsplit("/", 1)[-1] for p, on in mask.items() if on)
+    assert trained == ["kernel_lora_a", "kernel_lora_b", "kernel_lora_magnitude"]
+    assert param_paths(without_adapters(adapted)).keys() == param_paths(init(DENSE)).keys()
+
+
+def test_dropout_applies_only_with_a_dropout_rng(tokens):
+    config = LoraConfig(rank=2, targets=("q", "up"), dropout=0.5)
+    adapted = perturbed(add_lora(init(DENSE), config, jax.random.key(0)), 5, scale=0.5)
+    plain = logits(DENSE, adapted, tokens)
+    no_dropout = perturbed(add_lora(init(DENSE), dataclasses.replace(config, dropout=0.0), jax.random.key(0)), 5, 0.5)
+    np.testing.assert_array_equal(plain, logits(DENSE, no_dropout, tokens))
+    dropped = logits(DENSE, adapted, tokens, rngs={"dropout": jax.random.key(1)})
+    assert not np.allclose(dropped, plain, atol=1e-4)
+    again = logits(DENSE, adapted, tokens, rngs={"dropout": jax.random.key(1)})
+    np.testing.assert_array_equal(dropped, again)
+
+
+@pytest.mark.parametrize(
+    "kwargs, key, message",
+    [
+        (dict(rank=0), "adapter.rank", "positive"),
+        (dict(dropout=1.0), "adapter.dropout", "[0, 1)"),
+        (dict(init="svd"), "adapter.init", "pissa"),
+        (dict(targets=("[",)), "adapter.targets", "neither a target name"),
+    ],
+)
+def test_bad_configs_name_their_key(kwargs, key, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")) as error:
+        LoraConfig(**kwargs)
+    assert error.value.key == key
+
+
+def test_targets_that_select_nothing_or_no_matrix_are_errors():
+    params = init(DENSE)
+    with pytest.raises(ConfigError, match="matches no parameter; names: q, k, v"):
+        add_lora(params, LoraConfig(targets=("experts",)), jax.random.key(0))
+    with pytest.raises(ConfigError, match="not a weight an adapter can attach to"):
+        add_lora(params, LoraConfig(targets=("attn_norm/scale$",)), jax.random.key(0))
+    adapted = add_lora(params, LoraConfig(targets=("q",)), jax.random.key(0))
+    with pytest.raises(ConfigError, match="already has an adapter"):
+        add_lora(adapted, LoraConfig(targets=("q",)), jax.random.key(0))
