@@ -2,10 +2,12 @@
 
 config, params = ember.models.hf.load("path/to/hf_model")
 ember.models.hf.save("path/out", config, params, model_type="llama")
+params = ember.models.hf.with_adapter(params, ember.models.hf.load_peft_adapter("path/adapter", config))
 """
 
 from ember.models.hf.checkpoint import load, read_state, save
 from ember.models.hf.config_map import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf
+from ember.models.hf.peft import load_peft_adapter, save_peft_adapter, with_adapter
 from ember.models.hf.weights import params_from_hf, params_to_hf
 
 __all__ = [
@@ -13,8 +15,11 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "load",
+    "load_peft_adapter",
     "params_from_hf",
     "params_to_hf",
     "read_state",
     "save",
+    "save_peft_adapter",
+    "with_adapter",
 ]

@@ -1,0 +1,236 @@
+"""PEFT LoRA adapters (``adapter_config.json`` + ``adapter_model.safetensors``) <-> Ember adapters.
+
+    save_peft_adapter("out/adapter", config, params, base_model="path/to/hf_model")
+    params = with_adapter(base_params, load_peft_adapter("out/adapter", config))
+
+What ``peft.PeftModel.from_pretrained(transformers_model, dir)`` reads: per adapted module
+``<module>.lora_A.weight [r, in]``, ``<module>.lora_B.weight [out, r]`` and, with DoRA,
+``<module>.lora_magnitude_vector [out]``, under ``base_model.model.``; the config gives
+``r`` / ``lora_alpha`` (per module through ``rank_pattern`` / ``alpha_pattern``),
+``use_rslora`` and ``use_dora``. Modules: the attention projections (``q_proj`` ...), the
+dense MLP's and Qwen2-MoE's shared expert's ``gate_proj`` / ``up_proj`` / ``down_proj``.
+Routed experts are not exchanged (PEFT targets them as fused parameters, a different layout).
+
+Saving writes every module's own alpha (``alpha = scale * r``, ``use_rslora`` false) so any
+Ember scale round-trips. Adapters whose initialisation changed the base weights (PiSSA,
+LoRA-GA: they carry ``lora_a0`` / ``lora_b0``) are saved against the ORIGINAL base as PEFT
+does for PiSSA: rank ``2r``, ``A' = [A, A0]``, ``B' = [B; -B0]``, so that ``W_original +
+scale A' B' = W_residual + scale A B``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from ember.core.errors import DataError, PathNotFoundError
+from ember.core.tree import param_paths, tree_from_paths
+from ember.models.adapters.lora import adapted_paths
+from ember.models.adapters.lowrank import part_name
+from ember.models.config import ModelConfig
+from ember.models.decoder import layers_from_list, layers_to_list
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PREFIX = "base_model.model.model.layers."
+MODULES: dict[str, str] = {
+    "attn/q/kernel": "self_attn.q_proj",
+    "attn/k/kernel": "self_attn.k_proj",
+    "attn/v/kernel": "self_attn.v_proj",
+    "attn/o/kernel": "self_attn.o_proj",
+    "mlp/gate": "mlp.gate_proj",
+    "mlp/up": "mlp.up_proj",
+    "mlp/down": "mlp.down_proj",
+    "moe/shared/gate": "mlp.shared_expert.gate_proj",
+    "moe/shared/up": "mlp.shared_expert.up_proj",
+    "moe/shared/down": "mlp.shared_expert.down_proj",
+}
+"""Ember's per-layer weight path -> the HF module an adapter on it targets."""
+_EMBER_PATH = {module: path for path, module in MODULES.items()}
+
+
+def save_peft_adapter(
+    path: str | Path, config: ModelConfig, params: Mapping[str, Any], *, base_model: str | None = None
+) -> None:
+    """Writes the adapters of ``params`` as a PEFT LoRA adapter directory.
+
+    Raises:
+      DataError: ``params`` carries no adapters, or one PEFT cannot express (routed experts).
+    """
+    layers = layers_to_list(config, _unboxed(params))
+    tensors: dict[str, np.ndarray] = {}
+    ranks, alphas, dora = {}, {}, False
+    for index, layer in enumerate(layers):
+        flat = param_paths(layer)
+        for weight in adapted_paths(layer):
+            module = _module_of(weight)
+            a, b, scale = (
+                np.asarray(flat[part_name(weight, p)], np.float32) for p in ("lora_a", "lora_b", "lora_scale")
+            )
+            if part_name(weight, "lora_a0") in flat:
+                a = np.concatenate([a, np.asarray(flat[part_name(weight, "lora_a0")], np.float32)], axis=-1)
+                b = np.concatenate([b, -np.asarray(flat[part_name(weight, "lora_b0")], np.float32)], axis=0)
+            rank = a.shape[-1]
+            name = f"{PREFIX}{index}.{module}"
+            tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, rank).T)
+            tensors[name + ".lora_B.weight"] = np.ascontiguousarray(b.reshape(rank, -1).T)
+            magnitude = flat.get(part_name(weight, "lora_magnitude"))
+            if magnitude is not None:
+                dora = True
+                tensors[name + ".lora_magnitude_vector"] = np.asarray(magnitude, np.float32).reshape(-1)
+            ranks[f"model.layers.{index}.{module}"] = rank
+            alphas[f"model.layers.{index}.{module}"] = float(scale) * rank
+    if not tensors:
+        raise DataError("the parameters carry no adapters to save")
+    if dora and sum(n.endswith(".lora_magnitude_vector") for n in tensors) != len(ranks):
+        raise DataError("PEFT needs DoRA on every adapted module or none; these adapters mix the two")
+    rank = max(set(ranks.values()), key=list(ranks.values()).count)
+    alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+    peft_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in ranks}),
+        "rank_pattern": {m: r for m, r in ranks.items() if r != rank},
+        "alpha_pattern": {m: a for m, a in alphas.items() if a != alpha},
+        "use_rslora": False,
+        "use_dora": dora,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.float32) -> dict[str, Any]:
+    """The adapter leaves (Ember layout for ``config``) of the PEFT LoRA directory ``path``.
+
+    With ``scan_layers``, layers whose adapters differ in rank (``rank_pattern``) or that have
+    none are padded with zero rows and columns to one stacked shape, which changes no output.
+
+    Raises:
+      PathNotFoundError: no adapter_config.json or adapter_model.safetensors.
+      DataError: not a LoRA adapter, or tensors for modules Ember does not have.
+    """
+    path = Path(path)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / name).is_file():
+            raise PathNotFoundError(f"no {name} in {path} (a PEFT LoRA adapter directory has both)")
+    peft_config = json.loads((path / CONFIG_FILE).read_text())
+    if peft_config.get("peft_type") != "LORA":
+        raise DataError(f"{path} holds a {peft_config.get('peft_type')!r} adapter; Ember reads LORA adapters")
+    if peft_config.get("fan_in_fan_out"):
+        raise DataError(f"{path}: fan_in_fan_out adapters (GPT-2 Conv1D layouts) are not supported")
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    layers: list[dict[str, Any]] = [{} for _ in range(config.num_layers)]
+    for key in sorted(tensors):
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module_name = key[len("base_model.model.") : -len(".lora_A.weight")]
+        found = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module_name)
+        if found is None or found.group(2) not in _EMBER_PATH or int(found.group(1)) >= config.num_layers:
+            raise DataError(f"{path}: adapter tensor {key!r} is for a module Ember does not have")
+        index, weight = int(found.group(1)), _EMBER_PATH[found.group(2)]
+        stem = key[: -len(".lora_A.weight")]
+        a, b = tensors[key], tensors[stem + ".lora_B.weight"]
+        rank = a.shape[0]
+        alpha = _pattern_value(peft_config.get("alpha_pattern") or {}, module_name, peft_config["lora_alpha"])
+        scale = alpha / math.sqrt(rank) if peft_config.get("use_rslora") else alpha / rank
+        in_shape, out_shape = _weight_shapes(config, weight)
+        leaves = {
+            "lora_a": a.T.reshape(*in_shape, rank).astype(dtype),
+            "lora_b": b.T.reshape(rank, *out_shape).astype(dtype),
+            "lora_scale": np.asarray(scale, np.float32),
+        }
+        if stem + ".lora_magnitude_vector" in tensors:
+            leaves["lora_magnitude"] = tensors[stem + ".lora_magnitude_vector"].reshape(out_shape).astype(np.float32)
+        layers[index].update({part_name(weight, part): value for part, value in leaves.items()})
+    if not any(layers):
+        raise DataError(f"{path} has no LoRA tensors")
+    if config.scan_layers:
+        layers = _same_shapes(layers, config)
+    return layers_from_list(config, [tree_from_paths(layer) for layer in layers])
+
+
+def with_adapter(params: Mapping[str, Any], adapter: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with the adapter leaves of ``adapter`` added (both nested dicts)."""
+    return tree_from_paths({**param_paths(params), **param_paths(adapter)})
+
+
+def _weight_shapes(config: ModelConfig, weight: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(in_shape, out_shape)`` of the Ember weight at per-layer path ``weight``."""
+    heads, kv_heads, head_dim, d = config.num_heads, config.kv_heads, config.head_size, config.d_model
+    shared = config.moe.shared_experts * (config.moe.shared_expert_dim or config.expert_dim)
+    width = shared if weight.startswith("moe/") else config.mlp_dim
+    return {
+        "attn/q/kernel": ((d,), (heads, head_dim)),
+        "attn/k/kernel": ((d,), (kv_heads, head_dim)),
+        "attn/v/kernel": ((d,), (kv_heads, head_dim)),
+        "attn/o/kernel": ((heads, head_dim), (d,)),
+    }.get(weight, ((width,), (d,)) if weight.endswith("down") else ((d,), (width,)))
+
+
+def _same_shapes(layers: list[dict[str, Any]], config: ModelConfig) -> list[dict[str, Any]]:
+    """Per-layer flat adapter dicts padded so every layer of a block position has the same
+    leaves and shapes (zero adapters; ranks padded with zeros), as stacking needs."""
+    period = config.layer_period
+    for block in range(period):
+        group = layers[block::period]
+        weights = sorted({p.rsplit("_lora_", 1)[0] for layer in group for p in layer})
+        for weight in weights:
+            rank = max(
+                layer[part_name(weight, "lora_a")].shape[-1] for layer in group if part_name(weight, "lora_a") in layer
+            )
+            in_shape, out_shape = _weight_shapes(config, weight)
+            dora = any(part_name(weight, "lora_magnitude") in layer for layer in group)
+            for layer in group:
+                a = layer.get(part_name(weight, "lora_a"), np.zeros((*in_shape, 0), np.float32))
+                b = layer.get(part_name(weight, "lora_b"), np.zeros((0, *out_shape), np.float32))
+                pad = rank - a.shape[-1]
+                layer[part_name(weight, "lora_a")] = np.concatenate([a, np.zeros((*in_shape, pad), a.dtype)], -1)
+                layer[part_name(weight, "lora_b")] = np.concatenate([b, np.zeros((pad, *out_shape), b.dtype)], 0)
+                layer.setdefault(part_name(weight, "lora_scale"), np.asarray(1.0, np.float32))
+                if dora and part_name(weight, "lora_magnitude") not in layer:
+                    raise DataError(
+                        f"DoRA adapters on {weight} in some layers only cannot be stacked; load with scan_layers=False"
+                    )
+    return layers
+
+
+def _pattern_value(patterns: Mapping[str, Any], module_name: str, default: Any) -> Any:
+    """PEFT's per-module override: the first pattern matching the end of ``module_name``."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module_name):
+            return value
+    return default
+
+
+def _module_of(weight: str) -> str:
+    if weight not in MODULES:
+        raise DataError(f"an adapter on {weight} has no PEFT equivalent; PEFT-exportable weights: {', '.join(MODULES)}")
+    return MODULES[weight]
+
+
+def _unboxed(params):
+    return tree_from_paths(
+        {p: (v.value if isinstance(v, nn.Partitioned) else v) for p, v in param_paths(params).items()}
+    )
+
+
+__all__ = ["MODULES", "load_peft_adapter", "save_peft_adapter", "with_adapter"]

@@ -1,0 +1,131 @@
+"""PEFT interop against the real ``peft`` on tiny random ``transformers`` models (built here,
+nothing downloaded): adapters trained (perturbed) in Ember and saved load with
+``PeftModel.from_pretrained`` and give Ember's logits; PEFT adapters with random non-zero
+weights (ranks, targets, rsLoRA, DoRA, per-module ranks and alphas) load into Ember and give
+PEFT's logits; PiSSA adapters save against the original base."""
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.core.errors import DataError, PathNotFoundError
+from ember.core.tree import param_paths, tree_from_paths
+from ember.models import hf
+from ember.models.adapters import LoraConfig, add_lora
+from ember.models.decoder import DecoderLM
+from ember.models.hf.peft import load_peft_adapter, save_peft_adapter, with_adapter
+from tests.hf_peers import random_hf_model
+from tests.tolerances import assert_allclose
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+HF_CONFIG = dict(
+    vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)  # fmt: skip
+TOKENS = np.random.default_rng(0).integers(0, 67, (2, 10))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(transformers model, its directory, Ember config, Ember params) of a tiny Qwen2 (q/k/v biases)."""
+    model = random_hf_model(transformers.Qwen2Config(**HF_CONFIG), seed=3)
+    path = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(path)
+    config, params = hf.load(path, attention_impl="xla")
+    return model, path, config, params
+
+
+def ember_logits(config, params):
+    return np.asarray(DecoderLM(config).apply({"params": params}, jnp.asarray(TOKENS))[0])
+
+
+def peft_logits(peft_model):
+    with torch.no_grad():
+        return peft_model(torch.tensor(TOKENS)).logits.numpy()
+
+
+def trained(params, seed, scale=0.1):
+    """Adapter factors and magnitudes moved away from their initial values, as training would."""
+    flat = {}
+    for path, value in param_paths(params).items():
+        if path.endswith(("_lora_a", "_lora_b", "_lora_magnitude")):
+            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
+            value = value + scale * jax.random.normal(key, np.shape(value), jnp.float32)
+        flat[path] = value
+    return tree_from_paths(flat)
+
+
+def fresh_hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        LoraConfig(rank=4, alpha=8, targets=("q", "k", "v", "o", "gate", "up", "down")),
+        LoraConfig(rank=4, alpha=6, targets=("q", "v", "down"), rslora=True, dora=True, rank_pattern={"down": 2}),
+        LoraConfig(rank=2, alpha=4, targets=("q", "up"), init="pissa"),
+    ],
+    ids=["lora_all_targets", "dora_rslora_ranks", "pissa"],
+)
+def test_ember_adapter_loads_in_peft_with_the_same_logits(base, lora, tmp_path):
+    _, path, config, params = base
+    adapted = trained(add_lora(params, lora, jax.random.key(1)), seed=2)
+    expected = ember_logits(config, adapted)
+    save_peft_adapter(tmp_path, config, adapted, base_model=str(path))
+    peft_model = peft.PeftModel.from_pretrained(fresh_hf(path), tmp_path).eval()
+    assert_allclose(peft_logits(peft_model), expected, scale=10)  # 1e-4 in f32
+    assert not np.allclose(expected, ember_logits(config, params), atol=1e-3)
+    # ...and back into Ember (PiSSA comes back as a rank-2r adapter on the original base).
+    reloaded = with_adapter(params, load_peft_adapter(tmp_path, config))
+    assert_allclose(ember_logits(config, reloaded), expected, scale=10)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        dict(r=4, lora_alpha=5, target_modules=["q_proj", "o_proj", "up_proj"], use_rslora=True),
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["k_proj", "down_proj", "gate_proj"],
+            use_dora=True,
+            rank_pattern={"down_proj": 2},
+            alpha_pattern={"gate_proj": 3},
+        ),  # fmt: skip
+        dict(r=2, lora_alpha=4, target_modules=["q_proj"], layers_to_transform=[1]),
+    ],
+    ids=["lora", "rslora", "dora_patterns", "one_layer"],
+)
+def test_peft_adapter_loads_in_ember_with_the_same_logits(base, options, tmp_path):
+    _, path, config, params = base
+    torch.manual_seed(5)
+    peft_model = peft.get_peft_model(fresh_hf(path), peft.LoraConfig(init_lora_weights=False, **options)).eval()
+    with torch.no_grad():  # DoRA's magnitudes away from ||W|| too
+        for name, value in peft_model.named_parameters():
+            if "lora_magnitude" in name:
+                value.mul_(1 + 0.2 * torch.rand_like(value))
+    peft_model.save_pretrained(tmp_path)
+    expected = peft_logits(peft_model)
+    for scan_layers in (True, False):
+        layout = dataclasses.replace(config, scan_layers=scan_layers)
+        layout_params = params if scan_layers else hf.load(path, attention_impl="xla", scan_layers=False)[1]
+        adapted = with_adapter(layout_params, load_peft_adapter(tmp_path, layout))
+        assert_allclose(ember_logits(layout, adapted), expected, scale=10)
+    assert not np.allclose(expected, ember_logits(config, params), atol=1e-3)
+
+
+def test_bad_adapter_directories_are_clear_errors(base, tmp_path):
+    _, _, config, params = base
+    with pytest.raises(PathNotFoundError, match="adapter_config.json"):
+        load_peft_adapter(tmp_path, config)
+    with pytest.raises(DataError, match="no adapters"):
+        save_peft_adapter(tmp_path, config, params)
