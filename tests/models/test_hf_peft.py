@@ -100,7 +100,7 @@ def test_ember_adapter_loads_in_peft_with_the_same_logits(base, lora, tmp_path):
             use_dora=True,
             rank_pattern={"down_proj": 2},
             alpha_pattern={"gate_proj": 3},
-        ),  # fmt: skip
+        ),
         dict(r=2, lora_alpha=4, target_modules=["q_proj"], layers_to_transform=[1]),
     ],
     ids=["lora", "rslora", "dora_patterns", "one_layer"],
@@ -125,7 +125,7 @@ def test_peft_adapter_loads_in_ember_with_the_same_logits(base, options, tmp_pat
 
 def test_bad_adapter_directories_are_clear_errors(base, tmp_path):
     _, _, config, params = base
-    with pytest.raises(PathNotFoundError, match="adapter_config.json"):
+    with pytest.raises(PathNotFoundError, match=r"adapter_config\.json"):
         load_peft_adapter(tmp_path, config)
     with pytest.raises(DataError, match="no adapters"):
         save_peft_adapter(tmp_path, config, params)

@@ -55,6 +55,7 @@ MODULES: dict[str, str] = {
 }
 """Ember's per-layer weight path -> the HF module an adapter on it targets."""
 _EMBER_PATH = {module: path for path, module in MODULES.items()}
+PARTS_SAVED = ("lora_a", "lora_b", "lora_scale")
 
 
 def save_peft_adapter(
@@ -72,9 +73,7 @@ def save_peft_adapter(
         flat = param_paths(layer)
         for weight in adapted_paths(layer):
             module = _module_of(weight)
-            a, b, scale = (
-                np.asarray(flat[part_name(weight, p)], np.float32) for p in ("lora_a", "lora_b", "lora_scale")
-            )
+            a, b, scale = (np.asarray(flat[part_name(weight, p)], np.float32) for p in PARTS_SAVED)
             if part_name(weight, "lora_a0") in flat:
                 a = np.concatenate([a, np.asarray(flat[part_name(weight, "lora_a0")], np.float32)], axis=-1)
                 b = np.concatenate([b, -np.asarray(flat[part_name(weight, "lora_b0")], np.float32)], axis=0)
