@@ -228,6 +228,14 @@ def unbox(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree, is_leaf=is_box)
 
 
+def box_like(tree: Any, like: Any) -> Any:
+    """``tree``'s leaves wrapped in the ``nn.Partitioned`` boxes of ``like`` (same structure,
+    e.g. an ``eval_shape`` of ``model.init``) where ``like`` has one: pretrained weights
+    given the logical axes their shardings come from."""
+    is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+    return jax.tree.map(lambda box, x: box.replace_boxed(x) if is_box(box) else x, like, tree, is_leaf=is_box)
+
+
 def shard_variables(variables: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     """Places boxed Flax variables (``nn.Partitioned`` leaves) on ``mesh``; returns them unboxed."""
     shardings = tree_shardings(mesh, nn.get_partition_spec(variables), rules, shapes=variables)
@@ -293,6 +301,7 @@ __all__ = [
     "MESH_AXES",
     "MeshConfig",
     "Rules",
+    "box_like",
     "constrain",
     "host_local_to_global",
     "logical_rules",

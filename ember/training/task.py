@@ -84,10 +84,18 @@ class Task:
         """Fresh parameters (they may carry ``nn.with_logical_partitioning`` boxes)."""
         raise NotImplementedError
 
-    def init_variables(self, rng: jax.Array) -> dict[str, Any]:
+    def init_variables(self, rng: jax.Array, pretrained: Any = None) -> dict[str, Any]:
         """Fresh variables: ``{"params": ..., <state collection>: ...}`` (what ``model.init``
-        returns). Override it when the model has state; by default ``{"params": init_params}``."""
+        returns). Override it when the model has state; by default ``{"params": init_params}``.
+        A task with :meth:`pretrained` weights receives them as ``pretrained`` (traced arrays)."""
         return {"params": self.init_params(rng)}
+
+    def pretrained(self) -> Any | None:
+        """The weights a run starts from (fine-tuning: host arrays, any pytree), or None to
+        start from :meth:`init_variables` alone. The trainer passes them to
+        ``init_variables(rng, pretrained)`` as an argument of the jitted initialisation, so a
+        large model is not compiled in as constants (a resumed run uses only their shapes)."""
+        return None
 
     def loss(self, params: Any, batch: Batch, *, rng: jax.Array, teacher: Any) -> LossTerms:
         """The loss of one micro-batch; ``teacher`` is :meth:`teacher_params` (or None). A

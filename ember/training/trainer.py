@@ -168,12 +168,26 @@ class Trainer:
     # ----------------------------------------------------------------------------- set-up
     def _abstract_state(self, task: Task) -> tuple[TrainState, TrainState, Any]:
         """``(boxed abstract state, its shardings, trainable mask)`` for ``task``'s param layout."""
-        abstract_params = jax.eval_shape(task.init_variables, jax.random.key(self.seed))["params"]
+        init, args = self._initializer(task)
+        abstract_params = jax.eval_shape(init, jax.random.key(self.seed), *args)["params"]
         mask = trainable_mask(abstract_params, freeze=self.loop.freeze, base=task.trainable(abstract_params))
-        make_state = functools.partial(init_state, init_variables=task.init_variables, tx=self.tx, mask=mask)
-        boxed = jax.eval_shape(make_state, jax.random.key(self.seed))
+        boxed = jax.eval_shape(self._state_maker(init, mask), jax.random.key(self.seed), *args)
         shardings = tree_shardings(self.mesh, nn.get_partition_spec(boxed), self.rules, shapes=boxed)
         return boxed, shardings, mask
+
+    def _initializer(self, task: Task) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """``(init, args)``: ``init(rng, *args)`` gives ``task``'s fresh variables; a task's
+        pretrained variables travel as an argument, so they are not compiled in as constants."""
+        pretrained = task.pretrained()
+        if pretrained is None:
+            return task.init_variables, ()
+        return (lambda rng, weights: task.init_variables(rng, weights)), (pretrained,)
+
+    def _state_maker(self, init: Callable[..., Any], mask: Any) -> Callable[..., TrainState]:
+        def make_state(rng, *args):
+            return init_state(rng, init_variables=lambda key: init(key, *args), tx=self.tx, mask=mask)
+
+        return make_state
 
     def _place_teacher(self) -> tuple[Any, Any]:
         params = self.task.teacher_params()
@@ -219,9 +233,10 @@ class Trainer:
 
     def _init(self, boxed: TrainState) -> TrainState:
         # Initialisation needs no activation constraints: out_shardings place the state.
-        make_state = functools.partial(init_state, init_variables=self.task.init_variables, tx=self.tx, mask=self.mask)
-        place = jax.jit(lambda key: unbox(make_state(key)), out_shardings=self.state_shardings)
-        return place(jax.random.key(self.seed))
+        init, args = self._initializer(self.task)
+        make_state = self._state_maker(init, self.mask)
+        place = jax.jit(lambda key, *args: unbox(make_state(key, *args)), out_shardings=self.state_shardings)
+        return place(jax.random.key(self.seed), *args)
 
     def _restore(self, boxed: TrainState) -> TrainState:
         """The last checkpoint placed on this mesh (converted when its param layout differs)."""

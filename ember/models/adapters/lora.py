@@ -138,7 +138,7 @@ def weight_layout(path: str, leaf: Any) -> WeightLayout:
     Raises:
       ConfigError: the weight's layout cannot be told (not a matrix into or out of ``embed``).
     """
-    shape = np.shape(_value(leaf))
+    shape = np.shape(leaf_value(leaf))
     if isinstance(leaf, nn.Partitioned):
         names = tuple(leaf.names)
         lead = 0
@@ -198,7 +198,7 @@ def add_lora(params: Mapping[str, Any], config: LoraConfig, rng: jax.Array) -> d
 
 def _new_adapter(path: str, leaf: Any, config: LoraConfig, rng: jax.Array) -> dict[str, Any]:
     layout = weight_layout(path, leaf)
-    kernel = jnp.asarray(_value(leaf))
+    kernel = jnp.asarray(leaf_value(leaf))
     lead, in_shape, out_shape = layout.split(kernel.shape)
     rank, _ = config.rank_and_alpha(path)
     scale = config.scale(path)
@@ -292,8 +292,14 @@ def _is_adapter_leaf(path: str) -> bool:
     return adapter_part(path) is not None
 
 
-def _value(leaf):
+def leaf_value(leaf: Any) -> Any:
+    """A parameter's array, unboxed when it is an ``nn.Partitioned``."""
     return leaf.value if isinstance(leaf, nn.Partitioned) else leaf
+
+
+def rebox(like: Any, value: Any) -> Any:
+    """``value`` in ``like``'s logical-axis box when ``like`` is boxed, else as it is."""
+    return like.replace_boxed(value) if isinstance(like, nn.Partitioned) else value
 
 
 __all__ = [
@@ -306,7 +312,9 @@ __all__ = [
     "adapter_mask",
     "adapter_part",
     "add_lora",
+    "leaf_value",
     "pissa_factors",
+    "rebox",
     "target_paths",
     "weight_layout",
     "without_adapters",

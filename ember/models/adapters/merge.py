@@ -14,10 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
-
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.lora import adapted_paths, adapter_part, weight_layout
+from ember.models.adapters.lora import adapted_paths, adapter_part, leaf_value, rebox, weight_layout
 from ember.models.adapters.lowrank import LowRank, adapted_weight, part_name
 
 
@@ -31,7 +29,7 @@ def merge(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     for path in adapted_paths(params):
         record[path] = flat[path]
         record.update({p: v for p, v in flat.items() if p.startswith(path + "_lora_")})
-        merged[path] = _rebox(flat[path], merged_weight(path, flat))
+        merged[path] = rebox(flat[path], merged_weight(path, flat))
     return tree_from_paths(merged), record
 
 
@@ -51,18 +49,10 @@ def merged_weight(path: str, flat: Mapping[str, Any]):
 
     def get(part):
         leaf = flat.get(part_name(path, part))
-        return _unbox(leaf) if leaf is not None else None
+        return leaf_value(leaf) if leaf is not None else None
 
     adapter = LowRank(get("lora_a"), get("lora_b"), get("lora_scale"), get("lora_magnitude"))
-    return adapted_weight(_unbox(flat[path]), adapter, layout.in_dims, layout.lead)
-
-
-def _unbox(leaf):
-    return leaf.value if isinstance(leaf, nn.Partitioned) else leaf
-
-
-def _rebox(like, value):
-    return like.replace_boxed(value) if isinstance(like, nn.Partitioned) else value
+    return adapted_weight(leaf_value(flat[path]), adapter, layout.in_dims, layout.lead)
 
 
 __all__ = ["merge", "merged_weight", "merged_weights", "unmerge"]

@@ -27,11 +27,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.lora import adapted_paths
 from ember.models.adapters.lowrank import part_name
@@ -66,7 +66,7 @@ def save_peft_adapter(
     Raises:
       DataError: ``params`` carries no adapters, or one PEFT cannot express (routed experts).
     """
-    layers = layers_to_list(config, _unboxed(params))
+    layers = layers_to_list(config, unbox(params))
     tensors: dict[str, np.ndarray] = {}
     ranks, alphas, dora = {}, {}, False
     for index, layer in enumerate(layers):
@@ -224,12 +224,6 @@ def _module_of(weight: str) -> str:
     if weight not in MODULES:
         raise DataError(f"an adapter on {weight} has no PEFT equivalent; PEFT-exportable weights: {', '.join(MODULES)}")
     return MODULES[weight]
-
-
-def _unboxed(params):
-    return tree_from_paths(
-        {p: (v.value if isinstance(v, nn.Partitioned) else v) for p, v in param_paths(params).items()}
-    )
 
 
 __all__ = ["MODULES", "load_peft_adapter", "save_peft_adapter", "with_adapter"]
