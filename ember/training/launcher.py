@@ -21,6 +21,7 @@ from ember.core.errors import ConfigError
 # config kind -> module defining CONFIG_SCHEMA and run(config, *, resume) -> summary dict
 KINDS: dict[str, str] = {
     "lm": "ember.training.lm.entry",
+    "finetune": "ember.training.finetune.entry",
     "rl": "ember.training.rl.entry",
 }
 DEFAULT_KIND = "lm"

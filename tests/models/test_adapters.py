@@ -171,3 +171,47 @@ def test_targets_that_select_nothing_or_no_matrix_are_errors():
     adapted = add_lora(params, LoraConfig(targets=("q",)), jax.random.key(0))
     with pytest.raises(ConfigError, match="already has an adapter"):
         add_lora(adapted, LoraConfig(targets=("q",)), jax.random.key(0))
+
+
+def test_lora_ga_first_step_follows_the_gradient_s_top_directions(tokens):
+    """LoRA-GA starts at the base model, and one SGD step on A and B moves the adapted weight
+    along the rank-2r truncation of -G (for ``A = U_r c``, ``B = V_{r:2r}^T c`` the update is
+    ``-lr scale^2 c^2 (U_r U_r^T G + G V_{r:2r} V_{r:2r}^T)``), unlike the default init."""
+    from ember.models.adapters.lora_ga import average_gradients, lora_ga_init
+
+    base = nn.meta.unbox(init(DENSE))
+    batches = [jax.random.randint(jax.random.key(i), (2, 8), 0, DENSE.vocab_size) for i in range(3)]
+
+    def loss(params, batch):
+        logits_ = DecoderLM(DENSE).apply({"params": params}, batch)[0]
+        return jnp.mean(jax.nn.logsumexp(logits_, -1) - jnp.take_along_axis(logits_, batch[..., None], -1)[..., 0])
+
+    grads = average_gradients(loss, base, batches)
+    q = "layers/block_0/attn/q/kernel"
+    rank, gamma = 2, 4.0
+    lora = LoraConfig(rank=rank, alpha=4, targets=("q",), init="lora_ga")
+    adapted = lora_ga_init(add_lora(base, lora, jax.random.key(0)), grads, gamma=gamma)
+    assert_allclose(logits(DENSE, adapted, tokens), logits(DENSE, base, tokens), scale=10)
+    g = np.asarray(param_paths(grads)[q], np.float64).reshape(2, 16, 16)
+    scale, c = lora.scale(q), 16**0.25 / np.sqrt(gamma)
+    u, _, vt = np.linalg.svd(g)
+    top, next_ = u[:, :, :rank], np.swapaxes(vt[:, rank : 2 * rank], 1, 2)
+    expected = -(scale**2) * c**2 * (top @ np.swapaxes(top, 1, 2) @ g + g @ next_ @ np.swapaxes(next_, 1, 2))
+
+    def first_step(params):
+        """The weight's first-order change ``scale (dA B + A dB)`` under one unit SGD step."""
+        flat, step = param_paths(params), param_paths(average_gradients(loss, params, batches))
+        a = np.asarray(flat[q + "_lora_a"], np.float64).reshape(2, 16, rank)
+        b = np.asarray(flat[q + "_lora_b"], np.float64).reshape(2, rank, 16)
+        da = np.asarray(step[q + "_lora_a"], np.float64).reshape(2, 16, rank)
+        db = np.asarray(step[q + "_lora_b"], np.float64).reshape(2, rank, 16)
+        return -scale * (da @ b + a @ db)
+
+    update = first_step(adapted)
+    np.testing.assert_allclose(update, expected, atol=1e-3 * np.abs(expected).max())
+    default = first_step(add_lora(base, dataclasses.replace(lora, init="lora"), jax.random.key(0)))
+
+    def cosine(x):
+        return float(np.sum(x * -g) / np.linalg.norm(x) / np.linalg.norm(g))
+
+    assert cosine(update) > 0.9 > cosine(default) + 0.3

@@ -76,12 +76,14 @@ class LoraConfig:
     init: str = "lora"
     rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
     alpha_pattern: dict[str, float] = dataclasses.field(default_factory=dict)
-    key: str = dataclasses.field(default="adapter", compare=False, repr=False)
-    """The config section these came from (prefix of error keys)."""
+    ga_batches: int = 4
+    """LoRA-GA: batches whose mean gradient initialises the adapters."""
+    ga_gamma: float = 16.0
+    """LoRA-GA: the stable scale's ``gamma`` (``A, B`` scaled by ``d_out^(1/4) / sqrt(gamma)``)."""
 
     def __post_init__(self):
         def fail(field, message):
-            raise ConfigError(f"{self.key}.{field} {message}", key=f"{self.key}.{field}")
+            raise ConfigError(f"adapter.{field} {message}", key=f"adapter.{field}")
 
         if self.rank < 1 or any(r < 1 for r in self.rank_pattern.values()):
             fail("rank", f"must be a positive integer, got {self.rank} (rank_pattern {self.rank_pattern})")
@@ -89,6 +91,8 @@ class LoraConfig:
             fail("alpha", f"must be positive, got {self.alpha} (alpha_pattern {self.alpha_pattern})")
         if not 0 <= self.dropout < 1:
             fail("dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.ga_batches < 1 or self.ga_gamma <= 0:
+            fail("ga_batches", f"and ga_gamma must be positive, got {self.ga_batches} and {self.ga_gamma}")
         if self.init not in INITS:
             fail("init", f"must be one of {', '.join(INITS)}, got {self.init!r}")
         if not self.targets:
@@ -173,9 +177,9 @@ def target_paths(params: Mapping[str, Any], config: LoraConfig) -> list[str]:
         found = [p for p in paths if pattern.search(p)]
         if not found:
             raise ConfigError(
-                f"{config.key}.targets entry {target!r} matches no parameter; names: {', '.join(TARGETS)}; "
+                f"adapter.targets entry {target!r} matches no parameter; names: {', '.join(TARGETS)}; "
                 f"paths look like {', '.join(paths[:4])}",
-                key=f"{config.key}.targets",
+                key="adapter.targets",
             )
         chosen += [p for p in found if p not in chosen]
     return [p for p in paths if p in chosen]
@@ -191,7 +195,7 @@ def add_lora(params: Mapping[str, Any], config: LoraConfig, rng: jax.Array) -> d
     updates = {}
     for index, path in enumerate(target_paths(params, config)):
         if part_name(path, "lora_a") in flat:
-            raise ConfigError(f"{path} already has an adapter", key=f"{config.key}.targets")
+            raise ConfigError(f"{path} already has an adapter", key="adapter.targets")
         updates.update(_new_adapter(path, flat[path], config, jax.random.fold_in(rng, index)))
     return tree_from_paths({**flat, **updates})
 

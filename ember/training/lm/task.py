@@ -30,11 +30,17 @@ BATCH_AXES = ("batch", "seq")
 
 
 def lm_loss(
-    params: Any, batch: dict[str, jax.Array], *, model: DecoderLM, model_state: Any = None, **_: Any
+    params: Any,
+    batch: dict[str, jax.Array],
+    *,
+    model: DecoderLM,
+    model_state: Any = None,
+    dropout_rng: jax.Array | None = None,
+    **_: Any,
 ) -> LossTerms:
     """Next-token cross-entropy of a packed batch (sum and token count) plus the auxiliary
     losses and metrics the model sows, and its updated ``model_state`` (when it has one);
-    ignores the trainer's ``rng`` and ``teacher``."""
+    ignores the trainer's ``rng`` and ``teacher``. ``dropout_rng`` turns on adapter dropout."""
     outputs = apply_model(
         model,
         params,
@@ -42,6 +48,7 @@ def lm_loss(
         positions=batch["positions"],
         segment_ids=batch["segment_ids"],
         model_state=model_state,
+        **({"rngs": {"dropout": dropout_rng}} if dropout_rng is not None else {}),
     )
     logits, _ = outputs.output
     loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])

@@ -23,6 +23,7 @@ from ember.core.distributed import initialize_distributed
 from ember.core.sharding import logical_rules, make_mesh
 from ember.training.lm.config import LMConfig
 from ember.training.lm.task import LMTask
+from ember.training.task import Task
 from ember.training.trainer import NonFiniteLossError, Trainer
 
 __all__ = ["NonFiniteLossError", "check_resumable", "make_trainer", "train"]
@@ -38,9 +39,10 @@ def train(config: LMConfig, *, resume: bool = False) -> dict[str, Any]:
     return make_trainer(config, resume=resume).train()
 
 
-def make_trainer(config: LMConfig, *, resume: bool = False, task: LMTask | None = None) -> Trainer:
+def make_trainer(config: Any, *, resume: bool = False, task: Task | None = None) -> Trainer:
     """The trainer of an LM run (``task`` defaults to ``LMTask(config)``), ready to ``train()``;
-    add hooks to it first if you like."""
+    add hooks to it first if you like. ``config``: an ``LMConfig``, or another kind's config
+    with the same run sections (``FinetuneConfig`` with its ``FinetuneTask``)."""
     initialize_distributed(config.distributed)
     run_dir = Path(config.run_dir)
     if resume:
@@ -64,7 +66,7 @@ def make_trainer(config: LMConfig, *, resume: bool = False, task: LMTask | None 
     return trainer
 
 
-def check_resumable(run_dir: Path, config: LMConfig) -> None:
+def check_resumable(run_dir: Path, config: Any) -> None:
     """A run directory's saved config may differ from ``config`` only in runtime settings.
 
     Raises:
@@ -73,7 +75,7 @@ def check_resumable(run_dir: Path, config: LMConfig) -> None:
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
         return
-    saved, current = from_yaml(LMConfig, saved_path.read_text()).identity(), config.identity()
+    saved, current = from_yaml(type(config), saved_path.read_text()).identity(), config.identity()
     changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     if changed:
         raise ConfigError(

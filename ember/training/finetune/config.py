@@ -1,0 +1,134 @@
+"""The fine-tuning experiment config (``kind: finetune`` for ``ember train``).
+
+    kind: finetune
+    run_dir: runs/my-lora
+    base: {path: path/to/hf_model}           # or an Ember LM run directory
+    data: {train: data/train.jsonl, eval: data/eval.jsonl}
+    method: lora                              # lora | full
+    adapter: {rank: 8, alpha: 16, targets: [q, k, v, o]}
+    train: {steps: 200, batch_size: 8, seq_len: 256}
+    optim: {name: adamw, lr: 2e-4}
+    export: {peft: true, merged: false}
+
+The sections shared with ``kind: lm`` (train, optim, mesh, sharding, checkpoint, logging,
+distributed) mean the same. Every section is a frozen dataclass, so a bad key or value
+fails at load time with its key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omegaconf import MISSING
+
+from ember.core.distributed import DistributedConfig
+from ember.core.errors import ConfigError
+from ember.core.sharding import MeshConfig
+from ember.models.adapters.lora import LoraConfig
+from ember.training.config import CheckpointConfig, LoggingConfig
+from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, flatten_keys
+from ember.training.optimizers import OptimConfig
+
+METHODS: tuple[str, ...] = ("lora", "full")
+"""``lora``: train the ``adapter`` section's adapters, base frozen. ``full``: train every weight."""
+MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModelConfig:
+    """The model to fine-tune: a Hugging Face directory (``config.json`` + safetensors, its
+    tokenizer read from the same directory) or an Ember LM run directory (``step`` -1: the
+    latest checkpoint). Empty ``attention_impl`` / ``remat`` / ``precision`` keep the base's;
+    these and ``scan_layers`` are runtime settings."""
+
+    path: str = MISSING
+    step: int = -1
+    attention_impl: str = ""
+    remat: str = ""
+    precision: str = ""
+    scan_layers: bool = True
+
+    def __post_init__(self):
+        if not self.path:
+            raise ConfigError("base.path must name a Hugging Face model or Ember run directory", key="base.path")
+
+    def overrides(self) -> dict[str, Any]:
+        """The ``ModelConfig`` fields these settings replace."""
+        chosen = {"attention_impl": self.attention_impl, "remat": self.remat, "precision": self.precision}
+        return {"scan_layers": self.scan_layers, **{k: v for k, v in chosen.items() if v}}
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneDataConfig:
+    """JSONL examples (``{"prompt", "completion"}`` or ``{"messages": [...]}``; the loss is on
+    completion / assistant tokens only). Evaluation: the ``eval`` file, else the last
+    ``eval_fraction`` of ``train``'s examples (0: no evaluation)."""
+
+    train: str = MISSING
+    eval: str = ""
+    eval_fraction: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.train:
+            raise ConfigError("data.train must name a JSONL file of examples", key="data.train")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(
+                f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}", key="data.eval_fraction"
+            )
+        if self.eval and self.eval_fraction:
+            raise ConfigError("set data.eval or data.eval_fraction, not both", key="data.eval_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """What the run leaves in ``run_dir`` at the end: ``adapter/`` in PEFT format (``peft``,
+    LoRA runs) and ``merged/``, a Hugging Face checkpoint of the fine-tuned weights
+    (``merged``; ``model_type`` empty: the base's own, else ``llama``)."""
+
+    peft: bool = True
+    merged: bool = False
+    model_type: str = ""
+
+    def __post_init__(self):
+        if self.model_type and self.model_type not in MODEL_TYPES:
+            raise ConfigError(
+                f"export.model_type must be one of {', '.join(MODEL_TYPES)}, got {self.model_type!r}",
+                key="export.model_type",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    kind: str = "finetune"
+    run_dir: str = "runs/finetune"
+    seed: int = 0
+    base: BaseModelConfig = dataclasses.field(default_factory=BaseModelConfig)
+    data: FinetuneDataConfig = dataclasses.field(default_factory=FinetuneDataConfig)
+    method: str = "lora"
+    adapter: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    train: TrainLoopConfig = dataclasses.field(default_factory=TrainLoopConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=2e-4, weight_decay=0.0))
+    export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+    def __post_init__(self):
+        if self.kind != "finetune":
+            raise ConfigError(f"kind must be 'finetune' for a fine-tuning config, got {self.kind!r}", key="kind")
+        if self.method not in METHODS:
+            raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}", key="method")
+
+    def identity(self) -> dict[str, Any]:
+        """The flattened keys that define the run (what must not change on resume)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        flat = flatten_keys({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in data.items()})
+        runtime = (*RUNTIME_KEYS, "export", *(f"base.{k}" for k in ("attention_impl", "remat", "scan_layers")))
+        return {k: v for k, v in flat.items() if not any(k == r or k.startswith(r + ".") for r in runtime)}
+
+
+__all__ = ["METHODS", "BaseModelConfig", "ExportConfig", "FinetuneConfig", "FinetuneDataConfig"]

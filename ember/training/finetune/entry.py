@@ -1,0 +1,17 @@
+"""The ``finetune`` kind for ``ember train``: the config schema and the function that runs it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ember.training.finetune.config import FinetuneConfig as CONFIG_SCHEMA
+from ember.training.finetune.task import FinetuneTask
+from ember.training.lm.trainer import make_trainer
+
+
+def run(config: CONFIG_SCHEMA, *, resume: bool = False) -> dict[str, Any]:
+    """Fine-tunes (or resumes) the run described by ``config``; returns its summary."""
+    return make_trainer(config, resume=resume, task=FinetuneTask(config)).train()
+
+
+__all__ = ["CONFIG_SCHEMA", "run"]

@@ -1,0 +1,61 @@
+"""What a fine-tuning run leaves behind: the adapter in PEFT format and a merged checkpoint.
+
+``run_dir/adapter/`` (LoRA runs, ``export.peft``): ``adapter_config.json`` +
+``adapter_model.safetensors`` that ``peft.PeftModel.from_pretrained`` loads on the base.
+``run_dir/merged/`` (``export.merged``): a Hugging Face checkpoint of the fine-tuned weights
+(adapters folded in), with the base's tokenizer files copied beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from ember.models import hf
+from ember.models.adapters import merged_weights
+from ember.models.hf.peft import save_peft_adapter
+from ember.training.finetune.config import MODEL_TYPES
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def export_hook(task: Any) -> Callable[[Any], None]:
+    """The end-of-run hook of a ``FinetuneTask``: writes the exports its config asks for and
+    records their paths in the run summary (``exports``)."""
+
+    def export(info) -> None:
+        config, run_dir = task.config, info.trainer.run_dir
+        params = jax.device_get(info.state.params)
+        written = {}
+        if config.method == "lora" and config.export.peft:
+            save_peft_adapter(run_dir / "adapter", task.model_config, params, base_model=config.base.path)
+            written["adapter"] = str(run_dir / "adapter")
+        if config.export.merged:
+            weights = merged_weights(params) if config.method == "lora" else params
+            model_type = config.export.model_type or base_model_type(Path(config.base.path))
+            hf.save(run_dir / "merged", task.model_config, weights, model_type=model_type)
+            for name in TOKENIZER_FILES:
+                if (Path(config.base.path) / name).is_file():
+                    shutil.copy(Path(config.base.path) / name, run_dir / "merged" / name)
+            written["merged"] = str(run_dir / "merged")
+        info.trainer.results["exports"] = written
+
+    return export
+
+
+def base_model_type(path: Path) -> str:
+    """The ``model_type`` of a Hugging Face base directory when Ember can write it, else ``llama``."""
+    config_file = path / "config.json"
+    if config_file.is_file():
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        if model_type in MODEL_TYPES:
+            return model_type
+    return "llama"
+
+
+__all__ = ["base_model_type", "export_hook"]

@@ -1,0 +1,148 @@
+"""Fine-tuning a pretrained decoder LM as a trainer task: LoRA-family adapters or every
+weight, on JSONL examples with the loss on completion tokens only.
+
+    task = FinetuneTask(config)                 # config: FinetuneConfig
+    Trainer(task, loop=config.train, ...).train()
+
+The base model comes from a Hugging Face directory or an Ember LM run (``ember.serving.
+load_model``: weights, config and the base's own tokenizer). Its weights are the task's
+:meth:`pretrained` variables, given logical axes from the model's own ``init`` so they
+shard as a fresh model would; ``init_variables`` adds the adapters (LoRA-GA: from the mean
+gradient of the first ``adapter.ga_batches`` training batches, computed inside the jitted
+initialisation). With ``method: lora`` only the adapters train (``adapter_mask``): the
+optimizer state is adapter-sized and the base is never written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ember.core.errors import ConfigError
+from ember.core.sharding import box_like, unbox
+from ember.core.tree import param_paths, tree_from_paths
+from ember.models.adapters import adapter_mask, add_lora, target_paths
+from ember.models.adapters.lora_ga import lora_ga_init
+from ember.models.decoder import DecoderLM
+from ember.models.flops import flops_per_token
+from ember.models.variables import as_variables, split_variables
+from ember.serving.loading import LoadedModel, load_model
+from ember.training.data.instructions import InstructionBatches, read_instructions
+from ember.training.finetune.config import FinetuneConfig
+from ember.training.finetune.export import export_hook
+from ember.training.lm.task import BATCH_AXES, lm_loss
+from ember.training.task import Task
+
+
+class FinetuneTask(Task):
+    """The ``finetune`` kind's task. ``base``: an already loaded base model (default: the one
+    ``config.base`` names)."""
+
+    batch_axes = BATCH_AXES
+    count_name = "tokens"
+
+    def __init__(self, config: FinetuneConfig, base: LoadedModel | None = None):
+        self.config = config
+        step = None if config.base.step < 0 else config.base.step
+        self.base = base or load_model(config.base.path, step=step, **config.base.overrides())
+        if self.base.tokenizer is None:
+            raise ConfigError(f"base model {config.base.path} has no tokenizer (tokenizer.json)", key="base.path")
+        self.model_config = self.base.config
+        self.model = DecoderLM(self.model_config)
+        self.base_params, self.base_state = split_variables(as_variables(self.base.params))
+        self.examples, self.eval_examples = read_instructions(
+            config.data.train,
+            self.base.tokenizer,
+            eval_path=config.data.eval or None,
+            eval_fraction=config.data.eval_fraction,
+            seed=config.data.seed,
+        )
+
+    # ---------------------------------------------------------------- variables and masks
+    def _abstract_variables(self) -> dict[str, Any]:
+        """The model's boxed variable shapes (their logical axes)."""
+        seq_len = self.config.train.seq_len
+        tokens = jnp.zeros((1, seq_len), jnp.int32)
+        positions = jnp.arange(seq_len, dtype=jnp.int32)[None]
+        return jax.eval_shape(lambda key: self.model.init(key, tokens, positions=positions), jax.random.key(0))
+
+    def pretrained(self) -> dict[str, Any]:
+        """The base weights (and model state), plus LoRA-GA's gradient batches."""
+        weights = {"params": self.base_params, "state": self.base_state}
+        if self.config.method == "lora" and self.config.adapter.init == "lora_ga":
+            batches = self._batches(self.examples, shuffle=True)
+            stacked = [batches.next() for _ in range(self.config.adapter.ga_batches)]
+            weights["ga_batches"] = jax.tree.map(lambda *xs: np.stack(xs), *stacked)
+        return weights
+
+    def init_variables(self, rng: jax.Array, pretrained: Any = None) -> dict[str, Any]:
+        if pretrained is None:
+            raise ValueError("FinetuneTask starts from its pretrained() weights")
+        abstract = self._abstract_variables()
+        params = box_like(pretrained["params"], abstract["params"])
+        state = {name: box_like(pretrained["state"][name], abstract[name]) for name in pretrained["state"]}
+        if self.config.method == "lora":
+            params = add_lora(params, self.config.adapter, rng)
+            if "ga_batches" in pretrained:
+                gradients = self._mean_target_gradients(params, state, pretrained["ga_batches"])
+                params = lora_ga_init(params, gradients, gamma=self.config.adapter.ga_gamma)
+        return {"params": params, **state}
+
+    def _mean_target_gradients(self, params: Any, state: Any, batches: Any) -> dict[str, Any]:
+        """LoRA-GA: the mean over ``batches`` (stacked ``[n, batch, seq]``) of the loss gradient
+        of every adapted weight, at the base weights."""
+        unboxed, base_state = param_paths(unbox(params)), unbox(state)
+        targets = target_paths(unboxed, self.config.adapter)
+
+        def loss(chosen, batch):
+            terms = lm_loss(tree_from_paths({**unboxed, **chosen}), batch, model=self.model, model_state=base_state)
+            return terms.loss_sum / jnp.maximum(terms.count, 1.0)
+
+        chosen = {p: unboxed[p] for p in targets}
+        grads = jax.lax.map(lambda batch: jax.grad(loss)(chosen, batch), batches)
+        return tree_from_paths({p: jnp.mean(g, axis=0) for p, g in grads.items()})
+
+    def trainable(self, params: Any) -> Any | None:
+        return adapter_mask(params) if self.config.method == "lora" else None
+
+    # ---------------------------------------------------------------- loss and data
+    def loss(
+        self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any, model_state: Any = None
+    ) -> Any:
+        dropout = self.config.method == "lora" and self.config.adapter.dropout > 0
+        return lm_loss(params, batch, model=self.model, model_state=model_state, dropout_rng=rng if dropout else None)
+
+    def _batches(self, examples, *, shuffle: bool) -> InstructionBatches:
+        return InstructionBatches(
+            examples,
+            seq_len=self.config.train.seq_len,
+            global_batch=self.config.train.batch_size,
+            seed=self.config.data.seed,
+            shuffle=shuffle,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+
+    def train_data(self) -> InstructionBatches:
+        return self._batches(self.examples, shuffle=True)
+
+    def eval_data(self) -> Iterator[dict] | None:
+        """Up to ``train.eval_batches`` batches of the evaluation examples, in order."""
+        if not self.eval_examples or self.config.train.eval_batches == 0:
+            return None
+        return self._batches(self.eval_examples, shuffle=False).epoch(max_batches=self.config.train.eval_batches)
+
+    def work_per_step(self) -> dict[str, float]:
+        tokens = self.config.train.batch_size * self.config.train.seq_len
+        return {"tokens": tokens, "flops": flops_per_token(self.model_config, self.config.train.seq_len) * tokens}
+
+    def add_hooks(self, trainer) -> None:
+        if trainer.is_main:
+            trainer.add_hook(export_hook(self), on_last=True)
+
+
+__all__ = ["FinetuneTask"]
