@@ -1,0 +1,119 @@
+"""Low-rank adapters against their baselines: LoRA fine-tuning against full fine-tuning.
+
+    python -m benchmarks.adapters                      # every section
+    python -m benchmarks.adapters --section finetune   # one section (repeat for more)
+
+``finetune`` section: one optimizer step (the trainer's jitted ``train_step``, AdamW, the
+LM loss) of the same decoder LM trained fully and with LoRA (rank 16 on q, k, v, o, gate,
+up, down; base frozen through the trainable mask, so it gets no gradient buffers and no
+optimizer state), and with DoRA. Step seconds, tokens/s, trainable parameters and the
+optimizer state's bytes; ratios against full fine-tuning. LoRA's step saves the frozen
+weights' weight-gradient matmuls (about a third of a step's FLOPs) and their AdamW update,
+and pays for the adapters' small matmuls; DoRA adds each adapted weight's column norm.
+
+Results: ``benchmarks/results/adapters-<device>.json`` (a run of some sections keeps the
+other sections' figures already in that file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from benchmarks.harness import RESULTS_DIR, device_label, on_gpu, print_table, time_fn, write_results
+from ember.core.sharding import unbox
+from ember.core.tree import param_bytes, param_count
+from ember.models.adapters import LoraConfig, adapter_mask, add_lora
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
+from ember.training.lm.task import lm_loss
+from ember.training.train_step import init_state, train_step
+from ember.training.trainable import select, trainable_mask
+
+ALL_LINEAR = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def finetune_section() -> list[dict]:
+    if on_gpu():
+        config = ModelConfig(vocab_size=32000, d_model=1024, num_layers=8, num_heads=16, mlp_dim=4096,
+                             max_seq_len=2048, precision="bf16")  # fmt: skip
+        batch, seq = 8, 2048
+    else:
+        config = ModelConfig(vocab_size=512, d_model=256, num_layers=4, num_heads=8, mlp_dim=1024, max_seq_len=256)
+        batch, seq = 8, 256
+    model = DecoderLM(config)
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    data = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": positions,
+        "segment_ids": jnp.ones((batch, seq), jnp.int32),
+        "loss_mask": jnp.ones((batch, seq), jnp.float32),
+    }
+    base = model.init(jax.random.key(0), data["tokens"][:1], positions=positions[:1])["params"]
+    tx = optax.adamw(1e-4)
+    variants = {
+        "full": (base, None),
+        "lora_r16": (add_lora(base, LoraConfig(rank=16, targets=ALL_LINEAR), jax.random.key(2)), "lora"),
+        "dora_r16": (add_lora(base, LoraConfig(rank=16, targets=ALL_LINEAR, dora=True), jax.random.key(2)), "lora"),
+    }
+    rows = []
+    for name, (params, kind) in variants.items():
+        mask = adapter_mask(params) if kind else trainable_mask(params)
+        state = jax.jit(functools.partial(init_state, init_variables=lambda _: {"params": params}, tx=tx, mask=mask))(
+            jax.random.key(0)
+        )
+        state = dataclasses.replace(state, params=unbox(state.params), opt_state=unbox(state.opt_state))
+        step = jax.jit(
+            functools.partial(
+                train_step,
+                loss_fn=lambda p, b, **kw: lm_loss(p, b, model=model),
+                tx=tx,
+                schedule=optax.constant_schedule(1e-4),
+                mask=mask,
+                count_name="tokens",
+            )
+        )
+        seconds = time_fn(lambda s: step(s, data, None)[1]["loss"], state, warmup=2, repeats=5)
+        rows.append(
+            {
+                "variant": name,
+                "step_s": seconds,
+                "tokens_per_s": batch * seq / seconds,
+                "trainable_params": param_count(select(unbox(params), mask)),
+                "optimizer_bytes": param_bytes(state.opt_state),
+            }
+        )
+    full = rows[0]
+    for row in rows:
+        row["step_time_vs_full"] = row["step_s"] / full["step_s"]
+        row["optimizer_bytes_vs_full"] = row["optimizer_bytes"] / full["optimizer_bytes"]
+    print_table(rows, ["variant", "step_s", "tokens_per_s", "trainable_params", "optimizer_bytes",
+                       "step_time_vs_full", "optimizer_bytes_vs_full"])  # fmt: skip
+    return rows
+
+
+SECTIONS = {"finetune": finetune_section}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--section", action="append", choices=sorted(SECTIONS), help="run only these sections")
+    args = parser.parse_args()
+    path = RESULTS_DIR / f"adapters-{device_label()}.json"
+    results = json.loads(path.read_text()).get("results", {}) if path.is_file() else {}
+    for name in args.section or list(SECTIONS):
+        print(f"== {name}")
+        results[name] = SECTIONS[name]()
+    print(f"wrote {write_results('adapters', {'results': results})}")
+
+
+if __name__ == "__main__":
+    main()
