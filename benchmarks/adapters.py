@@ -67,7 +67,8 @@ def finetune_section() -> list[dict]:
     rows = []
     for name, (params, kind) in variants.items():
         mask = adapter_mask(params) if kind else trainable_mask(params)
-        state = jax.jit(functools.partial(init_state, init_variables=lambda _: {"params": params}, tx=tx, mask=mask))(
+        variables = functools.partial(dict, params=params)
+        state = jax.jit(functools.partial(init_state, init_variables=lambda _, v=variables: v(), tx=tx, mask=mask))(
             jax.random.key(0)
         )
         state = dataclasses.replace(state, params=unbox(state.params), opt_state=unbox(state.opt_state))
@@ -81,7 +82,7 @@ def finetune_section() -> list[dict]:
                 count_name="tokens",
             )
         )
-        seconds = time_fn(lambda s: step(s, data, None)[1]["loss"], state, warmup=2, repeats=5)
+        seconds = time_fn(lambda s, step=step: step(s, data, None)[1]["loss"], state, warmup=2, repeats=5)
         rows.append(
             {
                 "variant": name,
