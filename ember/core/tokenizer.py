@@ -36,11 +36,16 @@ class ByteTokenizer:
         return {"type": "bytes", "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
 
-def tokenizer_from_description(description: dict[str, Any]) -> ByteTokenizer:
-    """The tokenizer ``describe()`` produced; raises ``ValueError`` for unknown types."""
+def tokenizer_from_description(description: dict[str, Any]) -> Any:
+    """The tokenizer ``describe()`` produced (``bytes``, or ``hf``: a Hugging Face tokenizer,
+    see ``ember.core.hf_tokenizer``); raises ``ValueError`` for unknown types."""
     kind = description.get("type")
+    if kind == "hf":
+        from ember.core.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(description["tokenizer_json"], description.get("config"))
     if kind != "bytes":
-        raise ValueError(f"unknown tokenizer type {kind!r}; supported: 'bytes'")
+        raise ValueError(f"unknown tokenizer type {kind!r}; supported: 'bytes', 'hf'")
     return ByteTokenizer()
 
 

@@ -7,7 +7,7 @@
   converted to the config's ``scan_layers``; the tokenizer is Ember's byte tokenizer.
   ``LoadedModel.params`` are the weights serving applies (``serving_weights``).
 - Hugging Face directory: ``config.json`` + safetensors, read by ``ember.models.hf``; its
-  tokenizer comes from ``transformers`` when that is installed and the directory has one.
+  tokenizer is its ``tokenizer.json`` (``ember.core.hf_tokenizer``), when it has one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, read_key
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
+from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import convert_layer_layout, saved_scan_layers
@@ -91,28 +92,8 @@ def _load_hf(path: Path, config_overrides: dict[str, Any]) -> LoadedModel:
     return LoadedModel(config, jax.tree.map(jnp.asarray, params), _hf_tokenizer(path), eos_id)
 
 
-class HuggingFaceTokenizer:
-    """A ``transformers`` tokenizer behind the engine's ``encode``/``decode``/``eos_id``."""
-
-    def __init__(self, tokenizer: Any):
-        self._tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
-
-    def decode(self, ids) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+def _hf_tokenizer(path: Path) -> HFTokenizer | None:
+    return load_hf_tokenizer(path) if (path / "tokenizer.json").is_file() else None
 
 
-def _hf_tokenizer(path: Path) -> HuggingFaceTokenizer | None:
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    try:
-        import transformers
-    except ImportError:
-        return None
-    return HuggingFaceTokenizer(transformers.AutoTokenizer.from_pretrained(path))
-
-
-__all__ = ["HuggingFaceTokenizer", "LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_model"]

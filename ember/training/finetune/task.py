@@ -54,6 +54,8 @@ class FinetuneTask(Task):
         self.model_config = self.base.config
         self.model = DecoderLM(self.model_config)
         self.base_params, self.base_state = split_variables(as_variables(self.base.params))
+        if config.method == "lora":  # bad targets fail now, not inside the jitted initialisation
+            target_paths(self.base_params, config.adapter)
         self.examples, self.eval_examples = read_instructions(
             config.data.train,
             self.base.tokenizer,

@@ -1,0 +1,103 @@
+"""A Hugging Face model directory's own tokenizer, read with the ``tokenizers`` package.
+
+    tokenizer = load_hf_tokenizer("path/to/hf_model")     # tokenizer.json (+ tokenizer_config.json)
+    ids = tokenizer.encode("Hello")                        # as the model's tokenizer does: BOS and all
+    tokenizer.encode(" world", add_special_tokens=False)   # a continuation: no BOS
+    text = tokenizer.render_chat(messages)                 # the model's chat template (jinja2)
+
+Nothing is downloaded and ``transformers`` is not needed: ``tokenizer.json`` carries the
+model, normaliser, pre-tokeniser and post-processor (which adds BOS where the model's tokenizer
+does); ``tokenizer_config.json`` names the special tokens and holds the ``chat_template``.
+``describe()`` carries the whole ``tokenizer.json`` so an exported artifact needs no directory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember.core.errors import DataError, PathNotFoundError
+
+
+class HFTokenizer:
+    """``encode`` / ``decode`` / ``eos_id`` / ``bos_id`` / ``vocab_size`` of a HF tokenizer."""
+
+    def __init__(self, tokenizer_json: str, config: dict[str, Any] | None = None):
+        from tokenizers import Tokenizer
+
+        self._json, self._config = tokenizer_json, dict(config or {})
+        self._tokenizer = Tokenizer.from_str(tokenizer_json)
+        self.bos_id = self._special_id("bos_token")
+        self.eos_id = self._special_id("eos_token")
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.chat_template: str | None = self._config.get("chat_template")
+
+    def _special_id(self, name: str) -> int | None:
+        token = self._config.get(name)
+        if isinstance(token, dict):  # {"content": "<s>", ...} in older tokenizer configs
+            token = token.get("content")
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True, add_eos: bool = False) -> np.ndarray:
+        """``text`` -> int32 ids, with the model's special tokens (BOS) unless
+        ``add_special_tokens`` is False; ``add_eos`` appends the end-of-sequence id."""
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_eos and self.eos_id is not None:
+            ids = [*ids, self.eos_id]
+        return np.asarray(ids, np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text, special tokens dropped."""
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
+        """``messages`` as the model's ``chat_template`` writes them (what ``transformers``'
+        ``apply_chat_template(tokenize=False)`` gives).
+
+        Raises:
+          DataError: the tokenizer has no chat template.
+        """
+        if not self.chat_template:
+            raise DataError("this tokenizer has no chat_template (tokenizer_config.json)")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = _raise_template_error
+        special = {name: self._config.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special = {k: v.get("content") if isinstance(v, dict) else v for k, v in special.items()}
+        template = environment.from_string(self.chat_template)
+        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "hf", "tokenizer_json": self._json, "config": self._config}
+
+
+def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
+    """The tokenizer of the Hugging Face model directory ``path``.
+
+    Raises:
+      PathNotFoundError: no ``tokenizer.json`` (Ember reads the fast-tokenizer file; a
+        directory with only ``tokenizer.model`` needs converting with ``transformers`` once).
+    """
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise PathNotFoundError(
+            f"no tokenizer.json in {path}; Ember reads a model's fast tokenizer file (save it with "
+            "transformers' AutoTokenizer.save_pretrained)"
+        )
+    config = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            config.update(json.loads((path / name).read_text()))
+    return HFTokenizer((path / "tokenizer.json").read_text(), config)
+
+
+def _raise_template_error(message: str) -> None:
+    raise DataError(f"chat template: {message}")
+
+
+__all__ = ["HFTokenizer", "load_hf_tokenizer"]

@@ -1,0 +1,248 @@
+"""Instruction data: JSONL examples -> packed batches whose loss is on completion tokens only.
+
+    train, val = read_instructions("train.jsonl", tokenizer, eval_fraction=0.1)
+    batches = InstructionBatches(train, seq_len=256, global_batch=16, seed=0)
+    batch = batches.next()      # tokens/targets/segment_ids/positions/loss_mask [local_batch, seq_len]
+
+Each JSONL line is one example, either form:
+
+- ``{"prompt": "...", "completion": "..."}``: ``encode(prompt)`` (with the tokenizer's own
+  special tokens, BOS where the model has one), then the completion encoded as a
+  continuation, then EOS; the loss is on the completion and the EOS.
+- ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``: the
+  conversation rendered by the tokenizer's ``chat_template`` when it has one (as
+  ``transformers``' ``apply_chat_template``), else by :func:`plain_chat`; the loss is on each
+  assistant turn's tokens, found by rendering the conversation up to and including each turn
+  (the new text is that turn's), as ``return_assistant_tokens_mask`` would.
+
+Packing: examples are taken in a seeded order (a new permutation each epoch) and placed into
+rows of ``seq_len`` input tokens one after another, an example that does not fit the row's
+rest starting the next row. Each example gets its own segment id (1, 2, ... in the row; 0
+for padding) and positions from 0, so attention never crosses examples; a target is trained
+only when it is a completion token of the same example. An example longer than ``seq_len +
+1`` tokens is cut to its first ``seq_len + 1`` (the prompt's start kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember.core.errors import DataError, PathNotFoundError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One tokenized example: ``tokens`` int32 ``[n]`` and ``trained`` bool ``[n]`` (True
+    where the token is one the loss predicts: a completion or assistant token)."""
+
+    tokens: np.ndarray
+    trained: np.ndarray
+
+
+def plain_chat(messages: Sequence[dict[str, str]]) -> str:
+    """The conversation template of a tokenizer without ``chat_template``: each turn as
+    ``<|role|>\\ncontent\\n``."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+
+
+def read_instructions(
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    eval_path: str | Path | None = None,
+    eval_fraction: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[Example], list[Example]]:
+    """``(train examples, eval examples)`` of the JSONL file ``path``: evaluation is
+    ``eval_path``'s examples, else a seeded ``eval_fraction`` of ``path``'s (none when 0).
+
+    Raises:
+      PathNotFoundError: a file does not exist.
+      DataError: a line is not an example (naming the file, the line and what is allowed).
+    """
+    examples = [tokenize_example(record, tokenizer, where) for record, where in read_jsonl(path)]
+    if eval_path is not None:
+        return examples, [tokenize_example(record, tokenizer, where) for record, where in read_jsonl(eval_path)]
+    held_out = int(round(len(examples) * eval_fraction))
+    if not held_out:
+        return examples, []
+    order = np.random.default_rng(seed).permutation(len(examples))
+    chosen = set(order[:held_out].tolist())
+    return [e for i, e in enumerate(examples) if i not in chosen], [examples[i] for i in sorted(chosen)]
+
+
+def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any], str]]:
+    """``(record, "file:line")`` for every non-blank line of ``path``."""
+    path = Path(path)
+    if not path.is_file():
+        raise PathNotFoundError(f"no JSONL file {path}")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}:{number} is not JSON ({error.msg})") from None
+        records.append((record, f"{path}:{number}"))
+    if not records:
+        raise DataError(f"{path} has no examples")
+    return records
+
+
+def tokenize_example(record: Any, tokenizer: Any, where: str = "example") -> Example:
+    """One JSONL record as an :class:`Example` (see the module docstring for the forms)."""
+    if isinstance(record, dict) and set(record) >= {"prompt", "completion"} and "messages" not in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise DataError(f"{where}: prompt and completion must be strings")
+        head = _encode(tokenizer, prompt, first=True)
+        tail = _encode(tokenizer, completion, first=False)
+        tail = np.append(tail, tokenizer.eos_id).astype(np.int32) if tokenizer.eos_id is not None else tail
+        return Example(np.concatenate([head, tail]), np.r_[np.zeros(head.size, bool), np.ones(tail.size, bool)])
+    if isinstance(record, dict) and "messages" in record:
+        return _conversation(record["messages"], tokenizer, where)
+    raise DataError(
+        f'{where}: an example is {{"prompt": str, "completion": str}} or {{"messages": [{{"role", "content"}}, ...]}}'
+    )
+
+
+def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages must be a non-empty list")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: messages[{index}] needs a role and a string content")
+        if message.get("role") not in ROLES:
+            raise DataError(f"{where}: messages[{index}] has role {message.get('role')!r}; roles: {', '.join(ROLES)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: the conversation has no assistant turn to train on")
+    render = getattr(tokenizer, "render_chat", None) if getattr(tokenizer, "chat_template", None) else None
+    tokens, trained = [], []
+    rendered = ""
+    for index, message in enumerate(messages):
+        text = render(messages[: index + 1]) if render else plain_chat(messages[: index + 1])
+        if not text.startswith(rendered):
+            raise DataError(f"{where}: the chat template does not render turns as a growing prefix")
+        piece = _encode(tokenizer, text[len(rendered) :], first=index == 0)
+        tokens.append(piece)
+        trained.append(np.full(piece.size, message["role"] == "assistant"))
+        rendered = text
+    return Example(np.concatenate(tokens).astype(np.int32), np.concatenate(trained))
+
+
+def _encode(tokenizer: Any, text: str, *, first: bool) -> np.ndarray:
+    """``text`` as ids: a sequence start with the tokenizer's special tokens, a continuation without."""
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=first)
+    except TypeError:  # the byte tokenizer has no special tokens to add
+        ids = tokenizer.encode(text)
+    return np.asarray(ids, np.int32)
+
+
+def pack_examples(examples: Sequence[Example], seq_len: int) -> list[dict[str, np.ndarray]]:
+    """Rows of ``seq_len`` (see the module docstring): ``tokens``, ``targets``, ``segment_ids``,
+    ``positions`` (int32) and ``loss_mask`` (float32), each ``[seq_len]``."""
+    rows: list[dict[str, np.ndarray]] = []
+    row, used, segment = _empty_row(seq_len), 0, 0
+    for example in examples:
+        tokens, trained = example.tokens[: seq_len + 1], example.trained[: seq_len + 1]
+        length = tokens.size - 1
+        if length < 1:
+            continue
+        if used + length > seq_len:
+            rows.append(row)
+            row, used, segment = _empty_row(seq_len), 0, 0
+        segment += 1
+        span = slice(used, used + length)
+        row["tokens"][span], row["targets"][span] = tokens[:-1], tokens[1:]
+        row["segment_ids"][span] = segment
+        row["positions"][span] = np.arange(length)
+        row["loss_mask"][span] = trained[1:]
+        used += length
+    if used:
+        rows.append(row)
+    return rows
+
+
+def _empty_row(seq_len: int) -> dict[str, np.ndarray]:
+    ints = {name: np.zeros(seq_len, np.int32) for name in ("tokens", "targets", "segment_ids", "positions")}
+    return {**ints, "loss_mask": np.zeros(seq_len, np.float32)}
+
+
+class InstructionBatches:
+    """Packed ``[local_batch, seq_len]`` batches of examples, endless and resumable.
+
+    Epoch ``e`` packs the examples in the order ``permutation(seed, e)`` (``shuffle=False``:
+    file order). The state is ``(epoch, row)``; restoring it gives the same batches again. A
+    global batch is ``global_batch`` consecutive rows, of which process ``p`` takes its own
+    ``global_batch / process_count``.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        if not examples:
+            raise DataError("no examples to train on")
+        if global_batch % process_count:
+            raise DataError(f"global batch {global_batch} does not split over {process_count} processes")
+        self.examples, self.seq_len, self.global_batch = list(examples), seq_len, global_batch
+        self.seed, self.shuffle = seed, shuffle
+        self.local_batch = global_batch // process_count
+        self.first_row = process_index * self.local_batch
+        self._epoch, self._row = 0, 0
+        self._rows_of: tuple[int, list[dict[str, np.ndarray]]] | None = None
+
+    def _rows(self, epoch: int) -> list[dict[str, np.ndarray]]:
+        if self._rows_of is None or self._rows_of[0] != epoch:
+            order = np.arange(len(self.examples))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(order)
+            self._rows_of = (epoch, pack_examples([self.examples[i] for i in order], self.seq_len))
+        return self._rows_of[1]
+
+    def next(self) -> dict[str, np.ndarray]:
+        rows = []
+        for _ in range(self.global_batch):
+            epoch_rows = self._rows(self._epoch)
+            rows.append(epoch_rows[self._row])
+            self._row += 1
+            if self._row == len(epoch_rows):
+                self._epoch, self._row = self._epoch + 1, 0
+        mine = rows[self.first_row : self.first_row + self.local_batch]
+        return {name: np.stack([row[name] for row in mine]) for name in mine[0]}
+
+    def epoch(self, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """The first epoch's batches in order, the last one padded with empty rows (no loss)."""
+        rows = self._rows(0)
+        count = -(-len(rows) // self.global_batch)
+        for start in range(0, min(count, max_batches or count) * self.global_batch, self.global_batch):
+            batch = rows[start : start + self.global_batch]
+            batch = batch + [_empty_row(self.seq_len)] * (self.global_batch - len(batch))
+            mine = batch[self.first_row : self.first_row + self.local_batch]
+            yield {name: np.stack([row[name] for row in mine]) for name in mine[0]}
+
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "row": self._row}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._epoch, self._row = int(state["epoch"]), int(state["row"])
+
+
+__all__ = ["Example", "InstructionBatches", "pack_examples", "plain_chat", "read_instructions", "tokenize_example"]
