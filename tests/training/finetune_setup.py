@@ -48,7 +48,8 @@ def write_examples(path: Path, *, repeats: int = 4, chat: bool = False) -> Path:
         for animal, sound in ANIMALS.items():
             prompt = f"what does the {animal} say ?"
             if chat:
-                lines.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": sound}]})
+                turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": sound}]
+                lines.append({"messages": turns})
             else:
                 lines.append({"prompt": prompt, "completion": f" {sound}"})
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -93,7 +93,7 @@ def test_lora_lowers_the_completion_loss_well_below_the_base_model(lora_run):
 
 
 def test_exports_load_in_peft_and_transformers_with_ember_logits(lora_run, problem):
-    config, task, trainer, summary = lora_run
+    _, task, trainer, summary = lora_run
     tokens = np.asarray([[1, 3, 4, 5, 10, 6, 7, 18, 2]])
     ember = np.asarray(DecoderLM(task.model_config).apply({"params": trainer.state.params}, jnp.asarray(tokens))[0])
     base_model = transformers.AutoModelForCausalLM.from_pretrained(problem[0], attn_implementation="eager").eval()

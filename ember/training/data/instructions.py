@@ -71,7 +71,7 @@ def read_instructions(
     examples = [tokenize_example(record, tokenizer, where) for record, where in read_jsonl(path)]
     if eval_path is not None:
         return examples, [tokenize_example(record, tokenizer, where) for record, where in read_jsonl(eval_path)]
-    held_out = int(round(len(examples) * eval_fraction))
+    held_out = round(len(examples) * eval_fraction)
     if not held_out:
         return examples, []
     order = np.random.default_rng(seed).permutation(len(examples))
