@@ -13,7 +13,8 @@ Each JSONL line is one example, either form:
   conversation rendered by the tokenizer's ``chat_template`` when it has one (as
   ``transformers``' ``apply_chat_template``), else by :func:`plain_chat`; the loss is on each
   assistant turn's tokens, found by rendering the conversation up to and including each turn
-  (the new text is that turn's), as ``return_assistant_tokens_mask`` would.
+  (the new text is that turn's) and up to its generation prompt (the turn's header, not
+  trained), as ``return_assistant_tokens_mask`` would.
 
 Packing: examples are taken in a seeded order (a new permutation each epoch) and placed into
 rows of ``seq_len`` input tokens one after another, an example that does not fit the row's
@@ -47,10 +48,11 @@ class Example:
     trained: np.ndarray
 
 
-def plain_chat(messages: Sequence[dict[str, str]]) -> str:
+def plain_chat(messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
     """The conversation template of a tokenizer without ``chat_template``: each turn as
-    ``<|role|>\\ncontent\\n``."""
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    ``<|role|>\\ncontent\\n``; the generation prompt is ``<|assistant|>\\n``."""
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return text + "<|assistant|>\n" if add_generation_prompt else text
 
 
 def read_instructions(
@@ -125,14 +127,23 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
             raise DataError(f"{where}: messages[{index}] has role {message.get('role')!r}; roles: {', '.join(ROLES)}")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
-    render = getattr(tokenizer, "render_chat", None) if getattr(tokenizer, "chat_template", None) else None
+    chat = getattr(tokenizer, "render_chat", None) if getattr(tokenizer, "chat_template", None) else None
+    render = chat or plain_chat
     tokens, trained = [], []
     rendered = ""
     for index, message in enumerate(messages):
-        text = render(messages[: index + 1]) if render else plain_chat(messages[: index + 1])
+        text = render(messages[: index + 1])
         if not text.startswith(rendered):
             raise DataError(f"{where}: the chat template does not render turns as a growing prefix")
-        piece = _encode(tokenizer, text[len(rendered) :], first=index == 0)
+        if message["role"] == "assistant":  # the turn's header (the generation prompt) is not trained
+            header = render(messages[:index], add_generation_prompt=True) if index else ""
+            if header.startswith(rendered) and text.startswith(header):
+                piece = _encode(tokenizer, header[len(rendered) :], first=not tokens and chat is None)
+                tokens.append(piece)
+                trained.append(np.zeros(piece.size, bool))
+                rendered = header
+        # A chat template writes the special tokens itself (apply_chat_template adds none).
+        piece = _encode(tokenizer, text[len(rendered) :], first=not tokens and chat is None)
         tokens.append(piece)
         trained.append(np.full(piece.size, message["role"] == "assistant"))
         rendered = text

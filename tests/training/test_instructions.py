@@ -1,0 +1,141 @@
+"""Instruction data: masks, segments and positions by hand on the byte tokenizer, chat turns
+(plain template and a Hugging Face chat template, against ``transformers``), a resumed
+iterator repeating its batches, per-process rows, and every bad line named."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ember.core.errors import DataError, PathNotFoundError
+from ember.core.hf_tokenizer import load_hf_tokenizer
+from ember.core.tokenizer import ByteTokenizer
+from ember.training.data.instructions import (
+    InstructionBatches,
+    pack_examples,
+    plain_chat,
+    read_instructions,
+    tokenize_example,
+)
+from tests.training.finetune_setup import write_tokenizer
+
+BYTES = ByteTokenizer()
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% if m['role'] == 'assistant' %}"
+    "{{ eos_token }} {% endif %}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def ids(text):
+    return list(text.encode())
+
+
+def test_prompt_completion_masks_and_packing_by_hand():
+    first = tokenize_example({"prompt": "ab", "completion": "cd"}, BYTES)
+    assert first.tokens.tolist() == [*ids("abcd"), 256]
+    assert first.trained.tolist() == [False, False, True, True, True]
+    second = tokenize_example({"prompt": "x", "completion": "y"}, BYTES)
+    rows = pack_examples([first, second, first], seq_len=7)
+    # Row 0: example one (4 inputs) then example two (2 inputs), one padding slot; row 1: example one.
+    assert len(rows) == 2
+    row = rows[0]
+    assert row["tokens"].tolist() == [*ids("abcd"), *ids("xy"), 0]
+    assert row["targets"].tolist() == [*ids("bcd"), 256, *ids("y"), 256, 0]
+    assert row["segment_ids"].tolist() == [1, 1, 1, 1, 2, 2, 0]
+    assert row["positions"].tolist() == [0, 1, 2, 3, 0, 1, 0]
+    assert row["loss_mask"].tolist() == [0, 1, 1, 1, 1, 1, 0]
+    assert rows[1]["segment_ids"].tolist() == [1, 1, 1, 1, 0, 0, 0]
+
+
+def test_long_examples_keep_their_start():
+    long = tokenize_example({"prompt": "abcdef", "completion": "gh"}, BYTES)
+    (row,) = pack_examples([long], seq_len=4)
+    assert row["tokens"].tolist() == ids("abcd") and row["targets"].tolist() == ids("bcde")
+    assert row["loss_mask"].tolist() == [0, 0, 0, 0]
+
+
+def test_plain_chat_trains_assistant_content_not_headers():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "?"}, {"role": "assistant", "content": "ok"}]  # fmt: skip
+    example = tokenize_example({"messages": messages}, BYTES)
+    assert example.tokens.tolist() == ids(plain_chat(messages))
+    trained = bytes(t for t, on in zip(example.tokens.tolist(), example.trained) if on)
+    assert trained == b"yo\nok\n"
+
+
+def test_hf_chat_template_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    ours = load_hf_tokenizer(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in ("what does the cow say ?", "the owl say", "a bee ? zebra"):
+        assert ours.encode(text).tolist() == theirs.encode(text)
+        assert ours.encode(text, add_special_tokens=False).tolist() == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ours.encode("what does the dog say ?")) == theirs.decode(
+        theirs.encode("what does the dog say ?"), skip_special_tokens=True
+    )
+    messages = [{"role": "user", "content": "what does the cow say ?"}, {"role": "assistant", "content": "moo"}]
+    expected = theirs.apply_chat_template(messages, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    example = tokenize_example({"messages": messages}, ours)
+    assert example.tokens.tolist() == list(expected)
+    trained = [t for t, on in zip(example.tokens.tolist(), example.trained) if on]
+    # The assistant's content and the template's eos after it; not its "[assistant]" header.
+    assert trained == [*ours.encode("moo", add_special_tokens=False).tolist(), ours.eos_id]
+
+
+def test_resumed_iterator_repeats_and_processes_split_rows(tmp_path):
+    lines = [{"prompt": f"p{i}", "completion": "c" * (i % 5 + 1)} for i in range(23)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    train, val = read_instructions(path, BYTES, eval_fraction=0.2, seed=1)
+    assert (len(train), len(val)) == (18, 5)
+    batches = InstructionBatches(train, seq_len=12, global_batch=4, seed=3)
+    for _ in range(3):
+        batches.next()
+    saved = batches.state()
+    expected = [batches.next() for _ in range(4)]  # crosses an epoch boundary
+    batches.restore(saved)
+    for want in expected:
+        got = batches.next()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+    halves = [InstructionBatches(train, seq_len=12, global_batch=4, seed=3, process_index=p, process_count=2)
+              for p in (0, 1)]  # fmt: skip
+    whole = InstructionBatches(train, seq_len=12, global_batch=4, seed=3).next()
+    parts = [half.next() for half in halves]
+    np.testing.assert_array_equal(np.concatenate([p["tokens"] for p in parts]), whole["tokens"])
+    evaluation = list(InstructionBatches(val, seq_len=12, global_batch=4, shuffle=False).epoch())
+    assert sum(float(b["loss_mask"].sum()) for b in evaluation) == sum(e.trained[1:].sum() for e in val)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "a"}', "an example is"),
+        ('{"prompt": 1, "completion": "b"}', "must be strings"),
+        ('{"messages": []}', "non-empty list"),
+        ('{"messages": [{"role": "user"}]}', "needs a role and a string content"),
+        ('{"messages": [{"role": "bot", "content": "x"}]}', "roles: system, user, assistant"),
+        ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
+        ("not json", "is not JSON"),
+    ],
+)
+def test_bad_lines_name_the_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n' + line + "\n")
+    with pytest.raises(DataError, match=message) as error:
+        read_instructions(path, BYTES)
+    assert f"{path}:2" in str(error.value)
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(PathNotFoundError):
+        read_instructions(tmp_path / "none.jsonl", BYTES)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="has no examples"):
+        read_instructions(tmp_path / "empty.jsonl", BYTES)
+    with pytest.raises(PathNotFoundError, match="tokenizer.json"):
+        load_hf_tokenizer(tmp_path)
