@@ -137,5 +137,5 @@ def test_missing_and_empty_files(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="has no examples"):
         read_instructions(tmp_path / "empty.jsonl", BYTES)
-    with pytest.raises(PathNotFoundError, match="tokenizer.json"):
+    with pytest.raises(PathNotFoundError, match=r"tokenizer\.json"):
         load_hf_tokenizer(tmp_path)
