@@ -228,6 +228,14 @@ def unbox(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree, is_leaf=is_box)
 
 
+def drop_empty_boxes(tree: Any) -> Any:
+    """``tree`` without the ``nn.Partitioned`` boxes that hold no array (optax's placeholder
+    ``MaskedNode`` for a masked-out parameter, boxed like the parameter by ``init``), whose
+    logical spec would otherwise have no array to shard."""
+    is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+    return jax.tree.map(lambda x: x if not is_box(x) or jax.tree.leaves(x.value) else x.value, tree, is_leaf=is_box)
+
+
 def box_like(tree: Any, like: Any) -> Any:
     """``tree``'s leaves wrapped in the ``nn.Partitioned`` boxes of ``like`` (same structure,
     e.g. an ``eval_shape`` of ``model.init``) where ``like`` has one: pretrained weights
@@ -303,6 +311,7 @@ __all__ = [
     "Rules",
     "box_like",
     "constrain",
+    "drop_empty_boxes",
     "host_local_to_global",
     "logical_rules",
     "logical_to_spec",

@@ -6,19 +6,30 @@ Gradients are clipped by global norm first (``clip_norm``; 0 turns it off). Weig
 applies to weight matrices and embeddings, never to biases or normalisation scales
 (decided by the parameter's name, so it is right for layer-stacked ``[layers, ...]``
 parameters too).
+
+``muon`` and ``galore`` are optax's (``optax.contrib``). Both treat the model's linear maps
+(attention projections, MLP and expert matrices) as matrices from their input to their
+output dimensions, whatever their rank (``[embed, heads, head_dim]``, layer-stacked
+``[layers, ...]``, experts ``[experts, ...]``: :func:`matrix_dimensions`); every other
+parameter (embeddings, the head, norms, biases, routers, adapters) takes Adam. Muon
+orthogonalises each stacked matrix on its own; optax's GaLore has no batch axes, so it
+needs unstacked layers (``scan_layers: false``) and says so otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import optax
+import optax.contrib
 
 from ember.core.errors import ConfigError
+from ember.models.adapters.lora import weight_layout
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "lion", "adafactor", "sgd")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "lion", "adafactor", "sgd", "muon", "galore")
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 NO_DECAY_NAMES: frozenset[str] = frozenset({"bias", "scale", "b"})
 
@@ -51,8 +62,11 @@ class ScheduleConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """``name``: adamw | lion | adafactor | sgd. ``b1``/``b2``/``eps`` are AdamW's and Lion's
-    (Lion uses ``b1``, ``b2``); ``momentum``/``nesterov`` are SGD's."""
+    """``name``: adamw | lion | adafactor | sgd | muon | galore. ``b1``/``b2``/``eps`` are
+    AdamW's and Lion's (Lion uses ``b1``, ``b2``; Muon and GaLore use them for their Adam
+    part); ``momentum``/``nesterov`` are SGD's; ``muon_*`` Muon's Newton-Schulz steps and
+    momentum; ``galore_*`` GaLore's projection rank, steps between projection updates and
+    update scale."""
 
     name: str = "adamw"
     lr: float = 3e-4
@@ -63,6 +77,11 @@ class OptimConfig:
     momentum: float = 0.9
     nesterov: bool = False
     clip_norm: float = 1.0
+    muon_ns_steps: int = 5
+    muon_beta: float = 0.95
+    galore_rank: int = 128
+    galore_update_gap: int = 200
+    galore_scale: float = 0.25
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
 
     def __post_init__(self):
@@ -72,6 +91,17 @@ class OptimConfig:
             raise ConfigError(f"optim.lr must be positive, got {self.lr}", key="optim.lr")
         if self.weight_decay < 0 or self.clip_norm < 0:
             raise ConfigError("optim.weight_decay and optim.clip_norm must be >= 0", key="optim.weight_decay")
+        for name in ("muon_ns_steps", "galore_rank", "galore_update_gap"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"optim.{name} must be a positive integer, got {getattr(self, name)}", key=f"optim.{name}"
+                )
+        if not 0 <= self.muon_beta < 1 or self.galore_scale <= 0:
+            raise ConfigError(
+                f"optim.muon_beta must be in [0, 1) and optim.galore_scale positive, got {self.muon_beta} and "
+                f"{self.galore_scale}",
+                key="optim.muon_beta" if not 0 <= self.muon_beta < 1 else "optim.galore_scale",
+            )
 
 
 def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -101,6 +131,35 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+def matrix_dimensions(params: Any, *, spec: type, batch_axes: bool = True) -> Any:
+    """Per parameter, ``spec(reduction_axis, output_axis)`` for the model's linear maps (their
+    input and output dimensions, see ``ember.models.adapters.lora.weight_layout``) and None
+    for every other parameter.
+
+    Raises:
+      ConfigError: ``batch_axes`` is False and a matrix is stacked (``[layers, ...]`` or
+        ``[experts, ...]``), which GaLore cannot project.
+    """
+
+    def one(path, leaf):
+        name = "/".join(str(getattr(key, "key", key)) for key in path if hasattr(key, "key"))
+        try:
+            layout = weight_layout(name, leaf)
+        except ConfigError:
+            return None
+        if layout.lead and not batch_axes:
+            raise ConfigError(
+                f"optim.name galore projects single matrices, but {name} {leaf.shape} stacks {layout.lead} "
+                "leading axes (layers or experts); set scan_layers false (model.scan_layers, or base.scan_layers "
+                "when fine-tuning) or use muon",
+                key="optim.name",
+            )
+        inputs = tuple(range(layout.lead, layout.lead + layout.in_dims))
+        return spec(reduction_axis=inputs, output_axis=tuple(range(inputs[-1] + 1, leaf.ndim)))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """Clipping, then the optimizer with its schedule (and decoupled weight decay)."""
     lr = make_schedule(config, total_steps)
@@ -112,6 +171,31 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
         core = optax.lion(lr, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay, mask=decay_mask)
     elif config.name == "adafactor":
         core = optax.adafactor(lr, weight_decay_rate=config.weight_decay or None, weight_decay_mask=decay_mask)
+    elif config.name == "muon":
+        core = optax.contrib.muon(
+            lr,
+            ns_steps=config.muon_ns_steps,
+            beta=config.muon_beta,
+            weight_decay=config.weight_decay,
+            weight_decay_mask=decay_mask,
+            adam_b1=config.b1,
+            adam_b2=config.b2,
+            adam_weight_decay=config.weight_decay,
+            muon_weight_dimension_numbers=functools.partial(matrix_dimensions, spec=optax.contrib.MuonDimensionNumbers),
+        )
+    elif config.name == "galore":
+        core = optax.contrib.galore(
+            lr,
+            rank=config.galore_rank,
+            update_proj_gap=config.galore_update_gap,
+            scale=config.galore_scale,
+            base_optimizer=optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+            weight_decay=config.weight_decay,
+            mask=decay_mask,
+            weight_dimension_numbers=functools.partial(
+                matrix_dimensions, spec=optax.contrib.GaLoreDimensionNumbers, batch_axes=False
+            ),
+        )
     else:
         core = optax.chain(
             optax.add_decayed_weights(config.weight_decay, mask=decay_mask),

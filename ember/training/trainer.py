@@ -44,6 +44,7 @@ from ember.core.checkpoint import CheckpointManager, abstract_with_shardings
 from ember.core.errors import ConfigError, EmberError
 from ember.core.sharding import (
     DEFAULT_RULES,
+    drop_empty_boxes,
     host_local_to_global,
     make_mesh,
     named_sharding,
@@ -171,7 +172,7 @@ class Trainer:
         init, args = self._initializer(task)
         abstract_params = jax.eval_shape(init, jax.random.key(self.seed), *args)["params"]
         mask = trainable_mask(abstract_params, freeze=self.loop.freeze, base=task.trainable(abstract_params))
-        boxed = jax.eval_shape(self._state_maker(init, mask), jax.random.key(self.seed), *args)
+        boxed = drop_empty_boxes(jax.eval_shape(self._state_maker(init, mask), jax.random.key(self.seed), *args))
         shardings = tree_shardings(self.mesh, nn.get_partition_spec(boxed), self.rules, shapes=boxed)
         return boxed, shardings, mask
 

@@ -69,9 +69,70 @@ def test_each_optimizer_matches_optax_directly(name, rng):
 
 def test_config_errors_name_the_key():
     with pytest.raises(
-        ConfigError, match=re.escape("optim.name must be one of adamw, lion, adafactor, sgd, got 'adam'")
+        ConfigError, match=re.escape("optim.name must be one of adamw, lion, adafactor, sgd, muon, galore, got 'adam'")
     ):
         OptimConfig(name="adam")
     with pytest.raises(ConfigError) as info:
         load_config(OptimConfig, None, ["schedule.kind=step"])
     assert info.value.key == "optim.schedule.kind"
+
+
+def _matrix_params(stacked: bool):
+    """A 3-D attention kernel, an MLP matrix and a norm scale, layer-stacked or not."""
+    keys = iter(jax.random.split(jax.random.key(3), 4))
+    lead = (2,) if stacked else ()
+    layer = {
+        "attn": {"q": {"kernel": jax.random.normal(next(keys), (*lead, 8, 2, 4))}},
+        "mlp": {"up": jax.random.normal(next(keys), (*lead, 8, 12))},
+        "attn_norm": {"scale": 1 + 0.1 * jax.random.normal(next(keys), (*lead, 8))},
+    }
+    return {
+        "layers" if stacked else "group_0": {"block_0": layer},
+        "embed": {"embedding": jax.random.normal(next(keys), (5, 8))},
+    }
+
+
+def _quadratic_steps(tx, params, steps=3):
+    """Params after ``steps`` updates on ``sum(p**2)`` and the loss at each step."""
+    state, losses = tx.init(params), []
+    for _ in range(steps):
+        loss, grads = jax.value_and_grad(lambda p: sum(jnp.sum(x**2) for x in jax.tree.leaves(p)))(params)
+        updates, state = tx.update(grads, state, params)
+        params, losses = optax.apply_updates(params, updates), [*losses, float(loss)]
+    return params, losses
+
+
+def test_muon_orthogonalises_the_linear_maps_and_matches_optax():
+    params = _matrix_params(stacked=True)
+    config = OptimConfig(name="muon", lr=0.05, weight_decay=0.0, clip_norm=0.0, schedule=ScheduleConfig("constant"))
+    ours, losses = _quadratic_steps(make_optimizer(config, 10), params)
+    dims = optax.contrib.MuonDimensionNumbers
+    layer = {"attn": {"q": {"kernel": dims((1,), (2, 3))}}, "mlp": {"up": dims((1,), (2,))}, "attn_norm": {"scale": None}}
+    expected_dims = {"layers": {"block_0": layer}, "embed": {"embedding": None}}
+    theirs, _ = _quadratic_steps(
+        optax.contrib.muon(
+            0.05, adam_b2=0.95, weight_decay_mask=decay_mask, muon_weight_dimension_numbers=expected_dims
+        ),
+        params,
+    )
+    jax.tree.map(assert_allclose, ours, theirs)
+    assert losses[-1] < losses[0]
+
+
+def test_galore_projects_unstacked_matrices_and_refuses_stacked_ones():
+    params = _matrix_params(stacked=False)
+    config = OptimConfig(name="galore", lr=0.05, weight_decay=0.0, clip_norm=0.0, galore_rank=2,
+                         schedule=ScheduleConfig("constant"))  # fmt: skip
+    ours, losses = _quadratic_steps(make_optimizer(config, 10), params)
+    dims = optax.contrib.GaLoreDimensionNumbers
+    layer = {"attn": {"q": {"kernel": dims((0,), (1, 2))}}, "mlp": {"up": dims((0,), (1,))}, "attn_norm": {"scale": None}}
+    expected_dims = {"group_0": {"block_0": layer}, "embed": {"embedding": None}}
+    reference = optax.contrib.galore(0.05, rank=2, update_proj_gap=200, scale=0.25, mask=decay_mask,
+                                     base_optimizer=optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8),
+                                     weight_dimension_numbers=expected_dims)  # fmt: skip
+    theirs, _ = _quadratic_steps(reference, params)
+    jax.tree.map(assert_allclose, ours, theirs)
+    assert losses[-1] < losses[0]
+    with pytest.raises(ConfigError, match="galore projects single matrices") as error:
+        make_optimizer(config, 10).init(_matrix_params(stacked=True))
+    assert error.value.key == "optim.name"
