@@ -107,7 +107,8 @@ def test_muon_orthogonalises_the_linear_maps_and_matches_optax():
     config = OptimConfig(name="muon", lr=0.05, weight_decay=0.0, clip_norm=0.0, schedule=ScheduleConfig("constant"))
     ours, losses = _quadratic_steps(make_optimizer(config, 10), params)
     dims = optax.contrib.MuonDimensionNumbers
-    layer = {"attn": {"q": {"kernel": dims((1,), (2, 3))}}, "mlp": {"up": dims((1,), (2,))}, "attn_norm": {"scale": None}}
+    layer = {"attn": {"q": {"kernel": dims((1,), (2, 3))}}, "mlp": {"up": dims((1,), (2,))}}
+    layer["attn_norm"] = {"scale": None}
     expected_dims = {"layers": {"block_0": layer}, "embed": {"embedding": None}}
     theirs, _ = _quadratic_steps(
         optax.contrib.muon(
@@ -125,7 +126,8 @@ def test_galore_projects_unstacked_matrices_and_refuses_stacked_ones():
                          schedule=ScheduleConfig("constant"))  # fmt: skip
     ours, losses = _quadratic_steps(make_optimizer(config, 10), params)
     dims = optax.contrib.GaLoreDimensionNumbers
-    layer = {"attn": {"q": {"kernel": dims((0,), (1, 2))}}, "mlp": {"up": dims((0,), (1,))}, "attn_norm": {"scale": None}}
+    layer = {"attn": {"q": {"kernel": dims((0,), (1, 2))}}, "mlp": {"up": dims((0,), (1,))}}
+    layer["attn_norm"] = {"scale": None}
     expected_dims = {"group_0": {"block_0": layer}, "embed": {"embedding": None}}
     reference = optax.contrib.galore(0.05, rank=2, update_proj_gap=200, scale=0.25, mask=decay_mask,
                                      base_optimizer=optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8),
