@@ -57,7 +57,9 @@ class Paging:
     ``page_table`` int32 ``[seqs, pages_per_seq]``; ``query_starts``, ``query_lens``,
     ``kv_lens`` int32 ``[seqs]`` (the arguments of ``ragged_paged_attention``: ``kv_lens``
     counts the new tokens); ``owner`` int32 ``[num_tokens]``, the sequence of each token
-    (0 for padding tokens, which ``valid`` marks).
+    (0 for padding tokens, which ``valid`` marks); ``adapters`` int32 ``[seqs]``, each
+    sequence's adapter among the stacked ones a multi-adapter model carries (-1: none), or
+    None (see ``ember.models.adapters.stacking``).
     """
 
     page_table: jax.Array
@@ -65,6 +67,7 @@ class Paging:
     query_lens: jax.Array
     kv_lens: jax.Array
     owner: jax.Array
+    adapters: jax.Array | None = None
 
     def token_page_rows(self) -> jax.Array:
         """``[num_tokens, pages_per_seq]``: each token's sequence's page-table row."""
@@ -73,6 +76,13 @@ class Paging:
     def run_offsets(self) -> jax.Array:
         """``[num_tokens]``: each token's index within its sequence's run."""
         return jnp.arange(self.owner.shape[0]) - self.query_starts[self.owner]
+
+    def token_adapters(self, valid: jax.Array) -> jax.Array | None:
+        """``[1, num_tokens]``: each token's adapter (-1 for padding and for sequences
+        without one), or None when the step names no adapters. ``valid [1, num_tokens]``."""
+        if self.adapters is None:
+            return None
+        return jnp.where(valid, self.adapters[self.owner][None], -1)
 
     def fresh(self) -> jax.Array:
         """bool ``[seqs]``: the sequence's run starts at position 0 (a new sequence: its

@@ -86,13 +86,14 @@ class Block(nn.Module):
             return x, state, router_logits, None
         h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="mlp_norm")(x)
         stats = None
+        adapter_ids = None if paging is None else paging.token_adapters(valid)
         if self.mlp_placement == "moe":
-            h, new_logits, stats = MoeMlp(config, name="moe")(h, router_logits, valid)
+            h, new_logits, stats = MoeMlp(config, name="moe")(h, router_logits, valid, adapter_ids)
             if router_logits is not None:
                 router_logits = new_logits.astype(router_logits.dtype)
         else:
             h = Mlp(config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp")(
-                h
+                h, adapter_ids
             )
         return constrain(x + h, ("batch", "seq", "embed")), state, router_logits, stats
 
@@ -207,7 +208,7 @@ class DecoderLM(nn.Module):
             )
         starts, lens, kv_lens = (cache[name].astype(jnp.int32) for name in ("query_starts", "query_lens", "kv_lens"))
         owner, token_positions, covered = token_owners(starts, lens, kv_lens, tokens.shape[1])
-        paging = Paging(cache["page_table"], starts, lens, kv_lens, owner)
+        paging = Paging(cache["page_table"], starts, lens, kv_lens, owner, cache.get("adapters"))
         return paging, jnp.where(covered, token_positions, 0)[None], covered[None]
 
     def _layers(self, x, states, positions, segment_ids, paging, valid):

@@ -2,7 +2,7 @@
 
 Input: one JSON object per line with ``prompt`` (text) or ``prompt_tokens`` (token ids),
 an optional ``id`` and optional sampling fields (``max_tokens``, ``temperature``,
-``top_k``, ``top_p``, ``seed``, ``stop``, ...: :class:`~ember.serving.requests.SamplingParams`).
+``top_k``, ``top_p``, ``seed``, ``stop``, ``adapter``, ...: :class:`~ember.serving.requests.SamplingParams`).
 Blank lines are skipped. Output: one object per request, in input order, with ``id`` (the
 input's, else its 1-based line number), ``tokens``, ``text`` when a tokenizer is known and
 ``finish_reason`` — or ``id`` and ``error``.

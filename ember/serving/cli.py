@@ -3,6 +3,11 @@
     ember generate --checkpoint RUN_OR_HF_DIR --prompts in.jsonl --out out.jsonl
     ember generate --checkpoint RUN_DIR --prompt "Once upon a time" --max-tokens 64
     ember generate --artifact EXPORT_DIR --prompts in.jsonl --out out.jsonl
+    ember generate --checkpoint HF_DIR --adapter sql=out/sql --adapter chat=out/chat --prompts in.jsonl
+
+``--adapter NAME=DIR`` (repeatable) serves PEFT LoRA adapters at once beside the base model;
+a request line picks one with ``"adapter": "NAME"`` (see ``ember.serving.batch_io``), and
+one naming an unknown adapter gets an ``error`` record while the rest complete.
 
 See :mod:`ember.serving.batch_io` for the JSONL contract. With ``--artifact`` the model
 runs from a ``jax.export`` artifact (``ember export``) without Ember's model code. Bad
@@ -46,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-budget", type=int, default=64, help="most tokens per step, decodes + prefill chunks (--checkpoint)"
     )
     parser.add_argument("--max-context", type=int, default=None, help="longest sequence (default: the model's)")
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve the PEFT LoRA adapter in DIR as NAME (repeatable; --checkpoint); requests pick it by name",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -69,6 +81,7 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
     check_engine_options(args)
     if args.out and not args.prompts:
         raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
+    adapter_dirs(args)
     defaults = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
@@ -79,6 +92,25 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag}: {error}", key=flag) from None
     return defaults
+
+
+def adapter_dirs(args: argparse.Namespace) -> dict[str, Path]:
+    """``{name: directory}`` of the ``--adapter NAME=DIR`` options, checked (``ConfigError``
+    keyed ``--adapter``: no ``=``, an empty or repeated name, a missing directory, or with
+    ``--artifact``)."""
+    found: dict[str, Path] = {}
+    for value in args.adapter:
+        name, sep, directory = value.partition("=")
+        if not sep or not name or not directory:
+            raise ConfigError(f"--adapter takes NAME=DIR, got {value!r}", key="--adapter")
+        if name in found:
+            raise ConfigError(f"--adapter name {name!r} is given twice", key="--adapter")
+        if not Path(directory).is_dir():
+            raise ConfigError(f"--adapter {name}: no such directory: {directory}", key="--adapter")
+        found[name] = Path(directory)
+    if found and args.artifact:
+        raise ConfigError("--adapter serves adapters on a --checkpoint, not on an exported --artifact", key="--adapter")
+    return found
 
 
 def build_engine(args: argparse.Namespace):
@@ -93,6 +125,11 @@ def build_engine(args: argparse.Namespace):
     from ember.serving.loading import load_model
 
     loaded = load_model(args.checkpoint, step=args.step)
+    adapters = None
+    if args.adapter:
+        from ember.models.hf.peft import load_peft_adapter
+
+        adapters = {name: load_peft_adapter(path, loaded.config) for name, path in adapter_dirs(args).items()}
     try:
         return Engine.from_model(
             loaded.config,
@@ -102,6 +139,7 @@ def build_engine(args: argparse.Namespace):
             num_slots=args.num_slots,
             token_budget=args.token_budget,
             max_context=args.max_context,
+            adapters=adapters,
         )
     except ConfigError as error:
         flag = ENGINE_OPTIONS.get(error.key)
@@ -146,4 +184,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "build_engine", "check_engine_options", "check_options", "read_prompts", "run"]
+__all__ = [
+    "adapter_dirs",
+    "add_arguments",
+    "build_engine",
+    "check_engine_options",
+    "check_options",
+    "read_prompts",
+    "run",
+]

@@ -90,7 +90,8 @@ class Engine:
     ) -> Engine:
         """An engine for ``DecoderLM(config)`` with ``params``; ``program_options`` go to
         :func:`ember.serving.model_program.build_program` (``num_slots``, ``token_budget``,
-        ``token_buckets``, ``max_context``, ``num_pages``, ``kv_dtype``)."""
+        ``token_buckets``, ``max_context``, ``num_pages``, ``kv_dtype``, ``adapters``: name ->
+        adapter leaves, served at once; a request picks one with ``SamplingParams.adapter``)."""
         from ember.serving.model_program import build_program  # keeps artifact serving free of model code
 
         return cls(build_program(config, params, **program_options), tokenizer=tokenizer, eos_id=eos_id)
@@ -122,6 +123,9 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queues a request and returns its id; raises ``ValueError`` for a bad prompt."""
         params = SamplingParams() if params is None else params
+        if params.adapter is not None and params.adapter not in self.program.adapter_names:
+            known = ", ".join(self.program.adapter_names) or "none (serve some with --adapter NAME=DIR)"
+            raise ValueError(f"unknown adapter {params.adapter!r}; this engine's adapters: {known}")
         tokens = self.encode_prompt(prompt)
         stops = params.stop_token_ids
         if params.stop:
@@ -166,7 +170,7 @@ class Engine:
         program = self.program
         used = sum(len(chunk.tokens) for chunk in chunks)
         bucket = next(size for size in program.token_buckets if size >= used)
-        batch = batch_arrays(program.num_slots, bucket, program.pages_per_seq)
+        batch = batch_arrays(program.num_slots, bucket, program.pages_per_seq, adapters=bool(program.adapter_names))
         settings = settings_array(program.num_slots)
         offset = 0
         for chunk in chunks:
@@ -177,6 +181,8 @@ class Engine:
             batch["kv_lens"][slot] = chunk.start + count
             batch["page_table"][slot, : len(request.pages)] = request.pages
             fill_settings(settings, slot, request.params, sample_index=len(request.output))
+            if request.params.adapter is not None:
+                batch["adapters"][slot] = program.adapter_names.index(request.params.adapter)
             offset += count
         batch, settings = jax.device_put((batch, settings))
         program.kv, tokens, logprobs = program.steps[bucket](program.params, program.kv, batch, settings)

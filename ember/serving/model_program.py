@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ember.core.errors import ConfigError
+from ember.models.adapters.stacking import stack_adapters
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
-from ember.models.variables import as_variables
+from ember.models.variables import as_variables, serving_weights, split_variables
 from ember.serving.program import DeviceProgram, resolve_token_buckets, step_argument_specs
 from ember.serving.sampling import sample_tokens
 
@@ -29,7 +31,11 @@ def model_step(model: DecoderLM, params: Any, kv: Any, batch: dict[str, jax.Arra
     """One serving step of ``model`` (the ``StepFunction`` signature of ``ember.serving.program``);
     ``params`` are the model's weights as ``ember.models.variables.serving_weights`` gives them
     (the param tree, or the parameters with the model state, such as an MoE balancing bias)."""
-    cache = {name: batch[name] for name in ("page_table", "query_starts", "query_lens", "kv_lens")}
+    cache = {
+        name: batch[name]
+        for name in ("page_table", "query_starts", "query_lens", "kv_lens", "adapters")
+        if name in batch
+    }
     last = jnp.maximum(batch["query_starts"] + batch["query_lens"] - 1, 0)  # [slots]
     logits, cache = model.apply(
         as_variables(params), batch["tokens"][None], cache={**cache, "layers": kv}, logits_at=last[None]
@@ -53,6 +59,7 @@ def build_program(
     max_context: int | None = None,
     num_pages: int | None = None,
     kv_dtype: Any = None,
+    adapters: Mapping[str, Any] | None = None,
 ) -> DeviceProgram:
     """Compiles the steps of ``DecoderLM(config)`` for every token bucket.
 
@@ -65,16 +72,26 @@ def build_program(
       max_context: longest sequence (prompt + output); default ``config.max_seq_len``.
       num_pages: pages in the pool; default enough for every slot at ``max_context``.
       kv_dtype: page (and convolution-tail) dtype; default the model's compute dtype.
+      adapters: name -> adapter leaves (``ember.models.adapters``) to serve at once, stacked
+        onto ``params`` (``ember.models.adapters.stacking``); each request names one or none.
     """
+    names: tuple[str, ...] = ()
+    if adapters:
+        weights, state = split_variables(as_variables(params))
+        weights, names = stack_adapters(weights, adapters)
+        params = serving_weights(weights, state)
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
     layout = program_layout(config, num_slots, max_context, num_pages)
     kv = init_cache_layers(config, num_slots, layout["num_pages"], kv_dtype)
     step = jitted_step(config)
+    pages_per_seq, with_adapters = layout["pages_per_seq"], bool(names)
     steps = {
-        size: step.lower(*step_argument_specs(params, kv, num_slots, size, layout["pages_per_seq"])).compile()
+        size: step.lower(
+            *step_argument_specs(params, kv, num_slots, size, pages_per_seq, adapters=with_adapters)
+        ).compile()
         for size in buckets
     }
-    return DeviceProgram(steps=steps, params=params, kv=kv, **layout)
+    return DeviceProgram(steps=steps, params=params, kv=kv, adapter_names=names, **layout)
 
 
 def program_layout(

@@ -14,6 +14,8 @@ of mixed prefill chunks and decode tokens (the layout of ``ember.kernels_pallas.
     query_lens    int32 [slots]                   tokens of the run (0: the slot sits out)
     kv_lens       int32 [slots]                   sequence length after the run
     page_table    int32 [slots, pages_per_seq]
+    adapters      int32 [slots]                   each slot's adapter (-1: none); only in
+                                                  programs serving several adapters
 
 and ``settings`` the per-slot sampling arrays of :mod:`ember.serving.sampling`. Slot ``s``'s
 token is sampled from the logits of its run's last token. One function exists per budget
@@ -57,6 +59,8 @@ class DeviceProgram:
     num_pages: int
     vocab_size: int
     max_context: int
+    adapter_names: tuple[str, ...] = ()
+    """The adapters the params hold stacked (slot ``i`` is ``adapter_names[i]``), if any."""
 
     def fresh_copy(self, params: Any = None) -> DeviceProgram:
         """A program sharing these compiled steps with its own empty cache (and ``params``
@@ -75,27 +79,36 @@ class DeviceProgram:
 
 
 LAYOUT_FIELDS: tuple[str, ...] = tuple(
-    field.name for field in dataclasses.fields(DeviceProgram) if field.name not in ("steps", "params", "kv")
+    field.name
+    for field in dataclasses.fields(DeviceProgram)
+    if field.name not in ("steps", "params", "kv", "adapter_names")
 )
 """``DeviceProgram``'s size fields: ``num_slots``, ``pages_per_seq``, ``page_size``, ``num_pages``,
 ``vocab_size``, ``max_context``."""
 
 
-def batch_arrays(slots: int, num_tokens: int, pages_per_seq: int) -> dict[str, np.ndarray]:
-    """Zeroed host buffers of one step's ``batch`` argument."""
-    return {
+def batch_arrays(slots: int, num_tokens: int, pages_per_seq: int, *, adapters: bool = False) -> dict[str, np.ndarray]:
+    """Zeroed host buffers of one step's ``batch`` argument (``adapters``: with the slots'
+    adapter indices, all -1)."""
+    arrays = {
         "tokens": np.zeros((num_tokens,), np.int32),
         "query_starts": np.zeros((slots,), np.int32),
         "query_lens": np.zeros((slots,), np.int32),
         "kv_lens": np.zeros((slots,), np.int32),
         "page_table": np.zeros((slots, pages_per_seq), np.int32),
     }
+    if adapters:
+        arrays["adapters"] = np.full((slots,), -1, np.int32)
+    return arrays
 
 
-def step_argument_specs(params: Any, kv: Any, slots: int, num_tokens: int, pages_per_seq: int) -> tuple[Any, ...]:
+def step_argument_specs(
+    params: Any, kv: Any, slots: int, num_tokens: int, pages_per_seq: int, *, adapters: bool = False
+) -> tuple[Any, ...]:
     """``jax.ShapeDtypeStruct``s of a step's four arguments (for lowering and export)."""
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    batch = {name: spec(array) for name, array in batch_arrays(slots, num_tokens, pages_per_seq).items()}
+    arrays = batch_arrays(slots, num_tokens, pages_per_seq, adapters=adapters)
+    batch = {name: spec(array) for name, array in arrays.items()}
     return jax.tree.map(spec, params), jax.tree.map(spec, kv), batch, settings_spec(slots)
 
 

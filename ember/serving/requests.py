@@ -33,7 +33,8 @@ class SamplingParams:
     is in the batch. ``stop`` holds text stop sequences (matched on the token sequence their
     tokenizer encoding gives); ``stop_token_ids`` holds stop sequences as token ids.
     ``logprobs`` asks for the model's log-probability of each generated token (of the
-    unmodified distribution, before temperature/top-k/top-p).
+    unmodified distribution, before temperature/top-k/top-p). ``adapter`` names one of the
+    engine's adapters to generate with (None: the base model).
     """
 
     max_tokens: int = 16
@@ -45,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    adapter: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -66,6 +68,8 @@ class SamplingParams:
         if any(not sequence for sequence in sequences):
             raise ValueError("stop_token_ids must hold non-empty token sequences")
         object.__setattr__(self, "stop_token_ids", sequences)
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"adapter must be an adapter's name, got {self.adapter!r}")
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:

@@ -118,11 +118,11 @@ def adapted_matmul(
 
     ``module`` supplies the ``dropout`` RNG (when the caller passed one). ``adapter_ids``
     ``[*x.shape[:-in_dims]]`` int32: each token's adapter in a stacked adapter (several at
-    once, see the module docstring); None for a single adapter.
+    once, see the module docstring); None for a single adapter (a stacked one then adds nothing).
     """
     y = jnp.tensordot(x, kernel.astype(x.dtype), axes=in_dims)
-    if adapter is None:
-        return y
+    if adapter is None or (adapter.scale is None and adapter_ids is None):
+        return y  # stacked adapters (no scale leaf) without ids: no token names an adapter
     if adapter_ids is not None:
         out = y + grouped_low_rank_delta(x, adapter, adapter_ids, in_dims).astype(y.dtype)
         if adapter.magnitude is None:

@@ -177,9 +177,10 @@ class Attention(nn.Module):
                 name=name,
             )
 
-        q = projection("q", (heads, head_dim), ("heads", "head_dim"))(x)
-        k = projection("k", (kv_heads, head_dim), ("kv_heads", "head_dim"))(x)
-        v = projection("v", (kv_heads, head_dim), ("kv_heads", "head_dim"))(x)
+        adapter_ids = None if paging is None else paging.token_adapters(valid)
+        q = projection("q", (heads, head_dim), ("heads", "head_dim"))(x, adapter_ids)
+        k = projection("k", (kv_heads, head_dim), ("kv_heads", "head_dim"))(x, adapter_ids)
+        v = projection("v", (kv_heads, head_dim), ("kv_heads", "head_dim"))(x, adapter_ids)
         if config.qk_norm:
             q = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="q_norm")(q)
             k = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="k_norm")(k)
@@ -207,5 +208,5 @@ class Attention(nn.Module):
             dtype=policy.compute_dtype,
             param_dtype=policy.param_dtype,
             name="o",
-        )(out)
+        )(out, adapter_ids)
         return out, pages

@@ -94,6 +94,7 @@ class CompressedConvAttention(nn.Module):
         policy = config.policy
         heads, kv_heads, head_dim = config.cca_query_heads, config.cca_key_value_heads, config.cca_head_size
         latent_q, latent_kv = heads * head_dim, kv_heads * head_dim
+        adapter_ids = None if paging is None else paging.token_adapters(valid)
 
         def dense(name, features, axes):
             return Projection(
@@ -103,7 +104,7 @@ class CompressedConvAttention(nn.Module):
                 dtype=policy.compute_dtype,
                 param_dtype=policy.param_dtype,
                 name=name,
-            )(x)
+            )(x, adapter_ids)
 
         q_raw = dense("q", latent_q, "heads")
         k_raw = dense("k", latent_kv, "kv_heads")
@@ -154,7 +155,7 @@ class CompressedConvAttention(nn.Module):
             dtype=policy.compute_dtype,
             param_dtype=policy.param_dtype,
             name="o",
-        )(out)
+        )(out, adapter_ids)
         if cache is None:
             return out, None
         return out, dict(pages, **self._ragged_slots(q_raw[0], k_raw[0], v[0], cache, paging))

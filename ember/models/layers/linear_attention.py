@@ -69,6 +69,7 @@ class LinearAttention(nn.Module):
         config = self.config
         policy = config.policy
         heads, head_dim = config.num_heads, config.head_size
+        adapter_ids = None if paging is None else paging.token_adapters(valid)
 
         def projection(name):
             return Projection(
@@ -78,7 +79,7 @@ class LinearAttention(nn.Module):
                 dtype=policy.compute_dtype,
                 param_dtype=policy.param_dtype,
                 name=name,
-            )(x)
+            )(x, adapter_ids)
 
         def features(name):
             return FeatureMap(config.linear_feature_map, config.linear_feature_dim, policy.param_dtype, name=name)
@@ -104,5 +105,5 @@ class LinearAttention(nn.Module):
             dtype=policy.compute_dtype,
             param_dtype=policy.param_dtype,
             name="o",
-        )(out)
+        )(out, adapter_ids)
         return out, cache

@@ -179,11 +179,12 @@ class Mamba2Mixer(nn.Module):
         del positions  # order enters through the convolution and the scan
         config, ssm = self.config, self.config.ssm
         heads, head_dim, groups, state = ssm.heads(config.d_model), ssm.head_dim, ssm.n_groups, ssm.state_size
-        z = self._project(x, "z", (heads, head_dim), ("heads", "head_dim"))
-        xs = self._project(x, "x", (heads, head_dim), ("heads", "head_dim"))
-        B = self._project(x, "B", (groups, state), (None, "state"))
-        C = self._project(x, "C", (groups, state), (None, "state"))
-        dt = self._project(x, "dt", (heads,), ("heads",))
+        ids = None if paging is None else paging.token_adapters(valid)
+        z = self._project(x, "z", (heads, head_dim), ("heads", "head_dim"), adapter_ids=ids)
+        xs = self._project(x, "x", (heads, head_dim), ("heads", "head_dim"), adapter_ids=ids)
+        B = self._project(x, "B", (groups, state), (None, "state"), adapter_ids=ids)
+        C = self._project(x, "C", (groups, state), (None, "state"), adapter_ids=ids)
+        dt = self._project(x, "dt", (heads,), ("heads",), adapter_ids=ids)
         weight, bias, dt_bias, A_log, D, norm_scale = self._mixer_params(heads, head_dim)
 
         lead = x.shape[:2]
@@ -210,9 +211,10 @@ class Mamba2Mixer(nn.Module):
             y = y[None]
             cache = {"conv_state": conv_state.astype(cache["conv_state"].dtype), "ssm_state": ssm_state}
         y = gated_rms_norm(y, z, norm_scale, groups, config.norm_eps)
-        return self._project(y, "o", (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2), cache
+        out = self._project(y, "o", (x.shape[-1],), ("heads", "head_dim", "embed"), in_dims=2, adapter_ids=ids)
+        return out, cache
 
-    def _project(self, x, name, shape, axes, in_dims=1):
+    def _project(self, x, name, shape, axes, in_dims=1, adapter_ids=None):
         policy = self.config.policy
         kernel_axes = ("embed", *axes) if in_dims == 1 else axes
         return Projection(
@@ -223,7 +225,7 @@ class Mamba2Mixer(nn.Module):
             dtype=policy.compute_dtype,
             param_dtype=policy.param_dtype,
             name=name,
-        )(x)
+        )(x, adapter_ids)
 
     def _mixer_params(self, heads, head_dim):
         """``(conv_weight, conv_bias or None, dt_bias, A_log, D, norm_scale)``, initialised as

@@ -82,12 +82,14 @@ class MoeMlp(nn.Module):
     ``previous_logits``: the last MoE layer's router logits (``gating_residual``; None
     otherwise); ``token_mask [batch, seq]``: the real tokens (None: all); the others (a
     serving step's padding) take no expert rows or capacity and do not count in the statistics.
+    ``adapter_ids [batch, seq]``: each token's adapter for the shared experts' stacked adapters
+    (serving several at once; routed experts' adapters are merged per expert, never stacked).
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, previous_logits=None, token_mask=None):
+    def __call__(self, x, previous_logits=None, token_mask=None, adapter_ids=None):
         config, moe = self.config, self.config.moe
         batch, seq, embed = x.shape
         x = x.astype(config.policy.compute_dtype)
@@ -119,7 +121,7 @@ class MoeMlp(nn.Module):
         y = dispatch(flat, expert_ids, routing.weights, gate, up, down, activation=config.mlp, impl=config.moe_impl)
         y = y + self._zero_computation_experts(flat, expert_ids, routing.weights)
         if moe.shared_experts:
-            y = y + self._shared_experts(flat)
+            y = y + self._shared_experts(flat, None if adapter_ids is None else adapter_ids.reshape(-1))
         stats = balance_statistics(logits, routing.expert_ids, score=moe.score, dropped=dropped, token_mask=mask)
         if bias is not None and self.is_mutable_collection("balance") and not self.is_initializing():
             bias.value = updated_balance_bias(bias.value, stats["counts"], moe.bias_balancing_rate)
@@ -149,12 +151,14 @@ class MoeMlp(nn.Module):
             out = out + jnp.einsum("tk,tkc,tcd->td", weights, slot_of, outputs)
         return out.astype(x.dtype)
 
-    def _shared_experts(self, x):
+    def _shared_experts(self, x, adapter_ids=None):
         """The always-on experts (one MLP), gated by ``sigmoid(x @ shared_gate)`` when configured."""
         config, moe = self.config, self.config.moe
         width = moe.shared_experts * (moe.shared_expert_dim or config.expert_dim)
         policy = config.policy
-        out = Mlp(width, config.mlp, config.init_std, policy.compute_dtype, policy.param_dtype, name="shared")(x)
+        out = Mlp(width, config.mlp, config.init_std, policy.compute_dtype, policy.param_dtype, name="shared")(
+            x, adapter_ids
+        )
         if moe.shared_expert_gate:
             init = nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("embed", None))
             kernel = self.param("shared_gate", init, (x.shape[-1], 1), policy.param_dtype)

@@ -1,0 +1,108 @@
+"""Many adapters in one parameter tree, for serving them at once (S-LoRA).
+
+    params, names = stack_adapters(base_params, {"sql": sql_adapter, "chat": chat_adapter})
+    # a serving step passes each sequence's adapter index (-1: none) in its paging
+
+For every weight any adapter adapts, the stacked tree holds ``<w>_lora_a [*lead, n, *in,
+rank]`` and ``<w>_lora_b [*lead, n, rank, *out]`` (``lead``: the stacked-layer axis of a
+scanned model): adapter ``i`` in slot ``i``, ranks padded with zeros to the largest, the
+scale folded into ``B``, zeros where adapter ``i`` leaves the weight alone; with DoRA,
+``<w>_lora_magnitude [*lead, n, *out]`` holds each adapter's factor ``m / ||W + scale A B||``
+(1 where it has none), computed once since the base weight is fixed. Layers apply them with
+``lowrank.adapted_matmul(..., adapter_ids=...)``: tokens grouped by adapter, two grouped
+matmuls, no merged weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from ember.core.errors import ConfigError
+from ember.core.sharding import unbox
+from ember.core.tree import param_paths, tree_from_paths
+from ember.models.adapters.lora import adapted_paths, weight_layout, without_adapters
+from ember.models.adapters.lowrank import LowRank, dora_factor, part_name
+
+
+def stack_adapters(
+    base: Mapping[str, Any], adapters: Mapping[str, Mapping[str, Any]]
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``(params with every adapter stacked, adapter names in slot order)``.
+
+    ``base``: the base model's params (no adapters); ``adapters``: name -> adapter leaves
+    (``adapter_leaves(params)`` or ``ember.models.hf.load_peft_adapter``), for the same layout.
+
+    Raises:
+      ConfigError: no adapters, an adapter on a weight the base lacks or of the wrong shape,
+        or on routed experts (their adapters merge per expert and cannot be stacked).
+    """
+    if not adapters:
+        raise ConfigError("stack_adapters needs at least one adapter", key="adapters")
+    flat_base = param_paths(without_adapters(unbox(base)))
+    flats = {name: param_paths(unbox(tree)) for name, tree in adapters.items()}
+    weights = sorted({w for flat in flats.values() for w in adapted_paths(tree_from_paths(flat))})
+    stacked = {}
+    for weight in weights:
+        if weight not in flat_base:
+            raise ConfigError(f"an adapter targets {weight}, which the base model does not have", key="adapters")
+        if "/experts/" in f"/{weight}":
+            raise ConfigError(
+                f"adapters on routed experts ({weight}) merge into each expert and cannot be served several at "
+                "once; merge one adapter into the model instead",
+                key="adapters",
+            )
+        stacked.update(_stack_weight(weight, flat_base[weight], flats))
+    return tree_from_paths({**flat_base, **stacked}), tuple(adapters)
+
+
+def _stack_weight(weight: str, kernel: Any, flats: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    layout = weight_layout(weight, kernel)
+    kernel = jnp.asarray(kernel)
+    lead, in_shape, out_shape = layout.split(kernel.shape)
+    names = list(flats)
+    rank = max(
+        flat[part_name(weight, "lora_a")].shape[-1] for flat in flats.values() if part_name(weight, "lora_a") in flat
+    )
+    dora = any(part_name(weight, "lora_magnitude") in flat for flat in flats.values())
+    a_slots, b_slots, factor_slots = [], [], []
+    for name in names:
+        flat = flats[name]
+        if part_name(weight, "lora_a") not in flat:
+            a_slots.append(jnp.zeros((*lead, *in_shape, rank), jnp.float32))
+            b_slots.append(jnp.zeros((*lead, rank, *out_shape), jnp.float32))
+            factor_slots.append(jnp.ones((*lead, *out_shape), jnp.float32))
+            continue
+        a = jnp.asarray(flat[part_name(weight, "lora_a")], jnp.float32)
+        b = jnp.asarray(flat[part_name(weight, "lora_b")], jnp.float32)
+        scale = jnp.asarray(flat[part_name(weight, "lora_scale")], jnp.float32)
+        if a.shape[:-1] != (*lead, *in_shape) or b.shape[: len(lead)] + b.shape[len(lead) + 1 :] != (*lead, *out_shape):
+            raise ConfigError(
+                f"adapter {name!r} on {weight} has A {a.shape} and B {b.shape}, which do not fit the weight "
+                f"{kernel.shape}",
+                key="adapters",
+            )
+        magnitude = flat.get(part_name(weight, "lora_magnitude"))
+        adapter = LowRank(a, b, scale, None if magnitude is None else jnp.asarray(magnitude, jnp.float32))
+        factor_slots.append(
+            dora_factor(kernel, adapter, layout.in_dims, layout.lead)
+            if magnitude is not None
+            else jnp.ones((*lead, *out_shape), jnp.float32)
+        )
+        pad = rank - a.shape[-1]
+        scale_b = scale.reshape(*scale.shape, *(1,) * (b.ndim - scale.ndim))
+        a_slots.append(jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]))
+        b_slots.append(jnp.pad(b * scale_b, [(0, 0)] * len(lead) + [(0, pad)] + [(0, 0)] * len(out_shape)))
+    axis = len(lead)  # the adapter axis goes after the stacked-layer axis, so a scan slices layers first
+    result = {
+        part_name(weight, "lora_a"): jnp.stack(a_slots, axis).astype(kernel.dtype),
+        part_name(weight, "lora_b"): jnp.stack(b_slots, axis).astype(kernel.dtype),
+    }
+    if dora:
+        result[part_name(weight, "lora_magnitude")] = jnp.stack(factor_slots, axis)
+    return result
+
+
+__all__ = ["stack_adapters"]

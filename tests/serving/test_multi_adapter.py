@@ -1,0 +1,100 @@
+"""Several adapters served at once (S-LoRA): one engine whose steps mix the base model and
+three adapters (different ranks and targets, one DoRA) gives every request the tokens it
+gets alone from its merged model; an unknown adapter is one request's error; adapters that
+cannot be stacked are refused by name."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.core.errors import ConfigError
+from ember.core.sharding import unbox
+from ember.core.tree import param_paths, tree_from_paths
+from ember.models.adapters import LoraConfig, adapter_leaves, add_lora, merged_weights
+from ember.models.adapters.stacking import stack_adapters
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
+from ember.models.hf.peft import with_adapter
+from ember.serving.engine import Engine
+from ember.serving.model_program import build_program
+from ember.serving.requests import FINISH_ERROR, SamplingParams
+
+CONFIG = ModelConfig(
+    vocab_size=97,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=48,
+    page_size=4,
+    max_seq_len=32,
+    init_std=0.2,
+)
+ADAPTERS = {
+    "qv": LoraConfig(rank=2, alpha=4, targets=("q", "v")),
+    "mlp": LoraConfig(rank=6, alpha=3, targets=("o", "up", "down"), rslora=True),
+    "dora": LoraConfig(rank=3, alpha=6, targets=("k", "o", "gate"), dora=True),
+}
+OPTIONS = dict(num_slots=4, token_buckets=(4, 16), max_context=32)
+
+
+def trained_adapter(base, config, seed):
+    """An adapter whose factors and magnitudes are moved well away from their init."""
+    flat = {}
+    for path, value in param_paths(add_lora(base, config, jax.random.key(seed))).items():
+        if path.endswith(("_lora_a", "_lora_b", "_lora_magnitude")):
+            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
+            value = value + 0.3 * jax.random.normal(key, value.shape, value.dtype)
+        flat[path] = value
+    return adapter_leaves(tree_from_paths(flat))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    base = unbox(DecoderLM(CONFIG).init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))["params"])
+    adapters = {name: trained_adapter(base, config, i) for i, (name, config) in enumerate(ADAPTERS.items())}
+    return base, adapters, build_program(CONFIG, base, **OPTIONS)
+
+
+def alone(program, params, prompt):
+    """Greedy tokens of ``prompt`` from an engine holding only ``params`` (no adapters)."""
+    engine = Engine(program.fresh_copy(params=params))
+    return engine.generate([prompt], SamplingParams(max_tokens=8))[0].tokens
+
+
+def test_a_mixed_batch_equals_each_request_alone_with_its_merged_model(setup):
+    base, adapters, base_program = setup
+    engine = Engine.from_model(CONFIG, base, adapters=adapters, **OPTIONS)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (5, 9, 3, 12, 7, 6)]
+    names = [None, "qv", "mlp", "dora", "mlp", "qv"]
+    results = engine.generate(prompts, [SamplingParams(max_tokens=8, adapter=name) for name in names])
+    for prompt, name, result in zip(prompts, names, results):
+        merged = base if name is None else merged_weights(with_adapter(base, adapters[name]))
+        assert result.tokens == alone(base_program, merged, prompt), name
+        if name is not None:
+            assert result.tokens != alone(base_program, base, prompt), f"adapter {name} changed nothing"
+
+
+def test_an_unknown_adapter_is_one_error_and_the_batch_completes(setup):
+    base, adapters, _ = setup
+    engine = Engine.from_model(CONFIG, base, adapters={"qv": adapters["qv"]}, **OPTIONS)
+    results = engine.generate(
+        [[1, 2, 3], [4, 5, 6]],
+        [SamplingParams(max_tokens=4, adapter="nope"), SamplingParams(max_tokens=4, adapter="qv")],
+    )
+    assert results[0].finish_reason == FINISH_ERROR and "unknown adapter 'nope'" in results[0].error
+    assert "qv" in results[0].error
+    assert len(results[1].tokens) == 4 and results[1].error is None
+
+
+def test_adapters_that_cannot_be_stacked_are_refused(setup):
+    base, adapters, _ = setup
+    with pytest.raises(ConfigError, match="at least one adapter"):
+        stack_adapters(base, {})
+    wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim > 1 else x, adapters["qv"])
+    with pytest.raises(ConfigError, match="do not fit the weight"):
+        stack_adapters(base, {"bad": wrong})
