@@ -14,7 +14,8 @@ with a leading ``[groups]`` axis, logical name
 to a per-layer list (checkpoint conversion, LoRA surgery); :func:`convert_layer_layout`
 moves params and optimizer state between the layouts (``scan_layers`` is a runtime setting).
 
-MoE layers (``mlp_pattern`` entry ``moe``) sow, when the collections are mutable: the global
+MoE layers (``mlp_pattern`` entry ``moe``), and dense MLPs given MixLoRA experts
+(``ember.models.adapters.mixlora``), sow, when the collections are mutable: the global
 load-balancing loss and the router z-loss (collection ``losses``: ``load_balance``,
 ``router_z``, computed from all MoE layers' statistics together) and per MoE layer, in layer
 order, ``expert_load [experts]``, ``load_imbalance``, ``dropped_fraction`` and ``router_entropy``
@@ -41,6 +42,7 @@ from ember.models.layers.cca import CompressedConvAttention
 from ember.models.layers.embedding import Embed, OutputHead
 from ember.models.layers.linear_attention import LinearAttention
 from ember.models.layers.mamba2 import Mamba2Mixer
+from ember.models.layers.mixlora_mlp import MixLoraMlp, mixlora_router_name
 from ember.models.layers.mlp import Mlp
 from ember.models.layers.moe import MoeMlp
 from ember.models.layers.norm import make_norm
@@ -57,7 +59,8 @@ class Block(nn.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
 
     The mixer (named ``attn`` whatever its kind) is chosen by ``kind``, the MLP by
-    ``mlp_placement`` (``moe``: a ``MoeMlp``; ``none``: no MLP and no ``mlp_norm``); ``state``
+    ``mlp_placement`` (``moe``: a ``MoeMlp``; ``none``: no MLP and no ``mlp_norm``; a dense
+    MLP whose params carry MixLoRA's router runs as a ``MixLoraMlp``); ``state``
     is this layer's cache entry (or None). ``router_logits``: the last MoE layer's router
     logits, carried for MoE++'s gating residual (None without it). Returns ``(x, state,
     router_logits, balance statistics or None)``.
@@ -91,6 +94,10 @@ class Block(nn.Module):
             h, new_logits, stats = MoeMlp(config, name="moe")(h, router_logits, valid, adapter_ids)
             if router_logits is not None:
                 router_logits = new_logits.astype(router_logits.dtype)
+        elif mixlora_router_name(self.variables.get("params", {}).get("mlp")):  # params from add_mixlora
+            if adapter_ids is not None:
+                raise ValueError("a MixLoRA model serves its own experts; it cannot also serve stacked adapters")
+            h, stats = MixLoraMlp(config.mlp, config.policy.compute_dtype, name="mlp")(h)
         else:
             h = Mlp(config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp")(
                 h, adapter_ids
@@ -263,7 +270,7 @@ class DecoderLM(nn.Module):
         self.sow("losses", "load_balance", load_balancing_loss(total))
         self.sow("losses", "router_z", router_z_loss(total))
         for stats in per_layer:
-            for name, value in layer_metrics(stats, self.config.moe.top_k).items():
+            for name, value in layer_metrics(stats).items():
                 self.sow("metrics", name, value)
 
 

@@ -1,4 +1,4 @@
-"""Low-rank adapters (LoRA, rsLoRA, DoRA, PiSSA, LoRA-GA) as parameter-tree surgery.
+"""Low-rank adapters (LoRA, rsLoRA, DoRA, PiSSA, LoRA-GA, MixLoRA) as parameter-tree surgery.
 
     params = add_lora(params, LoraConfig(rank=8, targets=("q", "v")), rng)
     mask = adapter_mask(params)                  # the trainer trains the adapters only
@@ -19,14 +19,17 @@ from ember.models.adapters.lora import (
     without_adapters,
 )
 from ember.models.adapters.merge import merge, merged_weights, unmerge
+from ember.models.adapters.mixlora import MixLoraConfig, add_mixlora
 
 __all__ = [
     "TARGETS",
     "LoraConfig",
+    "MixLoraConfig",
     "adapted_paths",
     "adapter_leaves",
     "adapter_mask",
     "add_lora",
+    "add_mixlora",
     "merge",
     "merged_weights",
     "target_paths",

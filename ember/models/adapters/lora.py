@@ -36,7 +36,14 @@ import numpy as np
 
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.lowrank import TRAINED_PARTS, LowRank, low_rank_product, part_name, weight_norm
+from ember.models.adapters.lowrank import (
+    MIXLORA_ROUTER,
+    TRAINED_PARTS,
+    LowRank,
+    low_rank_product,
+    part_name,
+    weight_norm,
+)
 
 TARGETS: dict[str, str] = {
     "q": r"(^|/)attn/q/kernel$",
@@ -282,12 +289,15 @@ def without_adapters(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def adapted_paths(params: Mapping[str, Any]) -> list[str]:
-    """The paths of the weights that carry an adapter."""
+    """The paths of the weights that carry an adapter (or MixLoRA's stacked expert adapters)."""
     return [p[: -len("_lora_a")] for p in param_paths(params) if p.endswith("_lora_a")]
 
 
 def adapter_part(path: str) -> str | None:
-    """``"attn/q/kernel_lora_a"`` -> ``"lora_a"``; None for a path that is not an adapter leaf."""
+    """``"attn/q/kernel_lora_a"`` -> ``"lora_a"`` (a MixLoRA router: ``"mixlora_router"``);
+    None for a path that is not an adapter leaf."""
+    if MIXLORA_ROUTER.match(path.rsplit("/", 1)[-1]):
+        return "mixlora_router"
     found = re.search(r"_(lora_[a-z0-9]+)$", path)
     return found.group(1) if found else None
 

@@ -27,6 +27,7 @@ Stacked DoRA adapters hold their factors ``m / ||W + scale A B||`` ``[adapters,
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -37,8 +38,11 @@ from ember.kernels_pallas.grouped_matmul import grouped_matmul
 
 PARTS: tuple[str, ...] = ("lora_a", "lora_b", "lora_scale", "lora_magnitude", "lora_dropout")
 """The suffixes of an adapter's parameters (``<weight>_<part>``)."""
-TRAINED_PARTS: tuple[str, ...] = ("lora_a", "lora_b", "lora_magnitude")
+TRAINED_PARTS: tuple[str, ...] = ("lora_a", "lora_b", "lora_magnitude", "mixlora_router")
 """The parts an adapter fine-tune trains (the scale and dropout rate are constants)."""
+MIXLORA_ROUTER = re.compile(r"^mixlora_router_top(\d+)$")
+"""A MixLoRA router's parameter name in its MLP (``ember.models.layers.mixlora_mlp``); the
+number is its top-k, which the layer needs statically."""
 
 
 def part_name(weight: str, part: str) -> str:
@@ -178,6 +182,7 @@ def _size(shape) -> int:
 
 
 __all__ = [
+    "MIXLORA_ROUTER",
     "PARTS",
     "TRAINED_PARTS",
     "LowRank",

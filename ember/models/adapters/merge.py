@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.lora import adapted_paths, adapter_part, leaf_value, rebox, weight_layout
 from ember.models.adapters.lowrank import LowRank, adapted_weight, part_name
@@ -24,6 +25,8 @@ def merge(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     ``lowrank.adapted_weight``) and the adapter leaves removed; ``record`` (flat, by path)
     holds what :func:`unmerge` needs."""
     flat = param_paths(params)
+    if any(adapter_part(p) == "mixlora_router" for p in flat):
+        raise ConfigError("MixLoRA's routed LoRA experts are not one weight and cannot be merged into the model")
     record = {}
     merged = {p: v for p, v in flat.items() if adapter_part(p) is None}
     for path in adapted_paths(params):

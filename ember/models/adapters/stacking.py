@@ -24,7 +24,7 @@ from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.lora import adapted_paths, weight_layout, without_adapters
-from ember.models.adapters.lowrank import LowRank, dora_factor, part_name
+from ember.models.adapters.lowrank import MIXLORA_ROUTER, LowRank, dora_factor, part_name
 
 
 def stack_adapters(
@@ -41,6 +41,8 @@ def stack_adapters(
     """
     if not adapters:
         raise ConfigError("stack_adapters needs at least one adapter", key="adapters")
+    if any(MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1]) for p in param_paths(base)):
+        raise ConfigError("a MixLoRA model serves its own experts and cannot take stacked adapters", key="adapters")
     flat_base = param_paths(without_adapters(unbox(base)))
     flats = {name: param_paths(unbox(tree)) for name, tree in adapters.items()}
     weights = sorted({w for flat in flats.values() for w in adapted_paths(tree_from_paths(flat))})

@@ -34,7 +34,7 @@ from ember.core.errors import DataError, PathNotFoundError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.lora import adapted_paths
-from ember.models.adapters.lowrank import part_name
+from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list
 
@@ -66,6 +66,8 @@ def save_peft_adapter(
     Raises:
       DataError: ``params`` carries no adapters, or one PEFT cannot express (routed experts).
     """
+    if any(MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1]) for p in param_paths(params)):
+        raise DataError("MixLoRA's routed experts have no PEFT LoRA form; keep them as an Ember run")
     layers = layers_to_list(config, unbox(params))
     tensors: dict[str, np.ndarray] = {}
     ranks, alphas, dora = {}, {}, False

@@ -108,15 +108,16 @@ def router_z_loss(stats: dict[str, jax.Array]) -> jax.Array:
     return stats["z_sum"] / jnp.maximum(stats["rows"], 1.0)
 
 
-def layer_metrics(stats: dict[str, jax.Array], top_k: int) -> dict[str, jax.Array]:
+def layer_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """``expert_load [E]`` (fraction of token-slots per expert), ``load_imbalance`` (the busiest
     expert's load over the mean load: 1 when balanced), ``dropped_fraction`` and
     ``router_entropy`` (mean, nats) of one layer's statistics.
 
     The trainer averages a metric over layers, and the layers of an MoE model often favour
     different experts: the mean ``expert_load`` can look balanced while each layer sends most
-    tokens to a few experts. ``load_imbalance`` is taken per layer first, so its mean shows that."""
-    slots = jnp.maximum(stats["rows"] * top_k, 1.0)
+    tokens to a few experts. ``load_imbalance`` is taken per layer first, so its mean shows that.
+    The token-slots are the choices counted (``rows * top_k``), so the layer's ``top_k`` is not needed."""
+    slots = jnp.maximum(jnp.sum(stats["counts"]), 1.0)
     counts = stats["counts"]
     return {
         "expert_load": counts / slots,
