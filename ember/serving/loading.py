@@ -1,5 +1,7 @@
 """Finds the model to serve at a path: an Ember LM run directory or a Hugging Face directory.
 
+- Ember fine-tuning run (``kind: finetune``): the base model's config and tokenizer, and the
+  run's checkpointed weights (LoRA adapters applied unmerged, MixLoRA experts, or all weights).
 - Ember run directory: ``config.yaml`` whose ``model:`` section is a ``ModelConfig`` and
   ``checkpoints/`` (``ember.core.checkpoint``) whose state has a ``params`` entry. Only the
   params and the model state (a trained MoE's balancing bias: ``ember.models.variables``)
@@ -59,6 +61,8 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
 
 
 def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
+    if read_key(path / "config.yaml", "kind") == "finetune":
+        return _load_finetune_run(path, step, config_overrides)
     section = read_key(path / "config.yaml", "model")
     if section is None:
         raise ConfigError(f"{path / 'config.yaml'} has no model: section", key="model")
@@ -66,6 +70,30 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
         config = dataclasses.replace(load_config(ModelConfig, section), **config_overrides)
     except ConfigError as error:  # keyed within the section: name it as the run's config.yaml does
         raise ConfigError(f"{path / 'config.yaml'}, model.{error}", key=f"model.{error.key}") from None
+    params, model_state = _restore_weights(path, step, config)
+    tokenizer = ByteTokenizer()
+    return LoadedModel(config, serving_weights(params, model_state), tokenizer, tokenizer.eos_id)
+
+
+def _load_finetune_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
+    """A ``kind: finetune`` run: the base model's config and tokenizer (``base_model:`` of its
+    config.yaml), the run's own checkpointed weights (adapters included, applied unmerged)."""
+    base = read_key(path / "config.yaml", "base_model") or {}
+    if "path" not in base:
+        raise ConfigError(f"{path / 'config.yaml'} has no base_model.path", key="base_model.path")
+    runtime = {k: base[k] for k in ("attention_impl", "remat", "precision") if base.get(k)}
+    base_step = base.get("step", -1)
+    loaded = load_model(
+        base["path"],
+        step=None if base_step is None or base_step < 0 else base_step,
+        **{"scan_layers": base.get("scan_layers", True), **runtime, **config_overrides},
+    )
+    params, model_state = _restore_weights(path, step, loaded.config)
+    return LoadedModel(loaded.config, serving_weights(params, model_state), loaded.tokenizer, loaded.eos_id)
+
+
+def _restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[Any, Any]:
+    """``(params, model state)`` of checkpoint ``step`` of the run in ``path``, in ``config``'s layer layout."""
     try:
         if not (path / "checkpoints").is_dir():  # nothing to open (orbax would start a cleanup thread on it)
             raise PathNotFoundError(f"no complete checkpoint in {path / 'checkpoints'}")
@@ -79,8 +107,7 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
     if saved_scan != config.scan_layers:
         saved_config = dataclasses.replace(config, scan_layers=saved_scan)
         params, model_state = convert_layer_layout((params, model_state), saved_config, config)
-    tokenizer = ByteTokenizer()
-    return LoadedModel(config, serving_weights(params, model_state), tokenizer, tokenizer.eos_id)
+    return params, model_state
 
 
 def _load_hf(path: Path, config_overrides: dict[str, Any]) -> LoadedModel:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.cli import main
 from ember.core.config import load_config
 from ember.core.errors import ConfigError
 from ember.core.tree import param_bytes, param_paths
@@ -21,7 +22,7 @@ from ember.training.finetune import FinetuneConfig, FinetuneTask
 from ember.training.lm.task import lm_loss
 from ember.training.lm.trainer import make_trainer
 from tests.tolerances import assert_allclose
-from tests.training.finetune_setup import write_base_model, write_examples
+from tests.training.finetune_setup import EOS, write_base_model, write_examples
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -31,7 +32,7 @@ COMMON = {
     "train": {"steps": 30, "batch_size": 8, "seq_len": 32, "log_every": 10, "eval_every": 1000, "eval_batches": 2},
     "logging": {"progress": False, "tensorboard": False},
     "checkpoint": {"every": 1000},
-    "base": {"attention_impl": "xla"},
+    "base_model": {"attention_impl": "xla"},
 }
 
 
@@ -46,7 +47,7 @@ def config_for(problem, name, **sections):
     values = {"kind": "finetune", "run_dir": str(root / name), "data": {"train": str(train), "eval": str(train)}}
     for key, value in {**COMMON, **sections}.items():
         values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
-    values["base"] = {**values["base"], "path": str(base)}
+    values["base_model"] = {**values["base_model"], "path": str(base)}
     return load_config(FinetuneConfig, values)
 
 
@@ -129,3 +130,70 @@ def test_bad_finetune_configs_name_their_key(problem, sections, key):
     with pytest.raises(ConfigError) as error:
         FinetuneTask(config_for(problem, "bad", **sections))
     assert error.value.key == key
+
+
+def greedy_ids(model, prompt, steps=4):
+    """Full-recompute argmax continuation of ``prompt`` under ``model`` (a ``tokens -> logits``
+    function), up to ``steps`` tokens; the end-of-sequence token ends it (the engine does not
+    return it)."""
+    tokens = list(prompt)
+    for _ in range(steps):
+        token = int(np.argmax(np.asarray(model(np.asarray([tokens])))[0, -1]))
+        if token == EOS:
+            break
+        tokens.append(token)
+    return tokens[len(prompt) :]
+
+
+def serve_run(run_dir, prompts, tmp_path):
+    """``ember generate --checkpoint RUN_DIR`` on token prompts; the records' tokens."""
+    lines = [json.dumps({"prompt_tokens": p, "max_tokens": 4}) + "\n" for p in prompts]
+    (tmp_path / "in.jsonl").write_text("".join(lines))
+    args = ["generate", "--checkpoint", str(run_dir), "--prompts", str(tmp_path / "in.jsonl"), "--out"]
+    args += [str(tmp_path / "out.jsonl"), "--no-progress", "--num-slots", "2", "--token-budget", "8"]
+    assert main(args) == 0
+    return [json.loads(line)["tokens"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+
+
+def test_a_lora_run_serves_from_its_directory_as_peft_does(lora_run, problem, tmp_path):
+    _, _, trainer, summary = lora_run
+    prompts = [[1, 3, 4, 5, 10, 6, 7], [1, 3, 4, 5, 13, 6, 7]]
+    base = transformers.AutoModelForCausalLM.from_pretrained(problem[0], attn_implementation="eager").eval()
+    peft_model = peft.PeftModel.from_pretrained(base, summary["exports"]["adapter"]).eval()
+
+    def forward(tokens):
+        with torch.no_grad():
+            return peft_model(torch.tensor(tokens)).logits.numpy()
+
+    assert serve_run(trainer.run_dir, prompts, tmp_path) == [greedy_ids(forward, p) for p in prompts]
+
+
+def test_mixlora_finetune_learns_logs_its_router_and_serves(problem, tmp_path):
+    config = config_for(
+        problem,
+        "mixlora",
+        method="mixlora",
+        mixlora={"num_experts": 4, "top_k": 2, "rank": 2},
+        adapter={"rank": 2, "targets": ["q", "v"]},
+        optim={"lr": 1e-2},
+        train={"steps": 20, "aux_loss_weights": {"load_balance": 0.01, "router_z": 0.0}},
+        export={"peft": False},
+    )
+    task = FinetuneTask(config)
+    trainer = make_trainer(config, task=task)
+    trainer.train()
+    params = jax.device_get(trainer.state.params)
+    assert mean_eval_loss(task, params) < 0.5 * mean_eval_loss(task, task.base_params)
+    logged = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [entry for entry in logged if "loss" in entry][-1]
+    assert "load_balance" in last and abs(sum(last[f"expert_load/{e}"] for e in range(4)) - 1) < 1e-5
+    model = DecoderLM(task.model_config)
+    prompts = [[1, 3, 4, 5, 11, 6, 7]]
+    expected = [greedy_ids(lambda t: model.apply({"params": params}, jnp.asarray(t))[0], p) for p in prompts]
+    assert serve_run(trainer.run_dir, prompts, tmp_path) == expected
+
+
+def test_mixlora_needs_router_loss_weights(problem):
+    with pytest.raises(ConfigError) as error:
+        config_for(problem, "bad", method="mixlora")
+    assert error.value.key == "train.aux_loss_weights"

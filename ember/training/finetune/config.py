@@ -2,7 +2,7 @@
 
     kind: finetune
     run_dir: runs/my-lora
-    base: {path: path/to/hf_model}           # or an Ember LM run directory
+    base_model: {path: path/to/hf_model}     # or an Ember LM run directory
     data: {train: data/train.jsonl, eval: data/eval.jsonl}
     method: lora                              # lora | full
     adapter: {rank: 8, alpha: 16, targets: [q, k, v, o]}
@@ -26,12 +26,15 @@ from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
 from ember.models.adapters.lora import LoraConfig
+from ember.models.adapters.mixlora import MixLoraConfig
 from ember.training.config import CheckpointConfig, LoggingConfig
 from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, flatten_keys
 from ember.training.optimizers import OptimConfig
 
-METHODS: tuple[str, ...] = ("lora", "full")
-"""``lora``: train the ``adapter`` section's adapters, base frozen. ``full``: train every weight."""
+METHODS: tuple[str, ...] = ("lora", "mixlora", "full")
+"""``lora``: train the ``adapter`` section's adapters, base frozen. ``mixlora``: MixLoRA experts
+in every dense MLP (the ``mixlora`` section) plus the ``adapter`` section's LoRA on the
+attention projections it names (the paper's setup), base frozen. ``full``: every weight."""
 MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 
@@ -51,7 +54,8 @@ class BaseModelConfig:
 
     def __post_init__(self):
         if not self.path:
-            raise ConfigError("base.path must name a Hugging Face model or Ember run directory", key="base.path")
+            message = "base_model.path must name a Hugging Face model or Ember run directory"
+            raise ConfigError(message, key="base_model.path")
 
     def overrides(self) -> dict[str, Any]:
         """The ``ModelConfig`` fields these settings replace."""
@@ -85,7 +89,8 @@ class FinetuneDataConfig:
 class ExportConfig:
     """What the run leaves in ``run_dir`` at the end: ``adapter/`` in PEFT format (``peft``,
     LoRA runs) and ``merged/``, a Hugging Face checkpoint of the fine-tuned weights
-    (``merged``; ``model_type`` empty: the base's own, else ``llama``)."""
+    (``merged``, LoRA and full runs; ``model_type`` empty: the base's own, else ``llama``).
+    Every run also serves from its own directory (``ember generate --checkpoint RUN_DIR``)."""
 
     peft: bool = True
     merged: bool = False
@@ -104,10 +109,11 @@ class FinetuneConfig:
     kind: str = "finetune"
     run_dir: str = "runs/finetune"
     seed: int = 0
-    base: BaseModelConfig = dataclasses.field(default_factory=BaseModelConfig)
+    base_model: BaseModelConfig = dataclasses.field(default_factory=BaseModelConfig)
     data: FinetuneDataConfig = dataclasses.field(default_factory=FinetuneDataConfig)
     method: str = "lora"
     adapter: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    mixlora: MixLoraConfig = dataclasses.field(default_factory=MixLoraConfig)
     train: TrainLoopConfig = dataclasses.field(default_factory=TrainLoopConfig)
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=2e-4, weight_decay=0.0))
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
@@ -122,12 +128,24 @@ class FinetuneConfig:
             raise ConfigError(f"kind must be 'finetune' for a fine-tuning config, got {self.kind!r}", key="kind")
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}", key="method")
+        if self.method == "mixlora":
+            if self.export.merged:
+                raise ConfigError(
+                    "export.merged: MixLoRA's routed experts do not merge into one model", key="export.merged"
+                )
+            missing = [n for n in ("load_balance", "router_z") if n not in self.train.aux_loss_weights]
+            if missing:
+                raise ConfigError(
+                    f"method mixlora sows the router losses {', '.join(missing)}: give them weights in "
+                    "train.aux_loss_weights (MixLoRA uses load_balance 0.01, router_z 0 logs it)",
+                    key="train.aux_loss_weights",
+                )
 
     def identity(self) -> dict[str, Any]:
         """The flattened keys that define the run (what must not change on resume)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         flat = flatten_keys({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in data.items()})
-        runtime = (*RUNTIME_KEYS, "export", *(f"base.{k}" for k in ("attention_impl", "remat", "scan_layers")))
+        runtime = (*RUNTIME_KEYS, "export", *(f"base_model.{k}" for k in ("attention_impl", "remat", "scan_layers")))
         return {k: v for k, v in flat.items() if not any(k == r or k.startswith(r + ".") for r in runtime)}
 
 

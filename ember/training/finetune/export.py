@@ -33,15 +33,15 @@ def export_hook(task: Any) -> Callable[[Any], None]:
         params = jax.device_get(info.state.params)
         written = {}
         if config.method == "lora" and config.export.peft:
-            save_peft_adapter(run_dir / "adapter", task.model_config, params, base_model=config.base.path)
+            save_peft_adapter(run_dir / "adapter", task.model_config, params, base_model=config.base_model.path)
             written["adapter"] = str(run_dir / "adapter")
         if config.export.merged:
             weights = merged_weights(params) if config.method == "lora" else params
-            model_type = config.export.model_type or base_model_type(Path(config.base.path))
+            model_type = config.export.model_type or base_model_type(Path(config.base_model.path))
             hf.save(run_dir / "merged", task.model_config, weights, model_type=model_type)
             for name in TOKENIZER_FILES:
-                if (Path(config.base.path) / name).is_file():
-                    shutil.copy(Path(config.base.path) / name, run_dir / "merged" / name)
+                if (Path(config.base_model.path) / name).is_file():
+                    shutil.copy(Path(config.base_model.path) / name, run_dir / "merged" / name)
             written["merged"] = str(run_dir / "merged")
         info.trainer.results["exports"] = written
 

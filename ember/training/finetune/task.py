@@ -15,6 +15,7 @@ optimizer state is adapter-sized and the base is never written.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ import numpy as np
 from ember.core.errors import ConfigError
 from ember.core.sharding import box_like, unbox
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters import adapter_mask, add_lora, target_paths
+from ember.models.adapters import adapter_mask, add_lora, add_mixlora, target_paths
 from ember.models.adapters.lora_ga import lora_ga_init
 from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
@@ -40,22 +41,23 @@ from ember.training.task import Task
 
 class FinetuneTask(Task):
     """The ``finetune`` kind's task. ``base``: an already loaded base model (default: the one
-    ``config.base`` names)."""
+    ``config.base_model`` names)."""
 
     batch_axes = BATCH_AXES
     count_name = "tokens"
 
     def __init__(self, config: FinetuneConfig, base: LoadedModel | None = None):
         self.config = config
-        step = None if config.base.step < 0 else config.base.step
-        self.base = base or load_model(config.base.path, step=step, **config.base.overrides())
+        step = None if config.base_model.step < 0 else config.base_model.step
+        self.base = base or load_model(config.base_model.path, step=step, **config.base_model.overrides())
         if self.base.tokenizer is None:
-            raise ConfigError(f"base model {config.base.path} has no tokenizer (tokenizer.json)", key="base.path")
+            message = f"base model {config.base_model.path} has no tokenizer (tokenizer.json)"
+            raise ConfigError(message, key="base_model.path")
         self.model_config = self.base.config
         self.model = DecoderLM(self.model_config)
         self.base_params, self.base_state = split_variables(as_variables(self.base.params))
-        if config.method == "lora":  # bad targets fail now, not inside the jitted initialisation
-            target_paths(self.base_params, config.adapter)
+        if config.method != "full":  # bad targets fail now, not inside the jitted initialisation
+            self._adapted(self.base_params, jax.random.key(0), shapes_only=True)
         self.examples, self.eval_examples = read_instructions(
             config.data.train,
             self.base.tokenizer,
@@ -87,12 +89,28 @@ class FinetuneTask(Task):
         abstract = self._abstract_variables()
         params = box_like(pretrained["params"], abstract["params"])
         state = {name: box_like(pretrained["state"][name], abstract[name]) for name in pretrained["state"]}
-        if self.config.method == "lora":
-            params = add_lora(params, self.config.adapter, rng)
+        if self.config.method != "full":
+            params = self._adapted(params, rng)
             if "ga_batches" in pretrained:
                 gradients = self._mean_target_gradients(params, state, pretrained["ga_batches"])
                 params = lora_ga_init(params, gradients, gamma=self.config.adapter.ga_gamma)
         return {"params": params, **state}
+
+    def _adapted(self, params: Any, rng: jax.Array, *, shapes_only: bool = False) -> Any:
+        """``params`` with the method's adapters: LoRA, or MixLoRA experts plus LoRA on the
+        attention projections ``adapter.targets`` names. ``shapes_only``: checks the targets
+        against abstract params (errors before anything compiles)."""
+        if shapes_only:
+            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), params)
+            return jax.eval_shape(lambda p: self._adapted(p, rng), params)
+        config = self.config
+        if config.method == "lora":
+            return add_lora(params, config.adapter, rng)
+        params = add_mixlora(params, config.mixlora, jax.random.fold_in(rng, 1))
+        attention = tuple(t for t in config.adapter.targets if t in ("q", "k", "v", "o"))
+        if attention:
+            params = add_lora(params, dataclasses.replace(config.adapter, targets=attention), rng)
+        return params
 
     def _mean_target_gradients(self, params: Any, state: Any, batches: Any) -> dict[str, Any]:
         """LoRA-GA: the mean over ``batches`` (stacked ``[n, batch, seq]``) of the loss gradient
@@ -109,13 +127,13 @@ class FinetuneTask(Task):
         return tree_from_paths({p: jnp.mean(g, axis=0) for p, g in grads.items()})
 
     def trainable(self, params: Any) -> Any | None:
-        return adapter_mask(params) if self.config.method == "lora" else None
+        return None if self.config.method == "full" else adapter_mask(params)
 
     # ---------------------------------------------------------------- loss and data
     def loss(
         self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any, model_state: Any = None
     ) -> Any:
-        dropout = self.config.method == "lora" and self.config.adapter.dropout > 0
+        dropout = self.config.method != "full" and self.config.adapter.dropout > 0
         return lm_loss(params, batch, model=self.model, model_state=model_state, dropout_rng=rng if dropout else None)
 
     def _batches(self, examples, *, shuffle: bool) -> InstructionBatches:
