@@ -186,6 +186,8 @@ def _expand_section_bases(node: DictConfig, path: Path, seen: tuple[Path, ...]) 
     """Replaces every nested section holding ``base: FILE`` with FILE's content (itself fully
     resolved) overridden by the section's other keys. ``path`` is the file ``node`` came from."""
     for key in list(node.keys()):
+        if OmegaConf.is_missing(node, key):  # ``???``: a value the command line must give
+            continue
         value = node[key]
         if not isinstance(value, DictConfig):
             continue
