@@ -1,4 +1,5 @@
-"""Low-rank adapters against their baselines: LoRA fine-tuning against full fine-tuning.
+"""Low-rank adapters against their baselines: LoRA fine-tuning against full fine-tuning, and
+serving many adapters at once against one merged model.
 
     python -m benchmarks.adapters                      # every section
     python -m benchmarks.adapters --section finetune   # one section (repeat for more)
@@ -11,6 +12,13 @@ optimizer state's bytes; ratios against full fine-tuning. LoRA's step saves the 
 weights' weight-gradient matmuls (about a third of a step's FLOPs) and their AdamW update,
 and pays for the adapters' small matmuls; DoRA adds each adapted weight's column norm.
 
+``serving`` section: output tokens/s of one engine serving 1, 8 and 32 distinct adapters (rank
+16 on q, k, v, o, up, down; requests spread evenly over them, every step mixing adapters; each
+token's delta by two grouped matmuls over tokens sorted by adapter) against the same engine
+serving one model with an adapter merged in (no delta at all), on the same requests (64
+prompts of 32 tokens, 32 greedy output tokens each, 32 slots). S-LoRA reports a small loss
+against a merged model; the goal is >= 0.8x the merged model's throughput at 32 adapters.
+
 Results: ``benchmarks/results/adapters-<device>.json`` (a run of some sections keeps the
 other sections' figures already in that file).
 """
@@ -21,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +37,12 @@ import optax
 
 from benchmarks.harness import RESULTS_DIR, device_label, on_gpu, print_table, time_fn, write_results
 from ember.core.sharding import unbox
-from ember.core.tree import param_bytes, param_count
-from ember.models.adapters import LoraConfig, adapter_mask, add_lora
+from ember.core.tree import param_bytes, param_count, param_paths, tree_from_paths
+from ember.models.adapters import LoraConfig, adapter_leaves, adapter_mask, add_lora, merged_weights
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.models.hf.peft import with_adapter
+from ember.serving import Engine, SamplingParams
 from ember.training.lm.task import lm_loss
 from ember.training.train_step import init_state, train_step
 from ember.training.trainable import select, trainable_mask
@@ -101,7 +112,46 @@ def finetune_section() -> list[dict]:
     return rows
 
 
-SECTIONS = {"finetune": finetune_section}
+def serving_section() -> list[dict]:
+    if on_gpu():
+        config = ModelConfig(vocab_size=32000, d_model=1024, num_layers=8, num_heads=16, mlp_dim=4096,
+                             max_seq_len=256, precision="bf16")  # fmt: skip
+    else:
+        config = ModelConfig(vocab_size=512, d_model=256, num_layers=4, num_heads=8, mlp_dim=1024, max_seq_len=128)
+    base = unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    lora = LoraConfig(rank=16, targets=("q", "k", "v", "o", "up", "down"))
+
+    def adapter(seed):
+        flat = param_paths(add_lora(base, lora, jax.random.key(seed)))
+        flat = {p: v + 0.01 * jax.random.normal(jax.random.key(seed), v.shape) if p.endswith("_lora_b") else v
+                for p, v in flat.items()}  # fmt: skip
+        return adapter_leaves(tree_from_paths(flat))
+
+    adapters = {f"a{i}": adapter(i) for i in range(32)}
+    prompts = [jax.random.randint(jax.random.key(100 + i), (32,), 0, config.vocab_size).tolist() for i in range(64)]
+    options = dict(num_slots=32, token_budget=256, max_context=128)
+
+    def tokens_per_s(engine, names):
+        params = [SamplingParams(max_tokens=32, ignore_eos=True, adapter=names[i % len(names)] if names else None)
+                  for i in range(len(prompts))]  # fmt: skip
+        engine.generate(prompts[:8], params[:8])  # warm: every bucket was compiled at build
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        return sum(len(r.tokens) for r in results) / (time.perf_counter() - start)
+
+    merged = merged_weights(with_adapter(base, adapters["a0"]))
+    merged_rate = tokens_per_s(Engine.from_model(config, merged, **options), None)
+    rows = [{"variant": "merged (1 model)", "adapters": 0, "tokens_per_s": merged_rate, "vs_merged": 1.0}]
+    for count in (1, 8, 32):
+        chosen = {name: adapters[name] for name in list(adapters)[:count]}
+        rate = tokens_per_s(Engine.from_model(config, base, adapters=chosen, **options), list(chosen))
+        rows.append({"variant": f"{count} adapters", "adapters": count, "tokens_per_s": rate,
+                     "vs_merged": rate / merged_rate})  # fmt: skip
+    print_table(rows, ["variant", "adapters", "tokens_per_s", "vs_merged"])
+    return rows
+
+
+SECTIONS = {"finetune": finetune_section, "serving": serving_section}
 
 
 def main() -> None:

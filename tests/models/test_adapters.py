@@ -94,8 +94,10 @@ def test_unscanned_layers_and_boxed_axes(tokens):
     assert scanned_a["layers/block_0/attn/q/kernel_lora_a"].names == ("layers", "embed", None)
 
 
-def test_gradients_through_the_delta_equal_those_through_the_merged_weight(tokens):
-    adapted = perturbed(add_lora(init(DENSE), LoraConfig(rank=2, targets=("q", "up"), alpha=5), jax.random.key(0)), 4)
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_gradients_through_the_delta_equal_those_through_the_merged_weight(tokens, dora):
+    lora = LoraConfig(rank=2, targets=("q", "up"), alpha=5, dora=dora)
+    adapted = perturbed(add_lora(init(DENSE), lora, jax.random.key(0)), 4)
 
     def loss_unmerged(p):
         return jnp.sum(logits(DENSE, p, tokens) ** 2)
@@ -106,7 +108,7 @@ def test_gradients_through_the_delta_equal_those_through_the_merged_weight(token
     grads = jax.grad(loss_unmerged)(adapted)
     expected = jax.grad(loss_merged)(adapted)
     for path, value in param_paths(grads).items():
-        if path.endswith(("_lora_a", "_lora_b")):
+        if path.endswith(("_lora_a", "_lora_b", "_lora_magnitude")):
             assert np.abs(value).max() > 0, path
             assert_allclose(value, param_paths(expected)[path], scale=20, err_msg=path)
 
