@@ -208,44 +208,56 @@ def add_lora(params: Mapping[str, Any], config: LoraConfig, rng: jax.Array) -> d
 
 
 def _new_adapter(path: str, leaf: Any, config: LoraConfig, rng: jax.Array) -> dict[str, Any]:
+    """The leaves an adapter on ``leaf`` adds (and, for PiSSA, the weight's residual at ``path``)."""
     layout = weight_layout(path, leaf)
     kernel = jnp.asarray(leaf_value(leaf))
-    lead, in_shape, out_shape = layout.split(kernel.shape)
     rank, _ = config.rank_and_alpha(path)
     scale = config.scale(path)
-    fan_in = math.prod(in_shape)
-    dtype = kernel.dtype
-    leaves = {}
-    if config.init == "pissa":
-        a, b, kernel = pissa_factors(kernel, layout, rank, scale)
-        leaves.update(lora_a0=a, lora_b0=b, **{"": kernel})
-    elif config.init == "gaussian":
-        a = jax.random.normal(rng, (*lead, *in_shape, rank), jnp.float32) / rank
-        b = jnp.zeros((*lead, rank, *out_shape), jnp.float32)
-    else:  # lora (and lora_ga before its gradient step): PEFT's kaiming_uniform_(a=sqrt(5))
-        bound = 1.0 / math.sqrt(fan_in)
-        a = jax.random.uniform(rng, (*lead, *in_shape, rank), jnp.float32, -bound, bound)
-        b = jnp.zeros((*lead, rank, *out_shape), jnp.float32)
-    leaves.update(lora_a=a, lora_b=b, lora_scale=jnp.full(lead, scale, jnp.float32))
+    a, b, residual = _initial_factors(kernel, layout, config.init, rank, scale, rng)
+    lead = layout.split(kernel.shape)[0]
+    parts = {
+        "lora_a": a.astype(kernel.dtype),
+        "lora_b": b.astype(kernel.dtype),
+        "lora_scale": jnp.full(lead, scale, jnp.float32),
+    }
+    if residual is not None:
+        parts.update(lora_a0=parts["lora_a"], lora_b0=parts["lora_b"])
     if config.dora:
-        adapted = kernel.astype(jnp.float32) + low_rank_product(LowRank(a, b, leaves["lora_scale"]), layout.lead)
-        leaves["lora_magnitude"] = weight_norm(adapted, layout.in_dims, layout.lead)
+        adapted = (kernel if residual is None else residual).astype(jnp.float32)
+        adapted = adapted + low_rank_product(LowRank(a, b, parts["lora_scale"]), layout.lead)
+        parts["lora_magnitude"] = weight_norm(adapted, layout.in_dims, layout.lead)
     if config.dropout:
-        leaves["lora_dropout"] = jnp.full(lead, config.dropout, jnp.float32)
-    names = layout.names
-    result = {}
-    for part, value in leaves.items():
-        value = value.astype(dtype) if part in ("lora_a", "lora_b", "lora_a0", "lora_b0", "") else value
-        axes = None if names is None else _part_axes(part, names, layout)
-        name = path if part == "" else part_name(path, part)
-        result[name] = nn.Partitioned(value, axes) if axes is not None else value
+        parts["lora_dropout"] = jnp.full(lead, config.dropout, jnp.float32)
+    result = {part_name(path, part): _boxed(value, _part_axes(part, layout)) for part, value in parts.items()}
+    if residual is not None:
+        result[path] = rebox(leaf, residual.astype(kernel.dtype))
     return result
 
 
-def _part_axes(part: str, names, layout: WeightLayout):
+def _initial_factors(kernel, layout: WeightLayout, init: str, rank: int, scale: float, rng):
+    """``(A, B, the weight's residual or None)`` of a fresh adapter, in float32."""
+    lead, in_shape, out_shape = layout.split(kernel.shape)
+    if init == "pissa":
+        return pissa_factors(kernel, layout, rank, scale)
+    if init == "gaussian":
+        a = jax.random.normal(rng, (*lead, *in_shape, rank), jnp.float32) / rank
+    else:  # lora (and lora_ga before its gradient step): PEFT's kaiming_uniform_(a=sqrt(5))
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        a = jax.random.uniform(rng, (*lead, *in_shape, rank), jnp.float32, -bound, bound)
+    return a, jnp.zeros((*lead, rank, *out_shape), jnp.float32), None
+
+
+def _boxed(value, axes):
+    return value if axes is None else nn.Partitioned(value, axes)
+
+
+def _part_axes(part: str, layout: WeightLayout) -> tuple[str | None, ...] | None:
+    """The logical axes of an adapter part on a weight of ``layout`` (None: the tree has none)."""
+    names = layout.names
+    if names is None:
+        return None
     lead, ins, outs = names[: layout.lead], names[layout.lead : layout.lead + layout.in_dims], names[-layout.out_dims :]
     return {
-        "": names,
         "lora_a": (*lead, *ins, None),
         "lora_a0": (*lead, *ins, None),
         "lora_b": (*lead, None, *outs),
