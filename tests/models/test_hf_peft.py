@@ -16,6 +16,7 @@ from ember.core.errors import DataError, PathNotFoundError
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models import hf
 from ember.models.adapters import LoraConfig, add_lora
+from ember.models.adapters.lora_ga import lora_ga_init
 from ember.models.decoder import DecoderLM
 from ember.models.hf.peft import load_peft_adapter, save_peft_adapter, with_adapter
 from tests.hf_peers import random_hf_model
@@ -72,18 +73,23 @@ def fresh_hf(path):
         LoraConfig(rank=4, alpha=8, targets=("q", "k", "v", "o", "gate", "up", "down")),
         LoraConfig(rank=4, alpha=6, targets=("q", "v", "down"), rslora=True, dora=True, rank_pattern={"down": 2}),
         LoraConfig(rank=2, alpha=4, targets=("q", "up"), init="pissa"),
+        LoraConfig(rank=2, alpha=4, targets=("v", "down"), init="lora_ga"),
     ],
-    ids=["lora_all_targets", "dora_rslora_ranks", "pissa"],
+    ids=["lora_all_targets", "dora_rslora_ranks", "pissa", "lora_ga"],
 )
 def test_ember_adapter_loads_in_peft_with_the_same_logits(base, lora, tmp_path):
     _, path, config, params = base
-    adapted = trained(add_lora(params, lora, jax.random.key(1)), seed=2)
+    adapted = add_lora(params, lora, jax.random.key(1))
+    if lora.init == "lora_ga":  # from a made-up gradient: the export only needs W changed and A0, B0 kept
+        gradients = jax.tree.map(lambda x: jax.random.normal(jax.random.key(3), np.shape(x)), params)
+        adapted = lora_ga_init(adapted, gradients)
+    adapted = trained(adapted, seed=2)
     expected = ember_logits(config, adapted)
     save_peft_adapter(tmp_path, config, adapted, base_model=str(path))
     peft_model = peft.PeftModel.from_pretrained(fresh_hf(path), tmp_path).eval()
     assert_allclose(peft_logits(peft_model), expected, scale=10)  # 1e-4 in f32
     assert not np.allclose(expected, ember_logits(config, params), atol=1e-3)
-    # ...and back into Ember (PiSSA comes back as a rank-2r adapter on the original base).
+    # ...and back into Ember (PiSSA and LoRA-GA come back as rank-2r adapters on the original base).
     reloaded = with_adapter(params, load_peft_adapter(tmp_path, config))
     assert_allclose(ember_logits(config, reloaded), expected, scale=10)
 

@@ -28,7 +28,7 @@ from ember.core.sharding import MeshConfig
 from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
 from ember.training.config import CheckpointConfig, LoggingConfig
-from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, flatten_keys
+from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, run_identity
 from ember.training.optimizers import OptimConfig
 
 METHODS: tuple[str, ...] = ("lora", "mixlora", "full")
@@ -143,10 +143,8 @@ class FinetuneConfig:
 
     def identity(self) -> dict[str, Any]:
         """The flattened keys that define the run (what must not change on resume)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        flat = flatten_keys({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in data.items()})
         runtime = (*RUNTIME_KEYS, "export", *(f"base_model.{k}" for k in ("attention_impl", "remat", "scan_layers")))
-        return {k: v for k, v in flat.items() if not any(k == r or k.startswith(r + ".") for r in runtime)}
+        return run_identity({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, runtime)
 
 
 __all__ = ["METHODS", "BaseModelConfig", "ExportConfig", "FinetuneConfig", "FinetuneDataConfig"]

@@ -125,10 +125,16 @@ class LMConfig:
     def identity(self) -> dict[str, Any]:
         """The flattened ``key: value`` pairs that define the run (what must not change on
         resume): everything but ``RUNTIME_KEYS``, with the model reduced to its architecture."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["model"] = self.model.architecture()
-        flat = flatten_keys({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in data.items()})
-        return {k: v for k, v in flat.items() if not any(k == r or k.startswith(r + ".") for r in RUNTIME_KEYS)}
+        sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        sections["model"] = self.model.architecture()
+        return run_identity(sections, RUNTIME_KEYS)
+
+
+def run_identity(sections: dict[str, Any], runtime_keys: tuple[str, ...]) -> dict[str, Any]:
+    """A run config's flattened ``key: value`` pairs (``sections``: its fields, dataclasses
+    or values) without ``runtime_keys`` and the keys under them: what a resume must keep."""
+    flat = flatten_keys({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in sections.items()})
+    return {k: v for k, v in flat.items() if not any(k == r or k.startswith(r + ".") for r in runtime_keys)}
 
 
 def flatten_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
