@@ -27,7 +27,7 @@ import optax
 import optax.contrib
 
 from ember.core.errors import ConfigError
-from ember.models.adapters.lora import weight_layout
+from ember.models.adapters.layout import weight_layout
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lion", "adafactor", "sgd", "muon", "galore")
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")

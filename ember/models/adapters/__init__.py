@@ -5,19 +5,12 @@
     merged, record = merge(params)               # fold in; unmerge(merged, record) restores
 
 The layer side (how a layer applies the adapter it finds next to a weight) is
-``lowrank``; PEFT's file format is ``ember.models.hf.peft``.
+``lowrank``; which leaves are adapters, ``leaves``; how a weight maps inputs to outputs,
+``layout``; serving many at once, ``stacking``; PEFT's file format is ``ember.models.hf.peft``.
 """
 
-from ember.models.adapters.lora import (
-    TARGETS,
-    LoraConfig,
-    adapted_paths,
-    adapter_leaves,
-    adapter_mask,
-    add_lora,
-    target_paths,
-    without_adapters,
-)
+from ember.models.adapters.leaves import adapted_paths, adapter_leaves, adapter_mask, without_adapters
+from ember.models.adapters.lora import TARGETS, LoraConfig, add_lora, target_paths
 from ember.models.adapters.merge import merge, merged_weights, unmerge
 from ember.models.adapters.mixlora import MixLoraConfig, add_mixlora
 

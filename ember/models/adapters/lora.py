@@ -32,13 +32,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
+from ember.models.adapters.layout import WeightLayout, leaf_value, rebox, weight_layout
+from ember.models.adapters.leaves import adapter_part
 from ember.models.adapters.lowrank import (
-    MIXLORA_ROUTER,
-    TRAINED_PARTS,
     LowRank,
     low_rank_product,
     part_name,
@@ -60,12 +59,6 @@ INITS: tuple[str, ...] = ("lora", "gaussian", "pissa", "lora_ga")
 """``lora``: ``A`` Kaiming-uniform, ``B`` zero. ``gaussian``: ``A ~ N(0, 1/rank)``, ``B`` zero.
 ``pissa``: principal singular vectors (base keeps the residual). ``lora_ga``: gradient SVD
 (``ember.models.adapters.lora_ga``; ``add_lora`` gives the ``lora`` init until then)."""
-LEAD_AXES = frozenset({"layers", "expert"})
-"""Logical axes that stack independent weights (each gets its own adapter)."""
-_LAYOUTS = ((r"attn/o/kernel$", 2, 1), (r"attn/(q|k|v)/kernel$", 1, 2), (r"(mlp|shared|experts)/(gate|up|down)$", 1, 1))
-"""``(path pattern, input dims, output dims)`` of weights whose tree carries no logical axes."""
-INITIAL_PARTS = ("lora_a0", "lora_b0")
-"""PiSSA / LoRA-GA: the adapter's initial factors (frozen), for exporting against the original weight."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,58 +119,13 @@ class LoraConfig:
         return alpha / math.sqrt(rank) if self.rslora else alpha / rank
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightLayout:
-    """A weight's dimensions: ``lead`` stacking axes, then ``in_dims`` input and ``out_dims``
-    output ones; ``names`` its logical axes (None when the tree carries none)."""
-
-    lead: int
-    in_dims: int
-    out_dims: int
-    names: tuple[str | None, ...] | None = None
-
-    def split(self, shape):
-        lead, rest = shape[: self.lead], shape[self.lead :]
-        return lead, rest[: self.in_dims], rest[self.in_dims :]
-
-
-def weight_layout(path: str, leaf: Any) -> WeightLayout:
-    """How ``leaf`` at ``path`` maps inputs to outputs: from its logical axes when boxed (the
-    residual-stream axis ``embed`` is its input when first, its output when last), else from
-    the weight's name.
-
-    Raises:
-      ConfigError: the weight's layout cannot be told (not a matrix into or out of ``embed``).
-    """
-    shape = np.shape(leaf_value(leaf))
-    if isinstance(leaf, nn.Partitioned):
-        names = tuple(leaf.names)
-        lead = 0
-        while lead < len(names) and names[lead] in LEAD_AXES:
-            lead += 1
-        rest = names[lead:]
-        if len(rest) >= 2 and rest[0] == "embed":
-            return WeightLayout(lead, 1, len(rest) - 1, names)
-        if len(rest) >= 2 and rest[-1] == "embed":
-            return WeightLayout(lead, len(rest) - 1, 1, names)
-    else:
-        for pattern, in_dims, out_dims in _LAYOUTS:
-            if re.search(pattern, path) and len(shape) >= in_dims + out_dims:
-                return WeightLayout(len(shape) - in_dims - out_dims, in_dims, out_dims)
-    raise ConfigError(
-        f"adapter target {path!r} (shape {shape}) is not a weight an adapter can attach to: "
-        "a matrix into or out of the model width (embed)",
-        key="adapter.targets",
-    )
-
-
 def target_paths(params: Mapping[str, Any], config: LoraConfig) -> list[str]:
     """The ``/``-joined paths of the weights ``config.targets`` selects, in tree order.
 
     Raises:
       ConfigError: a target selects nothing (listing what paths look like).
     """
-    paths = [p for p in param_paths(params) if not _is_adapter_leaf(p)]
+    paths = [p for p in param_paths(params) if adapter_part(p) is None]
     chosen = []
     for target in config.targets:
         pattern = config.pattern(target)
@@ -282,66 +230,4 @@ def pissa_factors(kernel: jax.Array, layout: WeightLayout, rank: int, scale: flo
     return a, b, residual.astype(kernel.dtype)
 
 
-def adapter_mask(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The trainable mask of an adapter fine-tune: True on ``A``, ``B`` and DoRA magnitudes."""
-    flat = param_paths(params)
-    if not any(_is_adapter_leaf(p) for p in flat):
-        raise ConfigError("the parameters carry no adapters to train", key="adapter")
-    return tree_from_paths({p: adapter_part(p) in TRAINED_PARTS for p in flat})
-
-
-def adapter_leaves(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Only the adapter leaves of ``params`` (as a nested dict)."""
-    return tree_from_paths({p: v for p, v in param_paths(params).items() if _is_adapter_leaf(p)})
-
-
-def without_adapters(params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` with every adapter leaf removed (the base weights as they are)."""
-    return tree_from_paths({p: v for p, v in param_paths(params).items() if not _is_adapter_leaf(p)})
-
-
-def adapted_paths(params: Mapping[str, Any]) -> list[str]:
-    """The paths of the weights that carry an adapter (or MixLoRA's stacked expert adapters)."""
-    return [p[: -len("_lora_a")] for p in param_paths(params) if p.endswith("_lora_a")]
-
-
-def adapter_part(path: str) -> str | None:
-    """``"attn/q/kernel_lora_a"`` -> ``"lora_a"`` (a MixLoRA router: ``"mixlora_router"``);
-    None for a path that is not an adapter leaf."""
-    if MIXLORA_ROUTER.match(path.rsplit("/", 1)[-1]):
-        return "mixlora_router"
-    found = re.search(r"_(lora_[a-z0-9]+)$", path)
-    return found.group(1) if found else None
-
-
-def _is_adapter_leaf(path: str) -> bool:
-    return adapter_part(path) is not None
-
-
-def leaf_value(leaf: Any) -> Any:
-    """A parameter's array, unboxed when it is an ``nn.Partitioned``."""
-    return leaf.value if isinstance(leaf, nn.Partitioned) else leaf
-
-
-def rebox(like: Any, value: Any) -> Any:
-    """``value`` in ``like``'s logical-axis box when ``like`` is boxed, else as it is."""
-    return like.replace_boxed(value) if isinstance(like, nn.Partitioned) else value
-
-
-__all__ = [
-    "INITS",
-    "TARGETS",
-    "LoraConfig",
-    "WeightLayout",
-    "adapted_paths",
-    "adapter_leaves",
-    "adapter_mask",
-    "adapter_part",
-    "add_lora",
-    "leaf_value",
-    "pissa_factors",
-    "rebox",
-    "target_paths",
-    "weight_layout",
-    "without_adapters",
-]
+__all__ = ["INITS", "TARGETS", "LoraConfig", "add_lora", "pissa_factors", "target_paths"]

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.lora import adapted_paths, leaf_value, rebox, weight_layout
+from ember.models.adapters.layout import leaf_value, rebox, weight_layout
+from ember.models.adapters.leaves import adapted_paths
 from ember.models.adapters.lowrank import LowRank, low_rank_product, part_name
 
 

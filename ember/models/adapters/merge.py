@@ -16,7 +16,8 @@ from typing import Any
 
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.lora import adapted_paths, adapter_part, leaf_value, rebox, weight_layout
+from ember.models.adapters.layout import leaf_value, rebox, weight_layout
+from ember.models.adapters.leaves import adapted_paths, adapter_part
 from ember.models.adapters.lowrank import LowRank, adapted_weight, part_name
 
 

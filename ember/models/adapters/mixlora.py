@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.lora import leaf_value, weight_layout
+from ember.models.adapters.layout import leaf_value, weight_layout
 from ember.models.adapters.lowrank import part_name
 
 MLP_WEIGHTS = ("gate", "up", "down")

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.lora import adapted_paths, weight_layout, without_adapters
+from ember.models.adapters.layout import weight_layout
+from ember.models.adapters.leaves import adapted_paths, without_adapters
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, LowRank, dora_factor, part_name
 
 

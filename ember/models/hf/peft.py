@@ -33,7 +33,7 @@ from safetensors.numpy import load_file, save_file
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.lora import adapted_paths
+from ember.models.adapters.leaves import adapted_paths
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list

@@ -1,0 +1,82 @@
+"""How a weight maps inputs to outputs, read from its logical axes or its name.
+
+    layout = weight_layout("layers/block_0/attn/o/kernel", leaf)   # lead 1, in_dims 2, out_dims 1
+
+Adapters attach to these matrices (``ember.models.adapters``) and matrix optimizers (Muon,
+GaLore: ``ember.training.optimizers``) orthogonalise or project them from input to output.
+Leading stacking axes (``layers``, ``expert``) hold independent matrices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import flax.linen as nn
+import numpy as np
+
+from ember.core.errors import ConfigError
+
+LEAD_AXES = frozenset({"layers", "expert"})
+"""Logical axes that stack independent weights (each gets its own adapter)."""
+_LAYOUTS = ((r"attn/o/kernel$", 2, 1), (r"attn/(q|k|v)/kernel$", 1, 2), (r"(mlp|shared|experts)/(gate|up|down)$", 1, 1))
+"""``(path pattern, input dims, output dims)`` of weights whose tree carries no logical axes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """A weight's dimensions: ``lead`` stacking axes, then ``in_dims`` input and ``out_dims``
+    output ones; ``names`` its logical axes (None when the tree carries none)."""
+
+    lead: int
+    in_dims: int
+    out_dims: int
+    names: tuple[str | None, ...] | None = None
+
+    def split(self, shape):
+        lead, rest = shape[: self.lead], shape[self.lead :]
+        return lead, rest[: self.in_dims], rest[self.in_dims :]
+
+
+def weight_layout(path: str, leaf: Any) -> WeightLayout:
+    """How ``leaf`` at ``path`` maps inputs to outputs: from its logical axes when boxed (the
+    residual-stream axis ``embed`` is its input when first, its output when last), else from
+    the weight's name.
+
+    Raises:
+      ConfigError: the weight's layout cannot be told (not a matrix into or out of ``embed``).
+    """
+    shape = np.shape(leaf_value(leaf))
+    if isinstance(leaf, nn.Partitioned):
+        names = tuple(leaf.names)
+        lead = 0
+        while lead < len(names) and names[lead] in LEAD_AXES:
+            lead += 1
+        rest = names[lead:]
+        if len(rest) >= 2 and rest[0] == "embed":
+            return WeightLayout(lead, 1, len(rest) - 1, names)
+        if len(rest) >= 2 and rest[-1] == "embed":
+            return WeightLayout(lead, len(rest) - 1, 1, names)
+    else:
+        for pattern, in_dims, out_dims in _LAYOUTS:
+            if re.search(pattern, path) and len(shape) >= in_dims + out_dims:
+                return WeightLayout(len(shape) - in_dims - out_dims, in_dims, out_dims)
+    raise ConfigError(
+        f"adapter target {path!r} (shape {shape}) is not a weight an adapter can attach to: "
+        "a matrix into or out of the model width (embed)",
+        key="adapter.targets",
+    )
+
+
+def leaf_value(leaf: Any) -> Any:
+    """A parameter's array, unboxed when it is an ``nn.Partitioned``."""
+    return leaf.value if isinstance(leaf, nn.Partitioned) else leaf
+
+
+def rebox(like: Any, value: Any) -> Any:
+    """``value`` in ``like``'s logical-axis box when ``like`` is boxed, else as it is."""
+    return like.replace_boxed(value) if isinstance(like, nn.Partitioned) else value
+
+
+__all__ = ["LEAD_AXES", "WeightLayout", "leaf_value", "rebox", "weight_layout"]
