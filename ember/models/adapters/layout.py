@@ -20,6 +20,17 @@ from ember.core.errors import ConfigError
 
 LEAD_AXES = frozenset({"layers", "expert"})
 """Logical axes that stack independent weights (each gets its own adapter)."""
+TARGETS: dict[str, str] = {
+    "q": r"(^|/)attn/q/kernel$",
+    "k": r"(^|/)attn/k/kernel$",
+    "v": r"(^|/)attn/v/kernel$",
+    "o": r"(^|/)attn/o/kernel$",
+    "gate": r"(^|/)(mlp|shared)/gate$",
+    "up": r"(^|/)(mlp|shared)/up$",
+    "down": r"(^|/)(mlp|shared)/down$",
+    "experts": r"(^|/)experts/(gate|up|down)$",
+}
+"""The linear maps by name and the parameter paths they select (adapter targets, quantized weights)."""
 _LAYOUTS = ((r"attn/o/kernel$", 2, 1), (r"attn/(q|k|v)/kernel$", 1, 2), (r"(mlp|shared|experts)/(gate|up|down)$", 1, 1))
 """``(path pattern, input dims, output dims)`` of weights whose tree carries no logical axes."""
 
@@ -79,4 +90,4 @@ def rebox(like: Any, value: Any) -> Any:
     return like.replace_boxed(value) if isinstance(like, nn.Partitioned) else value
 
 
-__all__ = ["LEAD_AXES", "WeightLayout", "leaf_value", "rebox", "weight_layout"]
+__all__ = ["LEAD_AXES", "TARGETS", "WeightLayout", "leaf_value", "rebox", "weight_layout"]

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.layout import WeightLayout, leaf_value, rebox, weight_layout
+from ember.models.adapters.layout import TARGETS, WeightLayout, leaf_value, rebox, weight_layout
 from ember.models.adapters.leaves import adapter_part
 from ember.models.adapters.lowrank import (
     LowRank,
@@ -44,17 +44,6 @@ from ember.models.adapters.lowrank import (
     weight_norm,
 )
 
-TARGETS: dict[str, str] = {
-    "q": r"(^|/)attn/q/kernel$",
-    "k": r"(^|/)attn/k/kernel$",
-    "v": r"(^|/)attn/v/kernel$",
-    "o": r"(^|/)attn/o/kernel$",
-    "gate": r"(^|/)(mlp|shared)/gate$",
-    "up": r"(^|/)(mlp|shared)/up$",
-    "down": r"(^|/)(mlp|shared)/down$",
-    "experts": r"(^|/)experts/(gate|up|down)$",
-}
-"""Target names and the parameter paths they select."""
 INITS: tuple[str, ...] = ("lora", "gaussian", "pissa", "lora_ga")
 """``lora``: ``A`` Kaiming-uniform, ``B`` zero. ``gaussian``: ``A ~ N(0, 1/rank)``, ``B`` zero.
 ``pissa``: principal singular vectors (base keeps the residual). ``lora_ga``: gradient SVD

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.kernels_pallas.grouped_matmul import grouped_matmul
+from ember.models.quantization.stored import QuantizedWeight, quantized_dot
 
 PARTS: tuple[str, ...] = ("lora_a", "lora_b", "lora_scale", "lora_magnitude", "lora_dropout")
 """The suffixes of an adapter's parameters (``<weight>_<part>``)."""
@@ -112,7 +113,7 @@ def adapted_weight(kernel: jax.Array, adapter: LowRank | None, in_dims: int, lea
 def adapted_matmul(
     module: nn.Module,
     x: jax.Array,
-    kernel: jax.Array,
+    kernel: jax.Array | QuantizedWeight,
     adapter: LowRank | None,
     *,
     in_dims: int = 1,
@@ -123,8 +124,15 @@ def adapted_matmul(
     ``module`` supplies the ``dropout`` RNG (when the caller passed one). ``adapter_ids``
     ``[*x.shape[:-in_dims]]`` int32: each token's adapter in a stacked adapter (several at
     once, see the module docstring); None for a single adapter (a stacked one then adds nothing).
+    A quantized ``kernel`` (``ember.models.quantization``, QLoRA's frozen base) is multiplied
+    without being dequantised; DoRA needs the float weight's norms and refuses it.
     """
-    y = jnp.tensordot(x, kernel.astype(x.dtype), axes=in_dims)
+    if isinstance(kernel, QuantizedWeight):
+        if adapter is not None and adapter.magnitude is not None:
+            raise ValueError("DoRA needs a float base weight; this one is quantized (use LoRA for QLoRA)")
+        y = quantized_dot(x, kernel, in_dims)
+    else:
+        y = jnp.tensordot(x, kernel.astype(x.dtype), axes=in_dims)
     if adapter is None or (adapter.scale is None and adapter_ids is None):
         return y  # stacked adapters (no scale leaf) without ids: no token names an adapter
     if adapter_ids is not None:

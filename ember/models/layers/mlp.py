@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from ember.core.sharding import constrain
 from ember.models.adapters.lowrank import adapted_matmul, read_low_rank
+from ember.models.quantization.stored import CALIBRATION, QuantizedWeight, read_quantized, record_input
 
 ACTIVATIONS = {
     "swiglu": nn.silu,
@@ -69,11 +70,23 @@ class Mlp(nn.Module):
         init = nn.initializers.normal(self.init_std)
 
         def weight(name, shape, axes):
-            kernel = self.param(name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype)
+            kernel = read_quantized(self, name)
+            if kernel is None:
+                kernel = self.param(name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype)
+                kernel = kernel.astype(self.dtype)
             adapter = read_low_rank(self, name)
-            if adapter is None:
-                return kernel.astype(self.dtype)
-            return lambda h: adapted_matmul(self, h, kernel.astype(self.dtype), adapter, adapter_ids=adapter_ids)
+            if (
+                adapter is None
+                and not isinstance(kernel, QuantizedWeight)
+                and not self.is_mutable_collection(CALIBRATION)
+            ):
+                return kernel
+
+            def apply(h):
+                record_input(self, name, h)
+                return adapted_matmul(self, h, kernel, adapter, adapter_ids=adapter_ids)
+
+            return apply
 
         gate = weight("gate", (embed, self.hidden_dim), ("embed", "mlp")) if self.kind in GATED else None
         up = weight("up", (embed, self.hidden_dim), ("embed", "mlp"))

@@ -3,7 +3,8 @@
 Unlike ``nn.DenseGeneral`` (which initialises a flattened 2-D kernel and reshapes it), the
 kernel is created with its real shape, so its logical-axis annotation always matches its
 rank (needed for eager sharding under ``nnx.bridge.ToNNX``). A low-rank adapter next to the
-kernel (``kernel_lora_a`` ..., see ``ember.models.adapters``) adds its delta.
+kernel (``kernel_lora_a`` ..., see ``ember.models.adapters``) adds its delta; a quantized
+kernel (``ember.models.quantization``) is multiplied as stored.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.models.adapters.lowrank import adapted_matmul, read_low_rank
+from ember.models.quantization.stored import read_quantized, record_input
 
 
 class Projection(nn.Module):
@@ -38,14 +40,17 @@ class Projection(nn.Module):
         shape = (*in_shape, *self.out_shape)
         if len(self.kernel_axes) != len(shape):
             raise ValueError(f"kernel_axes {self.kernel_axes} must name all {len(shape)} kernel dimensions {shape}")
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.kernel_axes),
-            shape,
-            self.param_dtype,
-        )
+        kernel = read_quantized(self, "kernel")
+        if kernel is None:
+            kernel = self.param(
+                "kernel",
+                nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.kernel_axes),
+                shape,
+                self.param_dtype,
+            ).astype(self.dtype)
         adapter = read_low_rank(self, "kernel")
-        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        x = x.astype(self.dtype)
+        record_input(self, "kernel", x, self.in_dims)
         y = adapted_matmul(self, x, kernel, adapter, in_dims=self.in_dims, adapter_ids=adapter_ids)
         if self.use_bias:
             bias = self.param(

@@ -1,0 +1,250 @@
+"""Quantized matmul: float activations times a quantized weight, dequantised tile by tile.
+
+``x [m, k] @ W [k, n]`` with ``W`` a :class:`~ember.kernels_pallas.quantized_formats.QuantizedMatrix`
+(int8 per output channel, int4 group-wise, NF4 block-wise; see that module)::
+
+    y = quantized_matmul(x, QuantizedMatrix(values, scales, "int4"))   # [m, n]
+
+Forms:
+- :func:`quantized_matmul_reference`: ``x @ dequantize(W)`` in f32, THE reference.
+- ``impl="xla"``: per group of rows, ``x_g @ values_g`` with f32 accumulation, times the
+  group's scales, summed (the weight is never materialised in float as a whole).
+- ``impl="pallas"`` / ``"interpret"``: a Pallas kernel over ``[block_m, block_n]`` output
+  tiles that streams the weight's k-tiles (one scale group per tile for the 4-bit formats),
+  unpacks nibbles, maps NF4 codes through their 16-entry table, multiplies in ``x``'s dtype
+  with f32 accumulation and applies each tile's scales to its partial product. Packed rows
+  meet ``x``'s even and odd columns (split outside the kernel), so nothing is interleaved.
+
+Differentiable in ``x`` (the weight is frozen: QLoRA trains adapters beside it); the
+backward pass is ``dy @ dequantize(W)^T`` through XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.quantized_formats import (
+    PACKED_FORMATS,
+    QuantizedMatrix,
+    dequantize,
+    nf4_lookup,
+    nibbles_to_int4,
+    unpack_nibbles,
+)
+from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
+
+_NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
+"""Backends with a compiled Pallas kernel for this op (Triton lowering)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedMatmulBlockSizes:
+    """Kernel tiles: ``block_m`` rows and ``block_n`` output columns per program; ``block_k``
+    rows of the weight per step for int8 (4-bit formats step one scale group at a time).
+    Powers of two, at least 16 (what GPU dots want); a dimension shorter than its tile gets
+    the next power of two above it. ``num_warps``/``num_stages``: Triton's parameters."""
+
+    block_m: int = 16
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
+
+
+def _validate(op: str, x, weight) -> None:
+    if not isinstance(weight, QuantizedMatrix):
+        raise ValueError(f"{op}: weight must be a QuantizedMatrix, got {type(weight).__name__}")
+    weight.validate(op)
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{op}: x must be a float array [m, k], got {x.dtype}{list(x.shape)}")
+    if x.shape[1] != weight.shape[0]:
+        raise ValueError(f"{op}: x has k={x.shape[1]} columns but the weight has {weight.shape[0]} rows")
+    group = weight.group_size
+    if weight.format in PACKED_FORMATS and (group < 16 or group & (group - 1)):
+        raise ValueError(f"{op}: a {weight.format} group_size must be a power of two >= 16, got {group}")
+
+
+def quantized_matmul_reference(x, weight: QuantizedMatrix, *, preferred_element_type=None):
+    """The definition: ``x [m, k] @ dequantize(weight) [k, n]`` in f32, cast to
+    ``preferred_element_type`` (default ``x.dtype``)."""
+    _validate("quantized_matmul_reference", x, weight)
+    y = jnp.dot(x.astype(jnp.float32), dequantize(weight), precision=lax.Precision.HIGHEST)
+    return y.astype(preferred_element_type or x.dtype)
+
+
+def _unpacked_values(weight: QuantizedMatrix, dtype):
+    """``[k, n]`` in ``dtype``: the integers (int formats) or NF4 table values, unscaled."""
+    if weight.format == "int8":
+        return weight.values.astype(dtype)
+    nibbles = unpack_nibbles(weight.values)
+    return (nibbles_to_int4(nibbles) if weight.format == "int4" else nf4_lookup(nibbles)).astype(dtype)
+
+
+def _xla(x, weight: QuantizedMatrix, out_dtype):
+    (m, k), n, groups = x.shape, weight.shape[1], weight.scales.shape[0]
+    values = _unpacked_values(weight, x.dtype).reshape(groups, k // groups, n)
+    partial = jnp.einsum("mgk,gkn->mgn", x.reshape(m, groups, k // groups), values, preferred_element_type=jnp.float32)
+    return jnp.sum(partial * weight.scales.astype(jnp.float32)[None], axis=1).astype(out_dtype)
+
+
+def _fit(block: int, length: int) -> int:
+    return min(block, max(16, 1 << max(0, length - 1).bit_length()))
+
+
+def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, rows_per_scale: int):
+    if fmt in PACKED_FORMATS:
+        x_even_ref, x_odd_ref, values_ref, scales_ref, out_ref = refs
+    else:
+        x_ref, values_ref, scales_ref, out_ref = refs
+    dot = functools.partial(
+        lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+    def step(t, acc):
+        if fmt == "int8":
+            rows = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+            return acc + dot(x_ref[:, rows], values_ref[rows, :].astype(x_ref.dtype))
+        half = block_k // 2
+        rows = pl.ds(pl.multiple_of(t * half, half), half)
+        packed = values_ref[rows, :].astype(jnp.int32)
+        low, high = packed & 0xF, (packed >> 4) & 0xF
+        if fmt == "int4":
+            low, high = nibbles_to_int4(low), nibbles_to_int4(high)
+        else:
+            low, high = nf4_lookup(low), nf4_lookup(high)
+        dtype = x_even_ref.dtype
+        partial = dot(x_even_ref[:, rows], low.astype(dtype)) + dot(x_odd_ref[:, rows], high.astype(dtype))
+        scale = scales_ref[pl.ds(t * block_k // rows_per_scale, 1), :].astype(jnp.float32)
+        return acc + partial * scale
+
+    acc = lax.fori_loop(0, k_tiles, step, jnp.zeros(out_ref.shape, jnp.float32))
+    if fmt == "int8":
+        acc = acc * scales_ref[...].astype(jnp.float32)
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _pallas(x, weight: QuantizedMatrix, out_dtype, block_sizes: QuantizedMatmulBlockSizes, interpret: bool):
+    (m, k), n = x.shape, weight.shape[1]
+    bm, bn = _fit(block_sizes.block_m, m), _fit(block_sizes.block_n, n)
+    scales = pad_axis_to_multiple(weight.scales, 1, bn)
+    if weight.format == "int8":
+        bk = _fit(block_sizes.block_k, k)
+        x_parts = [pad_axis_to_multiple(pad_axis_to_multiple(x, 0, bm), 1, bk)]
+        values = pad_axis_to_multiple(pad_axis_to_multiple(weight.values, 0, bk), 1, bn)
+        k_pad = x_parts[0].shape[1]
+    else:
+        bk = weight.group_size  # one scale row per k-tile
+        pairs = x.reshape(m, k // 2, 2)
+        x_parts = [pad_axis_to_multiple(pairs[..., i], 0, bm) for i in (0, 1)]
+        values = pad_axis_to_multiple(weight.values, 1, bn)
+        k_pad = k
+    m_pad, n_pad = x_parts[0].shape[0], values.shape[1]
+    x_cols = x_parts[0].shape[1]
+    kernel = functools.partial(
+        _kernel, fmt=weight.format, block_k=bk, k_tiles=k_pad // bk, rows_per_scale=weight.group_size
+    )
+    compiler_params = None
+    if not interpret and jax.default_backend() == "gpu":
+        from jax.experimental.pallas import triton as plgpu
+
+        compiler_params = plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
+    out = pl.pallas_call(
+        kernel,
+        grid=(m_pad // bm, n_pad // bn),
+        in_specs=[
+            *[pl.BlockSpec((bm, x_cols), lambda i, j: (i, 0)) for _ in x_parts],
+            pl.BlockSpec((values.shape[0], bn), lambda i, j: (0, j)),
+            pl.BlockSpec((scales.shape[0], bn), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype),
+        compiler_params=compiler_params,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m * k * n,
+            transcendentals=0,
+            bytes_accessed=x.dtype.itemsize * x.size
+            + weight.values.size
+            + scales.dtype.itemsize * scales.size
+            + jnp.dtype(out_dtype).itemsize * m * n,
+        ),
+        interpret=interpret,
+        name=f"quantized_matmul_{weight.format}",
+    )(*x_parts, values, scales)
+    return out[:m, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _differentiable(x, weight, forward):
+    return forward(x, weight)
+
+
+def _forward(x, weight, forward):
+    return forward(x, weight), weight
+
+
+def _backward(forward, weight, d_out):
+    d_x = jnp.dot(d_out.astype(jnp.float32), dequantize(weight).T).astype(d_out.dtype)
+    zeros = jax.tree.map(
+        lambda a: jnp.zeros(a.shape, jax.dtypes.float0) if a.dtype in (jnp.int8, jnp.uint8) else jnp.zeros_like(a),
+        weight,
+    )
+    return d_x, zeros
+
+
+_differentiable.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "preferred_element_type", "block_sizes"))
+def quantized_matmul(x, weight: QuantizedMatrix, *, preferred_element_type=None, impl="auto", block_sizes=None):
+    """``x [m, k]`` float times the quantized ``weight [k, n]``: ``[m, n]`` in
+    ``preferred_element_type`` (default ``x.dtype``), accumulated in f32.
+
+    ``impl`` in {"auto", "pallas", "interpret", "xla"}; ``block_sizes`` a
+    :class:`QuantizedMatmulBlockSizes` for the kernel (defaults if None).
+
+    Raises:
+      ValueError: naming the argument whose shape, dtype or group size does not fit.
+    """
+    _validate("quantized_matmul", x, weight)
+    if block_sizes is not None and not isinstance(block_sizes, QuantizedMatmulBlockSizes):
+        raise ValueError(
+            f"quantized_matmul: block_sizes must be a QuantizedMatmulBlockSizes, got {type(block_sizes).__name__}"
+        )
+    impl = resolve_impl(impl, op="quantized_matmul", kernel_backends=KERNEL_BACKENDS)
+    out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    if impl == "xla":
+        forward = functools.partial(_xla, out_dtype=out_dtype)
+    else:
+        forward = functools.partial(
+            _pallas,
+            out_dtype=out_dtype,
+            block_sizes=block_sizes or QuantizedMatmulBlockSizes(),
+            interpret=impl == "interpret",
+        )
+    return _differentiable(x, weight, forward)
+
+
+__all__ = [
+    "KERNEL_BACKENDS",
+    "QuantizedMatmulBlockSizes",
+    "quantized_matmul",
+    "quantized_matmul_reference",
+]

@@ -1,0 +1,197 @@
+"""Quantizing a model's parameter tree (post-training), and reading it back as floats.
+
+    qparams = quantize_params(params, QuantizeConfig(format="int4"))                  # round to nearest
+    qparams = quantize_params(params, QuantizeConfig(format="int4", method="gptq"), grams=grams)
+
+The linear maps ``targets`` names (default: every attention and MLP projection; embeddings,
+the output head, routers, norms and MoE experts stay in float) are replaced by their stored
+quantized form (``ember.models.quantization.stored``); the model's code reads them as they
+are. ``grams`` (GPTQ) are the inputs' ``X^T X`` per weight path, from :func:`calibration_grams`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ember.core.errors import ConfigError
+from ember.core.tree import param_paths, tree_from_paths
+from ember.kernels_pallas.quantized_formats import FORMATS
+from ember.models.adapters.layout import TARGETS, leaf_value, weight_layout
+from ember.models.quantization.gptq import gptq_matrix
+from ember.models.quantization.numerics import DEFAULT_GROUP_SIZES, quantize_matrix
+from ember.models.quantization.stored import dequantized, store_matrix, stored_format
+
+METHODS: tuple[str, ...] = ("rtn", "gptq")
+DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """What to quantize and how: ``format`` int8 | int4 | nf4; ``group_size`` rows per scale
+    (default: int8 per channel, int4 128, nf4 64); ``method`` rtn | gptq; ``targets`` weight
+    names (``q k v o gate up down``) or path regexes; ``damp`` GPTQ's Hessian dampening."""
+
+    format: str = "int8"
+    group_size: int | None = None
+    method: str = "rtn"
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    damp: float = 0.01
+
+    def __post_init__(self):
+        def fail(field, message):
+            raise ConfigError(f"quantize.{field} {message}", key=f"quantize.{field}")
+
+        if self.format not in FORMATS:
+            fail("format", f"must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.method not in METHODS:
+            fail("method", f"must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.group_size is not None:
+            if self.format == "int8":
+                fail("group_size", "must be unset for int8 (one scale per output channel)")
+            if self.group_size < 16 or self.group_size & (self.group_size - 1):
+                fail("group_size", f"must be a power of two >= 16, got {self.group_size}")
+        if not 0 < self.damp < 1:
+            fail("damp", f"must be in (0, 1), got {self.damp}")
+        if not self.targets:
+            fail("targets", f"must name at least one weight: {', '.join(DEFAULT_TARGETS)} or a path regex")
+
+    @property
+    def rows_per_scale(self) -> int | None:
+        return self.group_size if self.group_size is not None else DEFAULT_GROUP_SIZES[self.format]
+
+
+def quantized_paths(params: Mapping[str, Any], config: QuantizeConfig) -> list[str]:
+    """The float weights ``config.targets`` selects, in tree order.
+
+    Raises:
+      ConfigError: a target selects nothing.
+    """
+    flat = param_paths(params)
+    chosen = []
+    for target in config.targets:
+        pattern = TARGETS.get(target, target)
+        found = [p for p, leaf in flat.items() if _matches(pattern, p) and not stored_format(leaf)]
+        if not found:
+            raise ConfigError(
+                f"quantize.targets entry {target!r} matches no float weight; paths look like "
+                f"{', '.join(list(flat)[:4])}",
+                key="quantize.targets",
+            )
+        chosen += [p for p in found if p not in chosen]
+    return [p for p in flat if p in chosen]
+
+
+def _matches(pattern: str, path: str) -> bool:
+    return re.search(pattern, path) is not None
+
+
+def quantize_params(
+    params: Mapping[str, Any], config: QuantizeConfig, *, grams: Mapping[str, jax.Array] | None = None
+) -> dict[str, Any]:
+    """``params`` with the target weights stored quantized (see the module docstring).
+
+    Raises:
+      ConfigError: a target selects nothing, a weight's input size is not a multiple of the
+        group size, or GPTQ lacks a weight's Gram matrix.
+    """
+    flat = param_paths(params)
+    for path in quantized_paths(params, config):
+        flat[path] = _quantize_weight(path, flat[path], config, None if grams is None else grams.get(path))
+        if config.method == "gptq" and (grams is None or path not in grams):
+            raise ConfigError(f"GPTQ has no calibration statistics for {path}", key="quantize.method")
+    return tree_from_paths(flat)
+
+
+def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Array | None) -> Any:
+    layout = weight_layout(path, leaf)
+    value = jnp.asarray(leaf_value(leaf), jnp.float32)
+    lead, in_shape, out_shape = layout.split(value.shape)
+    k, n = math.prod(in_shape), math.prod(out_shape)
+    group = config.rows_per_scale
+    if group is not None and k % group:
+        raise ConfigError(
+            f"{path}: its {k} input rows are not a multiple of quantize.group_size {group}", key="quantize.group_size"
+        )
+    matrices = value.reshape(-1, k, n)
+    if config.method == "gptq" and gram is not None:
+        grams = jnp.broadcast_to(gram.astype(jnp.float32), (matrices.shape[0], k, k))
+        stored = [
+            store_matrix(gptq_matrix(m, g, config.format, group, config.damp), out_shape)
+            for m, g in zip(matrices, grams)
+        ]
+    else:
+        stored = [store_matrix(quantize_matrix(m, config.format, group), out_shape) for m in matrices]
+    parts = jax.tree.map(lambda *xs: jnp.stack(xs).reshape(*lead, *xs[0].shape), *stored)
+    if isinstance(leaf, nn.Partitioned):
+        names = (*leaf.names[: layout.lead], leaf.names[layout.lead], *leaf.names[layout.lead + layout.in_dims :])
+        parts = {key: nn.Partitioned(part, _part_names(key, names, layout.lead)) for key, part in parts.items()}
+    return parts
+
+
+def _part_names(key: str, names: tuple, lead: int) -> tuple:
+    if key == "absmax_scale":
+        return (*names[:lead], None)
+    if key == "absmax_mean":
+        return names[:lead]
+    return names
+
+
+def dequantize_params(params: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with every quantized weight replaced by the float weight it stands for, in
+    the shape and dtype of the same weight in ``like`` (the float tree's structure, e.g. from
+    ``jax.eval_shape`` of the model's init)."""
+    flat, shapes = param_paths(params), param_paths(like)
+    for path, leaf in flat.items():
+        if stored_format(leaf):
+            parts = {key: leaf_value(part) for key, part in leaf.items()}
+            target = leaf_value(shapes[path])
+            layout = weight_layout(path, shapes[path])
+            lead, in_shape, _ = layout.split(target.shape)
+            per_layer = {key: part.reshape(-1, *part.shape[len(lead) :]) for key, part in parts.items()}
+            count = math.prod(lead)
+            floats = [
+                dequantized({key: part[i] for key, part in per_layer.items()}, in_shape, target.dtype)
+                for i in range(count)
+            ]
+            flat[path] = jnp.stack(floats).reshape(target.shape)
+    return tree_from_paths(flat)
+
+
+def weight_bytes(params: Any) -> int:
+    """Bytes of every array in ``params`` (a quantized tree counts its packed storage)."""
+    return sum(int(np.prod(np.shape(a))) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
+
+
+def calibration_grams(apply_fn, params: Any, batches: Iterable[Any]) -> dict[str, jax.Array]:
+    """``{weight path: X^T X [K, K]}`` summed over ``batches``: ``apply_fn(variables, batch)``
+    applies the model with the ``calibration`` collection mutable (the layers sow each target
+    weight's input Gram matrix there; stacked layers give ``[layers, K, K]``)."""
+    step = jax.jit(lambda p, b: apply_fn({"params": p}, b))
+    total = None
+    for batch in batches:
+        sown = step(params, batch)
+        total = sown if total is None else jax.tree.map(jnp.add, total, sown)
+    if total is None:
+        raise ConfigError("GPTQ calibration got no batches", key="quantize.calibration")
+    return {path[: -len("_gram")]: gram for path, gram in param_paths(total).items()}
+
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "METHODS",
+    "QuantizeConfig",
+    "calibration_grams",
+    "dequantize_params",
+    "quantize_params",
+    "quantized_paths",
+    "weight_bytes",
+]

@@ -1,0 +1,144 @@
+"""How a quantized weight sits in the parameter tree, and how a layer reads it.
+
+A quantized weight replaces its float leaf (``.../attn/q/kernel``, ``.../mlp/up``, shaped
+``[*lead, *in_shape, *out_shape]``) with a dict whose first key names the format; the
+input dimensions are flattened to ``K`` (``lead``: stacked layers):
+
+- int8: ``{"int8": int8 [*lead, K, *out], "scales": f32 [*lead, 1, *out]}``
+- int4: ``{"int4": uint8 [*lead, K // 2, *out], "scales": f32 [*lead, K // group, *out]}``
+- nf4:  ``{"nf4": uint8 [*lead, K // 2, *out], "absmax": float8_e4m3fn [*lead, K // 64, *out],
+  "absmax_scale": f32 [*lead, blocks], "absmax_mean": f32 [*lead]}`` -- QLoRA's double
+  quantisation: the blocks' absmax values, less their mean, stored as 8-bit floats in
+  blocks of 256 with one f32 scale each.
+
+A layer calls :func:`read_quantized` before ``self.param`` (a dict would fail Linen's shape
+check) and multiplies with :func:`quantized_dot`, which runs ``quantized_matmul``: the
+weight stays quantized on the device. :func:`record_input` sows each weight's input Gram
+matrix for GPTQ's calibration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ember.kernels_pallas.quantized_formats import FORMATS, QuantizedMatrix, dequantize
+from ember.kernels_pallas.quantized_matmul import quantized_matmul
+
+ABSMAX_BLOCK = 256
+"""Block of the double quantisation (absmax values sharing one f32 scale)."""
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+CALIBRATION = "calibration"
+"""The collection :func:`record_input` sows Gram matrices into (``<weight>_gram``)."""
+
+
+def stored_format(value) -> str | None:
+    """The format of a stored quantized weight (a dict keyed by its format), else None."""
+    if isinstance(value, Mapping):
+        return next((fmt for fmt in FORMATS if fmt in value), None)
+    return None
+
+
+def double_quantize(absmax: jax.Array) -> dict[str, jax.Array]:
+    """f32 absmax ``[groups, n]`` -> ``absmax`` (f8), ``absmax_scale [blocks]``, ``absmax_mean []``."""
+    mean = jnp.mean(absmax)
+    flat = (absmax - mean).reshape(-1)
+    blocks = math.ceil(flat.size / ABSMAX_BLOCK)
+    padded = jnp.pad(flat, (0, blocks * ABSMAX_BLOCK - flat.size)).reshape(blocks, ABSMAX_BLOCK)
+    scale = jnp.max(jnp.abs(padded), axis=1) / FP8_MAX
+    scale = jnp.where(scale > 0, scale, 1.0)
+    codes = (padded / scale[:, None]).astype(jnp.float8_e4m3fn).reshape(-1)[: flat.size]
+    return {"absmax": codes.reshape(absmax.shape), "absmax_scale": scale, "absmax_mean": mean}
+
+
+def absmax_values(parts: Mapping[str, jax.Array]) -> jax.Array:
+    """f32 ``[groups, n]``: the absmax values a double-quantised NF4 weight stores."""
+    codes = parts["absmax"]
+    flat = codes.reshape(-1).astype(jnp.float32)
+    scale = jnp.repeat(parts["absmax_scale"].astype(jnp.float32), ABSMAX_BLOCK)[: flat.size]
+    return (flat * scale + parts["absmax_mean"].astype(jnp.float32)).reshape(codes.shape)
+
+
+def store_matrix(matrix: QuantizedMatrix, out_shape: tuple[int, ...]) -> dict[str, jax.Array]:
+    """One layer's stored dict from a 2-D ``QuantizedMatrix`` ``[K, prod(out_shape)]``."""
+    values = matrix.values.reshape(matrix.values.shape[0], *out_shape)
+    scales = matrix.scales.reshape(matrix.scales.shape[0], *out_shape)
+    if matrix.format == "nf4":
+        return {"nf4": values, **double_quantize(scales)}
+    return {matrix.format: values, "scales": scales}
+
+
+def as_matrix(parts: Mapping[str, jax.Array]) -> QuantizedMatrix:
+    """The 2-D ``QuantizedMatrix`` ``[K, N]`` of one layer's stored dict."""
+    fmt = stored_format(parts)
+    values = parts[fmt]
+    scales = absmax_values(parts) if fmt == "nf4" else parts["scales"]
+    return QuantizedMatrix(values.reshape(values.shape[0], -1), scales.reshape(scales.shape[0], -1), fmt)
+
+
+def dequantized(parts: Mapping[str, jax.Array], in_shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+    """The float weight ``[*in_shape, *out_shape]`` one layer's stored dict stands for."""
+    out_shape = parts[stored_format(parts)].shape[1:]
+    return dequantize(as_matrix(parts), dtype).reshape(*in_shape, *out_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized weight as a layer sees it (one layer's stored dict)."""
+
+    parts: Mapping[str, jax.Array]
+
+    @property
+    def format(self) -> str:
+        return stored_format(self.parts)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.parts[self.format].shape[1:])
+
+
+def read_quantized(module: nn.Module, name: str) -> QuantizedWeight | None:
+    """``module``'s parameter ``name`` when it is stored quantized, else None."""
+    if not module.has_variable("params", name):
+        return None
+    value = module.get_variable("params", name)
+    return QuantizedWeight(nn.meta.unbox(value)) if stored_format(value) else None
+
+
+def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1) -> jax.Array:
+    """``x [..., *in_shape] @ W [*in_shape, *out_shape]`` -> ``[..., *out_shape]`` in ``x``'s dtype."""
+    lead = x.shape[: x.ndim - in_dims]
+    flat = x.reshape(math.prod(lead), -1)
+    y = quantized_matmul(flat, as_matrix(weight.parts))
+    return y.reshape(*lead, *weight.out_shape)
+
+
+def record_input(module: nn.Module, name: str, x: jax.Array, in_dims: int = 1) -> None:
+    """Sows ``X^T X`` f32 ``[K, K]`` of weight ``name``'s input (summed over tokens) into
+    :data:`CALIBRATION` when that collection is mutable (GPTQ's calibration pass)."""
+    if not module.is_mutable_collection(CALIBRATION):
+        return
+    flat = x.reshape(-1, math.prod(x.shape[x.ndim - in_dims :])).astype(jnp.float32)
+    gram = jnp.dot(flat.T, flat, precision=jax.lax.Precision.HIGHEST)
+    module.sow(CALIBRATION, f"{name}_gram", gram, reduce_fn=lambda a, b: a + b, init_fn=lambda: 0.0)
+
+
+__all__ = [
+    "ABSMAX_BLOCK",
+    "CALIBRATION",
+    "QuantizedWeight",
+    "absmax_values",
+    "as_matrix",
+    "dequantized",
+    "double_quantize",
+    "quantized_dot",
+    "read_quantized",
+    "record_input",
+    "store_matrix",
+    "stored_format",
+]
