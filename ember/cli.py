@@ -39,6 +39,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "ember.serving.cli",
         "batch inference: ember generate --checkpoint PATH --prompts in.jsonl --out out.jsonl",
     ),
+    "quantize": (
+        "ember.training.quantization.command",
+        "quantize a model's weights: ember quantize SRC OUT --format int8|int4|nf4 [--method rtn|gptq]",
+    ),
     "export": (
         "ember.serving.export",
         "serialize a model's serving steps with jax.export: ember export RUN_DIR OUT_DIR",

@@ -91,8 +91,10 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
     first = exported[manifest["token_buckets"][0]]
     args_tree = jax.tree_util.treedef_children(first.in_tree)[0]
     params_tree, kv_tree, _, _ = jax.tree_util.treedef_children(args_tree)
+    # npz keeps dtypes numpy lacks (float8: a quantized model's scales) as raw bytes: view them back.
+    param_avals = first.in_avals[: params_tree.num_leaves]
     with np.load(directory / "params.npz") as stored:
-        leaves = [jnp.asarray(stored[f"leaf_{i:05d}"]) for i in range(params_tree.num_leaves)]
+        leaves = [jnp.asarray(stored[f"leaf_{i:05d}"].view(aval.dtype)) for i, aval in enumerate(param_avals)]
     params = jax.tree_util.tree_unflatten(params_tree, leaves)
     kv_avals = first.in_avals[params_tree.num_leaves : params_tree.num_leaves + kv_tree.num_leaves]
     kv = jax.tree_util.tree_unflatten(kv_tree, [jnp.zeros(aval.shape, aval.dtype) for aval in kv_avals])

@@ -8,6 +8,9 @@
   are read (never the optimizer state), in whichever layer layout they were saved and
   converted to the config's ``scan_layers``; the tokenizer is Ember's byte tokenizer.
   ``LoadedModel.params`` are the weights serving applies (``serving_weights``).
+- Quantized model (``kind: quantized``, written by ``ember quantize``): a run directory whose
+  checkpointed params hold packed quantized weights (they stay packed on the device), with
+  the source's tokenizer files when it came from Hugging Face.
 - Hugging Face directory: ``config.json`` + safetensors, read by ``ember.models.hf``; its
   tokenizer is its ``tokenizer.json`` (``ember.core.hf_tokenizer``), when it has one.
 """
@@ -61,7 +64,8 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
 
 
 def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
-    if read_key(path / "config.yaml", "kind") == "finetune":
+    kind = read_key(path / "config.yaml", "kind")
+    if kind == "finetune":
         return _load_finetune_run(path, step, config_overrides)
     section = read_key(path / "config.yaml", "model")
     if section is None:
@@ -71,8 +75,12 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
     except ConfigError as error:  # keyed within the section: name it as the run's config.yaml does
         raise ConfigError(f"{path / 'config.yaml'}, model.{error}", key=f"model.{error.key}") from None
     params, model_state = _restore_weights(path, step, config)
-    tokenizer = ByteTokenizer()
-    return LoadedModel(config, serving_weights(params, model_state), tokenizer, tokenizer.eos_id)
+    if kind == "quantized" and read_key(path / "config.yaml", "tokenizer") == "hf":
+        tokenizer, eos_id = _hf_tokenizer(path), read_key(path / "config.yaml", "eos_id")
+    else:
+        tokenizer = ByteTokenizer()
+        eos_id = tokenizer.eos_id
+    return LoadedModel(config, serving_weights(params, model_state), tokenizer, eos_id)
 
 
 def _load_finetune_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:

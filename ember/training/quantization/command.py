@@ -1,0 +1,42 @@
+"""``ember quantize SRC OUT --format int8|int4|nf4 [--method rtn|gptq]``: post-training
+quantization of an Ember run or a Hugging Face directory (``ember.training.quantization.ptq``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ember.kernels_pallas.quantized_formats import FORMATS
+from ember.models.quantization.quantize import METHODS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="an Ember run directory or a Hugging Face model directory")
+    parser.add_argument("out", help="a new directory for the quantized model")
+    parser.add_argument("--format", choices=FORMATS, default="int8", help="weight format (default int8)")
+    parser.add_argument("--method", choices=METHODS, default="rtn", help="round-to-nearest or GPTQ (default rtn)")
+    parser.add_argument("--group-size", type=int, default=None, help="rows per scale (int4 128, nf4 64 by default)")
+    parser.add_argument("--text", default=None, help="calibration/validation text file (default: the stdlib corpus)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration/validation window")
+    parser.add_argument("--calibration-windows", type=int, default=32, help="windows for GPTQ's statistics")
+    parser.add_argument("--eval-windows", type=int, default=32, help="windows for the validation losses")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ember.models.quantization import QuantizeConfig
+    from ember.training.quantization.ptq import EvalConfig, quantize_model
+
+    config = QuantizeConfig(format=args.format, method=args.method, group_size=args.group_size)
+    windows = EvalConfig(
+        seq_len=args.seq_len, calibration_windows=args.calibration_windows, eval_windows=args.eval_windows
+    )
+    summary = quantize_model(args.source, args.out, config, text=args.text, windows=windows)
+    print(
+        f"quantized {summary['quantized_weights']} weights to {summary['format']} ({summary['method']}): "
+        f"{summary['float_weight_bytes'] / 1e6:.2f} MB -> {summary['quantized_weight_bytes'] / 1e6:.2f} MB"
+    )
+    print(
+        f"validation loss: float {summary['float_val_loss']:.4f}, quantized {summary['quantized_val_loss']:.4f} "
+        f"(delta {summary['val_loss_delta']:+.4f}) over {summary['eval_tokens']} tokens"
+    )
+    print(f"wrote {args.out}")
+    return 0

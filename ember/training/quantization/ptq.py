@@ -1,0 +1,196 @@
+"""Post-training quantization of a whole model: ``ember quantize SRC OUT --format int4 --method gptq``.
+
+SRC is an Ember run directory or a Hugging Face directory (``ember.serving.load_model``).
+Calibration (GPTQ's input statistics) and validation use token windows cut from a text: a
+file, or by default the Python standard library corpus (for a byte-level Ember model, the
+prepared dataset's own train and validation splits). OUT is a directory that serves and
+exports like a run (``ember generate --checkpoint OUT``, ``ember export OUT DIR``):
+
+- ``config.yaml``: ``kind: quantized``, the ``model:`` section, the ``quantize:`` settings,
+  the source and, for a HF source, its tokenizer files copied beside it;
+- ``checkpoints/``: step 0 holds the quantized ``params`` (packed, as the device keeps them);
+- ``summary.json``: the float and quantized validation losses and weight bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from omegaconf import OmegaConf
+
+from ember.core.checkpoint import CheckpointManager
+from ember.core.config import to_dict
+from ember.core.errors import ConfigError, DataError
+from ember.core.tokenizer import ByteTokenizer
+from ember.models.decoder import DecoderLM
+from ember.models.quantization import (
+    CALIBRATION,
+    QuantizeConfig,
+    calibration_grams,
+    quantize_params,
+    quantized_paths,
+    weight_bytes,
+)
+from ember.models.variables import as_variables
+from ember.serving.loading import LoadedModel, load_model
+from ember.training.data import TokenDataset, stdlib_corpus_dir
+from ember.training.data.corpus import stdlib_documents
+from ember.training.task import next_token_loss
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Token windows for calibration and validation: ``seq_len`` tokens each,
+    ``calibration_windows`` for GPTQ, ``eval_windows`` for the losses, in batches of ``batch_size``."""
+
+    seq_len: int = 128
+    calibration_windows: int = 32
+    eval_windows: int = 32
+    batch_size: int = 8
+
+    def __post_init__(self):
+        for name in ("seq_len", "calibration_windows", "eval_windows", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}", key=name)
+
+
+def token_splits(loaded: LoadedModel, text: str | Path | None, windows: EvalConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``(calibration [n_cal, seq_len + 1], validation [n_eval, seq_len + 1])`` int32 windows."""
+    need = (windows.seq_len + 1) * max(windows.calibration_windows, windows.eval_windows)
+    tokenizer = loaded.tokenizer
+    if text is None and isinstance(tokenizer, ByteTokenizer):
+        dataset = TokenDataset.open(stdlib_corpus_dir())
+        train, val = np.asarray(dataset.train[:need]), np.asarray(dataset.val[:need])
+    else:
+        if tokenizer is None:
+            raise ConfigError("the source model has no tokenizer.json to read the calibration text with", key="text")
+        if text is not None:
+            path = Path(text)
+            if not path.is_file():
+                raise DataError(f"calibration text {path} does not exist")
+            source = path.read_text(encoding="utf-8")
+        else:
+            source = _stdlib_text(chars=8 * need)
+        ids = np.asarray(tokenizer.encode(source), np.int64)
+        half = len(ids) // 2
+        train, val = ids[:half][:need], ids[half:][:need]
+    return _windows(train, windows.calibration_windows, windows.seq_len), _windows(
+        val, windows.eval_windows, windows.seq_len
+    )
+
+
+def _stdlib_text(chars: int) -> str:
+    parts, total = [], 0
+    for _, source in stdlib_documents():
+        parts.append(source)
+        total += len(source)
+        if total >= chars:
+            break
+    return "\n".join(parts)
+
+
+def _windows(ids: np.ndarray, count: int, seq_len: int) -> np.ndarray:
+    available = len(ids) // (seq_len + 1)
+    if available < 1:
+        raise DataError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len + 1}")
+    count = min(count, available)
+    return ids[: count * (seq_len + 1)].reshape(count, seq_len + 1).astype(np.int32)
+
+
+def _batches(windows: np.ndarray, batch_size: int):
+    for start in range(0, len(windows), batch_size):
+        yield jnp.asarray(windows[start : start + batch_size])
+
+
+def validation_loss(model: DecoderLM, variables: dict[str, Any], windows: np.ndarray, batch_size: int) -> float:
+    """Mean next-token cross-entropy of ``model`` over the windows ``[n, seq_len + 1]``."""
+
+    @jax.jit
+    def loss(variables, tokens):
+        logits, _ = model.apply(variables, tokens[:, :-1])
+        return next_token_loss(logits, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape))
+
+    total = count = 0.0
+    for batch in _batches(windows, batch_size):
+        loss_sum, n = loss(variables, batch)
+        total, count = total + float(loss_sum), count + float(n)
+    return total / count
+
+
+def quantize_model(
+    source: str | Path,
+    out: str | Path,
+    config: QuantizeConfig,
+    *,
+    text: str | Path | None = None,
+    windows: EvalConfig = EvalConfig(),
+) -> dict[str, Any]:
+    """Quantizes the model at ``source`` into the directory ``out`` (see the module docstring);
+    returns the summary it writes."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; choose a new output directory", key="out")
+    loaded = load_model(source)
+    model = DecoderLM(loaded.config)
+    variables = as_variables(loaded.params)
+    params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    calibration, validation = token_splits(loaded, text, windows)
+    grams = None
+    if config.method == "gptq":
+
+        def apply_fn(variables, tokens):
+            return model.apply({**variables, **state}, tokens[:, :-1], mutable=[CALIBRATION])[1][CALIBRATION]
+
+        grams = calibration_grams(apply_fn, params, _batches(calibration, windows.batch_size))
+    quantized = quantize_params(params, config, grams=grams)
+    float_loss = validation_loss(model, {"params": params, **state}, validation, windows.batch_size)
+    quantized_loss = validation_loss(model, {"params": quantized, **state}, validation, windows.batch_size)
+    summary = {
+        "source": str(source),
+        "format": config.format,
+        "method": config.method,
+        "group_size": config.rows_per_scale,
+        "quantized_weights": len(quantized_paths(params, config)),
+        "float_val_loss": float_loss,
+        "quantized_val_loss": quantized_loss,
+        "val_loss_delta": quantized_loss - float_loss,
+        "float_weight_bytes": weight_bytes(params),
+        "quantized_weight_bytes": weight_bytes(quantized),
+        "eval_tokens": int(validation[:, 1:].size),
+    }
+    _write(out, loaded, quantized, state, config, summary)
+    return summary
+
+
+def _write(out: Path, loaded: LoadedModel, quantized: Any, state: dict, config: QuantizeConfig, summary: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    source = Path(summary["source"])
+    hf_tokenizer = not isinstance(loaded.tokenizer, ByteTokenizer) and (source / "tokenizer.json").is_file()
+    if hf_tokenizer:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy(source / name, out / name)
+    document = {
+        "kind": "quantized",
+        "source": str(source),
+        "tokenizer": "hf" if hf_tokenizer else "bytes",
+        "eos_id": loaded.eos_id,
+        "quantize": to_dict(config),
+        "model": to_dict(loaded.config),
+    }
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(document)))
+    with CheckpointManager(out / "checkpoints", async_save=False) as manager:
+        manager.save(0, {"params": quantized, **({"model_state": state} if state else {})})
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+__all__ = ["EvalConfig", "quantize_model", "token_splits", "validation_loss"]
