@@ -100,8 +100,11 @@ def _unpacked_values(weight: QuantizedMatrix, dtype):
 
 def _xla(x, weight: QuantizedMatrix, out_dtype):
     (m, k), n, groups = x.shape, weight.shape[1], weight.scales.shape[0]
-    values = _unpacked_values(weight, x.dtype).reshape(groups, k // groups, n)
-    partial = jnp.einsum("mgk,gkn->mgn", x.reshape(m, groups, k // groups), values, preferred_element_type=jnp.float32)
+    # XLA's CPU dot has no bf16 x bf16 -> f32 form: multiply in f32 there.
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else x.dtype
+    values = _unpacked_values(weight, dtype).reshape(groups, k // groups, n)
+    x = x.astype(dtype).reshape(m, groups, k // groups)
+    partial = jnp.einsum("mgk,gkn->mgn", x, values, preferred_element_type=jnp.float32)
     return jnp.sum(partial * weight.scales.astype(jnp.float32)[None], axis=1).astype(out_dtype)
 
 

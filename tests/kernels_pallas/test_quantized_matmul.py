@@ -1,0 +1,117 @@
+"""``quantized_matmul`` against its reference ``x @ dequantize(W)`` for every format, odd
+shapes, the Pallas kernel (interpreted) and the XLA path, values and gradients; the NF4 code
+table against the QLoRA paper; nibble packing; errors that name the argument."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.kernels_pallas.quantized_formats import (
+    NF4_CODE,
+    QuantizedMatrix,
+    dequantize,
+    int4_to_nibbles,
+    nibbles_to_int4,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from ember.kernels_pallas.quantized_matmul import (
+    QuantizedMatmulBlockSizes,
+    quantized_matmul,
+    quantized_matmul_reference,
+)
+from tests.tolerances import assert_allclose
+
+# QLoRA (Dettmers et al., 2023), appendix E: the 16 NormalFloat4 values, as printed there.
+QLORA_NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+]  # fmt: skip
+
+
+def random_weight(rng, fmt, k, n, group):
+    if fmt == "int8":
+        values = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    else:
+        values = rng.integers(0, 256, (k // 2, n)).astype(np.uint8)
+    scales = rng.uniform(0.01, 0.1, (k // group, n)).astype(np.float32)
+    return QuantizedMatrix(jnp.asarray(values), jnp.asarray(scales), fmt)
+
+
+def test_nf4_code_is_the_qlora_table():
+    assert list(NF4_CODE) == QLORA_NF4
+    assert np.all(np.diff(NF4_CODE) > 0) and NF4_CODE[7] == 0.0
+
+
+def test_nibbles_round_trip():
+    rng = np.random.default_rng(0)
+    signed = jnp.asarray(rng.integers(-8, 8, (34, 5)))
+    packed = pack_nibbles(int4_to_nibbles(signed))
+    assert packed.dtype == jnp.uint8 and packed.shape == (17, 5)
+    np.testing.assert_array_equal(nibbles_to_int4(unpack_nibbles(packed)), signed)
+    # Byte i holds row 2i low and row 2i + 1 high.
+    assert int(packed[0, 0]) == (int(signed[0, 0]) & 0xF) | ((int(signed[1, 0]) & 0xF) << 4)
+    raw = jnp.asarray(rng.integers(0, 256, (9, 3)), jnp.uint8)
+    np.testing.assert_array_equal(pack_nibbles(unpack_nibbles(raw)), raw)
+
+
+def test_dequantize_by_hand():
+    values = pack_nibbles(jnp.asarray([[0, 15], [7, 8]]))  # rows 0 and 1 of a [2, 2] NF4 matrix
+    nf4 = dequantize(QuantizedMatrix(values, jnp.asarray([[2.0, 0.5]]), "nf4"))
+    np.testing.assert_allclose(nf4, [[-2.0, 0.5], [0.0, 0.5 * NF4_CODE[8]]], rtol=1e-7)
+    int4 = dequantize(QuantizedMatrix(pack_nibbles(int4_to_nibbles(jnp.asarray([[-8, 7], [1, -1]]))),
+                                      jnp.asarray([[0.5, 2.0]]), "int4"))  # fmt: skip
+    np.testing.assert_array_equal(int4, [[-4.0, 14.0], [0.5, -2.0]])
+
+
+CASES = [  # format, m, k, n, group
+    ("int8", 5, 200, 72, 200),
+    ("int8", 33, 64, 16, 64),
+    ("int4", 3, 256, 40, 128),
+    ("int4", 17, 96, 130, 32),
+    ("nf4", 1, 128, 24, 64),
+    ("nf4", 20, 192, 48, 64),
+]
+
+
+@pytest.mark.parametrize("impl", ["interpret", "xla"])
+@pytest.mark.parametrize("fmt,m,k,n,group", CASES)
+def test_equals_reference_values_and_gradients(fmt, m, k, n, group, impl):
+    rng = np.random.default_rng(hash((fmt, m, k, n)) % 2**32)
+    weight = random_weight(rng, fmt, k, n, group)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    blocks = QuantizedMatmulBlockSizes(block_m=16, block_n=32, block_k=32)
+    expected = quantized_matmul_reference(x, weight)
+    got = quantized_matmul(x, weight, impl=impl, block_sizes=blocks)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    scale = float(jnp.max(jnp.abs(expected)))
+    assert_allclose(got / scale, expected / scale)
+    d_out = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+    grad = jax.grad(lambda x: jnp.sum(quantized_matmul(x, weight, impl=impl, block_sizes=blocks) * d_out))(x)
+    assert_allclose(grad, d_out @ dequantize(weight).T, scale=10)
+    bf16 = quantized_matmul(x.astype(jnp.bfloat16), weight, impl=impl, block_sizes=blocks)
+    assert bf16.dtype == jnp.bfloat16
+    assert_allclose(bf16.astype(jnp.float32) / scale, expected / scale, dtype=jnp.bfloat16)
+
+
+def test_bad_arguments_name_themselves():
+    rng = np.random.default_rng(1)
+    weight = random_weight(rng, "int4", 64, 16, 32)
+    x = jnp.ones((2, 64))
+    with pytest.raises(ValueError, match="x has k=32"):
+        quantized_matmul(jnp.ones((2, 32)), weight)
+    with pytest.raises(ValueError, match="format must be one of"):
+        quantized_matmul(x, QuantizedMatrix(weight.values, weight.scales, "int3"))
+    with pytest.raises(ValueError, match="int4 values must be uint8"):
+        quantized_matmul(x, QuantizedMatrix(weight.values.astype(jnp.int8), weight.scales, "int4"))
+    with pytest.raises(ValueError, match="groups must divide"):
+        quantized_matmul(x, QuantizedMatrix(weight.values, jnp.ones((3, 16)), "int4"))
+    with pytest.raises(ValueError, match="group_size must be a power of two"):
+        quantized_matmul(jnp.ones((2, 48)), QuantizedMatrix(jnp.zeros((24, 16), jnp.uint8), jnp.ones((2, 16)), "nf4"))
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        QuantizedMatmulBlockSizes(block_n=48)
+    with pytest.raises(ValueError, match="impl='pallas' needs"):
+        quantized_matmul(x, weight, impl="pallas")
