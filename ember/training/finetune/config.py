@@ -25,8 +25,10 @@ from omegaconf import MISSING
 from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
+from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
+from ember.models.quantization import QuantizeConfig
 from ember.training.config import CheckpointConfig, LoggingConfig
 from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, run_identity
 from ember.training.optimizers import OptimConfig
@@ -43,7 +45,9 @@ class BaseModelConfig:
     """The model to fine-tune: a Hugging Face directory (``config.json`` + safetensors, its
     tokenizer read from the same directory) or an Ember LM run directory (``step`` -1: the
     latest checkpoint). Empty ``attention_impl`` / ``remat`` / ``precision`` keep the base's;
-    these and ``scan_layers`` are runtime settings."""
+    these and ``scan_layers`` are runtime settings. ``quantize`` (int8 | int4 | nf4; empty:
+    float) stores the frozen base's linear maps quantized while LoRA trains beside them
+    (QLoRA with ``nf4``); ``quantize_group_size`` 0 keeps the format's default group."""
 
     path: str = MISSING
     step: int = -1
@@ -51,11 +55,28 @@ class BaseModelConfig:
     remat: str = ""
     precision: str = ""
     scan_layers: bool = True
+    quantize: str = ""
+    quantize_group_size: int = 0
 
     def __post_init__(self):
         if not self.path:
             message = "base_model.path must name a Hugging Face model or Ember run directory"
             raise ConfigError(message, key="base_model.path")
+        if self.quantize and self.quantize not in FORMATS:
+            message = f"base_model.quantize must be empty or one of {', '.join(FORMATS)}, got {self.quantize!r}"
+            raise ConfigError(message, key="base_model.quantize")
+        self.quantization()
+
+    def quantization(self) -> QuantizeConfig | None:
+        """How the frozen base is stored (None: in float)."""
+        if not self.quantize:
+            return None
+        group = self.quantize_group_size or None
+        try:
+            return QuantizeConfig(format=self.quantize, group_size=group)
+        except ConfigError as error:
+            message = f"base_model.{error}".replace("quantize.group_size", "quantize_group_size")
+            raise ConfigError(message, key="base_model.quantize_group_size") from None
 
     def overrides(self) -> dict[str, Any]:
         """The ``ModelConfig`` fields these settings replace."""
@@ -128,6 +149,19 @@ class FinetuneConfig:
             raise ConfigError(f"kind must be 'finetune' for a fine-tuning config, got {self.kind!r}", key="kind")
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}", key="method")
+        if self.base_model.quantize:
+            if self.method != "lora" or self.adapter.dora:
+                raise ConfigError(
+                    "base_model.quantize: a quantized base trains LoRA adapters beside it (method lora, "
+                    f"adapter.dora false), got method {self.method!r}" + (" with DoRA" if self.adapter.dora else ""),
+                    key="base_model.quantize",
+                )
+            if self.export.merged:
+                raise ConfigError(
+                    "export.merged: a quantized base does not merge with its adapters; export the PEFT "
+                    "adapter and merge it into the float base",
+                    key="export.merged",
+                )
         if self.method == "mixlora":
             if self.export.merged:
                 raise ConfigError(

@@ -30,6 +30,7 @@ from ember.models.adapters import adapter_mask, add_lora, add_mixlora, target_pa
 from ember.models.adapters.lora_ga import lora_ga_init
 from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
+from ember.models.quantization import quantize_params
 from ember.models.variables import as_variables, split_variables
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.data.instructions import InstructionBatches, read_instructions
@@ -94,6 +95,9 @@ class FinetuneTask(Task):
             if "ga_batches" in pretrained:
                 gradients = self._mean_target_gradients(params, state, pretrained["ga_batches"])
                 params = lora_ga_init(params, gradients, gamma=self.config.adapter.ga_gamma)
+        quantization = self.config.base_model.quantization()
+        if quantization is not None:  # QLoRA: adapters first (their init may read the float base)
+            params = quantize_params(params, quantization)
         return {"params": params, **state}
 
     def _adapted(self, params: Any, rng: jax.Array, *, shapes_only: bool = False) -> Any:
