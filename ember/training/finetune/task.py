@@ -59,6 +59,7 @@ class FinetuneTask(Task):
         self.base_params, self.base_state = split_variables(as_variables(self.base.params))
         if config.method != "full":  # bad targets fail now, not inside the jitted initialisation
             self._adapted(self.base_params, jax.random.key(0), shapes_only=True)
+        self._check_quantization()
         self.examples, self.eval_examples = read_instructions(
             config.data.train,
             self.base.tokenizer,
@@ -99,6 +100,19 @@ class FinetuneTask(Task):
         if quantization is not None:  # QLoRA: adapters first (their init may read the float base)
             params = quantize_params(params, quantization)
         return {"params": params, **state}
+
+    def _check_quantization(self) -> None:
+        """A base that cannot be stored as ``base_model.quantize`` says so before anything compiles."""
+        quantization = self.config.base_model.quantization()
+        if quantization is None:
+            return
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), self.base_params)
+        try:
+            jax.eval_shape(lambda p: quantize_params(p, quantization), shapes)
+        except ConfigError as error:
+            message = f"base_model.quantize {self.config.base_model.quantize}: {error}"
+            raise ConfigError(message.replace("quantize.group_size", "quantize_group_size"),
+                              key="base_model.quantize_group_size") from None  # fmt: skip
 
     def _adapted(self, params: Any, rng: jax.Array, *, shapes_only: bool = False) -> Any:
         """``params`` with the method's adapters: LoRA, or MixLoRA experts plus LoRA on the
