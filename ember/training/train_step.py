@@ -17,6 +17,7 @@ metrics are averaged over micro-batches weighted by their counts, like auxiliary
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -62,11 +63,23 @@ def init_state(
     )
 
 
-def call_loss(loss_fn: LossFn, params: Any, batch: Any, model_state: Any, *, rng: jax.Array, teacher: Any) -> LossTerms:
+def call_loss(
+    loss_fn: LossFn, params: Any, batch: Any, model_state: Any, *, rng: jax.Array, teacher: Any, step: Any = None
+) -> LossTerms:
     """``loss_fn`` on one micro-batch, given ``model_state=`` only when the model has state
-    (tasks without state keep the plain ``loss(params, batch, *, rng, teacher)``)."""
-    state_arg = {"model_state": model_state} if model_state else {}
-    return loss_fn(params, batch, rng=rng, teacher=teacher, **state_arg)
+    and ``step=`` (the optimizer step, a traced int) only when the loss takes it (a schedule
+    inside the loss, as QAT's phases); other tasks keep ``loss(params, batch, *, rng, teacher)``."""
+    extra = {"model_state": model_state} if model_state else {}
+    if step is not None and _takes_step(loss_fn):
+        extra["step"] = step
+    return loss_fn(params, batch, rng=rng, teacher=teacher, **extra)
+
+
+def _takes_step(loss_fn: LossFn) -> bool:
+    try:
+        return "step" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # a callable without an inspectable signature
+        return False
 
 
 def _micro_batches(batch: Any, accum: int) -> Any:
@@ -123,7 +136,8 @@ def train_step(
     step_rng = jax.random.fold_in(jax.random.key(seed), state.step)
 
     def objective(subset, micro, rng, model_state):
-        terms = call_loss(loss_fn, merge(state.params, subset), micro, model_state, rng=rng, teacher=teacher)
+        params = merge(state.params, subset)
+        terms = call_loss(loss_fn, params, micro, model_state, rng=rng, teacher=teacher, step=state.step)
         total = terms.loss_sum + terms.count * _weighted_aux(terms.aux, weights)
         sums = (
             terms.loss_sum,

@@ -70,21 +70,26 @@ class QuantizeConfig:
 
 
 def quantized_paths(params: Mapping[str, Any], config: QuantizeConfig) -> list[str]:
-    """The float weights ``config.targets`` selects, in tree order.
+    """The float weights ``config.targets`` selects, in tree order (see :func:`target_weights`)."""
+    return target_weights(params, config.targets, key="quantize.targets")
+
+
+def target_weights(params: Mapping[str, Any], targets: Iterable[str], *, key: str) -> list[str]:
+    """The float linear maps ``targets`` (names ``q k v o gate up down`` or path regexes)
+    select, in tree order.
 
     Raises:
-      ConfigError: a target selects nothing.
+      ConfigError: a target selects nothing (``key`` names the config entry).
     """
     flat = param_paths(params)
     chosen = []
-    for target in config.targets:
+    for target in targets:
         pattern = TARGETS.get(target, target)
         found = [p for p, leaf in flat.items() if _matches(pattern, p) and not stored_format(leaf)]
         if not found:
             raise ConfigError(
-                f"quantize.targets entry {target!r} matches no float weight; paths look like "
-                f"{', '.join(list(flat)[:4])}",
-                key="quantize.targets",
+                f"{key} entry {target!r} matches no float weight; paths look like {', '.join(list(flat)[:4])}",
+                key=key,
             )
         chosen += [p for p in found if p not in chosen]
     return [p for p in flat if p in chosen]
@@ -193,5 +198,6 @@ __all__ = [
     "dequantize_params",
     "quantize_params",
     "quantized_paths",
+    "target_weights",
     "weight_bytes",
 ]

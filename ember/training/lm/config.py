@@ -23,6 +23,7 @@ from ember.core.sharding import MeshConfig
 from ember.models.config import ModelConfig
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.optimizers import OptimConfig
+from ember.training.quantization.qat import QatConfig
 
 RUNTIME_KEYS: tuple[str, ...] = (
     "run_dir",
@@ -112,6 +113,7 @@ class LMConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    qat: QatConfig = dataclasses.field(default_factory=QatConfig)
 
     def __post_init__(self):
         if self.kind != "lm":

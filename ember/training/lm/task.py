@@ -22,6 +22,7 @@ from ember.models.variables import serving_weights
 from ember.training.data import PackedBatches, TokenDataset, stdlib_corpus_dir
 from ember.training.lm.config import LMConfig
 from ember.training.lm.sampling import sample_text
+from ember.training.quantization.qat import qat_params
 from ember.training.task import LossTerms, Task, apply_model, next_token_loss
 
 BATCH_AXES = ("batch", "seq")
@@ -73,6 +74,9 @@ class LMTask(Task):
                 key="model.vocab_size",
             )
         self.model = DecoderLM(config.model)
+        if config.qat.format:  # targets and group sizes that do not fit the model fail now, not in the step
+            abstract = jax.eval_shape(self.init_params, jax.random.key(0))
+            jax.eval_shape(lambda p: qat_params(p, config.qat, jnp.int32(0), config.train.steps), abstract)
 
     def init_variables(self, rng: jax.Array) -> dict[str, Any]:
         """What ``DecoderLM.init`` returns: the parameters and any state collections."""
@@ -84,8 +88,19 @@ class LMTask(Task):
         return self.init_variables(rng)["params"]
 
     def loss(
-        self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any, model_state: Any = None
+        self,
+        params: Any,
+        batch: dict[str, jax.Array],
+        *,
+        rng: jax.Array,
+        teacher: Any,
+        model_state: Any = None,
+        step: jax.Array | None = None,
     ) -> LossTerms:
+        """The LM loss; with ``qat.format`` set, training steps (``step`` given) from the QAT
+        phase on see the target weights fake-quantized (validation sees the float weights)."""
+        if step is not None:
+            params = qat_params(params, self.config.qat, step, self.config.train.steps)
         return lm_loss(params, batch, model=self.model, model_state=model_state)
 
     def _batches(self, stream, **kwargs) -> PackedBatches:

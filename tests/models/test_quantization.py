@@ -1,0 +1,167 @@
+"""Quantized parameter trees: a model reads its quantized weights exactly as the dequantised
+float model would compute, for every format, scanned or not; the stored form is packed;
+NF4's double-quantised scales round-trip; GPTQ beats round-to-nearest on correlated inputs
+(matrix and whole model); fake quantization's forward is the round trip and its gradient the
+identity; LoRA on a quantized base equals LoRA on its dequantised weights."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.core.errors import ConfigError
+from ember.core.tree import param_paths
+from ember.kernels_pallas.quantized_formats import dequantize
+from ember.models.adapters import LoraConfig, add_lora
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
+from ember.models.quantization import (
+    CALIBRATION,
+    QuantizeConfig,
+    calibration_grams,
+    dequantize_params,
+    quantize_params,
+    quantized_paths,
+    weight_bytes,
+)
+from ember.models.quantization.fake import fake_quantize_params
+from ember.models.quantization.gptq import gptq_matrix
+from ember.models.quantization.numerics import quantize_matrix, round_trip
+from ember.models.quantization.stored import absmax_values, double_quantize
+from tests.tolerances import assert_allclose
+
+FORMATS = [("int8", None), ("int4", 32), ("nf4", 16)]
+
+
+def perturbed(params, seed=3, scale=0.05):
+    """Parameters moved away from their initial values (norm scales included)."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [p + scale * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["scan", "unscanned"])
+def model_and_params(request):
+    config = ModelConfig(d_model=64, num_layers=2, num_heads=4, mlp_dim=128, scan_layers=request.param)
+    model = DecoderLM(config)
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 256)
+    params = perturbed(nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"]))
+    return model, params, tokens
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_the_model_reads_quantized_weights_as_their_float_values(model_and_params, fmt, group):
+    model, params, tokens = model_and_params
+    forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
+    quantized = quantize_params(params, QuantizeConfig(format=fmt, group_size=group))
+    float_of_quantized = dequantize_params(quantized, params)
+    assert_allclose(forward(quantized), forward(float_of_quantized), scale=10)
+    reference = forward(params)
+    error = float(jnp.max(jnp.abs(forward(quantized) - reference)) / jnp.max(jnp.abs(reference)))
+    assert error < {"int8": 0.02, "int4": 0.35, "nf4": 0.35}[fmt], error  # weights 2.5x init scale
+    # Every attention and MLP projection is stored packed; embeddings and norms stay float.
+    flat = param_paths(quantized)
+    codes = [p for p in flat if p.endswith(f"/{fmt}")]
+    assert len(codes) == 7 * (1 if "layers/block_0/mlp/up" in param_paths(params) else 2)
+    for path in codes:
+        weight = param_paths(params)[path.removesuffix(f"/{fmt}")]
+        assert flat[path].nbytes == weight.size // (1 if fmt == "int8" else 2)
+    assert weight_bytes(quantized) < weight_bytes(params)
+
+
+def test_double_quantised_absmax_round_trips():
+    # The absmax of 64-row blocks of a weight: 12 x 70 = 840 values, four blocks of 256 (one partial).
+    weight = jax.random.normal(jax.random.key(0), (12 * 64, 70)) * jnp.linspace(0.5, 2.0, 70)
+    absmax = jnp.max(jnp.abs(weight.reshape(12, 64, 70)), axis=1)
+    stored = double_quantize(absmax)
+    assert stored["absmax"].dtype == jnp.float8_e4m3fn and stored["absmax_scale"].shape == (4,)
+    # e4m3 keeps 3 mantissa bits of each centred value c = absmax - mean (relative error <= 2^-4),
+    # with subnormal steps of 2^-9 block scales near zero.
+    centred = jnp.abs(absmax - jnp.mean(absmax)).reshape(-1)
+    scales = jnp.repeat(stored["absmax_scale"], 256)[: centred.size]
+    error = jnp.abs(absmax_values(stored) - absmax).reshape(-1)
+    assert bool(jnp.all(error <= 2**-4 * centred + 2**-10 * scales + 1e-6))
+    assert float(jnp.mean(error / absmax.reshape(-1))) < 0.015
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", None), ("int4", 64), ("nf4", 32)])
+def test_gptq_beats_round_to_nearest_on_correlated_inputs(fmt, group):
+    k, n = 128, 48
+    w = jax.random.normal(jax.random.key(0), (k, n))
+    mixing = jax.random.normal(jax.random.key(2), (k, k)) * 0.2
+    x = jax.random.normal(jax.random.key(1), (512, k)) @ mixing
+    exact = x @ w
+
+    def output_error(matrix):
+        return float(jnp.mean((exact - x @ dequantize(matrix)) ** 2))
+
+    rtn, gptq = quantize_matrix(w, fmt, group), gptq_matrix(w, x.T @ x, fmt, group)
+    assert gptq.values.dtype == rtn.values.dtype and gptq.scales.shape == rtn.scales.shape
+    assert output_error(gptq) < 0.7 * output_error(rtn)
+
+
+def test_gptq_on_a_model_from_calibration_grams(model_and_params):
+    model, params, tokens = model_and_params
+    apply_fn = lambda variables, batch: model.apply(variables, batch, mutable=[CALIBRATION])[1][CALIBRATION]  # noqa: E731
+    grams = calibration_grams(apply_fn, params, [tokens, tokens[::-1]])
+    assert set(grams) == set(quantized_paths(params, QuantizeConfig()))  # one per attention/MLP projection
+    for gram in grams.values():
+        assert_allclose(gram, jnp.swapaxes(gram, -1, -2), scale=10)
+    config = QuantizeConfig(format="int4", group_size=32, method="gptq")
+    gptq = quantize_params(params, config, grams=grams)
+    rtn = quantize_params(params, QuantizeConfig(format="int4", group_size=32))
+    forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
+    reference = forward(params)
+    assert float(jnp.mean((forward(gptq) - reference) ** 2)) < float(jnp.mean((forward(rtn) - reference) ** 2))
+    with pytest.raises(ConfigError, match="no calibration statistics"):
+        quantize_params(params, config, grams={})
+
+
+def test_fake_quantization_is_the_round_trip_with_a_straight_through_gradient(model_and_params):
+    _, params, _ = model_and_params
+    fake = fake_quantize_params(params, "int4", 32)
+    flat, originals = param_paths(fake), param_paths(params)
+    path = next(p for p in flat if p.endswith("mlp/down"))
+    weight = originals[path].reshape(-1, 128, 64)
+    expected = jnp.stack([round_trip(w, "int4", 32) for w in weight]).reshape(originals[path].shape)
+    assert_allclose(flat[path], expected)
+    assert not np.array_equal(flat[path], originals[path])
+    np.testing.assert_array_equal(
+        flat[next(p for p in flat if "embed" in p)], originals[next(p for p in flat if "embed" in p)]
+    )
+    grads = jax.grad(lambda p: sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(fake_quantize_params(p, "fp8"))))(
+        params
+    )
+    fp8 = param_paths(fake_quantize_params(params, "fp8"))
+    assert_allclose(param_paths(grads)[path], jnp.cos(fp8[path]))  # d/dw sin(q(w)) = cos(q(w)) with STE
+
+
+def test_lora_on_a_quantized_base_equals_lora_on_its_float_values(model_and_params):
+    model, params, tokens = model_and_params
+    adapted = add_lora(params, LoraConfig(rank=4, targets=("q", "v", "up", "down")), jax.random.key(5))
+    adapted = perturbed(adapted, seed=9, scale=0.02)  # non-zero B
+    quantized = quantize_params(adapted, QuantizeConfig(format="nf4", group_size=16))
+    forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
+    assert_allclose(forward(quantized), forward(dequantize_params(quantized, adapted)), scale=10)
+    dora = add_lora(params, LoraConfig(rank=4, targets=("q",), dora=True), jax.random.key(5))
+    with pytest.raises(ValueError, match="DoRA needs a float base"):
+        forward(quantize_params(dora, QuantizeConfig(format="int8")))
+
+
+def test_bad_quantize_configs_name_their_key(model_and_params):
+    _, params, _ = model_and_params
+    for kwargs, key in [
+        ({"format": "int3"}, "quantize.format"),
+        ({"method": "awq"}, "quantize.method"),
+        ({"format": "int8", "group_size": 32}, "quantize.group_size"),
+        ({"format": "int4", "group_size": 24}, "quantize.group_size"),
+        ({"targets": ()}, "quantize.targets"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            QuantizeConfig(**kwargs)
+        assert error.value.key == key
+    with pytest.raises(ConfigError, match=r"not a multiple of quantize\.group_size 256"):
+        quantize_params(params, QuantizeConfig(format="int4", group_size=256))
+    with pytest.raises(ConfigError, match="matches no float weight"):
+        quantize_params(params, QuantizeConfig(format="int4", targets=("experts",)))
