@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-NOT_STATE = ("params", "losses", "metrics", "intermediates")
+NOT_STATE = ("params", "losses", "metrics", "intermediates", "calibration")
 """Collections that are not model state: the parameters and what a pass sows (aux losses,
-metrics, captured intermediates), which is recomputed on every pass."""
+metrics, captured intermediates, GPTQ's calibration statistics), which is recomputed on every pass."""
 
 
 def split_variables(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -121,8 +121,8 @@ def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1) -> ja
 def record_input(module: nn.Module, name: str, x: jax.Array, in_dims: int = 1) -> None:
     """Sows ``X^T X`` f32 ``[K, K]`` of weight ``name``'s input (summed over tokens) into
     :data:`CALIBRATION` when that collection is mutable (GPTQ's calibration pass)."""
-    if not module.is_mutable_collection(CALIBRATION):
-        return
+    if module.is_initializing() or not module.is_mutable_collection(CALIBRATION):
+        return  # init makes every collection mutable: the statistics are not model state
     flat = x.reshape(-1, math.prod(x.shape[x.ndim - in_dims :])).astype(jnp.float32)
     gram = jnp.dot(flat.T, flat, precision=jax.lax.Precision.HIGHEST)
     module.sow(CALIBRATION, f"{name}_gram", gram, reduce_fn=lambda a, b: a + b, init_fn=lambda: 0.0)

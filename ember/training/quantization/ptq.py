@@ -1,9 +1,10 @@
 """Post-training quantization of a whole model: ``ember quantize SRC OUT --format int4 --method gptq``.
 
 SRC is an Ember run directory or a Hugging Face directory (``ember.serving.load_model``).
-Calibration (GPTQ's input statistics) and validation use token windows cut from a text: a
-file, or by default the Python standard library corpus (for a byte-level Ember model, the
-prepared dataset's own train and validation splits). OUT is a directory that serves and
+Calibration (GPTQ's input statistics) and validation use token windows cut from a text file
+(its two halves); by default, for an Ember LM run, from the train and validation splits of
+the prepared dataset it trained on (so the validation loss is the run's ``val_loss``), and
+for other models from the Python standard library's sources. OUT is a directory that serves and
 exports like a run (``ember generate --checkpoint OUT``, ``ember export OUT DIR``):
 
 - ``config.yaml``: ``kind: quantized``, the ``model:`` section, the ``quantize:`` settings,
@@ -26,7 +27,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import to_dict
+from ember.core.config import read_key, to_dict
 from ember.core.errors import ConfigError, DataError
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
@@ -63,13 +64,18 @@ class EvalConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}", key=name)
 
 
-def token_splits(loaded: LoadedModel, text: str | Path | None, windows: EvalConfig) -> tuple[np.ndarray, np.ndarray]:
-    """``(calibration [n_cal, seq_len + 1], validation [n_eval, seq_len + 1])`` int32 windows."""
+def token_splits(
+    loaded: LoadedModel, text: str | Path | None, windows: EvalConfig, dataset: str | Path | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(calibration [n_cal, seq_len + 1], validation [n_eval, seq_len + 1])`` int32 windows:
+    from ``text`` (its first and second halves), else from the prepared byte-level ``dataset``
+    (its train and validation splits; default the stdlib corpus) for a byte-level model, else
+    from the stdlib sources' text."""
     need = (windows.seq_len + 1) * max(windows.calibration_windows, windows.eval_windows)
     tokenizer = loaded.tokenizer
     if text is None and isinstance(tokenizer, ByteTokenizer):
-        dataset = TokenDataset.open(stdlib_corpus_dir())
-        train, val = np.asarray(dataset.train[:need]), np.asarray(dataset.val[:need])
+        prepared = TokenDataset.open(stdlib_corpus_dir() if dataset in (None, "stdlib") else dataset)
+        train, val = np.asarray(prepared.train[:need]), np.asarray(prepared.val[:need])
     else:
         if tokenizer is None:
             raise ConfigError("the source model has no tokenizer.json to read the calibration text with", key="text")
@@ -86,6 +92,15 @@ def token_splits(loaded: LoadedModel, text: str | Path | None, windows: EvalConf
     return _windows(train, windows.calibration_windows, windows.seq_len), _windows(
         val, windows.eval_windows, windows.seq_len
     )
+
+
+def _run_dataset(source: Path) -> str | None:
+    """The prepared dataset an Ember LM run trained on (``data.dataset`` of its config.yaml)."""
+    config = source / "config.yaml"
+    if not config.is_file() or read_key(config, "kind") not in (None, "lm"):
+        return None
+    data = read_key(config, "data") or {}
+    return data.get("dataset")
 
 
 def _stdlib_text(chars: int) -> str:
@@ -143,7 +158,7 @@ def quantize_model(
     model = DecoderLM(loaded.config)
     variables = as_variables(loaded.params)
     params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
-    calibration, validation = token_splits(loaded, text, windows)
+    calibration, validation = token_splits(loaded, text, windows, _run_dataset(Path(source)))
     grams = None
     if config.method == "gptq":
 
