@@ -37,7 +37,7 @@ gpu:
 	$(PY) -m benchmarks.gpu $(GPU_ARGS)
 
 # Wheels the GPU image lacks, for the device tool's `carry` (.whl/ is git-ignored; never commit it).
-GPU_WHEELS := omegaconf==2.4.0
+GPU_WHEELS := omegaconf==2.4.0 qwix==0.1.8
 gpu-wheels:
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -127,8 +127,8 @@ def test_bad_sources_and_configs(trained, tmp_path, capsys):
     assert main(["quantize", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert "neither an Ember run directory" in capsys.readouterr().err
     root, runs, _ = trained
-    assert main(["quantize", str(runs["float"]), str(tmp_path / "out"), "--format", "int4", "--group-size", "256"]) == 2
-    assert "not a multiple of quantize.group_size 256" in capsys.readouterr().err
+    assert main(["quantize", str(runs["float"]), str(tmp_path / "out"), "--format", "int4", "--group-size", "48"]) == 2
+    assert "quantize.group_size must be a power of two >= 16, got 48" in capsys.readouterr().err
     with pytest.raises(ConfigError) as error:
         small_config(tmp_path, root, "qat.format=int2")
     assert error.value.key == "qat.format"

@@ -121,11 +121,7 @@ def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Arr
     value = jnp.asarray(leaf_value(leaf), jnp.float32)
     lead, in_shape, out_shape = layout.split(value.shape)
     k, n = math.prod(in_shape), math.prod(out_shape)
-    group = config.rows_per_scale
-    if group is not None and k % group:
-        raise ConfigError(
-            f"{path}: its {k} input rows are not a multiple of quantize.group_size {group}", key="quantize.group_size"
-        )
+    group = _rows_per_scale(path, k, config)
     matrices = value.reshape(-1, k, n)
     if config.method == "gptq" and gram is not None:
         grams = jnp.broadcast_to(gram.astype(jnp.float32), (matrices.shape[0], k, k))
@@ -140,6 +136,21 @@ def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Arr
         names = (*leaf.names[: layout.lead], leaf.names[layout.lead], *leaf.names[layout.lead + layout.in_dims :])
         parts = {key: nn.Partitioned(part, _part_names(key, names, layout.lead)) for key, part in parts.items()}
     return parts
+
+
+def _rows_per_scale(path: str, k: int, config: QuantizeConfig) -> int | None:
+    """The weight's group: the config's, or all ``k`` rows when it has no more than a group
+    (for the 4-bit formats, ``k`` must then be a power of two >= 16, what the kernel tiles)."""
+    group = config.rows_per_scale
+    if group is None:
+        return None
+    if k <= group and (config.format == "int8" or (k >= 16 and not k & (k - 1))):
+        return k
+    if k % group or k <= group:
+        raise ConfigError(
+            f"{path}: its {k} input rows are not a multiple of quantize.group_size {group}", key="quantize.group_size"
+        )
+    return group
 
 
 def _part_names(key: str, names: tuple, lead: int) -> tuple:
