@@ -33,6 +33,12 @@ from ember.kernels_pallas.block_mask import ChunkedCausalMask, ExplicitBlockMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
 from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul, grouped_matmul_reference
 from ember.kernels_pallas.linear_attention import linear_attention, linear_attention_reference, state_shape
+from ember.kernels_pallas.quantized_formats import QuantizedMatrix
+from ember.kernels_pallas.quantized_matmul import (
+    QuantizedMatmulBlockSizes,
+    quantized_matmul,
+    quantized_matmul_reference,
+)
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from ember.kernels_pallas.short_conv import short_conv
 from ember.kernels_pallas.ssd import ssd, ssd_reference
@@ -352,6 +358,35 @@ def _grouped_matmul(sizes: CheckSizes, dtype, gen):
     return Problem(kernel, lambda lhs, rhs: grouped_matmul_reference(lhs, rhs, **extra), primals)
 
 
+# ----------------------------------------------------------------------------- quantized matmul
+
+
+def _quantized_matmul(fmt: str) -> Callable:
+    """``x [q_len, 4 head_dim] @ W [4 head_dim, kv_len]`` with ``W`` random codes in ``fmt``
+    and random scales (groups of ``2 block`` rows for the 4-bit formats); the gradient is ``x``'s."""
+
+    def problem(sizes: CheckSizes, dtype, gen):
+        k, n = 4 * sizes.head_dim, sizes.kv_len
+        group = k if fmt == "int8" else 2 * sizes.block
+        if fmt == "int8":
+            values = jnp.asarray(gen.integers(-127, 128, (k, n)), jnp.int8)
+        else:
+            values = jnp.asarray(gen.integers(0, 256, (k // 2, n)), jnp.uint8)
+        scales = jnp.asarray(gen.uniform(0.005, 0.02, (k // group, n)), jnp.float32)
+        weight = QuantizedMatrix(values, scales, fmt)
+        tile = max(16, sizes.block)
+        tiles = QuantizedMatmulBlockSizes(block_m=16, block_n=tile, block_k=tile)
+
+        def kernel(x):
+            return quantized_matmul(x, weight, impl=sizes.impl, block_sizes=tiles)
+
+        return Problem(
+            kernel, lambda x: quantized_matmul_reference(x, weight), dict(x=_normal(gen, (sizes.q_len, k), dtype))
+        )
+
+    return problem
+
+
 KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck("flash_attention[dense,cross_lengths]", _flash()),
     KernelCheck("flash_attention[causal,mqa]", _flash(causal=True, kv_heads=1)),
@@ -370,6 +405,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck("ssd[groups,D,dt_bias,state]", _ssd),  # linear attention's kernels without normalize
     KernelCheck("short_conv[xla_path]", _short_conv),
     KernelCheck("grouped_matmul[group_offset,empty,skewed,tail_rows]", _grouped_matmul),
+    *(KernelCheck(f"quantized_matmul[{fmt}]", _quantized_matmul(fmt)) for fmt in ("int8", "int4", "nf4")),
 )
 """The kernels the GPU command checks, in order. One line per kernel (and option set)."""
 

@@ -7,7 +7,8 @@ issue's performance rows, writing ``gpu-<device>.json`` after every step.
 
 1. ``device_value_checks``: every kernel of :data:`benchmarks.device_checks.KERNEL_CHECKS`
    (flash attention forward + backward with every mask kind, paged and ragged paged
-   attention, linear attention, SSD, short conv, grouped matmul) against its reference on
+   attention, linear attention, SSD, short conv, grouped matmul, quantized matmul in int8,
+   int4 and NF4) against its reference on
    the device, in bf16 and f32, errors recorded per kernel; a kernel that breaks does not
    stop the run.
 2. ``rows``: the performance rows of :data:`MEASUREMENTS`, most important first, each
@@ -19,7 +20,9 @@ issue's performance rows, writing ``gpu-<device>.json`` after every step.
    block-sparse local + global vs cuDNN given the mask; sigmoid vs softmax scores; linear
    attention and SSD vs our flash attention and their naive scans at 16k; the grouped
    matmul vs ``ragged_dot``, a per-expert loop and the equal-FLOP dense matmul; ragged paged
-   decode vs the measured bandwidth; the ~350M preset's train step MFU in bf16.
+   decode vs the measured bandwidth; a decode step with int8 / int4 / NF4 weights vs bf16
+   (:mod:`benchmarks.quantization`, batch 1-64) and the quantized matmul vs the bf16 one;
+   the ~350M preset's train step MFU in bf16.
 3. ``goals``: the issue's targets as measured ratios, each with its threshold.
 
 A time budget (``--budget-s``, default 500 s on a GPU) keeps the whole run inside one
@@ -46,7 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks import attention, moe, sequence_mixers, train_step
+from benchmarks import attention, moe, quantization, sequence_mixers, train_step
 from benchmarks.device_checks import GPU_CHECK_SIZES, KERNEL_CHECKS, TOY_CHECK_SIZES, CheckSizes, run_checks
 from benchmarks.harness import (
     device_label,
@@ -82,6 +85,8 @@ class PerfSizes:
     mixers: sequence_mixers.Sizes
     moe: moe.Sizes
     decode: dict[str, int]
+    quantized_decode: tuple[ModelConfig, int, tuple[int, ...]]  # model, context, batches
+    quantized_matmul: tuple[int, tuple[int, ...]]  # k = n, batches
     train: tuple[str, int, int]  # preset, batch, seq_len
     train_overrides: dict[str, Any]
     bandwidth_bytes: int
@@ -108,6 +113,8 @@ GPU_SIZES = PerfSizes(
     ),
     moe=moe.GPU_SIZES,
     decode=dict(num_seqs=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096),
+    quantized_decode=(quantization.GPU_DECODE_MODEL, 256, (1, 8, 16, 64)),
+    quantized_matmul=(4096, (1, 8, 16, 64)),
     train=("350m", 16, 2048),
     train_overrides=dict(precision="bf16", remat="none"),
     bandwidth_bytes=4 << 30,
@@ -131,6 +138,12 @@ TOY_SIZES = PerfSizes(
     ),
     moe=moe.Sizes(problems=(moe.Problem(4, 64, 16, 32),), loads=("skewed",), dtype="float32", impl="xla", repeats=1),
     decode=dict(num_seqs=2, heads=2, kv_heads=1, head_dim=16, page_size=8, length=64),
+    quantized_decode=(
+        ModelConfig(vocab_size=64, d_model=64, num_layers=1, num_heads=2, mlp_dim=128, max_seq_len=32),
+        16,
+        (1,),
+    ),
+    quantized_matmul=(128, (1,)),
     train=("tiny", 8, 32),
     train_overrides=dict(max_seq_len=32),
     bandwidth_bytes=1 << 20,
@@ -227,6 +240,16 @@ def _grouped_matmul(sizes: PerfSizes, context: dict) -> list[dict]:
     return moe.grouped_matmul_rows(sizes.moe)
 
 
+def _quantized_decode(sizes: PerfSizes, context: dict) -> list[dict]:
+    model, context_len, batches = sizes.quantized_decode
+    return quantization.decode_rows(model, context_len, batches)
+
+
+def _quantized_matmul(sizes: PerfSizes, context: dict) -> list[dict]:
+    size, batches = sizes.quantized_matmul
+    return quantization.matmul_rows(size, jnp.dtype(sizes.dtype), batches, impl=sizes.impl)
+
+
 def _train_step(sizes: PerfSizes, context: dict) -> list[dict]:
     preset, batch, seq_len = sizes.train
     config = load_config(ModelConfig, PRESETS / f"{preset}.yaml")
@@ -243,6 +266,8 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("ssd", _mixer_rows(sequence_mixers.ssd_rows), 40),
     Measurement("grouped_matmul", _grouped_matmul, 90),
     Measurement("ragged_decode", _ragged_decode, 15),
+    Measurement("quantized_decode", _quantized_decode, 60),
+    Measurement("quantized_matmul", _quantized_matmul, 30),
     Measurement("train_step", _train_step, 120),
     Measurement("sigmoid", _sigmoid, 30),
     *(Measurement(f"dense_sweep[{i}]", _dense(lambda s, i=i: s.sweep_lens[i : i + 1]), 40) for i in range(4)),
@@ -295,6 +320,17 @@ def goals(rows: list[dict], sizes: PerfSizes) -> dict[str, dict]:
         ),
         f"{sizes.train[0]}_train_step_mfu": (train.get("ember_mfu"), 0.45),
     }
+    float_name = "float"
+    for batch in sizes.quantized_decode[2]:
+        if batch > 16:
+            continue  # the goal's batch range: 1-16, where the step is bound by reading weights
+        for fmt, target in (("int8", 1.6), ("int4", 2.5)):
+            row = _first(rows, section="quantized_decode", batch=batch, weights=fmt)
+            floats = _first(rows, section="quantized_decode", batch=batch, weights=float_name)
+            measured[f"{fmt}_decode_step_speedup_vs_{sizes.dtype}_batch_{batch}"] = (
+                over(floats.get("step_ms"), row.get("step_ms")),
+                target,
+            )
     return {
         name: dict(value=value, target=target, met=None if value is None else bool(value >= target))
         for name, (value, target) in measured.items()

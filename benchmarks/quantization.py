@@ -16,7 +16,7 @@ step's time over each format's. On a GPU the step is memory-bound, so the goal t
 GEMM up to batch 16-32).
 
 ``loss`` section: a tiny byte-level LM trained briefly on the stdlib corpus (float, and with
-int4 QAT over the last half of its steps), then quantized every way (``ember quantize``'s
+int4 QAT over the last half or the last fifth of its steps), then quantized every way (``ember quantize``'s
 ``quantize_model``); validation loss and its delta against float for each format and method.
 
 Results: ``benchmarks/results/quantization-<device>.json`` (a run of some sections keeps the
@@ -26,6 +26,7 @@ other sections' figures already in that file).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -53,23 +54,29 @@ from ember.training.quantization.ptq import EvalConfig, quantize_model
 BATCHES = (1, 8, 64)
 
 
-def matmul_section() -> list[dict]:
-    size = 4096 if on_gpu() else 2048
-    dtype = jnp.bfloat16 if on_gpu() else jnp.float32
+def matmul_rows(size: int, dtype, batches=BATCHES, impl: str = "auto") -> list[dict]:
+    """``x [batch, size] @ W [size, size]``: float ``W`` in ``dtype`` and each format through
+    ``quantized_matmul(impl=...)``; ms and the float product's time over each format's."""
     w = jax.random.normal(jax.random.key(0), (size, size), jnp.float32) * 0.02
     weights = {fmt: quantize_matrix(w, fmt, None if fmt == "int8" else 128 if fmt == "int4" else 64) for fmt in FORMATS}
     dense_w = w.astype(dtype)
     dense = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
     rows = []
-    for batch in BATCHES:
+    for batch in batches:
         x = jax.random.normal(jax.random.key(batch), (batch, size), dtype)
         float_s = time_fn(dense, x, dense_w, repeats=20)
-        rows.append(dict(batch=batch, format=f"float ({jnp.dtype(dtype).name})", ms=float_s * 1e3, speedup=1.0,
-                         weight_mb=dense_w.nbytes / 1e6))  # fmt: skip
+        rows.append(dict(section="quantized_matmul", batch=batch, format=f"float ({jnp.dtype(dtype).name})",
+                         ms=float_s * 1e3, speedup=1.0, weight_mb=dense_w.nbytes / 1e6))  # fmt: skip
         for fmt, weight in weights.items():
-            seconds = time_fn(quantized_matmul, x, weight, repeats=20)
+            seconds = time_fn(functools.partial(quantized_matmul, impl=impl), x, weight, repeats=20)
             stored = (weight.values.nbytes + weight.scales.nbytes) / 1e6
-            rows.append(dict(batch=batch, format=fmt, ms=seconds * 1e3, speedup=float_s / seconds, weight_mb=stored))
+            rows.append(dict(section="quantized_matmul", batch=batch, format=fmt, ms=seconds * 1e3,
+                             speedup=float_s / seconds, weight_mb=stored))  # fmt: skip
+    return rows
+
+
+def matmul_section() -> list[dict]:
+    rows = matmul_rows(4096, jnp.bfloat16) if on_gpu() else matmul_rows(2048, jnp.float32)
     print_table(rows, ["batch", "format", "ms", "speedup", "weight_mb"])
     return rows
 
@@ -92,25 +99,30 @@ def _decode_step_seconds(config: ModelConfig, params, rows: int, context: int) -
     return time_fn(decode, repeats=20)
 
 
-def decode_section() -> list[dict]:
-    if on_gpu():
-        config = ModelConfig(vocab_size=32000, d_model=2048, num_layers=8, num_heads=16, mlp_dim=8192,
-                             max_seq_len=512, precision="bf16", tie_embeddings=False)  # fmt: skip
-        context = 256
-    else:
-        config = ModelConfig(vocab_size=512, d_model=512, num_layers=4, num_heads=8, mlp_dim=2048, max_seq_len=128)
-        context = 64
+GPU_DECODE_MODEL = ModelConfig(vocab_size=32000, d_model=2048, num_layers=8, num_heads=16, mlp_dim=8192,
+                               max_seq_len=512, precision="bf16", tie_embeddings=False)  # fmt: skip
+CPU_DECODE_MODEL = ModelConfig(vocab_size=512, d_model=512, num_layers=4, num_heads=8, mlp_dim=2048, max_seq_len=128)
+
+
+def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict]:
+    """One serving decode step with float weights and with the projections stored in each
+    format; ms and the float step's time over each format's."""
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     variants = {"float": params}
     variants.update({fmt: quantize_params(params, QuantizeConfig(format=fmt)) for fmt in FORMATS})
     rows = []
-    for batch in BATCHES:
+    for batch in batches:
         float_s = None
         for name, weights in variants.items():
             seconds = _decode_step_seconds(config, weights, batch, context)
             float_s = float_s or seconds
-            rows.append(dict(batch=batch, weights=name, step_ms=seconds * 1e3, speedup=float_s / seconds,
-                             weight_mb=weight_bytes(weights) / 1e6))  # fmt: skip
+            rows.append(dict(section="quantized_decode", batch=batch, weights=name, step_ms=seconds * 1e3,
+                             speedup=float_s / seconds, weight_mb=weight_bytes(weights) / 1e6))  # fmt: skip
+    return rows
+
+
+def decode_section() -> list[dict]:
+    rows = decode_rows(GPU_DECODE_MODEL, 256) if on_gpu() else decode_rows(CPU_DECODE_MODEL, 64)
     print_table(rows, ["batch", "weights", "step_ms", "speedup", "weight_mb"])
     return rows
 
@@ -130,10 +142,11 @@ def loss_section() -> list[dict]:
     with tempfile.TemporaryDirectory() as root:
         runs = {
             "float": Path(root) / "float",
-            "qat int4": Path(root) / "qat",
+            "qat int4 50%": Path(root) / "qat50",
+            "qat int4 20%": Path(root) / "qat20",
         }
         for name, path in runs.items():
-            extra = ["qat.format=int4", "qat.fraction=0.5"] if name.startswith("qat") else []
+            extra = ["qat.format=int4", f"qat.fraction={name[-3:-1]}e-2"] if name.startswith("qat") else []
             train(load_config(LMConfig, None, [*LOSS_RUN, f"run_dir={path}", *extra]))
         float_loss = None
         for trained, path in runs.items():

@@ -74,7 +74,7 @@ def test_every_measurement_gives_rows_and_every_goal_a_ratio(toy_record):
     dense = next(r for r in rows if r["section"] == "dense")
     assert dense["ours_fwd_tflops"] > 0 and dense["fwd_speedup_vs_xla"] > 0 and dense["xla_rel_diff"] < 1e-5
     goals = toy_record["goals"]
-    assert len(goals) == 7
+    assert len(goals) == 7 + 2 * len([b for b in gpu.TOY_SIZES.quantized_decode[2] if b <= 16])  # + int8/int4 decode
     for name, goal in goals.items():
         if name.endswith("_mfu"):  # no peak FLOP/s is known for a CPU
             assert goal["value"] is None and goal["met"] is None
