@@ -25,17 +25,15 @@ other sections' figures already in that file).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks.harness import RESULTS_DIR, device_label, on_gpu, print_table, time_fn, write_results
+from benchmarks.harness import on_gpu, print_table, run_sections, time_fn
 from ember.core.sharding import unbox
 from ember.core.tree import param_bytes, param_count, param_paths, tree_from_paths
 from ember.models.adapters import LoraConfig, adapter_leaves, adapter_mask, add_lora, merged_weights
@@ -155,15 +153,7 @@ SECTIONS = {"finetune": finetune_section, "serving": serving_section}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--section", action="append", choices=sorted(SECTIONS), help="run only these sections")
-    args = parser.parse_args()
-    path = RESULTS_DIR / f"adapters-{device_label()}.json"
-    results = json.loads(path.read_text()).get("results", {}) if path.is_file() else {}
-    for name in args.section or list(SECTIONS):
-        print(f"== {name}")
-        results[name] = SECTIONS[name]()
-    print(f"wrote {write_results('adapters', {'results': results})}")
+    run_sections("adapters", SECTIONS, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

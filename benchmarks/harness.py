@@ -10,6 +10,7 @@ Run a benchmark as a module from the repository root: ``python -m benchmarks.att
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import statistics
@@ -97,6 +98,24 @@ def write_results(name: str, payload: dict[str, Any], results_dir: Path | None =
     }
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return path
+
+
+def run_sections(name: str, sections: dict[str, Callable[[], Any]], description: str, argv=None) -> Path:
+    """``python -m benchmarks.<name> [--section S ...]``: runs the chosen sections (default all)
+    and writes ``results/<name>-<device>.json``, keeping the figures of sections not run
+    (read just before writing: another run of other sections may have written meanwhile)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--section", action="append", choices=sorted(sections), help="run only these sections")
+    args = parser.parse_args(argv)
+    measured = {}
+    for section in args.section or list(sections):
+        print(f"== {section}")
+        measured[section] = sections[section]()
+    path = RESULTS_DIR / f"{name}-{device_label()}.json"
+    results = json.loads(path.read_text()).get("results", {}) if path.is_file() else {}
+    written = write_results(name, {"results": {**results, **measured}})
+    print(f"wrote {written}")
+    return written
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

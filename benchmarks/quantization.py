@@ -25,18 +25,16 @@ other sections' figures already in that file).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import tempfile
 from pathlib import Path
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.harness import RESULTS_DIR, device_label, on_gpu, print_table, time_fn, write_results
+from benchmarks.harness import on_gpu, print_table, run_sections, time_fn
+from benchmarks.serving import decode_step_seconds
 from ember.core.config import load_config
 from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.kernels_pallas.quantized_matmul import quantized_matmul
@@ -44,9 +42,6 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import QuantizeConfig, quantize_params, weight_bytes
 from ember.models.quantization.numerics import quantize_matrix
-from ember.serving.model_program import build_program
-from ember.serving.program import batch_arrays
-from ember.serving.sampling import settings_array
 from ember.training.lm.config import LMConfig
 from ember.training.lm.trainer import train
 from ember.training.quantization.ptq import EvalConfig, quantize_model
@@ -81,24 +76,6 @@ def matmul_section() -> list[dict]:
     return rows
 
 
-def _decode_step_seconds(config: ModelConfig, params, rows: int, context: int) -> float:
-    program = build_program(config, params, num_slots=rows, token_buckets=(rows,), max_context=context)
-    batch = batch_arrays(rows, rows, program.pages_per_seq)
-    batch["tokens"][:] = np.random.default_rng(0).integers(0, config.vocab_size, size=rows)
-    batch["query_starts"][:] = np.arange(rows)
-    batch["query_lens"][:] = 1
-    batch["kv_lens"][:] = context
-    batch["page_table"][:] = np.arange(program.num_pages).reshape(rows, program.pages_per_seq)
-    batch, settings = jax.device_put((batch, settings_array(rows)))
-    step = program.steps[rows]
-
-    def decode():  # threads the donated cache through repeated calls
-        program.kv, tokens, _ = step(program.params, program.kv, batch, settings)
-        return tokens
-
-    return time_fn(decode, repeats=20)
-
-
 GPU_DECODE_MODEL = ModelConfig(vocab_size=32000, d_model=2048, num_layers=8, num_heads=16, mlp_dim=8192,
                                max_seq_len=512, precision="bf16", tie_embeddings=False)  # fmt: skip
 CPU_DECODE_MODEL = ModelConfig(vocab_size=512, d_model=512, num_layers=4, num_heads=8, mlp_dim=2048, max_seq_len=128)
@@ -114,7 +91,7 @@ def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict
     for batch in batches:
         float_s = None
         for name, weights in variants.items():
-            seconds = _decode_step_seconds(config, weights, batch, context)
+            seconds, _ = decode_step_seconds(config, weights, batch, context)
             float_s = float_s or seconds
             rows.append(dict(section="quantized_decode", batch=batch, weights=name, step_ms=seconds * 1e3,
                              speedup=float_s / seconds, weight_mb=weight_bytes(weights) / 1e6))  # fmt: skip
@@ -167,15 +144,7 @@ SECTIONS = {"matmul": matmul_section, "decode": decode_section, "loss": loss_sec
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--section", action="append", choices=sorted(SECTIONS), help="run only these sections")
-    args = parser.parse_args()
-    path = RESULTS_DIR / f"quantization-{device_label()}.json"
-    results = json.loads(path.read_text()).get("results", {}) if path.is_file() else {}
-    for name in args.section or list(SECTIONS):
-        print(f"== {name}")
-        results[name] = SECTIONS[name]()
-    print(f"wrote {write_results('quantization', {'results': results})}")
+    run_sections("quantization", SECTIONS, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

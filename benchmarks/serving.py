@@ -45,7 +45,7 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.model_program import build_program
-from ember.serving.program import batch_arrays
+from ember.serving.program import DeviceProgram, batch_arrays
 from ember.serving.requests import SamplingParams
 from ember.serving.sampling import settings_array
 
@@ -185,10 +185,10 @@ def bench_model(
     return rows
 
 
-def decode_bandwidth(name: str, config: ModelConfig, *, rows: int, context: int, copy_bytes: int) -> dict:
-    """One decode step of ``rows`` sequences at ``context`` tokens: bytes it must read
-    (weights + every row's K/V) over its time, against the measured copy bandwidth."""
-    params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+def decode_step_seconds(config: ModelConfig, params, rows: int, context: int) -> tuple[float, DeviceProgram]:
+    """Median seconds of one serving decode step (and the program it ran): ``rows`` sequences,
+    one new token each, every one ``context`` tokens into its pages (the engine's jitted
+    ragged step, cache donated)."""
     program = build_program(config, params, num_slots=rows, token_buckets=(rows,), max_context=context)
     batch = batch_arrays(rows, rows, program.pages_per_seq)
     batch["tokens"][:] = np.random.default_rng(0).integers(0, config.vocab_size, size=rows)
@@ -203,7 +203,14 @@ def decode_bandwidth(name: str, config: ModelConfig, *, rows: int, context: int,
         program.kv, tokens, _ = step(program.params, program.kv, batch, settings)
         return tokens
 
-    seconds = time_fn(decode, repeats=20)
+    return time_fn(decode, repeats=20), program
+
+
+def decode_bandwidth(name: str, config: ModelConfig, *, rows: int, context: int, copy_bytes: int) -> dict:
+    """One decode step of ``rows`` sequences at ``context`` tokens: bytes it must read
+    (weights + every row's K/V) over its time, against the measured copy bandwidth."""
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    seconds, program = decode_step_seconds(config, params, rows, context)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     kv_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(program.kv))  # every page holds live context
     source = jnp.ones((copy_bytes // 4,), jnp.float32)

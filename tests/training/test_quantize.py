@@ -6,11 +6,15 @@ quantization (both measured against the float-trained model); bad inputs fail wi
 
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ember.cli import main
 from ember.core.errors import ConfigError
+from ember.models.decoder import DecoderLM
 from ember.models.quantization import QuantizeConfig
+from ember.serving.loading import load_model
 from ember.training.data import stdlib_documents
 from ember.training.lm.trainer import train
 from ember.training.quantization.ptq import EvalConfig, quantize_model
@@ -135,3 +139,34 @@ def test_bad_sources_and_configs(trained, tmp_path, capsys):
     with pytest.raises(ConfigError) as error:
         small_config(tmp_path, root, "qat.fraction=0")
     assert error.value.key == "qat.fraction"
+
+
+def test_a_hugging_face_model_quantizes_with_its_tokenizer(tmp_path):
+    """A tiny random HF Llama with its own tokenizer: the output keeps the tokenizer, its int8
+    logits stay close to ``transformers``' float ones, and it generates from a text prompt."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.training.finetune_setup import ANIMALS, write_base_model
+
+    base = write_base_model(tmp_path / "hf")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"what does the {a} say ? {s} ." for a, s in ANIMALS.items()) * 40)
+    windows = EvalConfig(seq_len=16, calibration_windows=8, eval_windows=8, batch_size=4)
+    summary = quantize_model(
+        base, tmp_path / "int8", QuantizeConfig(format="int8", method="gptq"), text=text, windows=windows
+    )
+    assert abs(summary["val_loss_delta"]) < 0.01 * summary["float_val_loss"]
+    out = tmp_path / "int8"
+    assert (out / "tokenizer.json").is_file() and "tokenizer: hf" in (out / "config.yaml").read_text()
+    loaded = load_model(out)
+    tokens = np.asarray([[1, 3, 4, 5, 10, 6, 7]])
+    ember = np.asarray(DecoderLM(loaded.config).apply({"params": loaded.params}, jnp.asarray(tokens))[0])
+    with torch.no_grad():
+        reference = transformers.AutoModelForCausalLM.from_pretrained(base).eval()(torch.tensor(tokens)).logits.numpy()
+    assert np.max(np.abs(ember - reference)) < 0.02 * np.max(np.abs(reference))
+    assert list(loaded.tokenizer.encode("what does the cow say ?")) == tokens[0].tolist()  # the source's tokenizer
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "what does the cow say ?"}) + "\n")
+    assert main(["generate", "--checkpoint", str(out), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
+                 "--max-tokens", "4", "--no-progress"]) == 0  # fmt: skip
+    assert len(json.loads((tmp_path / "o.jsonl").read_text())["tokens"]) >= 1
