@@ -13,7 +13,7 @@ import pytest
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths
 from ember.kernels_pallas.quantized_formats import dequantize
-from ember.models.adapters import LoraConfig, add_lora
+from ember.models.adapters import LoraConfig, add_lora, merge
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import (
@@ -145,6 +145,8 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_float_values(model_and_para
     quantized = quantize_params(adapted, QuantizeConfig(format="nf4", group_size=16))
     forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
     assert_allclose(forward(quantized), forward(dequantize_params(quantized, adapted)), scale=10)
+    with pytest.raises(ConfigError, match="does not merge into a quantized base"):
+        merge(quantized)
     dora = add_lora(params, LoraConfig(rank=4, targets=("q",), dora=True), jax.random.key(5))
     with pytest.raises(ValueError, match="DoRA needs a float base"):
         forward(quantize_params(dora, QuantizeConfig(format="int8")))

@@ -31,6 +31,11 @@ def merge(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     record = {}
     merged = {p: v for p, v in flat.items() if adapter_part(p) is None}
     for path in adapted_paths(params):
+        if path not in flat:  # its float leaf became a dict of quantized parts
+            raise ConfigError(
+                f"{path} is stored quantized: an adapter does not merge into a quantized base; merge it into "
+                "the float base (ember.models.quantization.dequantize_params) or serve it unmerged"
+            )
         record[path] = flat[path]
         record.update({p: v for p, v in flat.items() if p.startswith(path + "_lora_")})
         merged[path] = rebox(flat[path], merged_weight(path, flat))
