@@ -32,6 +32,12 @@ from ember.kernels_pallas.linear_attention import (
     linear_attention_reference,
     linear_attention_step,
 )
+from ember.kernels_pallas.quantized_formats import QuantizedMatrix
+from ember.kernels_pallas.quantized_matmul import (
+    QuantizedMatmulBlockSizes,
+    quantized_matmul,
+    quantized_matmul_reference,
+)
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from ember.kernels_pallas.short_conv import short_conv, short_conv_reference, short_conv_step
 from ember.kernels_pallas.ssd import ssd, ssd_reference, ssd_step
@@ -46,6 +52,8 @@ __all__ = [
     "GroupedMatmulBlockSizes",
     "LocalGlobalMask",
     "LocalMask",
+    "QuantizedMatmulBlockSizes",
+    "QuantizedMatrix",
     "flash_attention",
     "flash_attention_reference",
     "grouped_matmul",
@@ -53,6 +61,8 @@ __all__ = [
     "linear_attention",
     "linear_attention_reference",
     "linear_attention_step",
+    "quantized_matmul",
+    "quantized_matmul_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "short_conv",

@@ -22,6 +22,7 @@ BLOCK_SIZE_CLASSES = {
     "flash_attention": ("FlashBlockSizes",),
     "grouped_matmul": ("GroupedMatmulBlockSizes",),
     "linear_attention": ("ChunkSize",),
+    "quantized_matmul": ("QuantizedMatmulBlockSizes",),
     "ragged_paged_attention": (),
     "short_conv": (),
     "ssd": (),
