@@ -27,7 +27,7 @@ class QatConfig:
 
     format: str = ""
     group_size: int = 0
-    fraction: float = 0.5
+    fraction: float = 0.2
     targets: tuple[str, ...] = DEFAULT_TARGETS
 
     def __post_init__(self):
