@@ -155,6 +155,7 @@ class PolicyConfig:
       log_std: ``state_independent`` or ``state_dependent`` (continuous actions only).
       squash: ``clip`` or ``tanh`` (continuous actions only).
       init_log_std: initial log-std of continuous actions.
+      layer_norm: a LayerNorm before every activation of the torso (PQN's stabiliser).
     """
 
     torso: str = "mlp"
@@ -164,6 +165,7 @@ class PolicyConfig:
     log_std: str = "state_independent"
     squash: str = "clip"
     init_log_std: float = 0.0
+    layer_norm: bool = False
 
     def __post_init__(self):
         if self.torso not in TORSOS:
@@ -197,17 +199,19 @@ class Torso(nn.Module):
     hidden_sizes: Sequence[int] = (64, 64)
     activation: str = "tanh"
     cnn_channels: Sequence[int] = (16,)
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.activation]
+        norm = (lambda h: nn.LayerNorm()(h)) if self.layer_norm else (lambda h: h)
         x = obs.astype(jnp.float32)
         if self.torso == "cnn":
             for channels in self.cnn_channels:
-                x = act(nn.Conv(channels, (3, 3), kernel_init=orthogonal(math.sqrt(2.0)))(x))
+                x = act(norm(nn.Conv(channels, (3, 3), kernel_init=orthogonal(math.sqrt(2.0)))(x)))
             x = x.reshape(*x.shape[:-3], -1)
         for width in self.hidden_sizes:
-            x = act(_dense(width, math.sqrt(2.0))(x))
+            x = act(norm(_dense(width, math.sqrt(2.0))(x)))
         return x
 
 
@@ -220,7 +224,7 @@ class Actor(nn.Module):
     @nn.compact
     def __call__(self, obs: jax.Array) -> Categorical | Gaussian:
         c = self.config
-        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, name="torso")(obs)
+        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, c.layer_norm, name="torso")(obs)
         if isinstance(self.action, DiscreteActions):
             return Categorical(_dense(self.action.num_actions, 0.01, name="logits")(features))
         dim = self.action.action_dim
@@ -244,7 +248,7 @@ class Critic(nn.Module):
     @nn.compact
     def __call__(self, obs: jax.Array) -> jax.Array:
         c = self.config
-        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, name="torso")(obs)
+        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, c.layer_norm, name="torso")(obs)
         return _dense(1, 1.0, name="value")(features)[..., 0]
 
 
@@ -296,7 +300,7 @@ class QNetwork(nn.Module):
     @nn.compact
     def __call__(self, obs: jax.Array) -> jax.Array:
         c = self.config
-        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, name="torso")(obs)
+        features = Torso(c.torso, c.hidden_sizes, c.activation, c.cnn_channels, c.layer_norm, name="torso")(obs)
         return _dense(self.num_actions, 1.0, name="q")(features)
 
 

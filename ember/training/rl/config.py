@@ -1,15 +1,15 @@
 """The schema of RL experiment configs (``configs/rl/*.yaml``), read by ``ember train``.
 
     kind: rl
-    algo: ppo                  # ppo | dqn | ippo | mappo
+    algo: ppo                  # ppo | dqn | pqn | ippo | mappo
     run_dir: runs/ppo_cartpole
     seed: 0
     env: {id: CartPole-v1}
     ppo: {total_timesteps: 150000, learning_rate: 1.0e-3}
     eval: {episodes: 100}
 
-Only the section of ``algo`` is used (``ippo`` and ``mappo`` read ``ppo:``); setting the
-other section is an error, since its keys would silently do nothing. Every value, and
+Only the section of ``algo`` is used (``ippo`` and ``mappo`` read ``ppo:``); setting another
+algorithm's section is an error, since its keys would silently do nothing. Every value, and
 whether ``algo`` can train an Ember ``env`` at all, is checked when the config is built:
 errors are ``ConfigError``s keyed by the full path (``ppo.num_envs``).
 """
@@ -24,8 +24,11 @@ from ember.envs.config import ENV_SOURCES, EnvConfig, make_from_config
 from ember.training.rl import multi_agent_ppo
 from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
+from ember.training.rl.pqn import PQNConfig
 
-ALGORITHMS = ("ppo", "dqn", "ippo", "mappo")
+ALGORITHMS = ("ppo", "dqn", "pqn", "ippo", "mappo")
+SECTION_OF = {"ppo": "ppo", "dqn": "dqn", "pqn": "pqn", "ippo": "ppo", "mappo": "ppo"}
+"""The config section each algorithm reads."""
 MULTI_AGENT_ALGORITHMS = ("ippo", "mappo")
 
 
@@ -53,6 +56,7 @@ class RLConfig:
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     dqn: DQNConfig = dataclasses.field(default_factory=DQNConfig)
+    pqn: PQNConfig = dataclasses.field(default_factory=PQNConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def __post_init__(self):
@@ -60,15 +64,15 @@ class RLConfig:
             raise ConfigError(f"kind must be 'rl' for an RL config, got {self.kind!r}", key="kind")
         if self.algo not in ALGORITHMS:
             raise ConfigError(f"algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}", key="algo")
-        unused = "ppo" if self.algo == "dqn" else "dqn"
-        section = getattr(self, unused)
-        if section != type(section)():
-            used = "dqn" if unused == "ppo" else "ppo"
-            raise ConfigError(
-                f"algo {self.algo!r} reads the {used}: section, not {unused}:; the {unused}: settings given "
-                f"would have no effect (remove them, or choose an algo that uses them)",
-                key=unused,
-            )
+        used = SECTION_OF[self.algo]
+        for unused in sorted(set(SECTION_OF.values()) - {used}):
+            section = getattr(self, unused)
+            if section != type(section)():
+                raise ConfigError(
+                    f"algo {self.algo!r} reads the {used}: section, not {unused}:; the {unused}: settings given "
+                    f"would have no effect (remove them, or choose an algo that uses them)",
+                    key=unused,
+                )
         if self.algo in MULTI_AGENT_ALGORITHMS:
             try:
                 multi_agent_ppo.check_config(self.ppo)
@@ -79,12 +83,12 @@ class RLConfig:
 
     def _check_env_fits_algo(self) -> None:
         """The algorithm can drive the (Ember) environment: one agent or many (homogeneous
-        ones, for a shared policy), discrete actions for DQN. Other sources are checked when
+        ones, for a shared policy), discrete actions for DQN and PQN. Other sources are checked when
         their library makes the env."""
         env, env_params = make_from_config(self.env)
         multi_agent = isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
         if multi_agent != (self.algo in MULTI_AGENT_ALGORITHMS):
-            wanted = ", ".join(MULTI_AGENT_ALGORITHMS) if multi_agent else "ppo, dqn"
+            wanted = ", ".join(MULTI_AGENT_ALGORITHMS) if multi_agent else "ppo, dqn, pqn"
             raise ConfigError(
                 f"algo {self.algo!r} cannot train env.id {self.env.id!r}, a "
                 f"{'multi' if multi_agent else 'single'}-agent environment; use algo {wanted}",
@@ -96,10 +100,10 @@ class RLConfig:
             except ConfigError as error:
                 message = f"algo {self.algo!r} cannot train env.id {self.env.id!r}: {error}"
                 raise ConfigError(message, key="env.id") from None
-        if self.algo == "dqn" and not hasattr(env.action_space(env_params), "n"):
+        space = env.action_space(env_params)
+        if self.algo in ("dqn", "pqn") and not hasattr(space, "n"):
             raise ConfigError(
-                f"algo 'dqn' needs discrete actions; env.id {self.env.id!r} has {env.action_space(env_params)!r}",
-                key="algo",
+                f"algo {self.algo!r} needs discrete actions; env.id {self.env.id!r} has {space!r}", key="algo"
             )
 
 

@@ -113,10 +113,11 @@ def epsilon_greedy(key: jax.Array, q_values: jax.Array, epsilon: jax.Array) -> j
     return jnp.where(explore, random_actions, q_values.argmax(-1)).astype(jnp.int32)
 
 
-def make_q_network(config: DQNConfig, env, env_params) -> QNetwork:
+def make_q_network(config: Any, env, env_params, *, algo: str = "DQN") -> QNetwork:
+    """The Q-network ``config.policy`` describes for ``env``'s discrete actions (DQN, PQN)."""
     space = env.action_space(env_params)
     if not hasattr(space, "n"):
-        raise ConfigError(f"DQN needs a discrete action space, got {space!r}", key="algo")
+        raise ConfigError(f"{algo} needs a discrete action space, got {space!r}", key="algo")
     return QNetwork(int(space.n), config.policy)
 
 

@@ -30,7 +30,7 @@ from ember.core.errors import EmberError, PathNotFoundError
 from ember.envs.config import make_from_config
 from ember.envs.wrappers import RunningMeanVar
 from ember.training.metrics import MetricsWriter
-from ember.training.rl import dqn, multi_agent_ppo, ppo
+from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 
@@ -111,6 +111,21 @@ ALGORITHMS: dict[str, Algorithm] = {
         make_act=_without_obs_stats(
             lambda section, env, env_params, params, deterministic: dqn.make_act(
                 dqn.make_q_network(section, env, env_params),
+                params,
+                epsilon=0.0 if deterministic else section.epsilon_end,
+            )
+        ),
+    ),
+    "pqn": Algorithm(
+        section=lambda config: config.pqn,
+        make_train=lambda section, env, env_params, on_update: pqn.make_train(
+            section, env, env_params, on_update=on_update
+        ),
+        steps_per_update=lambda section: section.num_envs * section.num_steps,
+        num_updates=lambda section: section.num_updates,
+        make_act=_without_obs_stats(
+            lambda section, env, env_params, params, deterministic: dqn.make_act(
+                dqn.make_q_network(section, env, env_params, algo="PQN"),
                 params,
                 epsilon=0.0 if deterministic else section.epsilon_end,
             )
