@@ -1,6 +1,7 @@
 """RL training benchmark: wall-clock for Ember PPO to solve CartPole (compile reported
 separately), on Ember's CartPole and on gymnax's CartPole through ``GymnaxEnv``, side by
-side; and aggregate env-steps/s of the training loop for 1 and 8 vmapped seeds.
+side, and for PQN (``configs/rl/pqn_cartpole.yaml``, 200k env steps) on Ember's; and
+aggregate env-steps/s of the PPO training loop for 1 and 8 vmapped seeds.
 
 "Solved" is the issue's bar: greedy mean return >= 475 over 100 evaluation episodes after
 the run of ``configs/rl/ppo_cartpole.yaml`` (150k env steps). Compile time is measured by
@@ -25,16 +26,21 @@ from ember.core.config import load_config
 from ember.envs import EnvConfig, make_from_config
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
-from ember.training.rl.ppo import make_act, make_policy, make_train
+from ember.training.rl.experiment import ALGORITHMS
+from ember.training.rl.ppo import make_train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "rl" / "ppo_cartpole.yaml"
+PQN_CONFIG = CONFIG.with_name("pqn_cartpole.yaml")
 SOLVED_RETURN = 475.0
 
 
 def solve_cartpole(source: str, config: RLConfig) -> dict:
-    """Compile seconds, train seconds and the 100-episode greedy mean return of one run."""
+    """Compile seconds, train seconds and the 100-episode greedy mean return of one run of
+    ``config.algo``."""
     env, env_params = make_from_config(EnvConfig(id="CartPole-v1", source=source))
-    train = jax.jit(make_train(config.ppo, env, env_params))
+    algorithm = ALGORITHMS[config.algo]
+    section = algorithm.section(config)
+    train = jax.jit(algorithm.make_train(section, env, env_params, None))
     rng = jax.random.key(config.seed)
     start = time.perf_counter()
     compiled = train.lower(rng).compile()  # compiled once, reused for the timed run
@@ -42,15 +48,16 @@ def solve_cartpole(source: str, config: RLConfig) -> dict:
     start = time.perf_counter()
     result = jax.block_until_ready(compiled(rng))
     train_s = time.perf_counter() - start
-    act = make_act(make_policy(config.ppo, env, env_params), result["params"])
+    act = algorithm.make_act(section, env, env_params, result["params"], True, None)
     returns, _ = evaluate(act, env, env_params, jax.random.key(1), num_episodes=100)
     mean_return = float(np.mean(returns))
     return {
+        "algo": config.algo,
         "env": f"{source}:CartPole-v1",
         "compile_s": compile_s,
         "train_s": train_s,
         "total_s": compile_s + train_s,
-        "env_steps": config.ppo.num_updates * config.ppo.num_envs * config.ppo.num_steps,
+        "env_steps": algorithm.num_updates(section) * algorithm.steps_per_update(section),
         "eval_mean_return": mean_return,
         "solved": mean_return >= SOLVED_RETURN,
     }
@@ -81,10 +88,13 @@ def main() -> None:
         solve_rows.append(solve_cartpole("gymnax", config))
     except ImportError:
         print("gymnax is not installed: skipping the gymnax CartPole column")
-    print_table(solve_rows, ["env", "compile_s", "train_s", "total_s", "env_steps", "eval_mean_return", "solved"])
-    if len(solve_rows) == 2:
-        ratio = solve_rows[1]["total_s"] / solve_rows[0]["total_s"]
-        print(f"gymnax total / ember total = {ratio:.2f}")
+    solve_rows.append(solve_cartpole("ember", load_config(RLConfig, PQN_CONFIG)))
+    columns = ["algo", "env", "compile_s", "train_s", "total_s", "env_steps", "eval_mean_return", "solved"]
+    print_table(solve_rows, columns)
+    gymnax_row = next((r for r in solve_rows if r["env"].startswith("gymnax")), None)
+    if gymnax_row is not None:
+        print(f"gymnax total / ember total = {gymnax_row['total_s'] / solve_rows[0]['total_s']:.2f}")
+    print(f"PQN total / PPO total = {solve_rows[-1]['total_s'] / solve_rows[0]['total_s']:.2f}")
     throughput_rows = [steps_per_second(config, seeds) for seeds in (1, 8)]
     print_table(throughput_rows, ["seeds", "env_steps", "seconds", "env_steps_per_s"])
     path = write_results(

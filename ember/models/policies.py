@@ -252,6 +252,20 @@ class Critic(nn.Module):
         return _dense(1, 1.0, name="value")(features)[..., 0]
 
 
+class ActionValue(nn.Module):
+    """An action-value head on its own torso (SAC's critic): observations ``[batch, obs_dim]``
+    and continuous actions ``[batch, action_dim]`` -> values ``[batch]``."""
+
+    config: PolicyConfig = PolicyConfig()
+
+    @nn.compact
+    def __call__(self, obs: jax.Array, action: jax.Array) -> jax.Array:
+        c = self.config
+        inputs = jnp.concatenate([obs.astype(jnp.float32), action.astype(jnp.float32)], axis=-1)
+        features = Torso("mlp", c.hidden_sizes, c.activation, (), c.layer_norm, name="torso")(inputs)
+        return _dense(1, 1.0, name="value")(features)[..., 0]
+
+
 class ActorCritic(nn.Module):
     """Separate actor and critic networks on one observation: ``obs -> (distribution, value)``.
     ``apply(variables, obs, method="value")`` runs the critic alone."""
@@ -323,6 +337,7 @@ def action_head(action_space: Any, config: PolicyConfig = PolicyConfig()) -> Dis
 
 __all__ = [
     "ACTIVATIONS",
+    "ActionValue",
     "Actor",
     "ActorCritic",
     "BoxActions",

@@ -1,7 +1,7 @@
 """The schema of RL experiment configs (``configs/rl/*.yaml``), read by ``ember train``.
 
     kind: rl
-    algo: ppo                  # ppo | dqn | pqn | ippo | mappo
+    algo: ppo                  # ppo | dqn | pqn | sac | ippo | mappo
     run_dir: runs/ppo_cartpole
     seed: 0
     env: {id: CartPole-v1}
@@ -25,9 +25,10 @@ from ember.training.rl import multi_agent_ppo
 from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
 from ember.training.rl.pqn import PQNConfig
+from ember.training.rl.sac import SACConfig
 
-ALGORITHMS = ("ppo", "dqn", "pqn", "ippo", "mappo")
-SECTION_OF = {"ppo": "ppo", "dqn": "dqn", "pqn": "pqn", "ippo": "ppo", "mappo": "ppo"}
+ALGORITHMS = ("ppo", "dqn", "pqn", "sac", "ippo", "mappo")
+SECTION_OF = {"ppo": "ppo", "dqn": "dqn", "pqn": "pqn", "sac": "sac", "ippo": "ppo", "mappo": "ppo"}
 """The config section each algorithm reads."""
 MULTI_AGENT_ALGORITHMS = ("ippo", "mappo")
 
@@ -57,6 +58,7 @@ class RLConfig:
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     dqn: DQNConfig = dataclasses.field(default_factory=DQNConfig)
     pqn: PQNConfig = dataclasses.field(default_factory=PQNConfig)
+    sac: SACConfig = dataclasses.field(default_factory=SACConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def __post_init__(self):
@@ -83,12 +85,12 @@ class RLConfig:
 
     def _check_env_fits_algo(self) -> None:
         """The algorithm can drive the (Ember) environment: one agent or many (homogeneous
-        ones, for a shared policy), discrete actions for DQN and PQN. Other sources are checked when
-        their library makes the env."""
+        ones, for a shared policy), discrete actions for DQN and PQN, continuous ones for SAC.
+        Other sources are checked when their library makes the env."""
         env, env_params = make_from_config(self.env)
         multi_agent = isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
         if multi_agent != (self.algo in MULTI_AGENT_ALGORITHMS):
-            wanted = ", ".join(MULTI_AGENT_ALGORITHMS) if multi_agent else "ppo, dqn, pqn"
+            wanted = ", ".join(MULTI_AGENT_ALGORITHMS) if multi_agent else "ppo, dqn, pqn, sac"
             raise ConfigError(
                 f"algo {self.algo!r} cannot train env.id {self.env.id!r}, a "
                 f"{'multi' if multi_agent else 'single'}-agent environment; use algo {wanted}",
@@ -105,6 +107,8 @@ class RLConfig:
             raise ConfigError(
                 f"algo {self.algo!r} needs discrete actions; env.id {self.env.id!r} has {space!r}", key="algo"
             )
+        if self.algo == "sac" and hasattr(space, "n"):
+            raise ConfigError(f"algo 'sac' needs continuous actions; env.id {self.env.id!r} has {space!r}", key="algo")
 
 
 __all__ = ["ALGORITHMS", "ENV_SOURCES", "MULTI_AGENT_ALGORITHMS", "EnvConfig", "EvalConfig", "RLConfig"]

@@ -30,7 +30,7 @@ from ember.core.errors import EmberError, PathNotFoundError
 from ember.envs.config import make_from_config
 from ember.envs.wrappers import RunningMeanVar
 from ember.training.metrics import MetricsWriter
-from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn
+from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn, sac
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 
@@ -128,6 +128,19 @@ ALGORITHMS: dict[str, Algorithm] = {
                 dqn.make_q_network(section, env, env_params, algo="PQN"),
                 params,
                 epsilon=0.0 if deterministic else section.epsilon_end,
+            )
+        ),
+    ),
+    "sac": Algorithm(
+        section=lambda config: config.sac,
+        make_train=lambda section, env, env_params, on_update: sac.make_train(
+            section, env, env_params, on_update=on_update
+        ),
+        steps_per_update=lambda section: section.num_envs * section.log_every,
+        num_updates=lambda section: section.num_updates,
+        make_act=_without_obs_stats(
+            lambda section, env, env_params, params, deterministic: sac.make_act(
+                sac.make_actor(section, env, env_params), params, deterministic=bool(deterministic)
             )
         ),
     ),
