@@ -25,6 +25,7 @@ _BUILTIN = {
     "MountainCarContinuous-v0": "ember.envs.classic_control.mountain_car:MountainCarContinuous",
     "Acrobot-v1": "ember.envs.classic_control.acrobot:Acrobot",
     "Breakout-MinAtar": "ember.envs.minatar.breakout:BreakoutMinAtar",
+    "Freeway-MinAtar": "ember.envs.minatar.freeway:FreewayMinAtar",
     "KeyDoorMaze-v0": "ember.envs.maze:KeyDoorMaze",
     "MPE-simple_spread": "ember.envs.mpe.simple_spread:SimpleSpread",
     "MPE-simple_tag": "ember.envs.mpe.simple_tag:SimpleTag",
