@@ -26,6 +26,7 @@ _BUILTIN = {
     "Acrobot-v1": "ember.envs.classic_control.acrobot:Acrobot",
     "Breakout-MinAtar": "ember.envs.minatar.breakout:BreakoutMinAtar",
     "Freeway-MinAtar": "ember.envs.minatar.freeway:FreewayMinAtar",
+    "SpaceInvaders-MinAtar": "ember.envs.minatar.space_invaders:SpaceInvadersMinAtar",
     "KeyDoorMaze-v0": "ember.envs.maze:KeyDoorMaze",
     "MPE-simple_spread": "ember.envs.mpe.simple_spread:SimpleSpread",
     "MPE-simple_tag": "ember.envs.mpe.simple_tag:SimpleTag",
