@@ -167,10 +167,6 @@ def test_full_finetuning_with_muon_learns(problem):
         ({"base_model": {"quantize": "nf4", "quantize_group_size": 24}}, "base_model.quantize_group_size"),
         ({"base_model": {"quantize": "nf4"}, "method": "full"}, "base_model.quantize"),
         ({"base_model": {"quantize": "nf4"}, "export": {"merged": True}}, "export.merged"),
-        (
-            {"base_model": {"quantize": "nf4"}},
-            "base_model.quantize_group_size",
-        ),  # 64-row blocks; the tiny model is 32 wide
     ],
 )
 def test_bad_finetune_configs_name_their_key(problem, sections, key):
