@@ -24,6 +24,7 @@ _BUILTIN = {
     "MountainCar-v0": "ember.envs.classic_control.mountain_car:MountainCar",
     "MountainCarContinuous-v0": "ember.envs.classic_control.mountain_car:MountainCarContinuous",
     "Acrobot-v1": "ember.envs.classic_control.acrobot:Acrobot",
+    "Asterix-MinAtar": "ember.envs.minatar.asterix:AsterixMinAtar",
     "Breakout-MinAtar": "ember.envs.minatar.breakout:BreakoutMinAtar",
     "Freeway-MinAtar": "ember.envs.minatar.freeway:FreewayMinAtar",
     "SpaceInvaders-MinAtar": "ember.envs.minatar.space_invaders:SpaceInvadersMinAtar",

@@ -1,0 +1,96 @@
+"""Asterix-MinAtar against the MinAtar package step for step, its random spawns included:
+MinAtar's draws are replayed from a copy of its random state and handed to ours as noise
+words that make the same choices; and scripted gold, enemy and ramping by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from minatar import Environment as MinAtarEnvironment
+
+import ember.envs
+
+MINATAR_ACTIONS = [0, 1, 2, 3, 4]  # no-op, left, up, right, down: MinAtar's first five
+TRUE_WORD, FALSE_WORD = 0, 0xFFFFFFFF  # bernoulli(word, p) for any 0 < p < 1
+
+
+def state_from_minatar(game, template):
+    entities = [e if e is not None else [0, i + 1, False, False] for i, e in enumerate(game.entities)]
+    return template.replace(
+        player_x=jnp.int32(game.player_x),
+        player_y=jnp.int32(game.player_y),
+        active=jnp.asarray([e is not None for e in game.entities]),
+        entity_x=jnp.asarray([e[0] for e in entities], jnp.int32),
+        moving_right=jnp.asarray([bool(e[2]) for e in entities]),
+        gold=jnp.asarray([bool(e[3]) for e in entities]),
+        spawn_timer=jnp.int32(game.spawn_timer),
+        spawn_interval=jnp.int32(game.spawn_speed),
+        move_timer=jnp.int32(game.move_timer),
+        move_interval=jnp.int32(game.move_speed),
+        ramp_timer=jnp.int32(game.ramp_timer),
+        ramp_index=jnp.int32(game.ramp_index),
+    )
+
+
+def replayed_noise(reference) -> np.ndarray:
+    """The 4 transition words making our step choose what MinAtar's next ``act`` will draw:
+    no sticky action, then (when it spawns) the side, gold or not, and the free lane."""
+    replay = np.random.RandomState()
+    replay.set_state(reference.random.get_state())
+    replay.rand()  # the wrapper's sticky-action draw
+    words = [FALSE_WORD, FALSE_WORD, FALSE_WORD, 0]
+    if reference.env.spawn_timer == 0:
+        words[1] = TRUE_WORD if replay.rand() < 1 / 2 else FALSE_WORD
+        words[2] = TRUE_WORD if replay.rand() < 1 / 3 else FALSE_WORD
+        free = [i for i, e in enumerate(reference.env.entities) if e is None]
+        words[3] = replay.randint(len(free)) if free else 0
+    return np.asarray(words, np.uint32)
+
+
+def test_matches_minatar_asterix_step_by_step(rng):
+    env, params = ember.envs.make("Asterix-MinAtar", sticky_action_prob=0.0, max_steps_in_episode=100_000)
+    step = jax.jit(env.step_from_noise)
+    reference = MinAtarEnvironment("asterix", sticky_action_prob=0.0)
+    seed = int(jax.random.randint(rng, (), 0, 2**30))
+    reference.seed(seed)
+    reference.reset()
+    actions = np.random.default_rng(seed).integers(0, 5, size=1500)
+    _, state = env.reset(rng, params)
+    golds = terminations = 0
+    for t, action in enumerate(actions):
+        state = state_from_minatar(reference.env, state)
+        noise = jnp.asarray(replayed_noise(reference))
+        _, state, reward, terminated, _, info = step(noise, state, jnp.int32(action), params)
+        expected_reward, expected_terminal = reference.act(MINATAR_ACTIONS[action])
+        np.testing.assert_array_equal(
+            info["final_observation"], reference.state().astype(np.float32), err_msg=f"step {t}"
+        )
+        assert float(reward) == float(expected_reward), f"step {t}"
+        assert bool(terminated) == expected_terminal, f"step {t}"
+        golds += int(expected_reward)
+        if expected_terminal:
+            terminations += 1
+            reference.reset()
+    assert golds >= 1 and terminations >= 3, (golds, terminations)
+
+
+def test_scripted_gold_enemy_and_ramp():
+    env, params = ember.envs.make("Asterix-MinAtar", sticky_action_prob=0.0)
+    step = jax.jit(env.step)
+    _, state = env.reset(jax.random.key(0), params)
+    lanes = jnp.zeros(8, bool)
+    # Gold one cell right of the player in its lane: moving right collects it.
+    state = state.replace(active=lanes.at[4].set(True), entity_x=jnp.full(8, 6, jnp.int32), gold=lanes.at[4].set(True),
+                          moving_right=lanes, spawn_timer=jnp.int32(5), move_timer=jnp.int32(3))  # fmt: skip
+    _, state, reward, terminated, _, _ = step(jax.random.key(1), state, jnp.int32(3), params)
+    assert float(reward) == 1.0 and not bool(terminated) and not bool(state.active[4])
+    # An enemy moving onto the player terminates.
+    state = state.replace(player_x=jnp.int32(5), active=lanes.at[4].set(True), entity_x=jnp.full(8, 4, jnp.int32),
+                          gold=lanes, moving_right=lanes.at[4].set(True), move_timer=jnp.int32(0))  # fmt: skip
+    _, _, reward, terminated, _, _ = step(jax.random.key(1), state, jnp.int32(0), params)
+    assert bool(terminated) and float(reward) == 0.0
+    # The ramp: past its timer, the spawn interval shortens (the move interval on odd ramps only).
+    _, state = env.reset(jax.random.key(0), params)
+    state = state.replace(ramp_timer=jnp.int32(-1), ramp_index=jnp.int32(1))
+    _, state, _, _, _, _ = step(jax.random.key(1), state, jnp.int32(0), params)
+    assert (int(state.spawn_interval), int(state.move_interval), int(state.ramp_index)) == (9, 4, 2)
+    assert int(state.ramp_timer) == 100
