@@ -1,7 +1,8 @@
 """Environment throughput: steps/s of a jitted ``lax.scan`` of 1000 random-action steps
 (compile excluded) for batches of 1, 64, 1024 and 8192 environments -- Ember's
-``BatchedEnv`` against gymnax's same environment (``jax.vmap`` over per-env keys, gymnax's
-documented usage) and against gymnasium's vector env -- for CartPole, Pendulum and
+``BatchedEnv``, and Ember's environment under plain ``jax.vmap`` over per-env keys, against
+gymnax's same environment (``jax.vmap`` over per-env keys, gymnax's documented usage: the
+same code as Ember's plain column) and against gymnasium's vector env -- for CartPole, Pendulum and
 Breakout-MinAtar, side by side with ratios.
 
     python -m benchmarks.envs        # writes benchmarks/results/envs-<device>.json
@@ -72,7 +73,16 @@ def ember_rollout(env_id, overrides, num_envs):
 
 
 def gymnax_rollout(env_id, num_envs):
-    env, params = gymnax.make(env_id)
+    return vmapped_rollout(*gymnax.make(env_id), num_envs)
+
+
+def ember_plain_rollout(env_id, overrides, num_envs):
+    """Ember's environment stepped the way gymnax users write it: ``jax.vmap(env.step)`` over
+    per-environment keys (the same code as the gymnax column, so the two compare the envs)."""
+    return vmapped_rollout(*ember.envs.make(env_id, **overrides), num_envs)
+
+
+def vmapped_rollout(env, params, num_envs):
     action_space = env.action_space(params)
     vmapped_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
@@ -121,6 +131,7 @@ def main() -> None:
     for env_id, (overrides, gymnax_id, gymnasium_id, mode) in ENVIRONMENTS.items():
         for num_envs in BATCHES:
             ours = jax_steps_per_second(ember_rollout(env_id, overrides, num_envs), num_envs)
+            plain = jax_steps_per_second(ember_plain_rollout(env_id, overrides, num_envs), num_envs)
             theirs = jax_steps_per_second(gymnax_rollout(gymnax_id, num_envs), num_envs)
             host = gymnasium_steps_per_second(gymnasium_id, mode, num_envs)
             rows.append(
@@ -128,12 +139,14 @@ def main() -> None:
                     "env": env_id,
                     "batch": num_envs,
                     "ember_steps_per_s": ours,
+                    "ember_plain_vmap_steps_per_s": plain,
                     "gymnax_steps_per_s": theirs,
                     "gymnasium_steps_per_s": host,
                     "gymnasium_vector_env": "CartPoleVectorEnv (NumPy)"
                     if mode == "vector_entry_point"
                     else "SyncVectorEnv",
                     "ember_over_gymnax": ours / theirs,
+                    "ember_plain_vmap_over_gymnax": plain / theirs,
                     "ember_over_gymnasium": ours / host,
                 }
             )
@@ -159,6 +172,7 @@ def main() -> None:
             "gymnax_steps_per_s",
             "gymnasium_steps_per_s",
             "ember_over_gymnax",
+            "ember_plain_vmap_over_gymnax",
             "ember_over_gymnasium",
         ],
     )
