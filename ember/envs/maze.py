@@ -195,13 +195,10 @@ class KeyDoorMaze(Environment):
 
     def render(self, state, params, cell_pixels: int = 12):
         layers = self.layers(state).astype(bool)
-        grid = layers.shape[0]
-        index = jnp.zeros((grid, grid), jnp.int32)
-        for channel, colour_index in ((0, 1), (1, 2), (2, 3), (3, 4)):
-            index = jnp.where(layers[..., channel], colour_index, index)
-        index = jnp.where(_square(grid, state.agent), 5, index)
-        palette = [(240, 240, 240), (40, 40, 40), (230, 200, 40), (150, 80, 30), (60, 180, 80), (220, 50, 50)]
-        return rendering.grid_image(index, palette, cell_pixels)
+        colours = [(40, 40, 40), (230, 200, 40), (150, 80, 30), (60, 180, 80)]  # channels 0-3, later on top
+        drawn = [(layers[..., channel], colour) for channel, colour in enumerate(colours)]
+        drawn.append((_square(layers.shape[0], state.agent), (220, 50, 50)))  # the agent on top
+        return rendering.layered_grid_image(drawn, (240, 240, 240), cell_pixels)
 
 
 def _square(grid: int, position: jax.Array) -> jax.Array:

@@ -60,6 +60,17 @@ def grid_image(cells: jax.Array, palette: Sequence[Sequence[int]], cell_pixels: 
     return jnp.repeat(jnp.repeat(rgb, cell_pixels, axis=0), cell_pixels, axis=1)
 
 
+def layered_grid_image(
+    layers: Sequence[tuple[jax.Array, Sequence[int]]], background: Sequence[int], cell_pixels: int
+) -> jax.Array:
+    """A grid image from ``(mask [rows, cols] bool, colour)`` layers drawn in order (later
+    layers on top of earlier ones) over ``background``, each cell ``cell_pixels`` wide."""
+    index = jnp.zeros(layers[0][0].shape, jnp.int32)
+    for colour_index, (mask, _) in enumerate(layers, start=1):
+        index = jnp.where(mask, colour_index, index)
+    return grid_image(index, [background, *(colour for _, colour in layers)], cell_pixels)
+
+
 def save_gif(frames, path: str | Path, fps: int = 30) -> Path:
     """Writes ``frames`` (uint8 ``[time, height, width, 3]`` or a sequence of
     ``[height, width, 3]``) as a looping GIF at ``path``; returns the path."""

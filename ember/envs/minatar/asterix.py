@@ -175,9 +175,11 @@ class AsterixMinAtar(Environment):
         return Discrete(5)
 
     def render(self, state, params, cell_pixels: int = 16):
-        channels = self.observation(state).astype(jnp.int32)
-        index = jnp.zeros((GRID, GRID), jnp.int32)
-        for channel, colour_index in ((2, 3), (1, 2), (3, 4), (0, 1)):  # later draws on top
-            index = jnp.where(channels[..., channel] == 1, colour_index, index)
-        palette = [(0, 0, 0), (80, 160, 255), (230, 90, 60), (110, 110, 110), (250, 220, 60)]
-        return rendering.grid_image(index, palette, cell_pixels)
+        channels = self.observation(state) == 1
+        layers = [  # later layers on top: trails < enemies < gold < the player
+            (channels[..., 2], (110, 110, 110)),
+            (channels[..., 1], (230, 90, 60)),
+            (channels[..., 3], (250, 220, 60)),
+            (channels[..., 0], (80, 160, 255)),
+        ]
+        return rendering.layered_grid_image(layers, (0, 0, 0), cell_pixels)

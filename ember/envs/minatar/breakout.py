@@ -142,10 +142,11 @@ class BreakoutMinAtar(Environment):
         return Discrete(3)
 
     def render(self, state, params, cell_pixels: int = 16):
-        channels = self.observation(state).astype(jnp.int32)
-        # Palette index: later channels drawn on top (brick < trail < ball < paddle).
-        index = jnp.zeros((GRID, GRID), jnp.int32)
-        for channel, colour_index in ((3, 4), (2, 3), (1, 2), (0, 1)):
-            index = jnp.where(channels[..., channel] == 1, colour_index, index)
-        palette = [(0, 0, 0), (80, 160, 255), (255, 255, 255), (110, 110, 110), (230, 90, 60)]
-        return rendering.grid_image(index, palette, cell_pixels)
+        channels = self.observation(state) == 1
+        layers = [  # later layers on top: brick < trail < ball < paddle
+            (channels[..., 3], (230, 90, 60)),
+            (channels[..., 2], (110, 110, 110)),
+            (channels[..., 1], (255, 255, 255)),
+            (channels[..., 0], (80, 160, 255)),
+        ]
+        return rendering.layered_grid_image(layers, (0, 0, 0), cell_pixels)

@@ -132,10 +132,10 @@ class FreewayMinAtar(Environment):
         return Discrete(3)
 
     def render(self, state, params, cell_pixels: int = 16):
-        channels = self.observation(state).astype(jnp.int32)
-        index = jnp.zeros((GRID, GRID), jnp.int32)
-        index = jnp.where(jnp.any(channels[..., 2:] == 1, axis=-1), 3, index)  # trails
-        index = jnp.where(channels[..., 1] == 1, 2, index)  # cars
-        index = jnp.where(channels[..., 0] == 1, 1, index)  # the chicken on top
-        palette = [(0, 0, 0), (250, 220, 60), (230, 90, 60), (110, 110, 110)]
-        return rendering.grid_image(index, palette, cell_pixels)
+        channels = self.observation(state) == 1
+        layers = [  # later layers on top: trails < cars < the chicken
+            (channels[..., 2:].any(axis=-1), (110, 110, 110)),
+            (channels[..., 1], (230, 90, 60)),
+            (channels[..., 0], (250, 220, 60)),
+        ]
+        return rendering.layered_grid_image(layers, (0, 0, 0), cell_pixels)

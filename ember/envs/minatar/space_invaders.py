@@ -172,9 +172,11 @@ class SpaceInvadersMinAtar(Environment):
         return Discrete(4)
 
     def render(self, state, params, cell_pixels: int = 16):
-        channels = self.observation(state).astype(jnp.int32)
-        index = jnp.zeros((GRID, GRID), jnp.int32)
-        for channel, colour_index in ((1, 2), (4, 3), (5, 4), (0, 1)):  # later draws on top
-            index = jnp.where(channels[..., channel] == 1, colour_index, index)
-        palette = [(0, 0, 0), (80, 160, 255), (120, 220, 120), (255, 255, 255), (230, 90, 60)]
-        return rendering.grid_image(index, palette, cell_pixels)
+        channels = self.observation(state) == 1
+        layers = [  # later layers on top: aliens < friendly bullets < enemy bullets < cannon
+            (channels[..., 1], (120, 220, 120)),
+            (channels[..., 4], (255, 255, 255)),
+            (channels[..., 5], (230, 90, 60)),
+            (channels[..., 0], (80, 160, 255)),
+        ]
+        return rendering.layered_grid_image(layers, (0, 0, 0), cell_pixels)
