@@ -96,6 +96,14 @@ class Engine:
 
         return cls(build_program(config, params, **program_options), tokenizer=tokenizer, eos_id=eos_id)
 
+    def update_params(self, params: Any) -> None:
+        """Serves ``params`` from the next step on (the whole weight tree or a nested-dict part
+        of it, e.g. the leaves a training step updated): copied device to device, same shapes
+        and dtypes, so the compiled steps run them without recompiling. Requests in flight
+        continue on the new weights; their cached keys and values stay as computed.
+        Raises ``ValueError`` for a weight the engine does not serve or a shape/dtype change."""
+        self.program.load_params(params)
+
     # Requests -----------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:

@@ -1,6 +1,6 @@
 """Finds the model to serve at a path: an Ember LM run directory or a Hugging Face directory.
 
-- Ember fine-tuning run (``kind: finetune``): the base model's config and tokenizer, and the
+- Ember fine-tuning or GRPO run (``kind: finetune`` / ``grpo``): the base model's config and tokenizer, and the
   run's checkpointed weights (LoRA adapters applied unmerged, MixLoRA experts, or all weights).
 - Ember run directory: ``config.yaml`` whose ``model:`` section is a ``ModelConfig`` and
   ``checkpoints/`` (``ember.core.checkpoint``) whose state has a ``params`` entry. Only the
@@ -65,7 +65,7 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
 
 def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
     kind = read_key(path / "config.yaml", "kind")
-    if kind == "finetune":
+    if kind in ("finetune", "grpo"):
         return _load_finetune_run(path, step, config_overrides)
     section = read_key(path / "config.yaml", "model")
     if section is None:
@@ -84,7 +84,7 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
 
 
 def _load_finetune_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
-    """A ``kind: finetune`` run: the base model's config and tokenizer (``base_model:`` of its
+    """A ``kind: finetune`` (or ``grpo``) run: the base model's config and tokenizer (``base_model:`` of its
     config.yaml), the run's own checkpointed weights (adapters included, applied unmerged)."""
     base = read_key(path / "config.yaml", "base_model") or {}
     if "path" not in base:

@@ -26,14 +26,16 @@ request, and each step uses the smallest bucket that holds its tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ember.core.errors import ConfigError
+from ember.core.tree import param_paths
 from ember.serving.sampling import settings_spec
 
 StepFunction = Callable[[Any, Any, dict[str, jax.Array], dict[str, jax.Array]], tuple[Any, jax.Array, jax.Array]]
@@ -68,6 +70,31 @@ class DeviceProgram:
         kv = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self.kv)
         return dataclasses.replace(self, kv=kv, params=self.params if params is None else params)
 
+    def load_params(self, updates: Any) -> None:
+        """Replaces the weights in ``updates`` (the whole tree or any nested-dict part of it,
+        such as the trainable leaves of a run) with copies of them on this program's devices,
+        device to device: the compiled steps take the new weights as they are (nothing
+        recompiles) and no buffer is shared with the caller, whose arrays may be donated later.
+
+        Raises:
+          ValueError: a path that is not one of the weights, or a shape or dtype that differs
+            from the weight it replaces (the steps were compiled for those).
+        """
+        current = {path: _unboxed(leaf) for path, leaf in param_paths(self.params).items()}
+        new = {path: _unboxed(leaf) for path, leaf in param_paths(updates).items()}
+        for path, leaf in new.items():
+            if path not in current:
+                known = ", ".join(sorted(current)[:4])
+                raise ValueError(f"{path!r} is not one of the served weights (they look like {known}, ...)")
+            old = current[path]
+            if tuple(leaf.shape) != tuple(old.shape) or jnp.dtype(leaf.dtype) != jnp.dtype(old.dtype):
+                raise ValueError(
+                    f"weight {path!r} is {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}; the steps were compiled "
+                    f"for {jnp.dtype(old.dtype).name}{list(old.shape)}"
+                )
+        copies = {path: owned_copy(leaf, current[path].sharding) for path, leaf in new.items()}
+        self.params = _with_leaves(self.params, copies)
+
     @property
     def token_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self.steps))
@@ -76,6 +103,34 @@ class DeviceProgram:
     def token_budget(self) -> int:
         """The most tokens one step can take (the largest bucket)."""
         return max(self.steps)
+
+
+def owned_copy(tree: Any, placement: Any) -> Any:
+    """``tree``'s arrays on ``placement`` (a device or sharding) in buffers of their own: moving
+    a replicated array to one of its devices may hand back that device's shard, which a later
+    donation of the original would delete."""
+    return jax.tree.map(lambda leaf: jnp.copy(jax.device_put(leaf, placement)), tree)
+
+
+def _unboxed(leaf: Any) -> Any:
+    return leaf.unbox(apply_constraint=False) if isinstance(leaf, nn.meta.AxisMetadata) else leaf
+
+
+def _with_leaves(tree: Any, leaves: dict[str, Any], prefix: str = "") -> Any:
+    """``tree`` (nested dicts) with the leaves at the ``/``-joined paths of ``leaves`` replaced
+    (a boxed leaf keeps its box: the compiled steps take the tree's structure as it was)."""
+
+    def replaced(path: str, old: Any) -> Any:
+        if path not in leaves:
+            return old
+        return old.replace_boxed(leaves[path]) if isinstance(old, nn.meta.AxisMetadata) else leaves[path]
+
+    return {
+        key: _with_leaves(value, leaves, f"{prefix}{key}/")
+        if isinstance(value, Mapping)
+        else replaced(prefix + key, value)
+        for key, value in tree.items()
+    }
 
 
 LAYOUT_FIELDS: tuple[str, ...] = tuple(
@@ -134,6 +189,7 @@ __all__ = [
     "DeviceProgram",
     "StepFunction",
     "batch_arrays",
+    "owned_copy",
     "resolve_token_buckets",
     "step_argument_specs",
 ]

@@ -23,6 +23,7 @@ KINDS: dict[str, str] = {
     "lm": "ember.training.lm.entry",
     "finetune": "ember.training.finetune.entry",
     "rl": "ember.training.rl.entry",
+    "grpo": "ember.training.rl_lm.entry",
 }
 DEFAULT_KIND = "lm"
 

@@ -67,6 +67,9 @@ class BatchIterator(Protocol):
 
     def restore(self, state: dict[str, Any]) -> None: ...
 
+    # Optional: ``batch_spec() -> pytree of jax.ShapeDtypeStruct``, the shapes of every batch,
+    # for iterators whose batches are costly to make (the trainer otherwise peeks one).
+
 
 class Task:
     """Base class of a trainer task; override what your task needs (see the module docstring).

@@ -206,7 +206,10 @@ class Trainer:
         return jax.tree.map(one, self._peek_batch())
 
     def _peek_batch(self) -> Any:
-        """One batch's shapes, without moving the data iterator."""
+        """One batch's shapes, without moving the data iterator (an iterator whose batches
+        are costly to make, such as rollouts, says them with ``batch_spec()``)."""
+        if hasattr(self.data, "batch_spec"):
+            return self.data.batch_spec()
         position = self.data.state()
         batch = self.data.next()
         self.data.restore(position)

@@ -133,3 +133,45 @@ def test_stop_token_sequences_and_stop_strings_end_the_output(engine, reference_
     list(engine.run_until_done([request_id]))
     engine.result(request_id)
     assert engine.scheduler.allocator.num_free == NUM_PAGES
+
+
+def test_updated_weights_serve_like_a_fresh_engine_without_recompiling(program, params, rng):
+    """``Engine.update_params`` (GRPO's weight sync): after replacing part of the weights, greedy
+    output equals a fresh engine built on the new weights, and nothing compiles."""
+    import flax.linen as nn
+
+    from ember.core.sharding import box_like
+    from ember.core.tree import param_paths, tree_from_paths
+
+    flat = param_paths(nn.unbox(params))
+    keys = jax.random.split(rng, len(flat))
+    moved = {p: v + 0.3 * jax.random.normal(k, v.shape, v.dtype) for (p, v), k in zip(flat.items(), keys)}
+    updates = tree_from_paths({p: v for p, v in moved.items() if "attn" in p or "mlp" in p})
+    new_params = box_like(tree_from_paths({**flat, **param_paths(updates)}), params)
+    prompts = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 4)
+    settings = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    engine = Engine(program.fresh_copy(), tokenizer=ByteTokenizer())
+    before = [r.tokens for r in engine.generate(prompts, settings)]
+    compiles = []
+    listener = lambda event, *_args, **_kw: compiles.append(event) if "compile" in event else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        engine.update_params(updates)
+        after = [r.tokens for r in engine.generate(prompts, settings)]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    fresh = Engine(program.fresh_copy(new_params), tokenizer=ByteTokenizer())
+    assert after == [r.tokens for r in fresh.generate(prompts, settings)]
+    assert after != before, "the perturbed weights should change some greedy token"
+    # The engine holds copies: deleting the caller's arrays leaves it serving.
+    jax.tree.map(lambda x: x.delete(), updates)
+    assert [r.tokens for r in engine.generate(prompts, settings)] == after
+
+    with pytest.raises(ValueError, match="'layers/nope' is not one of the served weights"):
+        engine.update_params({"layers": {"nope": jnp.zeros(3)}})
+    path = next(p for p in flat if p.endswith("kernel"))
+    bad = tree_from_paths({path: jnp.zeros((3,), flat[path].dtype)})
+    with pytest.raises(ValueError, match=f"weight '{path}' is float32\\[3\\]; the steps were compiled for"):
+        engine.update_params(bad)

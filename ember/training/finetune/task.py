@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.core.errors import ConfigError
-from ember.core.sharding import box_like, unbox
+from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters import adapter_mask, add_lora, add_mixlora, target_paths
 from ember.models.adapters.lora_ga import lora_ga_init
@@ -32,8 +32,9 @@ from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
 from ember.models.quantization import quantize_params
 from ember.models.variables import as_variables, split_variables
-from ember.serving.loading import LoadedModel, load_model
+from ember.serving.loading import LoadedModel
 from ember.training.data.instructions import InstructionBatches, read_instructions
+from ember.training.finetune.base import boxed_variables, load_base
 from ember.training.finetune.config import FinetuneConfig
 from ember.training.finetune.export import export_hook
 from ember.training.lm.task import BATCH_AXES, lm_loss
@@ -49,11 +50,7 @@ class FinetuneTask(Task):
 
     def __init__(self, config: FinetuneConfig, base: LoadedModel | None = None):
         self.config = config
-        step = None if config.base_model.step < 0 else config.base_model.step
-        self.base = base or load_model(config.base_model.path, step=step, **config.base_model.overrides())
-        if self.base.tokenizer is None:
-            message = f"base model {config.base_model.path} has no tokenizer (tokenizer.json)"
-            raise ConfigError(message, key="base_model.path")
+        self.base = base or load_base(config.base_model)
         self.model_config = self.base.config
         self.model = DecoderLM(self.model_config)
         self.base_params, self.base_state = split_variables(as_variables(self.base.params))
@@ -69,13 +66,6 @@ class FinetuneTask(Task):
         )
 
     # ---------------------------------------------------------------- variables and masks
-    def _abstract_variables(self) -> dict[str, Any]:
-        """The model's boxed variable shapes (their logical axes)."""
-        seq_len = self.config.train.seq_len
-        tokens = jnp.zeros((1, seq_len), jnp.int32)
-        positions = jnp.arange(seq_len, dtype=jnp.int32)[None]
-        return jax.eval_shape(lambda key: self.model.init(key, tokens, positions=positions), jax.random.key(0))
-
     def pretrained(self) -> dict[str, Any]:
         """The base weights (and model state), plus LoRA-GA's gradient batches."""
         weights = {"params": self.base_params, "state": self.base_state}
@@ -88,9 +78,9 @@ class FinetuneTask(Task):
     def init_variables(self, rng: jax.Array, pretrained: Any = None) -> dict[str, Any]:
         if pretrained is None:
             raise ValueError("FinetuneTask starts from its pretrained() weights")
-        abstract = self._abstract_variables()
-        params = box_like(pretrained["params"], abstract["params"])
-        state = {name: box_like(pretrained["state"][name], abstract[name]) for name in pretrained["state"]}
+        variables = boxed_variables(self.model, self.config.train.seq_len, pretrained)
+        params = variables.pop("params")
+        state = variables
         if self.config.method != "full":
             params = self._adapted(params, rng)
             if "ga_batches" in pretrained:

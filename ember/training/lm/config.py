@@ -15,6 +15,7 @@ is bound to; the rest (``RUNTIME_KEYS``, the model's ``RUNTIME_FIELDS``) may cha
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from ember.core.distributed import DistributedConfig
@@ -22,6 +23,7 @@ from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
 from ember.models.config import ModelConfig
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
+from ember.training.data.arithmetic import arithmetic_corpus_dir
 from ember.training.optimizers import OptimConfig
 from ember.training.quantization.qat import QatConfig
 
@@ -44,12 +46,42 @@ resumes with any of them changed; so may the model's ``ember.models.config.RUNTI
 
 
 @dataclasses.dataclass(frozen=True)
+class ArithmeticCorpusConfig:
+    """The generated corpus ``data.dataset: arithmetic`` trains on (see
+    ``ember.training.data.arithmetic.arithmetic_corpus_dir``): every ``a<op>b`` below
+    ``max_operand``, less the ``held_out_fraction`` kept for evaluation, ``repeats`` passes,
+    a ``wrong_fraction`` of the answers off by one."""
+
+    max_operand: int = 100
+    operators: str = "+"
+    held_out_fraction: float = 0.1
+    wrong_fraction: float = 0.0
+    repeats: int = 4
+
+    def directory(self, seed: int) -> Path:
+        try:
+            return arithmetic_corpus_dir(
+                self.max_operand,
+                self.operators,
+                self.held_out_fraction,
+                wrong_fraction=self.wrong_fraction,
+                repeats=self.repeats,
+                seed=seed,
+            )
+        except ConfigError as error:
+            raise ConfigError(f"data.arithmetic.{error}", key=f"data.arithmetic.{error.key}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """``dataset``: ``stdlib`` (the Python standard library's sources, prepared on first use)
-    or the directory of a dataset made by ``ember data prepare``."""
+    """``dataset``: ``stdlib`` (the Python standard library's sources, prepared on first use),
+    ``arithmetic`` (generated ``"a+b=c"`` problems, ``ember.training.data.arithmetic``, less
+    the held-out ones GRPO evaluates on) or the directory of a dataset made by
+    ``ember data prepare``."""
 
     dataset: str = "stdlib"
     seed: int = 0
+    arithmetic: ArithmeticCorpusConfig = dataclasses.field(default_factory=ArithmeticCorpusConfig)
 
 
 @dataclasses.dataclass(frozen=True)

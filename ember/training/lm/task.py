@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,6 +25,12 @@ from ember.training.lm.config import LMConfig
 from ember.training.lm.sampling import sample_text
 from ember.training.quantization.qat import qat_params
 from ember.training.task import LossTerms, Task, apply_model, next_token_loss
+
+BUILTIN_DATASETS = {
+    "stdlib": lambda _: stdlib_corpus_dir(),
+    "arithmetic": lambda data: data.arithmetic.directory(data.seed),
+}
+"""``data.dataset`` names of corpora prepared on first use (anything else is a directory)."""
 
 BATCH_AXES = ("batch", "seq")
 """Every LM batch leaf is ``[batch, seq_len]``: ``tokens``, ``targets``, ``segment_ids``,
@@ -64,9 +71,9 @@ class LMTask(Task):
 
     def __init__(self, config: LMConfig, dataset: TokenDataset | None = None):
         self.config = config
-        self.dataset = dataset or TokenDataset.open(
-            stdlib_corpus_dir() if config.data.dataset == "stdlib" else config.data.dataset
-        )
+        data = config.data
+        prepare = BUILTIN_DATASETS.get(data.dataset, lambda _: Path(data.dataset))
+        self.dataset = dataset or TokenDataset.open(prepare(data))
         if config.model.vocab_size < self.dataset.tokenizer.vocab_size:
             raise ConfigError(
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the dataset's tokenizer "

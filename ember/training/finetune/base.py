@@ -1,0 +1,41 @@
+"""The pretrained model a fine-tuning or GRPO run starts from: loaded once, its weights given
+the logical axes of the model's own ``init`` so they shard as a fresh model would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ember.core.errors import ConfigError
+from ember.core.sharding import box_like
+from ember.models.decoder import DecoderLM
+from ember.serving.loading import LoadedModel, load_model
+from ember.training.finetune.config import BaseModelConfig
+
+
+def load_base(config: BaseModelConfig) -> LoadedModel:
+    """The model ``config.path`` names (its tokenizer required: runs read text).
+
+    Raises:
+      ConfigError: the model has no tokenizer (keyed ``base_model.path``); see ``load_model``.
+    """
+    step = None if config.step < 0 else config.step
+    base = load_model(config.path, step=step, **config.overrides())
+    if base.tokenizer is None:
+        raise ConfigError(f"base model {config.path} has no tokenizer (tokenizer.json)", key="base_model.path")
+    return base
+
+
+def boxed_variables(model: DecoderLM, seq_len: int, pretrained: dict[str, Any]) -> dict[str, Any]:
+    """``{"params": ..., <state>: ...}`` of ``pretrained`` (``{"params", "state"}``) in the
+    logical-partitioning boxes ``model.init`` gives at ``[1, seq_len]``."""
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    positions = jnp.arange(seq_len, dtype=jnp.int32)[None]
+    abstract = jax.eval_shape(lambda key: model.init(key, tokens, positions=positions), jax.random.key(0))
+    state = {name: box_like(value, abstract[name]) for name, value in pretrained["state"].items()}
+    return {"params": box_like(pretrained["params"], abstract["params"]), **state}
+
+
+__all__ = ["boxed_variables", "load_base"]

@@ -1,0 +1,17 @@
+"""The ``grpo`` kind for ``ember train``: the config schema and the function that runs it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ember.training.lm.trainer import make_trainer
+from ember.training.rl_lm.config import GRPOConfig as CONFIG_SCHEMA
+from ember.training.rl_lm.task import GRPOTask
+
+
+def run(config: CONFIG_SCHEMA, *, resume: bool = False) -> dict[str, Any]:
+    """Trains (or resumes) the GRPO run described by ``config``; returns its summary."""
+    return make_trainer(config, resume=resume, task=GRPOTask(config)).train()
+
+
+__all__ = ["CONFIG_SCHEMA", "run"]

@@ -1,0 +1,286 @@
+"""GRPO (or REINFORCE) on a pretrained language model as a trainer task, with the serving
+engine as the rollout engine.
+
+    task = GRPOTask(config)                    # config: GRPOConfig
+    make_trainer(config, task=task).train()    # ember.training.lm.trainer
+
+The trainer runs its ordinary loop: each step takes a batch from :class:`RolloutBatches`
+(which samples through the engine), and the task's hooks keep the engine serving the policy
+being trained. After every optimizer step the trainable leaves are copied into the engine,
+device to device, shapes unchanged, so its compiled steps run them as they are (LoRA: only
+the adapters move). The reference policy is the base model as loaded (LoRA: the base
+without its adapters), kept on the engine's device beside it; the KL term is computed
+against it.
+
+Logged beside the loss: ``reward_mean``, ``kl``, ``clip_fraction``, ``ratio`` and
+``completion_tokens`` (per step), and per logging interval the rollouts'
+``rollout_tokens_per_second``, ``train_tokens_per_second``, ``rollout_time_fraction``,
+``logprob_mismatch_mean/max`` (engine vs training forward), ``zero_advantage_groups``
+and ``reward_failures``. ``eval_reward`` (held-out prompts, greedy) is logged every
+``train.eval_every`` steps and at the start; the summary holds ``eval_reward_start`` and
+``eval_reward``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ember.core.errors import ConfigError
+from ember.models.adapters import adapter_mask, add_lora
+from ember.models.decoder import DecoderLM
+from ember.models.variables import as_variables, serving_weights, split_variables
+from ember.serving.engine import Engine
+from ember.serving.loading import LoadedModel
+from ember.serving.program import owned_copy
+from ember.serving.requests import SamplingParams
+from ember.training.finetune.base import boxed_variables, load_base
+from ember.training.lm.task import BATCH_AXES
+from ember.training.rl_lm.config import GRPOConfig
+from ember.training.rl_lm.losses import policy_loss, token_logprobs
+from ember.training.rl_lm.prompts import load_prompts
+from ember.training.rl_lm.rewards import resolve_reward, score
+from ember.training.rl_lm.rollouts import ROW_FIELDS, RolloutBatches
+from ember.training.task import LossTerms, Task, apply_model
+from ember.training.trainable import select
+
+
+class GRPOTask(Task):
+    """The ``grpo`` kind's task. ``base``: an already loaded base model (default: the one
+    ``config.base_model`` names)."""
+
+    batch_axes = BATCH_AXES
+    count_name = "completions"
+
+    def __init__(self, config: GRPOConfig, base: LoadedModel | None = None):
+        self.config = config
+        self.base = base or load_base(config.base_model)
+        self.model = DecoderLM(self.base.config)
+        self.base_params, self.base_state = split_variables(as_variables(self.base.params))
+        self.prompts, self.held_out = load_prompts(config.prompts)
+        self.reward = resolve_reward(config.reward)
+        self.seq_len = self._seq_len()
+        if config.method == "lora":  # bad targets fail now, not inside the jitted initialisation
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), self.base_params)
+            jax.eval_shape(lambda p: add_lora(p, config.adapter, jax.random.key(0)), shapes)
+        self.data = RolloutBatches(
+            self.prompts,
+            self.reward,
+            config.grpo,
+            seq_len=self.seq_len,
+            tokenizer=self.base.tokenizer,
+            seed=config.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        self.engine: Engine | None = None
+        self.mask: Any = None
+
+    def _seq_len(self) -> int:
+        """Rows hold the longest prompt plus ``grpo.max_tokens``; that must fit the model."""
+        encode = self.base.tokenizer.encode
+        longest = max(len(encode(p)) for p in (*self.prompts, *self.held_out))
+        seq_len = longest + self.config.grpo.max_tokens
+        limit = self.base.config.max_seq_len
+        if seq_len > limit:
+            raise ConfigError(
+                f"the longest prompt ({longest} tokens) plus grpo.max_tokens ({self.config.grpo.max_tokens}) "
+                f"exceeds the model's max_seq_len ({limit})",
+                key="grpo.max_tokens",
+            )
+        return seq_len
+
+    # ---------------------------------------------------------------- variables and masks
+    def pretrained(self) -> dict[str, Any]:
+        """The base weights as host arrays (a restored checkpoint's sit on one device; the
+        trainer places them on its mesh)."""
+        return jax.device_get({"params": self.base_params, "state": self.base_state})
+
+    def init_variables(self, rng: jax.Array, pretrained: Any = None) -> dict[str, Any]:
+        if pretrained is None:
+            raise ValueError("GRPOTask starts from its pretrained() weights")
+        variables = boxed_variables(self.model, self.seq_len, pretrained)
+        if self.config.method == "lora":
+            variables["params"] = add_lora(variables["params"], self.config.adapter, rng)
+        return variables
+
+    def trainable(self, params: Any) -> Any | None:
+        return adapter_mask(params) if self.config.method == "lora" else None
+
+    # ---------------------------------------------------------------- loss and data
+    def loss(
+        self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any, model_state: Any = None
+    ) -> LossTerms:
+        """The policy loss of a batch of completions (see ``ember.training.rl_lm.losses``)."""
+        grpo = self.config.grpo
+        outputs = apply_model(
+            self.model,
+            params,
+            batch["tokens"],
+            positions=batch["positions"],
+            segment_ids=batch["segment_ids"],
+            model_state=model_state,
+        )
+        logits, _ = outputs.output
+        terms = policy_loss(
+            token_logprobs(logits, batch["targets"], grpo.temperature),
+            batch["old_logprobs"],
+            batch.get("ref_logprobs"),
+            batch["advantages"],
+            batch["loss_mask"],
+            algorithm=grpo.algorithm,
+            clip_eps=grpo.clip_eps,
+            kl_coef=grpo.kl_coef,
+        )
+        metrics = {
+            "reward_mean": jnp.mean(batch["rewards"]),
+            "kl": terms.kl,
+            "clip_fraction": terms.clip_fraction,
+            "ratio": terms.ratio,
+            "completion_tokens": jnp.mean(jnp.sum(batch["loss_mask"], axis=-1)),
+        }
+        return LossTerms(terms.loss_sum, terms.count, outputs.aux, {**outputs.metrics, **metrics}, outputs.model_state)
+
+    def train_data(self) -> RolloutBatches:
+        return self.data
+
+    def work_per_step(self) -> dict[str, float]:
+        return {"tokens": self.config.grpo.rows_per_update * self.seq_len}
+
+    # ---------------------------------------------------------------- the engine and hooks
+    def add_hooks(self, trainer) -> None:
+        """Builds the rollout engine on the trainer's current policy, then keeps it in step:
+        syncs after every step, logs rollout statistics and evaluates on held-out prompts."""
+        self.mask = trainer.mask
+        device = jax.local_devices()[0]
+        weights = serving_weights(trainer.state.params, trainer.state.model_state)
+        weights = owned_copy(weights, device)  # the trainer donates its own buffers every step
+        grpo = self.config.grpo
+        self.engine = Engine.from_model(
+            self.base.config,
+            weights,
+            tokenizer=self.base.tokenizer,
+            eos_id=self.base.eos_id,
+            num_slots=grpo.num_slots,
+            token_budget=grpo.token_budget,
+            max_context=self.seq_len,
+        )
+        reference = jax.device_put(self.base.params, device) if grpo.kl_coef > 0 else None
+        self.data.attach(self.engine, _scorer(self.model, self.engine, reference, grpo.temperature))
+        monitor = _RolloutMonitor(self, trainer)
+        trainer.add_hook(self._sync, every=1)
+        trainer.add_hook(monitor.log, every=trainer.loop.log_every, on_last=True)
+        if self.held_out:
+            trainer.add_hook(monitor.evaluate, every=trainer.loop.eval_every, on_last=True)
+            monitor.evaluate(None)
+
+    def _sync(self, info) -> None:
+        """Copies the trainable leaves (and any model state) into the engine."""
+        updates = serving_weights(select(info.state.params, self.mask), info.state.model_state)
+        self.engine.update_params(updates)
+
+    def evaluate(self, prompts: list[str] | None = None) -> dict[str, float]:
+        """Mean rewards on ``prompts`` (default the held-out ones) under the engine's current
+        weights: ``eval_reward`` of greedy completions and ``eval_reward_sampled`` of
+        ``prompts.eval_samples`` completions each, sampled as rollouts are (fixed seeds)."""
+        prompts = self.held_out if prompts is None else prompts
+        grpo, samples = self.config.grpo, self.config.prompts.eval_samples
+        greedy = [SamplingParams(max_tokens=grpo.max_tokens, temperature=0.0)] * len(prompts)
+        sampled = [
+            SamplingParams(
+                max_tokens=grpo.max_tokens, temperature=grpo.temperature, top_k=grpo.top_k, top_p=grpo.top_p, seed=seed
+            )
+            for seed in range(len(prompts) * samples)
+        ]
+        asked = prompts + [p for p in prompts for _ in range(samples)]
+        results = self.engine.generate(asked, greedy + sampled)
+        texts = [r.text or "" for r in results]
+        prompt_tokens = [self.engine.encode_prompt(p) for p in asked]
+        rewards = score(self.reward, asked, texts, prompt_tokens, [r.tokens for r in results]).rewards
+        values = {"eval_reward": float(rewards[: len(prompts)].mean())}
+        if samples:
+            values["eval_reward_sampled"] = float(rewards[len(prompts) :].mean())
+        return values
+
+
+def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float):
+    """``rows -> {"old_logprobs", "engine_view", ("ref_logprobs")}``: the training forward's
+    log-probs of the rows' targets under the engine's current weights (at ``temperature``,
+    and untempered as the engine reports them) and under ``reference`` (if given)."""
+
+    @jax.jit
+    def logprobs(weights, rows):
+        logits, _ = model.apply(
+            as_variables(weights), rows["tokens"], positions=rows["positions"], segment_ids=rows["segment_ids"]
+        )
+        return token_logprobs(logits, rows["targets"], temperature), token_logprobs(logits, rows["targets"])
+
+    def scorer(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        inputs = {name: rows[name] for name in ROW_FIELDS}
+        old, untempered = logprobs(engine.program.params, inputs)
+        scored = {"old_logprobs": old, "engine_view": untempered}
+        if reference is not None:
+            scored["ref_logprobs"] = logprobs(reference, inputs)[0]
+        return jax.device_get(scored)
+
+    return scorer
+
+
+class _RolloutMonitor:
+    """Logs what rollouts measured and the held-out reward (see the module docstring)."""
+
+    def __init__(self, task: GRPOTask, trainer):
+        self.task, self.trainer = task, trainer
+        self.logged_rollouts = 0
+        self.since = time.perf_counter()
+        self.eval_seconds = 0.0
+        self.start: tuple[int, dict[str, float]] | None = None
+
+    def log(self, info) -> None:
+        if self.start is not None:
+            self.trainer.writer.write(*self.start)
+            self.start = None
+        history = self.task.data.history[self.logged_rollouts :]
+        self.logged_rollouts = len(self.task.data.history)
+        now = time.perf_counter()
+        wall, self.since = now - self.since - self.eval_seconds, now
+        self.eval_seconds = 0.0
+        if not history:
+            return
+        rollout_seconds = sum(s.seconds for s in history)
+        update_seconds = max(wall - rollout_seconds, 1e-9)
+        steps = len(history) * self.task.config.grpo.updates_per_rollout
+        values = {
+            "rollout_tokens_per_second": sum(s.tokens for s in history) / max(rollout_seconds, 1e-9),
+            "train_tokens_per_second": self.task.work_per_step()["tokens"] * steps / update_seconds,
+            "rollout_time_fraction": rollout_seconds / max(wall, 1e-9),
+            "logprob_mismatch_mean": float(np.mean([s.logprob_mismatch_mean for s in history])),
+            "logprob_mismatch_max": max(s.logprob_mismatch_max for s in history),
+            "zero_advantage_groups": float(np.mean([s.zero_advantage_groups for s in history])),
+            "reward_failures": float(sum(len(s.failures) for s in history)),
+        }
+        self.trainer.writer.write(info.step, values)
+        self.trainer.last_metrics.update(values)
+        for stats in history:
+            for failure in stats.failures[:3]:
+                self.trainer.writer.event(info.step, f"reward failed in rollout {stats.rollout}, {failure}")
+
+    def evaluate(self, info) -> None:
+        """The held-out rewards now (``info`` None: before training, written with the first log)."""
+        start = time.perf_counter()
+        values = self.task.evaluate()
+        self.eval_seconds += time.perf_counter() - start
+        self.trainer.last_metrics.update(values)
+        self.trainer.results.update(values)
+        if info is None:
+            self.trainer.results.update({f"{name}_start": value for name, value in values.items()})
+            self.start = (int(self.trainer.state.step), values)
+        else:
+            self.trainer.writer.write(info.step, values)
+
+
+__all__ = ["GRPOTask"]

@@ -1,0 +1,144 @@
+"""GRPO's math against a hand-written NumPy computation, the rewards (shipped, user, failing,
+jitted) and the config's errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.core.config import load_config
+from ember.core.errors import ConfigError
+from ember.training.rl_lm.config import GRPOConfig, GRPOSection
+from ember.training.rl_lm.losses import group_advantages, policy_loss
+from ember.training.rl_lm.rewards import arithmetic_exact_match, python_parses, resolve_reward, score, token_reward
+from tests.tolerances import assert_allclose
+
+
+def numpy_grpo(logp, old, ref, rewards, mask, group, clip_eps, kl_coef, eps=1e-4):
+    """DeepSeekMath's GRPO objective, written out loop by loop."""
+    rows, _ = logp.shape
+    loss, kls, clipped, tokens = 0.0, 0.0, 0, 0
+    for row in range(rows):
+        members = rewards[(row // group) * group : (row // group + 1) * group]
+        advantage = (rewards[row] - members.mean()) / (members.std() + eps)
+        terms = []
+        for t in np.flatnonzero(mask[row]):
+            ratio = np.exp(logp[row, t] - old[row, t])
+            surrogate = min(ratio * advantage, np.clip(ratio, 1 - clip_eps, 1 + clip_eps) * advantage)
+            kl = np.exp(ref[row, t] - logp[row, t]) - (ref[row, t] - logp[row, t]) - 1
+            terms.append(-(surrogate - kl_coef * kl))
+            kls += kl
+            tokens += 1
+            clipped += (advantage > 0 and ratio > 1 + clip_eps) or (advantage < 0 and ratio < 1 - clip_eps)
+        loss += np.mean(terms)
+    return loss / rows, kls / tokens, clipped / tokens
+
+
+def test_grpo_loss_equals_numpy_including_a_group_of_equal_rewards():
+    rng = np.random.default_rng(7)
+    group, rows, seq = 4, 12, 6
+    logp = rng.normal(-1.5, 0.4, (rows, seq)).astype(np.float32)
+    old = (logp + rng.normal(0, 0.3, (rows, seq))).astype(np.float32)  # ratios well beyond the clip range
+    ref = (logp + rng.normal(0, 0.2, (rows, seq))).astype(np.float32)
+    rewards = rng.integers(0, 2, rows).astype(np.float32)
+    rewards[4:8] = 1.0  # the second group is all correct: zero advantage, no NaN
+    rewards[0:4] = [0.0, 1.0, 0.0, 0.5]
+    mask = (rng.random((rows, seq)) < 0.7).astype(np.float32)
+    mask[:, 0] = 1.0
+
+    advantages = group_advantages(jnp.asarray(rewards).reshape(-1, group)).reshape(-1)
+    assert np.all(np.asarray(advantages[4:8]) == 0.0)
+    terms = policy_loss(
+        jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ref), advantages, jnp.asarray(mask), clip_eps=0.2, kl_coef=0.05
+    )
+    loss, kl, clip_fraction = numpy_grpo(logp, old, ref, rewards, mask, group, 0.2, 0.05)
+    assert terms.count == rows
+    assert_allclose(terms.loss_sum / terms.count, loss, scale=10)
+    assert_allclose(terms.kl, kl)
+    assert_allclose(terms.clip_fraction, clip_fraction)
+    assert 0 < clip_fraction < 1, "the fixture should clip some tokens and not others"
+
+
+def test_reinforce_uses_the_group_mean_as_baseline_and_no_ratio():
+    rng = np.random.default_rng(3)
+    logp = rng.normal(-1.0, 0.5, (4, 5)).astype(np.float32)
+    rewards = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
+    mask = np.ones((4, 5), np.float32)
+    advantages = group_advantages(jnp.asarray(rewards)[None], algorithm="reinforce")[0]
+    assert_allclose(advantages, rewards - rewards.mean())
+    terms = policy_loss(jnp.asarray(logp), jnp.asarray(logp) + 1.0, None, advantages, jnp.asarray(mask),
+                        algorithm="reinforce")  # fmt: skip
+    assert_allclose(terms.loss_sum, -np.sum(logp.mean(axis=1) * (rewards - rewards.mean())))
+    assert float(terms.clip_fraction) == 0.0
+
+
+def test_shipped_rewards():
+    assert arithmetic_exact_match("17+25=", "42") == 1.0
+    assert arithmetic_exact_match("17+25=", " 42\n") == 1.0
+    assert arithmetic_exact_match("17-25=", "-8") == 1.0
+    assert arithmetic_exact_match("17+25=", "420") == 0.0
+    with pytest.raises(ValueError, match="not an arithmetic problem"):
+        arithmetic_exact_match("hello", "42")
+    assert python_parses("def f(x):\n", "    return x\n") == 1.0
+    assert python_parses("def f(x):\n", "return (x\n") == 0.0
+
+
+def test_a_failing_reward_scores_zero_for_that_sample_only():
+    def picky(prompt, completion):
+        if completion == "boom":
+            raise RuntimeError("cannot score boom")
+        if completion == "nan":
+            return float("nan")
+        return len(completion)
+
+    scores = score(picky, ["a", "b", "c"], ["xy", "boom", "nan"], [[1], [2], [3]], [[4, 5], [6], [7]])
+    assert scores.rewards.tolist() == [2.0, 0.0, 0.0]
+    assert len(scores.failures) == 2
+    assert "sample 1: RuntimeError: cannot score boom" in scores.failures[0]
+    assert "sample 2" in scores.failures[1]
+
+
+def test_token_rewards_run_jitted_on_the_whole_batch():
+    @token_reward
+    def ends_with_seven(prompt_tokens, prompt_lengths, completion_tokens, completion_lengths):
+        last = jnp.take_along_axis(completion_tokens, jnp.maximum(completion_lengths - 1, 0)[:, None], axis=1)[:, 0]
+        return (last == 7).astype(jnp.float32) + 0.0 * prompt_lengths
+
+    scores = score(ends_with_seven, ["", ""], ["", ""], [[1, 2], [3]], [[5, 7], [7, 1, 2]])
+    assert scores.rewards.tolist() == [1.0, 0.0] and scores.failures == []
+
+    @token_reward
+    def wrong_shape(prompt_tokens, prompt_lengths, completion_tokens, completion_lengths):
+        return completion_tokens
+
+    scores = score(wrong_shape, ["", ""], ["", ""], [[1], [3]], [[5, 7], [7]])
+    assert scores.rewards.tolist() == [0.0, 0.0]
+    assert "expected (2,)" in scores.failures[0]
+
+
+def test_rewards_resolve_by_name_or_import_path():
+    assert resolve_reward("arithmetic") is arithmetic_exact_match
+    assert resolve_reward("tests.training.test_grpo_losses:numpy_grpo") is numpy_grpo
+    with pytest.raises(ConfigError, match="neither a shipped reward"):
+        resolve_reward("nope")
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        resolve_reward("tests.training.test_grpo_losses:missing")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["grpo.group_size=1"], "grpo.group_size must be >= 2"),
+        (["grpo.algorithm=ppo"], "grpo.algorithm must be one of grpo, reinforce"),
+        (["grpo.updates_per_rollout=3"], "must divide the rollout's prompts_per_step"),
+        (["method=mixlora"], "method must be one of lora, full"),
+        (["adapter.init=pissa"], "adapter.init must be lora or gaussian"),
+        (["base_model.quantize=nf4"], "GRPO trains a float policy"),
+        (["prompts.operators=x"], "prompts.operators must be a string of"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, overrides, message):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("kind: grpo\nbase_model: {path: somewhere}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPOConfig, path, overrides)
+    assert GRPOSection(group_size=4, prompts_per_step=2, updates_per_rollout=2).rows_per_update == 4
