@@ -106,10 +106,11 @@ class DeviceProgram:
 
 
 def owned_copy(tree: Any, placement: Any) -> Any:
-    """``tree``'s arrays on ``placement`` (a device or sharding) in buffers of their own: moving
-    a replicated array to one of its devices may hand back that device's shard, which a later
-    donation of the original would delete."""
-    return jax.tree.map(lambda leaf: jnp.copy(jax.device_put(leaf, placement)), tree)
+    """``tree``'s arrays on ``placement`` (a device or sharding) in buffers of their own, by
+    transfers only (nothing compiles). Moving a replicated array to one of its devices hands
+    back that device's shard even with ``may_alias=False`` (jax 0.10), and a later donation of
+    the original would delete it; a second ``device_put`` on the same placement copies."""
+    return jax.tree.map(lambda leaf: jax.device_put(jax.device_put(leaf, placement), placement, may_alias=False), tree)
 
 
 def _unboxed(leaf: Any) -> Any:

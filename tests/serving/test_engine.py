@@ -148,6 +148,9 @@ def test_updated_weights_serve_like_a_fresh_engine_without_recompiling(program, 
     moved = {p: v + 0.3 * jax.random.normal(k, v.shape, v.dtype) for (p, v), k in zip(flat.items(), keys)}
     updates = tree_from_paths({p: v for p, v in moved.items() if "attn" in p or "mlp" in p})
     new_params = box_like(tree_from_paths({**flat, **param_paths(updates)}), params)
+    # As a trainer holds them: replicated over every device (one of which holds the engine's).
+    replicated = jax.sharding.NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), jax.P())
+    updates = jax.device_put(updates, replicated)
     prompts = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 4)
     settings = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -165,7 +168,7 @@ def test_updated_weights_serve_like_a_fresh_engine_without_recompiling(program, 
     fresh = Engine(program.fresh_copy(new_params), tokenizer=ByteTokenizer())
     assert after == [r.tokens for r in fresh.generate(prompts, settings)]
     assert after != before, "the perturbed weights should change some greedy token"
-    # The engine holds copies: deleting the caller's arrays leaves it serving.
+    # The engine holds copies: deleting (donating) the caller's arrays leaves it serving.
     jax.tree.map(lambda x: x.delete(), updates)
     assert [r.tokens for r in engine.generate(prompts, settings)] == after
 
