@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ember.core.config import load_config
+from ember.core.tree import param_paths
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables
 from ember.serving.engine import Engine
@@ -89,3 +90,40 @@ def test_engine_logprobs_equal_the_training_forward(pretrained):
         logits, _ = model.apply(as_variables(loaded.params), sequence[:, :-1])
         expected = token_logprobs(logits, sequence[:, 1:])[0, len(prompt) - 1 :]
         assert_allclose(np.asarray(result.logprobs, np.float32), expected, scale=10)
+
+
+def test_a_resumed_grpo_run_continues_the_same_trajectory(pretrained, tmp_path):
+    """Rollout r samples with seeds of (seed, r) on the restored policy, so stopping after two
+    steps and resuming gives the run that never stopped. (A constant learning rate: a decaying
+    schedule is laid over ``train.steps``, which the stopped run sets to 2.)"""
+    small = [
+        "optim.schedule.kind=constant",
+        f"base_model.path={pretrained}",
+        "grpo.prompts_per_step=4",
+        "grpo.group_size=4",
+        "grpo.max_tokens=4",
+        "prompts.eval_prompts=8",
+        "prompts.eval_samples=0",
+        "train.log_every=1",
+        "checkpoint.every=2",
+        "checkpoint.async_save=false",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+    path = CONFIGS / "grpo_arithmetic.yaml"
+    straight = load_config(GRPOConfig, path, [*small, f"run_dir={tmp_path / 'a'}", "train.steps=4"])
+    entry.run(straight)
+    stopped = load_config(GRPOConfig, path, [*small, f"run_dir={tmp_path / 'b'}", "train.steps=2"])
+    entry.run(stopped)
+    entry.run(load_config(GRPOConfig, path, [*small, f"run_dir={tmp_path / 'b'}", "train.steps=4"]), resume=True)
+
+    def rewards(run):
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["reward_mean"] for r in records if "reward_mean" in r}
+
+    assert rewards(tmp_path / "a") == rewards(tmp_path / "b") and len(rewards(tmp_path / "a")) == 4
+    final_a, final_b = (load_model(tmp_path / run).params for run in ("a", "b"))
+    for (path_a, a), b in zip(param_paths(final_a).items(), param_paths(final_b).values()):
+        assert_allclose(b, a, err_msg=path_a)
+    moved = [p for p, v in param_paths(final_a).items() if p.endswith("_lora_b") and np.abs(np.asarray(v)).max() > 0]
+    assert moved, "four GRPO steps should have moved the adapters"
