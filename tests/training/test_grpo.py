@@ -63,7 +63,7 @@ def test_grpo_raises_held_out_accuracy_through_the_engine(pretrained, tmp_path):
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = {key for record in records for key in record}
-    for key in ("reward_mean", "kl", "clip_fraction", "completion_tokens", "rollout_tokens_per_second",
+    for key in ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_tokens", "rollout_tokens_per_second",
                 "train_tokens_per_second", "rollout_time_fraction", "logprob_mismatch_max", "eval_reward"):  # fmt: skip
         assert key in logged, key
     mismatch = max(r["logprob_mismatch_max"] for r in records if "logprob_mismatch_max" in r)

@@ -12,7 +12,7 @@ the adapters move). The reference policy is the base model as loaded (LoRA: the 
 without its adapters), kept on the engine's device beside it; the KL term is computed
 against it.
 
-Logged beside the loss: ``reward_mean``, ``kl``, ``clip_fraction``, ``ratio`` and
+Logged beside the loss: ``reward_mean``, ``reward_std``, ``kl``, ``clip_fraction``, ``ratio`` and
 ``completion_tokens`` (per step), and per logging interval the rollouts'
 ``rollout_tokens_per_second``, ``train_tokens_per_second``, ``rollout_time_fraction``,
 ``logprob_mismatch_mean/max`` (engine vs training forward), ``zero_advantage_groups``
@@ -138,6 +138,7 @@ class GRPOTask(Task):
         )
         metrics = {
             "reward_mean": jnp.mean(batch["rewards"]),
+            "reward_std": jnp.std(batch["rewards"]),
             "kl": terms.kl,
             "clip_fraction": terms.clip_fraction,
             "ratio": terms.ratio,
