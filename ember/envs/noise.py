@@ -2,13 +2,16 @@
 
 An environment states how many random words one reset and one transition consume
 (``Environment.reset_noise_words`` / ``transition_noise_words``). ``Environment.reset`` /
-``step`` draw them from a key with ``draw``; a batched environment (``ember.envs.BatchedEnv``)
-draws the words of every sub-environment with ONE ``draw_batch`` call of shape
-``[batch, words]`` instead of splitting one key per environment (the main CPU cost of a
-vmapped gymnax step). The other functions turn words into the values the dynamics need.
+``step`` draw them from a key with ``draw``, a cheap counter-based hash of the key, so a plain
+``jax.vmap`` over per-environment keys stays fast (threefry per key was the main CPU cost of a
+vmapped gymnax step); a batched environment (``ember.envs.BatchedEnv``) of many
+sub-environments draws all their words with ONE ``draw_batch`` call of shape
+``[batch, words]``. The other functions turn words into the values the dynamics need.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +19,29 @@ from jax import lax
 
 
 def draw(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """``shape`` random uint32 words from ``key`` (``jax.random.bits``; vmaps well)."""
-    return jax.random.bits(key, shape, jnp.uint32)
+    """``shape`` random uint32 words from ``key``: word ``j`` is a counter-based hash of the
+    key's two data words and ``j`` (MurmurHash3's 32-bit finaliser over a Weyl sequence).
+
+    A few integer multiplies per word, so a ``jax.vmap`` over thousands of per-environment
+    keys (how gymnax users step environments) costs little, where ``jax.random.bits`` runs the
+    20 rounds of threefry per key; and, unlike ``lax.rng_bit_generator`` under ``vmap`` (which
+    draws every row from the first key), each key's words depend on that key alone. The keys
+    are threefry outputs, so the hashed words are as uniform as environment randomness needs
+    (initial states, spawns, sticky actions); not meant for cryptography or for long streams
+    (use ``to_key`` and ``jax.random`` for those)."""
+    data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+    size = math.prod(shape)
+    counters = jnp.arange(size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    return _fmix32(data[0] ^ _fmix32(data[-1] + counters)).reshape(shape)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 with full avalanche."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
 
 
 def draw_batch(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
