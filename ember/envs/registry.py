@@ -27,6 +27,7 @@ _BUILTIN = {
     "Asterix-MinAtar": "ember.envs.minatar.asterix:AsterixMinAtar",
     "Breakout-MinAtar": "ember.envs.minatar.breakout:BreakoutMinAtar",
     "Freeway-MinAtar": "ember.envs.minatar.freeway:FreewayMinAtar",
+    "Seaquest-MinAtar": "ember.envs.minatar.seaquest:SeaquestMinAtar",
     "SpaceInvaders-MinAtar": "ember.envs.minatar.space_invaders:SpaceInvadersMinAtar",
     "KeyDoorMaze-v0": "ember.envs.maze:KeyDoorMaze",
     "MPE-simple_spread": "ember.envs.mpe.simple_spread:SimpleSpread",

@@ -1,0 +1,118 @@
+"""Seaquest-MinAtar against the MinAtar package step for step, its random spawns included:
+MinAtar's draws are replayed from a copy of its random state and handed to ours as noise
+words that make the same choices; and a scripted surfacing with six divers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from minatar import Environment as MinAtarEnvironment
+
+import ember.envs
+from ember.envs.minatar.seaquest import SLOTS, Entities
+
+TRUE_WORD, FALSE_WORD = 0, 0xFFFFFFFF  # bernoulli(word, p) for any 0 < p < 1
+
+
+def entities_from_list(items, slots, *, timer=3, shot=None):
+    """A MinAtar list as our slots, list position = insertion order."""
+    fields = {name: np.zeros(slots, np.int32) for name in ("x", "y", "timer", "shot", "order")}
+    right, active = np.zeros(slots, bool), np.zeros(slots, bool)
+    for index, item in enumerate(items):
+        fields["x"][index], fields["y"][index], right[index] = item[0], item[1], bool(item[2])
+        fields["timer"][index] = item[timer] if timer is not None else 0
+        fields["shot"][index] = item[shot] if shot is not None else 0
+        fields["order"][index], active[index] = index, True
+    return Entities(
+        right=jnp.asarray(right), active=jnp.asarray(active), **{k: jnp.asarray(v) for k, v in fields.items()}
+    )
+
+
+def state_from_minatar(game, template):
+    lists = {
+        "player_bullets": entities_from_list(game.f_bullets, SLOTS["player_bullets"], timer=None),
+        "enemy_bullets": entities_from_list(game.e_bullets, SLOTS["enemy_bullets"], timer=None),
+        "fish": entities_from_list(game.e_fish, SLOTS["fish"]),
+        "subs": entities_from_list(game.e_subs, SLOTS["subs"], shot=4),
+        "divers": entities_from_list(game.divers, SLOTS["divers"]),
+    }
+    return template.replace(
+        sub_x=jnp.int32(game.sub_x),
+        sub_y=jnp.int32(game.sub_y),
+        sub_right=jnp.bool_(game.sub_or),
+        oxygen=jnp.int32(game.oxygen),
+        divers_held=jnp.int32(game.diver_count),
+        surfaced=jnp.bool_(game.surface),
+        shot_timer=jnp.int32(game.shot_timer),
+        spawn_interval=jnp.int32(game.e_spawn_speed),
+        spawn_timer=jnp.int32(game.e_spawn_timer),
+        diver_timer=jnp.int32(game.d_spawn_timer),
+        move_interval=jnp.int32(game.move_speed),
+        ramp_index=jnp.int32(game.ramp_index),
+        counter=jnp.int32(64),
+        **lists,
+    )
+
+
+def replayed_noise(reference) -> np.ndarray:
+    """The 6 transition words making our step choose what MinAtar's next ``act`` will draw:
+    no sticky action, then the enemy spawn's side, kind and row, then the diver's side and row."""
+    replay = np.random.RandomState()
+    replay.set_state(reference.random.get_state())
+    replay.rand()  # the wrapper's sticky-action draw
+    words = [FALSE_WORD, FALSE_WORD, FALSE_WORD, 0, FALSE_WORD, 0]
+    if reference.env.e_spawn_timer == 0:
+        words[1] = TRUE_WORD if replay.rand() < 1 / 2 else FALSE_WORD
+        words[2] = TRUE_WORD if replay.rand() < 1 / 3 else FALSE_WORD
+        words[3] = replay.randint(low=1, high=9) - 1
+    if reference.env.d_spawn_timer == 0:
+        words[4] = TRUE_WORD if replay.rand() < 1 / 2 else FALSE_WORD
+        words[5] = replay.randint(low=1, high=9) - 1
+    return np.asarray(words, np.uint32)
+
+
+def test_matches_minatar_seaquest_step_by_step(rng):
+    env, params = ember.envs.make("Seaquest-MinAtar", sticky_action_prob=0.0, max_steps_in_episode=100_000)
+    step = jax.jit(env.step_from_noise)
+    reference = MinAtarEnvironment("seaquest", sticky_action_prob=0.0)
+    seed = int(jax.random.randint(rng, (), 0, 2**30))
+    reference.seed(seed)
+    reference.reset()
+    generator = np.random.default_rng(seed)
+    _, state = env.reset(rng, params)
+    rewards = terminations = most_enemies = 0
+    for t in range(2000):
+        # Mostly fire and stay low (enemies to shoot), sometimes surface: rewards and every kind of ending.
+        action = int(generator.choice(6, p=[0.1, 0.15, 0.1, 0.15, 0.2, 0.3]))
+        state = state_from_minatar(reference.env, state)
+        most_enemies = max(most_enemies, len(reference.env.e_fish) + len(reference.env.e_subs))
+        noise = jnp.asarray(replayed_noise(reference))
+        _, state, reward, terminated, _, info = step(noise, state, jnp.int32(action), params)
+        expected_reward, expected_terminal = reference.act(action)
+        np.testing.assert_array_equal(
+            info["final_observation"], reference.state().astype(np.float32), err_msg=f"step {t}"
+        )
+        assert float(reward) == float(expected_reward), f"step {t}"
+        assert bool(terminated) == expected_terminal, f"step {t}"
+        rewards += int(expected_reward)
+        if expected_terminal:
+            terminations += 1
+            reference.reset()
+    assert rewards >= 3 and terminations >= 5 and most_enemies >= 3, (rewards, terminations, most_enemies)
+
+
+def test_surfacing_with_six_divers_pays_for_oxygen_and_ramps():
+    env, params = ember.envs.make("Seaquest-MinAtar", sticky_action_prob=0.0)
+    step = jax.jit(env.step)
+    _, state = env.reset(jax.random.key(0), params)
+    state = state.replace(sub_y=jnp.int32(1), surfaced=jnp.bool_(False), divers_held=jnp.int32(6),
+                          oxygen=jnp.int32(150), ramp_index=jnp.int32(1))  # fmt: skip
+    _, state, reward, terminated, _, _ = step(jax.random.key(1), state, jnp.int32(2), params)  # up
+    assert float(reward) == 150 * 10 // 200 and not bool(terminated)
+    # MinAtar's count after a full surfacing: reset to 0, then one diver dropped, -1.
+    assert (int(state.divers_held), int(state.oxygen), bool(state.surfaced)) == (-1, 200, True)
+    assert (int(state.spawn_interval), int(state.move_interval), int(state.ramp_index)) == (19, 4, 2)
+    # Surfacing with no diver ends the episode.
+    _, state = env.reset(jax.random.key(0), params)
+    state = state.replace(sub_y=jnp.int32(1), surfaced=jnp.bool_(False))
+    _, _, _, terminated, _, _ = step(jax.random.key(1), state, jnp.int32(2), params)
+    assert bool(terminated)
