@@ -3,15 +3,15 @@
 ``BatchedEnv``, and Ember's environment under plain ``jax.vmap`` over per-env keys, against
 gymnax's same environment (``jax.vmap`` over per-env keys, gymnax's documented usage: the
 same code as Ember's plain column) and against gymnasium's vector env -- for CartPole, Pendulum and
-Breakout-MinAtar, side by side with ratios.
+the five MinAtar games, side by side with ratios.
 
     python -m benchmarks.envs        # writes benchmarks/results/envs-<device>.json
 
 Both JAX sides draw the random actions the same way (one batched ``noise.draw_batch``
-call per step) and return the final state, so XLA cannot drop the dynamics. Breakout runs without sticky
+call per step) and return the final state, so XLA cannot drop the dynamics. The MinAtar games run without sticky
 actions on both JAX sides (gymnax has none). gymnasium's baselines run on the host with
-NumPy: ``CartPoleVectorEnv`` (its vectorised NumPy CartPole); Pendulum and MinAtar
-Breakout have no NumPy vector env in gymnasium/MinAtar, so they use ``SyncVectorEnv``
+NumPy: ``CartPoleVectorEnv`` (its vectorised NumPy CartPole); Pendulum and the MinAtar
+games have no NumPy vector env in gymnasium/MinAtar, so they use ``SyncVectorEnv``
 (a Python loop over environments) and are timed over fewer steps (a rate, the same
 quantity). The sizes are the same on CPU and GPU.
 """
@@ -31,11 +31,16 @@ from ember.envs import noise
 
 BATCHES = (1, 64, 1024, 8192)
 SCAN_STEPS = 1000
+SCAN_STEPS_OF = {"Seaquest-MinAtar": 100}
+"""Fewer steps per timing (the same rate) where gymnax's environment is too slow for 1000 at 8192."""
 # id -> (Ember overrides, gymnax id, gymnasium id, gymnasium vectorization mode)
 ENVIRONMENTS = {
     "CartPole-v1": ({}, "CartPole-v1", "CartPole-v1", "vector_entry_point"),
     "Pendulum-v1": ({}, "Pendulum-v1", "Pendulum-v1", "sync"),
-    "Breakout-MinAtar": ({"sticky_action_prob": 0.0}, "Breakout-MinAtar", "MinAtar/Breakout-v1", "sync"),
+    **{
+        f"{game}-MinAtar": ({"sticky_action_prob": 0.0}, f"{game}-MinAtar", f"MinAtar/{game}-v1", "sync")
+        for game in ("Asterix", "Breakout", "Freeway", "Seaquest", "SpaceInvaders")
+    },
 }
 GYMNASIUM_STEP_BUDGET = {"vector_entry_point": 2_000_000, "sync": 100_000}  # env-steps per timing
 
@@ -52,7 +57,7 @@ def random_actions(key, space, num_envs):
     return noise.uniform(words, low, high, np.float32)
 
 
-def ember_rollout(env_id, overrides, num_envs):
+def ember_rollout(env_id, overrides, num_envs, scan_steps=SCAN_STEPS):
     env, params = ember.envs.make(env_id, **overrides)
     batched = ember.envs.BatchedEnv(env, num_envs)
     action_space = env.action_space(params)
@@ -66,23 +71,23 @@ def ember_rollout(env_id, overrides, num_envs):
             _, state, reward, *_ = batched.step(step_key, state, actions, params)
             return state, reward.sum()
 
-        state, rewards = jax.lax.scan(body, state, jax.random.split(key, SCAN_STEPS))
+        state, rewards = jax.lax.scan(body, state, jax.random.split(key, scan_steps))
         return state, rewards.sum()
 
     return jax.jit(rollout)
 
 
-def gymnax_rollout(env_id, num_envs):
-    return vmapped_rollout(*gymnax.make(env_id), num_envs)
+def gymnax_rollout(env_id, num_envs, scan_steps=SCAN_STEPS):
+    return vmapped_rollout(*gymnax.make(env_id), num_envs, scan_steps)
 
 
-def ember_plain_rollout(env_id, overrides, num_envs):
+def ember_plain_rollout(env_id, overrides, num_envs, scan_steps=SCAN_STEPS):
     """Ember's environment stepped the way gymnax users write it: ``jax.vmap(env.step)`` over
     per-environment keys (the same code as the gymnax column, so the two compare the envs)."""
-    return vmapped_rollout(*ember.envs.make(env_id, **overrides), num_envs)
+    return vmapped_rollout(*ember.envs.make(env_id, **overrides), num_envs, scan_steps)
 
 
-def vmapped_rollout(env, params, num_envs):
+def vmapped_rollout(env, params, num_envs, scan_steps=SCAN_STEPS):
     action_space = env.action_space(params)
     vmapped_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
@@ -95,15 +100,15 @@ def vmapped_rollout(env, params, num_envs):
             _, state, reward, *_ = vmapped_step(jax.random.split(step_key, num_envs), state, actions, params)
             return state, reward.sum()
 
-        state, rewards = jax.lax.scan(body, state, jax.random.split(key, SCAN_STEPS))
+        state, rewards = jax.lax.scan(body, state, jax.random.split(key, scan_steps))
         return state, rewards.sum()
 
     return jax.jit(rollout)
 
 
-def jax_steps_per_second(rollout, num_envs) -> float:
+def jax_steps_per_second(rollout, num_envs, scan_steps=SCAN_STEPS) -> float:
     seconds = time_fn(rollout, jax.random.key(0), warmup=1, repeats=2)
-    return num_envs * SCAN_STEPS / seconds
+    return num_envs * scan_steps / seconds
 
 
 def gymnasium_steps_per_second(env_id, mode, num_envs) -> float:
@@ -130,9 +135,10 @@ def main() -> None:
     rows = []
     for env_id, (overrides, gymnax_id, gymnasium_id, mode) in ENVIRONMENTS.items():
         for num_envs in BATCHES:
-            ours = jax_steps_per_second(ember_rollout(env_id, overrides, num_envs), num_envs)
-            plain = jax_steps_per_second(ember_plain_rollout(env_id, overrides, num_envs), num_envs)
-            theirs = jax_steps_per_second(gymnax_rollout(gymnax_id, num_envs), num_envs)
+            steps = SCAN_STEPS_OF.get(env_id, SCAN_STEPS)
+            ours = jax_steps_per_second(ember_rollout(env_id, overrides, num_envs, steps), num_envs, steps)
+            plain = jax_steps_per_second(ember_plain_rollout(env_id, overrides, num_envs, steps), num_envs, steps)
+            theirs = jax_steps_per_second(gymnax_rollout(gymnax_id, num_envs, steps), num_envs, steps)
             host = gymnasium_steps_per_second(gymnasium_id, mode, num_envs)
             rows.append(
                 {
@@ -176,7 +182,9 @@ def main() -> None:
             "ember_over_gymnasium",
         ],
     )
-    path = write_results("envs", {"scan_steps": SCAN_STEPS, "batches": list(BATCHES), "rows": rows})
+    path = write_results(
+        "envs", {"scan_steps": SCAN_STEPS, "scan_steps_of": SCAN_STEPS_OF, "batches": list(BATCHES), "rows": rows}
+    )
     print(f"wrote {path}")
 
 
