@@ -5,12 +5,11 @@ words that make the same choices; and scripted gold, enemy and ramping by hand."
 import jax
 import jax.numpy as jnp
 import numpy as np
-from minatar import Environment as MinAtarEnvironment
 
 import ember.envs
+from tests.envs.minatar_replay import FALSE_WORD, bernoulli_word, replay_against_minatar
 
-MINATAR_ACTIONS = [0, 1, 2, 3, 4]  # no-op, left, up, right, down: MinAtar's first five
-TRUE_WORD, FALSE_WORD = 0, 0xFFFFFFFF  # bernoulli(word, p) for any 0 < p < 1
+# Actions 0-4 (no-op, left, up, right, down) are MinAtar's first five.
 
 
 def state_from_minatar(game, template):
@@ -39,37 +38,18 @@ def replayed_noise(reference) -> np.ndarray:
     replay.rand()  # the wrapper's sticky-action draw
     words = [FALSE_WORD, FALSE_WORD, FALSE_WORD, 0]
     if reference.env.spawn_timer == 0:
-        words[1] = TRUE_WORD if replay.rand() < 1 / 2 else FALSE_WORD
-        words[2] = TRUE_WORD if replay.rand() < 1 / 3 else FALSE_WORD
+        words[1] = bernoulli_word(replay.rand() < 1 / 2)
+        words[2] = bernoulli_word(replay.rand() < 1 / 3)
         free = [i for i, e in enumerate(reference.env.entities) if e is None]
         words[3] = replay.randint(len(free)) if free else 0
     return np.asarray(words, np.uint32)
 
 
 def test_matches_minatar_asterix_step_by_step(rng):
-    env, params = ember.envs.make("Asterix-MinAtar", sticky_action_prob=0.0, max_steps_in_episode=100_000)
-    step = jax.jit(env.step_from_noise)
-    reference = MinAtarEnvironment("asterix", sticky_action_prob=0.0)
-    seed = int(jax.random.randint(rng, (), 0, 2**30))
-    reference.seed(seed)
-    reference.reset()
-    actions = np.random.default_rng(seed).integers(0, 5, size=1500)
-    _, state = env.reset(rng, params)
-    golds = terminations = 0
-    for t, action in enumerate(actions):
-        state = state_from_minatar(reference.env, state)
-        noise = jnp.asarray(replayed_noise(reference))
-        _, state, reward, terminated, _, info = step(noise, state, jnp.int32(action), params)
-        expected_reward, expected_terminal = reference.act(MINATAR_ACTIONS[action])
-        np.testing.assert_array_equal(
-            info["final_observation"], reference.state().astype(np.float32), err_msg=f"step {t}"
-        )
-        assert float(reward) == float(expected_reward), f"step {t}"
-        assert bool(terminated) == expected_terminal, f"step {t}"
-        golds += int(expected_reward)
-        if expected_terminal:
-            terminations += 1
-            reference.reset()
+    actions = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**30))).integers(0, 5, size=1500)
+    golds, terminations = replay_against_minatar(
+        "Asterix-MinAtar", "asterix", actions, rng, state_from_minatar=state_from_minatar, replayed_noise=replayed_noise
+    )
     assert golds >= 1 and terminations >= 3, (golds, terminations)
 
 

@@ -5,12 +5,10 @@ words that make the same choices; and a scripted surfacing with six divers."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from minatar import Environment as MinAtarEnvironment
 
 import ember.envs
 from ember.envs.minatar.seaquest import SLOTS, Entities
-
-TRUE_WORD, FALSE_WORD = 0, 0xFFFFFFFF  # bernoulli(word, p) for any 0 < p < 1
+from tests.envs.minatar_replay import FALSE_WORD, bernoulli_word, replay_against_minatar
 
 
 def entities_from_list(items, slots, *, timer=3, shot=None):
@@ -61,43 +59,26 @@ def replayed_noise(reference) -> np.ndarray:
     replay.rand()  # the wrapper's sticky-action draw
     words = [FALSE_WORD, FALSE_WORD, FALSE_WORD, 0, FALSE_WORD, 0]
     if reference.env.e_spawn_timer == 0:
-        words[1] = TRUE_WORD if replay.rand() < 1 / 2 else FALSE_WORD
-        words[2] = TRUE_WORD if replay.rand() < 1 / 3 else FALSE_WORD
+        words[1] = bernoulli_word(replay.rand() < 1 / 2)
+        words[2] = bernoulli_word(replay.rand() < 1 / 3)
         words[3] = replay.randint(low=1, high=9) - 1
     if reference.env.d_spawn_timer == 0:
-        words[4] = TRUE_WORD if replay.rand() < 1 / 2 else FALSE_WORD
+        words[4] = bernoulli_word(replay.rand() < 1 / 2)
         words[5] = replay.randint(low=1, high=9) - 1
     return np.asarray(words, np.uint32)
 
 
 def test_matches_minatar_seaquest_step_by_step(rng):
-    env, params = ember.envs.make("Seaquest-MinAtar", sticky_action_prob=0.0, max_steps_in_episode=100_000)
-    step = jax.jit(env.step_from_noise)
-    reference = MinAtarEnvironment("seaquest", sticky_action_prob=0.0)
-    seed = int(jax.random.randint(rng, (), 0, 2**30))
-    reference.seed(seed)
-    reference.reset()
-    generator = np.random.default_rng(seed)
-    _, state = env.reset(rng, params)
-    rewards = terminations = most_enemies = 0
-    for t in range(2000):
-        # Mostly fire and stay low (enemies to shoot), sometimes surface: rewards and every kind of ending.
-        action = int(generator.choice(6, p=[0.1, 0.15, 0.1, 0.15, 0.2, 0.3]))
-        state = state_from_minatar(reference.env, state)
-        most_enemies = max(most_enemies, len(reference.env.e_fish) + len(reference.env.e_subs))
-        noise = jnp.asarray(replayed_noise(reference))
-        _, state, reward, terminated, _, info = step(noise, state, jnp.int32(action), params)
-        expected_reward, expected_terminal = reference.act(action)
-        np.testing.assert_array_equal(
-            info["final_observation"], reference.state().astype(np.float32), err_msg=f"step {t}"
-        )
-        assert float(reward) == float(expected_reward), f"step {t}"
-        assert bool(terminated) == expected_terminal, f"step {t}"
-        rewards += int(expected_reward)
-        if expected_terminal:
-            terminations += 1
-            reference.reset()
-    assert rewards >= 3 and terminations >= 5 and most_enemies >= 3, (rewards, terminations, most_enemies)
+    # Mostly fire and stay low (enemies to shoot), sometimes surface: rewards and every kind of ending.
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**30)))
+    actions = generator.choice(6, size=2000, p=[0.1, 0.15, 0.1, 0.15, 0.2, 0.3])
+    most_enemies = []
+    rewards, terminations = replay_against_minatar(
+        "Seaquest-MinAtar", "seaquest", actions, rng,
+        state_from_minatar=state_from_minatar, replayed_noise=replayed_noise,
+        each_step=lambda game: most_enemies.append(len(game.e_fish) + len(game.e_subs)),
+    )  # fmt: skip
+    assert rewards >= 3 and terminations >= 5 and max(most_enemies) >= 3, (rewards, terminations, max(most_enemies))
 
 
 def test_surfacing_with_six_divers_pays_for_oxygen_and_ramps():

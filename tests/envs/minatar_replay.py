@@ -1,0 +1,45 @@
+"""Stepping an Ember MinAtar game against the ``minatar`` package with MinAtar's random draws
+replayed: before every step our state is set from MinAtar's and our noise words are made to
+choose what MinAtar's next ``act`` will draw; observation, reward and termination must match."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from minatar import Environment as MinAtarEnvironment
+
+import ember.envs
+
+TRUE_WORD, FALSE_WORD = 0, 0xFFFFFFFF  # bernoulli(word, p) for any 0 < p < 1
+
+
+def bernoulli_word(outcome: bool) -> int:
+    return TRUE_WORD if outcome else FALSE_WORD
+
+
+def replay_against_minatar(env_id, game, actions, rng, *, state_from_minatar, replayed_noise, each_step=None):
+    """Plays ``actions`` in both; returns ``(total reward, terminations)``. ``each_step(game)``
+    sees MinAtar's game before every step (to count what the episode went through)."""
+    env, params = ember.envs.make(env_id, sticky_action_prob=0.0, max_steps_in_episode=100_000)
+    step = jax.jit(env.step_from_noise)
+    reference = MinAtarEnvironment(game, sticky_action_prob=0.0)
+    reference.seed(int(jax.random.randint(rng, (), 0, 2**30)))
+    reference.reset()
+    _, state = env.reset(rng, params)
+    total = terminations = 0
+    for t, action in enumerate(actions):
+        if each_step is not None:
+            each_step(reference.env)
+        state = state_from_minatar(reference.env, state)
+        noise = jnp.asarray(replayed_noise(reference))
+        _, state, reward, terminated, _, info = step(noise, state, jnp.int32(action), params)
+        expected_reward, expected_terminal = reference.act(int(action))
+        np.testing.assert_array_equal(
+            info["final_observation"], reference.state().astype(np.float32), err_msg=f"step {t}"
+        )
+        assert float(reward) == float(expected_reward), f"step {t}"
+        assert bool(terminated) == expected_terminal, f"step {t}"
+        total += int(expected_reward)
+        if expected_terminal:
+            terminations += 1
+            reference.reset()
+    return total, terminations
