@@ -22,7 +22,8 @@ from flax import struct
 
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
-from ember.envs.environment import Environment, EnvParams, EnvState
+from ember.envs.environment import Environment, EnvParams, EnvState, select_tree
+from ember.envs.minatar.sticky_actions import sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -112,10 +113,9 @@ class AsterixMinAtar(Environment):
         return self.observation(state), state
 
     def step_env(self, noise, state, action, params):
-        sticky = noise_lib.bernoulli(noise[0], params.sticky_action_prob)
-        action = jnp.where(sticky, state.last_action, action).astype(jnp.int32)
+        action = sticky_action(noise[0], state.last_action, action, params.sticky_action_prob)
         spawning = state.spawn_timer == 0
-        state = jax.tree.map(lambda new, old: jnp.where(spawning, new, old), spawn(state, noise[1:]), state)
+        state = select_tree(spawning, spawn(state, noise[1:]), state)
         spawn_timer = jnp.where(spawning, state.spawn_interval, state.spawn_timer)
         state = state.replace(
             player_x=jnp.clip(state.player_x + MOVE_X[action], 0, GRID - 1),
@@ -129,7 +129,7 @@ class AsterixMinAtar(Environment):
         inside = (entity_x >= 0) & (entity_x < GRID)
         moved = state.replace(entity_x=entity_x, active=state.active & inside)
         moved, moved_reward, moved_hit = touch(moved)
-        state = jax.tree.map(lambda new, old: jnp.where(moving, new, old), moved, state)
+        state = select_tree(moving, moved, state)
         reward = reward + jnp.where(moving, moved_reward, 0)
         hit = hit | (moving & moved_hit)
         move_timer = jnp.where(moving, state.move_interval, state.move_timer)

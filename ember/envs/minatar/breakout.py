@@ -20,6 +20,7 @@ from flax import struct
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
 from ember.envs.environment import Environment, EnvParams, EnvState
+from ember.envs.minatar.sticky_actions import sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -83,8 +84,7 @@ class BreakoutMinAtar(Environment):
         return self.observation(state), state
 
     def step_env(self, noise, state, action, params):
-        sticky = noise_lib.bernoulli(noise[0], params.sticky_action_prob)
-        action = jnp.where(sticky, state.last_action, action).astype(jnp.int32)
+        action = sticky_action(noise[0], state.last_action, action, params.sticky_action_prob)
         paddle_x = jnp.clip(state.paddle_x + jnp.asarray(PADDLE_MOVE)[action], 0, GRID - 1)
 
         direction = state.ball_dir

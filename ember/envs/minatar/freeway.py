@@ -22,6 +22,7 @@ from flax import struct
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
 from ember.envs.environment import Environment, EnvParams, EnvState
+from ember.envs.minatar.sticky_actions import sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -79,8 +80,7 @@ class FreewayMinAtar(Environment):
         return self.observation(state), state
 
     def step_env(self, noise, state, action, params):
-        sticky = noise_lib.bernoulli(noise[0], params.sticky_action_prob)
-        action = jnp.where(sticky, state.last_action, action).astype(jnp.int32)
+        action = sticky_action(noise[0], state.last_action, action, params.sticky_action_prob)
         can_move = state.move_timer == 0
         up, down = can_move & (action == 1), can_move & (action == 2)
         position = jnp.where(up, jnp.maximum(state.position - 1, 0), state.position)

@@ -33,7 +33,8 @@ from flax import struct
 
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
-from ember.envs.environment import Environment, EnvParams, EnvState
+from ember.envs.environment import Environment, EnvParams, EnvState, select_tree
+from ember.envs.minatar.sticky_actions import sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -325,13 +326,12 @@ class SeaquestMinAtar(Environment):
         return self.observation(state), state
 
     def step_env(self, noise, state, action, params):
-        sticky = noise_lib.bernoulli(noise[0], params.sticky_action_prob)
-        action = jnp.where(sticky, state.last_action, action).astype(jnp.int32)
+        action = sticky_action(noise[0], state.last_action, action, params.sticky_action_prob)
         spawning = state.spawn_timer == 0
-        state = jax.tree.map(lambda new, old: jnp.where(spawning, new, old), spawn_enemy(state, noise[1:4]), state)
+        state = select_tree(spawning, spawn_enemy(state, noise[1:4]), state)
         state = state.replace(spawn_timer=jnp.where(spawning, state.spawn_interval, state.spawn_timer))
         diving = state.diver_timer == 0
-        state = jax.tree.map(lambda new, old: jnp.where(diving, new, old), spawn_diver(state, noise[4:6]), state)
+        state = select_tree(diving, spawn_diver(state, noise[4:6]), state)
         state = state.replace(diver_timer=jnp.where(diving, DIVER_SPAWN_INTERVAL, state.diver_timer))
         state = move_player(state, action)
         reward, dead = jnp.int32(0), jnp.bool_(False)

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ember.envs import noise as noise_lib
 from ember.envs import rendering
 from ember.envs.environment import Environment, EnvParams, EnvState
+from ember.envs.minatar.sticky_actions import sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -101,8 +101,7 @@ class SpaceInvadersMinAtar(Environment):
         return self.observation(state), state
 
     def step_env(self, noise, state, action, params):
-        sticky = noise_lib.bernoulli(noise[0], params.sticky_action_prob)
-        action = jnp.where(sticky, state.last_action, action).astype(jnp.int32)
+        action = sticky_action(noise[0], state.last_action, action, params.sticky_action_prob)
         rows, cols = jnp.arange(GRID)[:, None], jnp.arange(GRID)[None, :]
         fire = (action == 3) & (state.shot_timer == 0)
         friendly = state.friendly_bullets | (fire & (rows == GRID - 1) & (cols == state.position))
