@@ -37,6 +37,8 @@ METHODS: tuple[str, ...] = ("lora", "mixlora", "full")
 """``lora``: train the ``adapter`` section's adapters, base frozen. ``mixlora``: MixLoRA experts
 in every dense MLP (the ``mixlora`` section) plus the ``adapter`` section's LoRA on the
 attention projections it names (the paper's setup), base frozen. ``full``: every weight."""
+BASE_MODEL_RUNTIME_KEYS: tuple[str, ...] = tuple(f"base_model.{k}" for k in ("attention_impl", "remat", "scan_layers"))
+"""``base_model`` settings a run may resume with changed (how the base runs, not what it is)."""
 MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 
@@ -177,8 +179,15 @@ class FinetuneConfig:
 
     def identity(self) -> dict[str, Any]:
         """The flattened keys that define the run (what must not change on resume)."""
-        runtime = (*RUNTIME_KEYS, "export", *(f"base_model.{k}" for k in ("attention_impl", "remat", "scan_layers")))
+        runtime = (*RUNTIME_KEYS, "export", *BASE_MODEL_RUNTIME_KEYS)
         return run_identity({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, runtime)
 
 
-__all__ = ["METHODS", "BaseModelConfig", "ExportConfig", "FinetuneConfig", "FinetuneDataConfig"]
+__all__ = [
+    "BASE_MODEL_RUNTIME_KEYS",
+    "METHODS",
+    "BaseModelConfig",
+    "ExportConfig",
+    "FinetuneConfig",
+    "FinetuneDataConfig",
+]

@@ -28,7 +28,7 @@ from ember.core.sharding import MeshConfig
 from ember.models.adapters.lora import LoraConfig
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.data.arithmetic import OPERATORS
-from ember.training.finetune.config import BaseModelConfig
+from ember.training.finetune.config import BASE_MODEL_RUNTIME_KEYS, BaseModelConfig
 from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, run_identity
 from ember.training.optimizers import OptimConfig
 from ember.training.rl_lm.losses import ALGORITHMS
@@ -197,7 +197,7 @@ class GRPOConfig:
             "grpo.token_budget",
             "prompts.eval_prompts",
             "prompts.eval_samples",
-            *(f"base_model.{k}" for k in ("attention_impl", "remat", "scan_layers")),
+            *BASE_MODEL_RUNTIME_KEYS,
         )
         return run_identity({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, runtime)
 

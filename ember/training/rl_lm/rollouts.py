@@ -147,6 +147,8 @@ class RolloutBatches:
         rng = np.random.default_rng([self.seed, index, self.process_index])
         chosen = rng.choice(len(self.prompts), size=self.local_prompts, replace=len(self.prompts) < self.local_prompts)
         prompts = [self.prompts[i] for i in chosen for _ in range(config.group_size)]
+        encoded = {i: self.engine.encode_prompt(self.prompts[i]) for i in set(chosen.tolist())}
+        prompt_tokens = [encoded[i] for i in chosen.tolist() for _ in range(config.group_size)]
         seeds = rng.integers(0, MAX_SEED, size=len(prompts))
         settings = [
             SamplingParams(
@@ -160,12 +162,11 @@ class RolloutBatches:
             for seed in seeds
         ]
         start = time.perf_counter()
-        results = self.engine.generate(prompts, settings)
+        results = self.engine.generate(prompt_tokens, settings)
         seconds = time.perf_counter() - start
         failed = [r.error for r in results if r.error is not None]
         if failed:
             raise ValueError(f"a rollout prompt was rejected by the engine: {failed[0]}")
-        prompt_tokens = [self.engine.encode_prompt(p) for p in prompts]
         completions = [list(r.tokens) for r in results]
         ended = [r.finish_reason == FINISH_STOP for r in results]
         texts = [r.text if r.text is not None else self.tokenizer.decode(r.tokens) for r in results]

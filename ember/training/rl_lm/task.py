@@ -198,9 +198,10 @@ class GRPOTask(Task):
             for seed in range(len(prompts) * samples)
         ]
         asked = prompts + [p for p in prompts for _ in range(samples)]
-        results = self.engine.generate(asked, greedy + sampled)
+        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        prompt_tokens = encoded + [tokens for tokens in encoded for _ in range(samples)]
+        results = self.engine.generate(prompt_tokens, greedy + sampled)
         texts = [r.text or "" for r in results]
-        prompt_tokens = [self.engine.encode_prompt(p) for p in asked]
         rewards = score(self.reward, asked, texts, prompt_tokens, [r.tokens for r in results]).rewards
         values = {"eval_reward": float(rewards[: len(prompts)].mean())}
         if samples:
