@@ -43,6 +43,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "ember.training.quantization.command",
         "quantize a model's weights: ember quantize SRC OUT --format int8|int4|nf4 [--method rtn|gptq]",
     ),
+    "linearize": (
+        "ember.training.linearize.command",
+        "make a softmax model linear-time (LoLCATs): ember linearize RUN_OR_HF_DIR OUT [key=value ...]",
+    ),
     "export": (
         "ember.serving.export",
         "serialize a model's serving steps with jax.export: ember export RUN_DIR OUT_DIR",

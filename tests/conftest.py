@@ -38,6 +38,8 @@ import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.xla_settings import xla_optimizations  # noqa: E402
+
 hypothesis.settings.register_profile("ember", deadline=None, max_examples=20, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ember"))
 
@@ -48,19 +50,14 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(autouse=True)
-def _xla_optimizations_for_marked_tests(request, monkeypatch):
+def _xla_optimizations_for_marked_tests(request):
     """XLA's optimizations back on for a test marked ``xla_optimized`` (in this process and in the
     subprocesses it starts), whose compiled programs run long enough to pay for them."""
     if request.node.get_closest_marker("xla_optimized") is None:
         yield
         return
-    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
+    with xla_optimizations():
         yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", previous)
 
 
 @pytest.fixture

@@ -9,6 +9,10 @@ from nbclient import NotebookClient
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
+XLA_OPTIMIZED = {"rl_lm.ipynb", "envs_and_rl.ipynb", "linearize.ipynb"}
+"""Notebooks whose training runs outlast compiling: their kernels get XLA's optimizations back
+(the suite turns them off, see tests/conftest.py). Measured: rl_lm 77 -> 55 s; the others ran
+as fast or faster without them."""
 
 
 def test_examples_exist():
@@ -25,6 +29,8 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     else:
         monkeypatch.delenv("XLA_FLAGS", raising=False)
+    if path.name in XLA_OPTIMIZED:
+        monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

@@ -27,6 +27,9 @@ from an empty state (the slot's old state is ignored), so a slot is reused witho
   (the last value, for the value shift).
 - ``linear``: per-slot ``state [num_slots, heads, feature_dim, head_dim + 1]`` (float32
   recurrent state with the normaliser column).
+- ``window_linear``: per-slot ``state [num_slots, heads, feature_dim, head_dim + 1]`` (float32,
+  the keys that have left the window) and ``window_k``/``window_v [num_slots, sliding_window,
+  kv_heads, head_dim]`` (the last ``sliding_window`` keys and values, newest last).
 - ``mamba2``: per-slot ``conv_state [num_slots, conv_kernel - 1, conv_dim]`` (the last
   pre-convolution ``x, B, C`` inputs) and ``ssm_state [num_slots, ssm_heads, ssm_head_dim,
   state_size]`` (float32).
@@ -134,6 +137,10 @@ def layer_state_shapes(config: ModelConfig, kind: str, num_slots: int, num_pages
         }
     if kind == "linear":
         return {"state": (num_slots, config.num_heads, linear_feature_dim(config), config.head_size + 1)}
+    if kind == "window_linear":
+        window = (num_slots, config.sliding_window, config.kv_heads, config.head_size)
+        state = (num_slots, config.num_heads, linear_feature_dim(config), config.head_size + 1)
+        return {"state": state, "window_k": window, "window_v": window}
     if kind == "mamba2":
         ssm = config.ssm
         return {

@@ -20,6 +20,10 @@ Layer kinds (``block_pattern``, repeated cyclically over ``num_layers``):
 - ``cca``: Compressed Convolutional Attention in a latent space ``cca_compression`` times
   narrower than the model (CCGQA when ``cca_kv_heads < cca_heads``).
 - ``linear``: linear attention with the ``linear_feature_map`` feature map.
+- ``window_linear``: a linearised softmax layer (LoLCATs): exact softmax attention over the
+  last ``sliding_window`` tokens plus linear attention (``linear_feature_map``, Hedgehog when
+  linearising) over every earlier token, sharing one normaliser, with a learned per-head mix;
+  its cache is an O(window) state slot per sequence (see ``layers/window_linear_math.py``).
 - ``mamba2``: the Mamba-2 mixer (``ssm``, an :class:`SSMConfig`): input projections, a
   causal depthwise convolution, the SSD scan, a gated per-group RMSNorm. Mamba-2 models set
   ``mlp_pattern: [none]``; hybrids mix it with the attention kinds (e.g. ``[mamba2, mamba2,
@@ -41,10 +45,10 @@ import math
 from ember.core.errors import ConfigError
 from ember.core.precision import Precision
 
-LAYER_KINDS: tuple[str, ...] = ("global", "local", "block_sparse", "cca", "linear", "mamba2")
+LAYER_KINDS: tuple[str, ...] = ("global", "local", "block_sparse", "cca", "linear", "mamba2", "window_linear")
 SOFTMAX_FAMILY: tuple[str, ...] = ("global", "local", "block_sparse")
 """Kinds that run the ordinary multi-head attention module over a paged KV cache."""
-ROTARY_KINDS: tuple[str, ...] = (*SOFTMAX_FAMILY, "cca")
+ROTARY_KINDS: tuple[str, ...] = (*SOFTMAX_FAMILY, "cca", "window_linear")
 """Kinds that apply rotary embeddings (their head size must be even)."""
 MLP_KINDS: tuple[str, ...] = ("swiglu", "geglu", "gelu", "relu")
 MLP_PLACEMENTS: tuple[str, ...] = ("dense", "moe", "none")
@@ -55,7 +59,7 @@ SCORE_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 FEATURE_MAPS: tuple[str, ...] = ("elu", "relu", "hedgehog")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
 RUNTIME_FIELDS: frozenset[str] = frozenset(
-    {"attention_impl", "moe_impl", "remat", "scan_layers", "page_size", "precision"}
+    {"attention_impl", "moe_impl", "remat", "scan_layers", "page_size", "precision", "attention_transfer"}
 )
 """Fields that say how a process runs the model, not what its parameters mean: a checkpoint
 may be resumed or served with any of them changed (``precision`` only while its parameter
@@ -260,6 +264,10 @@ class ModelConfig:
     attention_impl: str = "auto"
     moe_impl: str = "auto"
     page_size: int = 16
+    attention_transfer: bool = False
+    """Runtime, for linearising (stage 1): every ``window_linear`` layer sows the squared error of
+    its output against the softmax attention it replaces (``losses``, ``attention_transfer``)
+    and passes the softmax output on, so one forward trains every layer's feature maps."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len", "page_size"):
@@ -305,6 +313,11 @@ class ModelConfig:
             raise ConfigError(f"global_tokens must be >= 0, got {self.global_tokens}", key="global_tokens")
         if "cca" in self.block_pattern:
             self._check_cca()
+        if "window_linear" in self.block_pattern and self.score != "softmax":
+            raise ConfigError(
+                f"window_linear layers take softmax scores (they linearise softmax attention), got {self.score!r}",
+                key="score",
+            )
         if "mamba2" in self.block_pattern:
             self._check_ssm()
         if self.head_size % 2 and set(self.block_pattern) & set(ROTARY_KINDS):

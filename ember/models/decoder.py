@@ -47,6 +47,7 @@ from ember.models.layers.mlp import Mlp
 from ember.models.layers.moe import MoeMlp
 from ember.models.layers.norm import make_norm
 from ember.models.layers.router import combine_statistics, layer_metrics, load_balancing_loss, router_z_loss
+from ember.models.layers.window_linear_attention import WindowLinearAttention
 from ember.models.quantization.stored import CALIBRATION
 
 _REMAT_POLICIES = {
@@ -82,6 +83,8 @@ class Block(nn.Module):
             mixer = CompressedConvAttention(config, name="attn")
         elif self.kind == "mamba2":
             mixer = Mamba2Mixer(config, name="attn")
+        elif self.kind == "window_linear":
+            mixer = WindowLinearAttention(config, name="attn")
         else:
             mixer = LinearAttention(config, name="attn")
         h, state = mixer(h, positions, segment_ids, state, paging, valid)
@@ -232,7 +235,7 @@ class DecoderLM(nn.Module):
         if config.scan_layers:
             scanned = nn.scan(
                 group_cls,
-                variable_axes={"params": 0, "balance": 0, CALIBRATION: 0},
+                variable_axes={"params": 0, "balance": 0, CALIBRATION: 0, "losses": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=config.num_layers // period,

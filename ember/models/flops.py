@@ -21,7 +21,7 @@ def mean_visible_keys(config: ModelConfig, kind: str, seq_len: int) -> float:
     if kind in ("global", "cca"):
         return (n + 1) / 2
     local = sum(min(i + 1, window) for i in range(n))
-    if kind == "local":
+    if kind in ("local", "window_linear"):
         return local / n
     if kind == "block_sparse":
         outside_window = sum(max(0, min(num_global, i - window + 1)) for i in range(n))
@@ -48,7 +48,12 @@ def mixer_flops(config: ModelConfig, kind: str, seq_len: int) -> float:
         return 2 * d * 3 * inner + 2 * inner * d + 4 * config.num_heads * features * (config.head_size + 1)
     kv = config.kv_heads * config.head_size
     projections = 2 * d * (inner + 2 * kv) + 2 * inner * d
-    return projections + 4 * inner * mean_visible_keys(config, kind, seq_len)
+    attention = projections + 4 * inner * mean_visible_keys(config, kind, seq_len)
+    if kind == "window_linear":  # plus the feature maps and the linear part beyond the window
+        features = linear_feature_dim(config)
+        maps = 2 * config.head_size * (features // 2) * (config.num_heads + config.kv_heads)
+        return attention + maps + 4 * config.num_heads * features * (config.head_size + 1)
+    return attention
 
 
 def moe_flops(config: ModelConfig) -> float:

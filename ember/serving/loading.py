@@ -2,6 +2,9 @@
 
 - Ember fine-tuning or GRPO run (``kind: finetune`` / ``grpo``): the base model's config and tokenizer, and the
   run's checkpointed weights (LoRA adapters applied unmerged, MixLoRA experts, or all weights).
+- Ember linearising run (``kind: linearize``, ``ember linearize``; its ``attention_transfer/``
+  stage too): the base model's config made linear (its ``linear:`` section) and tokenizer, and
+  the run's checkpointed weights (stage 2's LoRA adapters applied unmerged).
 - Ember run directory: ``config.yaml`` whose ``model:`` section is a ``ModelConfig`` and
   ``checkpoints/`` (``ember.core.checkpoint``) whose state has a ``params`` entry. Only the
   params and the model state (a trained MoE's balancing bias: ``ember.models.variables``)
@@ -32,6 +35,7 @@ from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import convert_layer_layout, saved_scan_layers
+from ember.models.linearize import LinearizeConfig, linearized_config
 from ember.models.variables import serving_weights
 
 
@@ -65,8 +69,8 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
 
 def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
     kind = read_key(path / "config.yaml", "kind")
-    if kind in ("finetune", "grpo"):
-        return _load_finetune_run(path, step, config_overrides)
+    if kind in ("finetune", "grpo", "linearize"):
+        return _load_finetune_run(path, step, config_overrides, linearized=kind == "linearize")
     section = read_key(path / "config.yaml", "model")
     if section is None:
         raise ConfigError(f"{path / 'config.yaml'} has no model: section", key="model")
@@ -83,9 +87,12 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
     return LoadedModel(config, serving_weights(params, model_state), tokenizer, eos_id)
 
 
-def _load_finetune_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
-    """A ``kind: finetune`` (or ``grpo``) run: the base model's config and tokenizer (``base_model:`` of its
-    config.yaml), the run's own checkpointed weights (adapters included, applied unmerged)."""
+def _load_finetune_run(
+    path: Path, step: int | None, config_overrides: dict[str, Any], *, linearized: bool = False
+) -> LoadedModel:
+    """A ``kind: finetune`` (or ``grpo``, or with ``linearized`` ``linearize``) run: the base
+    model's config (``base_model:`` of its config.yaml; linearised by its ``linear:`` section)
+    and tokenizer, the run's own checkpointed weights (adapters included, applied unmerged)."""
     base = read_key(path / "config.yaml", "base_model") or {}
     if "path" not in base:
         raise ConfigError(f"{path / 'config.yaml'} has no base_model.path", key="base_model.path")
@@ -96,8 +103,11 @@ def _load_finetune_run(path: Path, step: int | None, config_overrides: dict[str,
         step=None if base_step is None or base_step < 0 else base_step,
         **{"scan_layers": base.get("scan_layers", True), **runtime, **config_overrides},
     )
-    params, model_state = _restore_weights(path, step, loaded.config)
-    return LoadedModel(loaded.config, serving_weights(params, model_state), loaded.tokenizer, loaded.eos_id)
+    config = loaded.config
+    if linearized:
+        config = linearized_config(config, load_config(LinearizeConfig, read_key(path / "config.yaml", "linear") or {}))
+    params, model_state = _restore_weights(path, step, config)
+    return LoadedModel(config, serving_weights(params, model_state), loaded.tokenizer, loaded.eos_id)
 
 
 def _restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[Any, Any]:

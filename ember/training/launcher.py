@@ -24,6 +24,7 @@ KINDS: dict[str, str] = {
     "finetune": "ember.training.finetune.entry",
     "rl": "ember.training.rl.entry",
     "grpo": "ember.training.rl_lm.entry",
+    "linearize": "ember.training.linearize.entry",
 }
 DEFAULT_KIND = "lm"
 

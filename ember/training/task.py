@@ -142,7 +142,8 @@ class ModelOutputs(NamedTuple):
 
     output: Any
     aux: dict[str, jax.Array]
-    """Auxiliary losses sown into ``"losses"``, each name's values summed over layers."""
+    """Auxiliary losses sown into ``"losses"``, each name's values summed over layers (a value
+    sown inside the scanned layers has a leading ``[groups]`` axis, summed too)."""
     metrics: dict[str, jax.Array]
     """Metrics sown into ``"metrics"``, each name's values averaged over the layers that sowed it."""
     model_state: dict[str, Any] | None
@@ -161,7 +162,7 @@ def apply_model(
     metrics = _sown_by_name(updated.get(METRICS_COLLECTION, {}))
     return ModelOutputs(
         output,
-        {name: sum(jnp.asarray(v, jnp.float32) for v in values) for name, values in aux.items()},
+        {name: sum(jnp.sum(jnp.asarray(v, jnp.float32)) for v in values) for name, values in aux.items()},
         {name: sum(jnp.asarray(v, jnp.float32) for v in values) / len(values) for name, values in metrics.items()},
         {name: updated[name] for name in state} if model_state is not None else None,
     )
@@ -194,6 +195,18 @@ def next_token_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array)
     return jnp.sum(losses * mask), jnp.sum(mask)
 
 
+def next_token_kl(
+    student_logits: jax.Array, teacher_logits: jax.Array, loss_mask: jax.Array, temperature: float = 1.0
+) -> jax.Array:
+    """Sum over unmasked tokens of ``KL(teacher || student)`` between the next-token
+    distributions at ``temperature`` (times ``temperature**2``, so gradients keep their scale),
+    float32; logits ``[batch, seq, vocab]``, ``loss_mask [batch, seq]``."""
+    student = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+    teacher = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+    per_token = jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1) * temperature**2
+    return jnp.sum(per_token * loss_mask.astype(jnp.float32))
+
+
 __all__ = [
     "AUX_COLLECTION",
     "METRICS_COLLECTION",
@@ -204,5 +217,6 @@ __all__ = [
     "Task",
     "apply_model",
     "apply_with_aux",
+    "next_token_kl",
     "next_token_loss",
 ]

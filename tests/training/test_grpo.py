@@ -22,6 +22,7 @@ from ember.training.rl_lm.config import GRPOConfig
 from ember.training.rl_lm.losses import token_logprobs
 from ember.training.rl_lm.rewards import arithmetic_exact_match
 from tests.tolerances import assert_allclose
+from tests.xla_settings import xla_optimizations
 
 CONFIGS = shipped_configs_dir() / "rl_lm"
 
@@ -39,7 +40,7 @@ def pretrained(tmp_path_factory):
         "logging.tensorboard=false",
         "sample.prompts=[]",
     ]
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, xla_optimizations():  # 400 steps: run time outweighs compiling
         patch.setenv("EMBER_CACHE", str(root / "cache"))
         train(load_config(LMConfig, CONFIGS / "arithmetic_pretrain.yaml", overrides))
     return root / "run"

@@ -141,6 +141,53 @@ def _attend_sequence(q, k, v, *, config, kind, segment_ids, positions, options) 
     )
 
 
+def rotary_qkv(
+    config: ModelConfig, x: jax.Array, positions: jax.Array, adapter_ids: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The ``q``, ``k``, ``v`` projections of ``x [batch, seq, embed]`` (submodules ``q``, ``k``,
+    ``v`` and, with ``qk_norm``, ``q_norm``/``k_norm`` of the calling module), rotary embedding
+    applied: ``q [batch, seq, heads, head_dim]``, ``k``/``v [batch, seq, kv_heads, head_dim]``."""
+    policy = config.policy
+    heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_size
+
+    def projection(name, features, axes):
+        return Projection(
+            features,
+            ("embed", *axes),
+            use_bias=config.qkv_bias,
+            init_std=config.init_std,
+            dtype=policy.compute_dtype,
+            param_dtype=policy.param_dtype,
+            name=name,
+        )(x, adapter_ids)
+
+    q = projection("q", (heads, head_dim), ("heads", "head_dim"))
+    k = projection("k", (kv_heads, head_dim), ("kv_heads", "head_dim"))
+    v = projection("v", (kv_heads, head_dim), ("kv_heads", "head_dim"))
+    if config.qk_norm:
+        q = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="q_norm")(q)
+        k = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="k_norm")(k)
+    inv_freq = rope_inverse_frequencies(head_dim, config.rope)
+    q = constrain(apply_rope(q, positions, inv_freq), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(apply_rope(k, positions, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
+    return q, k, constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+
+
+def output_projection(config: ModelConfig, embed: int, name: str = "o") -> Projection:
+    """The ``[batch, seq, heads, head_dim] -> [batch, seq, embed]`` projection (a submodule
+    ``name`` of the calling module); apply it as ``(out, adapter_ids)``."""
+    policy = config.policy
+    return Projection(
+        (embed,),
+        ("heads", "head_dim", "embed"),
+        in_dims=2,
+        init_std=config.init_std,
+        dtype=policy.compute_dtype,
+        param_dtype=policy.param_dtype,
+        name=name,
+    )
+
+
 class Attention(nn.Module):
     """Self-attention of one layer: ``x [batch, seq, embed] -> [batch, seq, embed]``.
 
@@ -162,37 +209,13 @@ class Attention(nn.Module):
         paging: Paging | None = None,
         valid: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
-        config = self.config
-        policy = config.policy
-        heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_size
-
-        def projection(name, features, axes):
-            return Projection(
-                features,
-                ("embed", *axes),
-                use_bias=config.qkv_bias,
-                init_std=config.init_std,
-                dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype,
-                name=name,
-            )
-
         adapter_ids = None if paging is None else paging.token_adapters(valid)
-        q = projection("q", (heads, head_dim), ("heads", "head_dim"))(x, adapter_ids)
-        k = projection("k", (kv_heads, head_dim), ("kv_heads", "head_dim"))(x, adapter_ids)
-        v = projection("v", (kv_heads, head_dim), ("kv_heads", "head_dim"))(x, adapter_ids)
-        if config.qk_norm:
-            q = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="q_norm")(q)
-            k = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="k_norm")(k)
-        inv_freq = rope_inverse_frequencies(head_dim, config.rope)
-        q = constrain(apply_rope(q, positions, inv_freq), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rope(k, positions, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        q, k, v = rotary_qkv(self.config, x, positions, adapter_ids)
         out, pages = attend(
             q,
             k,
             v,
-            config=config,
+            config=self.config,
             kind=self.kind,
             segment_ids=segment_ids,
             pages=pages,
@@ -200,13 +223,4 @@ class Attention(nn.Module):
             positions=positions,
             valid=valid,
         )
-        out = Projection(
-            (x.shape[-1],),
-            ("heads", "head_dim", "embed"),
-            in_dims=2,
-            init_std=config.init_std,
-            dtype=policy.compute_dtype,
-            param_dtype=policy.param_dtype,
-            name="o",
-        )(out, adapter_ids)
-        return out, pages
+        return output_projection(self.config, x.shape[-1])(out, adapter_ids), pages

@@ -20,6 +20,38 @@ from ember.models.layers.feature_maps import FeatureMap
 from ember.models.layers.projection import Projection
 
 
+def ragged_linear_sums(
+    q: jax.Array, k: jax.Array, values: jax.Array, states: jax.Array, paging: Paging, valid: jax.Array, impl: str
+) -> tuple[jax.Array, jax.Array]:
+    """Unnormalised causal linear attention over one flat token budget of sequence runs.
+
+    Args:
+      q, k: ``[num_tokens, heads, feature_dim]`` (feature-mapped); values ``[num_tokens,
+        heads, dv]`` (with a column of ones last, the sums' last column is the normaliser).
+      states: float32 ``[seqs, heads, feature_dim, dv]``, each sequence's ``sum phi(k) values``
+        before its run (ignored for a fresh sequence).
+      paging: the runs; valid: bool ``[num_tokens]`` (False: a key that adds nothing).
+      impl: ``linear_attention``'s implementation.
+
+    Returns:
+      float32 ``(sums [num_tokens, heads, dv], states after the runs)``: a token's sums are its
+      run's chunked linear attention (documents reset at run boundaries) plus ``phi(q_t) .
+      states[owner]``; a run adds its valid keys to its sequence's state.
+    """
+    f32 = jnp.float32
+    keep = valid[:, None, None]
+    q = q.astype(f32)
+    k = jnp.where(keep, k, 0).astype(f32)
+    values = jnp.where(keep, values, 0).astype(f32)
+    num_seqs = paging.page_table.shape[0]
+    runs = jnp.where(valid, paging.owner, num_seqs)
+    within = linear_attention(q[None], k[None], values[None], segment_ids=runs[None], impl=impl)[0]
+    states = jnp.where(paging.fresh()[:, None, None, None], 0.0, states.astype(f32))
+    sums = within + jnp.einsum("thf,thfe->the", q, states[paging.owner])
+    member = ((paging.owner[:, None] == jnp.arange(num_seqs)[None, :]) & valid[:, None]).astype(f32)
+    return sums, states + jnp.einsum("ts,thf,the->shfe", member, k, values)
+
+
 def ragged_linear_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, states: jax.Array, paging: Paging, valid: jax.Array, impl: str
 ) -> tuple[jax.Array, jax.Array]:
@@ -33,23 +65,13 @@ def ragged_linear_attention(
       impl: ``linear_attention``'s implementation.
 
     Returns:
-      ``(out [num_tokens, heads, dv] in v's dtype, states after the runs)``. A token's
-      numerator and normaliser are its run's chunked linear attention (documents reset at
-      run boundaries) plus ``phi(q_t) . states[owner]``; a run adds its tokens' sums.
+      ``(out [num_tokens, heads, dv] in v's dtype, states after the runs)``: the sums of
+      :func:`ragged_linear_sums` divided by their normaliser column.
     """
-    f32 = jnp.float32
-    keep = valid[:, None, None]
-    q = q.astype(f32)
-    k = jnp.where(keep, k, 0).astype(f32)
-    values = jnp.where(keep, jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1), 0).astype(f32)
-    num_seqs = paging.page_table.shape[0]
-    runs = jnp.where(valid, paging.owner, num_seqs)
-    within = linear_attention(q[None], k[None], values[None], segment_ids=runs[None], impl=impl)[0]
-    states = jnp.where(paging.fresh()[:, None, None, None], 0.0, states.astype(f32))
-    total = within + jnp.einsum("thf,thfe->the", q, states[paging.owner])
+    values = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
+    total, states = ragged_linear_sums(q, k, values, states, paging, valid, impl)
     out = total[..., :-1] / (total[..., -1:] + NORMALIZER_EPS)
-    member = ((paging.owner[:, None] == jnp.arange(num_seqs)[None, :]) & valid[:, None]).astype(f32)
-    return out.astype(v.dtype), states + jnp.einsum("ts,thf,the->shfe", member, k, values)
+    return out.astype(v.dtype), states
 
 
 class LinearAttention(nn.Module):

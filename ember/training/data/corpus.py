@@ -2,16 +2,20 @@
 
 It needs no download, is tens of megabytes of real text, and its order is deterministic
 (sorted relative paths). It is prepared once into a cache directory
-(``$EMBER_CACHE``, default ``~/.cache/ember``), keyed by the Python version.
+(``$EMBER_CACHE``, default ``~/.cache/ember``), keyed by the Python version (and by the
+tokenizer, when it is not Ember's byte-level one).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ember.training.data.token_files import META_FILE, prepare_token_files
 
@@ -32,10 +36,15 @@ def stdlib_documents() -> Iterator[tuple[str, str]]:
         yield str(path.relative_to(root)), text
 
 
-def stdlib_corpus_dir(cache_dir: str | Path | None = None) -> Path:
-    """The prepared stdlib dataset directory, preparing it on first use."""
+def stdlib_corpus_dir(cache_dir: str | Path | None = None, tokenizer: Any = None) -> Path:
+    """The prepared stdlib dataset directory, preparing it on first use; ``tokenizer`` (default:
+    Ember's byte tokenizer) tokenizes it, each tokenizer into its own directory."""
     cache = Path(cache_dir or os.environ.get("EMBER_CACHE", Path.home() / ".cache" / "ember"))
-    directory = cache / "corpora" / f"python-stdlib-{platform.python_version()}"
+    name = f"python-stdlib-{platform.python_version()}"
+    if tokenizer is not None and tokenizer.describe()["type"] != "bytes":
+        digest = hashlib.sha256(json.dumps(tokenizer.describe(), sort_keys=True).encode()).hexdigest()[:12]
+        name = f"{name}-{digest}"
+    directory = cache / "corpora" / name
     if not (directory / META_FILE).is_file():
-        prepare_token_files(stdlib_documents(), directory)
+        prepare_token_files(stdlib_documents(), directory, tokenizer=tokenizer)
     return directory

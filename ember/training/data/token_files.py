@@ -16,6 +16,7 @@ import os
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,16 +42,23 @@ def prepare_token_files(
     out_dir: str | Path,
     *,
     val_fraction: float = 0.02,
-    tokenizer: ByteTokenizer | None = None,
+    tokenizer: Any = None,
 ) -> dict:
-    """Tokenizes ``(name, text)`` documents into ``out_dir``; returns the metadata written.
+    """Tokenizes ``(name, text)`` documents into ``out_dir`` with ``tokenizer`` (``encode``,
+    ``describe``, ``vocab_size``; default Ember's byte tokenizer); returns the metadata written.
 
     Raises:
-      ConfigError: ``val_fraction`` is outside [0, 1). DataError: no document has any text.
+      ConfigError: ``val_fraction`` is outside [0, 1). DataError: no document has any text, or
+        the vocabulary does not fit the token files' ids.
     """
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}", key="val_fraction")
     tokenizer = tokenizer or ByteTokenizer()
+    if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise DataError(
+            f"token files hold {np.dtype(TOKEN_DTYPE).name} ids (vocabularies up to "
+            f"{np.iinfo(TOKEN_DTYPE).max + 1}); this tokenizer has {tokenizer.vocab_size}"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = hashlib.sha256()

@@ -1,0 +1,170 @@
+"""The ``linearize`` kind: both stages of LoLCATs and the figures that judge them.
+
+    summary = run(config)      # config: LinearizeRunConfig; also ``ember linearize`` / ``ember train``
+
+1. The teacher and the *naive swap* (softmax attention replaced by the untrained linearised
+   layers: identity feature maps, even mix) are evaluated on the stage-2 validation batches,
+   with each layer's attention-transfer error.
+2. Stage 1 (``run_dir/attention_transfer``): :class:`AttentionTransferTask`; the errors again.
+3. Stage 2 (``run_dir``): :class:`LowRankTask` from the stage-1 weights; the final loss.
+
+``run_dir/summary.json`` adds to the stage-2 trainer's summary: ``teacher_val_loss``,
+``swap_val_loss``, ``transfer_val_loss`` (after stage 1), ``linearized_val_loss``, ``gap_closed`` (the share of the swap's excess loss
+over the teacher that linearising removed), ``attention_mse_before``/``_after`` (per layer),
+``parameters_total`` (the teacher's), ``parameters_trained`` (stage 1's plus stage 2's) and
+``trained_fraction``, ``tokens`` (both stages) and each stage's wall time. With ``resume``, a
+finished stage 1 is not run again, and each stage continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from ember.core.checkpoint import CheckpointManager
+from ember.core.errors import ConfigError
+from ember.core.sharding import logical_rules, make_mesh, shard_variables, unbox
+from ember.core.tree import param_count
+from ember.models.decoder import DecoderLM
+from ember.serving.loading import LoadedModel
+from ember.training.data import TokenDataset, stdlib_corpus_dir
+from ember.training.finetune.base import boxed_variables, load_base
+from ember.training.linearize.config import TRANSFER_DIR, LinearizeRunConfig
+from ember.training.linearize.evaluate import transfer_errors, validation_loss
+from ember.training.linearize.tasks import AttentionTransferTask, LowRankTask
+from ember.training.lm.config import DataConfig
+from ember.training.lm.trainer import make_trainer
+from ember.training.trainable import select
+
+CONFIG_SCHEMA = LinearizeRunConfig
+
+
+def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
+    """Linearises (or resumes linearising) ``config.base_model`` into ``config.run_dir``;
+    returns the summary it writes (a stage stopped early returns that stage's summary)."""
+    base = load_base(config.base_model)
+    dataset = _dataset(config.data, base)
+    mesh, rules = make_mesh(config.mesh), logical_rules(config.sharding.rules)
+    transfer = AttentionTransferTask(config, base, dataset)
+    low_rank = LowRankTask(config, base, dataset, transferred=None)
+    batches = list(low_rank.eval_data() or ())
+    if not batches:
+        raise ConfigError(
+            "train.eval_batches must be >= 1: the summary compares validation losses", key="train.eval_batches"
+        )
+    linear_model = DecoderLM(low_rank.config.model)
+
+    def measure(name, fn, *args):
+        print(f"linearize: {name} ...", flush=True)
+        return fn(*args, batches, mesh, rules)
+
+    teacher_model = DecoderLM(base.config)
+    teacher = shard_variables(
+        boxed_variables(teacher_model, low_rank.config.train.seq_len, transfer.pretrained()), mesh, rules
+    )
+    swap = shard_variables(
+        jax.jit(transfer.init_variables)(jax.random.key(config.seed), transfer.pretrained()), mesh, rules
+    )
+    figures: dict[str, Any] = {
+        "teacher_val_loss": measure("teacher validation loss", validation_loss, teacher_model, teacher),
+        "swap_val_loss": measure("naive-swap validation loss", validation_loss, linear_model, swap),
+        "attention_mse_before": measure("attention errors before transfer", transfer_errors, transfer.model, swap),
+    }
+    del teacher
+
+    stage_dir = Path(config.run_dir) / TRANSFER_DIR
+    transfer_summary = _finished(stage_dir) if resume else None
+    if transfer_summary is None:
+        transfer_summary, transferred = _train(make_trainer(config.stage("transfer"), resume=resume, task=transfer))
+        if transfer_summary["stopped_early"]:
+            return transfer_summary
+    else:
+        transferred = _restore(stage_dir)
+    figures["attention_mse_after"] = measure(
+        "attention errors after transfer", transfer_errors, transfer.model, transferred
+    )
+    figures["transfer_val_loss"] = measure("validation loss after transfer", validation_loss, linear_model, transferred)
+
+    low_rank.transferred = jax.device_get(transferred["params"])
+    summary, final = _train(make_trainer(config, resume=resume, task=low_rank))
+    if summary["stopped_early"]:
+        return summary
+    figures["linearized_val_loss"] = measure("linearised validation loss", validation_loss, linear_model, final)
+    excess = figures["swap_val_loss"] - figures["teacher_val_loss"]
+    figures["gap_closed"] = (figures["swap_val_loss"] - figures["linearized_val_loss"]) / excess if excess else 0.0
+
+    trained_transfer = param_count(select(unbox(swap["params"]), transfer.trainable(unbox(swap["params"]))))
+    trained_low_rank = param_count(select(final["params"], low_rank.trainable(final["params"])))
+    total = param_count(transfer.base_params)
+    transfer_tokens = transfer_summary["steps"] * config.transfer.train.batch_size * config.transfer.train.seq_len
+    low_rank_tokens = summary["steps"] * config.train.batch_size * config.train.seq_len
+    figures.update(
+        parameters_total=total,
+        parameters_trained_transfer=trained_transfer,
+        parameters_trained_low_rank=trained_low_rank,
+        parameters_trained=trained_transfer + trained_low_rank,
+        trained_fraction=(trained_transfer + trained_low_rank) / total,
+        tokens_transfer=transfer_tokens,
+        tokens_low_rank=low_rank_tokens,
+        tokens=transfer_tokens + low_rank_tokens,
+        transfer_seconds=transfer_summary["wall_seconds"],
+        low_rank_seconds=summary["wall_seconds"],
+    )
+    summary = {**summary, **figures}
+    if jax.process_index() == 0:
+        (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _dataset(data: DataConfig, base: LoadedModel) -> TokenDataset:
+    """The LM text, tokenized with the base model's tokenizer (the stdlib corpus is prepared
+    with it on first use; a prepared directory must have been).
+
+    Raises:
+      ConfigError: a prepared directory's tokenizer is not the base's (keyed ``data.dataset``).
+    """
+    if data.dataset == "stdlib":
+        return TokenDataset.open(stdlib_corpus_dir(tokenizer=base.tokenizer))
+    dataset = TokenDataset.open(Path(data.dataset))
+    if dataset.tokenizer.describe() != base.tokenizer.describe():
+        raise ConfigError(
+            f"data.dataset {data.dataset} was tokenized with a {dataset.tokenizer.describe()['type']} tokenizer "
+            "other than the base model's; prepare the text with the base's tokenizer (or use stdlib)",
+            key="data.dataset",
+        )
+    return dataset
+
+
+def _train(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Trains; returns the summary (with ``wall_seconds``, also written to the run's
+    summary.json) and the final variables, placed."""
+    start = time.perf_counter()
+    summary = trainer.train()
+    summary["wall_seconds"] = time.perf_counter() - start
+    if trainer.is_main:
+        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary, {"params": trainer.state.params, **trainer.state.model_state}
+
+
+def _finished(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of a stage that ran to its end in ``run_dir``, or None."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return None if summary.get("stopped_early", True) else summary
+
+
+def _restore(run_dir: Path) -> dict[str, Any]:
+    """The variables of a finished stage's last checkpoint (host arrays)."""
+    with CheckpointManager(run_dir / "checkpoints") as manager:
+        params = manager.restore_part("params")
+        state = manager.restore_part("model_state") if "model_state" in manager.state_metadata(None) else {}
+    return {"params": params, **state}
+
+
+__all__ = ["CONFIG_SCHEMA", "run"]

@@ -1,0 +1,120 @@
+"""The linearised attention layer (``window_linear``, LoLCATs): its linear-time form equals its
+quadratic reference (values and gradients, windows shorter and longer than the sequence,
+packed documents, grouped-query heads, soft-capped scores, bf16), the reference equals the
+formula written out for one query, and in attention-transfer mode a linearised model gives the
+softmax model's logits exactly while sowing each layer's error."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ember.core.errors import ConfigError
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
+from ember.models.layers.feature_maps import hedgehog_features
+from ember.models.layers.window_linear_math import window_linear_attention, window_linear_reference
+from ember.models.linearize import linearized_params
+from ember.training.task import apply_model
+from tests.host_random import numpy_rng, perturbed
+from tests.tolerances import assert_allclose
+
+BATCH, SEQ, HEADS, KV_HEADS, DIM, FEATURES = 2, 21, 4, 2, 8, 3
+
+
+def inputs(key, dtype=jnp.float32):
+    generator = numpy_rng(key)
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(scale * generator.standard_normal(shape), dtype)
+
+    q, k, v = (
+        normal(BATCH, SEQ, HEADS, DIM, scale=2.0),
+        normal(BATCH, SEQ, KV_HEADS, DIM, scale=2.0),
+        normal(BATCH, SEQ, KV_HEADS, DIM),
+    )
+    q_features = hedgehog_features(q, normal(HEADS, DIM, FEATURES))
+    k_features = hedgehog_features(k, normal(KV_HEADS, DIM, FEATURES))
+    factor = jnp.asarray(generator.uniform(0.1, 0.9, HEADS), jnp.float32)
+    segments = jnp.asarray(np.sort(generator.integers(0, 3, (BATCH, SEQ)), axis=1), jnp.int32)
+    return (q, k, v, q_features, k_features, factor), segments
+
+
+def test_the_reference_is_the_formula_for_one_query(rng):
+    """Query 17 of row 0, head 3 (key head 1), window 5: keys 13..17 by softmax, 0..12 linearly."""
+    (q, k, v, qf, kf, factor), _ = inputs(rng)
+    out = window_linear_reference(q, k, v, qf, kf, factor, window=5)
+    t, h, g = 17, 3, 1
+    q, k, v, qf, kf = (np.asarray(x[0], np.float64) for x in (q, k, v, qf, kf))
+    scores = np.array([q[t, h] @ k[j, g] / np.sqrt(DIM) for j in range(13, 18)])
+    soft = float(factor[h]) * np.exp(scores - scores.max())
+    linear = np.array([qf[t, h] @ kf[j, g] for j in range(13)])
+    weights = np.concatenate([linear, soft])
+    expected = weights @ v[:18, g] / weights.sum()
+    assert_allclose(out[0, t, h], expected, scale=10)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 40])
+@pytest.mark.parametrize("packed", [False, True])
+def test_linear_time_form_equals_the_reference_with_gradients(window, packed, rng):
+    """Windows of one token, shorter than, a divisor-free fraction of, and longer than the
+    sequence (21, not a multiple of the window blocks); soft-capped scores."""
+    args, segments = inputs(rng)
+    segment_ids = segments if packed else None
+    options = dict(window=window, segment_ids=segment_ids, soft_cap=4.0)
+    cotangent = jnp.asarray(
+        numpy_rng(jax.random.fold_in(rng, 1)).standard_normal((BATCH, SEQ, HEADS, DIM)), jnp.float32
+    )
+
+    def loss(fn, *args):
+        return jnp.sum(fn(*args, **options) * cotangent)
+
+    fast = jax.jit(
+        jax.value_and_grad(
+            lambda *a: loss(lambda *b, **o: window_linear_attention(*b, impl="xla", **o), *a), argnums=range(6)
+        )
+    )
+    slow = jax.jit(jax.value_and_grad(lambda *a: loss(window_linear_reference, *a), argnums=range(6)))
+    (value, grads), (expected_value, expected_grads) = fast(*args), slow(*args)
+    assert_allclose(value, expected_value, scale=20)
+    for name, got, want in zip(("q", "k", "v", "q_features", "k_features", "factor"), grads, expected_grads):
+        assert_allclose(got, want, scale=50, err_msg=name)
+    out = window_linear_attention(*args, impl="xla", **options)
+    assert_allclose(out, window_linear_reference(*args, **options), scale=10)
+
+
+def test_bf16_inputs_stay_within_bf16_tolerance(rng):
+    args32, segments = inputs(rng)
+    args16 = tuple(x.astype(jnp.bfloat16) if i < 5 else x for i, x in enumerate(args32))
+    out = window_linear_attention(*args16, window=6, segment_ids=segments, impl="xla")
+    assert out.dtype == jnp.bfloat16
+    assert_allclose(out, window_linear_reference(*args32, window=6, segment_ids=segments))
+
+
+TEACHER = ModelConfig(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
+                      max_seq_len=32, qk_norm=True, attention_impl="xla")  # fmt: skip
+LINEARISED = dataclasses.replace(TEACHER, block_pattern=("window_linear",), sliding_window=4,
+                                 linear_feature_map="hedgehog", linear_feature_dim=4)  # fmt: skip
+
+
+def test_attention_transfer_mode_gives_the_softmax_logits_and_sows_each_layers_error(rng):
+    tokens = jnp.asarray(numpy_rng(rng).integers(0, 96, (2, 24)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
+    teacher = DecoderLM(TEACHER)
+    teacher_params = perturbed(teacher.init(rng, tokens, positions=positions)["params"], rng)
+    student = DecoderLM(LINEARISED)
+    fresh = student.init(jax.random.fold_in(rng, 1), tokens, positions=positions)["params"]
+    params = perturbed(fresh, jax.random.fold_in(rng, 2))  # features and mix away from their init
+    params = linearized_params(teacher_params, params)
+
+    teacher_logits, _ = teacher.apply({"params": teacher_params}, tokens, positions=positions)
+    transfer = DecoderLM(dataclasses.replace(LINEARISED, attention_transfer=True))
+    outputs = apply_model(transfer, params, tokens, positions=positions)
+    assert_allclose(outputs.output[0], teacher_logits, scale=10)
+    linear_logits, _ = student.apply({"params": params}, tokens, positions=positions)
+    assert float(jnp.max(jnp.abs(linear_logits - teacher_logits))) > 1e-3  # the linearised model itself differs
+    assert float(outputs.aux["attention_transfer"]) > 0
+    with pytest.raises(ConfigError, match="window_linear layers take softmax scores"):
+        dataclasses.replace(LINEARISED, score="sigmoid")
