@@ -3,6 +3,7 @@ the logical axes of the model's own ``init`` so they shard as a fresh model woul
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -16,7 +17,9 @@ from ember.training.finetune.config import BaseModelConfig
 
 
 def load_base(config: BaseModelConfig) -> LoadedModel:
-    """The model ``config.path`` names (its tokenizer required: runs read text).
+    """The model ``config.path`` names (its tokenizer required: runs read text), its weights as
+    host arrays (a restored checkpoint's sit committed to one device; trainers place them on
+    their mesh).
 
     Raises:
       ConfigError: the model has no tokenizer (keyed ``base_model.path``); see ``load_model``.
@@ -25,7 +28,7 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
     base = load_model(config.path, step=step, **config.overrides())
     if base.tokenizer is None:
         raise ConfigError(f"base model {config.path} has no tokenizer (tokenizer.json)", key="base_model.path")
-    return base
+    return dataclasses.replace(base, params=jax.device_get(base.params))
 
 
 def boxed_variables(model: DecoderLM, seq_len: int, pretrained: dict[str, Any]) -> dict[str, Any]:

@@ -96,9 +96,8 @@ class GRPOTask(Task):
 
     # ---------------------------------------------------------------- variables and masks
     def pretrained(self) -> dict[str, Any]:
-        """The base weights as host arrays (a restored checkpoint's sit on one device; the
-        trainer places them on its mesh)."""
-        return jax.device_get({"params": self.base_params, "state": self.base_state})
+        """The base weights (host arrays, see ``load_base``)."""
+        return {"params": self.base_params, "state": self.base_state}
 
     def init_variables(self, rng: jax.Array, pretrained: Any = None) -> dict[str, Any]:
         if pretrained is None:
