@@ -74,8 +74,10 @@ def test_the_linearized_run_serves_exported_with_chunked_prefill_like_a_greedy_l
     assert main(["export", str(linearized), str(artifact), "--num-slots", "2", "--token-budget", "8",
                  "--max-context", "64"]) == 0  # fmt: skip
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    assert main(["generate", "--artifact", str(artifact), "--prompts", str(tmp_path / "in.jsonl"),
-                 "--out", str(tmp_path / "out.jsonl"), "--max-tokens", str(max_tokens), "--no-progress"]) == 0  # fmt: skip
+    generate = ["generate", "--artifact", str(artifact), "--prompts", str(tmp_path / "in.jsonl")]
+    assert (
+        main([*generate, "--out", str(tmp_path / "out.jsonl"), "--max-tokens", str(max_tokens), "--no-progress"]) == 0
+    )
     served = [json.loads(line)["text"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert all(served) and served == [greedy_loop(loaded, prompt, max_tokens) for prompt in prompts]
 
