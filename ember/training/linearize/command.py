@@ -18,7 +18,8 @@ from ember.training.linearize.config import LinearizeRunConfig
 
 SUMMARY_KEYS = (
     "teacher_val_loss", "swap_val_loss", "transfer_val_loss", "linearized_val_loss", "gap_closed",
-    "attention_mse_before", "attention_mse_after", "parameters_trained", "trained_fraction", "tokens", "transfer_seconds", "low_rank_seconds",
+    "attention_mse_before", "attention_mse_after", "parameters_trained", "trained_fraction", "tokens",
+    "transfer_seconds", "low_rank_seconds",
 )  # fmt: skip
 
 
