@@ -11,8 +11,9 @@
 ``run_dir/summary.json`` adds to the stage-2 trainer's summary: ``teacher_val_loss``,
 ``swap_val_loss``, ``transfer_val_loss`` (after stage 1), ``linearized_val_loss``, ``gap_closed``
 (the share of the swap's excess loss over the teacher that linearising removed),
-``attention_mse_before``/``_after`` (per layer), ``parameters_total`` (the teacher's), ``parameters_trained`` (stage 1's plus stage 2's) and
-``trained_fraction``, ``tokens`` (both stages) and each stage's wall time. With ``resume``, a
+``attention_mse_before``/``_after`` (per layer), ``parameters_total`` (the teacher's),
+``parameters_trained`` (stage 1's plus stage 2's) and ``trained_fraction``, ``tokens`` (both
+stages) and each stage's wall time. With ``resume``, a
 finished stage 1 is not run again, and each stage continues from its last checkpoint.
 """
 
