@@ -16,7 +16,7 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.layers.feature_maps import hedgehog_features
 from ember.models.layers.window_linear_math import window_linear_attention, window_linear_reference
-from ember.models.linearize import linearized_params
+from ember.models.linearize import LinearizeConfig, linearized_config, linearized_params
 from ember.training.task import apply_model
 from tests.host_random import numpy_rng, perturbed
 from tests.tolerances import assert_allclose
@@ -117,3 +117,23 @@ def test_attention_transfer_mode_gives_the_softmax_logits_and_sows_each_layers_e
     assert float(outputs.aux["attention_transfer"]) > 0
     with pytest.raises(ConfigError, match="window_linear layers take softmax scores"):
         dataclasses.replace(LINEARISED, score="sigmoid")
+
+
+def test_linearizing_a_config_and_its_weights_names_what_cannot_be_done():
+    with pytest.raises(ConfigError, match=r"linear\.window must be a positive"):
+        LinearizeConfig(window=0)
+    linear = linearized_config(dataclasses.replace(TEACHER, block_pattern=("global", "mamba2")), LinearizeConfig(8, 4))
+    assert linear.block_pattern == ("window_linear", "mamba2") and linear.sliding_window == 8
+    with pytest.raises(ConfigError, match="only softmax attention layers"):
+        linearized_config(
+            dataclasses.replace(TEACHER, block_pattern=("mamba2",), mlp_pattern=("none",)), LinearizeConfig()
+        )
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    teacher = DecoderLM(TEACHER).init(jax.random.key(0), tokens)["params"]
+    fresh = DecoderLM(LINEARISED).init(jax.random.key(0), tokens)["params"]
+    wider = DecoderLM(dataclasses.replace(TEACHER, mlp_dim=96)).init(jax.random.key(0), tokens)["params"]
+    with pytest.raises(ValueError, match=r"mlp/down: the teacher's \(2, 96, 32\) against the linearised \(2, 64, 32\)"):
+        linearized_params(wider, fresh)
+    assert set(linearized_params(teacher, fresh)["layers"]["block_0"]["attn"]) == {
+        "q", "k", "v", "o", "q_norm", "k_norm", "q_features", "k_features", "window_factor",
+    }  # fmt: skip

@@ -100,3 +100,20 @@ def greedy_loop(loaded, prompt: str, max_tokens: int, length: int = 64) -> str:
         ids.append(token)
         new.append(token)
     return loaded.tokenizer.decode(new)
+
+
+def test_config_mistakes_are_named_before_anything_runs(tmp_path, capsys):
+    for overrides, key in (
+        (["data.dataset=arithmetic"], "data.dataset"),
+        (["adapter.init=pissa"], "adapter.init"),
+        (["distill.weight=-1"], "distill.weight"),
+        (["linear.window=0"], "linear.window"),
+        (["transfer.optim.lr_typo=1"], "lr_typo"),
+    ):
+        assert (
+            main(["linearize", str(tmp_path / "teacher"), str(tmp_path / "out"), "--config", str(CONFIG), *overrides])
+            == 2
+        )
+        assert key in capsys.readouterr().err, overrides
+    assert main(["linearize", str(tmp_path / "missing"), str(tmp_path / "out"), "--config", str(CONFIG)]) == 2
+    assert "neither an Ember run directory" in capsys.readouterr().err
