@@ -117,3 +117,25 @@ def test_config_mistakes_are_named_before_anything_runs(tmp_path, capsys):
         assert key in capsys.readouterr().err, overrides
     assert main(["linearize", str(tmp_path / "missing"), str(tmp_path / "out"), "--config", str(CONFIG)]) == 2
     assert "neither an Ember run directory" in capsys.readouterr().err
+
+
+def test_a_resumed_run_skips_the_finished_transfer_and_continues_distilling(tmp_path_factory, tmp_path):
+    """Stage 1 finished, stage 2 stopped at step 2 of 4: ``--resume`` leaves stage 1 as it is and
+    takes stage 2 from its checkpoint to step 4, logging the distillation term it trains on."""
+    teacher = tiny_stdlib_run(tmp_path_factory)
+    out = tmp_path / "run"
+    command = ["linearize", str(teacher / "run"), str(out), "--config", str(CONFIG), "logging.progress=false",
+               "logging.tensorboard=false", "transfer.train.steps=3", "transfer.train.eval_every=3",
+               "transfer.train.batch_size=4", "train.batch_size=4", "train.log_every=1", "train.eval_every=2",
+               "train.eval_batches=1", "checkpoint.every=2", "distill.weight=0.5"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EMBER_CACHE", str(teacher / "cache"))
+        assert main([*command, "train.steps=2"]) == 0
+        transfer_log = (out / TRANSFER_DIR / "metrics.jsonl").read_text()
+        assert main([*command, "train.steps=4", "--resume"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["tokens_low_rank"] == 4 * 4 * 128
+    assert (out / TRANSFER_DIR / "metrics.jsonl").read_text() == transfer_log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in records if "loss" in r) == [1, 2, 3, 4]
+    assert all(r["distill_kl"] > 0 for r in records if "loss" in r)

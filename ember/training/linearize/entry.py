@@ -161,11 +161,11 @@ def _finished(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _restore(run_dir: Path) -> dict[str, Any]:
-    """The variables of a finished stage's last checkpoint (host arrays)."""
+    """The variables of a finished stage's last checkpoint, as host arrays."""
     with CheckpointManager(run_dir / "checkpoints") as manager:
         params = manager.restore_part("params")
         state = manager.restore_part("model_state") if "model_state" in manager.state_metadata(None) else {}
-    return {"params": params, **state}
+    return jax.device_get({"params": params, **state})  # restored committed to one device
 
 
 __all__ = ["CONFIG_SCHEMA", "run"]

@@ -108,13 +108,15 @@ class LowRankTask(_LinearizeStage):
         teacher = {"params": self.base_params, "state": self.base_state}
         return boxed_variables(self.teacher_model, self.config.train.seq_len, teacher)
 
-    def loss(self, params, batch, *, rng, teacher, model_state=None, **_: Any) -> LossTerms:
+    def loss(self, params, batch, *, rng, teacher, model_state=None, step=None) -> LossTerms:
+        """The next-token loss; in training steps (``step`` given) plus the distillation term, so
+        validation reports the plain next-token loss."""
         inputs = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
         outputs = apply_model(self.model, params, batch["tokens"], model_state=model_state, **inputs)
         logits, _ = outputs.output
         loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])
         metrics = dict(outputs.metrics)
-        if teacher is not None:
+        if teacher is not None and step is not None:
             distill = self.run_config.distill
             teacher_logits, _ = self.teacher_model.apply(teacher, batch["tokens"], **inputs)
             kl = next_token_kl(logits, teacher_logits, batch["loss_mask"], distill.temperature)
