@@ -9,10 +9,11 @@ from nbclient import NotebookClient
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
-XLA_OPTIMIZED = {"rl_lm.ipynb", "envs_and_rl.ipynb", "linearize.ipynb"}
+XLA_OPTIMIZED = {"rl_lm.ipynb", "linearize.ipynb"}
 """Notebooks whose training runs outlast compiling: their kernels get XLA's optimizations back
 (the suite turns them off, see tests/conftest.py). Measured: rl_lm 77 -> 55 s; the others ran
-as fast or faster without them."""
+as fast or faster without them, but for envs_and_rl (24 -> 17 s), whose seed sweep's asserted
+returns were measured with them off (a seed's return changes with the compiled arithmetic)."""
 
 
 def test_examples_exist():

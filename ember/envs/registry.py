@@ -32,6 +32,17 @@ _BUILTIN = {
     "KeyDoorMaze-v0": "ember.envs.maze:KeyDoorMaze",
     "MPE-simple_spread": "ember.envs.mpe.simple_spread:SimpleSpread",
     "MPE-simple_tag": "ember.envs.mpe.simple_tag:SimpleTag",
+    "MPE-simple_push": "ember.envs.mpe.simple_push:SimplePush",
+    "MPE-simple_adversary": "ember.envs.mpe.simple_adversary:SimpleAdversary",
+    "MPE-simple_speaker_listener": "ember.envs.mpe.simple_speaker_listener:SimpleSpeakerListener",
+    "MPE-simple_reference": "ember.envs.mpe.simple_reference:SimpleReference",
+    # Continuous actions (JaxMARL's): Box(0, 1, (5,)) per moving agent, force accel * (a2 - a1, a4 - a3).
+    "MPE-simple_spread-continuous": "ember.envs.mpe.simple_spread:SimpleSpreadContinuous",
+    "MPE-simple_tag-continuous": "ember.envs.mpe.simple_tag:SimpleTagContinuous",
+    "MPE-simple_push-continuous": "ember.envs.mpe.simple_push:SimplePushContinuous",
+    "MPE-simple_adversary-continuous": "ember.envs.mpe.simple_adversary:SimpleAdversaryContinuous",
+    "MPE-simple_speaker_listener-continuous": "ember.envs.mpe.simple_speaker_listener:SimpleSpeakerListenerContinuous",
+    "MPE-simple_reference-continuous": "ember.envs.mpe.simple_reference:SimpleReferenceContinuous",
 }
 
 

@@ -51,7 +51,8 @@ def mixer_flops(config: ModelConfig, kind: str, seq_len: int) -> float:
     attention = projections + 4 * inner * mean_visible_keys(config, kind, seq_len)
     if kind == "window_linear":  # plus the feature maps and the linear part beyond the window
         features = linear_feature_dim(config)
-        maps = 2 * config.head_size * (features // 2) * (config.num_heads + config.kv_heads)
+        hedgehog = config.linear_feature_map == "hedgehog"
+        maps = 2 * config.head_size * (features // 2) * (config.num_heads + config.kv_heads) if hedgehog else 0
         return attention + maps + 4 * config.num_heads * features * (config.head_size + 1)
     return attention
 

@@ -88,3 +88,7 @@ class SimpleSpread(ParticleWorld):
     def render(self, state, params):
         colours = [AGENT_COLOUR] * self.num_agents + [LANDMARK_COLOUR] * self.num_landmarks
         return physics.render_world(state.pos, self.bodies, colours)
+
+
+class SimpleSpreadContinuous(SimpleSpread):
+    continuous_actions = True

@@ -107,3 +107,7 @@ class SimpleTag(ParticleWorld):
     def render(self, state, params):
         colours = [ADVERSARY_COLOUR] * self.num_adversaries + [AGENT_COLOUR] * self.num_good
         return physics.render_world(state.pos, self.bodies, colours + [LANDMARK_COLOUR] * self.num_obstacles)
+
+
+class SimpleTagContinuous(SimpleTag):
+    continuous_actions = True

@@ -13,8 +13,9 @@
 (the share of the swap's excess loss over the teacher that linearising removed),
 ``attention_mse_before``/``_after`` (per layer), ``parameters_total`` (the teacher's),
 ``parameters_trained`` (stage 1's plus stage 2's) and ``trained_fraction``, ``tokens`` (both
-stages) and each stage's wall time. With ``resume``, a
-finished stage 1 is not run again, and each stage continues from its last checkpoint.
+stages) and each stage's wall time. With ``resume``, a stage that ran its steps to the end is
+not run again (a finished run returns its summary), and an unfinished one continues from its
+last checkpoint.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ CONFIG_SCHEMA = LinearizeRunConfig
 def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Linearises (or resumes linearising) ``config.base_model`` into ``config.run_dir``;
     returns the summary it writes (a stage stopped early returns that stage's summary)."""
+    finished = _finished(Path(config.run_dir), config.train.steps) if resume else None
+    if finished is not None and "linearized_val_loss" in finished:
+        return finished
     base = load_base(config.base_model)
     dataset = _dataset(config.data, base)
     mesh, rules = make_mesh(config.mesh), logical_rules(config.sharding.rules)
@@ -78,7 +82,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     del teacher
 
     stage_dir = Path(config.run_dir) / TRANSFER_DIR
-    transfer_summary = _finished(stage_dir) if resume else None
+    transfer_summary = _finished(stage_dir, config.transfer.train.steps) if resume else None
     if transfer_summary is None:
         transfer_summary, transferred = _train(make_trainer(config.stage("transfer"), resume=resume, task=transfer))
         if transfer_summary["stopped_early"]:
@@ -151,13 +155,13 @@ def _train(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
     return summary, {"params": trainer.state.params, **trainer.state.model_state}
 
 
-def _finished(run_dir: Path) -> dict[str, Any] | None:
-    """The summary of a stage that ran to its end in ``run_dir``, or None."""
+def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """The summary of a run in ``run_dir`` that trained its ``steps`` to the end, or None."""
     path = run_dir / "summary.json"
     if not path.is_file():
         return None
     summary = json.loads(path.read_text())
-    return None if summary.get("stopped_early", True) else summary
+    return summary if not summary.get("stopped_early", True) and summary.get("steps", 0) >= steps else None
 
 
 def _restore(run_dir: Path) -> dict[str, Any]:
