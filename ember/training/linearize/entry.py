@@ -6,7 +6,8 @@
    layers: identity feature maps, even mix) are evaluated on the stage-2 validation batches,
    with each layer's attention-transfer error.
 2. Stage 1 (``run_dir/attention_transfer``): :class:`AttentionTransferTask`; the errors again.
-3. Stage 2 (``run_dir``): :class:`LowRankTask` from the stage-1 weights; the final loss.
+3. Stage 2 (``run_dir``): :class:`LowRankTask` from the stage-1 weights; the final loss is the
+   stage-2 trainer's last evaluation (the same batches).
 
 ``run_dir/summary.json`` adds to the stage-2 trainer's summary: ``teacher_val_loss``,
 ``swap_val_loss``, ``transfer_val_loss`` (after stage 1), ``linearized_val_loss``, ``gap_closed``
@@ -29,20 +30,24 @@ import jax
 
 from ember.core.checkpoint import CheckpointManager
 from ember.core.errors import ConfigError
-from ember.core.sharding import logical_rules, make_mesh, shard_variables, unbox
+from ember.core.sharding import logical_rules, make_mesh, shard_variables
 from ember.core.tree import param_count
 from ember.models.decoder import DecoderLM
 from ember.serving.loading import LoadedModel
 from ember.training.data import TokenDataset, stdlib_corpus_dir
 from ember.training.finetune.base import boxed_variables, load_base
 from ember.training.linearize.config import TRANSFER_DIR, LinearizeRunConfig
-from ember.training.linearize.evaluate import transfer_errors, validation_loss
+from ember.training.linearize.evaluate import Evaluator
 from ember.training.linearize.tasks import AttentionTransferTask, LowRankTask
 from ember.training.lm.config import DataConfig
 from ember.training.lm.trainer import make_trainer
 from ember.training.trainable import select
 
 CONFIG_SCHEMA = LinearizeRunConfig
+
+
+BASELINE_KEYS = ("teacher_val_loss", "swap_val_loss", "attention_mse_before")
+"""Figures measured before stage 1, kept in its summary (a resumed run does not measure them again)."""
 
 
 def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
@@ -53,61 +58,73 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
         return finished
     base = load_base(config.base_model)
     dataset = _dataset(config.data, base)
-    mesh, rules = make_mesh(config.mesh), logical_rules(config.sharding.rules)
     transfer = AttentionTransferTask(config, base, dataset)
-    low_rank = LowRankTask(config, base, dataset, transferred=None)
+    low_rank = LowRankTask(config, base, dataset)
     batches = list(low_rank.eval_data() or ())
     if not batches:
         raise ConfigError(
             "train.eval_batches must be >= 1: the summary compares validation losses", key="train.eval_batches"
         )
+    evaluator = Evaluator(batches, make_mesh(config.mesh), logical_rules(config.sharding.rules))
     linear_model = DecoderLM(low_rank.config.model)
-
-    def measure(name, fn, *args):
-        print(f"linearize: {name} ...", flush=True)
-        return fn(*args, batches, mesh, rules)
-
-    teacher_model = DecoderLM(base.config)
-    teacher = shard_variables(
-        boxed_variables(teacher_model, low_rank.config.train.seq_len, transfer.pretrained()), mesh, rules
-    )
-    swap = shard_variables(
-        jax.jit(transfer.init_variables)(jax.random.key(config.seed), transfer.pretrained()), mesh, rules
-    )
-    figures: dict[str, Any] = {
-        "teacher_val_loss": measure("teacher validation loss", validation_loss, teacher_model, teacher),
-        "swap_val_loss": measure("naive-swap validation loss", validation_loss, linear_model, swap),
-        "attention_mse_before": measure("attention errors before transfer", transfer_errors, transfer.model, swap),
-    }
-    del teacher
 
     stage_dir = Path(config.run_dir) / TRANSFER_DIR
     transfer_summary = _finished(stage_dir, config.transfer.train.steps) if resume else None
     if transfer_summary is None:
-        transfer_summary, transferred = _train(make_trainer(config.stage("transfer"), resume=resume, task=transfer))
+        baseline = _baseline(config, base, transfer, linear_model, evaluator)
+        transfer_summary, transferred = _train(
+            make_trainer(config.stage("transfer"), resume=resume, task=transfer), extra=baseline
+        )
         if transfer_summary["stopped_early"]:
             return transfer_summary
     else:
         transferred = _restore(stage_dir)
-    figures["attention_mse_after"] = measure(
-        "attention errors after transfer", transfer_errors, transfer.model, transferred
-    )
-    figures["transfer_val_loss"] = measure("validation loss after transfer", validation_loss, linear_model, transferred)
+    figures = {key: transfer_summary[key] for key in BASELINE_KEYS}
+    print("linearize: after transfer ...", flush=True)
+    figures["attention_mse_after"] = evaluator.transfer_errors(transfer.model, transferred)
+    figures["transfer_val_loss"] = evaluator.validation_loss(linear_model, transferred)
 
     low_rank.transferred = jax.device_get(transferred["params"])
     summary, final = _train(make_trainer(config, resume=resume, task=low_rank))
     if summary["stopped_early"]:
         return summary
-    figures["linearized_val_loss"] = measure("linearised validation loss", validation_loss, linear_model, final)
+    figures["linearized_val_loss"] = summary["val_loss"]  # the trainer's last evaluation, on the same batches
     excess = figures["swap_val_loss"] - figures["teacher_val_loss"]
     figures["gap_closed"] = (figures["swap_val_loss"] - figures["linearized_val_loss"]) / excess if excess else 0.0
+    figures.update(
+        _costs(config, transfer, low_rank, transferred["params"], final["params"], transfer_summary, summary)
+    )
+    summary = {**summary, **figures}
+    if jax.process_index() == 0:
+        (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
-    trained_transfer = param_count(select(unbox(swap["params"]), transfer.trainable(unbox(swap["params"]))))
-    trained_low_rank = param_count(select(final["params"], low_rank.trainable(final["params"])))
+
+def _baseline(config, base, transfer, linear_model, evaluator) -> dict[str, Any]:
+    """The teacher's and the naive swap's validation losses and the swap's per-layer errors."""
+    print("linearize: teacher and naive swap ...", flush=True)
+    teacher_model = DecoderLM(base.config)
+    seq_len = config.train.seq_len
+    mesh, rules = evaluator.mesh, evaluator.rules
+    teacher = shard_variables(boxed_variables(teacher_model, seq_len, transfer.pretrained()), mesh, rules)
+    swap = jax.jit(transfer.init_variables)(jax.random.key(config.seed), transfer.pretrained())
+    swap = shard_variables(swap, mesh, rules)
+    return {
+        "teacher_val_loss": evaluator.validation_loss(teacher_model, teacher),
+        "swap_val_loss": evaluator.validation_loss(linear_model, swap),
+        "attention_mse_before": evaluator.transfer_errors(transfer.model, swap),
+    }
+
+
+def _costs(config, transfer, low_rank, transfer_params, final_params, transfer_summary, summary) -> dict[str, Any]:
+    """Parameters trained (each stage's trainable ones, against the teacher's total), tokens
+    and wall seconds of both stages."""
+    trained_transfer = param_count(select(transfer_params, transfer.trainable(transfer_params)))
+    trained_low_rank = param_count(select(final_params, low_rank.trainable(final_params)))
     total = param_count(transfer.base_params)
     transfer_tokens = transfer_summary["steps"] * config.transfer.train.batch_size * config.transfer.train.seq_len
     low_rank_tokens = summary["steps"] * config.train.batch_size * config.train.seq_len
-    figures.update(
+    return dict(
         parameters_total=total,
         parameters_trained_transfer=trained_transfer,
         parameters_trained_low_rank=trained_low_rank,
@@ -119,10 +136,6 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
         transfer_seconds=transfer_summary["wall_seconds"],
         low_rank_seconds=summary["wall_seconds"],
     )
-    summary = {**summary, **figures}
-    if jax.process_index() == 0:
-        (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def _dataset(data: DataConfig, base: LoadedModel) -> TokenDataset:
@@ -144,12 +157,12 @@ def _dataset(data: DataConfig, base: LoadedModel) -> TokenDataset:
     return dataset
 
 
-def _train(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Trains; returns the summary (with ``wall_seconds``, also written to the run's
-    summary.json) and the final variables, placed."""
+def _train(trainer, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Trains; returns the summary (with ``wall_seconds`` and ``extra``, also written to the
+    run's summary.json) and the final variables, placed."""
     start = time.perf_counter()
     summary = trainer.train()
-    summary["wall_seconds"] = time.perf_counter() - start
+    summary.update(wall_seconds=time.perf_counter() - start, **(extra or {}))
     if trainer.is_main:
         (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary, {"params": trainer.state.params, **trainer.state.model_state}

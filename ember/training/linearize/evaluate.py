@@ -1,6 +1,6 @@
 """What a linearising run measures outside its two training loops: the validation loss of any
-of its models (teacher, naive swap, linearised) and each layer's attention-transfer error, on
-the same fixed validation batches, with the weights placed on the run's mesh."""
+of its models (teacher, naive swap, after transfer) and each layer's attention-transfer error,
+on the same fixed validation batches, with the weights placed on the run's mesh."""
 
 from __future__ import annotations
 
@@ -19,42 +19,53 @@ from ember.models.layers.window_linear_attention import TRANSFER_LOSS
 from ember.training.lm.task import BATCH_AXES, lm_loss
 
 
-def validation_loss(model: DecoderLM, variables: Any, batches: Iterable[dict], mesh: Mesh, rules: Rules) -> float:
-    """Mean next-token loss of ``model`` with ``variables`` (``{"params", <state>}``, placed)
-    over ``batches`` (host LM batches), weighted by their tokens."""
-    params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+class Evaluator:
+    """The run's fixed validation batches (host LM batches), placed on ``mesh`` once; one
+    compiled program per model and measure, shared by every weight set it measures."""
 
-    @jax.jit
-    def sums(params, state, batch):
-        terms = lm_loss(params, batch, model=model, model_state=state or None)
-        return terms.loss_sum, terms.count
+    def __init__(self, batches: Iterable[dict], mesh: Mesh, rules: Rules):
+        self.mesh, self.rules = mesh, rules
+        with use_sharding(mesh, rules):
+            self.batches = [host_local_to_global(batch, mesh, BATCH_AXES, rules) for batch in batches]
+        self._programs: dict[tuple[str, int], tuple[DecoderLM, Any]] = {}
 
-    total = count = 0.0
-    with use_sharding(mesh, rules):
-        for batch in batches:
-            loss_sum, tokens = jax.device_get(sums(params, state, host_local_to_global(batch, mesh, BATCH_AXES, rules)))
-            total, count = total + float(loss_sum), count + float(tokens)
-    return total / max(count, 1.0)
+    def validation_loss(self, model: DecoderLM, variables: Any) -> float:
+        """Mean next-token loss of ``model`` with ``variables`` (``{"params", <state>}``, placed),
+        weighted by the batches' tokens."""
 
+        def sums(variables, batch):
+            state = {k: v for k, v in variables.items() if k != "params"}
+            terms = lm_loss(variables["params"], batch, model=model, model_state=state or None)
+            return terms.loss_sum, terms.count
 
-def transfer_errors(model: DecoderLM, variables: Any, batches: Iterable[dict], mesh: Mesh, rules: Rules) -> list[float]:
-    """Each layer's attention-transfer error (``model`` in attention-transfer mode; softmax
-    layers, which have none, are left out), averaged over ``batches``; in layer order."""
+        totals = self._sum_over_batches("validation_loss", model, sums, variables)
+        return float(totals[0] / max(totals[1], 1.0))
 
-    @jax.jit
-    def errors(variables, batch):
-        _, updated = model.apply(
-            variables, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-            mutable=["losses"],
-        )  # fmt: skip
-        return _per_layer(updated.get("losses", {}), model.config.layer_period)
+    def transfer_errors(self, model: DecoderLM, variables: Any) -> list[float]:
+        """Each layer's attention-transfer error (``model`` in attention-transfer mode; softmax
+        layers, which have none, are left out), averaged over the batches; in layer order."""
 
-    sums, count = None, 0
-    with use_sharding(mesh, rules):
-        for batch in batches:
-            values = np.asarray(jax.device_get(errors(variables, host_local_to_global(batch, mesh, BATCH_AXES, rules))))
-            sums, count = values if sums is None else sums + values, count + 1
-    return [float(v) for v in sums / max(count, 1)]
+        def errors(variables, batch):
+            _, updated = model.apply(
+                variables, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                mutable=["losses"],
+            )  # fmt: skip
+            return _per_layer(updated.get("losses", {}), model.config.layer_period)
+
+        totals = self._sum_over_batches("transfer_errors", model, errors, variables)
+        return [float(v) / len(self.batches) for v in totals]
+
+    def _sum_over_batches(self, measure: str, model: DecoderLM, fn, variables: Any) -> Any:
+        key = (measure, id(model))
+        if key not in self._programs:  # the model is kept with its program, so its id stays its own
+            self._programs[key] = (model, jax.jit(fn))
+        program = self._programs[key][1]
+        total = None
+        with use_sharding(self.mesh, self.rules):
+            for batch in self.batches:
+                values = jax.tree.map(np.asarray, jax.device_get(program(variables, batch)))
+                total = values if total is None else jax.tree.map(np.add, total, values)
+        return total
 
 
 def _per_layer(losses: dict, period: int) -> jax.Array:
@@ -74,4 +85,4 @@ def _per_layer(losses: dict, period: int) -> jax.Array:
     return jnp.stack([found[layer] for layer in sorted(found)])
 
 
-__all__ = ["transfer_errors", "validation_loss"]
+__all__ = ["Evaluator"]

@@ -84,9 +84,10 @@ class AttentionTransferTask(_LinearizeStage):
 
 
 class LowRankTask(_LinearizeStage):
-    """Stage 2, from ``transferred`` (the stage-1 model's params, host arrays)."""
+    """Stage 2, from ``transferred``: the stage-1 model's params (host arrays), given here or
+    set once stage 1 has run (before training)."""
 
-    def __init__(self, config: LinearizeRunConfig, base: LoadedModel, dataset: TokenDataset, transferred: Any):
+    def __init__(self, config: LinearizeRunConfig, base: LoadedModel, dataset: TokenDataset, transferred: Any = None):
         super().__init__(config, config.train, linearized_config(base.config, config.linear), base, dataset)
         self.transferred = transferred
         self.teacher_model = DecoderLM(base.config) if config.distill.weight else None
