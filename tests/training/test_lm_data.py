@@ -147,3 +147,19 @@ def test_cli_prepare(tmp_path, capsys):
     assert data.meta["splits"]["train"]["documents"] + data.meta["splits"]["val"]["documents"] == 12
     assert "wrote" in capsys.readouterr().out
     assert main(["data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_cli_prepare_with_a_hugging_face_tokenizer(tmp_path):
+    """The model's own tokenizer: the token files hold its ids and the dataset reads it back."""
+    from ember.core.hf_tokenizer import load_hf_tokenizer
+    from tests.training.finetune_setup import write_base_model
+
+    base = write_base_model(tmp_path / "hf")
+    text = tmp_path / "notes.txt"
+    text.write_text("what does the cow say ? moo .")
+    assert main(["data", "prepare", str(text), "--out", str(tmp_path / "out"), "--val-fraction", "0",
+                 "--tokenizer", str(base)]) == 0  # fmt: skip
+    data = TokenDataset.open(tmp_path / "out")
+    tokenizer = load_hf_tokenizer(base)
+    assert data.tokenizer.describe() == tokenizer.describe()
+    assert np.asarray(data.train).tolist() == list(tokenizer.encode("what does the cow say ? moo .", add_eos=True))

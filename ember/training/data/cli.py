@@ -1,4 +1,6 @@
-"""``ember data prepare TEXT_FILES... --out DIR``: a user's text into memory-mapped token files."""
+"""``ember data prepare TEXT_FILES... --out DIR [--tokenizer HF_DIR]``: a user's text into
+memory-mapped token files, with Ember's byte tokenizer or a Hugging Face model's own
+(``tokenizer.json``), e.g. to linearise or fine-tune that model on the text."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ember.core.errors import PathNotFoundError
+from ember.core.hf_tokenizer import load_hf_tokenizer
 from ember.training.data.token_files import prepare_token_files
 
 
@@ -17,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prepare.add_argument("files", nargs="+", type=Path, help="UTF-8 text files; each is one document")
     prepare.add_argument("--out", type=Path, required=True, help="output dataset directory")
     prepare.add_argument("--val-fraction", type=float, default=0.02, help="share of documents held out (by name hash)")
+    prepare.add_argument(
+        "--tokenizer", type=Path, default=None, help="a Hugging Face model directory whose tokenizer.json to use"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         for path in tqdm(args.files, desc="tokenizing", unit="file"):
             yield str(path), path.read_text(encoding="utf-8", errors="replace")
 
-    meta = prepare_token_files(documents(), args.out, val_fraction=args.val_fraction)
+    tokenizer = load_hf_tokenizer(args.tokenizer) if args.tokenizer else None
+    meta = prepare_token_files(documents(), args.out, val_fraction=args.val_fraction, tokenizer=tokenizer)
     for split, counts in meta["splits"].items():
         print(f"{split:<5} {counts['documents']:>8,} documents {counts['tokens']:>12,} tokens")
     print(f"wrote {args.out}")

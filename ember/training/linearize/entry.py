@@ -151,7 +151,8 @@ def _dataset(data: DataConfig, base: LoadedModel) -> TokenDataset:
     if dataset.tokenizer.describe() != base.tokenizer.describe():
         raise ConfigError(
             f"data.dataset {data.dataset} was tokenized with a {dataset.tokenizer.describe()['type']} tokenizer "
-            "other than the base model's; prepare the text with the base's tokenizer (or use stdlib)",
+            "other than the base model's; prepare the text with it ('ember data prepare FILES --out DIR "
+            "--tokenizer BASE_DIR') or use stdlib",
             key="data.dataset",
         )
     return dataset
