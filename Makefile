@@ -16,12 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,hf]"
 	touch $(STAMP)
 
-# Lint and format check first (fast, and a failure stops before the long suite), then pytest;
-# work stealing keeps both workers busy to the end (a few tests take a minute each).
+# Lint and format check first (fast, and a failure stops before the long suite), then pytest
+# (tests/conftest.py starts the longest modules first, so both workers finish together).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --durations=15
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15
 
 # Trains the tiny byte-level LM on this machine's Python stdlib sources (~2 minutes on CPU) into a
 # fresh run directory, samples text from it, and plots its curves.

@@ -44,6 +44,28 @@ hypothesis.settings.register_profile("ember", deadline=None, max_examples=20, pr
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ember"))
 
 
+LONG_MODULES = (
+    "tests/test_examples.py",
+    "tests/training/test_linearize.py",
+    "tests/test_benchmark_gpu.py",
+    "tests/training/test_quantize.py",
+    "tests/training/test_lm_moe.py",
+    "tests/training/test_finetune.py",
+    "tests/training/test_lm_ssm.py",
+    "tests/training/test_grpo.py",
+    "tests/training/test_lm_trainer.py",
+    "tests/models/test_mixlora.py",
+)
+"""Modules holding the suite's longest tests (the CI log's slowest durations). They run first,
+so that the two xdist workers, dealt tests in collection order, finish together instead of
+one of them spending the last minutes alone on a long test."""
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {module: index for index, module in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_MODULES)))  # stable: order kept within
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE_DIR is not None:
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
