@@ -108,7 +108,9 @@ class LinearizeRunConfig:
 
     def identity(self) -> dict[str, Any]:
         """The flattened keys that define the run (what must not change on resume)."""
-        runtime = (*RUNTIME_KEYS, *BASE_MODEL_RUNTIME_KEYS, *(f"transfer.{key}" for key in RUNTIME_KEYS))
+        # base_model.scan_layers stays part of the identity: a checkpoint is resumed in its own layout.
+        base_runtime = tuple(key for key in BASE_MODEL_RUNTIME_KEYS if key != "base_model.scan_layers")
+        runtime = (*RUNTIME_KEYS, *base_runtime, *(f"transfer.{key}" for key in RUNTIME_KEYS))
         return run_identity({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, runtime)
 
 

@@ -50,7 +50,7 @@ class _LinearizeStage(LMTask):
         self.base_params, self.base_state = split_variables(as_variables(base.params))
 
     def restore_layout(self, saved_params: Any) -> None:
-        return None  # both stages save in the layout they were built with
+        return None  # base_model.scan_layers is part of the run's identity: a checkpoint keeps its layout
 
 
 class AttentionTransferTask(_LinearizeStage):
