@@ -135,12 +135,12 @@ def layer_state_shapes(config: ModelConfig, kind: str, num_slots: int, num_pages
             "k_tail": (num_slots, tail, kv_latent),
             "v_prev": (num_slots, kv_latent),
         }
+    linear_state = (num_slots, config.num_heads, linear_feature_dim(config), config.head_size + 1)
     if kind == "linear":
-        return {"state": (num_slots, config.num_heads, linear_feature_dim(config), config.head_size + 1)}
+        return {"state": linear_state}
     if kind == "window_linear":
         window = (num_slots, config.sliding_window, config.kv_heads, config.head_size)
-        state = (num_slots, config.num_heads, linear_feature_dim(config), config.head_size + 1)
-        return {"state": state, "window_k": window, "window_v": window}
+        return {"state": linear_state, "window_k": window, "window_v": window}
     if kind == "mamba2":
         ssm = config.ssm
         return {

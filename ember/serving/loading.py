@@ -78,7 +78,7 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
         config = dataclasses.replace(load_config(ModelConfig, section), **config_overrides)
     except ConfigError as error:  # keyed within the section: name it as the run's config.yaml does
         raise ConfigError(f"{path / 'config.yaml'}, model.{error}", key=f"model.{error.key}") from None
-    params, model_state = _restore_weights(path, step, config)
+    params, model_state = restore_weights(path, step, config)
     if kind == "quantized" and read_key(path / "config.yaml", "tokenizer") == "hf":
         tokenizer, eos_id = _hf_tokenizer(path), read_key(path / "config.yaml", "eos_id")
     else:
@@ -106,11 +106,11 @@ def _load_finetune_run(
     config = loaded.config
     if linearized:
         config = linearized_config(config, load_config(LinearizeConfig, read_key(path / "config.yaml", "linear") or {}))
-    params, model_state = _restore_weights(path, step, config)
+    params, model_state = restore_weights(path, step, config)
     return LoadedModel(config, serving_weights(params, model_state), loaded.tokenizer, loaded.eos_id)
 
 
-def _restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[Any, Any]:
+def restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[Any, Any]:
     """``(params, model state)`` of checkpoint ``step`` of the run in ``path``, in ``config``'s layer layout."""
     try:
         if not (path / "checkpoints").is_dir():  # nothing to open (orbax would start a cleanup thread on it)
@@ -141,4 +141,4 @@ def _hf_tokenizer(path: Path) -> HFTokenizer | None:
     return load_hf_tokenizer(path) if (path / "tokenizer.json").is_file() else None
 
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_model", "restore_weights"]

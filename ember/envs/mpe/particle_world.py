@@ -58,11 +58,13 @@ class ParticleWorld(MultiAgentEnvironment):
             return jnp.stack([stacked[:, 2] - stacked[:, 1], stacked[:, 4] - stacked[:, 3]], axis=1) * accel[:, None]
         return physics.action_force(jnp.stack(actions), accel)
 
-    def reset_with_goal(self, noise, num_landmarks: int) -> GoalMPEState:
+    def reset_with_goal(self, noise, num_landmarks: int, goals: int | None = None) -> GoalMPEState:
         """Every entity uniform in ``[-1, 1]^2`` (``2 * entities`` noise words), at rest, and a goal
-        landmark drawn uniformly (the last word)."""
-        pos = noise_lib.uniform(noise[:-1], -1.0, 1.0).reshape(-1, 2)
-        goal = noise_lib.randint(noise[-1], 0, num_landmarks)
+        landmark drawn uniformly (the last word; with ``goals``, one per each of the last
+        ``goals`` words, ``goal`` then ``[goals]``)."""
+        words = 1 if goals is None else goals
+        pos = noise_lib.uniform(noise[:-words], -1.0, 1.0).reshape(-1, 2)
+        goal = noise_lib.randint(noise[-1] if goals is None else noise[-words:], 0, num_landmarks)
         return GoalMPEState(time=jnp.int32(0), pos=pos, vel=jnp.zeros_like(pos), goal=goal)
 
     def movement_space(self):

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ember.envs import noise as noise_lib
 from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
 from ember.envs.mpe.particle_world import AGENT_COLOUR, GoalMPEState, ParticleWorld
@@ -59,14 +58,8 @@ class SimpleReference(ParticleWorld):
         return SimpleReferenceParams()
 
     def reset_env(self, noise, params):
-        pos = noise_lib.uniform(noise[:-2], -1.0, 1.0).reshape(-1, 2)
-        state = ReferenceState(
-            time=jnp.int32(0),
-            pos=pos,
-            vel=jnp.zeros_like(pos),
-            goal=noise_lib.randint(noise[-2:], 0, self.num_landmarks),
-            messages=jnp.zeros((2, WORDS), pos.dtype),
-        )
+        state = self.reset_with_goal(noise, self.num_landmarks, goals=2)
+        state = ReferenceState(**vars(state), messages=jnp.zeros((2, WORDS), state.pos.dtype))
         return self.observation(state), state
 
     def step_env(self, noise, state, actions, params):

@@ -28,12 +28,12 @@ from typing import Any
 
 import jax
 
-from ember.core.checkpoint import CheckpointManager
 from ember.core.errors import ConfigError
 from ember.core.sharding import logical_rules, make_mesh, shard_variables
 from ember.core.tree import param_count
+from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
-from ember.serving.loading import LoadedModel
+from ember.serving.loading import LoadedModel, restore_weights
 from ember.training.data import TokenDataset, stdlib_corpus_dir
 from ember.training.finetune.base import boxed_variables, load_base
 from ember.training.linearize.config import TRANSFER_DIR, LinearizeRunConfig
@@ -78,7 +78,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
         if transfer_summary["stopped_early"]:
             return transfer_summary
     else:
-        transferred = _restore(stage_dir)
+        transferred = _restore(stage_dir, transfer.model.config)
     figures = {key: transfer_summary[key] for key in BASELINE_KEYS}
     print("linearize: after transfer ...", flush=True)
     figures["attention_mse_after"] = evaluator.transfer_errors(transfer.model, transferred)
@@ -178,12 +178,11 @@ def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
     return summary if not summary.get("stopped_early", True) and summary.get("steps", 0) >= steps else None
 
 
-def _restore(run_dir: Path) -> dict[str, Any]:
-    """The variables of a finished stage's last checkpoint, as host arrays."""
-    with CheckpointManager(run_dir / "checkpoints") as manager:
-        params = manager.restore_part("params")
-        state = manager.restore_part("model_state") if "model_state" in manager.state_metadata(None) else {}
-    return jax.device_get({"params": params, **state})  # restored committed to one device
+def _restore(run_dir: Path, config: ModelConfig) -> dict[str, Any]:
+    """The variables of a finished stage's last checkpoint, as host arrays (restored, they sit
+    committed to one device)."""
+    params, state = restore_weights(run_dir, None, config)
+    return jax.device_get({"params": params, **state})
 
 
 __all__ = ["CONFIG_SCHEMA", "run"]

@@ -46,7 +46,6 @@ class _LinearizeStage(LMTask):
                       sample=SampleConfig(prompts=()))  # fmt: skip
         super().__init__(lm, dataset)
         self.run_config = config
-        self.base = base
         self.base_params, self.base_state = split_variables(as_variables(base.params))
 
     def restore_layout(self, saved_params: Any) -> None:
