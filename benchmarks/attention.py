@@ -54,11 +54,17 @@ FWD_BWD_FLOP_RATIO = 3.5
 class AttentionBaseline:
     """A peer implementation of softmax attention, ``attend(q, k, v, causal)`` over
     ``[batch, seq, heads, head_dim]``. ``prescaled_q``: it applies no ``1/sqrt(head_dim)``
-    itself, so it is given ``q`` already scaled (outside the timed function)."""
+    itself, so it is given ``q`` already scaled; ``input_dtype``: the dtype it takes, cast to
+    (both outside the timed function)."""
 
     name: str
     attend: Callable
     prescaled_q: bool = False
+    input_dtype: str | None = None
+
+    def inputs(self, q, q_scaled, k, v):
+        args = (q_scaled if self.prescaled_q else q, k, v)
+        return args if self.input_dtype is None else tuple(x.astype(self.input_dtype) for x in args)
 
 
 def _jax_nn(implementation):
@@ -77,7 +83,9 @@ def _pallas_triton(q, k, v, causal):
 
 def _pallas_mosaic(q, k, v, causal):
     """JAX's Pallas flash attention for Hopper (Mosaic GPU: wgmma, TMA); unscaled logits.
-    Tiles of its own benchmark (``attention_mgpu.main``); no causal backward there yet."""
+    Tiles of its own benchmark (``attention_mgpu.main``); no causal backward there yet.
+    float16 only (jax 0.11.2 rejected bf16 on an H200: "src had type bfloat16 and dst had
+    type float16"); the tensor cores run f16 at bf16's rate."""
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     config = attention_mgpu.TuningConfig(
@@ -97,7 +105,7 @@ BASELINES: dict[str, AttentionBaseline] = {
     "cudnn": AttentionBaseline("cudnn", _jax_nn("cudnn")),
     "xla": AttentionBaseline("xla", _jax_nn("xla")),
     "pallas_triton": AttentionBaseline("pallas_triton", _pallas_triton),
-    "pallas_mosaic": AttentionBaseline("pallas_mosaic", _pallas_mosaic, prescaled_q=True),
+    "pallas_mosaic": AttentionBaseline("pallas_mosaic", _pallas_mosaic, prescaled_q=True, input_dtype="float16"),
 }
 
 
@@ -171,7 +179,7 @@ def dense_rows(impl, baselines, q_lens, batch, heads, head_dim, dtype, causal_va
             for name in baselines:
                 baseline = BASELINES[name]
                 fwd, fwd_bwd = _fwd_and_fwd_bwd(lambda q, k, v, c=causal, b=baseline: b.attend(q, k, v, c))
-                args = (q_scaled if baseline.prescaled_q else q, k, v)
+                args = baseline.inputs(q, q_scaled, k, v)
                 theirs = tuple(_time_or_error(fn, *args, repeats=repeats) for fn in (fwd, fwd_bwd))
                 row[f"{name}_fwd_tflops"] = _tflops(flops, theirs[0])
                 row[f"{name}_fwd_bwd_tflops"] = _tflops(FWD_BWD_FLOP_RATIO * flops, theirs[1])
@@ -186,6 +194,28 @@ def dense_rows(impl, baselines, q_lens, batch, heads, head_dim, dtype, causal_va
                 if isinstance(value, str):
                     row[f"ours_{part}_error"] = value
             rows.append(row)
+    return rows
+
+
+def tile_rows(impl, tiles, q_len, batch, heads, head_dim, dtype, causal=True, repeats=10):
+    """Our flash attention forward and forward+backward at one size under each of ``tiles``
+    (:class:`FlashBlockSizes`: blocks, warps, pipeline stages), for choosing the defaults."""
+    q, k, v = _qkv((batch, q_len, heads, head_dim), (batch, q_len, heads, head_dim), dtype)
+    flops = _attention_flops(batch, heads, q_len, q_len, head_dim, 0.5 if causal else 1.0)
+    rows = []
+    for tile in tiles:
+        fwd, fwd_bwd = _fwd_and_fwd_bwd(
+            lambda q, k, v, t=tile: flash_attention(q, k, v, causal=causal, block_sizes=t, impl=impl)
+        )
+        seconds = tuple(_time_or_error(fn, q, k, v, repeats=repeats) for fn in (fwd, fwd_bwd))
+        row = dict(section="flash_tiles", q_len=q_len, batch=batch, causal=causal, **dataclasses.asdict(tile))
+        row.update(
+            fwd_tflops=_tflops(flops, seconds[0]), fwd_bwd_tflops=_tflops(FWD_BWD_FLOP_RATIO * flops, seconds[1])
+        )
+        for part, value in zip(("fwd", "fwd_bwd"), seconds, strict=True):
+            if isinstance(value, str):
+                row[f"{part}_error"] = value
+        rows.append(row)
     return rows
 
 

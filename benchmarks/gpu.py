@@ -61,6 +61,7 @@ from benchmarks.harness import (
 )
 from ember.core.config import load_config
 from ember.kernels_pallas.block_mask import LocalGlobalMask
+from ember.kernels_pallas.flash_attention import FlashBlockSizes
 from ember.models.config import ModelConfig
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -81,6 +82,7 @@ class PerfSizes:
     sweep_lens: tuple[int, ...]  # the rest of the dense sweep, at most 4 (one measurement each)
     causal_values: tuple[bool, ...]
     baselines: tuple[str, ...]
+    tiles: tuple[FlashBlockSizes, ...]  # flash attention tiles timed at goal_len, causal
     sparse_mask: LocalGlobalMask  # ~10% live blocks at long_len
     mixers: sequence_mixers.Sizes
     moe: moe.Sizes
@@ -105,6 +107,14 @@ GPU_SIZES = PerfSizes(
     sweep_lens=(16384, 4096, 2048, 1024),
     causal_values=(True, False),
     baselines=("cudnn", "pallas_triton", "pallas_mosaic"),
+    tiles=(
+        FlashBlockSizes(128, 64, num_warps=4, num_stages=3),
+        FlashBlockSizes(128, 64, num_warps=8, num_stages=3),
+        FlashBlockSizes(128, 64, num_warps=8, num_stages=2),
+        FlashBlockSizes(64, 64, num_warps=4, num_stages=3),
+        FlashBlockSizes(64, 128, num_warps=4, num_stages=2),
+        FlashBlockSizes(128, 32, num_warps=4, num_stages=4),
+    ),
     # 16k / 128-blocks: a 640-token window each side is ~11 live blocks of 128 per row, plus
     # one global block row and column: ~10% live.
     sparse_mask=LocalGlobalMask(640, 640, 128),
@@ -132,6 +142,7 @@ TOY_SIZES = PerfSizes(
     sweep_lens=(),
     causal_values=(True,),
     baselines=("xla",),
+    tiles=(FlashBlockSizes(16, 16), FlashBlockSizes(32, 16, num_warps=4, num_stages=3)),
     sparse_mask=LocalGlobalMask(8, 8, 4),
     mixers=dataclasses.replace(
         sequence_mixers.CPU_SIZES, seq_lens=(128,), scan_max_seq=128, quadratic_max_seq=0, repeats=1
@@ -220,6 +231,19 @@ def _sigmoid(sizes: PerfSizes, context: dict) -> list[dict]:
     )
 
 
+def _tiles(sizes: PerfSizes, context: dict) -> list[dict]:
+    return attention.tile_rows(
+        sizes.impl,
+        sizes.tiles,
+        sizes.goal_len,
+        sizes.batch,
+        sizes.heads,
+        sizes.head_dim,
+        jnp.dtype(sizes.dtype),
+        repeats=sizes.repeats,
+    )
+
+
 def _ragged_decode(sizes: PerfSizes, context: dict) -> list[dict]:
     bandwidth = context.get("bandwidth_gbs") or measured_bandwidth_gbs(sizes.bandwidth_bytes)
     return attention.ragged_decode_rows(
@@ -270,6 +294,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("quantized_matmul", _quantized_matmul, 30),
     Measurement("train_step", _train_step, 120),
     Measurement("sigmoid", _sigmoid, 30),
+    Measurement("flash_tiles", _tiles, 50),
     *(Measurement(f"dense_sweep[{i}]", _dense(lambda s, i=i: s.sweep_lens[i : i + 1]), 40) for i in range(4)),
 )
 """The performance rows, most important first; one line per measurement."""
@@ -400,8 +425,10 @@ def run(
             )
 
     # The first dtype (bf16 on a GPU) is checked first; the others after the timings, in
-    # what is left of the budget: they compile the same kernels again.
-    run_checks_in(check_sizes.dtypes[:1])
+    # what is left of the budget: they compile the same kernels again. A named subset of
+    # checks is short: all its dtypes run first.
+    first_dtypes = check_sizes.dtypes if only_checks else check_sizes.dtypes[:1]
+    run_checks_in(first_dtypes)
     context: dict[str, Any] = {}
     for measurement in MEASUREMENTS:
         if measurement.name in skip:
@@ -409,7 +436,7 @@ def run(
         record["rows"] += _run_measurement(measurement, sizes, context, deadline)
         record["goals"] = goals(record["rows"], sizes)
         save()
-    run_checks_in(check_sizes.dtypes[1:], deadline)
+    run_checks_in(check_sizes.dtypes[len(first_dtypes) :], deadline)
     path = save()
     _print_summary(record)
     print(f"\nwrote {path}")

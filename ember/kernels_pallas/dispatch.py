@@ -41,3 +41,14 @@ def resolve_impl(impl: str, *, op: str, kernel_backends: Collection[str] = ("gpu
             "Pallas interpreter, or impl='xla'"
         )
     return impl
+
+
+def triton_compiler_params(*, interpret: bool, num_warps: int, num_stages: int):
+    """Triton compiler parameters for a ``pallas_call`` compiled for an NVIDIA GPU, else
+    ``None`` (interpreted, or another backend). Passing them also picks the Triton lowering
+    where a JAX version would otherwise lower through Mosaic GPU."""
+    if interpret or jax.default_backend() != "gpu":
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

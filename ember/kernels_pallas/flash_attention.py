@@ -51,16 +51,25 @@ class FlashBlockSizes:
     """Kernel tile sizes: ``block_q`` query rows and ``block_kv`` key rows per step (the same
     tiles in the forward and both backward kernels). Powers of two, at least 8 (GPU tiles
     want 16+; 8 keeps CPU interpret tests cheap). Sequences shorter than a block get a block
-    of the next power of two above their length instead."""
+    of the next power of two above their length instead.
+
+    On a GPU, ``num_warps`` per program (default: 4 for ``head_dim <= 64``, else 8) and
+    Triton's software-pipelining depth ``num_stages``; both ignored elsewhere."""
 
     block_q: int = 128
     block_kv: int = 128
+    num_warps: int | None = None
+    num_stages: int = 2
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 8 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 8, got {value!r}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be None or one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
 
     def fitted(self, q_len: int, kv_len: int) -> FlashBlockSizes:
         """These sizes shrunk to the next power of two of short sequences (min 8)."""
@@ -68,7 +77,7 @@ class FlashBlockSizes:
         def fit(block: int, length: int) -> int:
             return min(block, max(8, 1 << max(0, length - 1).bit_length()))
 
-        return FlashBlockSizes(fit(self.block_q, q_len), fit(self.block_kv, kv_len))
+        return dataclasses.replace(self, block_q=fit(self.block_q, q_len), block_kv=fit(self.block_kv, kv_len))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,7 @@ from ember.kernels_pallas.block_mask import (
     document_live_grid,
     live_block_grid,
 )
+from ember.kernels_pallas.dispatch import triton_compiler_params
 from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
@@ -63,6 +64,8 @@ class KernelConfig:
     block_q: int
     block_kv: int
     interpret: bool
+    num_warps: int | None = None  # None: by head_dim
+    num_stages: int = 2
 
     @property
     def padded_q_len(self) -> int:
@@ -291,11 +294,8 @@ def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
 
 
 def _compiler_params(config: KernelConfig):
-    if config.interpret or jax.default_backend() != "gpu":
-        return None
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=4 if config.problem.head_dim <= 64 else 8, num_stages=2)
+    num_warps = config.num_warps or (4 if config.problem.head_dim <= 64 else 8)
+    return triton_compiler_params(interpret=config.interpret, num_warps=num_warps, num_stages=config.num_stages)
 
 
 def _cost(config: KernelConfig, matmuls_per_block: int, bytes_accessed: int) -> pl.CostEstimate:
@@ -490,5 +490,7 @@ def flash_attention_kernel(q, k, v, segments, segment_positions=None, *, problem
     kv_len])`` of int32; positions only where ``problem.has_segment_positions``)."""
     if problem.mask is not None:
         problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
-    config = KernelConfig(problem, block_sizes.block_q, block_sizes.block_kv, interpret)
+    config = KernelConfig(
+        problem, block_sizes.block_q, block_sizes.block_kv, interpret, block_sizes.num_warps, block_sizes.num_stages
+    )
     return _flash(q, k, v, (segments, segment_positions), config)

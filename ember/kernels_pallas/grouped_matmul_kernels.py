@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ember.kernels_pallas.dispatch import triton_compiler_params
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
 # Output tiles are numbered in bands of this many m-tiles, column by column inside a band, so
@@ -67,11 +68,7 @@ def _fit(block: int, length: int) -> int:
 
 
 def _compiler_params(config: GmmConfig):
-    if config.interpret or jax.default_backend() != "gpu":
-        return None
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    return triton_compiler_params(interpret=config.interpret, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def padded_bounds(bounds: jax.Array) -> jax.Array:
@@ -124,7 +121,8 @@ def _gmm_kernel(table_ref, bounds_ref, lhs_ref, rhs_ref, out_ref, *, config: Gmm
                 return acc + lax.dot_general(x, rhs_ref[group, :, cols], _NT_DIMS, preferred_element_type=jnp.float32)
             return acc + lax.dot_general(x, rhs_ref[group, cols, :], _NN_DIMS, preferred_element_type=jnp.float32)
 
-        return lax.fori_loop(0, jnp.where(hi > lo, k_tiles, 0), k_step, acc)
+        # int32 operands: the Triton lowering typed the weak scalars of where(hi > lo, k_tiles, 0) as i1
+        return lax.fori_loop(0, jnp.where(hi > lo, jnp.int32(k_tiles), jnp.int32(0)), k_step, acc)
 
     acc = jnp.zeros(out_ref.shape, jnp.float32)
     out_ref[...] = lax.fori_loop(0, table_ref[1], visit_group, acc).astype(out_ref.dtype)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas import linear_attention_chunks as chunks
+from ember.kernels_pallas.dispatch import triton_compiler_params
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 
@@ -125,9 +126,13 @@ def _backward_kernel(
     dstate_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk_step, dfinal_ref[...])
 
 
-def value_block_size(dv: int) -> int:
-    """Value columns per program: 64 when that splits ``dv`` evenly, else all of them."""
-    return 64 if dv > 64 and dv % 64 == 0 else dv
+FORWARD_VALUE_BLOCK = 64
+BACKWARD_VALUE_BLOCK = 32  # the backward holds more [dk, block] tiles: 64 overran the H200's shared memory in f32
+
+
+def value_block_size(dv: int, block: int = FORWARD_VALUE_BLOCK) -> int:
+    """Value columns per program: ``block`` when that splits ``dv`` evenly, else all of them."""
+    return block if dv > block and dv % block == 0 else dv
 
 
 def padded_value_columns(dv: int) -> int:
@@ -137,12 +142,11 @@ def padded_value_columns(dv: int) -> int:
     return max(8, 1 << (dv - 1).bit_length()) if dv <= 64 else -(-dv // 64) * 64
 
 
-def _specs(q_shape, v_shape, n_chunks):
-    """BlockSpecs over the grid (batch, head, value block): whole sequences of one head."""
+def _specs(q_shape, v_shape, n_chunks, block):
+    """BlockSpecs over the grid (batch, head, value block of ``block`` columns): whole
+    sequences of one head."""
     _, seq, qk_heads, dk = q_shape
-    heads, dv = v_shape[2], v_shape[3]
-    group = heads // qk_heads
-    block = value_block_size(dv)
+    group = v_shape[2] // qk_heads
     return {
         "qk": pl.BlockSpec((None, seq, None, dk), lambda b, h, j: (b, 0, h // group, 0)),
         "v": pl.BlockSpec((None, seq, None, block), lambda b, h, j: (b, 0, h, j)),
@@ -156,19 +160,27 @@ def _specs(q_shape, v_shape, n_chunks):
     }
 
 
-def _grid(v_shape):
+def _compiler_params(interpret: bool):
+    # One stage: each chunk needs the state the previous chunk left, so prefetching the next
+    # chunk's tiles buys little, and Triton's default three stages overran the H200's 227 KB
+    # of shared memory at dk = 128 (234 KB in bf16, 283 KB in f32).
+    return triton_compiler_params(interpret=interpret, num_warps=4, num_stages=1)
+
+
+def _grid(v_shape, block):
     batch, _, heads, dv = v_shape
-    return (batch, heads, dv // value_block_size(dv))
+    return (batch, heads, dv // block)
 
 
 def _forward(q, k, v, cum, doc, state, chunk_size, interpret):
     batch, seq, heads, dv = v.shape
     dk = q.shape[-1]
     n_chunks = seq // chunk_size
-    specs = _specs(q.shape, v.shape, n_chunks)
+    block = value_block_size(dv, FORWARD_VALUE_BLOCK)
+    specs = _specs(q.shape, v.shape, n_chunks, block)
     outputs, states = pl.pallas_call(
         functools.partial(_forward_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
-        grid=_grid(v.shape),
+        grid=_grid(v.shape, block),
         in_specs=[specs["qk"], specs["qk"], specs["v"], specs["per_head_scalar"], specs["doc"], specs["state"]],
         out_specs=[specs["v"], specs["states"]],
         out_shape=[
@@ -176,6 +188,7 @@ def _forward(q, k, v, cum, doc, state, chunk_size, interpret):
             jax.ShapeDtypeStruct((batch, heads, n_chunks + 1, dk, dv), jnp.float32),
         ],
         interpret=interpret,
+        compiler_params=_compiler_params(interpret),
         name="linear_attention_forward",
     )(q, k, v, cum, doc, state)
     return outputs, states
@@ -185,8 +198,9 @@ def _backward(q, k, v, cum, doc, states, dout, dfinal, chunk_size, interpret):
     batch, seq, heads, dv = v.shape
     qk_heads, dk = q.shape[2], q.shape[3]
     n_chunks = seq // chunk_size
-    specs = _specs(q.shape, v.shape, n_chunks)
-    grid = _grid(v.shape)
+    block = value_block_size(dv, BACKWARD_VALUE_BLOCK)
+    specs = _specs(q.shape, v.shape, n_chunks, block)
+    grid = _grid(v.shape, block)
     f32 = jnp.float32
     dq, dk_, dv_, dcum, dstate = pl.pallas_call(
         functools.partial(_backward_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
@@ -210,6 +224,7 @@ def _backward(q, k, v, cum, doc, states, dout, dfinal, chunk_size, interpret):
             jax.ShapeDtypeStruct((batch, heads, dk, dv), f32),
         ],
         interpret=interpret,
+        compiler_params=_compiler_params(interpret),
         name="linear_attention_backward",
     )(q, k, v, cum, doc, states, dout, dfinal)
 

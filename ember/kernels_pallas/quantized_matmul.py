@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.dispatch import resolve_impl, triton_compiler_params
 from ember.kernels_pallas.quantized_formats import (
     PACKED_FORMATS,
     QuantizedMatrix,
@@ -153,11 +153,9 @@ def _pallas(x, weight: QuantizedMatrix, out_dtype, block_sizes: QuantizedMatmulB
     kernel = functools.partial(
         _kernel, fmt=weight.format, block_k=bk, k_tiles=k_pad // bk, rows_per_scale=weight.group_size
     )
-    compiler_params = None
-    if not interpret and jax.default_backend() == "gpu":
-        from jax.experimental.pallas import triton as plgpu
-
-        compiler_params = plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
+    compiler_params = triton_compiler_params(
+        interpret=interpret, num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
+    )
     out = pl.pallas_call(
         kernel,
         grid=(m_pad // bm, n_pad // bn),

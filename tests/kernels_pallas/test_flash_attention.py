@@ -120,7 +120,15 @@ def test_bad_arguments_raise_value_error_naming_them(shapes, options, argument):
         flash_attention(q, k, v, **options)
 
 
-@pytest.mark.parametrize("kwargs, argument", [(dict(block_q=12), "block_q"), (dict(block_kv=4), "block_kv")])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(block_q=12), "block_q"),
+        (dict(block_kv=4), "block_kv"),
+        (dict(num_warps=3), "num_warps"),
+        (dict(num_stages=0), "num_stages"),
+    ],
+)
 def test_block_sizes_validate_themselves(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         FlashBlockSizes(**kwargs)
@@ -129,3 +137,4 @@ def test_block_sizes_validate_themselves(kwargs, argument):
 def test_block_sizes_fit_short_sequences():
     assert FlashBlockSizes(128, 128).fitted(77, 5) == FlashBlockSizes(128, 8)
     assert FlashBlockSizes(64, 128).fitted(1000, 33) == FlashBlockSizes(64, 64)
+    assert FlashBlockSizes(128, 128, num_warps=4, num_stages=3).fitted(8, 8) == FlashBlockSizes(8, 8, 4, 3)
