@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import time
 import traceback
@@ -386,6 +387,20 @@ def _run_measurement(measurement: Measurement, sizes: PerfSizes, context: dict, 
     return rows
 
 
+def kept_checks(previous: dict, device: str) -> dict[str, dict]:
+    """The device value checks of an earlier results record of the same ``device``, each
+    marked with the date and seed of the run that made it: a session whose device time
+    allows one short call rechecks only the kernels it changed (``--only-checks``) and keeps
+    the others' results (``--keep-checks-from``)."""
+    if previous.get("device") != device or previous.get("toy"):
+        raise ValueError(
+            f"--keep-checks-from needs a non-toy results file of this device ({device!r}), "
+            f"got one of {previous.get('device')!r} (toy: {previous.get('toy')})"
+        )
+    origin = dict(checked_on=previous["date"], checked_with_seed=previous["seed"])
+    return {name: {**check, **origin} for name, check in previous["device_value_checks"].items()}
+
+
 def run(
     toy: bool,
     results_dir: Path | None,
@@ -393,8 +408,10 @@ def run(
     seed: int,
     only_checks: tuple[str, ...] = (),
     skip: tuple[str, ...] = (),
+    keep_checks_from: dict | None = None,
 ) -> Path:
-    """Runs the checks and the measurements; returns the results file's path."""
+    """Runs the checks and the measurements; returns the results file's path. With
+    ``keep_checks_from`` (an earlier record), its checks stand where this run repeats none."""
     check_sizes: CheckSizes = TOY_CHECK_SIZES if toy else GPU_CHECK_SIZES
     sizes = TOY_SIZES if toy else GPU_SIZES
     deadline = time.monotonic() + budget_s
@@ -405,7 +422,7 @@ def run(
         check_sizes=dataclasses.asdict(check_sizes),
         perf_sizes={k: repr(v) for k, v in dataclasses.asdict(sizes).items()},
         kernels=[check.name for check in KERNEL_CHECKS],
-        device_value_checks={},
+        device_value_checks=kept_checks(keep_checks_from, device_label()) if keep_checks_from else {},
         rows=[],
         goals={},
     )
@@ -478,13 +495,17 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="inputs of the value checks (default: fresh)")
     parser.add_argument("--only-checks", nargs="*", default=(), help="run only checks whose name contains one of these")
     parser.add_argument("--skip", nargs="*", default=(), help="'checks' and/or measurement names to leave out")
+    parser.add_argument(
+        "--keep-checks-from", type=Path, default=None, help="an earlier gpu-<device>.json whose checks this run keeps"
+    )
     args = parser.parse_args(argv)
     toy = args.toy or not on_gpu()
     if toy and not args.toy:
         print(f"No GPU found (device: {device_label()}): toy sizes, kernels in the Pallas interpreter.")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     budget = args.budget_s if args.budget_s is not None else (1e9 if toy else 500.0)
-    run(toy, args.results_dir, budget, seed, tuple(args.only_checks), tuple(args.skip))
+    previous = json.loads(args.keep_checks_from.read_text()) if args.keep_checks_from else None
+    run(toy, args.results_dir, budget, seed, tuple(args.only_checks), tuple(args.skip), previous)
     return 0
 
 

@@ -144,7 +144,7 @@ def forms_for(sizes: Sizes, problem: Problem, group_sizes: np.ndarray, dtype, ke
     """``{form: (fn, args)}``, each ``fn(*args)`` one product of the row's FLOPs."""
     k_lhs, k_rhs = jax.random.split(key)
     lhs = jax.random.normal(k_lhs, (problem.rows, problem.k), dtype)
-    rhs = jax.random.normal(k_rhs, (problem.experts, problem.k, problem.n), dtype) / np.sqrt(problem.k)
+    rhs = (jax.random.normal(k_rhs, (problem.experts, problem.k, problem.n), dtype) / np.sqrt(problem.k)).astype(dtype)
     sizes_array = jnp.asarray(group_sizes, jnp.int32)
     impl = sizes.impl
     return {

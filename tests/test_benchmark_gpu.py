@@ -124,3 +124,26 @@ def test_kernels_lower_to_triton_without_a_gpu(check):
     sizes = dataclasses.replace(GPU_CHECK_SIZES, dtypes=("bfloat16",))
     results = triton_lowering.lower_all(sizes, only=(check,))
     assert results == {f"{check} bfloat16": {"lowered": True, "triton_kernels": 3}}
+
+
+def test_kept_checks_carry_their_origin_and_refuse_another_device():
+    previous = dict(
+        device="h200",
+        toy=False,
+        date="2026-11-26T23:59:00+00:00",
+        seed=7,
+        device_value_checks={"ssd bfloat16": {"passed": True, "max_relative_error": 0.007}},
+    )
+    kept = gpu.kept_checks(previous, "h200")
+    assert kept == {
+        "ssd bfloat16": {
+            "passed": True,
+            "max_relative_error": 0.007,
+            "checked_on": "2026-11-26T23:59:00+00:00",
+            "checked_with_seed": 7,
+        }
+    }
+    with pytest.raises(ValueError, match="h100"):
+        gpu.kept_checks(previous, "h100")
+    with pytest.raises(ValueError, match="toy"):
+        gpu.kept_checks(dict(previous, toy=True), "h200")
