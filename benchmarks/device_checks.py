@@ -191,15 +191,18 @@ def _named_pairs(got, want) -> dict[str, tuple[Any, Any]]:
 def _flash(**options) -> Callable:
     """A flash-attention check with these options (``segments=True``: random documents)."""
     segments = options.pop("segments", False)
-    heads_override = options.pop("kv_heads", None)
+    kv_heads_override = options.pop("kv_heads", None)
+    heads_override = options.pop("heads", None)
+    head_dim_override = options.pop("head_dim", None)
 
     def problem(sizes: CheckSizes, dtype, gen):
-        kv_heads = heads_override or sizes.kv_heads
+        kv_heads = kv_heads_override or sizes.kv_heads
+        heads, head_dim = heads_override or sizes.heads, head_dim_override or sizes.head_dim
         q_len, kv_len = (sizes.q_len, sizes.q_len) if segments or options.get("causal") else (sizes.q_len, sizes.kv_len)
         primals = dict(
-            q=_normal(gen, (sizes.batch, q_len, sizes.heads, sizes.head_dim), dtype),
-            k=_normal(gen, (sizes.batch, kv_len, kv_heads, sizes.head_dim), dtype),
-            v=_normal(gen, (sizes.batch, kv_len, kv_heads, sizes.head_dim), dtype),
+            q=_normal(gen, (sizes.batch, q_len, heads, head_dim), dtype),
+            k=_normal(gen, (sizes.batch, kv_len, kv_heads, head_dim), dtype),
+            v=_normal(gen, (sizes.batch, kv_len, kv_heads, head_dim), dtype),
         )
         extra = dict(options)
         if segments:
@@ -390,6 +393,7 @@ def _quantized_matmul(fmt: str) -> Callable:
 KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck("flash_attention[dense,cross_lengths]", _flash()),
     KernelCheck("flash_attention[causal,mqa]", _flash(causal=True, kv_heads=1)),
+    KernelCheck("flash_attention[causal,group_3,head_dim_80]", _flash(causal=True, heads=6, kv_heads=2, head_dim=80)),
     KernelCheck("flash_attention[window,soft_cap]", _flash(window=(40, 9), logits_soft_cap=5.0)),
     KernelCheck("flash_attention[local_global]", _flash(block_mask=LocalGlobalMask(24, 24, 5))),
     KernelCheck("flash_attention[chunked_causal]", _flash(block_mask=ChunkedCausalMask(50))),

@@ -6,8 +6,9 @@ Three kernels tied together by ``custom_vjp``:
   its query block (online softmax, or plain sums for sigmoid scores) and saves the
   log-sum-exp ``[batch, heads, q_len]`` for the backward;
 - dq: grid ``(batch, heads, q_blocks)``, streams the same live key blocks;
-- dk/dv: grid ``(batch, heads, kv_blocks)``, streams the live query blocks of its key block;
-  per-query-head results are summed over each GQA group afterwards.
+- dk/dv: grid ``(batch, kv_heads, kv_blocks)``, streams the live query blocks of its key
+  block for every query head of its GQA group, accumulating dk/dv per key head in f32
+  (backward memory does not grow with the group ratio).
 
 Which blocks are live comes from the mask description
 (:func:`ember.kernels_pallas.block_mask.live_block_grid`) and reaches the kernels as small
@@ -263,19 +264,25 @@ def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs
 
 
 def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, config: KernelConfig):
+    """One (batch, key head, key block): streams the live query blocks of every query head
+    of the key head's GQA group, so dk and dv accumulate per key head (f32, in registers).
+    Refs: q/dO ``[q_len, group, head_dim]``, lse/delta ``[group, q_len]``."""
     p = config.problem
     seg_refs, pos_refs, refs = _split_optional_refs(p, refs)
     dk_ref, dv_ref = refs
-    bq, bk = config.block_q, config.block_kv
+    bq, bk, group = config.block_q, config.block_kv, p.group
     kv_start = pl.program_id(2) * bk
     k, v = k_ref[...], v_ref[...]
     kv_seg, kv_seg_pos = _read(seg_refs[1], ...), _read(pos_refs[1], ...)
 
-    def body(t, carry):
+    def body(step, carry):
         dk, dv = carry
+        # lax.div/rem (step >= 0): jnp's floor // and % lowered to ill-typed Triton IR
+        t, head = (step, 0) if group == 1 else (lax.div(step, jnp.int32(group)), lax.rem(step, jnp.int32(group)))
         q_start = pl.multiple_of(table_ref[t + 1] * bq, bq)
         rows = pl.ds(q_start, bq)
-        q, do, lse, delta = q_ref[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
+        q, do = q_ref[rows, head, :], do_ref[rows, head, :]
+        lse, delta = lse_ref[head, rows], delta_ref[head, rows]
         visible = _visible(
             config, q_start, kv_start, _read(seg_refs[0], rows), kv_seg, _read(pos_refs[0], rows), kv_seg_pos
         )
@@ -288,7 +295,7 @@ def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
         return dk, dv
 
     zeros = jnp.zeros((bk, p.head_dim), jnp.float32)
-    dk, dv = lax.fori_loop(0, table_ref[0], body, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, table_ref[0] * group, body, (zeros, zeros))
     dk_ref[...] = (dk * p.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -428,41 +435,36 @@ def flash_backward(q, k, v, rows, out, lse, d_out, config: KernelConfig):
         name="flash_attention_dq",
     )(kv_table, qp, kp, vp, dop, lse, delta, *row_args)
 
-    def q_slab(length):
-        return pl.BlockSpec((None, length, None, p.head_dim), lambda b, h, j: (b, 0, h, 0))
+    # dk/dv: one program per key head; the q-side blocks hold the whole GQA group of heads.
+    def group_slab(length):
+        return pl.BlockSpec((None, length, group, p.head_dim), lambda b, g, j: (b, 0, g, 0))
 
-    def kv_tile(block):
-        return pl.BlockSpec((None, block, None, p.head_dim), lambda b, h, j: (b, j, h // group, 0))
+    def group_rows(length):
+        return pl.BlockSpec((None, group, length), lambda b, g, j: (b, g, 0))
 
+    kv_tile = pl.BlockSpec((None, bk, None, p.head_dim), lambda b, g, j: (b, j, g, 0))
     dkv_specs = [
         _table_spec(q_table),
-        q_slab(config.padded_q_len),
-        kv_tile(bk),
-        kv_tile(bk),
-        q_slab(config.padded_q_len),
-        pl.BlockSpec((None, None, config.padded_q_len), lambda b, h, j: (b, h, 0)),
-        pl.BlockSpec((None, None, config.padded_q_len), lambda b, h, j: (b, h, 0)),
+        group_slab(config.padded_q_len),
+        kv_tile,
+        kv_tile,
+        group_slab(config.padded_q_len),
+        group_rows(config.padded_q_len),
+        group_rows(config.padded_q_len),
         *_row_specs(config, row_args, per_query_block=False),
     ]
-    per_head = jax.ShapeDtypeStruct((p.batch, config.padded_kv_len, p.heads, p.head_dim), jnp.float32)
-    out_tile = pl.BlockSpec((None, bk, None, p.head_dim), lambda b, h, j: (b, j, h, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, config=config),
-        grid=(p.batch, p.heads, config.padded_kv_len // bk),
+        grid=(p.batch, p.kv_heads, config.padded_kv_len // bk),
         in_specs=dkv_specs,
-        out_specs=[out_tile, out_tile],
-        out_shape=[per_head, per_head],
+        out_specs=[kv_tile, kv_tile],
+        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         compiler_params=_compiler_params(config),
         cost_estimate=_cost(config, 4, itemsize * (3 * qp.size + 4 * kp.size)),
         interpret=config.interpret,
         name="flash_attention_dkv",
     )(q_table, qp, kp, vp, dop, lse, delta, *row_args)
-
-    def group_sum(x):  # per query head -> per key head (GQA)
-        x = x[:, : p.kv_len].reshape(p.batch, p.kv_len, p.kv_heads, group, p.head_dim)
-        return x.sum(axis=3).astype(k.dtype)
-
-    return dq[:, : p.q_len], group_sum(dk), group_sum(dv)
+    return dq[:, : p.q_len], dk[:, : p.kv_len], dv[:, : p.kv_len]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -484,13 +486,24 @@ def _flash_bwd(config, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The head size the kernels run at: the next power of two (Triton tiles want them; 80
+    and 96 run as 128). The zero columns add nothing to any logit, and the output columns
+    they produce are dropped."""
+    return 1 << (head_dim - 1).bit_length()
+
+
 def flash_attention_kernel(q, k, v, segments, segment_positions=None, *, problem, block_sizes, interpret: bool):
     """The Pallas path of ``flash_attention`` (arguments already validated; ``segments`` and
     ``segment_positions`` are each ``None`` or a pair ``(query [batch, q_len], key [batch,
     kv_len])`` of int32; positions only where ``problem.has_segment_positions``)."""
     if problem.mask is not None:
         problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
+    head_dim = problem.head_dim
+    if padded_head_dim(head_dim) != head_dim:
+        q, k, v = (pad_axis_to_multiple(x, 3, padded_head_dim(head_dim)) for x in (q, k, v))
+        problem = dataclasses.replace(problem, head_dim=padded_head_dim(head_dim))
     config = KernelConfig(
         problem, block_sizes.block_q, block_sizes.block_kv, interpret, block_sizes.num_warps, block_sizes.num_stages
     )
-    return _flash(q, k, v, (segments, segment_positions), config)
+    return _flash(q, k, v, (segments, segment_positions), config)[..., :head_dim]

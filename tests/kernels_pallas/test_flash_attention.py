@@ -1,5 +1,6 @@
 """flash_attention: the Pallas kernels (interpret mode) and the XLA path against the
-reference, dtypes, GQA ratios, head dims, non-block-multiple lengths, argument checking."""
+reference, dtypes, GQA ratios (dk/dv accumulated per key head), head dims (80 and 96 padded
+to 128), non-block-multiple lengths, argument checking."""
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,9 @@ from tests.tolerances import assert_allclose
         (jnp.float32, True, 4, 64, 40, 77),  # q_len != kv_len: top-left aligned causal
         (jnp.bfloat16, True, 4, 64, 77, 77),
         (jnp.bfloat16, False, 8, 128, 77, 77),
+        # head_dim 80 / 96 run padded to 128; a group of 3 query heads per key head
+        (jnp.float32, True, 3, 80, 40, 40),
+        (jnp.bfloat16, False, 2, 96, 33, 33),
     ],
 )
 def test_kernel_values_and_grads_match_reference(rng, dtype, causal, group, head_dim, q_len, kv_len):
