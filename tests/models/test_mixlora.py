@@ -87,17 +87,21 @@ def test_mixlora_starts_as_the_base_and_equals_a_per_expert_loop(scan_layers):
     base = base_params(config)
     fresh = add_mixlora(base, MIX, jax.random.key(1))
     model = DecoderLM(config)
-    assert_allclose(model.apply({"params": fresh}, TOKENS)[0], model.apply({"params": base}, TOKENS)[0])
+    # Jitted: op by op, the scanned model and its gradient took ~20 s on CPU.
+    logits = jax.jit(lambda p: model.apply({"params": p}, TOKENS)[0])
+    reference = jax.jit(lambda p: reference_logits(config, p, TOKENS))
+    base_logits = logits(base)
+    assert_allclose(logits(fresh), base_logits)
     params = trained(fresh)
-    out = model.apply({"params": params}, TOKENS)[0]
-    assert_allclose(out, reference_logits(config, params, TOKENS), scale=10)
-    assert not np.allclose(out, model.apply({"params": base}, TOKENS)[0], atol=1e-3)
+    out = logits(params)
+    assert_allclose(out, reference(params), scale=10)
+    assert not np.allclose(out, base_logits, atol=1e-3)
 
-    def loss(p, logits_fn):
-        return jnp.sum(jnp.tanh(logits_fn(p)))
+    def loss(logits_fn):
+        return lambda p: jnp.sum(jnp.tanh(logits_fn(p)))
 
-    grads = jax.grad(loss)(params, lambda p: model.apply({"params": p}, TOKENS)[0])
-    expected = jax.grad(loss)(params, lambda p: reference_logits(config, p, TOKENS))
+    grads = jax.jit(jax.grad(loss(logits)))(params)
+    expected = jax.jit(jax.grad(loss(reference)))(params)
     trained_paths = [p for p, on in param_paths(adapter_mask(params)).items() if on]
     assert any("mixlora_router" in p for p in trained_paths)
     for path in trained_paths:
@@ -136,8 +140,9 @@ def test_load_balance_is_sown_and_training_moves_only_the_experts():
         return nll + 0.01 * out.aux["load_balance"]
 
     losses = []
+    loss_and_grads = jax.jit(jax.value_and_grad(objective))
     for _ in range(8):
-        loss, grads = jax.value_and_grad(objective)(trainable)
+        loss, grads = loss_and_grads(trainable)
         updates, state = tx.update(grads, state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         losses.append(float(loss))
