@@ -5,6 +5,7 @@ equal those through the merged weight, adapters carry their weights' logical axe
 applies only with a dropout RNG, and bad configs name their key."""
 
 import dataclasses
+import functools
 import zlib
 
 import flax.linen as nn
@@ -27,13 +28,21 @@ MOE = dataclasses.replace(
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 
 
+@functools.cache
+def programs(config):
+    """The model's jitted init and forward (op by op, these tests took minutes on CPU)."""
+    model = DecoderLM(config)
+    forward = jax.jit(lambda params, tokens, rngs: model.apply({"params": params}, tokens, rngs=rngs)[0])
+    return jax.jit(model.init), forward
+
+
 def init(config, seed=0):
     tokens = jnp.zeros((1, 8), jnp.int32)
-    return DecoderLM(config).init(jax.random.key(seed), tokens)["params"]
+    return programs(config)[0](jax.random.key(seed), tokens)["params"]
 
 
-def logits(config, params, tokens, **kwargs):
-    return DecoderLM(config).apply({"params": nn.meta.unbox(params)}, tokens, **kwargs)[0]
+def logits(config, params, tokens, rngs=None):
+    return programs(config)[1](nn.meta.unbox(params), tokens, rngs)
 
 
 def perturbed(params, seed, scale=0.05):

@@ -87,9 +87,10 @@ def test_linear_time_form_equals_the_reference_with_gradients(window, packed, rn
 def test_bf16_inputs_stay_within_bf16_tolerance(rng):
     args32, segments = inputs(rng)
     args16 = tuple(x.astype(jnp.bfloat16) if i < 5 else x for i, x in enumerate(args32))
-    out = window_linear_attention(*args16, window=6, segment_ids=segments, impl="xla")
+    # Jitted here and below: op by op, these small models took 13-17 s each on CPU.
+    out = jax.jit(lambda *a: window_linear_attention(*a, window=6, segment_ids=segments, impl="xla"))(*args16)
     assert out.dtype == jnp.bfloat16
-    assert_allclose(out, window_linear_reference(*args32, window=6, segment_ids=segments))
+    assert_allclose(out, jax.jit(lambda *a: window_linear_reference(*a, window=6, segment_ids=segments))(*args32))
 
 
 TEACHER = ModelConfig(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
@@ -102,17 +103,17 @@ def test_attention_transfer_mode_gives_the_softmax_logits_and_sows_each_layers_e
     tokens = jnp.asarray(numpy_rng(rng).integers(0, 96, (2, 24)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
     teacher = DecoderLM(TEACHER)
-    teacher_params = perturbed(teacher.init(rng, tokens, positions=positions)["params"], rng)
+    teacher_params = perturbed(jax.jit(teacher.init)(rng, tokens, positions=positions)["params"], rng)
     student = DecoderLM(LINEARISED)
-    fresh = student.init(jax.random.fold_in(rng, 1), tokens, positions=positions)["params"]
+    fresh = jax.jit(student.init)(jax.random.fold_in(rng, 1), tokens, positions=positions)["params"]
     params = perturbed(fresh, jax.random.fold_in(rng, 2))  # features and mix away from their init
     params = linearized_params(teacher_params, params)
 
-    teacher_logits, _ = teacher.apply({"params": teacher_params}, tokens, positions=positions)
+    teacher_logits, _ = jax.jit(teacher.apply)({"params": teacher_params}, tokens, positions=positions)
     transfer = DecoderLM(dataclasses.replace(LINEARISED, attention_transfer=True))
-    outputs = apply_model(transfer, params, tokens, positions=positions)
+    outputs = jax.jit(lambda p: apply_model(transfer, p, tokens, positions=positions))(params)
     assert_allclose(outputs.output[0], teacher_logits, scale=10)
-    linear_logits, _ = student.apply({"params": params}, tokens, positions=positions)
+    linear_logits, _ = jax.jit(student.apply)({"params": params}, tokens, positions=positions)
     assert float(jnp.max(jnp.abs(linear_logits - teacher_logits))) > 1e-3  # the linearised model itself differs
     assert float(outputs.aux["attention_transfer"]) > 0
     with pytest.raises(ConfigError, match="window_linear layers take softmax scores"):
@@ -129,9 +130,11 @@ def test_linearizing_a_config_and_its_weights_names_what_cannot_be_done():
             dataclasses.replace(TEACHER, block_pattern=("mamba2",), mlp_pattern=("none",)), LinearizeConfig()
         )
     tokens = jnp.zeros((1, 8), jnp.int32)
-    teacher = DecoderLM(TEACHER).init(jax.random.key(0), tokens)["params"]
-    fresh = DecoderLM(LINEARISED).init(jax.random.key(0), tokens)["params"]
-    wider = DecoderLM(dataclasses.replace(TEACHER, mlp_dim=96)).init(jax.random.key(0), tokens)["params"]
+
+    def shapes(config):  # the parameter tree's shapes are all the checks below need
+        return jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)["params"]
+
+    teacher, fresh, wider = shapes(TEACHER), shapes(LINEARISED), shapes(dataclasses.replace(TEACHER, mlp_dim=96))
     with pytest.raises(ValueError, match=r"mlp/down: the teacher's \(2, 96, 32\) against the linearised \(2, 64, 32\)"):
         linearized_params(wider, fresh)
     assert set(linearized_params(teacher, fresh)["layers"]["block_0"]["attn"]) == {
