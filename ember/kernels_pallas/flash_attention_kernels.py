@@ -499,10 +499,10 @@ def flash_attention_kernel(q, k, v, segments, segment_positions=None, *, problem
     kv_len])`` of int32; positions only where ``problem.has_segment_positions``)."""
     if problem.mask is not None:
         problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
-    head_dim = problem.head_dim
-    if padded_head_dim(head_dim) != head_dim:
-        q, k, v = (pad_axis_to_multiple(x, 3, padded_head_dim(head_dim)) for x in (q, k, v))
-        problem = dataclasses.replace(problem, head_dim=padded_head_dim(head_dim))
+    head_dim, padded = problem.head_dim, padded_head_dim(problem.head_dim)
+    if padded != head_dim:
+        q, k, v = (pad_axis_to_multiple(x, 3, padded) for x in (q, k, v))
+        problem = dataclasses.replace(problem, head_dim=padded)
     config = KernelConfig(
         problem, block_sizes.block_q, block_sizes.block_kv, interpret, block_sizes.num_warps, block_sizes.num_stages
     )
