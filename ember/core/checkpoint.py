@@ -65,6 +65,7 @@ class CheckpointManager:
             create=True,
             cleanup_tmp_directories=True,
         )
+        _save_each_array_whole_on_cpu()
         # Naming the handlers lets a fresh manager read metadata of existing steps.
         handlers = {_STATE: ocp.StandardCheckpointHandler(), _EXTRA: ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -187,6 +188,20 @@ class CheckpointManager:
         if target is not None:
             return jax.tree.map(_abstract_leaf, target)
         return _on_default_device(self._manager.item_metadata(step)[_STATE])
+
+
+def _save_each_array_whole_on_cpu() -> None:
+    """On CPU, orbax saves a replicated array from one replica instead of splitting it.
+
+    Orbax's default outside GPUs is replica-parallel saving: each of the R devices holding a
+    copy transfers 1/R of it, which spreads device-to-host traffic on TPUs. Host devices have no
+    transfer to spread, and every slice is a program compiled per device and shape: the first
+    save of a tiny model replicated on 8 host devices compiled 120 of them (3.4 s). The files
+    written are the same either way.
+    """
+    if jax.default_backend() == "cpu":
+        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
 def _on_default_device(metadata: Any) -> Any:
