@@ -1,7 +1,12 @@
 """RL training benchmark: wall-clock for Ember PPO to solve CartPole (compile reported
 separately), on Ember's CartPole and on gymnax's CartPole through ``GymnaxEnv``, side by
-side, and for PQN (``configs/rl/pqn_cartpole.yaml``, 200k env steps) on Ember's; and
-aggregate env-steps/s of the PPO training loop for 1 and 8 vmapped seeds.
+side, and for PQN (``configs/rl/pqn_cartpole.yaml``, 200k env steps) on Ember's;
+aggregate env-steps/s of the PPO training loop for 1 and 8 vmapped seeds; and training
+env-steps/s on every MinAtar game in the published settings' batch shapes: PQN as
+``configs/rl/pqn_minatar.yaml`` (the PQN paper's 128 environments x 32 steps) and PPO as
+``configs/rl/ppo_breakout_minatar.yaml`` (PureJaxRL's MinAtar 64 x 128), each over a
+shortened run of ``MINATAR_TIMESTEPS``. The papers' own figures were measured on GPUs; a CPU
+row is not comparable to them, so the JSON says which device measured it.
 
 "Solved" is the issue's bar: greedy mean return >= 475 over 100 evaluation episodes after
 the run of ``configs/rl/ppo_cartpole.yaml`` (150k env steps). Compile time is measured by
@@ -27,10 +32,12 @@ from ember.envs import EnvConfig, make_from_config
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 from ember.training.rl.experiment import ALGORITHMS
-from ember.training.rl.ppo import make_train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "rl" / "ppo_cartpole.yaml"
 PQN_CONFIG = CONFIG.with_name("pqn_cartpole.yaml")
+MINATAR_CONFIGS = (CONFIG.with_name("pqn_minatar.yaml"), CONFIG.with_name("ppo_breakout_minatar.yaml"))
+MINATAR_GAMES = ("Asterix-MinAtar", "Breakout-MinAtar", "Freeway-MinAtar", "Seaquest-MinAtar", "SpaceInvaders-MinAtar")
+MINATAR_TIMESTEPS = 131_072
 SOLVED_RETURN = 475.0
 
 
@@ -64,17 +71,37 @@ def solve_cartpole(source: str, config: RLConfig) -> dict:
 
 
 def steps_per_second(config: RLConfig, num_seeds: int) -> dict:
-    """Aggregate env-steps/s of ``num_seeds`` vmapped training runs (compile excluded)."""
+    """Aggregate env-steps/s of ``num_seeds`` vmapped training runs of ``config.algo``
+    (compile and a warm-up run excluded)."""
     env, env_params = make_from_config(config.env)
-    train = jax.jit(jax.vmap(make_train(config.ppo, env, env_params)))
+    algorithm = ALGORITHMS[config.algo]
+    section = algorithm.section(config)
+    train = jax.jit(jax.vmap(algorithm.make_train(section, env, env_params, None)))
     keys = jax.random.split(jax.random.key(0), num_seeds)
     compiled = train.lower(keys).compile()
     jax.block_until_ready(compiled(keys))  # warm-up
     start = time.perf_counter()
     jax.block_until_ready(compiled(keys))
     seconds = time.perf_counter() - start
-    steps = num_seeds * config.ppo.num_updates * config.ppo.num_envs * config.ppo.num_steps
-    return {"seeds": num_seeds, "env_steps": steps, "seconds": seconds, "env_steps_per_s": steps / seconds}
+    steps = num_seeds * algorithm.num_updates(section) * algorithm.steps_per_update(section)
+    return {
+        "algo": config.algo,
+        "env": config.env.id,
+        "seeds": num_seeds,
+        "env_steps": steps,
+        "seconds": seconds,
+        "env_steps_per_s": steps / seconds,
+    }
+
+
+def minatar_throughput(path: Path, game: str) -> dict:
+    """``steps_per_second`` of one seed of ``path``'s algorithm on ``game``, shortened to
+    ``MINATAR_TIMESTEPS`` env steps in the config's own batch shape."""
+    algo = load_config(RLConfig, path).algo
+    config = load_config(RLConfig, path, [f"env.id={game}", f"{algo}.total_timesteps={MINATAR_TIMESTEPS}"])
+    section = ALGORITHMS[algo].section(config)
+    shape = {"num_envs": section.num_envs, "num_steps": section.num_steps}
+    return {"config": str(path.relative_to(path.parents[2])), **shape, **steps_per_second(config, 1)}
 
 
 def main() -> None:
@@ -96,13 +123,16 @@ def main() -> None:
         print(f"gymnax total / ember total = {gymnax_row['total_s'] / solve_rows[0]['total_s']:.2f}")
     print(f"PQN total / PPO total = {solve_rows[-1]['total_s'] / solve_rows[0]['total_s']:.2f}")
     throughput_rows = [steps_per_second(config, seeds) for seeds in (1, 8)]
-    print_table(throughput_rows, ["seeds", "env_steps", "seconds", "env_steps_per_s"])
+    print_table(throughput_rows, ["algo", "env", "seeds", "env_steps", "seconds", "env_steps_per_s"])
+    minatar_rows = [minatar_throughput(path, game) for path in MINATAR_CONFIGS for game in MINATAR_GAMES]
+    print_table(minatar_rows, ["algo", "env", "num_envs", "num_steps", "env_steps", "seconds", "env_steps_per_s"])
     path = write_results(
         "rl",
         {
             "config": str(CONFIG.relative_to(CONFIG.parents[2])),
             "solve_cartpole": solve_rows,
             "training_throughput": throughput_rows,
+            "minatar_training_throughput": minatar_rows,
         },
     )
     print(f"wrote {path}")

@@ -44,6 +44,11 @@ class SACConfig:
       init_temperature: the entropy temperature alpha at the start; ``target_entropy`` its goal
         (``None``: ``-action_dim``).
       reward_scale: rewards are multiplied by it for learning (not in the logged returns).
+      noise_correlation: how much of each environment's exploration noise carries over to its
+        next step, ``rho`` in ``eps_t = rho eps_{t-1} + sqrt(1 - rho^2) n_t`` (unit variance, so
+        the policy's Gaussian is unchanged step by step). 0 is SAC's independent noise; near 1
+        it drifts slowly, as temporally correlated (coloured) exploration noise does, which
+        sparse-reward tasks such as MountainCarContinuous need (Eberhard et al., 2023).
       log_every: iterations per metrics record.
       policy: actor and critic networks (the actor's log-std is state-dependent, its actions
         tanh-squashed into the box, whatever ``policy.log_std`` / ``policy.squash`` say).
@@ -63,6 +68,7 @@ class SACConfig:
     init_temperature: float = 1.0
     target_entropy: float | None = None
     reward_scale: float = 1.0
+    noise_correlation: float = 0.0
     log_every: int = 100
     policy: PolicyConfig = dataclasses.field(
         default_factory=lambda: PolicyConfig(hidden_sizes=(256, 256), activation="relu")
@@ -87,6 +93,10 @@ class SACConfig:
         for name in ("gamma", "tau"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
+        if not 0.0 <= self.noise_correlation < 1.0:
+            raise ConfigError(
+                f"noise_correlation must lie in [0, 1), got {self.noise_correlation}", key="noise_correlation"
+            )
         for name in ("actor_lr", "critic_lr", "temperature_lr", "init_temperature"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}", key=name)
@@ -127,6 +137,15 @@ def temperature_loss(log_temperature: jax.Array, log_prob: jax.Array, target_ent
     """``-log(alpha) * mean(log pi + target_entropy)``: raises alpha while the policy's
     entropy is below the target, lowers it above."""
     return -log_temperature * jnp.mean(jax.lax.stop_gradient(log_prob) + target_entropy)
+
+
+def correlated_noise(key: jax.Array, previous: jax.Array, rho: float) -> jax.Array:
+    """The next draw of unit-variance AR(1) noise, ``rho * previous + sqrt(1 - rho^2) * n``
+    with ``n ~ N(0, 1)`` of ``previous``'s shape ``[num_envs, action_dim]``. With ``rho = 0``
+    it is ``jax.random.normal(key, ...)``, the draw ``Gaussian.sample(key)`` makes. A run
+    starts from zeros, so the variance reaches 1 over the first ``~1 / (1 - rho)`` steps."""
+    fresh = jax.random.normal(key, previous.shape, previous.dtype)
+    return rho * previous + jnp.sqrt(1.0 - rho**2) * fresh
 
 
 def make_actor(config: SACConfig, env, env_params) -> Actor:
@@ -220,10 +239,11 @@ def make_train(
         buffer = replay_buffer_init(example, config.buffer_size)
 
         def iteration(carry, _):
-            state, buffer, env_state, obs, rng = carry
+            state, buffer, env_state, obs, noise, rng = carry
             rng, act_key, random_key, env_key, learn_key = jax.random.split(rng, 5)
             dist = actor.apply(state[0].params, obs)
-            policy_action = dist.env_action(dist.sample(act_key))
+            noise = correlated_noise(act_key, noise, config.noise_correlation)
+            policy_action = dist.env_action(dist.mean + jnp.exp(dist.log_std) * noise)
             uniform = jax.random.uniform(random_key, policy_action.shape, minval=low, maxval=high)
             warm = buffer.size < config.learning_starts
             action = jnp.where(warm, uniform, policy_action)
@@ -258,7 +278,7 @@ def make_train(
                 "length": info["returned_episode_lengths"],
                 **losses,
             }
-            return (state, buffer, env_state, next_obs, rng), stats
+            return (state, buffer, env_state, next_obs, noise, rng), stats
 
         def update(carry, update_index):
             carry, stats = jax.lax.scan(iteration, carry, None, length=config.log_every)
@@ -272,7 +292,7 @@ def make_train(
             return carry, metrics
 
         state = (actor_state, critic_state, critic_params, temperature_state)
-        carry = (state, buffer, env_state, obs, rng)
+        carry = (state, buffer, env_state, obs, dummy_action, rng)
         (state, *_), metrics = jax.lax.scan(update, carry, jnp.arange(config.num_updates))
         return {"params": state[0].params, "metrics": metrics}
 
@@ -292,6 +312,7 @@ def make_act(actor: Actor, params: Any, *, deterministic: bool = True) -> Callab
 __all__ = [
     "SACConfig",
     "actor_loss",
+    "correlated_noise",
     "critic_loss",
     "make_act",
     "make_actor",
