@@ -1,14 +1,15 @@
 """The schema of RL experiment configs (``configs/rl/*.yaml``), read by ``ember train``.
 
     kind: rl
-    algo: ppo                  # ppo | dqn | pqn | sac | ippo | mappo
+    algo: ppo                  # ppo | dqn | pqn | sac | ippo | mappo | isac
     run_dir: runs/ppo_cartpole
     seed: 0
     env: {id: CartPole-v1}
     ppo: {total_timesteps: 150000, learning_rate: 1.0e-3}
     eval: {episodes: 100}
 
-Only the section of ``algo`` is used (``ippo`` and ``mappo`` read ``ppo:``); setting another
+Only the section of ``algo`` is used (``ippo`` and ``mappo`` read ``ppo:``, ``isac``
+``sac:``); setting another
 algorithm's section is an error, since its keys would silently do nothing. Every value, and
 whether ``algo`` can train an Ember ``env`` at all, is checked when the config is built:
 errors are ``ConfigError``s keyed by the full path (``ppo.num_envs``).
@@ -25,12 +26,12 @@ from ember.training.rl import multi_agent_ppo
 from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
 from ember.training.rl.pqn import PQNConfig
-from ember.training.rl.sac import SACConfig
+from ember.training.rl.sac import SACConfig, make_actor
 
-ALGORITHMS = ("ppo", "dqn", "pqn", "sac", "ippo", "mappo")
-SECTION_OF = {"ppo": "ppo", "dqn": "dqn", "pqn": "pqn", "sac": "sac", "ippo": "ppo", "mappo": "ppo"}
+SECTION_OF = {"ppo": "ppo", "dqn": "dqn", "pqn": "pqn", "sac": "sac", "ippo": "ppo", "mappo": "ppo", "isac": "sac"}
 """The config section each algorithm reads."""
-MULTI_AGENT_ALGORITHMS = ("ippo", "mappo")
+ALGORITHMS = tuple(SECTION_OF)
+MULTI_AGENT_ALGORITHMS = ("ippo", "mappo", "isac")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,7 @@ class RLConfig:
                     f"would have no effect (remove them, or choose an algo that uses them)",
                     key=unused,
                 )
-        if self.algo in MULTI_AGENT_ALGORITHMS:
+        if self.algo in ("ippo", "mappo"):
             try:
                 multi_agent_ppo.check_config(self.ppo)
             except ConfigError as error:
@@ -85,7 +86,7 @@ class RLConfig:
 
     def _check_env_fits_algo(self) -> None:
         """The algorithm can drive the (Ember) environment: one agent or many (homogeneous
-        ones, for a shared policy), discrete actions for DQN and PQN, continuous ones for SAC.
+        ones, for a shared policy), discrete actions for DQN and PQN, continuous ones for SAC and ISAC.
         Other sources are checked when their library makes the env."""
         env, env_params = make_from_config(self.env)
         multi_agent = isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
@@ -98,7 +99,10 @@ class RLConfig:
             )
         if multi_agent:
             try:
-                multi_agent_ppo.make_policy(self.ppo, env, env_params)
+                if self.algo == "isac":
+                    make_actor(self.sac, env, env_params, list(env.agents))
+                else:
+                    multi_agent_ppo.make_policy(self.ppo, env, env_params)
             except ConfigError as error:
                 message = f"algo {self.algo!r} cannot train env.id {self.env.id!r}: {error}"
                 raise ConfigError(message, key="env.id") from None

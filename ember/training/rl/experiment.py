@@ -146,6 +146,22 @@ ALGORITHMS: dict[str, Algorithm] = {
     ),
     "ippo": _multi_agent(centralised_critic=False),
     "mappo": _multi_agent(centralised_critic=True),
+    "isac": Algorithm(
+        section=lambda config: config.sac,
+        make_train=lambda section, env, env_params, on_update: sac.make_train(
+            section, env, env_params, agents=list(env.agents), on_update=on_update
+        ),
+        steps_per_update=lambda section: section.num_envs * section.log_every,
+        num_updates=lambda section: section.num_updates,
+        make_act=_without_obs_stats(
+            lambda section, env, env_params, params, deterministic: sac.make_act(
+                sac.make_actor(section, env, env_params, list(env.agents)),
+                params,
+                deterministic=bool(deterministic),
+                agents=list(env.agents),
+            )
+        ),
+    ),
 }
 
 

@@ -15,7 +15,7 @@ axis, so a rollout is ``[T, num_envs, agents, ...]`` and GAE and the PPO loss
 An episode ends for all agents at once (``terminated["__all__"] | truncated["__all__"]``);
 the ``episode_return`` metric is the return per agent (the episode's rewards averaged over
 agents, summed over time: ``LogWrapper``'s multi-agent statistics). The update loop is
-PPO's own (:func:`.ppo.make_ppo_train`); this module gives it the :class:`~.ppo.AgentView`
+PPO's own (:func:`.ppo.make_ppo_train`); this module gives it the :func:`~.agent_view.multi_agent_view`
 of stacked agents.
 """
 
@@ -24,28 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from ember.core.errors import ConfigError
 from ember.models.policies import CentralisedActorCritic, action_head
-from ember.training.rl.ppo import AgentView, PPOConfig, make_ppo_train
+from ember.training.rl.agent_view import multi_agent_view, stack_agents
+from ember.training.rl.ppo import PPOConfig, make_ppo_train
 
 UNSUPPORTED_OPTIONS = ("normalize_rewards", "normalize_observations")
-
-
-def stack_agents(per_agent: dict[str, Any], agents: list[str]) -> Any:
-    """A dict ``{agent: x [batch, ...]}`` as one array ``[batch, agents, ...]`` (in ``agents`` order)."""
-    return jnp.stack([per_agent[agent] for agent in agents], axis=1)
-
-
-def global_state(obs: jax.Array) -> jax.Array:
-    """MAPPO's critic input ``[..., agents, agents * obs_dim + agents]`` from stacked
-    observations ``[..., agents, obs_dim]``: all observations plus a one-hot agent id."""
-    *batch, agents, obs_dim = obs.shape
-    everyone = jnp.broadcast_to(obs.reshape(*batch, 1, agents * obs_dim), (*batch, agents, agents * obs_dim))
-    identity = jnp.broadcast_to(jnp.eye(agents, dtype=obs.dtype), (*batch, agents, agents))
-    return jnp.concatenate([everyone, identity], axis=-1)
 
 
 def check_config(config: PPOConfig) -> None:
@@ -74,27 +58,6 @@ def make_policy(config: PPOConfig, env, env_params) -> CentralisedActorCritic:
     return CentralisedActorCritic(heads.pop(), config.policy)
 
 
-def agent_view(agents: list[str], *, centralised_critic: bool) -> AgentView:
-    """PPO's view of a multi-agent environment: observations, rewards and actions stacked
-    along an agent axis (``[N, agents, ...]``), every agent ending its episode with
-    ``"__all__"``; the critic sees :func:`global_state` (MAPPO) or the agent's own
-    observation (IPPO)."""
-    critic_input = global_state if centralised_critic else (lambda obs: obs)
-
-    def step_arrays(rewards, terminated, truncated):
-        reward = stack_agents(rewards, agents).astype(jnp.float32)  # [N, A]
-        per_agent = lambda flag: jnp.broadcast_to(flag[:, None], reward.shape)  # noqa: E731
-        return reward, per_agent(terminated["__all__"]), per_agent(truncated["__all__"])
-
-    return AgentView(
-        observe=lambda obs: stack_agents(obs, agents),
-        env_action=lambda action: {agent: action[:, i] for i, agent in enumerate(agents)},
-        step_arrays=step_arrays,
-        policy_inputs=lambda obs: (obs, critic_input(obs)),
-        value_inputs=lambda obs: (critic_input(obs),),
-    )
-
-
 def make_train(
     config: PPOConfig,
     env,
@@ -108,7 +71,7 @@ def make_train(
     ``centralised_critic`` selects MAPPO over IPPO."""
     check_config(config)
     policy = make_policy(config, env, env_params)
-    view = agent_view(list(env.agents), centralised_critic=centralised_critic)
+    view = multi_agent_view(list(env.agents), centralised_critic=centralised_critic)
     return make_ppo_train(config, env, env_params, policy, view, on_update=on_update)
 
 
@@ -126,4 +89,4 @@ def make_act(policy: CentralisedActorCritic, params: Any, agents: list[str], *, 
     return act
 
 
-__all__ = ["agent_view", "check_config", "global_state", "make_act", "make_policy", "make_train", "stack_agents"]
+__all__ = ["check_config", "make_act", "make_policy", "make_train"]

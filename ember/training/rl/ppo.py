@@ -40,6 +40,7 @@ from ember.core.errors import ConfigError
 from ember.envs.batched import BatchedEnv
 from ember.envs.wrappers import LogWrapper, NormalizeObservation, NormalizeReward, RunningMeanVar
 from ember.models.policies import ActorCritic, PolicyConfig, action_head
+from ember.training.rl.agent_view import AgentView
 from ember.training.rl.episode_stats import episode_statistics
 from ember.training.rl.gae import gae_advantages
 from ember.training.rl.losses import ppo_loss
@@ -137,31 +138,6 @@ class Transition:
     episode_done: jax.Array
     episode_return: jax.Array
     episode_length: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentView:
-    """How PPO's loop (:func:`make_ppo_train`) sees an environment's agents and its policy's
-    inputs. The defaults are one agent; :mod:`.multi_agent_ppo` stacks agents along an axis.
-
-    Attributes:
-      observe: the environment's observation -> the policy's observation ``[N, ...]``.
-      env_action: the policy's action ``[N, ...]`` -> the environment's action.
-      step_arrays: ``(reward, terminated, truncated)`` of a step -> three arrays of one shape
-        (``[N]``, or ``[N, agents]``): the learner's reward and episode ends.
-      policy_inputs: observations ``[..., *obs_shape]`` -> the policy's positional inputs.
-      value_inputs: observations -> the inputs of the policy's ``value`` method.
-    """
-
-    observe: Callable[[Any], Any] = lambda obs: obs
-    env_action: Callable[[jax.Array], Any] = lambda action: action
-    step_arrays: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = lambda reward, terminated, truncated: (
-        reward.astype(jnp.float32),
-        terminated,
-        truncated,
-    )
-    policy_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
-    value_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
 
 
 def minibatch_loss(
@@ -353,7 +329,6 @@ def make_act(
 
 
 __all__ = [
-    "AgentView",
     "PPOConfig",
     "PPOHyperparams",
     "Transition",

@@ -26,6 +26,7 @@ from ember.core.errors import ConfigError
 from ember.envs.batched import BatchedEnv
 from ember.envs.wrappers import LogWrapper
 from ember.models.policies import ActionValue, Actor, BoxActions, PolicyConfig, action_head
+from ember.training.rl.agent_view import AgentView, multi_agent_view
 from ember.training.rl.episode_stats import episode_statistics
 from ember.training.rl.replay_buffer import replay_buffer_add, replay_buffer_init, replay_buffer_sample
 
@@ -148,22 +149,45 @@ def correlated_noise(key: jax.Array, previous: jax.Array, rho: float) -> jax.Arr
     return rho * previous + jnp.sqrt(1.0 - rho**2) * fresh
 
 
-def make_actor(config: SACConfig, env, env_params) -> Actor:
-    space = env.action_space(env_params)
-    head = action_head(space, config.policy)
+def make_actor(config: SACConfig, env, env_params, agents: list[str] | None = None) -> Actor:
+    """The tanh-squashed Gaussian actor for ``env``'s Box actions; with ``agents``, one actor
+    shared by all of them (which must have one action space)."""
+    spaces = env.action_space(env_params)
+    heads = (
+        {action_head(spaces[agent], config.policy) for agent in agents}
+        if agents
+        else {action_head(spaces, config.policy)}
+    )
+    if len(heads) != 1:
+        raise ConfigError(f"a shared actor needs agents with one action space; got action heads {heads}", key="env.id")
+    head = heads.pop()
     if not isinstance(head, BoxActions):
-        raise ConfigError(f"SAC needs a continuous (Box) action space, got {space!r}", key="algo")
+        raise ConfigError(f"SAC needs a continuous (Box) action space, got {spaces!r}", key="algo")
     return Actor(dataclasses.replace(head, log_std="state_dependent", squash="tanh"), config.policy)
 
 
 def make_train(
-    config: SACConfig, env, env_params, *, on_update: Callable[[Any], None] | None = None
+    config: SACConfig,
+    env,
+    env_params,
+    *,
+    agents: list[str] | None = None,
+    on_update: Callable[[Any], None] | None = None,
 ) -> Callable[[jax.Array], dict[str, Any]]:
     """``train(rng) -> {"params": actor params, "metrics": {name: [num_updates]}}`` (metrics:
     ``episode_return``, ``episode_length``, ``episodes``, ``critic_loss``, ``actor_loss``,
-    ``temperature``, ``q_mean``); ``on_update`` as in :func:`.ppo.make_train`."""
+    ``temperature``, ``q_mean``); ``on_update`` as in :func:`.ppo.make_train`.
+
+    With ``agents`` (a multi-agent environment's, JaxMARL's dict API) this is independent SAC
+    with parameter sharing: one actor and one pair of critics for all agents, each agent's
+    transition stored as one replay item (``num_envs * len(agents)`` per step), every agent's
+    episode ending with ``"__all__"``; ``episode_return`` is the return per agent.
+    """
     envs = BatchedEnv(LogWrapper(env), config.num_envs)
-    actor = make_actor(config, env, env_params)
+    actor = make_actor(config, env, env_params, agents)
+    view = multi_agent_view(agents, centralised_critic=False) if agents else AgentView()
+    rows = (config.num_envs, len(agents)) if agents else (config.num_envs,)  # leading axes of every step array
+    flat = lambda x: x.reshape(-1, *x.shape[len(rows) :])  # noqa: E731  [*rows, ...] -> [replay items, ...]
     critic = ActionValue(config.policy)
     action_dim = actor.action.action_dim
     target_entropy = -float(action_dim) if config.target_entropy is None else config.target_entropy
@@ -216,8 +240,9 @@ def make_train(
 
     def train(rng: jax.Array) -> dict[str, Any]:
         rng, actor_key, critic_key, reset_key = jax.random.split(rng, 4)
-        obs, env_state = envs.reset(reset_key, env_params)
-        dummy_action = jnp.zeros((config.num_envs, action_dim), jnp.float32)
+        env_obs, env_state = envs.reset(reset_key, env_params)
+        obs = view.observe(env_obs)
+        dummy_action = jnp.zeros((*rows, action_dim), jnp.float32)
         actor_state = TrainState.create(
             apply_fn=actor.apply, params=actor.init(actor_key, obs), tx=optax.adam(config.actor_lr)
         )
@@ -228,10 +253,10 @@ def make_train(
             params={"log_temperature": jnp.log(jnp.float32(config.init_temperature))},
             tx=optax.adam(config.temperature_lr),
         )
-        one = jax.tree.map(lambda x: x[0], obs)
+        one = jax.tree.map(lambda x: flat(x)[0], obs)
         example = {
             "obs": one,
-            "action": dummy_action[0],
+            "action": flat(dummy_action)[0],
             "reward": jnp.float32(0),
             "next_obs": one,
             "terminated": False,
@@ -247,17 +272,19 @@ def make_train(
             uniform = jax.random.uniform(random_key, policy_action.shape, minval=low, maxval=high)
             warm = buffer.size < config.learning_starts
             action = jnp.where(warm, uniform, policy_action)
-            next_obs, env_state, reward, terminated, _, info = envs.step(env_key, env_state, action, env_params)
-            buffer = replay_buffer_add(
-                buffer,
-                {
-                    "obs": obs,
-                    "action": action,
-                    "reward": reward.astype(jnp.float32) * config.reward_scale,
-                    "next_obs": info["final_observation"],
-                    "terminated": terminated,
-                },
+            env_action = view.env_action(action)
+            next_obs, env_state, reward, terminated, truncated, info = envs.step(
+                env_key, env_state, env_action, env_params
             )
+            reward, terminated, _ = view.step_arrays(reward, terminated, truncated)
+            transitions = {
+                "obs": obs,
+                "action": action,
+                "reward": reward * config.reward_scale,
+                "next_obs": view.observe(info["final_observation"]),
+                "terminated": terminated,
+            }
+            buffer = replay_buffer_add(buffer, jax.tree.map(flat, transitions))
 
             def updates(state):
                 def one_update(state, key):
@@ -278,7 +305,7 @@ def make_train(
                 "length": info["returned_episode_lengths"],
                 **losses,
             }
-            return (state, buffer, env_state, next_obs, noise, rng), stats
+            return (state, buffer, env_state, view.observe(next_obs), noise, rng), stats
 
         def update(carry, update_index):
             carry, stats = jax.lax.scan(iteration, carry, None, length=config.log_every)
@@ -299,12 +326,16 @@ def make_train(
     return train
 
 
-def make_act(actor: Actor, params: Any, *, deterministic: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
-    """``act(obs, key) -> environment actions``: the squashed mean, or a squashed sample."""
+def make_act(
+    actor: Actor, params: Any, *, deterministic: bool = True, agents: list[str] | None = None
+) -> Callable[[Any, jax.Array], Any]:
+    """``act(obs, key) -> environment actions``: the squashed mean, or a squashed sample; with
+    ``agents``, from and to per-agent dicts through the shared actor."""
+    view = multi_agent_view(agents, centralised_critic=False) if agents else AgentView()
 
     def act(obs, key):
-        dist = actor.apply(params, obs)
-        return dist.env_action(dist.mode() if deterministic else dist.sample(key))
+        dist = actor.apply(params, view.observe(obs))
+        return view.env_action(dist.env_action(dist.mode() if deterministic else dist.sample(key)))
 
     return act
 

@@ -14,6 +14,8 @@ from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config
 from ember.core.errors import EmberError
 from ember.training.metrics import read_metrics
+from ember.training.rl import config as rl_config
+from ember.training.rl import experiment as runner
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 from ember.training.rl.experiment import evaluate_params, load_run
@@ -61,6 +63,13 @@ def test_train_eval_plot_round_trip(tmp_path, capsys):
 def test_train_rejects_unknown_keys_with_a_suggestion(tmp_path, capsys):
     assert main(["train", str(CONFIG), f"run_dir={tmp_path}", "ppo.num_env=8"]) == 2
     assert "ppo.num_envs" in capsys.readouterr().err
+
+
+def test_every_algo_a_config_accepts_is_one_the_runner_trains():
+    assert set(runner.ALGORITHMS) == set(rl_config.ALGORITHMS) == set(rl_config.SECTION_OF)
+    config = RLConfig()
+    for algo, section in rl_config.SECTION_OF.items():
+        assert runner.ALGORITHMS[algo].section(config) is getattr(config, section)
 
 
 def test_train_rejects_settings_of_the_section_algo_does_not_read(tmp_path, capsys):

@@ -54,6 +54,15 @@ def test_config_validation():
     with pytest.raises(ConfigError) as error:
         load_config(RLConfig, CONFIGS / "sac_pendulum.yaml", ["ppo.learning_rate=0.123"])
     assert error.value.key == "ppo"
+    # ISAC trains multi-agent environments with continuous actions, SAC single-agent ones.
+    isac = CONFIGS / "isac_simple_spread_continuous.yaml"
+    with pytest.raises(ConfigError, match="SAC needs a continuous") as error:
+        load_config(RLConfig, isac, ["env.id=MPE-simple_spread"])
+    assert error.value.key == "env.id"
+    with pytest.raises(ConfigError, match="use algo ippo, mappo, isac"):
+        load_config(RLConfig, CONFIGS / "sac_pendulum.yaml", ["env.id=MPE-simple_spread-continuous"])
+    with pytest.raises(ConfigError, match="one action space"):  # a listener's and a speaker's differ
+        load_config(RLConfig, isac, ["env.id=MPE-simple_speaker_listener-continuous"])
 
 
 @pytest.mark.xla_optimized  # 15k-30k environment and gradient steps: run time outweighs compile time

@@ -1,0 +1,79 @@
+"""How the RL training loops see an environment's agents: one agent as it is, or several
+(JaxMARL's dict API) stacked along an agent axis for a policy shared by all of them.
+
+    view = multi_agent_view(list(env.agents), centralised_critic=False)   # IPPO, ISAC
+    obs = view.observe(obs_dict)                                         # [N, agents, ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentView:
+    """How a training loop (PPO's :func:`.ppo.make_ppo_train`, SAC's :func:`.sac.make_train`)
+    sees an environment's agents and its policy's inputs. The defaults are one agent;
+    :func:`multi_agent_view` stacks agents along an axis.
+
+    Attributes:
+      observe: the environment's observation -> the policy's observation ``[N, ...]``.
+      env_action: the policy's action ``[N, ...]`` -> the environment's action.
+      step_arrays: ``(reward, terminated, truncated)`` of a step -> three arrays of one shape
+        (``[N]``, or ``[N, agents]``): the learner's reward and episode ends.
+      policy_inputs: observations ``[..., *obs_shape]`` -> the policy's positional inputs.
+      value_inputs: observations -> the inputs of the policy's ``value`` method.
+    """
+
+    observe: Callable[[Any], Any] = lambda obs: obs
+    env_action: Callable[[jax.Array], Any] = lambda action: action
+    step_arrays: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = lambda reward, terminated, truncated: (
+        reward.astype(jnp.float32),
+        terminated,
+        truncated,
+    )
+    policy_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
+    value_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
+
+
+def stack_agents(per_agent: dict[str, Any], agents: list[str]) -> Any:
+    """A dict ``{agent: x [batch, ...]}`` as one array ``[batch, agents, ...]`` (in ``agents`` order)."""
+    return jnp.stack([per_agent[agent] for agent in agents], axis=1)
+
+
+def global_state(obs: jax.Array) -> jax.Array:
+    """MAPPO's critic input ``[..., agents, agents * obs_dim + agents]`` from stacked
+    observations ``[..., agents, obs_dim]``: all observations plus a one-hot agent id."""
+    *batch, agents, obs_dim = obs.shape
+    everyone = jnp.broadcast_to(obs.reshape(*batch, 1, agents * obs_dim), (*batch, agents, agents * obs_dim))
+    identity = jnp.broadcast_to(jnp.eye(agents, dtype=obs.dtype), (*batch, agents, agents))
+    return jnp.concatenate([everyone, identity], axis=-1)
+
+
+def multi_agent_view(agents: list[str], *, centralised_critic: bool) -> AgentView:
+    """The view of a multi-agent environment: observations, rewards and actions stacked
+    along an agent axis (``[N, agents, ...]``), every agent ending its episode with
+    ``"__all__"``; the critic sees :func:`global_state` (MAPPO) or the agent's own
+    observation (IPPO)."""
+    critic_input = global_state if centralised_critic else (lambda obs: obs)
+
+    def step_arrays(rewards, terminated, truncated):
+        reward = stack_agents(rewards, agents).astype(jnp.float32)  # [N, A]
+        per_agent = lambda flag: jnp.broadcast_to(flag[:, None], reward.shape)  # noqa: E731
+        return reward, per_agent(terminated["__all__"]), per_agent(truncated["__all__"])
+
+    return AgentView(
+        observe=lambda obs: stack_agents(obs, agents),
+        env_action=lambda action: {agent: action[:, i] for i, agent in enumerate(agents)},
+        step_arrays=step_arrays,
+        policy_inputs=lambda obs: (obs, critic_input(obs)),
+        value_inputs=lambda obs: (critic_input(obs),),
+    )
+
+
+__all__ = ["AgentView", "global_state", "multi_agent_view", "stack_agents"]
