@@ -24,6 +24,8 @@ What it guarantees:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,7 @@ class CheckpointManager:
         return _on_default_device(self._manager.item_metadata(step)[_STATE])
 
 
+@functools.cache
 def _save_each_array_whole_on_cpu() -> None:
     """On CPU, orbax saves a replicated array from one replica instead of splitting it.
 
@@ -199,9 +202,16 @@ def _save_each_array_whole_on_cpu() -> None:
     save of a tiny model replicated on 8 host devices compiled 120 of them (3.4 s). The files
     written are the same either way.
     """
-    if jax.default_backend() == "cpu":
+    if jax.default_backend() != "cpu":
+        return
+    absl_logger = logging.getLogger("absl")
+    previous = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # orbax warns of every override on stderr; this one is meant
+    try:
         handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl_logger.setLevel(previous)
 
 
 def _on_default_device(metadata: Any) -> Any:

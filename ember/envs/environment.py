@@ -18,6 +18,8 @@ apply directly.
   * ``terminated``: the MDP reached a terminal state. ``truncated``: the time limit
     ``params.max_steps_in_episode`` was reached (``state.time`` counts steps, incremented
     here). As in gymnasium's ``TimeLimit``, both can be true on the same step.
+  * An action of the wrong shape or dtype (a float for a discrete action, a batch where one
+    action is due) raises ``ValueError`` naming the argument: ``action_space(params).check``.
   * Actions go through ``action_space(params).clip`` first: an out-of-range discrete action
     is clipped to the nearest valid one; a continuous action is clipped to its bounds and a
     NaN entry becomes the bounds' midpoint. Wrap the environment in
@@ -110,7 +112,9 @@ class Environment:
         (the transition's words first, then the auto-reset's)."""
         transition_noise = noise[: self.transition_noise_words]
         reset_noise = noise[self.transition_noise_words :]
-        action = self.action_space(params).clip(action)
+        space = self.action_space(params)
+        space.check(action, f"{type(self).__name__}.step: action")
+        action = space.clip(action)
         obs, next_state, reward, terminated, info = self.step_env(transition_noise, state, action, params)
         next_state = next_state.replace(time=state.time + 1)
         terminated = jnp.asarray(terminated, jnp.bool_)

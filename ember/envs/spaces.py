@@ -3,7 +3,9 @@
 A space describes values, it holds no state: its bounds are static NumPy values, and
 ``sample(key)`` / ``contains(x)`` are traceable, so both work under ``jit`` and ``vmap``.
 ``clip(x)`` maps any value of the right shape into the space; environments call it on
-actions, which is how out-of-range actions behave (see ``Environment.step``).
+actions, which is how out-of-range actions behave (see ``Environment.step``), after
+``check(x, name)`` has refused a value of the wrong shape or dtype (a static check: it costs
+nothing under ``jit``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,23 @@ class Space:
         """``x`` moved into the space (nearest valid value)."""
         raise NotImplementedError
 
+    def check(self, x: Any, name: str) -> None:
+        """Raises ``ValueError`` naming ``name`` when ``x`` has the wrong structure, shape or
+        dtype for this space (its values are not looked at: ``clip`` handles those)."""
+        raise NotImplementedError
+
+
+def _check_array(space: Space, x: Any, name: str, *, integer: bool) -> None:
+    """``x`` has ``space.shape`` and an integer (``integer``) or real dtype."""
+    x = jnp.asarray(x)
+    kind = jnp.integer if integer else jnp.number
+    if x.shape != space.shape or not jnp.issubdtype(x.dtype, kind) or jnp.issubdtype(x.dtype, jnp.complexfloating):
+        wanted = "an integer" if integer else "a real (integer or floating)"
+        raise ValueError(
+            f"{name} must have shape {space.shape} and {wanted} dtype for {space!r}; got shape {x.shape} and dtype "
+            f"{x.dtype}"
+        )
+
 
 class Discrete(Space):
     """Integers ``0 .. n - 1`` (``start`` shifts the range), scalar ``int32``."""
@@ -54,6 +73,9 @@ class Discrete(Space):
 
     def clip(self, x):
         return jnp.clip(jnp.asarray(x).astype(self.dtype), self.start, self.start + self.n - 1)
+
+    def check(self, x, name):
+        _check_array(self, x, name, integer=True)
 
     def __repr__(self):
         return f"Discrete({self.n})" if self.start == 0 else f"Discrete({self.n}, start={self.start})"
@@ -79,6 +101,9 @@ class MultiDiscrete(Space):
 
     def clip(self, x):
         return jnp.clip(jnp.asarray(x).astype(self.dtype), 0, jnp.asarray(self.nvec - 1, self.dtype))
+
+    def check(self, x, name):
+        _check_array(self, x, name, integer=True)
 
     def __repr__(self):
         return f"MultiDiscrete({self.nvec.tolist()})"
@@ -130,6 +155,9 @@ class Box(Space):
         x = jnp.where(jnp.isnan(x), middle.astype(self.dtype), x)
         return jnp.clip(x, self.low.astype(self.dtype), self.high.astype(self.dtype))
 
+    def check(self, x, name):
+        _check_array(self, x, name, integer=bool(jnp.issubdtype(self.dtype, jnp.integer)))
+
     def __repr__(self):
         low, high = np.unique(self.low), np.unique(self.high)
         show = lambda v: v[0] if v.size == 1 else "..."  # noqa: E731
@@ -153,6 +181,13 @@ class Dict(Space):
 
     def clip(self, x):
         return {name: space.clip(x[name]) for name, space in self.spaces.items()}
+
+    def check(self, x, name):
+        if not isinstance(x, Mapping) or set(x) != set(self.spaces):
+            got = sorted(x) if isinstance(x, Mapping) else type(x).__name__
+            raise ValueError(f"{name} must be a dict with keys {sorted(self.spaces)}; got {got}")
+        for key, space in self.spaces.items():
+            space.check(x[key], f"{name}[{key!r}]")
 
     def __getitem__(self, name: str) -> Space:
         return self.spaces[name]
@@ -178,6 +213,12 @@ class Tuple(Space):
 
     def clip(self, x):
         return tuple(space.clip(v) for space, v in zip(self.spaces, x))
+
+    def check(self, x, name):
+        if not isinstance(x, (tuple, list)) or len(x) != len(self.spaces):
+            raise ValueError(f"{name} must be a tuple of {len(self.spaces)} values; got {type(x).__name__}")
+        for index, (space, value) in enumerate(zip(self.spaces, x)):
+            space.check(value, f"{name}[{index}]")
 
     def __getitem__(self, index: int) -> Space:
         return self.spaces[index]

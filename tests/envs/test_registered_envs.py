@@ -3,6 +3,7 @@ batched results equal single-environment results, observations and sampled actio
 their spaces, invalid actions are clipped as documented, and render gives an RGB picture."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -109,3 +110,29 @@ def test_invalid_actions_are_clipped_and_render_gives_rgb(env_id, rng):
     assert len(np.unique(frame.reshape(-1, 3), axis=0)) >= 2, "the picture shows something"
     if isinstance(env, MultiAgentEnvironment):
         assert set(got[2]) == set(env.agents)
+
+
+def misshapen_actions(space: spaces.Space, name: str) -> list[tuple[object, str]]:
+    """``(action, what the error must name)`` pairs of the wrong shape, dtype or structure."""
+    if isinstance(space, spaces.Dict):
+        agent, sub = next(iter(space.spaces.items()))
+        valid = {key: jnp.zeros(s.shape, s.dtype) for key, s in space.spaces.items()}
+        wrong = [({**valid, agent: bad}, named) for bad, named in misshapen_actions(sub, f"{name}[{agent!r}]")]
+        return [*wrong, ({key: v for key, v in valid.items() if key != agent}, f"{name} must be a dict")]
+    batch = jnp.zeros((2, *space.shape), space.dtype)
+    if jnp.issubdtype(space.dtype, jnp.integer):
+        return [(batch, name), (jnp.zeros(space.shape, jnp.float32), name)]
+    return [(batch, name), (jnp.zeros(space.shape, bool), name)]
+
+
+# One -continuous id stands for the rest: their action spaces are built alike.
+REFUSAL_IDS = [env_id for env_id in ENV_IDS if not env_id.endswith("-continuous")] + ["MPE-simple_spread-continuous"]
+
+
+@pytest.mark.parametrize("env_id", REFUSAL_IDS)
+def test_an_action_of_the_wrong_shape_or_dtype_is_refused_naming_the_argument(env_id, rng):
+    env, params = ember.envs.make(env_id)
+    _, state = env.reset(rng, params)
+    for action, named in misshapen_actions(env.action_space(params), "action"):
+        with pytest.raises(ValueError, match=rf"\w+\.step: {re.escape(named)}"):
+            env.step(rng, state, action, params)
