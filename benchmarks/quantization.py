@@ -84,9 +84,10 @@ CPU_DECODE_MODEL = ModelConfig(vocab_size=512, d_model=512, num_layers=4, num_he
 def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict]:
     """One serving decode step with float weights and with the projections stored in each
     format; ms and the float step's time over each format's."""
-    params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    variants = {"float": params}
-    variants.update({fmt: quantize_params(params, QuantizeConfig(format=fmt)) for fmt in FORMATS})
+    # Jitted: op by op, initialising and quantizing took most of a toy-sized run.
+    params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    quantize = jax.jit(quantize_params, static_argnums=1)
+    variants = {"float": params, **{fmt: quantize(params, QuantizeConfig(format=fmt)) for fmt in FORMATS}}
     rows = []
     for batch in batches:
         float_s = None
