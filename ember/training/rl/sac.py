@@ -8,7 +8,9 @@ Each iteration steps ``num_envs`` environments once (uniform random actions unti
 (the next observation is ``info["final_observation"]``: truncated steps bootstrap, terminated
 ones do not) and takes ``updates_per_step`` gradient steps of critic, actor and temperature
 on uniformly sampled batches. The math is :func:`critic_loss`, :func:`actor_loss` and
-:func:`temperature_loss`.
+:func:`temperature_loss`. The actor's samples may carry temporally correlated noise
+(:func:`correlated_noise`); multi-agent environments train as ISAC, one actor and one pair of
+critics shared by every agent (``make_train(..., agents=...)``).
 """
 
 from __future__ import annotations
