@@ -55,6 +55,9 @@ LONG_MODULES = (
     "tests/training/test_grpo.py",
     "tests/training/test_lm_trainer.py",
     "tests/models/test_mixlora.py",
+    "tests/training/rl/test_multi_agent_ppo.py",
+    "tests/training/rl/test_pqn.py",
+    "tests/training/rl/test_sac.py",
 )
 """Modules holding the suite's longest tests (the CI log's slowest durations). They run first,
 so that the two xdist workers, dealt tests in collection order, finish together instead of
