@@ -14,6 +14,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ember.core.errors import ConfigError
+from ember.models.policies import PolicyConfig, action_head
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentView:
@@ -76,4 +79,20 @@ def multi_agent_view(agents: list[str], *, centralised_critic: bool) -> AgentVie
     )
 
 
-__all__ = ["AgentView", "global_state", "multi_agent_view", "stack_agents"]
+def shared_action_head(env, env_params, policy: PolicyConfig) -> Any:
+    """The action head of a policy shared by all of ``env``'s agents, which must have one
+    observation shape and one action space (``ConfigError`` keyed ``env.id`` otherwise)."""
+    observation_spaces = env.observation_space(env_params)
+    action_spaces = env.action_space(env_params)
+    shapes = {tuple(observation_spaces[agent].shape) for agent in env.agents}
+    heads = {action_head(action_spaces[agent], policy) for agent in env.agents}
+    if len(shapes) != 1 or len(heads) != 1:
+        raise ConfigError(
+            f"parameter sharing needs agents with one observation shape and one action space; got shapes {shapes} "
+            f"and action heads {heads}",
+            key="env.id",
+        )
+    return heads.pop()
+
+
+__all__ = ["AgentView", "global_state", "multi_agent_view", "shared_action_head", "stack_agents"]

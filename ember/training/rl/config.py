@@ -76,7 +76,7 @@ class RLConfig:
                     f"would have no effect (remove them, or choose an algo that uses them)",
                     key=unused,
                 )
-        if self.algo in ("ippo", "mappo"):
+        if self.algo in MULTI_AGENT_ALGORITHMS and used == "ppo":  # IPPO, MAPPO
             try:
                 multi_agent_ppo.check_config(self.ppo)
             except ConfigError as error:

@@ -89,6 +89,27 @@ def _multi_agent(centralised_critic: bool) -> Algorithm:
     )
 
 
+def _sac(multi_agent: bool) -> Algorithm:
+    """SAC, or with ``multi_agent`` ISAC (one actor and critics shared by the env's agents)."""
+    agents = lambda env: list(env.agents) if multi_agent else None  # noqa: E731
+    return Algorithm(
+        section=lambda config: config.sac,
+        make_train=lambda section, env, env_params, on_update: sac.make_train(
+            section, env, env_params, agents=agents(env), on_update=on_update
+        ),
+        steps_per_update=lambda section: section.num_envs * section.log_every,
+        num_updates=lambda section: section.num_updates,
+        make_act=_without_obs_stats(
+            lambda section, env, env_params, params, deterministic: sac.make_act(
+                sac.make_actor(section, env, env_params, agents(env)),
+                params,
+                deterministic=bool(deterministic),
+                agents=agents(env),
+            )
+        ),
+    )
+
+
 ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm(
         section=lambda config: config.ppo,
@@ -131,37 +152,10 @@ ALGORITHMS: dict[str, Algorithm] = {
             )
         ),
     ),
-    "sac": Algorithm(
-        section=lambda config: config.sac,
-        make_train=lambda section, env, env_params, on_update: sac.make_train(
-            section, env, env_params, on_update=on_update
-        ),
-        steps_per_update=lambda section: section.num_envs * section.log_every,
-        num_updates=lambda section: section.num_updates,
-        make_act=_without_obs_stats(
-            lambda section, env, env_params, params, deterministic: sac.make_act(
-                sac.make_actor(section, env, env_params), params, deterministic=bool(deterministic)
-            )
-        ),
-    ),
+    "sac": _sac(multi_agent=False),
     "ippo": _multi_agent(centralised_critic=False),
     "mappo": _multi_agent(centralised_critic=True),
-    "isac": Algorithm(
-        section=lambda config: config.sac,
-        make_train=lambda section, env, env_params, on_update: sac.make_train(
-            section, env, env_params, agents=list(env.agents), on_update=on_update
-        ),
-        steps_per_update=lambda section: section.num_envs * section.log_every,
-        num_updates=lambda section: section.num_updates,
-        make_act=_without_obs_stats(
-            lambda section, env, env_params, params, deterministic: sac.make_act(
-                sac.make_actor(section, env, env_params, list(env.agents)),
-                params,
-                deterministic=bool(deterministic),
-                agents=list(env.agents),
-            )
-        ),
-    ),
+    "isac": _sac(multi_agent=True),
 }
 
 

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ember.core.errors import ConfigError
-from ember.models.policies import CentralisedActorCritic, action_head
-from ember.training.rl.agent_view import multi_agent_view, stack_agents
+from ember.models.policies import CentralisedActorCritic
+from ember.training.rl.agent_view import multi_agent_view, shared_action_head, stack_agents
 from ember.training.rl.ppo import PPOConfig, make_ppo_train
 
 UNSUPPORTED_OPTIONS = ("normalize_rewards", "normalize_observations")
@@ -45,17 +45,7 @@ def check_config(config: PPOConfig) -> None:
 
 def make_policy(config: PPOConfig, env, env_params) -> CentralisedActorCritic:
     """The shared actor-critic of ``env``'s (homogeneous) agents."""
-    observation_spaces = env.observation_space(env_params)
-    action_spaces = env.action_space(env_params)
-    shapes = {tuple(observation_spaces[agent].shape) for agent in env.agents}
-    heads = {action_head(action_spaces[agent], config.policy) for agent in env.agents}
-    if len(shapes) != 1 or len(heads) != 1:
-        raise ConfigError(
-            f"parameter sharing needs agents with one observation shape and one action space; got shapes {shapes} "
-            f"and action heads {heads}",
-            key="env.id",
-        )
-    return CentralisedActorCritic(heads.pop(), config.policy)
+    return CentralisedActorCritic(shared_action_head(env, env_params, config.policy), config.policy)
 
 
 def make_train(

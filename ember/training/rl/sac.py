@@ -28,7 +28,7 @@ from ember.core.errors import ConfigError
 from ember.envs.batched import BatchedEnv
 from ember.envs.wrappers import LogWrapper
 from ember.models.policies import ActionValue, Actor, BoxActions, PolicyConfig, action_head
-from ember.training.rl.agent_view import AgentView, multi_agent_view
+from ember.training.rl.agent_view import AgentView, multi_agent_view, shared_action_head
 from ember.training.rl.episode_stats import episode_statistics
 from ember.training.rl.replay_buffer import replay_buffer_add, replay_buffer_init, replay_buffer_sample
 
@@ -153,16 +153,9 @@ def correlated_noise(key: jax.Array, previous: jax.Array, rho: float) -> jax.Arr
 
 def make_actor(config: SACConfig, env, env_params, agents: list[str] | None = None) -> Actor:
     """The tanh-squashed Gaussian actor for ``env``'s Box actions; with ``agents``, one actor
-    shared by all of them (which must have one action space)."""
+    shared by all of them (which must have one observation shape and one action space)."""
     spaces = env.action_space(env_params)
-    heads = (
-        {action_head(spaces[agent], config.policy) for agent in agents}
-        if agents
-        else {action_head(spaces, config.policy)}
-    )
-    if len(heads) != 1:
-        raise ConfigError(f"a shared actor needs agents with one action space; got action heads {heads}", key="env.id")
-    head = heads.pop()
+    head = shared_action_head(env, env_params, config.policy) if agents else action_head(spaces, config.policy)
     if not isinstance(head, BoxActions):
         raise ConfigError(f"SAC needs a continuous (Box) action space, got {spaces!r}", key="algo")
     return Actor(dataclasses.replace(head, log_std="state_dependent", squash="tanh"), config.policy)
