@@ -23,7 +23,10 @@ USAGE_ERROR = 2  # the exit code of argparse's own usage errors, and of every Em
 
 # name -> (module defining add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("ember.core.system_info", "show JAX version, backend, devices and Pallas lowering support"),
+    "info": (
+        "ember.kernels_pallas.info_command",
+        "show JAX version, backend, devices, Pallas lowerings and which kernels each backend has",
+    ),
     "envs": ("ember.envs.cli", "list RL environments, or record a random-policy episode as a GIF"),
     "train": (
         "ember.training.launcher",

@@ -45,8 +45,9 @@ TOP_LEVEL_RULES: dict[str, TopLevelRule] = {
     "__init__": TopLevelRule(),
     "__main__": TopLevelRule(eager=frozenset({"cli"})),
     # `ember --help` imports no JAX: each subcommand's module is imported only when run,
-    # and subcommands belong to the packages a user drives from the shell.
-    "cli": TopLevelRule(lazy=frozenset({"core", "envs", "training", "serving"})),
+    # and subcommands belong to the packages a user drives from the shell (`ember info`, which
+    # lists the kernels per backend, to kernels_pallas).
+    "cli": TopLevelRule(lazy=frozenset({"core", "kernels_pallas", "envs", "training", "serving"})),
 }
 
 FORBIDDEN_ROOTS = ("tests", "benchmarks")

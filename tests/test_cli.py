@@ -1,6 +1,7 @@
 """The ``ember`` command: dispatcher, --version, info."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -39,9 +40,14 @@ def test_info_reports_backend_devices_and_pallas(capsys):
     assert info["device_count"] == jax.device_count() == len(info["devices"])
     assert set(info["pallas"]) == {"triton (GPU)", "mosaic_gpu (Hopper+)", "mosaic_tpu (TPU)"}
     assert not any(status["usable_here"] for status in info["pallas"].values())  # CPU-only here
+    assert info["kernels"]["flash_attention"] == {"gpu": True, "tpu": True, "auto_here": "xla"}
+    assert info["kernels"]["short_conv"] == {"gpu": False, "tpu": False, "auto_here": "xla"}
     assert main(["info"]) == 0
     text = capsys.readouterr().out
-    assert f"jax        {jax.__version__}" in text and "impl='interpret'" in text
+    assert f"jax        {jax.__version__}" in text and "impl='interpret_tpu'" in text
+    assert "pallas kernels (auto on cpu):" in text
+    assert re.search(r"grouped_matmul +gpu, tpu +auto: xla", text)
+    assert re.search(r"short_conv +none \(XLA only\) +auto: xla", text)
 
 
 def test_peak_flops_known_for_accelerators_and_none_on_cpu():

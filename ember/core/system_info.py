@@ -1,14 +1,13 @@
 """What this machine offers Ember: JAX version, backend, devices, Pallas lowerings.
 
-``ember info`` prints it; ``system_info()`` returns it as a JSON-serialisable dict (the
-benchmarks record it next to their figures).
+``system_info()`` returns it as a JSON-serialisable dict (the benchmarks record it next to
+their figures); ``ember info`` (:mod:`ember.kernels_pallas.info_command`) prints it with the
+table of Pallas kernels per backend.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import platform
 from typing import Any
 
@@ -119,15 +118,8 @@ def format_info(info: dict[str, Any]) -> str:
         )
         lines.append(f"  {name:<22} {state}")
     if not any(s["usable_here"] for s in info["pallas"].values()):
-        lines.append("  (kernels run through the XLA path here; impl='interpret' runs Pallas kernels on any backend)")
+        lines.append(
+            "  (ops run their XLA path here; impl='interpret' runs the GPU kernels and "
+            "impl='interpret_tpu' the TPU kernels on any backend)"
+        )
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    info = system_info()
-    print(json.dumps(info, indent=2) if args.json else format_info(info))
-    return 0

@@ -1,24 +1,35 @@
-"""Choosing how an op runs: ``impl`` in {"auto", "pallas", "interpret", "xla"}.
+"""Choosing how an op runs: ``impl`` in {"auto", "pallas", "interpret", "interpret_tpu", "xla"}.
 
-- ``"pallas"``: the Pallas kernel compiled for the accelerator (Mosaic TPU, Mosaic GPU or
-  Triton on NVIDIA GPUs).
-- ``"interpret"``: the same Pallas kernel run by the Pallas interpreter on any backend; this
-  is how CPU tests exercise kernel logic.
+- ``"pallas"``: the Pallas kernel compiled for the accelerator: the TPU kernel (Mosaic TPU)
+  on a TPU, the GPU kernel (Mosaic GPU where a Hopper kernel exists, else Triton) on an
+  NVIDIA GPU.
+- ``"interpret"``: the GPU kernel run by the Pallas interpreter on any backend; this is how
+  CPU tests exercise the GPU kernels' logic.
+- ``"interpret_tpu"``: the TPU kernel run in JAX's TPU interpret mode
+  (``pltpu.InterpretParams``) on any backend, which keeps TPU semantics (VMEM blocks, DMAs,
+  semaphores, grid order); this is how CPU tests exercise the TPU kernels.
 - ``"xla"``: the op's plain-JAX path, compiled by XLA (a real fallback, usable for training).
 - ``"auto"``: ``"pallas"`` on GPU/TPU where the op has a kernel for that backend, else ``"xla"``.
+
+An op resolves ``impl`` once with :func:`resolve_impl`, then asks :func:`kernel_platform`
+which of its kernels to run and passes :func:`pallas_interpret` to ``pallas_call``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import jax
 
-IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "xla")
+IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "interpret_tpu", "xla")
+# The backends (``jax.default_backend()`` values) an op may have a Pallas kernel for.
+KERNEL_PLATFORMS: tuple[str, ...] = ("gpu", "tpu")
 
 
-def resolve_impl(impl: str, *, op: str, kernel_backends: Collection[str] = ("gpu", "tpu")) -> str:
-    """The concrete implementation (``"pallas"``, ``"interpret"`` or ``"xla"``) for ``impl``.
+def resolve_impl(impl: str, *, op: str, kernel_backends: Collection[str] = KERNEL_PLATFORMS) -> str:
+    """The concrete implementation (``"pallas"``, ``"interpret"``, ``"interpret_tpu"`` or
+    ``"xla"``) for ``impl``.
 
     Args:
       impl: the requested implementation, one of :data:`IMPLS`.
@@ -27,7 +38,8 @@ def resolve_impl(impl: str, *, op: str, kernel_backends: Collection[str] = ("gpu
         kernel for.
 
     Raises:
-      ValueError: for an unknown ``impl``, or ``"pallas"`` on a backend without a kernel.
+      ValueError: for an unknown ``impl``, ``"pallas"`` on a backend without a kernel, or
+        ``"interpret_tpu"`` for an op without a TPU kernel.
     """
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {', '.join(repr(i) for i in IMPLS)}, got {impl!r}")
@@ -36,11 +48,39 @@ def resolve_impl(impl: str, *, op: str, kernel_backends: Collection[str] = ("gpu
         return "pallas" if backend in kernel_backends else "xla"
     if impl == "pallas" and backend not in kernel_backends:
         raise ValueError(
-            f"{op}: impl='pallas' needs a backend with a compiled kernel ({', '.join(kernel_backends)}), "
+            f"{op}: impl='pallas' needs a backend with a compiled kernel ({', '.join(kernel_backends) or 'none'}), "
             f"but the default backend is {backend!r}; use impl='interpret' to run the kernel in the "
             "Pallas interpreter, or impl='xla'"
         )
+    if impl == "interpret_tpu" and "tpu" not in kernel_backends:
+        raise ValueError(
+            f"{op}: impl='interpret_tpu' runs the op's TPU kernel, but {op} has kernels for "
+            f"{', '.join(kernel_backends) or 'no backend'} only; use impl='interpret' or impl='xla'"
+        )
     return impl
+
+
+def kernel_platform(resolved: str) -> str | None:
+    """Which of an op's kernels a resolved ``impl`` runs: ``"gpu"``, ``"tpu"``, or ``None``
+    for the XLA path."""
+    if resolved == "xla":
+        return None
+    if resolved == "interpret":
+        return "gpu"
+    if resolved == "interpret_tpu":
+        return "tpu"
+    return jax.default_backend()
+
+
+def pallas_interpret(resolved: str) -> Any:
+    """``pallas_call``'s ``interpret`` argument for a resolved ``impl``: ``False`` when
+    compiled, ``True`` (the generic interpreter) for ``"interpret"``, and TPU interpret
+    mode's ``pltpu.InterpretParams()`` for ``"interpret_tpu"``."""
+    if resolved == "interpret_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.InterpretParams()
+    return resolved == "interpret"
 
 
 def triton_compiler_params(*, interpret: bool, num_warps: int, num_stages: int):
