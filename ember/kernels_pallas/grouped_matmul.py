@@ -17,10 +17,13 @@ Forms:
 - :func:`grouped_matmul_reference`: a loop over groups with row masks, THE reference.
 - :func:`grouped_matmul` with ``impl="xla"``: ``jax.lax.ragged_dot`` (with a zero matrix for
   the rows before the local groups when ``group_offset`` is given).
-- :func:`grouped_matmul` with ``impl="pallas"`` / ``"interpret"``: the tiled Pallas kernels of
-  :mod:`ember.kernels_pallas.grouped_matmul_kernels` (forward ``gmm``; backward ``d_lhs`` by
-  ``gmm`` against ``rhs^T`` and ``d_rhs`` by the transposed ``tgmm``), tiles from
-  :class:`GroupedMatmulBlockSizes`.
+- :func:`grouped_matmul` with ``impl="pallas"``: the tiled Pallas kernels for the backend,
+  each a forward ``gmm``, ``d_lhs`` by ``gmm`` against ``rhs^T`` and ``d_rhs`` by the
+  transposed ``tgmm``, tiles from :class:`GroupedMatmulBlockSizes`. On an NVIDIA GPU the
+  Triton kernels of :mod:`ember.kernels_pallas.grouped_matmul_kernels` (``impl="interpret"``
+  runs them in the Pallas interpreter); on a TPU the megablox-style Mosaic kernels of
+  :mod:`ember.kernels_pallas.grouped_matmul_tpu` (``impl="interpret_tpu"`` runs them in TPU
+  interpret mode), which take float32 and bfloat16 operands.
 
     out = grouped_matmul(tokens_by_expert, expert_weights, tokens_per_expert)   # [m, n]
 """
@@ -33,11 +36,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.grouped_matmul_kernels import grouped_matmul_kernel
+from ember.kernels_pallas.grouped_matmul_tpu import grouped_matmul_tpu
 
-# The kernels are written for the GPU (Triton) lowering; TPU "auto" uses the XLA path.
-KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
+KERNEL_BACKENDS: tuple[str, ...] = ("gpu", "tpu")
 """Backends with a compiled Pallas kernel for this op."""
 
 
@@ -46,9 +49,11 @@ class GroupedMatmulBlockSizes:
     """Kernel tiles: ``block_m`` rows, ``block_k`` of the contracted dimension and ``block_n``
     output columns per step (the backward kernels use the same tiles: ``d_lhs`` contracts
     over ``n``, ``d_rhs`` over rows). Powers of two, at least 8 (GPU dots want 16+; 8 keeps
-    CPU interpret tests cheap); a dimension shorter than its tile gets the next power of two
-    above it (at least 16) instead. ``num_warps`` and ``num_stages`` are the Triton compiler
-    parameters on a GPU."""
+    CPU interpret tests cheap). On a GPU a dimension shorter than its tile gets the next
+    power of two above it (at least 16) instead. On a TPU ``block_m`` is at least the
+    dtype's sublanes (8 for float32, 16 for bfloat16) and ``block_k``/``block_n`` at least
+    128 lanes, each shrunk to the whole dimension when that is shorter. ``num_warps`` and
+    ``num_stages`` are the Triton compiler parameters on a GPU (unused on a TPU)."""
 
     block_m: int = 128
     block_k: int = 64
@@ -152,9 +157,13 @@ def grouped_matmul(
     """``lhs [m, k]`` rows grouped contiguously by ``group_sizes`` times ``rhs [groups, k, n]``.
 
     Same arguments and result as :func:`grouped_matmul_reference`, plus ``impl`` in
-    {"auto", "pallas", "interpret", "xla"} and, for the kernel, ``block_sizes`` (a
-    :class:`GroupedMatmulBlockSizes`; default tiles if None). Differentiable in ``lhs`` and
-    ``rhs`` (the gradients are ``lhs``'s and ``rhs``'s dtypes).
+    {"auto", "pallas", "interpret", "interpret_tpu", "xla"} and, for the kernels,
+    ``block_sizes`` (a :class:`GroupedMatmulBlockSizes`; default tiles if None).
+    Differentiable in ``lhs`` and ``rhs`` (the gradients are ``lhs``'s and ``rhs``'s dtypes).
+
+    Raises:
+      ValueError: naming a malformed argument; for the TPU kernel, operands other than
+        float32 or bfloat16.
     """
     _validate("grouped_matmul", lhs, rhs, group_sizes, group_offset)
     if block_sizes is not None and not isinstance(block_sizes, GroupedMatmulBlockSizes):
@@ -163,17 +172,13 @@ def grouped_matmul(
         )
     impl = resolve_impl(impl, op="grouped_matmul", kernel_backends=KERNEL_BACKENDS)
     out_dtype = preferred_element_type or lhs.dtype
-    if impl == "xla":
+    platform = kernel_platform(impl)
+    if platform is None:
         return _xla(lhs, rhs, group_sizes, group_offset, out_dtype)
     bounds = _local_bounds(group_sizes, rhs.shape[0], group_offset, lhs.shape[0])
-    return grouped_matmul_kernel(
-        lhs,
-        rhs,
-        bounds,
-        block_sizes=block_sizes or GroupedMatmulBlockSizes(),
-        out_dtype=out_dtype,
-        interpret=impl == "interpret",
-    )
+    block_sizes = block_sizes or GroupedMatmulBlockSizes()
+    kernel = grouped_matmul_tpu if platform == "tpu" else grouped_matmul_kernel
+    return kernel(lhs, rhs, bounds, block_sizes=block_sizes, out_dtype=out_dtype, interpret=pallas_interpret(impl))
 
 
 __all__ = ["KERNEL_BACKENDS", "GroupedMatmulBlockSizes", "grouped_matmul", "grouped_matmul_reference"]
