@@ -13,8 +13,11 @@ Forms of the same op, all in this package:
   reference (tests, fallbacks). :func:`linear_attention_step` is its one-token update.
 - :func:`linear_attention_quadratic`: the parallel masked-matrix form, ``O(seq^2)``.
 - :func:`linear_attention` with ``impl="xla"``: the chunked form in einsums (quadratic inside
-  a chunk, state passed between chunks); ``impl="pallas"``/``"interpret"``: the same
-  algorithm as Pallas kernels with a hand-written backward (``linear_attention_pallas.py``).
+  a chunk, state passed between chunks); ``impl="pallas"``: the same algorithm as Pallas
+  kernels with a hand-written backward, for NVIDIA GPUs (``linear_attention_pallas.py``,
+  the Triton lowering) and TPUs (``linear_attention_tpu.py``, Mosaic TPU);
+  ``"interpret"``/``"interpret_tpu"`` run the GPU/TPU kernel in the Pallas interpreter / JAX's
+  TPU interpret mode on any backend (``dispatch.py``).
 
 Heads: ``q`` and ``k`` may have fewer heads than ``v`` (``heads % qk_heads == 0``): value
 head ``h`` reads query/key head ``h // (heads // qk_heads)``, as in grouped-query attention
@@ -30,12 +33,16 @@ import jax
 import jax.numpy as jnp
 
 from ember.kernels_pallas import linear_attention_chunks as chunks
-from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.document_boundaries import document_index, document_starts
 from ember.kernels_pallas.linear_attention_pallas import chunked_linear_attention_pallas
+from ember.kernels_pallas.linear_attention_tpu import chunked_linear_attention_tpu
 
-KERNEL_BACKENDS = ("gpu",)
-"""Backends with a compiled Pallas kernel (the Triton lowering); elsewhere "auto" is "xla"."""
+KERNEL_BACKENDS = ("gpu", "tpu")
+"""Backends with a compiled Pallas kernel (GPU: the Triton lowering; TPU: Mosaic TPU);
+elsewhere "auto" is "xla"."""
+
+_CHUNKED_KERNELS = {"gpu": chunked_linear_attention_pallas, "tpu": chunked_linear_attention_tpu}
 
 NORMALIZER_EPS = 1e-6
 """Added to the normaliser ``q_t z_t`` (``normalize=True``) so a zero key sum gives 0, not NaN."""
@@ -46,7 +53,9 @@ class ChunkSize:
     """The chunk length of the chunked forms; validates itself.
 
     Any power of two of at least 8 (small chunks keep CPU tests small); the compiled GPU
-    kernel (``impl="pallas"``) also needs at least 16, for Triton's matmul tiles.
+    kernel (``impl="pallas"`` on a GPU) also needs at least 16, for Triton's matmul tiles.
+    On a TPU a chunk is the sublane side of the kernel's blocks and both sides of its
+    ``[chunk, chunk]`` score tiles: 128 fills the MXU.
     """
 
     chunk_size: int
@@ -279,7 +288,7 @@ def _chunked_xla(q, k, v, log_decay, doc, initial_state, chunk_size):
     v_c = by_chunk(v)
     cum_log_decay = jnp.cumsum(by_chunk(log_decay), axis=-1)
     doc_c = chunks.split_documents_into_chunks(doc, chunk_size)[:, None]  # [batch, 1, chunks, chunk]
-    doc_before = jnp.concatenate([jnp.zeros_like(doc_c[:, :, :1, 0]), doc_c[:, :, :-1, -1]], axis=2)
+    doc_before = chunks.document_before_each_chunk(doc_c)  # [batch, 1, chunks]
 
     outputs, chunk_states = chunks.chunk_outputs_and_state(q_c, k_c, v_c, cum_log_decay, doc_c, doc_before, None)
     _, carry = chunks.leaving_state_weights(cum_log_decay, doc_c, doc_before)
@@ -329,7 +338,7 @@ def linear_attention(
       segment_ids: ``[batch, seq]`` integers; the state is reset wherever the id changes, so
         packed documents do not see each other. ``initial_state`` flows into the first one.
       chunk_size: chunk length (power of two >= 8); results do not depend on it.
-      impl: "auto", "pallas", "interpret" or "xla" (see ``dispatch.py``).
+      impl: "auto", "pallas", "interpret", "interpret_tpu" or "xla" (see ``dispatch.py``).
 
     Returns:
       outputs ``[batch, seq, heads, dv]`` in v's dtype; with ``return_final_state``,
@@ -338,7 +347,8 @@ def linear_attention(
     _validate("linear_attention", q, k, v, log_decay, initial_state, segment_ids, normalize)
     ChunkSize(chunk_size)
     impl = resolve_impl(impl, op="linear_attention", kernel_backends=KERNEL_BACKENDS)
-    if impl == "pallas" and chunk_size < 16:
+    platform = kernel_platform(impl)
+    if impl == "pallas" and platform == "gpu" and chunk_size < 16:
         raise ValueError(
             f"linear_attention: chunk_size must be >= 16 for impl='pallas' (Triton tiles), got {chunk_size}"
         )
@@ -348,11 +358,11 @@ def linear_attention(
     shape = state_shape(q.shape, v.shape, normalize=normalize)
     state = jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     doc = document_index(segment_ids, batch, seq)
-    if impl == "xla":
+    if platform is None:
         outputs, final_state = _chunked_xla(q, k, values, log_decay, doc, state, chunk_size)
     else:
-        outputs, final_state = chunked_linear_attention_pallas(
-            q, k, values, log_decay, doc, state, chunk_size=chunk_size, interpret=impl == "interpret"
+        outputs, final_state = _CHUNKED_KERNELS[platform](
+            q, k, values, log_decay, doc, state, chunk_size=chunk_size, interpret=pallas_interpret(impl)
         )
     outputs = (_normalized(outputs) if normalize else outputs).astype(v.dtype)
     return (outputs, final_state) if return_final_state else outputs

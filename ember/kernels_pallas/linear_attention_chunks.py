@@ -6,6 +6,12 @@ quadratic (masked-matrix) form (one chunk = the whole sequence), the XLA chunked
 (all chunks at once with leading batch dimensions) and the body of the Pallas kernels (one
 chunk of one head at a time). All of them broadcast over leading dimensions ``...``.
 
+The weight formulas are written once, elementwise (:func:`decay_weights`,
+:func:`entering_weights`, :func:`key_weights`, :func:`carry_weight`), so that they serve any
+layout: the ``[..., L]`` vectors of the XLA path and the GPU kernels (through the wrappers
+:func:`intra_chunk_weights`, :func:`entering_state_weights`, :func:`leaving_state_weights`),
+and the TPU kernels' ``[L, 1]`` columns, ``[1, L]`` rows and ``[1, 1]`` per-chunk values.
+
 Notation, per chunk:
   ``cum_log_decay`` ``b[t]``: sum of the log decays from the chunk's first position through
   ``t`` (inclusive), float32. The weight of key ``s`` at query ``t >= s`` is ``exp(b[t] - b[s])``;
@@ -18,6 +24,8 @@ Notation, per chunk:
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,23 +48,60 @@ def split_documents_into_chunks(doc: jax.Array, chunk_size: int) -> jax.Array:
     return split_into_chunks(doc - last, chunk_size) + last[:, :, None]
 
 
-def intra_chunk_weights(cum_log_decay: jax.Array, doc: jax.Array) -> jax.Array:
+def document_before_each_chunk(doc_chunks: jax.Array) -> jax.Array:
+    """``doc_before`` of every chunk: ``[..., chunks, L] -> [..., chunks]``, the document index
+    of the position just before each chunk (0 before the sequence)."""
+    return jnp.concatenate([jnp.zeros_like(doc_chunks[..., :1, 0]), doc_chunks[..., :-1, -1]], axis=-1)
+
+
+def decay_weights(cum_t: jax.Array, cum_s: jax.Array, doc_t: jax.Array, doc_s: jax.Array) -> jax.Array:
     """Decay weights ``w[..., t, s]`` of key ``s`` at query ``t``, zero unless ``s <= t`` and both
-    are in the same document. ``cum_log_decay``, ``doc``: ``[..., L]``; result ``[..., L, L]``
+    are in the same document, from the queries' view ``cum_t``/``doc_t`` ``[..., L, 1]`` and
+    the keys' view ``cum_s``/``doc_s`` ``[..., 1, L]`` of one chunk; result ``[..., L, L]``
     float32. The mask is applied before ``exp`` so masked entries are 0, never ``inf * 0``."""
-    length = cum_log_decay.shape[-1]
+    length = cum_s.shape[-1]
     t_index = jax.lax.broadcasted_iota(jnp.int32, (length, length), 0)
     s_index = jax.lax.broadcasted_iota(jnp.int32, (length, length), 1)
-    visible = (s_index <= t_index) & (doc[..., :, None] == doc[..., None, :])
-    log_weight = cum_log_decay[..., :, None] - cum_log_decay[..., None, :]
-    return jnp.exp(jnp.where(visible, log_weight, -jnp.inf))
+    visible = (s_index <= t_index) & (doc_t == doc_s)
+    return jnp.exp(jnp.where(visible, cum_t - cum_s, -jnp.inf))
+
+
+def entering_weights(cum_log_decay, doc, doc_before):
+    """Weight with which the entering state reaches a position (0 after a document boundary);
+    elementwise on broadcastable operands."""
+    return jnp.where(doc == doc_before, jnp.exp(cum_log_decay), 0.0)
+
+
+def key_weights(cum_log_decay, doc, last_log_decay, last_doc):
+    """Weight of a position's ``k^T v`` in the state leaving the chunk (0 unless it is in the
+    chunk's last document); ``last_*`` are the chunk's last position's. Elementwise."""
+    return jnp.where(doc == last_doc, jnp.exp(last_log_decay - cum_log_decay), 0.0)
+
+
+def carry_weight(last_log_decay, last_doc, doc_before):
+    """Weight with which the entering state reaches the leaving one (0 if a document starts
+    inside the chunk). Elementwise."""
+    return jnp.where(last_doc == doc_before, jnp.exp(last_log_decay), 0.0)
+
+
+def last_position(x: jax.Array) -> jax.Array:
+    """``[..., L] -> [..., 1]``: the chunk's last entry, as a masked sum (Pallas' Triton lowering
+    has no ``slice``, and on a TPU it stays a lane reduction)."""
+    length = x.shape[-1]
+    is_last = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == length - 1
+    return jnp.sum(jnp.where(is_last, x, 0), axis=-1, keepdims=True)
+
+
+def intra_chunk_weights(cum_log_decay: jax.Array, doc: jax.Array) -> jax.Array:
+    """:func:`decay_weights` of ``[..., L]`` vectors ``cum_log_decay`` and ``doc``; result
+    ``[..., L, L]`` float32."""
+    return decay_weights(cum_log_decay[..., :, None], cum_log_decay[..., None, :], doc[..., :, None], doc[..., None, :])
 
 
 def entering_state_weights(cum_log_decay: jax.Array, doc: jax.Array, doc_before: jax.Array) -> jax.Array:
     """``[..., L]`` weight with which the entering state reaches each position (0 after a
     document boundary). ``doc_before``: ``[...]``."""
-    same_doc = doc == doc_before[..., None]
-    return jnp.where(same_doc, jnp.exp(cum_log_decay), 0.0)
+    return entering_weights(cum_log_decay, doc, doc_before[..., None])
 
 
 def leaving_state_weights(
@@ -64,39 +109,90 @@ def leaving_state_weights(
 ) -> tuple[jax.Array, jax.Array]:
     """How the state leaving the chunk is formed: ``(key_weights [..., L], carry [...])`` with
     ``state_out = carry * state_in + sum_s key_weights[s] * k[s]^T v[s]``."""
-    # The last position's values as masked sums: Pallas' Triton lowering has no `slice`.
-    length = cum_log_decay.shape[-1]
-    is_last = jax.lax.broadcasted_iota(jnp.int32, cum_log_decay.shape, cum_log_decay.ndim - 1) == length - 1
-    last_log_decay = jnp.sum(jnp.where(is_last, cum_log_decay, 0.0), axis=-1, keepdims=True)
-    last_doc = jnp.sum(jnp.where(is_last, doc, 0), axis=-1, keepdims=True)
-    key_weights = jnp.where(doc == last_doc, jnp.exp(last_log_decay - cum_log_decay), 0.0)
-    carry = jnp.where(last_doc[..., 0] == doc_before, jnp.exp(last_log_decay[..., 0]), 0.0)
-    return key_weights, carry
+    last_log_decay, last_doc = last_position(cum_log_decay), last_position(doc)
+    return (
+        key_weights(cum_log_decay, doc, last_log_decay, last_doc),
+        carry_weight(last_log_decay[..., 0], last_doc[..., 0], doc_before),
+    )
+
+
+class ChunkWeights(NamedTuple):
+    """One chunk's decay weights, shaped to broadcast against the chunk's tiles.
+
+    intra: ``[..., L, L]`` (:func:`decay_weights`); entering, keys: ``[..., L, 1]``, one per
+    position as a column (:func:`entering_weights`, :func:`key_weights`); carry: ``[..., 1, 1]``
+    (:func:`carry_weight`).
+    """
+
+    intra: jax.Array
+    entering: jax.Array
+    keys: jax.Array
+    carry: jax.Array
+
+
+def chunk_weights(cum_log_decay: jax.Array, doc: jax.Array, doc_before: jax.Array) -> ChunkWeights:
+    """:class:`ChunkWeights` from ``[..., L]`` vectors ``cum_log_decay``, ``doc`` and ``doc_before`` ``[...]``."""
+    keys, carry = leaving_state_weights(cum_log_decay, doc, doc_before)
+    return ChunkWeights(
+        intra=intra_chunk_weights(cum_log_decay, doc),
+        entering=entering_state_weights(cum_log_decay, doc, doc_before)[..., None],
+        keys=keys[..., None],
+        carry=carry[..., None, None],
+    )
 
 
 def _matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def chunk_outputs_and_state(q, k, v, cum_log_decay, doc, doc_before, state_in):
-    """Outputs of one chunk and the state leaving it.
+def outputs_and_state(q, k, v, weights: ChunkWeights, state_in):
+    """Outputs of one chunk and the state leaving it, given the chunk's :class:`ChunkWeights`.
 
     Args:
       q, k: ``[..., L, dk]``; v: ``[..., L, dv]`` (any float dtype; accumulation in float32).
-      cum_log_decay, doc: ``[..., L]``; doc_before: ``[...]``.
       state_in: ``[..., dk, dv]`` float32, or None for a zero entering state.
 
     Returns:
       ``(outputs [..., L, dv] float32, state_out [..., dk, dv] float32)``.
     """
-    weights = intra_chunk_weights(cum_log_decay, doc)
-    scores = _matmul("...td,...sd->...ts", q, k) * weights
+    scores = _matmul("...td,...sd->...ts", q, k) * weights.intra
     outputs = _matmul("...ts,...sv->...tv", scores.astype(v.dtype), v)
-    key_weights, carry = leaving_state_weights(cum_log_decay, doc, doc_before)
-    weighted_keys = (k.astype(jnp.float32) * key_weights[..., None]).astype(v.dtype)
+    weighted_keys = (k.astype(jnp.float32) * weights.keys).astype(v.dtype)
     state_out = _matmul("...sd,...sv->...dv", weighted_keys, v)
     if state_in is not None:
-        entering = entering_state_weights(cum_log_decay, doc, doc_before)
-        outputs = outputs + entering[..., None] * _matmul("...td,...dv->...tv", q.astype(jnp.float32), state_in)
-        state_out = state_out + carry[..., None, None] * state_in
+        outputs = outputs + weights.entering * _matmul("...td,...dv->...tv", q.astype(jnp.float32), state_in)
+        state_out = state_out + weights.carry * state_in
     return outputs, state_out
+
+
+def chunk_outputs_and_state(q, k, v, cum_log_decay, doc, doc_before, state_in):
+    """:func:`outputs_and_state` with the weights from ``[..., L]`` vectors ``cum_log_decay``,
+    ``doc`` and ``doc_before`` ``[...]``."""
+    return outputs_and_state(q, k, v, chunk_weights(cum_log_decay, doc, doc_before), state_in)
+
+
+def chunk_gradients(q, k, v, dout, weights: ChunkWeights, state_in, state_out, dstate_out):
+    """Gradients through one chunk (the backward of :func:`outputs_and_state`), float32.
+
+    Args:
+      q, k: ``[..., L, dk]``; v, dout: ``[..., L, dv]``, all float32.
+      weights: the chunk's :class:`ChunkWeights`.
+      state_in, state_out: ``[..., dk, dv]``, the states entering and leaving the chunk.
+      dstate_out: ``[..., dk, dv]``, the gradient of ``state_out``.
+
+    Returns:
+      ``(dq, dk, dv, dcum, dcum_last, dstate_in)``. The gradient of the cumulative log decay is
+      ``dcum [..., L]`` at every position plus ``dcum_last [...]`` at the chunk's last one, by
+      the identity: every term with ``q_t`` carries ``exp(b_t)``, every term with ``k_s``
+      ``exp(-b_s)``, and the leaving state ``exp(b_last)``, so
+      ``d b_t = q_t . dq_t - k_t . dk_t + [t = last] <dS_out, S_out>``.
+    """
+    scores = _matmul("...td,...sd->...ts", q, k) * weights.intra
+    dscores = _matmul("...tv,...sv->...ts", dout, v) * weights.intra
+    dq = _matmul("...ts,...sd->...td", dscores, k) + weights.entering * _matmul("...tv,...dv->...td", dout, state_in)
+    dk = _matmul("...ts,...td->...sd", dscores, q) + weights.keys * _matmul("...sv,...dv->...sd", v, dstate_out)
+    dv = _matmul("...ts,...tv->...sv", scores, dout) + weights.keys * _matmul("...sd,...dv->...sv", k, dstate_out)
+    dcum = jnp.sum(q * dq, axis=-1) - jnp.sum(k * dk, axis=-1)
+    dcum_last = jnp.sum(dstate_out * state_out, axis=(-2, -1))
+    dstate_in = weights.carry * dstate_out + _matmul("...td,...tv->...dv", q * weights.entering, dout)
+    return dq, dk, dv, dcum, dcum_last, dstate_in

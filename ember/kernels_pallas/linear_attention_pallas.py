@@ -11,11 +11,9 @@ state's gradient and reads those states instead of recomputing them, as
 flash-linear-attention does. Its dq, dk and decay gradients are partial sums per value
 block, added up outside the kernel.
 
-Decay gradients use the identity (per chunk, ``b`` the cumulative log decay from the chunk
-start): every term with ``q_t`` carries ``exp(b_t)``, every term with ``k_s`` carries
-``exp(-b_s)``, and the leaving state carries ``exp(b_last)``, so
-``d b_t = q_t . dq_t - k_t . dk_t + [t = last] <dS_out, S_out>``. ``d log_decay`` then follows
-by differentiating the chunk-local cumulative sum outside the kernel.
+The backward's chunk math (``linear_attention_chunks.chunk_gradients``, shared with the TPU
+kernel) gives the gradient of the chunk-local cumulative log decay; ``d log_decay`` then
+follows by differentiating that cumulative sum outside the kernel.
 """
 
 from __future__ import annotations
@@ -89,9 +87,6 @@ def _backward_kernel(
     float32."""
     f32 = jnp.float32
 
-    def matmul(spec, a, b):
-        return jnp.einsum(spec, a, b, preferred_element_type=f32)
-
     def chunk_step(step, dstate_out):
         index = n_chunks - 1 - step
         q = _load_chunk(q_ref, index, chunk_size).astype(f32)
@@ -100,28 +95,18 @@ def _backward_kernel(
         dout = _load_chunk(dout_ref, index, chunk_size).astype(f32)
         cum = _load_chunk(cum_ref, index, chunk_size)
         doc = _load_chunk(doc_ref, index, chunk_size)
-        doc_before = _doc_before(doc_ref, index, chunk_size)
+        weights = chunks.chunk_weights(cum, doc, _doc_before(doc_ref, index, chunk_size))
         state_in, state_out = states_ref[index], states_ref[index + 1]
-
-        weights = chunks.intra_chunk_weights(cum, doc)
-        entering = chunks.entering_state_weights(cum, doc, doc_before)
-        key_weights, carry = chunks.leaving_state_weights(cum, doc, doc_before)
-        scores = matmul("td,sd->ts", q, k) * weights
-        dscores = matmul("tv,sv->ts", dout, v) * weights
-
-        dq = matmul("ts,sd->td", dscores, k) + entering[:, None] * matmul("tv,dv->td", dout, state_in)
-        dk = matmul("ts,td->sd", dscores, q) + key_weights[:, None] * matmul("sv,dv->sd", v, dstate_out)
-        dv = matmul("ts,tv->sv", scores, dout) + key_weights[:, None] * matmul("sd,dv->sv", k, dstate_out)
-        is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
-        dcum = (
-            jnp.sum(q * dq, axis=1) - jnp.sum(k * dk, axis=1) + jnp.where(is_last, jnp.sum(dstate_out * state_out), 0.0)
+        dq, dk, dv, dcum, dcum_last, dstate_in = chunks.chunk_gradients(
+            q, k, v, dout, weights, state_in, state_out, dstate_out
         )
+        is_last = jax.lax.broadcasted_iota(jnp.int32, (chunk_size,), 0) == chunk_size - 1
         rows = pl.ds(index * chunk_size, chunk_size)
         dq_ref[rows, :] = dq
         dk_ref[rows, :] = dk
         dv_ref[rows, :] = dv
-        dcum_ref[rows] = dcum
-        return carry * dstate_out + matmul("td,tv->dv", q * entering[:, None], dout)
+        dcum_ref[rows] = dcum + jnp.where(is_last, dcum_last, 0.0)
+        return dstate_in
 
     dstate_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk_step, dfinal_ref[...])
 

@@ -11,15 +11,16 @@ SSD is linear attention with a per-step scalar decay (the Mamba-2 paper's dualit
 queries ``C``, keys ``B``, values ``dt * x``, ``log_decay = dt * A``. So :func:`ssd` runs the
 chunked linear-attention algorithm of ``linear_attention.py`` -- intra-chunk matmuls,
 inter-chunk state recurrence, output combination -- as its XLA einsum path or its Pallas
-kernels (forward and backward), with the ``B``/``C`` groups read through the kernels' head
-grouping rather than copied per head. Gradients for ``dt``, ``A``, ``dt_bias`` and ``D`` follow
-by differentiating this thin mapping.
+kernels for NVIDIA GPUs and TPUs (forward and backward), with the ``B``/``C`` groups read
+through the kernels' head grouping rather than copied per head. Gradients for ``dt``, ``A``,
+``dt_bias`` and ``D`` follow by differentiating this thin mapping.
 
 Forms:
 - :func:`ssd_reference`: the recurrence above as a ``lax.scan``, THE reference;
   :func:`ssd_step` is its one-token update (decode).
 - :func:`ssd_quadratic`: the masked-matrix ("attention") form, ``O(seq^2)``.
-- :func:`ssd` with ``impl`` "xla" / "pallas" / "interpret": the chunked algorithm.
+- :func:`ssd` with ``impl`` "xla" / "pallas" / "interpret" / "interpret_tpu": the chunked
+  algorithm (``impl`` as for :func:`linear_attention`, whose kernels it runs).
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ def ssd(
       return_final_state: also return the state after the last token (float32).
       segment_ids: ``[batch, seq]`` integers; the state resets wherever the id changes.
       chunk_size: chunk length (power of two >= 8); results do not depend on it.
-      impl: "auto", "pallas", "interpret" or "xla".
+      impl: "auto", "pallas", "interpret", "interpret_tpu" or "xla" (see ``dispatch.py``).
 
     Returns:
       y ``[batch, seq, heads, head_dim]`` in x's dtype; with ``return_final_state``,
