@@ -7,9 +7,10 @@
     out = flash_attention(q, k, v, score="sigmoid")                 # FlashSigmoid
 
 The Pallas kernels (forward saving the log-sum-exp, backward dq and dk/dv, tied by
-``custom_vjp``) live in :mod:`ember.kernels_pallas.flash_attention_kernels`; this file holds
-the public op and what every path shares: argument checking, the combined static mask, the
-reference, and the chunked XLA path built on the reference's math.
+``custom_vjp``) live in :mod:`ember.kernels_pallas.flash_attention_kernels` (GPU, Triton) and
+:mod:`ember.kernels_pallas.flash_attention_tpu` (TPU, Mosaic TPU); this file holds the public
+op and what every path shares: argument checking, the combined static mask, the reference,
+and the chunked XLA path built on the reference's math.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from ember.kernels_pallas.block_mask import (
     LocalMask,
     combine_masks,
 )
-from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
+from ember.kernels_pallas.flash_attention_tpu import flash_attention_tpu
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 SCORES: tuple[str, ...] = ("softmax", "sigmoid")
-# The kernels are written for the GPU (Triton) lowering; TPU "auto" uses the XLA path.
-KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
+# A GPU (Triton) kernel and a TPU (Mosaic TPU) kernel.
+KERNEL_BACKENDS: tuple[str, ...] = ("gpu", "tpu")
 # Queries per piece of the XLA path: bounds its scores to [batch, heads, 512, kv_len].
 XLA_QUERY_CHUNK = 512
 
@@ -51,7 +53,8 @@ class FlashBlockSizes:
     """Kernel tile sizes: ``block_q`` query rows and ``block_kv`` key rows per step (the same
     tiles in the forward and both backward kernels). Powers of two, at least 8 (GPU tiles
     want 16+; 8 keeps CPU interpret tests cheap). Sequences shorter than a block get a block
-    of the next power of two above their length instead.
+    of the next power of two above their length instead. The TPU kernel then raises each to
+    at least 128 (the lane width).
 
     On a GPU, ``num_warps`` per program (default: 4 for ``head_dim <= 64``, else 8) and
     Triton's software-pipelining depth ``num_stages``; both ignored elsewhere."""
@@ -349,11 +352,14 @@ def flash_attention(
         row's; its live blocks are found per batch row at run time (the blocks holding a
         document's global tokens join the local ones). Other masks ignore it.
       block_sizes: kernel tiles, :class:`FlashBlockSizes`; default 128 x 128 (shrunk for
-        short sequences). With an :class:`ExplicitBlockMask` they must divide its blocks.
-      impl: ``"auto"`` (Pallas on GPU, else XLA), ``"pallas"``, ``"interpret"`` (the
-        Pallas kernels run by the interpreter, any backend) or ``"xla"`` (the reference
-        math in rematerialized chunks of 512 queries, differentiated by XLA; memory
-        ``O(512 * kv_len)`` per head).
+        short sequences; the TPU kernel uses at least 128 x 128). With an
+        :class:`ExplicitBlockMask` they must divide its blocks.
+      impl: ``"auto"`` (the Pallas kernels on GPU and TPU, else XLA), ``"pallas"`` (the
+        kernels compiled for the default backend: Triton on an NVIDIA GPU, Mosaic TPU on a
+        TPU), ``"interpret"`` (the GPU kernels run by the Pallas interpreter, any backend),
+        ``"interpret_tpu"`` (the TPU kernels in JAX's TPU interpret mode, any backend) or
+        ``"xla"`` (the reference math in rematerialized chunks of 512 queries,
+        differentiated by XLA; memory ``O(512 * kv_len)`` per head).
 
     Jitted; every argument but ``q``, ``k``, ``v`` and ``segment_ids`` is static (hashable:
     pass ``window`` as a tuple). Lengths need not be multiples of the block sizes. A query with no visible key returns
@@ -383,8 +389,19 @@ def flash_attention(
         raise ValueError(f"block_sizes must be a FlashBlockSizes, got {type(block_sizes).__name__}")
     resolved = resolve_impl(impl, op="flash_attention", kernel_backends=KERNEL_BACKENDS)
     rows = _row_arrays(problem, segment_ids, segment_positions)
-    if resolved == "xla":
+    platform = kernel_platform(resolved)
+    if platform is None:
         return _chunked_xla_attention(q, k, v, rows, problem)
+    if platform == "tpu":
+        return flash_attention_tpu(
+            q,
+            k,
+            v,
+            *rows,
+            problem=problem,
+            block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),
+            interpret=pallas_interpret(resolved),
+        )
     return flash_attention_kernel(
         q,
         k,
