@@ -1,23 +1,25 @@
 """Attention kernels against cuDNN, XLA and JAX's own Pallas attention, side by side.
 
-    python -m benchmarks.attention            # full sweep on a GPU, a quick XLA-path run on CPU
+    python -m benchmarks.attention            # full sweep on a GPU or TPU, a quick XLA-path run on CPU
 
 Sections (each row prints ours and the baselines, and the ratios):
 
 - dense: bf16, batch 8, 16 heads, head_dim 128, q_len 1k..16k, causal and not; forward and
-  forward+backward TFLOP/s of ``flash_attention`` vs :data:`BASELINES` (cuDNN, XLA, JAX's
-  Pallas Triton ``mha`` and its Mosaic GPU Hopper attention); each baseline's output is
-  also compared with ours (``max_rel_diff``), so both sides compute the same function;
+  forward+backward TFLOP/s of ``flash_attention`` vs :data:`BASELINES` (on a GPU: cuDNN, XLA,
+  JAX's Pallas Triton ``mha`` and its Mosaic GPU Hopper attention; on a TPU: JAX's splash
+  attention and XLA); each baseline's output is also compared with ours
+  (``max_rel_diff``), so both sides compute the same function;
 - block_sparse: local + global (Longformer) at 16k; ours visiting live blocks only, vs cuDNN
-  given the same mask as an explicit boolean array, vs our dense causal kernel;
+  (XLA on a TPU) given the same mask as an explicit boolean array, vs our dense causal kernel;
 - sigmoid: ``score="sigmoid"`` vs our softmax kernel, same shapes;
 - ragged_decode: ``ragged_paged_attention`` on a decode-only budget, GB/s of KV cache read
   vs the measured HBM bandwidth.
 
 Before timing, every attention kernel is checked against its reference on the device
 (:mod:`benchmarks.device_checks`, compiled for real instead of interpreted); a failure
-stops the run. On a machine without a GPU the script says so and times the XLA paths at
-small sizes only. ``python -m benchmarks.gpu`` runs these sections too, with every other
+stops the run. On a TPU the same sections time the TPU kernels (no TPU figure has been
+measured yet). On a machine without an accelerator the script says so and times the XLA
+paths at small sizes only. ``python -m benchmarks.gpu`` runs these sections too, with every other
 kernel. Results: ``benchmarks/results/attention-<device>.json``.
 """
 
@@ -37,6 +39,7 @@ from benchmarks.harness import (
     device_label,
     measured_bandwidth_gbs,
     on_gpu,
+    on_tpu,
     print_table,
     time_fn,
     write_results,
@@ -101,11 +104,28 @@ def _pallas_mosaic(q, k, v, causal):
     return attention_mgpu.attention(q, k, v, config)
 
 
+def _splash(q, k, v, causal, interpret=False):
+    """JAX's splash attention for TPUs (Mosaic TPU), its default blocks; MHA over each batch
+    row's ``[heads, seq, head_dim]``; unscaled logits. ``interpret``: run it in the Pallas
+    interpreter (how it is checked without a TPU)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    shape, heads = (q.shape[1], k.shape[1]), q.shape[2]
+    head_mask = masks.CausalMask(shape) if causal else masks.FullMask(shape)
+    kernel = splash.make_splash_mha(
+        masks.MultiHeadMask([head_mask] * heads), head_shards=1, q_seq_shards=1, interpret=interpret
+    )
+    out = jax.vmap(kernel)(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)))
+    return jnp.swapaxes(out, 1, 2)
+
+
 BASELINES: dict[str, AttentionBaseline] = {
     "cudnn": AttentionBaseline("cudnn", _jax_nn("cudnn")),
     "xla": AttentionBaseline("xla", _jax_nn("xla")),
     "pallas_triton": AttentionBaseline("pallas_triton", _pallas_triton),
     "pallas_mosaic": AttentionBaseline("pallas_mosaic", _pallas_mosaic, prescaled_q=True, input_dtype="float16"),
+    "splash": AttentionBaseline("splash", _splash, prescaled_q=True),
 }
 
 
@@ -327,30 +347,38 @@ def print_sections(rows, title: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes even on a GPU")
+    parser.add_argument("--quick", action="store_true", help="small sizes even on a GPU or TPU")
     args = parser.parse_args(argv)
-    gpu = on_gpu()
-    if gpu and not args.quick:
-        impl, baselines, dtype = "pallas", ("cudnn", "pallas_triton", "pallas_mosaic", "xla"), jnp.bfloat16
+    gpu, tpu = on_gpu(), on_tpu()
+    accelerator = gpu or tpu
+    masked_baseline = "cudnn" if gpu else "xla"  # jax.nn.dot_product_attention given the dense mask
+    if accelerator and not args.quick:
+        impl, dtype = "pallas", jnp.bfloat16
+        baselines = ("cudnn", "pallas_triton", "pallas_mosaic", "xla") if gpu else ("splash", "xla")
         sizes = dict(q_lens=(1024, 2048, 4096, 8192, 16384), batch=8, heads=16, head_dim=128)
         sparse_len, decode = 16384, dict(num_seqs=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096)
         bandwidth_bytes = 4 << 30
     else:
-        if not gpu:
-            print(f"No GPU found (device: {device_label()}): timing the XLA paths at small sizes only.")
-        impl, baselines, dtype = ("pallas" if gpu else "xla"), ("xla",), (jnp.bfloat16 if gpu else jnp.float32)
+        if not accelerator:
+            print(f"No GPU or TPU found (device: {device_label()}): timing the XLA paths at small sizes only.")
+        impl, baselines = ("pallas" if accelerator else "xla"), ("xla",)
+        dtype = jnp.bfloat16 if accelerator else jnp.float32
         sizes = dict(q_lens=(256, 512), batch=2, heads=4, head_dim=64)
         sparse_len, decode = 1024, dict(num_seqs=4, heads=8, kv_heads=2, head_dim=64, page_size=16, length=512)
         bandwidth_bytes = 256 << 20
-    checks = run_checks(GPU_CHECK_SIZES, seed=0, only=("flash_attention", "ragged_paged_attention")) if gpu else {}
+    checks = (
+        run_checks(GPU_CHECK_SIZES, seed=0, only=("flash_attention", "ragged_paged_attention")) if accelerator else {}
+    )
     failed = [name for name, record in checks.items() if not record["passed"]]
     if failed:
         raise SystemExit(f"kernels disagree with their references on {device_label()}: {failed}")
     bandwidth = measured_bandwidth_gbs(bandwidth_bytes)
-    sparse_mask = LocalGlobalMask(256, 256, 64) if gpu and not args.quick else LocalGlobalMask(64, 64, 16)
+    sparse_mask = LocalGlobalMask(256, 256, 64) if accelerator and not args.quick else LocalGlobalMask(64, 64, 16)
     rows = []
     rows += dense_rows(impl, baselines, dtype=dtype, **sizes)
-    rows += block_sparse_rows(impl, baselines[0], 1, sparse_len, sizes["heads"], sizes["head_dim"], dtype, sparse_mask)
+    rows += block_sparse_rows(
+        impl, masked_baseline, 1, sparse_len, sizes["heads"], sizes["head_dim"], dtype, sparse_mask
+    )
     rows += sigmoid_rows(impl, sizes["q_lens"][-1], sizes["batch"], sizes["heads"], sizes["head_dim"], dtype)
     rows += ragged_decode_rows(impl, dtype=dtype, bandwidth_gbs=bandwidth, **decode)
     print_sections(rows, f"{impl}, {jnp.dtype(dtype).name}")
@@ -360,12 +388,13 @@ def main(argv=None) -> int:
             impl=impl,
             dtype=jnp.dtype(dtype).name,
             gpu=gpu,
+            tpu=tpu,
             device_value_checks=checks,
             measured_bandwidth_gbs=bandwidth,
             rows=rows,
             note=None
-            if gpu
-            else "no GPU found: XLA paths at small sizes; the test suite checks kernels in interpret mode",
+            if accelerator
+            else "no GPU or TPU found: XLA paths at small sizes; the test suite checks kernels in interpret mode",
         ),
     )
     print(f"\nwrote {path}")

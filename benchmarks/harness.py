@@ -69,6 +69,15 @@ def on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
 
+def on_tpu() -> bool:
+    return jax.devices()[0].platform == "tpu"
+
+
+def on_accelerator() -> bool:
+    """A GPU or a TPU: the ops' ``impl="pallas"`` runs their compiled kernels here."""
+    return on_gpu() or on_tpu()
+
+
 def measured_bandwidth_gbs(num_bytes: int) -> float:
     """Device memory bandwidth in GB/s from a large elementwise pass (bytes read + written)."""
     x = jax.random.normal(jax.random.key(0), (num_bytes // 4,), jnp.float32)

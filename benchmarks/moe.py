@@ -15,7 +15,7 @@ only when named.
 every expert the same rows; skewed: a Zipf-like draw, one expert with about half the rows
 and some with none), forward and forward+backward (gradients of ``lhs`` and ``rhs``) of
 
-- ``grouped_matmul[<impl>]``: Ember's op (``impl="pallas"`` on a GPU; on CPU its XLA path,
+- ``grouped_matmul[<impl>]``: Ember's op (``impl="pallas"`` on a GPU or TPU; on CPU its XLA path,
   ``jax.lax.ragged_dot``, since the Pallas interpreter is far too slow to time);
 - ``ragged_dot``: ``jax.lax.ragged_dot`` called directly;
 - ``per_expert_loop``: one dense matmul per expert on its static slice of rows (sizes
@@ -30,7 +30,7 @@ equal-FLOP dense matmul.
 ``moe_layer`` section: tokens/s of one training step (jitted ``value_and_grad`` of a
 squared-output loss over the parameters and the input) of ``MoeMlp`` against the dense
 ``Mlp`` of equal *active* parameters (``mlp_dim = top_k * expert_dim``), same ``d_model`` and
-tokens: ``moe_dropless[<impl>]`` (``pallas`` grouped matmul on a GPU, ``xla`` on CPU) and
+tokens: ``moe_dropless[<impl>]`` (``pallas`` grouped matmul on a GPU or TPU, ``xla`` on CPU) and
 ``moe_capacity`` (capacity-factor dispatch, same impl). Ratios: MoE tokens/s over dense.
 
 ``moe_plus_plus`` section: the same step for plain MoE (``E`` FFN experts, top-k) against MoE++
@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import RESULTS_DIR, device_label, on_gpu, print_table, time_fn, write_results
+from benchmarks.harness import RESULTS_DIR, device_label, on_accelerator, print_table, time_fn, write_results
 from ember.core.config import load_config
 from ember.core.tree import param_count
 from ember.kernels_pallas.grouped_matmul import grouped_matmul
@@ -469,13 +469,13 @@ DEFAULT_SECTIONS = ("grouped_matmul", "moe_layer", "moe_plus_plus")
 def run_section(name: str, steps: int | None) -> dict:
     """``{"sizes", "rows", "ratios"}`` of one section, its table and ratios printed."""
     if name == "grouped_matmul":
-        sizes = GPU_SIZES if on_gpu() else CPU_SIZES
+        sizes = GPU_SIZES if on_accelerator() else CPU_SIZES  # a TPU runs the GPU sizes
         rows = grouped_matmul_rows(sizes)
         columns = ["experts", "rows", "k", "n", "load", "form", "fwd_ms", "fwd_bwd_ms", "fwd_tflops"]
         print_table(rows, [*columns, "rel_diff_vs_ragged_dot"])
         ratios = grouped_matmul_ratios(rows)
     elif name in ("moe_layer", "moe_plus_plus"):
-        sizes = GPU_LAYER_SIZES if on_gpu() else CPU_LAYER_SIZES
+        sizes = GPU_LAYER_SIZES if on_accelerator() else CPU_LAYER_SIZES
         rows = moe_layer_rows(sizes) if name == "moe_layer" else moe_plus_plus_rows(sizes)
         columns = ["form", "tokens", "d_model", "params", "active_params", "step_ms", "tokens_per_s"]
         print_table(rows, [*columns, "ffn_slot_fraction"])
@@ -498,8 +498,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
-    if not on_gpu():
-        print(f"No GPU found ({device_label()}): small sizes; MoE on the XLA path (ragged_dot).")
+    if not on_accelerator():
+        print(f"No GPU or TPU found ({device_label()}): small sizes; MoE on the XLA path (ragged_dot).")
     measured = {}
     for name in args.section or DEFAULT_SECTIONS:
         print(f"== {name}")

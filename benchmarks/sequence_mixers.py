@@ -2,7 +2,7 @@
 the quadratic (masked-matrix) form and Ember's flash attention at the same length; and the
 time of one decode step by position.
 
-    python -m benchmarks.sequence_mixers          # GPU: 1k-64k tokens; CPU: small sizes
+    python -m benchmarks.sequence_mixers          # GPU or TPU: 1k-64k tokens; CPU: small sizes
 
 Targets on an H100 (the issue): linear attention forward+backward at 16k >= 4x faster than
 flash attention; SSD >= 5x faster than the naive XLA scan; decode time per token flat
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import device_label, on_gpu, print_table, time_fn, write_results
+from benchmarks.harness import device_label, on_accelerator, print_table, time_fn, write_results
 from ember.kernels_pallas.linear_attention import (
     linear_attention,
     linear_attention_quadratic,
@@ -231,9 +231,9 @@ def ratios(rows: list[dict], sizes: Sizes) -> dict:
 
 
 def main() -> None:
-    sizes = GPU_SIZES if on_gpu() else CPU_SIZES
-    if not on_gpu():
-        print(f"No GPU found ({device_label()}): small sizes, chunked forms on the XLA path.")
+    sizes = GPU_SIZES if on_accelerator() else CPU_SIZES  # a TPU runs the GPU sizes, its own kernels
+    if not on_accelerator():
+        print(f"No GPU or TPU found ({device_label()}): small sizes, chunked forms on the XLA path.")
     dtype = jnp.dtype(sizes.dtype)
     keys = jax.random.split(jax.random.key(0), 6)
     mixer_rows = linear_attention_rows(sizes, dtype, keys) + ssd_rows(sizes, dtype, keys)
