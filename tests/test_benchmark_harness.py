@@ -12,7 +12,8 @@ def test_time_fn_and_results_file(tmp_path, monkeypatch):
     f = jax.jit(lambda x: (x @ x).sum())
     seconds = harness.time_fn(f, jnp.ones((64, 64)), repeats=3)
     assert 0 < seconds < 5
-    assert harness.device_label() == "cpu" and not harness.on_gpu()
+    assert harness.device_label() == "cpu" and not harness.on_gpu() and not harness.on_tpu()
+    assert not harness.on_accelerator()
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
     path = harness.write_results("unit", {"rows": [{"seconds": seconds}]})
     record = json.loads(path.read_text())
