@@ -14,6 +14,10 @@ relative error ``||got - want|| / ||want||`` of every output and gradient.
 
 A check is isolated: one that fails to compile or disagrees records the error text and
 the next one runs. Adding or removing a kernel is one line of :data:`KERNEL_CHECKS`.
+
+:data:`HOPPER_CHECKS` check the Hopper (Mosaic GPU) forward of flash attention, with the
+Triton backward, in bf16 and f16. They run only where that kernel does (compiled, on an
+sm90 GPU: :func:`hopper_skip_reason`); elsewhere the GPU command records them as skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.kernels_pallas.block_mask import ChunkedCausalMask, ExplicitBlockMask, LocalGlobalMask
-from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
+from ember.kernels_pallas.flash_attention import (
+    FlashBlockSizes,
+    attention_problem,
+    flash_attention,
+    flash_attention_reference,
+)
+from ember.kernels_pallas.flash_attention_kernels import forward_kernel
+from ember.kernels_pallas.flash_attention_mgpu import GpuInfo, hopper_device_reason
 from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul, grouped_matmul_reference
 from ember.kernels_pallas.linear_attention import linear_attention, linear_attention_reference, state_shape
 from ember.kernels_pallas.quantized_formats import QuantizedMatrix
@@ -46,6 +57,7 @@ from ember.kernels_pallas.ssd import ssd, ssd_reference
 RELATIVE_ERROR_LIMITS: dict[str, float] = {
     "float32": 2e-3,  # Triton's float32 dot runs in tf32 (~3e-4 relative), plus long sums
     "bfloat16": 2e-2,  # bf16 operands and outputs: 1e-3 .. 1e-2, gradients at the top
+    "float16": 1e-2,  # 3 more mantissa bits than bf16 (the Hopper checks)
 }
 """Largest passing ``||got - want|| / ||want||`` per kernel input dtype (METHOD.md's scale)."""
 
@@ -224,6 +236,41 @@ def _flash(**options) -> Callable:
         return Problem(kernel, reference, primals)
 
     return problem
+
+
+def _hopper_flash(**options) -> Callable:
+    """A flash-attention check that must run the Hopper forward (the backward is Triton's):
+    making the problem raises, naming the reason, where the call would take another one."""
+    flash_problem = _flash(**options)
+
+    def problem(sizes: CheckSizes, dtype, gen):
+        checked = flash_problem(sizes, dtype, gen)
+        q, k, v = (checked.inputs[name] for name in ("q", "k", "v"))
+        call = attention_problem(
+            q,
+            k,
+            v,
+            causal=options.get("causal", False),
+            sm_scale=None,
+            segment_ids=None,
+            window=None,
+            logits_soft_cap=None,
+            score="softmax",
+            block_mask=None,
+        )
+        interpret = sizes.impl != "pallas"
+        forward_kernel(call, (q.dtype, k.dtype, v.dtype), GpuInfo.here(), interpret=interpret, forward="hopper")
+        return checked
+
+    return problem
+
+
+def hopper_skip_reason(sizes: CheckSizes) -> str | None:
+    """Why :data:`HOPPER_CHECKS` cannot run with ``sizes`` on this machine (None: they can)."""
+    if sizes.impl != "pallas":
+        # jax's Mosaic GPU interpreter lacks what the kernel uses (run_state, wgmma from registers).
+        return f"impl={sizes.impl!r}: the Hopper kernel runs compiled only (no Mosaic GPU interpreter path)"
+    return hopper_device_reason(GpuInfo.here(), causal=False)
 
 
 # ----------------------------------------------------------------------------- ragged paged attention
@@ -413,6 +460,14 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
 )
 """The kernels the GPU command checks, in order. One line per kernel (and option set)."""
 
+HOPPER_CHECKS: tuple[KernelCheck, ...] = (
+    # Lengths off the block multiples: queries padded to 128, keys masked in the last block.
+    KernelCheck("flash_attention[hopper,causal,gqa]", _hopper_flash(causal=True)),
+    KernelCheck("flash_attention[hopper,cross_lengths,mqa,head_dim_64]", _hopper_flash(kv_heads=1, head_dim=64)),
+)
+"""The Hopper forward's checks (with the Triton backward), in :data:`HOPPER_CHECK_DTYPES`."""
+HOPPER_CHECK_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
+
 
 def run_check(check: KernelCheck, sizes: CheckSizes, dtype: str, seed: int) -> dict[str, Any]:
     """One check's record: ``passed``, the relative error of every output and gradient and
@@ -441,13 +496,14 @@ def run_checks(
     only: tuple[str, ...] = (),
     deadline: float | None = None,
     on_result: Callable | None = None,
+    checks: tuple[KernelCheck, ...] = KERNEL_CHECKS,
 ) -> dict:
-    """``{"<kernel> <dtype>": record}`` for every check in :data:`KERNEL_CHECKS` (with
-    ``only``, those whose name contains one of its strings) and dtype of ``sizes``;
-    ``on_result(results)`` after each. Checks due after ``deadline`` (``time.monotonic()``)
-    are recorded as skipped (``passed: None``)."""
+    """``{"<kernel> <dtype>": record}`` for every check in ``checks`` (with ``only``, those
+    whose name contains one of its strings) and dtype of ``sizes``; ``on_result(results)``
+    after each. Checks due after ``deadline`` (``time.monotonic()``) are recorded as skipped
+    (``passed: None``)."""
     results: dict[str, dict] = {}
-    for index, check in enumerate(KERNEL_CHECKS):
+    for index, check in enumerate(checks):
         if only and not any(part in check.name for part in only):
             continue
         for dtype in sizes.dtypes:

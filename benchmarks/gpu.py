@@ -10,13 +10,18 @@ issue's performance rows, writing ``gpu-<device>.json`` after every step.
    attention, linear attention, SSD, short conv, grouped matmul, quantized matmul in int8,
    int4 and NF4) against its reference on
    the device, in bf16 and f32, errors recorded per kernel; a kernel that breaks does not
-   stop the run.
+   stop the run. Then ``hopper_value_checks``: the Hopper (Mosaic GPU) forward of flash
+   attention with the Triton backward (:data:`benchmarks.device_checks.HOPPER_CHECKS`, bf16
+   and f16), recorded as skipped with the reason where that kernel cannot run (not an sm90
+   GPU, or the toy run's interpreted kernels).
 2. ``rows``: the performance rows of :data:`MEASUREMENTS`, most important first, each
    reusing :mod:`benchmarks.attention`, :mod:`benchmarks.sequence_mixers`,
    :mod:`benchmarks.moe` and :mod:`benchmarks.train_step`: the measured ceilings (HBM
    bandwidth, bf16 matmul rate);
    flash attention forward and forward+backward vs cuDNN and JAX's Pallas attention
    (Triton and Mosaic GPU), batch 8, 16 heads, head_dim 128, 1k-16k, causal and not;
+   the Hopper forward against our Triton forward (an A/B of the same call), cuDNN and
+   JAX's attention_mgpu at 8k;
    block-sparse local + global vs cuDNN given the mask; sigmoid vs softmax scores; linear
    attention and SSD vs our flash attention and their naive scans at 16k; the grouped
    matmul vs ``ragged_dot``, a per-expert loop and the equal-FLOP dense matmul; ragged paged
@@ -49,9 +54,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import attention, moe, quantization, sequence_mixers, train_step
-from benchmarks.device_checks import GPU_CHECK_SIZES, KERNEL_CHECKS, TOY_CHECK_SIZES, CheckSizes, run_checks
+from benchmarks.device_checks import (
+    GPU_CHECK_SIZES,
+    HOPPER_CHECK_DTYPES,
+    HOPPER_CHECKS,
+    KERNEL_CHECKS,
+    TOY_CHECK_SIZES,
+    CheckSizes,
+    hopper_skip_reason,
+    run_checks,
+)
 from benchmarks.harness import (
     device_label,
     measured_bandwidth_gbs,
@@ -62,7 +77,9 @@ from benchmarks.harness import (
 )
 from ember.core.config import load_config
 from ember.kernels_pallas.block_mask import LocalGlobalMask
-from ember.kernels_pallas.flash_attention import FlashBlockSizes
+from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention
+from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel, hopper_reason
+from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, GpuInfo
 from ember.models.config import ModelConfig
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -83,6 +100,7 @@ class PerfSizes:
     sweep_lens: tuple[int, ...]  # the rest of the dense sweep, at most 4 (one measurement each)
     causal_values: tuple[bool, ...]
     baselines: tuple[str, ...]
+    hopper_baselines: tuple[str, ...]  # peers of the Hopper forward's A/B at goal_len
     tiles: tuple[FlashBlockSizes, ...]  # flash attention tiles timed at goal_len, causal
     sparse_mask: LocalGlobalMask  # ~10% live blocks at long_len
     mixers: sequence_mixers.Sizes
@@ -108,6 +126,7 @@ GPU_SIZES = PerfSizes(
     sweep_lens=(16384, 4096, 2048, 1024),
     causal_values=(True, False),
     baselines=("cudnn", "pallas_triton", "pallas_mosaic"),
+    hopper_baselines=("cudnn", "pallas_mosaic"),
     tiles=(
         FlashBlockSizes(128, 64, num_warps=4, num_stages=3),
         FlashBlockSizes(128, 64, num_warps=8, num_stages=3),
@@ -143,6 +162,7 @@ TOY_SIZES = PerfSizes(
     sweep_lens=(),
     causal_values=(True,),
     baselines=("xla",),
+    hopper_baselines=("xla",),
     tiles=(FlashBlockSizes(16, 16), FlashBlockSizes(32, 16, num_warps=4, num_stages=3)),
     sparse_mask=LocalGlobalMask(8, 8, 4),
     mixers=dataclasses.replace(
@@ -203,6 +223,106 @@ def _dense(lengths: Callable[[PerfSizes], tuple[int, ...]]):
         )
 
     return run
+
+
+def _plain_problem(q, k, v, causal: bool):
+    """The :class:`AttentionProblem` of a softmax call with no options but ``causal``."""
+    return attention_problem(
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=None,
+        segment_ids=None,
+        window=None,
+        logits_soft_cap=None,
+        score="softmax",
+        block_mask=None,
+    )
+
+
+def _our_flash(forward: str) -> Callable:
+    """Our flash attention with its forward kernel chosen, ``"hopper"`` or ``"triton"`` (the
+    backward is Triton's either way): the op's kernel path below its dispatcher, the A/B."""
+
+    def attend(q, k, v, causal):
+        problem = _plain_problem(q, k, v, causal)
+        tiles = FlashBlockSizes().fitted(problem.q_len, problem.kv_len)
+        return flash_attention_kernel(
+            q, k, v, None, problem=problem, block_sizes=tiles, interpret=False, forward=forward
+        )
+
+    return attend
+
+
+def _hopper_not_run(sizes: PerfSizes, q, causal: bool) -> str | None:
+    """Why the Hopper forward cannot run the goal-size call here (None: it can)."""
+    if sizes.impl != "pallas":
+        return f"impl={sizes.impl!r}: the Hopper kernel runs compiled on an sm90 GPU only"
+    problem = _plain_problem(q, q, q, causal)
+    return hopper_reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=DEFAULT_HOPPER_BLOCKS)
+
+
+def _timed_forms(forms: dict, causal: bool, flops: float, repeats: int) -> tuple[dict, dict]:
+    """``forms``: ``{name: (attend(q, k, v, causal), args, with_backward)}``. Returns the
+    row's columns (ms, TFLOP/s, relative difference from the first form that ran, error
+    text) and each form's forward seconds (or its error text)."""
+    columns, seconds, first = {}, {}, None
+    for name, (attend, args, with_backward) in forms.items():
+        fwd, fwd_bwd = attention._fwd_and_fwd_bwd(lambda q, k, v, a=attend: a(q, k, v, causal))
+        seconds[name] = attention._time_or_error(fwd, *args, repeats=repeats)
+        columns[f"{name}_fwd_ms"] = attention._ms(seconds[name])
+        columns[f"{name}_fwd_tflops"] = attention._tflops(flops, seconds[name])
+        if with_backward:
+            both = attention._time_or_error(fwd_bwd, *args, repeats=repeats)
+            columns[f"{name}_fwd_bwd_ms"] = attention._ms(both)
+            columns[f"{name}_fwd_bwd_tflops"] = attention._tflops(attention.FWD_BWD_FLOP_RATIO * flops, both)
+        if isinstance(seconds[name], str):
+            columns[f"{name}_fwd_error"] = seconds[name]
+        elif first is None:
+            first = (name, np.asarray(fwd(*args).astype(jnp.float32)))
+        else:
+            columns[f"{name}_rel_diff_vs_{first[0]}"] = attention._diff_or_error(fwd, args, first[1])
+    return columns, seconds
+
+
+def _hopper_forward(sizes: PerfSizes, context: dict) -> list[dict]:
+    """At ``goal_len``, causal and not: our forward through the Hopper kernel and through
+    Triton (forward and forward+backward; the backward is Triton's in both), and the
+    forward of each of ``hopper_baselines`` (cuDNN, JAX's attention_mgpu). Where the Hopper
+    kernel cannot run, ``hopper_not_run`` says why and the rest are timed (the toy run
+    times our XLA path)."""
+    length, dtype = sizes.goal_len, jnp.dtype(sizes.dtype)
+    shape = (sizes.batch, length, sizes.heads, sizes.head_dim)
+    q, k, v = attention._qkv(shape, shape, dtype)
+    q_scaled = (q.astype(jnp.float32) / sizes.head_dim**0.5).astype(dtype)
+    if sizes.impl == "pallas":
+        ours = {"hopper": _our_flash("hopper"), "triton": _our_flash("triton")}
+    else:
+        ours = {f"ours_{sizes.impl}": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, impl=sizes.impl)}
+    rows = []
+    for causal in (True, False):
+        row: dict[str, Any] = dict(section="hopper_forward", q_len=length, batch=sizes.batch, causal=causal)
+        reason = _hopper_not_run(sizes, q, causal)
+        if reason is not None:
+            row["hopper_not_run"] = reason
+        forms = {name: (attend, (q, k, v), True) for name, attend in ours.items() if name != "hopper" or not reason}
+        for name in sizes.hopper_baselines:
+            baseline = attention.BASELINES[name]
+            forms[name] = (baseline.attend, baseline.inputs(q, q_scaled, k, v), False)
+        flops = attention._attention_flops(
+            sizes.batch, sizes.heads, length, length, sizes.head_dim, 0.5 if causal else 1
+        )
+        columns, seconds = _timed_forms(forms, causal, flops, sizes.repeats)
+        row.update(columns)
+        if "hopper" in seconds:
+            for name in (name for name in forms if name != "hopper"):
+                row[f"hopper_fwd_speedup_vs_{name}"] = attention._ratio(seconds["hopper"], seconds[name])
+            row["hopper_fwd_bwd_speedup_vs_triton"] = attention._ratio(
+                columns.get("hopper_fwd_bwd_ms"), columns.get("triton_fwd_bwd_ms")
+            )
+        rows.append(row)
+    return rows
 
 
 def _block_sparse(sizes: PerfSizes, context: dict) -> list[dict]:
@@ -286,6 +406,7 @@ def _train_step(sizes: PerfSizes, context: dict) -> list[dict]:
 MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("ceilings", _ceilings, 10),
     Measurement("dense_goal", _dense(lambda s: (s.goal_len,)), 40),
+    Measurement("hopper_forward", _hopper_forward, 40),
     Measurement("block_sparse", _block_sparse, 40),
     Measurement("linear_attention", _mixer_rows(sequence_mixers.linear_attention_rows), 40),
     Measurement("ssd", _mixer_rows(sequence_mixers.ssd_rows), 40),
@@ -423,6 +544,7 @@ def run(
         perf_sizes={k: repr(v) for k, v in dataclasses.asdict(sizes).items()},
         kernels=[check.name for check in KERNEL_CHECKS],
         device_value_checks=kept_checks(keep_checks_from, device_label()) if keep_checks_from else {},
+        hopper_value_checks={},
         rows=[],
         goals={},
     )
@@ -441,11 +563,28 @@ def run(
                 on_result=lambda new: (results.update(new), save()),
             )
 
+    def run_hopper_checks():
+        if "checks" in skip:
+            return
+        results, reason = record["hopper_value_checks"], hopper_skip_reason(check_sizes)
+        if reason is None:
+            hopper_sizes = dataclasses.replace(check_sizes, dtypes=HOPPER_CHECK_DTYPES)
+            on_result = lambda new: (results.update(new), save())  # noqa: E731
+            run_checks(hopper_sizes, seed, only_checks, checks=HOPPER_CHECKS, on_result=on_result)
+        else:
+            for check in HOPPER_CHECKS:
+                if not only_checks or any(part in check.name for part in only_checks):
+                    for dtype in HOPPER_CHECK_DTYPES:
+                        results[f"{check.name} {dtype}"] = dict(dtype=dtype, passed=None, skipped=reason)
+            print(f"[check] skip the Hopper checks: {reason}", flush=True)
+        save()
+
     # The first dtype (bf16 on a GPU) is checked first; the others after the timings, in
     # what is left of the budget: they compile the same kernels again. A named subset of
     # checks is short: all its dtypes run first.
     first_dtypes = check_sizes.dtypes if only_checks else check_sizes.dtypes[:1]
     run_checks_in(first_dtypes)
+    run_hopper_checks()
     context: dict[str, Any] = {}
     for measurement in MEASUREMENTS:
         if measurement.name in skip:
@@ -461,7 +600,7 @@ def run(
 
 
 def _print_summary(record: dict) -> None:
-    checks = record["device_value_checks"]
+    checks = {**record["device_value_checks"], **record["hopper_value_checks"]}
     print("\n== device value checks ==")
     print_table(
         [
@@ -469,7 +608,7 @@ def _print_summary(record: dict) -> None:
                 kernel=name,
                 passed=r["passed"],
                 max_rel_error=r.get("max_relative_error"),
-                error=(r.get("error") or "")[:80],
+                error=(r.get("error") or r.get("skipped") or "")[:80],
             )
             for name, r in checks.items()
         ],

@@ -24,6 +24,12 @@ Layout stays ``[batch, seq, heads, head_dim]`` (no transposes): a program sees o
 ``[block, head_dim]`` tiles. Keys/values for a program are its head's whole
 ``[kv_len, head_dim]`` slab, read a tile at a time with dynamic slices, as GPU (Triton)
 kernels do. Sequences are padded to block multiples outside and masked inside.
+
+On an sm90 (Hopper) GPU the forward of the problems it supports (softmax, no mask or
+causal, bf16/f16, head_dim padded to 64 or 128) is instead the Mosaic GPU kernel of
+:mod:`ember.kernels_pallas.flash_attention_mgpu` (TMA, wgmma, warp specialisation); it
+saves the same log-sum-exp, so the backward is these dq and dk/dv kernels either way.
+:func:`forward_kernel` makes that choice; ``forward="triton"`` forces the Triton forward.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from jax.experimental import pallas as pl
 from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.block_mask import (
     BlockMask,
+    CausalMask,
     LiveBlocks,
     MaskIntersection,
     document_live_bound,
@@ -47,6 +54,14 @@ from ember.kernels_pallas.block_mask import (
     live_block_grid,
 )
 from ember.kernels_pallas.dispatch import triton_compiler_params
+from ember.kernels_pallas.flash_attention_mgpu import (
+    DEFAULT_HOPPER_BLOCKS,
+    GpuInfo,
+    HopperBlockSizes,
+    hopper_device_reason,
+    hopper_forward,
+    hopper_supports,
+)
 from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
@@ -67,6 +82,7 @@ class KernelConfig:
     interpret: bool
     num_warps: int | None = None  # None: by head_dim
     num_stages: int = 2
+    hopper_blocks: HopperBlockSizes | None = None  # the Hopper forward's tiles; None: Triton's
 
     @property
     def padded_q_len(self) -> int:
@@ -467,13 +483,25 @@ def flash_backward(q, k, v, rows, out, lse, d_out, config: KernelConfig):
     return dq[:, : p.q_len], dk[:, : p.kv_len], dv[:, : p.kv_len]
 
 
+def _forward(q, k, v, rows, config: KernelConfig):
+    """``(out, lse [batch, heads, padded_q_len])`` from the configured forward kernel."""
+    if config.hopper_blocks is None:
+        return flash_forward(q, k, v, rows, config)
+    p = config.problem
+    out, lse = hopper_forward(
+        q, k, v, causal=isinstance(p.mask, CausalMask), sm_scale=p.sm_scale, blocks=config.hopper_blocks
+    )
+    # The backward reads lse in its own query blocks: padded rows get +inf, i.e. weight 0.
+    return out, pad_axis_to_multiple(lse, 2, config.block_q, value=jnp.inf)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, rows, config):
-    return flash_forward(q, k, v, rows, config)[0]
+    return _forward(q, k, v, rows, config)[0]
 
 
 def _flash_fwd(q, k, v, rows, config):
-    out, lse = flash_forward(q, k, v, rows, config)
+    out, lse = _forward(q, k, v, rows, config)
     return out, (q, k, v, rows, out, lse)
 
 
@@ -493,17 +521,81 @@ def padded_head_dim(head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
 
 
-def flash_attention_kernel(q, k, v, segments, segment_positions=None, *, problem, block_sizes, interpret: bool):
+FORWARD_KERNELS: tuple[str, ...] = ("auto", "triton", "hopper")
+
+
+def hopper_reason(problem, dtypes, gpu: GpuInfo | None, *, interpret: bool, blocks: HopperBlockSizes) -> str | None:
+    """None when the Hopper forward runs ``problem`` with inputs of ``dtypes`` (q, k, v) on
+    ``gpu`` (None: not an NVIDIA GPU), else why not."""
+    if interpret:
+        return "interpret mode (the Pallas interpreter runs the Triton kernels)"
+    if len(set(map(jnp.dtype, dtypes))) != 1:
+        return f"q, k, v dtypes differ: {', '.join(jnp.dtype(d).name for d in dtypes)}"
+    causal = isinstance(problem.mask, CausalMask)
+    return hopper_supports(problem, dtypes[0], blocks) or hopper_device_reason(gpu, causal)
+
+
+def forward_kernel(
+    problem,
+    dtypes,
+    gpu: GpuInfo | None,
+    *,
+    interpret: bool,
+    forward: str = "auto",
+    hopper_blocks: HopperBlockSizes = DEFAULT_HOPPER_BLOCKS,
+) -> str:
+    """Which forward runs a call: ``"hopper"`` (Mosaic GPU) where :func:`hopper_reason`
+    has nothing against it, else ``"triton"``; ``forward`` forces one.
+
+    Raises:
+      ValueError: for an unknown ``forward``, or ``forward="hopper"`` where it cannot run.
+    """
+    if forward not in FORWARD_KERNELS:
+        raise ValueError(f"forward must be one of {FORWARD_KERNELS}, got {forward!r}")
+    if forward == "triton":
+        return "triton"
+    reason = hopper_reason(problem, dtypes, gpu, interpret=interpret, blocks=hopper_blocks)
+    if reason is not None and forward == "hopper":
+        raise ValueError(f"forward='hopper' cannot run this call: {reason}")
+    return "triton" if reason else "hopper"
+
+
+def flash_attention_kernel(
+    q,
+    k,
+    v,
+    segments,
+    segment_positions=None,
+    *,
+    problem,
+    block_sizes,
+    interpret: bool,
+    forward: str = "auto",
+    hopper_blocks: HopperBlockSizes = DEFAULT_HOPPER_BLOCKS,
+):
     """The Pallas path of ``flash_attention`` (arguments already validated; ``segments`` and
     ``segment_positions`` are each ``None`` or a pair ``(query [batch, q_len], key [batch,
-    kv_len])`` of int32; positions only where ``problem.has_segment_positions``)."""
+    kv_len])`` of int32; positions only where ``problem.has_segment_positions``).
+
+    ``forward``: ``"auto"`` (the Hopper forward where :func:`forward_kernel` allows it),
+    ``"triton"`` or ``"hopper"``; ``hopper_blocks``: that kernel's tiles. ``block_sizes``
+    are the Triton kernels' (the backward's always)."""
     if problem.mask is not None:
         problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
     head_dim, padded = problem.head_dim, padded_head_dim(problem.head_dim)
     if padded != head_dim:
         q, k, v = (pad_axis_to_multiple(x, 3, padded) for x in (q, k, v))
         problem = dataclasses.replace(problem, head_dim=padded)
+    gpu = None if interpret else GpuInfo.here()
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    choice = forward_kernel(problem, dtypes, gpu, interpret=interpret, forward=forward, hopper_blocks=hopper_blocks)
     config = KernelConfig(
-        problem, block_sizes.block_q, block_sizes.block_kv, interpret, block_sizes.num_warps, block_sizes.num_stages
+        problem,
+        block_sizes.block_q,
+        block_sizes.block_kv,
+        interpret,
+        block_sizes.num_warps,
+        block_sizes.num_stages,
+        hopper_blocks=hopper_blocks if choice == "hopper" else None,
     )
     return _flash(q, k, v, (segments, segment_positions), config)[..., :head_dim]
