@@ -13,7 +13,9 @@ Every softmax-family attention layer of a model runs through it: full causal att
 a sliding ``window``, a window plus ``global_tokens`` (Longformer-style local + global),
 and sigmoid scores (``score="sigmoid"``, FlashSigmoid) with any of these.
 
-The Pallas kernel is in :mod:`ember.kernels_pallas.ragged_paged_attention_kernel`.
+The Pallas kernels: :mod:`ember.kernels_pallas.ragged_paged_attention_kernel` (GPU, Triton)
+and :mod:`ember.kernels_pallas.ragged_paged_attention_tpu` (TPU, Mosaic TPU: pages gathered by
+double-buffered DMAs from the cache in HBM).
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ import numpy as np
 
 from ember.kernels_pallas.attention_math import check_soft_cap, check_window, reference_attention
 from ember.kernels_pallas.block_mask import check_non_negative_int
-from ember.kernels_pallas.dispatch import resolve_impl
+from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.flash_attention import SCORES
 from ember.kernels_pallas.ragged_paged_attention_kernel import (
     items_to_tokens,
     ragged_paged_attention_kernel,
     work_items,
 )
+from ember.kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+
+# A GPU (Triton) kernel and a TPU (Mosaic TPU) kernel.
+KERNEL_BACKENDS: tuple[str, ...] = ("gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,11 +287,18 @@ def ragged_paged_attention(
         sequence stay visible to all later queries (Longformer-style local + global); the
         kernel reads their pages and the window's, not the pages between. Without a window
         every earlier position is visible anyway.
-      block_q: query rows per kernel step (GPU lowering wants a power of two >= 16); a run
-        is split into ``cdiv(query_lens[s], block_q)`` blocks.
-      pages_per_block: pages read per kernel step (default: enough for 128 tokens).
-      impl: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"`` (the reference's math
-        over the kernel's blocks of ``block_q`` queries).
+      block_q: query rows per kernel step (GPU lowering wants a power of two >= 16; on a
+        TPU ``block_q * heads // kv_heads`` rows make one MXU tile, best a multiple of 8
+        for float32 and 16 for bfloat16); a run is split into ``cdiv(query_lens[s],
+        block_q)`` blocks.
+      pages_per_block: pages read per kernel step (default: enough for 128 tokens); on a
+        TPU the pages of one step are copied while the previous step computes.
+      impl: ``"auto"`` (the Pallas kernel on GPU and TPU, else XLA), ``"pallas"`` (the
+        kernel compiled for the default backend: Triton on an NVIDIA GPU, Mosaic TPU on a
+        TPU), ``"interpret"`` (the GPU kernel in the Pallas interpreter, any backend),
+        ``"interpret_tpu"`` (the TPU kernel in JAX's TPU interpret mode, any backend) or
+        ``"xla"`` (the reference's math over the kernel's blocks of ``block_q`` queries).
+        The TPU kernel takes float32 or bfloat16 caches and casts ``q`` to the cache's dtype.
 
     The metadata is data, not static: one compiled step serves every mix of sequences.
     Its consistency (no overlapping runs, lengths in range) is the caller's contract and is
@@ -299,7 +312,8 @@ def ragged_paged_attention(
     Raises:
       ValueError: naming the argument, for bad ranks, shapes or dtypes, or bad options
         (an unknown ``score``, ``sigmoid_bias`` missing with ``"sigmoid"`` or given with
-        ``"softmax"``, a negative ``global_tokens``).
+        ``"softmax"``, a negative ``global_tokens``); for the TPU kernel, caches that are
+        not both float32 or both bfloat16.
     """
     cache, logits_soft_cap, window, sigmoid_bias = _check_call(
         q,
@@ -318,10 +332,9 @@ def ragged_paged_attention(
     num_tokens, _, head_dim = q.shape
     if not isinstance(block_q, int) or block_q < 1:
         raise ValueError(f"block_q must be a positive int, got {block_q!r}")
-    resolved = resolve_impl(
-        impl, op="ragged_paged_attention", kernel_backends=("gpu",)
-    )  # written for the GPU (Triton) lowering
-    if resolved == "xla":
+    resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=KERNEL_BACKENDS)
+    platform = kernel_platform(resolved)
+    if platform is None:
         return _blocked_xla(
             q,
             k_pages,
@@ -339,7 +352,8 @@ def ragged_paged_attention(
             global_tokens=global_tokens,
         )
     owner, _, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
-    return ragged_paged_attention_kernel(
+    kernel = ragged_paged_attention_tpu if platform == "tpu" else ragged_paged_attention_kernel
+    return kernel(
         q,
         k_pages,
         v_pages,
@@ -358,7 +372,7 @@ def ragged_paged_attention(
         global_tokens=int(global_tokens),
         block_q=block_q,
         pages_per_block=pages_per_block,
-        interpret=resolved == "interpret",
+        interpret=pallas_interpret(resolved),
     )
 
 
