@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_ragged
 
 from ember.kernels_pallas.ragged_paged_attention import (
@@ -159,6 +160,42 @@ def test_tpu_kernel_matches_jax_ragged_paged_attention(rng):
     )
     covered = int(np.sum(QUERY_LENS))
     assert_allclose(out[:covered], expected)
+
+
+def test_tpu_kernel_matches_jax_paged_attention_kernel_on_a_decode_step(rng):
+    """A decode step (one token per sequence, odd lengths, soft cap) against JAX's TPU
+    ``paged_attention`` kernel, both run in TPU interpret mode on a bf16 cache. (JAX 0.10.2's
+    TPU interpret mode cannot run its ``ragged_paged_attention`` kernel: it fails on reshaped
+    VMEM refs; its reference is compared above.)"""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    num_seqs, heads, kv_heads, head_dim = 3, 4, 2, 128
+    k_cache, k_query = jax.random.split(rng)
+    k_pages, v_pages, page_table = random_paged_cache(
+        k_cache,
+        num_pages=12,
+        page_size=PAGE_SIZE,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_seqs=num_seqs,
+        max_pages_per_seq=4,
+        dtype=jnp.bfloat16,
+    )
+    q = random_normal(k_query, (num_seqs, heads, head_dim), jnp.bfloat16)
+    kv_lens = jnp.array([29, 9, 32], jnp.int32)  # of at most 4 pages of 8
+    step = (jnp.arange(num_seqs, dtype=jnp.int32), jnp.ones((num_seqs,), jnp.int32), kv_lens)
+    ours = ragged_paged_attention(q, k_pages, v_pages, page_table, *step, logits_soft_cap=3.0, impl="interpret_tpu")
+    heads_first = (jnp.moveaxis(pages, 2, 0) for pages in (k_pages, v_pages))  # [kv_heads, pages, page, dim]
+    with pltpu.force_tpu_interpret_mode():
+        theirs = paged_attention(
+            (q * head_dim**-0.5).astype(q.dtype),
+            *heads_first,
+            kv_lens,
+            page_table,
+            attn_logits_soft_cap=3.0,
+            pages_per_compute_block=2,
+        )
+    assert_allclose(ours, theirs)
 
 
 @pytest.mark.parametrize(
