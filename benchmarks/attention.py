@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.device_checks import GPU_CHECK_SIZES, relative_error, run_checks
+from benchmarks.device_checks import GPU_CHECK_SIZES, relative_error, run_checks, softmax_problem
 from benchmarks.harness import (
     device_label,
     measured_bandwidth_gbs,
@@ -46,6 +46,8 @@ from benchmarks.harness import (
 )
 from ember.kernels_pallas.block_mask import LocalGlobalMask, live_block_grid
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention
+from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel, hopper_reason
+from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, GpuInfo
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
 # Forward+backward FLOPs over forward FLOPs: backward recomputes QK^T and adds four more
@@ -235,6 +237,87 @@ def tile_rows(impl, tiles, q_len, batch, heads, head_dim, dtype, causal=True, re
         for part, value in zip(("fwd", "fwd_bwd"), seconds, strict=True):
             if isinstance(value, str):
                 row[f"{part}_error"] = value
+        rows.append(row)
+    return rows
+
+
+def _our_flash(forward: str) -> Callable:
+    """Our flash attention with its forward kernel chosen, ``"hopper"`` or ``"triton"`` (the
+    backward is Triton's either way): the op's kernel path below its dispatcher, the A/B."""
+
+    def attend(q, k, v, causal):
+        problem = softmax_problem(q, k, v, causal=causal)
+        tiles = FlashBlockSizes().fitted(problem.q_len, problem.kv_len)
+        return flash_attention_kernel(
+            q, k, v, None, problem=problem, block_sizes=tiles, interpret=False, forward=forward
+        )
+
+    return attend
+
+
+def _hopper_not_run(impl, q, causal: bool) -> str | None:
+    """Why the Hopper forward cannot run ``q``'s self-attention here (None: it can)."""
+    if impl != "pallas":
+        return f"impl={impl!r}: the Hopper kernel runs compiled on an sm90 GPU only"
+    problem = softmax_problem(q, q, q, causal=causal)
+    return hopper_reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=DEFAULT_HOPPER_BLOCKS)
+
+
+def _timed_forms(forms: dict, causal: bool, flops: float, repeats: int) -> tuple[dict, dict]:
+    """``forms``: ``{name: (attend(q, k, v, causal), args, with_backward)}``. Returns the
+    row's columns (ms, TFLOP/s, relative difference from the first form that ran, error
+    text) and each form's forward seconds (or its error text)."""
+    columns, seconds, first = {}, {}, None
+    for name, (attend, args, with_backward) in forms.items():
+        fwd, fwd_bwd = _fwd_and_fwd_bwd(lambda q, k, v, a=attend: a(q, k, v, causal))
+        seconds[name] = _time_or_error(fwd, *args, repeats=repeats)
+        columns[f"{name}_fwd_ms"] = _ms(seconds[name])
+        columns[f"{name}_fwd_tflops"] = _tflops(flops, seconds[name])
+        if with_backward:
+            both = _time_or_error(fwd_bwd, *args, repeats=repeats)
+            columns[f"{name}_fwd_bwd_ms"] = _ms(both)
+            columns[f"{name}_fwd_bwd_tflops"] = _tflops(FWD_BWD_FLOP_RATIO * flops, both)
+        if isinstance(seconds[name], str):
+            columns[f"{name}_fwd_error"] = seconds[name]
+        elif first is None:
+            first = (name, np.asarray(fwd(*args).astype(jnp.float32)))
+        else:
+            columns[f"{name}_rel_diff_vs_{first[0]}"] = _diff_or_error(fwd, args, first[1])
+    return columns, seconds
+
+
+def hopper_forward_rows(impl, baselines, q_len, batch, heads, head_dim, dtype, repeats=10):
+    """Causal and not: our forward through the Hopper kernel and through Triton (forward
+    and forward+backward; the backward is Triton's in both), and the forward of each of
+    ``baselines`` (e.g. cuDNN, JAX's attention_mgpu). Where the Hopper kernel cannot run,
+    ``hopper_not_run`` says why and the rest are timed (with ``impl`` other than
+    ``"pallas"``, our flash attention under that ``impl``)."""
+    shape = (batch, q_len, heads, head_dim)
+    q, k, v = _qkv(shape, shape, dtype)
+    q_scaled = (q.astype(jnp.float32) / head_dim**0.5).astype(dtype)
+    if impl == "pallas":
+        ours = {"hopper": _our_flash("hopper"), "triton": _our_flash("triton")}
+    else:
+        ours = {f"ours_{impl}": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, impl=impl)}
+    rows = []
+    for causal in (True, False):
+        row = dict(section="hopper_forward", q_len=q_len, batch=batch, causal=causal)
+        reason = _hopper_not_run(impl, q, causal)
+        if reason is not None:
+            row["hopper_not_run"] = reason
+        forms = {name: (attend, (q, k, v), True) for name, attend in ours.items() if name != "hopper" or not reason}
+        for name in baselines:
+            baseline = BASELINES[name]
+            forms[name] = (baseline.attend, baseline.inputs(q, q_scaled, k, v), False)
+        flops = _attention_flops(batch, heads, q_len, q_len, head_dim, 0.5 if causal else 1)
+        columns, seconds = _timed_forms(forms, causal, flops, repeats)
+        row.update(columns)
+        if "hopper" in seconds:
+            for name in (name for name in forms if name != "hopper"):
+                row[f"hopper_fwd_speedup_vs_{name}"] = _ratio(seconds["hopper"], seconds[name])
+            row["hopper_fwd_bwd_speedup_vs_triton"] = _ratio(
+                columns.get("hopper_fwd_bwd_ms"), columns.get("triton_fwd_bwd_ms")
+            )
         rows.append(row)
     return rows
 

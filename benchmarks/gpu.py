@@ -54,7 +54,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import attention, moe, quantization, sequence_mixers, train_step
 from benchmarks.device_checks import (
@@ -77,9 +76,7 @@ from benchmarks.harness import (
 )
 from ember.core.config import load_config
 from ember.kernels_pallas.block_mask import LocalGlobalMask
-from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention
-from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel, hopper_reason
-from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, GpuInfo
+from ember.kernels_pallas.flash_attention import FlashBlockSizes
 from ember.models.config import ModelConfig
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -225,104 +222,17 @@ def _dense(lengths: Callable[[PerfSizes], tuple[int, ...]]):
     return run
 
 
-def _plain_problem(q, k, v, causal: bool):
-    """The :class:`AttentionProblem` of a softmax call with no options but ``causal``."""
-    return attention_problem(
-        q,
-        k,
-        v,
-        causal=causal,
-        sm_scale=None,
-        segment_ids=None,
-        window=None,
-        logits_soft_cap=None,
-        score="softmax",
-        block_mask=None,
-    )
-
-
-def _our_flash(forward: str) -> Callable:
-    """Our flash attention with its forward kernel chosen, ``"hopper"`` or ``"triton"`` (the
-    backward is Triton's either way): the op's kernel path below its dispatcher, the A/B."""
-
-    def attend(q, k, v, causal):
-        problem = _plain_problem(q, k, v, causal)
-        tiles = FlashBlockSizes().fitted(problem.q_len, problem.kv_len)
-        return flash_attention_kernel(
-            q, k, v, None, problem=problem, block_sizes=tiles, interpret=False, forward=forward
-        )
-
-    return attend
-
-
-def _hopper_not_run(sizes: PerfSizes, q, causal: bool) -> str | None:
-    """Why the Hopper forward cannot run the goal-size call here (None: it can)."""
-    if sizes.impl != "pallas":
-        return f"impl={sizes.impl!r}: the Hopper kernel runs compiled on an sm90 GPU only"
-    problem = _plain_problem(q, q, q, causal)
-    return hopper_reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=DEFAULT_HOPPER_BLOCKS)
-
-
-def _timed_forms(forms: dict, causal: bool, flops: float, repeats: int) -> tuple[dict, dict]:
-    """``forms``: ``{name: (attend(q, k, v, causal), args, with_backward)}``. Returns the
-    row's columns (ms, TFLOP/s, relative difference from the first form that ran, error
-    text) and each form's forward seconds (or its error text)."""
-    columns, seconds, first = {}, {}, None
-    for name, (attend, args, with_backward) in forms.items():
-        fwd, fwd_bwd = attention._fwd_and_fwd_bwd(lambda q, k, v, a=attend: a(q, k, v, causal))
-        seconds[name] = attention._time_or_error(fwd, *args, repeats=repeats)
-        columns[f"{name}_fwd_ms"] = attention._ms(seconds[name])
-        columns[f"{name}_fwd_tflops"] = attention._tflops(flops, seconds[name])
-        if with_backward:
-            both = attention._time_or_error(fwd_bwd, *args, repeats=repeats)
-            columns[f"{name}_fwd_bwd_ms"] = attention._ms(both)
-            columns[f"{name}_fwd_bwd_tflops"] = attention._tflops(attention.FWD_BWD_FLOP_RATIO * flops, both)
-        if isinstance(seconds[name], str):
-            columns[f"{name}_fwd_error"] = seconds[name]
-        elif first is None:
-            first = (name, np.asarray(fwd(*args).astype(jnp.float32)))
-        else:
-            columns[f"{name}_rel_diff_vs_{first[0]}"] = attention._diff_or_error(fwd, args, first[1])
-    return columns, seconds
-
-
 def _hopper_forward(sizes: PerfSizes, context: dict) -> list[dict]:
-    """At ``goal_len``, causal and not: our forward through the Hopper kernel and through
-    Triton (forward and forward+backward; the backward is Triton's in both), and the
-    forward of each of ``hopper_baselines`` (cuDNN, JAX's attention_mgpu). Where the Hopper
-    kernel cannot run, ``hopper_not_run`` says why and the rest are timed (the toy run
-    times our XLA path)."""
-    length, dtype = sizes.goal_len, jnp.dtype(sizes.dtype)
-    shape = (sizes.batch, length, sizes.heads, sizes.head_dim)
-    q, k, v = attention._qkv(shape, shape, dtype)
-    q_scaled = (q.astype(jnp.float32) / sizes.head_dim**0.5).astype(dtype)
-    if sizes.impl == "pallas":
-        ours = {"hopper": _our_flash("hopper"), "triton": _our_flash("triton")}
-    else:
-        ours = {f"ours_{sizes.impl}": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, impl=sizes.impl)}
-    rows = []
-    for causal in (True, False):
-        row: dict[str, Any] = dict(section="hopper_forward", q_len=length, batch=sizes.batch, causal=causal)
-        reason = _hopper_not_run(sizes, q, causal)
-        if reason is not None:
-            row["hopper_not_run"] = reason
-        forms = {name: (attend, (q, k, v), True) for name, attend in ours.items() if name != "hopper" or not reason}
-        for name in sizes.hopper_baselines:
-            baseline = attention.BASELINES[name]
-            forms[name] = (baseline.attend, baseline.inputs(q, q_scaled, k, v), False)
-        flops = attention._attention_flops(
-            sizes.batch, sizes.heads, length, length, sizes.head_dim, 0.5 if causal else 1
-        )
-        columns, seconds = _timed_forms(forms, causal, flops, sizes.repeats)
-        row.update(columns)
-        if "hopper" in seconds:
-            for name in (name for name in forms if name != "hopper"):
-                row[f"hopper_fwd_speedup_vs_{name}"] = attention._ratio(seconds["hopper"], seconds[name])
-            row["hopper_fwd_bwd_speedup_vs_triton"] = attention._ratio(
-                columns.get("hopper_fwd_bwd_ms"), columns.get("triton_fwd_bwd_ms")
-            )
-        rows.append(row)
-    return rows
+    return attention.hopper_forward_rows(
+        sizes.impl,
+        sizes.hopper_baselines,
+        sizes.goal_len,
+        sizes.batch,
+        sizes.heads,
+        sizes.head_dim,
+        jnp.dtype(sizes.dtype),
+        repeats=sizes.repeats,
+    )
 
 
 def _block_sparse(sizes: PerfSizes, context: dict) -> list[dict]:

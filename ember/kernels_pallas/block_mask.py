@@ -379,6 +379,19 @@ class LiveBlocks:
         return cls(kv_indices, kv_counts, q_indices, q_counts, int(live.sum()))
 
 
+def traced_live_lists(live, slots: int):
+    """The lists of :class:`LiveBlocks` for a traced grid ``live [batch, rows, cols]`` (bool;
+    :func:`document_live_grid`): ``(indices [batch, rows, slots], counts [batch, rows])``
+    int32, per row its live columns in increasing order, then repeats of the last one.
+    ``slots`` is at least the most live blocks of any row; slots past ``cols`` are padding."""
+    counts = live.sum(axis=-1, dtype=jnp.int32)
+    # A stable sort of "dead" flags lists the live columns first, in increasing order.
+    order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+    slot = jnp.arange(slots)
+    return jnp.where(slot < counts[..., None], order[..., jnp.minimum(slot, live.shape[-1] - 1)], last), counts
+
+
 def _row_lists(live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     counts = live.sum(axis=1).astype(np.int32)
     width = max(1, int(counts.max(initial=0)))

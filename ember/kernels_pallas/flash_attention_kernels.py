@@ -18,7 +18,9 @@ tables are static unless the mask reads segment positions (per-document global t
 then they are built per batch row from the positions
 (:func:`ember.kernels_pallas.block_mask.document_live_grid`), sized for a static bound.
 Inside a live block the mask predicate (causal, window, ..., key padding, segment ids,
-segment positions) is evaluated on position iotas.
+segment positions) is evaluated on position iotas. That and the rest of the tile math
+(logits, weights, score gradients) is :mod:`ember.kernels_pallas.flash_attention_tiles`,
+shared with the TPU kernels.
 
 Layout stays ``[batch, seq, heads, head_dim]`` (no transposes): a program sees one head's
 ``[block, head_dim]`` tiles. Keys/values for a program are its head's whole
@@ -43,15 +45,12 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.block_mask import (
-    BlockMask,
     CausalMask,
     LiveBlocks,
-    MaskIntersection,
     document_live_bound,
     document_live_grid,
-    live_block_grid,
+    traced_live_lists,
 )
 from ember.kernels_pallas.dispatch import triton_compiler_params
 from ember.kernels_pallas.flash_attention_mgpu import (
@@ -62,7 +61,22 @@ from ember.kernels_pallas.flash_attention_mgpu import (
     hopper_forward,
     hopper_supports,
 )
-from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
+from ember.kernels_pallas.flash_attention_tiles import (
+    AttentionBlocks,
+    attention_vjp,
+    capped_logits,
+    score_grad,
+    split_row_refs,
+    tile_positions,
+    tile_visible,
+    tile_weights,
+)
+from ember.kernels_pallas.online_softmax import (
+    online_softmax_init,
+    online_softmax_lse,
+    online_softmax_result,
+    online_softmax_step,
+)
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 _NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -70,10 +84,11 @@ _TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(AttentionBlocks):
     """Everything static about one call (hashable: a ``custom_vjp`` non-diff argument).
 
-    ``problem`` is the :class:`ember.kernels_pallas.flash_attention.AttentionProblem`.
+    ``problem`` is the :class:`ember.kernels_pallas.flash_attention.AttentionProblem`, its
+    ``head_dim`` already the padded one the kernels run at (:func:`padded_head_dim`).
     """
 
     problem: object
@@ -85,28 +100,8 @@ class KernelConfig:
     hopper_blocks: HopperBlockSizes | None = None  # the Hopper forward's tiles; None: Triton's
 
     @property
-    def padded_q_len(self) -> int:
-        return -(-self.problem.q_len // self.block_q) * self.block_q
-
-    @property
-    def padded_kv_len(self) -> int:
-        return -(-self.problem.kv_len // self.block_kv) * self.block_kv
-
-    @functools.cached_property
-    def live(self) -> LiveBlocks:
-        """The live blocks; with segment positions, every block that can be live (a bound)."""
-        p = self.problem
-        grid = document_live_bound if p.has_segment_positions else live_block_grid
-        return LiveBlocks.from_grid(grid(p.mask, p.q_len, p.kv_len, self.block_q, self.block_kv))
-
-    @functools.cached_property
-    def predicate_masks(self) -> tuple[BlockMask, ...]:
-        mask = self.problem.mask
-        if mask is None:
-            return ()
-        if isinstance(mask, MaskIntersection):
-            return mask.kernel_masks()
-        return (mask,) if mask.in_block_predicate_needed() else ()
+    def head_dim(self) -> int:
+        return self.problem.head_dim
 
 
 def _table_width(indices: np.ndarray) -> int:
@@ -128,12 +123,7 @@ def _traced_count_table(live: jax.Array, bound: np.ndarray) -> jax.Array:
     """The table of a traced grid ``live [batch, rows, cols]`` (inside the static ``bound
     [rows, cols]``): ``[batch, rows, _table_width]``, rows as in :func:`_count_table`."""
     width = _table_width(LiveBlocks.from_grid(bound).kv_indices)
-    counts = live.sum(axis=-1, dtype=jnp.int32)
-    # A stable sort of "dead" flags lists the live columns first, in increasing order.
-    order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)
-    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
-    slots = jnp.arange(width - 1)
-    indices = jnp.where(slots < counts[..., None], order[..., jnp.minimum(slots, live.shape[-1] - 1)], last)
+    indices, counts = traced_live_lists(live, width - 1)
     return jnp.concatenate([counts[..., None], indices], axis=-1)
 
 
@@ -157,82 +147,45 @@ def _table_spec(table: jax.Array):
     return pl.BlockSpec((None, None, table.shape[2]), lambda b, h, i: (b, i, 0))
 
 
-def _split_optional_refs(problem, refs):
-    """``(segment id refs, segment position refs, the rest)`` of a kernel's trailing refs:
-    each pair ``(query side, key side)``, or ``(None, None)`` when the call has none."""
-    seg_refs, refs = (refs[:2], refs[2:]) if problem.has_segments else ((None, None), refs)
-    pos_refs, refs = (refs[:2], refs[2:]) if problem.has_segment_positions else ((None, None), refs)
-    return seg_refs, pos_refs, refs
+def _read(refs, index):
+    """``ref[index]`` of each of ``refs`` (None stays None)."""
+    return tuple(None if ref is None else ref[index] for ref in refs)
 
 
-def _read(ref, index):
-    """``ref[index]``, or None without a ref."""
-    return None if ref is None else ref[index]
+def _visible(config: KernelConfig, q_start, kv_start, q_side, kv_side):
+    """Bool ``[block_q, block_kv]``: which pairs of this tile may attend. ``q_side``,
+    ``kv_side``: ``(segment ids, segment positions)`` vectors ``[block_q]``, ``[block_kv]``
+    of the tile's queries and keys (None where the call has none)."""
+    q_pos, kv_pos = tile_positions((config.block_q, config.block_kv), q_start, kv_start, q_axis=0)
+    q_columns = tuple(None if x is None else x[:, None] for x in q_side)
+    kv_rows = tuple(None if x is None else x[None, :] for x in kv_side)
+    return tile_visible(config, q_pos, kv_pos, q_columns, kv_rows)
 
 
-def _visible(config: KernelConfig, q_start, kv_start, q_seg, kv_seg, q_seg_pos, kv_seg_pos):
-    """Bool ``[block_q, block_kv]``: which pairs of this tile may attend."""
-    shape = (config.block_q, config.block_kv)
-    q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-    kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    visible = kv_pos < config.problem.kv_len
-    for mask in config.predicate_masks:
-        if q_seg_pos is None:
-            visible = visible & mask.visible(q_pos, kv_pos)
-        else:
-            visible = visible & mask.visible_at(q_pos, kv_pos, q_seg_pos[:, None], kv_seg_pos[None, :])
-    if q_seg is not None:
-        visible = visible & (q_seg[:, None] == kv_seg[None, :])
-    return visible
-
-
-def _capped_logits(config: KernelConfig, q, k):
-    """Scaled, soft-capped logits ``[block_q, block_kv]`` f32 of a ``q`` and a ``k`` tile."""
-    logits = lax.dot_general(q, k, _NT_DIMS, preferred_element_type=jnp.float32) * config.problem.sm_scale
-    return soft_cap(logits, config.problem.logits_soft_cap)
-
-
-def _score_grad(config: KernelConfig, capped, weights, dp, delta):
-    """d loss / d (scaled logits) for one tile, given the weights ``p`` (masked entries 0)
-    and ``dp = dO @ V.T``."""
-    p = config.problem
-    if p.score == "sigmoid":
-        ds = weights * (1.0 - weights) * dp
-    else:
-        ds = weights * (dp - delta[:, None])
-    if p.logits_soft_cap is not None:
-        ds = ds * (1.0 - jnp.square(capped / p.logits_soft_cap))
-    return ds
-
-
-def _weights(config: KernelConfig, capped, visible, lse):
-    """Attention weights of a tile (masked entries exactly 0): sigmoid scores, or softmax
-    weights recomputed from the forward's log-sum-exp ``lse [block_q]``."""
-    if config.problem.score == "sigmoid":
-        return jnp.where(visible, jax.nn.sigmoid(capped + config.problem.sigmoid_bias), 0.0)
-    return jnp.where(visible, jnp.exp(capped - lse[:, None]), 0.0)
+def _softmax_column(config: KernelConfig, x):
+    """A per-query vector ``x [block_q]`` (log-sum-exp or ``delta``) as a column ``[block_q,
+    1]`` of the tile; None for sigmoid scores, which read neither (so nothing loads them)."""
+    return x[:, None] if config.problem.score == "softmax" else None
 
 
 def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig, count_visits: bool):
     p = config.problem
-    seg_refs, pos_refs, refs = _split_optional_refs(p, refs)
+    q_refs, kv_refs, refs = split_row_refs(p, refs)
     o_ref, lse_ref, *visits_ref = refs
     bq, bk = config.block_q, config.block_kv
     q_start = pl.program_id(2) * bq
     q = q_ref[...]
-    q_seg, q_seg_pos = _read(seg_refs[0], ...), _read(pos_refs[0], ...)
+    q_side = _read(q_refs, ...)
 
     def body(t, carry):
         softmax_carry, acc, visits = carry
         kv_start = pl.multiple_of(table_ref[t + 1] * bk, bk)
         kv_rows = pl.ds(kv_start, bk)
         k, v = k_ref[kv_rows, :], v_ref[kv_rows, :]
-        visible = _visible(
-            config, q_start, kv_start, q_seg, _read(seg_refs[1], kv_rows), q_seg_pos, _read(pos_refs[1], kv_rows)
-        )
-        capped = _capped_logits(config, q, k)
+        visible = _visible(config, q_start, kv_start, q_side, _read(kv_refs, kv_rows))
+        capped = capped_logits(config, q, k)
         if p.score == "sigmoid":
-            weights = _weights(config, capped, visible, lse=None)
+            weights = tile_weights(config, capped, visible, lse=None)
             acc = acc + jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         else:
             softmax_carry = online_softmax_step(softmax_carry, capped, visible, v)
@@ -246,33 +199,28 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, *refs, config: KernelConfig,
     else:
         row_max, row_sum, _ = softmax_carry
         o_ref[...] = online_softmax_result(softmax_carry).astype(o_ref.dtype)
-        # +inf for rows with no visible key: exp(s - lse) is then 0 in the backward.
-        empty = row_sum == 0.0
-        lse_ref[...] = jnp.where(empty, jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
+        lse_ref[...] = online_softmax_lse(row_max, row_sum)
     if count_visits:
         visits_ref[0][...] = jnp.full(visits_ref[0].shape, visits, jnp.int32)
 
 
 def _dq_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, config: KernelConfig):
     p = config.problem
-    seg_refs, pos_refs, refs = _split_optional_refs(p, refs)
-    (dq_ref,) = refs
+    q_refs, kv_refs, (dq_ref,) = split_row_refs(p, refs)
     bq, bk = config.block_q, config.block_kv
     q_start = pl.program_id(2) * bq
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_seg, q_seg_pos = _read(seg_refs[0], ...), _read(pos_refs[0], ...)
+    q_side = _read(q_refs, ...)
 
     def body(t, dq):
         kv_start = pl.multiple_of(table_ref[t + 1] * bk, bk)
         kv_rows = pl.ds(kv_start, bk)
         k, v = k_ref[kv_rows, :], v_ref[kv_rows, :]
-        visible = _visible(
-            config, q_start, kv_start, q_seg, _read(seg_refs[1], kv_rows), q_seg_pos, _read(pos_refs[1], kv_rows)
-        )
-        capped = _capped_logits(config, q, k)
-        weights = _weights(config, capped, visible, lse)
+        visible = _visible(config, q_start, kv_start, q_side, _read(kv_refs, kv_rows))
+        capped = capped_logits(config, q, k)
+        weights = tile_weights(config, capped, visible, _softmax_column(config, lse))
         dp = lax.dot_general(do, v, _NT_DIMS, preferred_element_type=jnp.float32)
-        ds = _score_grad(config, capped, weights, dp, delta)
+        ds = score_grad(config, capped, weights, dp, _softmax_column(config, delta))
         return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
     dq = lax.fori_loop(0, table_ref[0], body, jnp.zeros((bq, p.head_dim), jnp.float32))
@@ -284,12 +232,11 @@ def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
     of the key head's GQA group, so dk and dv accumulate per key head (f32, in registers).
     Refs: q/dO ``[q_len, group, head_dim]``, lse/delta ``[group, q_len]``."""
     p = config.problem
-    seg_refs, pos_refs, refs = _split_optional_refs(p, refs)
-    dk_ref, dv_ref = refs
+    q_refs, kv_refs, (dk_ref, dv_ref) = split_row_refs(p, refs)
     bq, bk, group = config.block_q, config.block_kv, p.group
     kv_start = pl.program_id(2) * bk
     k, v = k_ref[...], v_ref[...]
-    kv_seg, kv_seg_pos = _read(seg_refs[1], ...), _read(pos_refs[1], ...)
+    kv_side = _read(kv_refs, ...)
 
     def body(step, carry):
         dk, dv = carry
@@ -299,14 +246,12 @@ def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
         rows = pl.ds(q_start, bq)
         q, do = q_ref[rows, head, :], do_ref[rows, head, :]
         lse, delta = lse_ref[head, rows], delta_ref[head, rows]
-        visible = _visible(
-            config, q_start, kv_start, _read(seg_refs[0], rows), kv_seg, _read(pos_refs[0], rows), kv_seg_pos
-        )
-        capped = _capped_logits(config, q, k)
-        weights = _weights(config, capped, visible, lse)
+        visible = _visible(config, q_start, kv_start, _read(q_refs, rows), kv_side)
+        capped = capped_logits(config, q, k)
+        weights = tile_weights(config, capped, visible, _softmax_column(config, lse))
         dv = dv + lax.dot_general(weights.astype(do.dtype), do, _TN_DIMS, preferred_element_type=jnp.float32)
         dp = lax.dot_general(do, v, _NT_DIMS, preferred_element_type=jnp.float32)
-        ds = _score_grad(config, capped, weights, dp, delta)
+        ds = score_grad(config, capped, weights, dp, _softmax_column(config, delta))
         dk = dk + lax.dot_general(ds.astype(q.dtype), q, _TN_DIMS, preferred_element_type=jnp.float32)
         return dk, dv
 
@@ -321,19 +266,11 @@ def _compiler_params(config: KernelConfig):
     return triton_compiler_params(interpret=config.interpret, num_warps=num_warps, num_stages=config.num_stages)
 
 
-def _cost(config: KernelConfig, matmuls_per_block: int, bytes_accessed: int) -> pl.CostEstimate:
-    """Cost of visiting the live blocks only (what the kernel does)."""
-    p = config.problem
-    pairs = config.live.num_live * config.block_q * config.block_kv * p.batch * p.heads
-    return pl.CostEstimate(
-        flops=2 * matmuls_per_block * pairs * p.head_dim, transcendentals=pairs, bytes_accessed=bytes_accessed
-    )
-
-
 def _padded_inputs(config: KernelConfig, q, k, v, rows):
     """``q, k, v`` padded to block multiples, and the flat list of the present row arrays of
     ``rows = (segment ids, segment positions)`` (each None or a ``(query, key)`` pair),
-    padded likewise, in the order :func:`_split_optional_refs` reads them."""
+    padded likewise, in the order :func:`~ember.kernels_pallas.flash_attention_tiles.split_row_refs`
+    reads them."""
     q = pad_axis_to_multiple(q, 1, config.block_q)
     k = pad_axis_to_multiple(k, 1, config.block_kv)
     v = pad_axis_to_multiple(v, 1, config.block_kv)
@@ -406,7 +343,7 @@ def flash_forward(q, k, v, rows, config: KernelConfig, count_visits: bool = Fals
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_compiler_params(config),
-        cost_estimate=_cost(config, 2, itemsize * (2 * qp.size + 2 * kp.size)),
+        cost_estimate=config.cost(2, itemsize * (2 * qp.size + 2 * kp.size)),
         interpret=config.interpret,
         name="flash_attention_forward",
     )(*args)
@@ -446,7 +383,7 @@ def flash_backward(q, k, v, rows, out, lse, d_out, config: KernelConfig):
         out_specs=_row_spec(bq, p.head_dim, same_head),
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         compiler_params=_compiler_params(config),
-        cost_estimate=_cost(config, 3, itemsize * (3 * qp.size + 2 * kp.size)),
+        cost_estimate=config.cost(3, itemsize * (3 * qp.size + 2 * kp.size)),
         interpret=config.interpret,
         name="flash_attention_dq",
     )(kv_table, qp, kp, vp, dop, lse, delta, *row_args)
@@ -476,7 +413,7 @@ def flash_backward(q, k, v, rows, out, lse, d_out, config: KernelConfig):
         out_specs=[kv_tile, kv_tile],
         out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         compiler_params=_compiler_params(config),
-        cost_estimate=_cost(config, 4, itemsize * (3 * qp.size + 4 * kp.size)),
+        cost_estimate=config.cost(4, itemsize * (3 * qp.size + 4 * kp.size)),
         interpret=config.interpret,
         name="flash_attention_dkv",
     )(q_table, qp, kp, vp, dop, lse, delta, *row_args)
@@ -495,23 +432,7 @@ def _forward(q, k, v, rows, config: KernelConfig):
     return out, pad_axis_to_multiple(lse, 2, config.block_q, value=jnp.inf)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, rows, config):
-    return _forward(q, k, v, rows, config)[0]
-
-
-def _flash_fwd(q, k, v, rows, config):
-    out, lse = _forward(q, k, v, rows, config)
-    return out, (q, k, v, rows, out, lse)
-
-
-def _flash_bwd(config, residuals, d_out):
-    q, k, v, rows, out, lse = residuals
-    dq, dk, dv = flash_backward(q, k, v, rows, out, lse, d_out, config)
-    return dq, dk, dv, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = attention_vjp(_forward, flash_backward)
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -47,7 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ember.kernels_pallas.block_mask import document_live_grid
+from ember.kernels_pallas.block_mask import document_live_grid, traced_live_lists
+from ember.kernels_pallas.flash_attention_tiles import attention_vjp
 from ember.kernels_pallas.flash_attention_tpu_kernels import (
     NUM_LANES,
     NUM_SUBLANES,
@@ -70,16 +71,6 @@ class BlockTables(NamedTuple):
     q_count: jax.Array
 
 
-def _traced_lists(live: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
-    """``(index [batch, rows, slots], count [batch, rows])`` of a traced grid ``live
-    [batch, rows, cols]`` that has at most ``slots`` live blocks per row."""
-    count = live.sum(axis=-1, dtype=jnp.int32)
-    # A stable sort of "dead" flags lists the live columns first, in increasing order.
-    order = jnp.argsort(~live, axis=-1, stable=True).astype(jnp.int32)[..., :slots]
-    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
-    return jnp.where(jnp.arange(slots) < count[..., None], order, last), count
-
-
 def block_tables(config: TpuKernelConfig, rows) -> BlockTables:
     """The tables of a call: static from the mask, or per batch row from the segment
     positions (``rows`` as in :func:`flash_attention_tpu`)."""
@@ -89,8 +80,8 @@ def block_tables(config: TpuKernelConfig, rows) -> BlockTables:
         return BlockTables(*(jnp.asarray(table)[None] for table in lists))
     segments, positions = rows
     grid = document_live_grid(config.problem.mask, config.block_q, config.block_kv, *positions, segments)
-    kv_lists = _traced_lists(grid, live.kv_indices.shape[1])
-    q_lists = _traced_lists(jnp.swapaxes(grid, 1, 2), live.q_indices.shape[1])
+    kv_lists = traced_live_lists(grid, live.kv_indices.shape[1])
+    q_lists = traced_live_lists(jnp.swapaxes(grid, 1, 2), live.q_indices.shape[1])
     return BlockTables(*kv_lists, *q_lists)
 
 
@@ -123,14 +114,6 @@ def _row_arrays(rows, config: TpuKernelConfig, *, queries_on_lanes: bool) -> lis
             arrays.append(q_layout(pad_axis_to_multiple(pair[0], 1, config.block_q)))
             arrays.append(kv_layout(pad_axis_to_multiple(pair[1], 1, config.block_kv)))
     return arrays
-
-
-def _cost(config: TpuKernelConfig, matmuls_per_block: int, bytes_accessed: int) -> pl.CostEstimate:
-    """Cost of visiting the live blocks only (what the kernels do)."""
-    p = config.problem
-    pairs = config.live.num_live * config.block_q * config.block_kv * p.batch * p.heads
-    flops = 2 * matmuls_per_block * pairs * config.head_dim
-    return pl.CostEstimate(flops=flops, transcendentals=pairs, bytes_accessed=bytes_accessed)
 
 
 def _by_query_block_specs(config: TpuKernelConfig, tables: BlockTables, num_rows: int):
@@ -188,7 +171,7 @@ def tpu_forward(q, k, v, rows, config: TpuKernelConfig, count_visits: bool = Fal
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=_cost(config, 2, q.dtype.itemsize * (2 * q.size + 2 * k.size * p.group)),
+        cost_estimate=config.cost(2, q.dtype.itemsize * (2 * q.size + 2 * k.size * p.group)),
         interpret=config.interpret,
         name="flash_attention_tpu_forward",
     )(tables.kv_index, tables.kv_count, q, k, v, *row_args)
@@ -213,7 +196,7 @@ def _dq_call(q, k, v, rows, d_out, lse, delta, tables: BlockTables, config: TpuK
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=_cost(config, 3, q.dtype.itemsize * (3 * q.size + 2 * k.size * p.group)),
+        cost_estimate=config.cost(3, q.dtype.itemsize * (3 * q.size + 2 * k.size * p.group)),
         interpret=config.interpret,
         name="flash_attention_tpu_dq",
     )(tables.kv_index, tables.kv_count, q, k, v, d_out, _lane_columns(lse), _lane_columns(delta), *row_args)
@@ -262,7 +245,7 @@ def _dkv_call(q, k, v, rows, d_out, lse, delta, tables: BlockTables, config: Tpu
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
         ),
-        cost_estimate=_cost(config, 4, q.dtype.itemsize * (3 * q.size + 4 * k.size)),
+        cost_estimate=config.cost(4, q.dtype.itemsize * (3 * q.size + 4 * k.size)),
         interpret=config.interpret,
         name="flash_attention_tpu_dkv",
     )(tables.q_index, tables.q_count, q, k, v, d_out, _sublane_rows(lse), _sublane_rows(delta), *row_args)
@@ -280,23 +263,7 @@ def tpu_backward(q, k, v, rows, out, lse, d_out, config: TpuKernelConfig):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, rows, config):
-    return tpu_forward(q, k, v, rows, config)[0]
-
-
-def _flash_fwd(q, k, v, rows, config):
-    out, lse = tpu_forward(q, k, v, rows, config)
-    return out, (q, k, v, rows, out, lse)
-
-
-def _flash_bwd(config, residuals, d_out):
-    q, k, v, rows, out, lse = residuals
-    dq, dk, dv = tpu_backward(q, k, v, rows, out, lse, d_out, config)
-    return dq, dk, dv, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = attention_vjp(tpu_forward, tpu_backward)
 
 
 def tpu_kernel_config(problem, block_sizes, interpret) -> TpuKernelConfig:

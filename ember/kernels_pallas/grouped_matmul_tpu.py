@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ember.kernels_pallas.grouped_matmul_vjp import grouped_matmul_vjp
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
 LANES = 128
@@ -331,24 +332,7 @@ def tgmm(lhs, d_out, bounds, config: TpuGmmConfig, *, out_dtype):
     return out[:, :k, :n]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_matmul(lhs, rhs, bounds, config):
-    return gmm(lhs, rhs, bounds, config)
-
-
-def _grouped_matmul_fwd(lhs, rhs, bounds, config):
-    return gmm(lhs, rhs, bounds, config), (lhs, rhs, bounds)
-
-
-def _grouped_matmul_bwd(config, residuals, d_out):
-    lhs, rhs, bounds = residuals
-    d_out = d_out.astype(lhs.dtype)  # the dots run in the operands' dtype, accumulating in f32
-    d_lhs = gmm(d_out, rhs, bounds, config, transpose_rhs=True, out_dtype=lhs.dtype)
-    d_rhs = tgmm(lhs, d_out, bounds, config, out_dtype=rhs.dtype)
-    return d_lhs, d_rhs, None
-
-
-_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+_grouped_matmul = grouped_matmul_vjp(gmm, tgmm)
 
 
 def grouped_matmul_tpu(lhs, rhs, bounds, *, block_sizes, out_dtype, interpret=False):

@@ -2,7 +2,12 @@
 
 Inside a Pallas kernel body: ``carry = online_softmax_init(rows, head_dim)``, then
 ``carry = online_softmax_step(carry, logits, visible, v)`` per key tile, then
-``online_softmax_result(carry)``. Rows that never see a visible key end as zeros, not NaN.
+``online_softmax_result(carry)`` (and :func:`online_softmax_lse` for a backward). Rows that
+never see a visible key end as zeros, not NaN.
+
+A TPU kernel whose carry lives across grid steps keeps it in VMEM scratch, the running max
+and sum as lane-broadcast columns ``[rows, 128]``: :func:`per_row` reads such a column's
+``[rows]`` values and :func:`set_per_row` writes them.
 """
 
 from __future__ import annotations
@@ -37,3 +42,21 @@ def online_softmax_result(carry):
     """``acc / row_sum`` ``[rows, head_dim]`` f32, zero for rows that saw no key."""
     _, row_sum, acc = carry
     return acc / jnp.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+
+
+def online_softmax_lse(row_max, row_sum):
+    """The log-sum-exp of each row from a finished carry's ``row_max`` and ``row_sum`` (any
+    matching shapes): ``+inf`` for rows with no visible key, so that a backward's
+    ``exp(logits - lse)`` is 0 there."""
+    empty = row_sum == 0.0
+    return jnp.where(empty, jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
+
+
+def per_row(ref):
+    """A scratch column's per-row values ``[rows]``, kept broadcast over its 128 lanes."""
+    return ref[...][:, 0]
+
+
+def set_per_row(ref, values) -> None:
+    """Stores ``values [rows]`` into a scratch column ``[rows, 128]``, broadcast over its lanes."""
+    ref[...] = jnp.broadcast_to(values[:, None], ref.shape)

@@ -37,6 +37,20 @@ def default_pages_per_block(page_size: int) -> int:
     return max(1, 128 // page_size)
 
 
+def pages_per_step(pages_per_block, cache) -> int:
+    """The pages a kernel step reads: ``pages_per_block`` (None: :func:`default_pages_per_block`),
+    at most a sequence's ``cache.max_pages_per_seq``.
+
+    Raises:
+      ValueError: for a ``pages_per_block`` that is not a positive int.
+    """
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(cache.page_size)
+    if not isinstance(pages_per_block, int) or pages_per_block < 1:
+        raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
+    return min(pages_per_block, cache.max_pages_per_seq)
+
+
 def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: int):
     """The work list, ``(table [max_items, 8] int32, item_offsets [num_seqs] int32)``.
 
@@ -152,11 +166,7 @@ def ragged_paged_attention_kernel(
     """The Pallas path of ``ragged_paged_attention`` (arguments already validated;
     ``owner``/``covered`` ``[num_tokens]`` say which sequence owns each token row)."""
     num_tokens, heads, head_dim = q.shape
-    if pages_per_block is None:
-        pages_per_block = default_pages_per_block(cache.page_size)
-    if not isinstance(pages_per_block, int) or pages_per_block < 1:
-        raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
-    pages_per_block = min(pages_per_block, cache.max_pages_per_seq)
+    pages_per_block = pages_per_step(pages_per_block, cache)
     query_starts, query_lens, kv_lens = (x.astype(jnp.int32) for x in (query_starts, query_lens, kv_lens))
     table, offsets = work_items(query_starts, query_lens, kv_lens, num_tokens=num_tokens, block_q=block_q)
     max_items = table.shape[0]

@@ -44,8 +44,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.block_mask import BlockMask, CausalMask, LocalGlobalMask, combine_masks
-from ember.kernels_pallas.online_softmax import online_softmax_result, online_softmax_step
-from ember.kernels_pallas.ragged_paged_attention_kernel import default_pages_per_block, items_to_tokens, work_items
+from ember.kernels_pallas.online_softmax import online_softmax_result, online_softmax_step, per_row, set_per_row
+from ember.kernels_pallas.ragged_paged_attention_kernel import items_to_tokens, pages_per_step, work_items
 
 NUM_LANES = 128
 TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -181,15 +181,6 @@ def _head_tile(buf, slot, kv_head: int, config: _Config):
     return buf[slot, :, :, kv_head, :].reshape(config.tokens_per_block, config.head_dim)
 
 
-def _per_row(ref):
-    """A scratch column's per-row value ``[rows]``, kept broadcast over its 128 lanes."""
-    return ref[...][:, 0]
-
-
-def _set_per_row(ref, values) -> None:
-    ref[...] = jnp.broadcast_to(values[:, None], ref.shape)
-
-
 def _fold_block(config: _Config, refs: _Refs, q_ref, item: _Item, step, slot, max_ref, sum_ref, acc_ref) -> None:
     """Folds the KV block of ``step`` (in buffer ``slot``) into every key head's running
     softmax (or sigmoid sum)."""
@@ -212,10 +203,10 @@ def _fold_block(config: _Config, refs: _Refs, q_ref, item: _Item, step, slot, ma
             weights = jnp.where(visible, jax.nn.sigmoid(logits + config.sigmoid_bias), 0.0)
             acc_ref[g] += jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         else:
-            carry = (_per_row(max_ref.at[g]), _per_row(sum_ref.at[g]), acc_ref[g])
+            carry = (per_row(max_ref.at[g]), per_row(sum_ref.at[g]), acc_ref[g])
             row_max, row_sum, acc = online_softmax_step(carry, logits, visible, v)
-            _set_per_row(max_ref.at[g], row_max)
-            _set_per_row(sum_ref.at[g], row_sum)
+            set_per_row(max_ref.at[g], row_max)
+            set_per_row(sum_ref.at[g], row_sum)
             acc_ref[g] = acc
 
 
@@ -277,7 +268,7 @@ def _kernel(
         if config.score == "sigmoid":
             out = acc_ref[g]
         else:
-            out = online_softmax_result((_per_row(max_ref.at[g]), _per_row(sum_ref.at[g]), acc_ref[g]))
+            out = online_softmax_result((per_row(max_ref.at[g]), per_row(sum_ref.at[g]), acc_ref[g]))
         o_ref[g] = out.astype(o_ref.dtype)
 
 
@@ -331,10 +322,7 @@ def ragged_paged_attention_tpu(
             "k_pages, v_pages: the TPU kernel takes float32 or bfloat16 caches of one dtype, "
             f"got {k_pages.dtype} and {v_pages.dtype}"
         )
-    if pages_per_block is None:
-        pages_per_block = default_pages_per_block(cache.page_size)
-    if not isinstance(pages_per_block, int) or pages_per_block < 1:
-        raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
+    pages_per_block = pages_per_step(pages_per_block, cache)
     num_tokens, heads, head_dim = q.shape
     config = _Config(
         block_q=block_q,
@@ -342,7 +330,7 @@ def ragged_paged_attention_tpu(
         kv_heads=cache.kv_heads,
         head_dim=head_dim,
         page_size=cache.page_size,
-        pages_per_block=min(pages_per_block, cache.max_pages_per_seq),
+        pages_per_block=pages_per_block,
         max_pages=cache.max_pages_per_seq,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
