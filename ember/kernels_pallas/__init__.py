@@ -1,5 +1,8 @@
 """Pallas kernels, one file per op: the public op, its plain-jnp ``*_reference`` and a
-dispatcher over ``impl`` in {"auto", "pallas", "interpret", "xla"} (DESIGN.md section 4).
+dispatcher over ``impl`` in {"auto", "pallas", "interpret", "interpret_tpu", "xla"} (DESIGN.md
+section 4; :mod:`ember.kernels_pallas.dispatch`). Ops with a TPU kernel (``*_tpu.py``) run it
+on a TPU and, with ``impl="interpret_tpu"``, in JAX's TPU interpret mode anywhere;
+:mod:`ember.kernels_pallas.kernel_table` lists which op has which.
 
 The package gives the ops themselves::
 

@@ -207,7 +207,8 @@ def quantized_matmul(x, weight: QuantizedMatrix, *, preferred_element_type=None,
     """``x [m, k]`` float times the quantized ``weight [k, n]``: ``[m, n]`` in
     ``preferred_element_type`` (default ``x.dtype``), accumulated in f32.
 
-    ``impl`` in {"auto", "pallas", "interpret", "xla"}; ``block_sizes`` a
+    ``impl`` in {"auto", "pallas", "interpret", "xla"} (no TPU kernel: on a TPU, "auto" runs
+    XLA); ``block_sizes`` a
     :class:`QuantizedMatmulBlockSizes` for the kernel (defaults if None).
 
     Raises:

@@ -125,7 +125,7 @@ def short_conv(x, weight, bias=None, *, initial_state=None, return_final_state=F
     Returns:
       y ``[batch, seq, channels]`` in x's dtype; with ``return_final_state``, ``(y, state)``.
     """
-    if impl in ("pallas", "interpret"):
+    if impl in ("pallas", "interpret", "interpret_tpu"):
         raise ValueError(f"short_conv: impl must be 'auto' or 'xla' (this op has no Pallas kernel), got {impl!r}")
     resolve_impl(impl, op="short_conv", kernel_backends=KERNEL_BACKENDS)  # rejects unknown names
     return short_conv_reference(

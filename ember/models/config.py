@@ -44,6 +44,7 @@ import math
 
 from ember.core.errors import ConfigError
 from ember.core.precision import Precision
+from ember.kernels_pallas.dispatch import IMPLS
 
 LAYER_KINDS: tuple[str, ...] = ("global", "local", "block_sparse", "cca", "linear", "mamba2", "window_linear")
 SOFTMAX_FAMILY: tuple[str, ...] = ("global", "local", "block_sparse")
@@ -323,7 +324,7 @@ class ModelConfig:
         if self.head_size % 2 and set(self.block_pattern) & set(ROTARY_KINDS):
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_size}", key="head_dim")
         for name in ("attention_impl", "moe_impl"):
-            _check_choice(name, getattr(self, name), ("auto", "pallas", "interpret", "xla"))
+            _check_choice(name, getattr(self, name), IMPLS)
         if self.moe.first_dense_layers and self.scan_layers:
             raise ConfigError(
                 "moe.first_dense_layers needs scan_layers=false (the first layers differ from the scanned "

@@ -31,18 +31,19 @@ CONFIG = ModelConfig(
 
 
 def test_interpret_and_xla_paths_agree(rng):
-    """The whole model with the SSD scan as Pallas kernels (interpret mode) and as XLA
-    einsums, over a length that is not a multiple of the chunk (one SSM layer: interpret
-    mode is slow)."""
+    """The whole model with the SSD scan as Pallas kernels (the GPU kernels in interpret
+    mode, the TPU kernels in TPU interpret mode) and as XLA einsums, over a length that is
+    not a multiple of the chunk (one SSM layer: interpret mode is slow)."""
     init_rng, token_rng, noise_rng = jax.random.split(rng, 3)
     tokens = jax.random.randint(token_rng, (2, 13), 0, CONFIG.vocab_size)
     config = dataclasses.replace(CONFIG, num_layers=1, block_pattern=("mamba2",), mlp_pattern=("none",))
     xla = dataclasses.replace(config, attention_impl="xla")
     params = perturbed(jax.jit(DecoderLM(xla).init)(init_rng, tokens)["params"], noise_rng)
     expected, _ = jax.jit(DecoderLM(xla).apply)({"params": params}, tokens)
-    interpret = dataclasses.replace(config, attention_impl="interpret")
-    got, _ = jax.jit(DecoderLM(interpret).apply)({"params": params}, tokens)
-    assert_allclose(got, expected)
+    for impl in ("interpret", "interpret_tpu"):
+        interpret = dataclasses.replace(config, attention_impl=impl)
+        got, _ = jax.jit(DecoderLM(interpret).apply)({"params": params}, tokens)
+        assert_allclose(got, expected, err_msg=impl)
 
 
 def test_flops_match_the_parameter_tree_plus_the_scan():
