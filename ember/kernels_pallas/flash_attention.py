@@ -355,8 +355,9 @@ def flash_attention(
         short sequences; the TPU kernel uses at least 128 x 128). With an
         :class:`ExplicitBlockMask` they must divide its blocks.
       impl: ``"auto"`` (the Pallas kernels on GPU and TPU, else XLA), ``"pallas"`` (the
-        kernels compiled for the default backend: Triton on an NVIDIA GPU, Mosaic TPU on a
-        TPU), ``"interpret"`` (the GPU kernels run by the Pallas interpreter, any backend),
+        kernels compiled for the default backend: on an NVIDIA GPU Triton, with the Mosaic
+        GPU forward on Hopper where it applies; Mosaic TPU on a TPU), ``"interpret"`` (the
+        GPU kernels run by the Pallas interpreter, any backend),
         ``"interpret_tpu"`` (the TPU kernels in JAX's TPU interpret mode, any backend) or
         ``"xla"`` (the reference math in rematerialized chunks of 512 queries,
         differentiated by XLA; memory ``O(512 * kv_len)`` per head).
