@@ -1,6 +1,7 @@
 """GRPO end to end on the shipped arithmetic task: a tiny model pretrained by Ember on the
 generated corpus, then GRPO through the serving engine raises its held-out accuracy; the
-engine's log-probabilities agree with the training forward's."""
+engine's log-probabilities agree with the training forward's. Both runs are the rl_lm
+notebook's (tests/notebooks.py), which trains them with the shipped configs."""
 
 import json
 
@@ -15,49 +16,34 @@ from ember.serving.engine import Engine
 from ember.serving.loading import load_model
 from ember.serving.requests import SamplingParams
 from ember.training.launcher import shipped_configs_dir
-from ember.training.lm.config import LMConfig
-from ember.training.lm.trainer import train
 from ember.training.rl_lm import entry
 from ember.training.rl_lm.config import GRPOConfig
 from ember.training.rl_lm.losses import token_logprobs
 from ember.training.rl_lm.rewards import arithmetic_exact_match
+from tests.notebooks import executed_notebook
 from tests.tolerances import assert_allclose
-from tests.xla_settings import xla_optimizations
 
 CONFIGS = shipped_configs_dir() / "rl_lm"
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    """The shipped pretraining config, shortened: held-out greedy accuracy about a third."""
-    root = tmp_path_factory.mktemp("arithmetic")
-    overrides = [
-        f"run_dir={root / 'run'}",
-        "train.steps=400",
-        "train.eval_every=400",
-        "checkpoint.every=400",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-        "sample.prompts=[]",
-    ]
-    with pytest.MonkeyPatch.context() as patch, xla_optimizations():  # 400 steps: run time outweighs compiling
-        patch.setenv("EMBER_CACHE", str(root / "cache"))
-        train(load_config(LMConfig, CONFIGS / "arithmetic_pretrain.yaml", overrides))
-    return root / "run"
+def notebook_runs(tmp_path_factory):
+    """The rl_lm notebook's runs (executed once per session, tests/notebooks.py): the shipped
+    pretraining config shortened to 400 steps (held-out greedy accuracy about a third), then
+    the shipped GRPO config on it."""
+    work = executed_notebook(tmp_path_factory, "rl_lm.ipynb").work
+    return work / "arithmetic", work / "grpo"
 
 
-def test_grpo_raises_held_out_accuracy_through_the_engine(pretrained, tmp_path):
-    run_dir = tmp_path / "grpo"
-    overrides = [
-        f"run_dir={run_dir}",
-        f"base_model.path={pretrained}",
-        "train.steps=30",
-        "train.eval_every=30",
-        "checkpoint.every=30",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-    ]
-    summary = entry.run(load_config(GRPOConfig, CONFIGS / "grpo_arithmetic.yaml", overrides))
+@pytest.fixture(scope="module")
+def pretrained(notebook_runs):
+    return notebook_runs[0]
+
+
+def test_grpo_raises_held_out_accuracy_through_the_engine(notebook_runs):
+    run_dir = notebook_runs[1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 30
     start, end = summary["eval_reward_start"], summary["eval_reward"]
     assert end >= start + 0.25, f"held-out greedy accuracy {start:.3f} -> {end:.3f}"
     assert summary["eval_reward_sampled"] >= summary["eval_reward_sampled_start"] + 0.05
