@@ -50,8 +50,14 @@ def executed_notebook(tmp_path_factory, name: str) -> ExecutedNotebook:
             # The kernel gets the one CPU device a researcher's machine has, not the suite's 8 (a
             # notebook that shows sharding asks for host devices itself): 8 devices' collectives
             # starved of CPU by the other test worker were seen to exceed XLA's 40 s rendezvous
-            # timeout and kill the kernel.
-            patch.setenv("XLA_FLAGS", _without_device_count())
+            # timeout and kill the kernel. Unset when nothing else is left in it, so that a
+            # notebook's own ``os.environ.setdefault("XLA_FLAGS", ...)`` takes effect.
+            flags = os.environ.get("XLA_FLAGS", "").split()
+            flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
+            if flags:
+                patch.setenv("XLA_FLAGS", " ".join(flags))
+            else:
+                patch.delenv("XLA_FLAGS", raising=False)
             if name in XLA_OPTIMIZED:
                 patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
             # The notebook's temporary directories (its ``work``) land inside this session's.
@@ -67,8 +73,3 @@ def executed_notebook(tmp_path_factory, name: str) -> ExecutedNotebook:
     notebook = nbformat.read(directory / name, as_version=4)
     printed = "".join(output.get("text", "") for output in notebook.cells[-1].get("outputs", [])).strip()
     return ExecutedNotebook(cells=notebook.cells[:-1], work=Path(printed) if printed else None)
-
-
-def _without_device_count() -> str:
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return " ".join(f for f in flags if "xla_force_host_platform_device_count" not in f)
