@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.device_checks import GPU_CHECK_SIZES, relative_error, run_checks, softmax_problem
+from benchmarks.device_checks import GPU_CHECK_SIZES, relative_error, run_checks
 from benchmarks.harness import (
     device_label,
     measured_bandwidth_gbs,
@@ -45,7 +45,7 @@ from benchmarks.harness import (
     write_results,
 )
 from ember.kernels_pallas.block_mask import LocalGlobalMask, live_block_grid
-from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention
+from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel, hopper_reason
 from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, GpuInfo
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
@@ -246,7 +246,7 @@ def _our_flash(forward: str) -> Callable:
     backward is Triton's either way): the op's kernel path below its dispatcher, the A/B."""
 
     def attend(q, k, v, causal):
-        problem = softmax_problem(q, k, v, causal=causal)
+        problem = attention_problem(q, k, v, causal=causal)
         tiles = FlashBlockSizes().fitted(problem.q_len, problem.kv_len)
         return flash_attention_kernel(
             q, k, v, None, problem=problem, block_sizes=tiles, interpret=False, forward=forward
@@ -259,7 +259,7 @@ def _hopper_not_run(impl, q, causal: bool) -> str | None:
     """Why the Hopper forward cannot run ``q``'s self-attention here (None: it can)."""
     if impl != "pallas":
         return f"impl={impl!r}: the Hopper kernel runs compiled on an sm90 GPU only"
-    problem = softmax_problem(q, q, q, causal=causal)
+    problem = attention_problem(q, q, q, causal=causal)
     return hopper_reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=DEFAULT_HOPPER_BLOCKS)
 
 

@@ -241,23 +241,6 @@ def _flash(**options) -> Callable:
     return problem
 
 
-def softmax_problem(q, k, v, *, causal: bool):
-    """The :class:`~ember.kernels_pallas.flash_attention.AttentionProblem` of a softmax
-    ``flash_attention`` call with no option but ``causal`` (what the Hopper forward runs)."""
-    return attention_problem(
-        q,
-        k,
-        v,
-        causal=causal,
-        sm_scale=None,
-        segment_ids=None,
-        window=None,
-        logits_soft_cap=None,
-        score="softmax",
-        block_mask=None,
-    )
-
-
 def _hopper_flash(**options) -> Callable:
     """A flash-attention check that must run the Hopper forward (the backward is Triton's):
     making the problem raises, naming the reason, where the call would take another one."""
@@ -266,7 +249,7 @@ def _hopper_flash(**options) -> Callable:
     def problem(sizes: CheckSizes, dtype, gen):
         checked = flash_problem(sizes, dtype, gen)
         q, k, v = (checked.inputs[name] for name in ("q", "k", "v"))
-        call = softmax_problem(q, k, v, causal=options.get("causal", False))
+        call = attention_problem(q, k, v, causal=options.get("causal", False))
         interpret = sizes.impl != "pallas"
         forward_kernel(call, (q.dtype, k.dtype, v.dtype), GpuInfo.here(), interpret=interpret, forward="hopper")
         return checked

@@ -135,9 +135,20 @@ def normalize_segment_ids(segment_ids: Any, batch: int, q_len: int, kv_len: int,
 
 
 def attention_problem(
-    q, k, v, *, causal, sm_scale, segment_ids, window, logits_soft_cap, score, block_mask, segment_positions=None
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    sm_scale=None,
+    segment_ids=None,
+    window=None,
+    logits_soft_cap=None,
+    score="softmax",
+    block_mask=None,
+    segment_positions=None,
 ) -> AttentionProblem:
-    """Checks the arguments of :func:`flash_attention` and describes the call.
+    """Checks the arguments of :func:`flash_attention` (with its defaults) and describes the call.
 
     Raises:
       ValueError: naming the argument, for wrong ranks, mismatched shapes, ``heads`` not

@@ -26,17 +26,7 @@ BF16 = (jnp.bfloat16,) * 3
 def problem(head_dim=128, heads=4, kv_heads=2, q_len=300, kv_len=300, dtype=jnp.bfloat16, **options):
     q = jax.ShapeDtypeStruct((2, q_len, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, kv_len, kv_heads, head_dim), dtype)
-    arguments = dict(
-        causal=False,
-        sm_scale=None,
-        segment_ids=None,
-        window=None,
-        logits_soft_cap=None,
-        score="softmax",
-        block_mask=None,
-    )
-    arguments.update(options)
-    return attention_problem(q, kv, kv, **arguments)
+    return attention_problem(q, kv, kv, **options)
 
 
 @pytest.mark.parametrize(

@@ -93,18 +93,7 @@ def test_fully_masked_rows_are_zero_with_finite_grads(rng, options):
 def test_kernel_visits_exactly_the_live_blocks(rng, mask):
     length = 200  # 13 x 13 blocks of 16
     q, k, v, _ = random_qkv(rng, batch=1, q_len=length, kv_len=length, heads=2, kv_heads=1, head_dim=16)
-    problem = attention_problem(
-        q,
-        k,
-        v,
-        causal=False,
-        sm_scale=None,
-        segment_ids=None,
-        window=None,
-        logits_soft_cap=None,
-        score="softmax",
-        block_mask=mask,
-    )
+    problem = attention_problem(q, k, v, block_mask=mask)
     config = KernelConfig(problem, 16, 16, interpret=True)
     run = jax.jit(
         lambda q, k, v: flash_forward(q, k, v, (None, None), config, count_visits=True), compiler_options=FAST_COMPILE
@@ -179,17 +168,7 @@ def test_per_document_global_tokens_visit_the_blocks_of_document_starts(rng):
     segment_ids, positions = packed_rows([[100], [40, 30, 30]])
     q, k, v, _ = random_qkv(rng, batch=2, q_len=length, kv_len=length, heads=1, kv_heads=1, head_dim=16)
     problem = attention_problem(
-        q,
-        k,
-        v,
-        causal=True,
-        sm_scale=None,
-        segment_ids=segment_ids,
-        window=None,
-        logits_soft_cap=None,
-        score="softmax",
-        block_mask=mask,
-        segment_positions=positions,
+        q, k, v, causal=True, segment_ids=segment_ids, block_mask=mask, segment_positions=positions
     )
     config = KernelConfig(problem, 16, 16, interpret=True)
     rows = ((segment_ids, segment_ids), (positions, positions))

@@ -79,7 +79,7 @@ def test_tpu_kernel_per_document_global_tokens_match_reference_and_visit_the_liv
     options = dict(segment_ids=segment_ids, segment_positions=positions, **PER_DOCUMENT_GLOBALS)
     assert_kernel_matches_reference(q, k, v, d_out, block_sizes=BLOCKS, impl="interpret_tpu", **options)
 
-    problem = attention_problem(q, k, v, sm_scale=None, window=None, logits_soft_cap=None, score="softmax", **options)
+    problem = attention_problem(q, k, v, **options)
     config = tpu_kernel_config(problem, BLOCKS, pltpu.InterpretParams())
     rows = ((segment_ids, segment_ids), (positions, positions))
     padded = [heads_major(x, 128) for x in (q, k, v)]

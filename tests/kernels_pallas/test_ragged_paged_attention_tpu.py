@@ -169,21 +169,12 @@ def test_tpu_kernel_matches_jax_paged_attention_kernel_on_a_decode_step(rng):
     VMEM refs; its reference is compared above.)"""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-    num_seqs, heads, kv_heads, head_dim = 3, 4, 2, 128
-    k_cache, k_query = jax.random.split(rng)
-    k_pages, v_pages, page_table = random_paged_cache(
-        k_cache,
-        num_pages=12,
-        page_size=PAGE_SIZE,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        num_seqs=num_seqs,
-        max_pages_per_seq=4,
-        dtype=jnp.bfloat16,
-    )
-    q = random_normal(k_query, (num_seqs, heads, head_dim), jnp.bfloat16)
+    num_seqs, head_dim = 3, 128
     kv_lens = jnp.array([29, 9, 32], jnp.int32)  # of at most 4 pages of 8
     step = (jnp.arange(num_seqs, dtype=jnp.int32), jnp.ones((num_seqs,), jnp.int32), kv_lens)
+    q, k_pages, v_pages, page_table = _inputs(
+        rng, jnp.bfloat16, step, heads=4, kv_heads=2, head_dim=head_dim, num_tokens=num_seqs, max_pages_per_seq=4
+    )
     ours = ragged_paged_attention(q, k_pages, v_pages, page_table, *step, logits_soft_cap=3.0, impl="interpret_tpu")
     heads_first = (jnp.moveaxis(pages, 2, 0) for pages in (k_pages, v_pages))  # [kv_heads, pages, page, dim]
     with pltpu.force_tpu_interpret_mode():
