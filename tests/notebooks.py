@@ -4,7 +4,8 @@ per test session.
 tests/test_examples.py runs every notebook through :func:`executed_notebook`. A test module
 whose subject a notebook already trains reads the notebook's runs from the same execution
 instead of training the same models again: test_grpo.py reads rl_lm's pretraining and GRPO
-runs, test_quantize.py quantization's float, QAT and quantized runs.
+runs, test_quantize.py quantization's float, QAT and quantized runs, test_linearize.py and the
+trainer's learning test linearize's teacher and linearised runs (tests/training/tiny_stdlib_run.py).
 """
 
 import os
@@ -58,6 +59,8 @@ def executed_notebook(tmp_path_factory, name: str) -> ExecutedNotebook:
                 patch.setenv("XLA_FLAGS", " ".join(flags))
             else:
                 patch.delenv("XLA_FLAGS", raising=False)
+            # A notebook prepares its corpora in its own ``work`` (``os.environ.setdefault``).
+            patch.delenv("EMBER_CACHE", raising=False)
             if name in XLA_OPTIMIZED:
                 patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
             # The notebook's temporary directories (its ``work``) land inside this session's.

@@ -1,11 +1,13 @@
 """Linearising (LoLCATs) end to end: the tiny preset trained by Ember on the stdlib corpus is
-linearised by ``ember linearize`` with the shipped tiny config; the linearised model closes at
-least 75% of the gap between the teacher and the naive swap while training under 1% of the
-parameters, stage 1 cuts every layer's attention error by a large factor, and the run serves,
-exports and plots like any other, greedy decoding with chunked prefill matching a
-full-recompute argmax loop over the linearised model's forward."""
+linearised with the shipped tiny config (both are the linearize notebook's runs, resumed here by
+``ember linearize --resume``); the linearised model closes at least 75% of the gap between the
+teacher and the naive swap while training under 1% of the parameters, stage 1 cuts every layer's
+attention error by a large factor, and the run serves, exports and plots like any other, greedy
+decoding with chunked prefill matching a full-recompute argmax loop over the linearised model's
+forward."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -31,26 +33,25 @@ FILES = ("summary.json", "metrics.jsonl", f"{TRANSFER_DIR}/summary.json", f"{TRA
 
 @pytest.fixture(scope="module")
 def linearized(tmp_path_factory):
-    """The shipped tiny config run on the session's tiny stdlib teacher (once per session)."""
-    teacher = tiny_stdlib_run(tmp_path_factory)
+    """The linearize notebook's run of the shipped tiny config on its tiny stdlib teacher, copied
+    and resumed through ``ember linearize --resume`` (once per session)."""
+    work = tiny_stdlib_run(tmp_path_factory)
 
     def build(directory):
         run = directory / "run"
-        command = ["linearize", str(teacher / "run"), str(run), "--config", str(CONFIG)]
-        command += ["logging.progress=false", "logging.tensorboard=false"]
+        shutil.copytree(work / "linearized", run)
+        command = ["linearize", str(work / "teacher"), str(run), "--config", str(CONFIG)]
+        command += ["logging.progress=false", "logging.tensorboard=false", "train.steps=61", "--resume"]
         read = lambda: {name: (run / name).read_text() for name in FILES}  # noqa: E731
-        # XLA's optimizations stay off (unlike the teacher's 200 steps): the two stages and the
-        # resume compile four train steps, and optimized they took 28 s of the fixture's 85.
+        shipped = read()
+        (directory / "shipped_summary.json").write_text(shipped["summary.json"])
+        # Resumed with one more stage-2 step: stage 1 (finished) is left as it is, stage 2
+        # continues from its checkpoint; a finished run resumed again is left as it is.
         with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("EMBER_CACHE", str(teacher / "cache"))
+            patch.setenv("EMBER_CACHE", str(work / "cache"))
             assert main(command) == 0
-            shipped = read()
-            (directory / "shipped_summary.json").write_text(shipped["summary.json"])
-            # Resumed with one more stage-2 step: stage 1 (finished) is left as it is, stage 2
-            # continues from its checkpoint; a finished run resumed again is left as it is.
-            assert main([*command, "train.steps=61", "--resume"]) == 0
             resumed = read()
-            assert main([*command, "train.steps=61", "--resume"]) == 0
+            assert main(command) == 0
         assert read() == resumed and json.loads(resumed["summary.json"])["steps"] == 61
         assert all(resumed[name] == shipped[name] for name in FILES if name.startswith(TRANSFER_DIR))
         assert resumed["metrics.jsonl"].startswith(shipped["metrics.jsonl"])
@@ -147,9 +148,9 @@ def test_stage_two_adds_the_teachers_kl_in_training_steps_only(tmp_path_factory,
     from ember.training.linearize.entry import _dataset
     from ember.training.linearize.tasks import AttentionTransferTask, LowRankTask
 
-    teacher = tiny_stdlib_run(tmp_path_factory)
-    monkeypatch.setenv("EMBER_CACHE", str(teacher / "cache"))
-    overrides = [f"base_model.path={teacher / 'run'}", "distill.weight=0.5", "distill.temperature=2.0",
+    work = tiny_stdlib_run(tmp_path_factory)
+    monkeypatch.setenv("EMBER_CACHE", str(work / "cache"))
+    overrides = [f"base_model.path={work / 'teacher'}", "distill.weight=0.5", "distill.temperature=2.0",
                  "train.batch_size=2", "train.seq_len=16"]  # fmt: skip
     config = load_config(LinearizeRunConfig, CONFIG, overrides)
     base = load_base(config.base_model)

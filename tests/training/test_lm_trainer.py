@@ -209,7 +209,7 @@ def test_tiny_preset_learns_far_below_the_unigram_entropy(tmp_path_factory, monk
     counts = np.bincount(validation)
     probabilities = counts[counts > 0] / counts.sum()
     unigram_entropy = float(-(probabilities * np.log(probabilities)).sum())
-    summary = json.loads((root / "run" / "summary.json").read_text())
+    summary = json.loads((root / "teacher" / "summary.json").read_text())
     print(f"unigram entropy {unigram_entropy:.3f} nats, validation loss after 200 steps {summary['val_loss']:.3f}")
     assert summary["steps"] == 200 and 3.0 < unigram_entropy < 3.5
     # Measured: 1.90 nats after 200 steps against a unigram entropy of 3.19 (the full 1500-step
