@@ -5,6 +5,7 @@ weights (ranks, targets, rsLoRA, DoRA, per-module ranks and alphas) load into Em
 PEFT's logits; PiSSA adapters save against the original base."""
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -44,7 +45,12 @@ def base(tmp_path_factory):
 
 
 def ember_logits(config, params):
-    return np.asarray(DecoderLM(config).apply({"params": params}, jnp.asarray(TOKENS))[0])
+    return np.asarray(_forward(config, params))
+
+
+@functools.partial(jax.jit, static_argnums=0)  # one program per tree: op by op a forward compiled ~40
+def _forward(config, params):
+    return DecoderLM(config).apply({"params": params}, jnp.asarray(TOKENS))[0]
 
 
 def peft_logits(peft_model):
@@ -79,11 +85,16 @@ def fresh_hf(path):
 )
 def test_ember_adapter_loads_in_peft_with_the_same_logits(base, lora, tmp_path):
     _, path, config, params = base
-    adapted = add_lora(params, lora, jax.random.key(1))
-    if lora.init == "lora_ga":  # from a made-up gradient: the export only needs W changed and A0, B0 kept
-        gradients = jax.tree.map(lambda x: jax.random.normal(jax.random.key(3), np.shape(x)), params)
-        adapted = lora_ga_init(adapted, gradients)
-    adapted = trained(adapted, seed=2)
+
+    @jax.jit  # one program: op by op the set-up compiled ~35
+    def adapt(params):
+        adapted = add_lora(params, lora, jax.random.key(1))
+        if lora.init == "lora_ga":  # from a made-up gradient: the export only needs W changed and A0, B0 kept
+            gradients = jax.tree.map(lambda x: jax.random.normal(jax.random.key(3), np.shape(x)), params)
+            adapted = lora_ga_init(adapted, gradients)
+        return trained(adapted, seed=2)
+
+    adapted = adapt(params)
     expected = ember_logits(config, adapted)
     save_peft_adapter(tmp_path, config, adapted, base_model=str(path))
     peft_model = peft.PeftModel.from_pretrained(fresh_hf(path), tmp_path).eval()

@@ -47,7 +47,8 @@ def model_and_params(request):
     config = ModelConfig(d_model=64, num_layers=2, num_heads=4, mlp_dim=96, scan_layers=request.param)
     model = DecoderLM(config)
     tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 256)
-    params = perturbed(nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"]))
+    # One program: op by op, the init and the perturbation compiled ~50 programs.
+    params = jax.jit(lambda t: perturbed(nn.meta.unbox(model.init(jax.random.key(0), t)["params"])))(tokens)
     return model, params, tokens
 
 
@@ -55,8 +56,9 @@ def model_and_params(request):
 def test_the_model_reads_quantized_weights_as_their_float_values(model_and_params, fmt, group):
     model, params, tokens = model_and_params
     forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
-    quantized = quantize_params(params, QuantizeConfig(format=fmt, group_size=group))
-    float_of_quantized = dequantize_params(quantized, params)
+    # One program each: op by op, quantizing and dequantizing the tree compiled up to ~60 programs.
+    quantized = jax.jit(lambda p: quantize_params(p, QuantizeConfig(format=fmt, group_size=group)))(params)
+    float_of_quantized = jax.jit(dequantize_params)(quantized, params)
     assert_allclose(forward(quantized), forward(float_of_quantized), scale=10)
     reference = forward(params)
     error = float(jnp.max(jnp.abs(forward(quantized) - reference)) / jnp.max(jnp.abs(reference)))
@@ -72,16 +74,22 @@ def test_the_model_reads_quantized_weights_as_their_float_values(model_and_param
 
 
 def test_double_quantised_absmax_round_trips():
-    # The absmax of 64-row blocks of a weight: 12 x 70 = 840 values, four blocks of 256 (one partial).
-    weight = jax.random.normal(jax.random.key(0), (12 * 64, 70)) * jnp.linspace(0.5, 2.0, 70)
-    absmax = jnp.max(jnp.abs(weight.reshape(12, 64, 70)), axis=1)
-    stored = double_quantize(absmax)
+    # Jitted: op by op, this test compiled ~40 programs.
+    @jax.jit
+    def round_trip():
+        # The absmax of 64-row blocks of a weight: 12 x 70 = 840 values, four blocks of 256 (one partial).
+        weight = jax.random.normal(jax.random.key(0), (12 * 64, 70)) * jnp.linspace(0.5, 2.0, 70)
+        absmax = jnp.max(jnp.abs(weight.reshape(12, 64, 70)), axis=1)
+        stored = double_quantize(absmax)
+        centred = jnp.abs(absmax - jnp.mean(absmax)).reshape(-1)
+        scales = jnp.repeat(stored["absmax_scale"], 256)[: centred.size]
+        error = jnp.abs(absmax_values(stored) - absmax).reshape(-1)
+        return absmax, stored, centred, scales, error
+
+    absmax, stored, centred, scales, error = round_trip()
     assert stored["absmax"].dtype == jnp.float8_e4m3fn and stored["absmax_scale"].shape == (4,)
     # e4m3 keeps 3 mantissa bits of each centred value c = absmax - mean (relative error <= 2^-4),
     # with subnormal steps of 2^-9 block scales near zero.
-    centred = jnp.abs(absmax - jnp.mean(absmax)).reshape(-1)
-    scales = jnp.repeat(stored["absmax_scale"], 256)[: centred.size]
-    error = jnp.abs(absmax_values(stored) - absmax).reshape(-1)
     assert bool(jnp.all(error <= 2**-4 * centred + 2**-10 * scales + 1e-6))
     assert float(jnp.mean(error / absmax.reshape(-1))) < 0.015
 
@@ -94,10 +102,16 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(fmt, group):
     x = jax.random.normal(jax.random.key(1), (512, k)) @ mixing
     exact = x @ w
 
-    def output_error(matrix):
-        return float(jnp.mean((exact - x @ dequantize(matrix)) ** 2))
+    # Jitted: op by op, quantizing and the errors compiled ~25 programs per format.
+    @jax.jit
+    def mean_squared_error(matrix):
+        return jnp.mean((exact - x @ dequantize(matrix)) ** 2)
 
-    rtn, gptq = quantize_matrix(w, fmt, group), gptq_matrix(w, x.T @ x, fmt, group)
+    def output_error(matrix):
+        return float(mean_squared_error(matrix))
+
+    rtn = jax.jit(quantize_matrix, static_argnums=(1, 2))(w, fmt, group)
+    gptq = gptq_matrix(w, x.T @ x, fmt, group)
     assert gptq.values.dtype == rtn.values.dtype and gptq.scales.shape == rtn.scales.shape
     assert output_error(gptq) < 0.7 * output_error(rtn)
 
@@ -110,13 +124,14 @@ def test_gptq_on_a_model_from_calibration_grams(model_and_params):
     for gram in grams.values():
         assert_allclose(gram, jnp.swapaxes(gram, -1, -2), scale=10)
     config = QuantizeConfig(format="int4", group_size=32, method="gptq")
-    gptq = quantize_params(params, config, grams=grams)
-    rtn = quantize_params(params, QuantizeConfig(format="int4", group_size=32))
+    # Jitted: op by op, quantizing the tree compiled ~60 programs.
+    gptq = jax.jit(lambda p, g: quantize_params(p, config, grams=g))(params, grams)
+    rtn = jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="int4", group_size=32)))(params)
     forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
     reference = forward(params)
     assert float(jnp.mean((forward(gptq) - reference) ** 2)) < float(jnp.mean((forward(rtn) - reference) ** 2))
     with pytest.raises(ConfigError, match="no calibration statistics"):
-        quantize_params(params, config, grams={})
+        jax.jit(lambda p: quantize_params(p, config, grams={}))(params)  # raised while tracing
 
 
 def test_fake_quantization_is_the_round_trip_with_a_straight_through_gradient(model_and_params):
@@ -141,16 +156,22 @@ def test_fake_quantization_is_the_round_trip_with_a_straight_through_gradient(mo
 
 def test_lora_on_a_quantized_base_equals_lora_on_its_float_values(model_and_params):
     model, params, tokens = model_and_params
-    adapted = add_lora(params, LoraConfig(rank=4, targets=("q", "v", "up", "down")), jax.random.key(5))
-    adapted = perturbed(adapted, seed=9, scale=0.02)  # non-zero B
-    quantized = quantize_params(adapted, QuantizeConfig(format="nf4", group_size=16))
+
+    # Jitted: op by op, adding the adapters and quantizing compiled ~150 programs.
+    @jax.jit
+    def adapted_params(p):
+        adapted = add_lora(p, LoraConfig(rank=4, targets=("q", "v", "up", "down")), jax.random.key(5))
+        return perturbed(adapted, seed=9, scale=0.02)  # non-zero B
+
+    adapted = adapted_params(params)
+    quantized = jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="nf4", group_size=16)))(adapted)
     forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
-    assert_allclose(forward(quantized), forward(dequantize_params(quantized, adapted)), scale=10)
+    assert_allclose(forward(quantized), forward(jax.jit(dequantize_params)(quantized, adapted)), scale=10)
     with pytest.raises(ConfigError, match="does not merge into a quantized base"):
         merge(quantized)
-    dora = add_lora(params, LoraConfig(rank=4, targets=("q",), dora=True), jax.random.key(5))
+    dora = jax.jit(lambda p: add_lora(p, LoraConfig(rank=4, targets=("q",), dora=True), jax.random.key(5)))(params)
     with pytest.raises(ValueError, match="DoRA needs a float base"):
-        forward(quantize_params(dora, QuantizeConfig(format="int8")))
+        forward(jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="int8")))(dora))
 
 
 def test_bad_quantize_configs_name_their_key(model_and_params):
@@ -166,6 +187,6 @@ def test_bad_quantize_configs_name_their_key(model_and_params):
             QuantizeConfig(**kwargs)
         assert error.value.key == key
     with pytest.raises(ConfigError, match=r"mlp/down: its 96 input rows are not a multiple of quantize\.group_size 64"):
-        quantize_params(params, QuantizeConfig(format="int4", group_size=64))
+        jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="int4", group_size=64)))(params)
     with pytest.raises(ConfigError, match="matches no float weight"):
         quantize_params(params, QuantizeConfig(format="int4", targets=("experts",)))

@@ -73,10 +73,11 @@ def test_wraps_for_flax_nnx(rng):
     tokens = jax.random.randint(rng, (2, 12), 0, config.vocab_size)
     with use_sharding(make_mesh(MeshConfig(data=-1))):  # NNX shards variables eagerly: needs a mesh
         model = nnx.bridge.ToNNX(DecoderLM(config), rngs=nnx.Rngs(0))
-        nnx.bridge.lazy_init(model, tokens)
-        logits, cache = model(tokens)
+        # nnx.jit: one program each, where op by op they compiled ~140 programs
+        nnx.jit(nnx.bridge.lazy_init)(model, tokens)
+        logits, cache = nnx.jit(lambda model, tokens: model(tokens))(model, tokens)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     assert cache is None
-    expected, _ = DecoderLM(config).apply({"params": params}, tokens)
+    expected, _ = jax.jit(DecoderLM(config).apply)({"params": params}, tokens)
     assert_allclose(logits, expected)
     assert np.asarray(params["layers"]["block_0"]["attn"]["q"]["kernel"]).shape == (2, 64, 4, 16)

@@ -54,8 +54,12 @@ def trained_adapter(base, config, seed):
 
 @pytest.fixture(scope="module")
 def setup():
-    base = unbox(DecoderLM(CONFIG).init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))["params"])
-    adapters = {name: trained_adapter(base, config, i) for i, (name, config) in enumerate(ADAPTERS.items())}
+    # Jitted: op by op, initialising and moving the weights compiled ~90 programs.
+    base = unbox(jax.jit(DecoderLM(CONFIG).init)(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))["params"])
+    adapters = {
+        name: jax.jit(lambda base, config=config, seed=seed: trained_adapter(base, config, seed))(base)
+        for seed, (name, config) in enumerate(ADAPTERS.items())
+    }
     return base, adapters, build_program(CONFIG, base, **OPTIONS)
 
 
@@ -72,8 +76,9 @@ def test_a_mixed_batch_equals_each_request_alone_with_its_merged_model(setup):
     prompts = [rng.integers(0, 97, n).tolist() for n in (5, 9, 3, 12, 7, 6)]
     names = [None, "qv", "mlp", "dora", "mlp", "qv"]
     results = engine.generate(prompts, [SamplingParams(max_tokens=8, adapter=name) for name in names])
+    merge = jax.jit(lambda adapter: merged_weights(with_adapter(base, adapter)))
     for prompt, name, result in zip(prompts, names, results):
-        merged = base if name is None else merged_weights(with_adapter(base, adapters[name]))
+        merged = base if name is None else merge(adapters[name])
         assert result.tokens == alone(base_program, merged, prompt), name
         if name is not None:
             assert result.tokens != alone(base_program, base, prompt), f"adapter {name} changed nothing"
