@@ -45,6 +45,12 @@ def logits(config, params, tokens, rngs=None):
     return programs(config)[1](nn.meta.unbox(params), tokens, rngs)
 
 
+def add_lora_jit(params, lora, rng):
+    """``add_lora`` jitted (as is ``perturbed``): op by op, each compiled a program per leaf shape."""
+    return jax.jit(lambda params, rng: add_lora(params, lora, rng))(params, rng)
+
+
+@jax.jit
 def perturbed(params, seed, scale=0.05):
     """Adapter leaves A, B and magnitudes moved away from their initial values."""
     out = {}
@@ -72,7 +78,7 @@ def tokens():
 )
 def test_default_init_is_exact_and_merged_equals_unmerged(config, lora, tokens):
     base = init(config)
-    adapted = add_lora(base, lora, jax.random.key(1))
+    adapted = add_lora_jit(base, lora, jax.random.key(1))
     if lora.dora:  # m / ||W|| is 1 up to the norm's summation order in another program
         assert_allclose(logits(config, adapted, tokens), logits(config, base, tokens))
     else:
@@ -80,7 +86,7 @@ def test_default_init_is_exact_and_merged_equals_unmerged(config, lora, tokens):
     trained = perturbed(adapted, seed=2)
     out = logits(config, trained, tokens)
     assert not np.allclose(out, logits(config, base, tokens), atol=1e-3)
-    merged, record = merge(trained)
+    merged, record = jax.jit(merge)(trained)
     assert all("_lora_" not in p for p in param_paths(merged))
     assert_allclose(logits(config, merged, tokens), out, scale=10)  # f32 sums in another order
     restored = unmerge(merged, record)
@@ -90,7 +96,7 @@ def test_default_init_is_exact_and_merged_equals_unmerged(config, lora, tokens):
 def test_unscanned_layers_and_boxed_axes(tokens):
     config = dataclasses.replace(DENSE, scan_layers=False)
     boxed = init(config)
-    adapted = add_lora(boxed, LoraConfig(rank=3, targets=("o", "down")), jax.random.key(0))
+    adapted = add_lora_jit(boxed, LoraConfig(rank=3, targets=("o", "down")), jax.random.key(0))
     flat = param_paths(adapted)
     o = "group_0/block_0/attn/o/kernel"
     assert flat[o + "_lora_a"].names == ("heads", "head_dim", None)
@@ -106,7 +112,7 @@ def test_unscanned_layers_and_boxed_axes(tokens):
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 def test_gradients_through_the_delta_equal_those_through_the_merged_weight(tokens, dora):
     lora = LoraConfig(rank=2, targets=("q", "up"), alpha=5, dora=dora)
-    adapted = perturbed(add_lora(init(DENSE), lora, jax.random.key(0)), 4)
+    adapted = perturbed(add_lora_jit(init(DENSE), lora, jax.random.key(0)), 4)
 
     def loss_unmerged(p):
         return jnp.sum(logits(DENSE, p, tokens) ** 2)
@@ -114,8 +120,8 @@ def test_gradients_through_the_delta_equal_those_through_the_merged_weight(token
     def loss_merged(p):
         return jnp.sum(logits(DENSE, merged_weights(p), tokens) ** 2)
 
-    grads = jax.grad(loss_unmerged)(adapted)
-    expected = jax.grad(loss_merged)(adapted)
+    grads = jax.jit(jax.grad(loss_unmerged))(adapted)
+    expected = jax.jit(jax.grad(loss_merged))(adapted)
     for path, value in param_paths(grads).items():
         if path.endswith(("_lora_a", "_lora_b", "_lora_magnitude")):
             assert np.abs(value).max() > 0, path

@@ -31,9 +31,15 @@ TOKENS = jax.random.randint(jax.random.key(5), (2, 7), 0, 41)
 
 
 def base_params(config):
-    return unbox(DecoderLM(config).init(jax.random.key(0), TOKENS[:1])["params"])
+    # Jitted: op by op, the init (and the eager TOKENS[:1]) compiled dozens of programs.
+    return jax.jit(lambda: unbox(DecoderLM(config).init(jax.random.key(0), TOKENS[:1])["params"]))()
 
 
+# Jitted (MIX is hashable): op by op, adding the experts compiled a program per shape.
+add_mixlora_jit = jax.jit(add_mixlora, static_argnums=1)
+
+
+@jax.jit
 def trained(params, seed=1, scale=0.3):
     flat = {}
     for path, value in param_paths(params).items():
@@ -85,7 +91,7 @@ def reference_logits(config, params, tokens):
 def test_mixlora_starts_as_the_base_and_equals_a_per_expert_loop(scan_layers):
     config = dataclasses.replace(CONFIG, scan_layers=scan_layers)
     base = base_params(config)
-    fresh = add_mixlora(base, MIX, jax.random.key(1))
+    fresh = add_mixlora_jit(base, MIX, jax.random.key(1))
     model = DecoderLM(config)
     # Jitted: op by op, the scanned model and its gradient took ~20 s on CPU.
     logits = jax.jit(lambda p: model.apply({"params": p}, TOKENS)[0])
@@ -112,26 +118,33 @@ def test_mixlora_starts_as_the_base_and_equals_a_per_expert_loop(scan_layers):
 
 def test_load_balance_is_sown_and_training_moves_only_the_experts():
     config = dataclasses.replace(CONFIG, scan_layers=False)
-    params = trained(add_mixlora(base_params(config), MIX, jax.random.key(1)), scale=0.1)
-    outputs = apply_model(DecoderLM(config), params, TOKENS)
-    # By hand: the global Switch loss over both layers' tokens, from each layer's MLP input.
-    _, captured = DecoderLM(config).apply({"params": params}, TOKENS, capture_intermediates=True, mutable=True)
-    counts, probs, loads = 0.0, 0.0, []
-    for g in range(2):
-        (h,) = captured["intermediates"][f"group_{g}"]["block_0"]["mlp_norm"]["__call__"]
-        router = params[f"group_{g}"]["block_0"]["mlp"][f"mixlora_router_top{MIX.top_k}"]
-        p = jax.nn.softmax(h.reshape(-1, h.shape[-1]) @ router, -1)
-        layer_counts = jax.nn.one_hot(jax.lax.top_k(p, MIX.top_k)[1], MIX.num_experts).sum((0, 1))
-        counts, probs = counts + layer_counts, probs + p.sum(0)
-        loads.append(layer_counts / layer_counts.sum())
-    expected = load_balancing_loss({"counts": counts, "prob_sum": probs, "rows": jnp.float32(2 * TOKENS.size)})
+    params = trained(add_mixlora_jit(base_params(config), MIX, jax.random.key(1)), scale=0.1)
+    # Jitted, as is the hand computation and the optimizer step: op by op, ~170 programs.
+    outputs = jax.jit(lambda p: apply_model(DecoderLM(config), p, TOKENS))(params)
+
+    @jax.jit
+    def by_hand(params):
+        """The global Switch loss over both layers' tokens, from each layer's MLP input, and the mean load."""
+        _, captured = DecoderLM(config).apply({"params": params}, TOKENS, capture_intermediates=True, mutable=True)
+        counts, probs, loads = 0.0, 0.0, []
+        for g in range(2):
+            (h,) = captured["intermediates"][f"group_{g}"]["block_0"]["mlp_norm"]["__call__"]
+            router = params[f"group_{g}"]["block_0"]["mlp"][f"mixlora_router_top{MIX.top_k}"]
+            p = jax.nn.softmax(h.reshape(-1, h.shape[-1]) @ router, -1)
+            layer_counts = jax.nn.one_hot(jax.lax.top_k(p, MIX.top_k)[1], MIX.num_experts).sum((0, 1))
+            counts, probs = counts + layer_counts, probs + p.sum(0)
+            loads.append(layer_counts / layer_counts.sum())
+        loss = load_balancing_loss({"counts": counts, "prob_sum": probs, "rows": jnp.float32(2 * TOKENS.size)})
+        return loss, (loads[0] + loads[1]) / 2
+
+    expected, expected_load = by_hand(params)
     assert_allclose(outputs.aux["load_balance"], expected)
-    assert_allclose(outputs.metrics["expert_load"], (loads[0] + loads[1]) / 2)
+    assert_allclose(outputs.metrics["expert_load"], expected_load)
 
     mask = adapter_mask(params)
     tx = optax.adam(3e-2)
     trainable = select(params, mask)
-    state = tx.init(trainable)
+    state = jax.jit(tx.init)(trainable)
 
     def objective(subset):
         out = apply_model(DecoderLM(config), merge_subset(params, subset), TOKENS)
@@ -139,12 +152,15 @@ def test_load_balance_is_sown_and_training_moves_only_the_experts():
         nll = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), TOKENS[:, 1:, None], -1))
         return nll + 0.01 * out.aux["load_balance"]
 
-    losses = []
-    loss_and_grads = jax.jit(jax.value_and_grad(objective))
-    for _ in range(8):
-        loss, grads = loss_and_grads(trainable)
+    @jax.jit
+    def step(trainable, state):
+        loss, grads = jax.value_and_grad(objective)(trainable)
         updates, state = tx.update(grads, state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
+        return optax.apply_updates(trainable, updates), state, loss
+
+    losses = []
+    for _ in range(8):
+        trainable, state, loss = step(trainable, state)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.05, losses
     after = merge_subset(params, trainable)
@@ -155,7 +171,7 @@ def test_what_cannot_take_mixlora_says_so():
     moe = dataclasses.replace(CONFIG, mlp_pattern=("moe",), moe=MoEConfig(num_experts=2, top_k=1, expert_dim=8))
     with pytest.raises(ConfigError, match="MoE layers"):
         add_mixlora(base_params(moe), MIX, jax.random.key(0))
-    params = add_mixlora(base_params(CONFIG), MIX, jax.random.key(0))
+    params = add_mixlora_jit(base_params(CONFIG), MIX, jax.random.key(0))
     with pytest.raises(ConfigError, match="already has MixLoRA"):
         add_mixlora(params, MIX, jax.random.key(0))
     with pytest.raises(ConfigError, match="cannot be merged"):

@@ -84,16 +84,18 @@ def test_actor_critic_continuous_heads(rng, log_std):
 
 
 def test_cnn_actor_critic_and_q_network_on_images(rng):
-    obs = jax.random.uniform(rng, (2, 10, 10, 4))
+    # NumPy observations and jitted init/apply: op by op, this test compiled ~70 programs.
+    obs = np.asarray(jax.random.uniform(rng, (2, 10, 10, 4)))
     policy = ActorCritic(DiscreteActions(3), PolicyConfig(torso="cnn", hidden_sizes=(16,), activation="relu"))
-    variables = policy.init(rng, obs)
-    dist, value = policy.apply(variables, obs)
+    variables = jax.jit(policy.init)(rng, obs)
+    apply = jax.jit(policy.apply)
+    dist, value = apply(variables, obs)
     assert dist.logits.shape == (2, 3) and value.shape == (2,)
     # each example is processed independently of the others in the batch
-    single, _ = policy.apply(variables, obs[1:])
-    assert_allclose(single.logits[0], dist.logits[1])
+    single, _ = apply(variables, obs[1:])
+    assert_allclose(np.asarray(single.logits)[0], np.asarray(dist.logits)[1])
     q = QNetwork(5, PolicyConfig(hidden_sizes=(8,)))
-    q_values = q.apply(q.init(rng, obs[:, 0, 0]), obs[:, 0, 0])
+    q_values = jax.jit(lambda o: q.apply(q.init(rng, o), o))(obs[:, 0, 0])
     assert q_values.shape == (2, 5) and np.isfinite(q_values).all()
 
 

@@ -23,33 +23,36 @@ from tests.tolerances import assert_allclose
 
 BATCH, SEQ, HEADS, KV_HEADS, DIM, FEATURES = 2, 21, 4, 2, 8, 3
 
+features = jax.jit(hedgehog_features)  # op by op, each call compiled a program per op
+
 
 def inputs(key, dtype=jnp.float32):
     generator = numpy_rng(key)
 
-    def normal(*shape, scale=1.0):
-        return jnp.asarray(scale * generator.standard_normal(shape), dtype)
+    def normal(*shape, scale=1.0):  # converted on the host: no device program per shape
+        return jnp.asarray((scale * generator.standard_normal(shape)).astype(dtype))
 
     q, k, v = (
         normal(BATCH, SEQ, HEADS, DIM, scale=2.0),
         normal(BATCH, SEQ, KV_HEADS, DIM, scale=2.0),
         normal(BATCH, SEQ, KV_HEADS, DIM),
     )
-    q_features = hedgehog_features(q, normal(HEADS, DIM, FEATURES))
-    k_features = hedgehog_features(k, normal(KV_HEADS, DIM, FEATURES))
-    factor = jnp.asarray(generator.uniform(0.1, 0.9, HEADS), jnp.float32)
-    segments = jnp.asarray(np.sort(generator.integers(0, 3, (BATCH, SEQ)), axis=1), jnp.int32)
+    q_features = features(q, normal(HEADS, DIM, FEATURES))
+    k_features = features(k, normal(KV_HEADS, DIM, FEATURES))
+    factor = jnp.asarray(generator.uniform(0.1, 0.9, HEADS).astype(np.float32))
+    segments = jnp.asarray(np.sort(generator.integers(0, 3, (BATCH, SEQ)), axis=1).astype(np.int32))
     return (q, k, v, q_features, k_features, factor), segments
 
 
 def test_the_reference_is_the_formula_for_one_query(rng):
     """Query 17 of row 0, head 3 (key head 1), window 5: keys 13..17 by softmax, 0..12 linearly."""
     (q, k, v, qf, kf, factor), _ = inputs(rng)
-    out = window_linear_reference(q, k, v, qf, kf, factor, window=5)
+    # Jitted, and the inputs indexed as NumPy arrays: op by op, this compiled ~65 programs.
+    out = np.asarray(jax.jit(lambda *a: window_linear_reference(*a, window=5))(q, k, v, qf, kf, factor))
     t, h, g = 17, 3, 1
-    q, k, v, qf, kf = (np.asarray(x[0], np.float64) for x in (q, k, v, qf, kf))
+    q, k, v, qf, kf = (np.asarray(x, np.float64)[0] for x in (q, k, v, qf, kf))
     scores = np.array([q[t, h] @ k[j, g] / np.sqrt(DIM) for j in range(13, 18)])
-    soft = float(factor[h]) * np.exp(scores - scores.max())
+    soft = float(np.asarray(factor)[h]) * np.exp(scores - scores.max())
     linear = np.array([qf[t, h] @ kf[j, g] for j in range(13)])
     weights = np.concatenate([linear, soft])
     expected = weights @ v[:18, g] / weights.sum()
@@ -64,7 +67,7 @@ def test_linear_time_form_equals_the_reference_with_gradients(window, packed, rn
     segment_ids = segments if packed else None
     options = dict(window=window, segment_ids=segment_ids, soft_cap=4.0)
     cotangent = jnp.asarray(
-        numpy_rng(jax.random.fold_in(rng, 1)).standard_normal((BATCH, SEQ, HEADS, DIM)), jnp.float32
+        numpy_rng(jax.random.fold_in(rng, 1)).standard_normal((BATCH, SEQ, HEADS, DIM)).astype(np.float32)
     )
 
     def loss(fn, *args):
@@ -80,8 +83,11 @@ def test_linear_time_form_equals_the_reference_with_gradients(window, packed, rn
     assert_allclose(value, expected_value, scale=20)
     for name, got, want in zip(("q", "k", "v", "q_features", "k_features", "factor"), grads, expected_grads):
         assert_allclose(got, want, scale=50, err_msg=name)
-    out = window_linear_attention(*args, impl="xla", **options)
-    assert_allclose(out, window_linear_reference(*args, **options), scale=10)
+    # Both forwards in one program: op by op, they compiled ~50 programs.
+    out, reference = jax.jit(
+        lambda *a: (window_linear_attention(*a, impl="xla", **options), window_linear_reference(*a, **options))
+    )(*args)
+    assert_allclose(out, reference, scale=10)
 
 
 def test_bf16_inputs_stay_within_bf16_tolerance(rng):
