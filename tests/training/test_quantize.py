@@ -148,8 +148,8 @@ def test_qat_steps_see_the_int4_values_that_ember_quantize_stores(work, rng):
     assert_allclose(float(loss(qat.params, jnp.int32(start - 1))), float_loss)
 
     tokens = batch["tokens"][:2]
-    served = DecoderLM(stored.config).apply(as_variables(stored.params), tokens)[0]
-    assert_allclose(served, DecoderLM(qat.config).apply(as_variables(fake), tokens)[0])
+    served = jax.jit(DecoderLM(stored.config).apply)(as_variables(stored.params), tokens)[0]
+    assert_allclose(served, jax.jit(DecoderLM(qat.config).apply)(as_variables(fake), tokens)[0])
 
 
 def test_bad_sources_and_configs(work, tmp_path, capsys):
