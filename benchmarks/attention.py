@@ -9,6 +9,8 @@ Sections (each row prints ours and the baselines, and the ratios):
   JAX's Pallas Triton ``mha`` and its Mosaic GPU Hopper attention; on a TPU: JAX's splash
   attention and XLA); each baseline's output is also compared with ours
   (``max_rel_diff``), so both sides compute the same function;
+- hopper_backward: on an sm90 GPU, forward+backward with the Hopper backward vs the same
+  forward with the Triton backward and vs cuDNN's forward+backward;
 - block_sparse: local + global (Longformer) at 16k; ours visiting live blocks only, vs cuDNN
   (XLA on a TPU) given the same mask as an explicit boolean array, vs our dense causal kernel;
 - sigmoid: ``score="sigmoid"`` vs our softmax kernel, same shapes;
@@ -46,8 +48,10 @@ from benchmarks.harness import (
 )
 from ember.kernels_pallas.block_mask import LocalGlobalMask, live_block_grid
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention
-from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel, hopper_reason
+from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
 from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, GpuInfo
+from ember.kernels_pallas.flash_attention_mgpu_backward import DEFAULT_HOPPER_BACKWARD_BLOCKS
+from ember.kernels_pallas.flash_attention_routing import hopper_backward_reason, hopper_reason
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
 # Forward+backward FLOPs over forward FLOPs: backward recomputes QK^T and adds four more
@@ -241,15 +245,15 @@ def tile_rows(impl, tiles, q_len, batch, heads, head_dim, dtype, causal=True, re
     return rows
 
 
-def _our_flash(forward: str) -> Callable:
-    """Our flash attention with its forward kernel chosen, ``"hopper"`` or ``"triton"`` (the
-    backward is Triton's either way): the op's kernel path below its dispatcher, the A/B."""
+def _our_flash(forward: str, backward: str = "triton") -> Callable:
+    """Our flash attention with its forward and backward kernels chosen, each ``"hopper"``
+    or ``"triton"``: the op's kernel path below its dispatcher, the A/B."""
 
     def attend(q, k, v, causal):
         problem = attention_problem(q, k, v, causal=causal)
         tiles = FlashBlockSizes().fitted(problem.q_len, problem.kv_len)
         return flash_attention_kernel(
-            q, k, v, None, problem=problem, block_sizes=tiles, interpret=False, forward=forward
+            q, k, v, None, problem=problem, block_sizes=tiles, interpret=False, forward=forward, backward=backward
         )
 
     return attend
@@ -261,6 +265,15 @@ def _hopper_not_run(impl, q, causal: bool) -> str | None:
         return f"impl={impl!r}: the Hopper kernel runs compiled on an sm90 GPU only"
     problem = attention_problem(q, q, q, causal=causal)
     return hopper_reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=DEFAULT_HOPPER_BLOCKS)
+
+
+def _hopper_backward_not_run(impl, q, causal: bool) -> str | None:
+    """Why the Hopper backward cannot run ``q``'s self-attention here (None: it can)."""
+    if impl != "pallas":
+        return f"impl={impl!r}: the Hopper kernels run compiled on an sm90 GPU only"
+    problem = attention_problem(q, q, q, causal=causal)
+    blocks = DEFAULT_HOPPER_BACKWARD_BLOCKS
+    return hopper_backward_reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=blocks)
 
 
 def _timed_forms(forms: dict, causal: bool, flops: float, repeats: int) -> tuple[dict, dict]:
@@ -318,6 +331,41 @@ def hopper_forward_rows(impl, baselines, q_len, batch, heads, head_dim, dtype, r
             row["hopper_fwd_bwd_speedup_vs_triton"] = _ratio(
                 columns.get("hopper_fwd_bwd_ms"), columns.get("triton_fwd_bwd_ms")
             )
+        rows.append(row)
+    return rows
+
+
+def hopper_backward_rows(impl, baselines, q_len, batch, heads, head_dim, dtype, repeats=10):
+    """Causal and not: forward+backward through the Hopper forward with the Hopper backward
+    (``hopper_bwd``) and with the Triton backward (``triton_bwd``, what ``impl="auto"``
+    runs today), and each of ``baselines``' forward+backward (e.g. cuDNN). The gradients of
+    the two backwards are compared (``grad_rel_diff``). Where the Hopper backward cannot
+    run, ``hopper_backward_not_run`` says why and nothing is timed."""
+    shape = (batch, q_len, heads, head_dim)
+    q, k, v = _qkv(shape, shape, dtype)
+    q_scaled = (q.astype(jnp.float32) / head_dim**0.5).astype(dtype)
+    rows = []
+    for causal in (True, False):
+        row = dict(section="hopper_backward", q_len=q_len, batch=batch, causal=causal)
+        reason = _hopper_backward_not_run(impl, q, causal)
+        if reason is not None:
+            rows.append(dict(row, hopper_backward_not_run=reason))
+            continue
+        forms = {f"{kernel}_bwd": (_our_flash("hopper", kernel), (q, k, v)) for kernel in ("hopper", "triton")}
+        forms.update({name: (BASELINES[name].attend, BASELINES[name].inputs(q, q_scaled, k, v)) for name in baselines})
+        flops = FWD_BWD_FLOP_RATIO * _attention_flops(batch, heads, q_len, q_len, head_dim, 0.5 if causal else 1)
+        seconds, grads = {}, {}
+        for name, (attend, args) in forms.items():
+            grads[name] = _fwd_and_fwd_bwd(lambda q, k, v, a=attend, c=causal: a(q, k, v, c))[1]
+            seconds[name] = _time_or_error(grads[name], *args, repeats=repeats)
+            row[f"{name}_fwd_bwd_ms"] = _ms(seconds[name])
+            row[f"{name}_fwd_bwd_tflops"] = _tflops(flops, seconds[name])
+        for name in forms:
+            if name != "hopper_bwd":
+                row[f"hopper_bwd_fwd_bwd_speedup_vs_{name}"] = _ratio(seconds["hopper_bwd"], seconds[name])
+        if all(isinstance(seconds[name], float) for name in ("hopper_bwd", "triton_bwd")):
+            pairs = zip(grads["hopper_bwd"](q, k, v), grads["triton_bwd"](q, k, v), strict=True)
+            row["grad_rel_diff"] = max(relative_error(got, want) for got, want in pairs)
         rows.append(row)
     return rows
 

@@ -16,8 +16,9 @@ A check is isolated: one that fails to compile or disagrees records the error te
 the next one runs. Adding or removing a kernel is one line of :data:`KERNEL_CHECKS`.
 
 :data:`HOPPER_CHECKS` check the Hopper (Mosaic GPU) forward of flash attention, with the
-Triton backward, in bf16 and f16. They run only where that kernel does (compiled, on an
-sm90 GPU: :func:`hopper_skip_reason`); elsewhere the GPU command records them as skipped.
+Triton backward and with the Hopper backward, in bf16 and f16. They run only where those
+kernels do (compiled, on an sm90 GPU: :func:`hopper_skip_reason`); elsewhere the GPU
+command records them as skipped.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from ember.kernels_pallas.flash_attention import (
     flash_attention,
     flash_attention_reference,
 )
-from ember.kernels_pallas.flash_attention_kernels import forward_kernel
+from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
 from ember.kernels_pallas.flash_attention_mgpu import GpuInfo, hopper_device_reason
+from ember.kernels_pallas.flash_attention_routing import forward_kernel
 from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul, grouped_matmul_reference
 from ember.kernels_pallas.linear_attention import linear_attention, linear_attention_reference, state_shape
 from ember.kernels_pallas.quantized_formats import QuantizedMatrix
@@ -257,6 +259,28 @@ def _hopper_flash(**options) -> Callable:
     return problem
 
 
+def _hopper_backward_flash(**options) -> Callable:
+    """A flash-attention check through the Hopper forward and the Hopper backward: the op's
+    kernel path with ``backward="hopper"`` (the check fails naming the reason where that
+    backward cannot run), against the same reference as :func:`_flash`."""
+    flash_problem = _flash(**options)
+
+    def problem(sizes: CheckSizes, dtype, gen):
+        checked = flash_problem(sizes, dtype, gen)
+        tiles = FlashBlockSizes(sizes.block, sizes.block)
+
+        def kernel(q, k, v):
+            call = attention_problem(q, k, v, causal=options.get("causal", False))
+            interpret = sizes.impl != "pallas"
+            return flash_attention_kernel(
+                q, k, v, None, problem=call, block_sizes=tiles, interpret=interpret, backward="hopper"
+            )
+
+        return dataclasses.replace(checked, kernel=kernel)
+
+    return problem
+
+
 def hopper_skip_reason(sizes: CheckSizes) -> str | None:
     """Why :data:`HOPPER_CHECKS` cannot run with ``sizes`` on this machine (None: they can)."""
     if sizes.impl != "pallas":
@@ -459,8 +483,16 @@ HOPPER_CHECKS: tuple[KernelCheck, ...] = (
     # Lengths off the block multiples: queries padded to 128, keys masked in the last block.
     KernelCheck("flash_attention[hopper,causal,gqa]", _hopper_flash(causal=True)),
     KernelCheck("flash_attention[hopper,cross_lengths,mqa,head_dim_64]", _hopper_flash(kv_heads=1, head_dim=64)),
+    # The Hopper backward, behind the Hopper forward: GQA dk/dv summed per key head in the
+    # kernel, causal tiles skipped and masked, queries padded (lse +inf) and keys masked.
+    KernelCheck("flash_attention[hopper_backward,causal,gqa]", _hopper_backward_flash(causal=True)),
+    KernelCheck(
+        "flash_attention[hopper_backward,cross_lengths,mqa,head_dim_80]",
+        _hopper_backward_flash(kv_heads=1, head_dim=80),
+    ),
 )
-"""The Hopper forward's checks (with the Triton backward), in :data:`HOPPER_CHECK_DTYPES`."""
+"""The Hopper kernels' checks, in :data:`HOPPER_CHECK_DTYPES`: the forward (with the Triton
+backward), then the forward with the Hopper backward."""
 HOPPER_CHECK_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
 
 

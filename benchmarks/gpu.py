@@ -11,9 +11,10 @@ issue's performance rows, writing ``gpu-<device>.json`` after every step.
    int4 and NF4) against its reference on
    the device, in bf16 and f32, errors recorded per kernel; a kernel that breaks does not
    stop the run. Then ``hopper_value_checks``: the Hopper (Mosaic GPU) forward of flash
-   attention with the Triton backward (:data:`benchmarks.device_checks.HOPPER_CHECKS`, bf16
-   and f16), recorded as skipped with the reason where that kernel cannot run (not an sm90
-   GPU, or the toy run's interpreted kernels).
+   attention with the Triton backward, and with the Hopper backward
+   (:data:`benchmarks.device_checks.HOPPER_CHECKS`, bf16 and f16), recorded as skipped with
+   the reason where those kernels cannot run (not an sm90 GPU, or the toy run's
+   interpreted kernels).
 2. ``rows``: the performance rows of :data:`MEASUREMENTS`, most important first, each
    reusing :mod:`benchmarks.attention`, :mod:`benchmarks.sequence_mixers`,
    :mod:`benchmarks.moe` and :mod:`benchmarks.train_step`: the measured ceilings (HBM
@@ -21,7 +22,8 @@ issue's performance rows, writing ``gpu-<device>.json`` after every step.
    flash attention forward and forward+backward vs cuDNN and JAX's Pallas attention
    (Triton and Mosaic GPU), batch 8, 16 heads, head_dim 128, 1k-16k, causal and not;
    the Hopper forward against our Triton forward (an A/B of the same call), cuDNN and
-   JAX's attention_mgpu at 8k;
+   JAX's attention_mgpu at 8k; forward+backward with the Hopper backward against the Triton
+   backward and cuDNN at 8k;
    block-sparse local + global vs cuDNN given the mask; sigmoid vs softmax scores; linear
    attention and SSD vs our flash attention and their naive scans at 16k; the grouped
    matmul vs ``ragged_dot``, a per-expert loop and the equal-FLOP dense matmul; ragged paged
@@ -235,6 +237,19 @@ def _hopper_forward(sizes: PerfSizes, context: dict) -> list[dict]:
     )
 
 
+def _hopper_backward(sizes: PerfSizes, context: dict) -> list[dict]:
+    return attention.hopper_backward_rows(
+        sizes.impl,
+        sizes.baselines[:1],
+        sizes.goal_len,
+        sizes.batch,
+        sizes.heads,
+        sizes.head_dim,
+        jnp.dtype(sizes.dtype),
+        repeats=sizes.repeats,
+    )
+
+
 def _block_sparse(sizes: PerfSizes, context: dict) -> list[dict]:
     return attention.block_sparse_rows(
         sizes.impl,
@@ -317,6 +332,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("ceilings", _ceilings, 10),
     Measurement("dense_goal", _dense(lambda s: (s.goal_len,)), 40),
     Measurement("hopper_forward", _hopper_forward, 40),
+    Measurement("hopper_backward", _hopper_backward, 40),
     Measurement("block_sparse", _block_sparse, 40),
     Measurement("linear_attention", _mixer_rows(sequence_mixers.linear_attention_rows), 40),
     Measurement("ssd", _mixer_rows(sequence_mixers.ssd_rows), 40),

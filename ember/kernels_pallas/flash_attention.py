@@ -315,6 +315,7 @@ def _chunked_xla_attention(q, k, v, rows, problem: AttentionProblem) -> jax.Arra
         "block_mask",
         "block_sizes",
         "impl",
+        "backward_kernel",
     ),
 )
 def flash_attention(
@@ -332,6 +333,7 @@ def flash_attention(
     block_sizes: FlashBlockSizes | None = None,
     impl: str = "auto",
     segment_positions=None,
+    backward_kernel: str = "auto",
 ) -> jax.Array:
     """Attention over ``[batch, seq, heads, head_dim]`` tensors, memory-efficient and
     block-sparse; differentiable (forward and backward are Pallas kernels on GPU/TPU).
@@ -372,6 +374,10 @@ def flash_attention(
         ``"interpret_tpu"`` (the TPU kernels in JAX's TPU interpret mode, any backend) or
         ``"xla"`` (the reference math in rematerialized chunks of 512 queries,
         differentiated by XLA; memory ``O(512 * kv_len)`` per head).
+      backward_kernel: the GPU kernels' backward: ``"auto"`` (today Triton's),
+        ``"triton"`` or ``"hopper"`` (the Mosaic GPU backward on sm90, for the problems the
+        Hopper forward runs; raises naming the reason elsewhere). Anything but ``"auto"``
+        needs the GPU kernels (``impl="pallas"`` on a GPU, or ``"interpret"``).
 
     Jitted; every argument but ``q``, ``k``, ``v`` and ``segment_ids`` is static (hashable:
     pass ``window`` as a tuple). Lengths need not be multiples of the block sizes. A query with no visible key returns
@@ -402,6 +408,11 @@ def flash_attention(
     resolved = resolve_impl(impl, op="flash_attention", kernel_backends=KERNEL_BACKENDS)
     rows = _row_arrays(problem, segment_ids, segment_positions)
     platform = kernel_platform(resolved)
+    if backward_kernel != "auto" and platform != "gpu":
+        raise ValueError(
+            f"backward_kernel={backward_kernel!r} chooses among the GPU kernels (impl='pallas' on a GPU, "
+            f"or 'interpret'); impl={impl!r} runs the {platform or 'XLA'} path here"
+        )
     if platform is None:
         return _chunked_xla_attention(q, k, v, rows, problem)
     if platform == "tpu":
@@ -422,6 +433,7 @@ def flash_attention(
         problem=problem,
         block_sizes=block_sizes.fitted(problem.q_len, problem.kv_len),
         interpret=resolved == "interpret",
+        backward=backward_kernel,
     )
 
 

@@ -30,8 +30,9 @@ kernels do. Sequences are padded to block multiples outside and masked inside.
 On an sm90 (Hopper) GPU the forward of the problems it supports (softmax, no mask or
 causal, bf16/f16, head_dim padded to 64 or 128) is instead the Mosaic GPU kernel of
 :mod:`ember.kernels_pallas.flash_attention_mgpu` (TMA, wgmma, warp specialisation); it
-saves the same log-sum-exp, so the backward is these dq and dk/dv kernels either way.
-:func:`forward_kernel` makes that choice; ``forward="triton"`` forces the Triton forward.
+saves the same log-sum-exp, so either forward pairs with either backward. The Hopper
+backward (:mod:`ember.kernels_pallas.flash_attention_mgpu_backward`) covers the same
+problems. :mod:`ember.kernels_pallas.flash_attention_routing` makes both choices.
 """
 
 from __future__ import annotations
@@ -53,14 +54,9 @@ from ember.kernels_pallas.block_mask import (
     traced_live_lists,
 )
 from ember.kernels_pallas.dispatch import triton_compiler_params
-from ember.kernels_pallas.flash_attention_mgpu import (
-    DEFAULT_HOPPER_BLOCKS,
-    GpuInfo,
-    HopperBlockSizes,
-    hopper_device_reason,
-    hopper_forward,
-    hopper_supports,
-)
+from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, GpuInfo, HopperBlockSizes, hopper_forward
+from ember.kernels_pallas.flash_attention_mgpu_backward import DEFAULT_HOPPER_BACKWARD_BLOCKS, hopper_backward
+from ember.kernels_pallas.flash_attention_routing import backward_kernel, forward_kernel
 from ember.kernels_pallas.flash_attention_tiles import (
     AttentionBlocks,
     attention_vjp,
@@ -98,6 +94,7 @@ class KernelConfig(AttentionBlocks):
     num_warps: int | None = None  # None: by head_dim
     num_stages: int = 2
     hopper_blocks: HopperBlockSizes | None = None  # the Hopper forward's tiles; None: Triton's
+    hopper_backward_blocks: HopperBlockSizes | None = None  # the Hopper backward's; None: Triton's
 
     @property
     def head_dim(self) -> int:
@@ -432,7 +429,18 @@ def _forward(q, k, v, rows, config: KernelConfig):
     return out, pad_axis_to_multiple(lse, 2, config.block_q, value=jnp.inf)
 
 
-_flash = attention_vjp(_forward, flash_backward)
+def _backward(q, k, v, rows, out, lse, d_out, config: KernelConfig):
+    """``(dq, dk, dv)`` from the configured backward kernels."""
+    if config.hopper_backward_blocks is None:
+        return flash_backward(q, k, v, rows, out, lse, d_out, config)
+    p = config.problem
+    causal = isinstance(p.mask, CausalMask)
+    return hopper_backward(
+        q, k, v, out, lse, d_out, causal=causal, sm_scale=p.sm_scale, blocks=config.hopper_backward_blocks
+    )
+
+
+_flash = attention_vjp(_forward, _backward)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -440,45 +448,6 @@ def padded_head_dim(head_dim: int) -> int:
     and 96 run as 128). The zero columns add nothing to any logit, and the output columns
     they produce are dropped."""
     return 1 << (head_dim - 1).bit_length()
-
-
-FORWARD_KERNELS: tuple[str, ...] = ("auto", "triton", "hopper")
-
-
-def hopper_reason(problem, dtypes, gpu: GpuInfo | None, *, interpret: bool, blocks: HopperBlockSizes) -> str | None:
-    """None when the Hopper forward runs ``problem`` with inputs of ``dtypes`` (q, k, v) on
-    ``gpu`` (None: not an NVIDIA GPU), else why not."""
-    if interpret:
-        return "interpret mode (the Pallas interpreter runs the Triton kernels)"
-    if len(set(map(jnp.dtype, dtypes))) != 1:
-        return f"q, k, v dtypes differ: {', '.join(jnp.dtype(d).name for d in dtypes)}"
-    causal = isinstance(problem.mask, CausalMask)
-    return hopper_supports(problem, dtypes[0], blocks) or hopper_device_reason(gpu, causal)
-
-
-def forward_kernel(
-    problem,
-    dtypes,
-    gpu: GpuInfo | None,
-    *,
-    interpret: bool,
-    forward: str = "auto",
-    hopper_blocks: HopperBlockSizes = DEFAULT_HOPPER_BLOCKS,
-) -> str:
-    """Which forward runs a call: ``"hopper"`` (Mosaic GPU) where :func:`hopper_reason`
-    has nothing against it, else ``"triton"``; ``forward`` forces one.
-
-    Raises:
-      ValueError: for an unknown ``forward``, or ``forward="hopper"`` where it cannot run.
-    """
-    if forward not in FORWARD_KERNELS:
-        raise ValueError(f"forward must be one of {FORWARD_KERNELS}, got {forward!r}")
-    if forward == "triton":
-        return "triton"
-    reason = hopper_reason(problem, dtypes, gpu, interpret=interpret, blocks=hopper_blocks)
-    if reason is not None and forward == "hopper":
-        raise ValueError(f"forward='hopper' cannot run this call: {reason}")
-    return "triton" if reason else "hopper"
 
 
 def flash_attention_kernel(
@@ -492,15 +461,19 @@ def flash_attention_kernel(
     block_sizes,
     interpret: bool,
     forward: str = "auto",
+    backward: str = "auto",
     hopper_blocks: HopperBlockSizes = DEFAULT_HOPPER_BLOCKS,
+    hopper_backward_blocks: HopperBlockSizes = DEFAULT_HOPPER_BACKWARD_BLOCKS,
 ):
     """The Pallas path of ``flash_attention`` (arguments already validated; ``segments`` and
     ``segment_positions`` are each ``None`` or a pair ``(query [batch, q_len], key [batch,
     kv_len])`` of int32; positions only where ``problem.has_segment_positions``).
 
-    ``forward``: ``"auto"`` (the Hopper forward where :func:`forward_kernel` allows it),
-    ``"triton"`` or ``"hopper"``; ``hopper_blocks``: that kernel's tiles. ``block_sizes``
-    are the Triton kernels' (the backward's always)."""
+    ``forward`` / ``backward``: ``"auto"``, ``"triton"`` or ``"hopper"``, chosen by
+    :func:`~ember.kernels_pallas.flash_attention_routing.forward_kernel` and
+    :func:`~ember.kernels_pallas.flash_attention_routing.backward_kernel`;
+    ``hopper_blocks`` / ``hopper_backward_blocks``: the Hopper kernels' tiles.
+    ``block_sizes`` are the Triton kernels'."""
     if problem.mask is not None:
         problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
     head_dim, padded = problem.head_dim, padded_head_dim(problem.head_dim)
@@ -510,6 +483,9 @@ def flash_attention_kernel(
     gpu = None if interpret else GpuInfo.here()
     dtypes = (q.dtype, k.dtype, v.dtype)
     choice = forward_kernel(problem, dtypes, gpu, interpret=interpret, forward=forward, hopper_blocks=hopper_blocks)
+    backward_choice = backward_kernel(
+        problem, dtypes, gpu, interpret=interpret, backward=backward, hopper_blocks=hopper_backward_blocks
+    )
     config = KernelConfig(
         problem,
         block_sizes.block_q,
@@ -518,5 +494,6 @@ def flash_attention_kernel(
         block_sizes.num_warps,
         block_sizes.num_stages,
         hopper_blocks=hopper_blocks if choice == "hopper" else None,
+        hopper_backward_blocks=hopper_backward_blocks if backward_choice == "hopper" else None,
     )
     return _flash(q, k, v, (segments, segment_positions), config)[..., :head_dim]

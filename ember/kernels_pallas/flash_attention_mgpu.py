@@ -124,13 +124,16 @@ def hopper_device_reason(gpu: GpuInfo | None, causal: bool) -> str | None:
     return None
 
 
-def hopper_supports(problem, dtype, blocks: HopperBlockSizes = DEFAULT_HOPPER_BLOCKS) -> str | None:
+def hopper_supports(
+    problem, dtype, blocks: HopperBlockSizes = DEFAULT_HOPPER_BLOCKS, smem_bytes: int | None = None
+) -> str | None:
     """None when the Hopper kernel computes ``problem`` (an
     :class:`ember.kernels_pallas.flash_attention.AttentionProblem`) in ``dtype`` with
     ``blocks``, else the reason it does not (the Triton kernels then run it).
 
     Supported: softmax scores with a positive ``sm_scale``, no mask or causal, any GQA/MQA
-    ratio, bfloat16 and float16, head_dim 64 or 128, any lengths (padded and masked)."""
+    ratio, bfloat16 and float16, head_dim 64 or 128, any lengths (padded and masked).
+    ``smem_bytes``: the kernel's shared memory with ``blocks`` (default: this forward's)."""
     if problem.score != "softmax":
         return f"{problem.score} scores"
     if problem.logits_soft_cap is not None:
@@ -145,14 +148,14 @@ def hopper_supports(problem, dtype, blocks: HopperBlockSizes = DEFAULT_HOPPER_BL
         return f"dtype {jnp.dtype(dtype).name} (wgmma takes {' or '.join(HOPPER_DTYPES)})"
     if problem.head_dim not in HOPPER_HEAD_DIMS:
         return f"head_dim {problem.head_dim} (only {' or '.join(map(str, HOPPER_HEAD_DIMS))})"
-    smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)
+    smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize) if smem_bytes is None else smem_bytes
     if smem > SMEM_BUDGET_BYTES:
         return f"{blocks} need {smem // 1024} KiB of shared memory (> {SMEM_BUDGET_BYTES // 1024} KiB)"
     return None
 
 
 @dataclasses.dataclass(frozen=True)
-class _Geometry:
+class HopperGeometry:
     """Static sizes of one call; lengths padded (queries to ``2 * block_q``, keys to
     ``block_kv``), ``kv_len`` the real key count."""
 
@@ -188,6 +191,14 @@ class _Geometry:
         return self.causal or self.kv_len % self.blocks.block_kv != 0
 
 
+def tma_transforms() -> tuple:
+    """Shared-memory tiling of 16-bit ``[rows, head_dim]`` tiles for TMA and wgmma: 64-element
+    rows are 128 bytes, the widest swizzle."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
 def _take_turn(turn):
     """Both compute warpgroups pass the turn barrier together (its two arrivals)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -196,7 +207,7 @@ def _take_turn(turn):
     plgpu.barrier_wait(turn)
 
 
-def _softmax_step(geo: _Geometry, scores, carry, visible):
+def _softmax_step(geo: HopperGeometry, scores, carry, visible):
     """The online softmax update in base 2 with ``sm_scale`` folded in: ``row_max`` is the
     running max of ``scores * sm_scale * log2(e)``, ``row_sum`` the sum of ``2 ** (that -
     row_max)``; ``acc`` is rescaled. Returns ``(probabilities [block_q, block_kv] f32,
@@ -214,7 +225,7 @@ def _softmax_step(geo: _Geometry, scores, carry, visible):
     return p, (acc, new_max, row_sum)
 
 
-def _visible(geo: _Geometry, row_start, kv_step):
+def visible_tile(geo: HopperGeometry, row_start, kv_step):
     """Bool ``[block_q, block_kv]`` of the masked steps: causal and not a padded key."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -243,7 +254,7 @@ class _Shared(NamedTuple):
     turn: object  # two arrivals: the compute warpgroups' turns on the tensor cores
 
 
-def _attend_block(geo: _Geometry, shared: _Shared, wg, row_start, steps, kv_step, carry, masked: bool):
+def _attend_block(geo: HopperGeometry, shared: _Shared, wg, row_start, steps, kv_step, carry, masked: bool):
     """One key block for one compute warpgroup: ``S = Q K^T``, the softmax update, then
     ``acc += P V``, taking turns with the other warpgroup and releasing the slot."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -258,7 +269,7 @@ def _attend_block(geo: _Geometry, shared: _Shared, wg, row_start, steps, kv_step
 
     scores = pl.run_scoped(scores_of, plgpu.ACC((bq, bkv), jnp.float32))
     plgpu.barrier_arrive(shared.k_consumed.at[slot])
-    visible = _visible(geo, row_start, kv_step) if masked else None
+    visible = visible_tile(geo, row_start, kv_step) if masked else None
     p, (acc, row_max, row_sum) = _softmax_step(geo, scores, carry, visible)
     p = p.astype(geo.dtype)
     # Keep the softmax ahead of the turn barrier (else the compiler sinks it past the wait).
@@ -281,7 +292,7 @@ def _attend_block(geo: _Geometry, shared: _Shared, wg, row_start, steps, kv_step
     return acc, row_max, row_sum
 
 
-def _skip_block(geo: _Geometry, shared: _Shared, kv_step):
+def _skip_block(geo: HopperGeometry, shared: _Shared, kv_step):
     """A key block only the other compute warpgroup visits (causal): release its slot and
     keep the turn barrier's arrivals in step with the other warpgroup. (Waiting for the
     loads keeps this warpgroup's view of the load barriers' phases exact.)"""
@@ -296,7 +307,7 @@ def _skip_block(geo: _Geometry, shared: _Shared, kv_step):
     _take_turn(shared.turn)
 
 
-def _compute_warpgroup(geo: _Geometry, shared: _Shared, wg, tile, q_ref, out_ref, lse_ref):
+def _compute_warpgroup(geo: HopperGeometry, shared: _Shared, wg, tile, q_ref, out_ref, lse_ref):
     """One compute warpgroup: its ``block_q`` rows of the tile against every key block they
     see, then ``O`` and the lse rows stored by TMA."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -339,7 +350,7 @@ def _compute_warpgroup(geo: _Geometry, shared: _Shared, wg, tile, q_ref, out_ref
     plgpu.wait_smem_to_gmem(0)
 
 
-def _memory_warpgroup(geo: _Geometry, shared: _Shared, tile, k_ref, v_ref):
+def _memory_warpgroup(geo: HopperGeometry, shared: _Shared, tile, k_ref, v_ref):
     """The TMA producer: fills the K/V ring with the tile's key blocks, reusing a slot once
     both compute warpgroups have consumed it."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -377,7 +388,9 @@ def _memory_warpgroup(geo: _Geometry, shared: _Shared, tile, k_ref, v_ref):
         plgpu.barrier_wait(shared.v_consumed.at[slot])
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, loaded, consumed, turn, *, geo: _Geometry, num_tiles: int):
+def _kernel(
+    q_ref, k_ref, v_ref, out_ref, lse_ref, smem, loaded, consumed, turn, *, geo: HopperGeometry, num_tiles: int
+):
     shared = _Shared(*smem, *loaded, *consumed, turn)
     tile = lax.axis_index("q_tiles")
     if geo.causal:  # the longest tiles first: a shorter tail of the grid
@@ -393,14 +406,13 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, smem, loaded, consumed, turn,
         _memory_warpgroup(geo, shared, tile, k_ref, v_ref)
 
 
-def _scratch(geo: _Geometry):
+def _scratch(geo: HopperGeometry):
     """Shared memory and barriers: ``(smem, loaded, consumed, turn)``, the fields of
     :class:`_Shared` in order."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     bq, bkv, stages, d = geo.blocks.block_q, geo.blocks.block_kv, geo.blocks.stages, geo.head_dim
-    # 64-element rows of 16-bit values: 128 bytes, the widest TMA/wgmma swizzle.
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    transforms = tma_transforms()
     smem = (
         plgpu.SMEM((_COMPUTE_WARPGROUPS, bq, d), geo.dtype, transforms=transforms),  # Q, then O
         plgpu.SMEM((stages, bkv, d), geo.dtype, transforms=transforms),
@@ -435,7 +447,7 @@ def hopper_forward(q, k, v, *, causal: bool, sm_scale: float, blocks: HopperBloc
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     bq, bkv = blocks.block_q, blocks.block_kv
-    geo = _Geometry(
+    geo = HopperGeometry(
         group=heads // kv_heads,
         head_dim=head_dim,
         kv_len=kv_len,

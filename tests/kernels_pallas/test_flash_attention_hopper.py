@@ -1,7 +1,8 @@
-"""The Hopper (Mosaic GPU) forward of flash attention without a GPU: what it supports (and
-the reasons it gives otherwise), and which forward a call routes to for a given device.
-Its values are checked on an H100/H200 by ``python -m benchmarks.gpu`` (HOPPER_CHECKS);
-here kernels are only traced, never run."""
+"""The Hopper (Mosaic GPU) forward and backward of flash attention without a GPU: what they
+support (and the reasons they give otherwise), and which kernels a call routes to for a
+given device. Their values are checked on an H100/H200 by ``python -m benchmarks.gpu``
+(HOPPER_CHECKS); here kernels are only traced, never run (jax 0.10 has no Mosaic GPU
+interpreter; benchmarks/README.md says how they were checked before a device)."""
 
 import re
 
@@ -9,15 +10,18 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ember.kernels_pallas import flash_attention_routing
 from ember.kernels_pallas.block_mask import CausalMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention
-from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel, forward_kernel
+from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
 from ember.kernels_pallas.flash_attention_mgpu import (
     GpuInfo,
     HopperBlockSizes,
     hopper_device_reason,
     hopper_supports,
 )
+from ember.kernels_pallas.flash_attention_mgpu_backward import hopper_backward_supports
+from ember.kernels_pallas.flash_attention_routing import backward_kernel, forward_kernel
 
 H100 = GpuInfo((9, 0), cuda_runtime=12091)
 BF16 = (jnp.bfloat16,) * 3
@@ -107,10 +111,51 @@ def test_routing(call, dtypes, gpu, interpret, expected):
 def test_forcing_a_forward():
     assert forward_kernel(problem(), BF16, H100, interpret=False, forward="triton") == "triton"
     assert forward_kernel(problem(), BF16, H100, interpret=False, forward="hopper") == "hopper"
-    with pytest.raises(ValueError, match="forward='hopper' cannot run this call: sigmoid scores"):
+    with pytest.raises(ValueError, match="the hopper forward kernel cannot run this call: sigmoid scores"):
         forward_kernel(problem(score="sigmoid"), BF16, H100, interpret=False, forward="hopper")
-    with pytest.raises(ValueError, match="forward must be one of"):
+    with pytest.raises(ValueError, match="the forward kernel must be one of"):
         forward_kernel(problem(), BF16, H100, interpret=False, forward="mosaic")
+
+
+def test_the_backward_supports_what_the_forward_does_within_its_shared_memory():
+    assert hopper_backward_supports(problem(causal=True, kv_heads=1), jnp.bfloat16) is None
+    assert hopper_backward_supports(problem(head_dim=64, q_len=77, kv_len=1000), jnp.float16) is None
+    assert "sigmoid scores" in hopper_backward_supports(problem(score="sigmoid"), jnp.bfloat16)
+    # dk/dv, the larger kernel: K/V tiles of two warpgroups and 4 slots of Q/dO blocks, 128
+    # rows by 128 in bf16 (384 KiB), and 4 slots of lse/delta rows (4 KiB).
+    too_big = hopper_backward_supports(problem(), jnp.bfloat16, HopperBlockSizes(128, 128, 4))
+    assert "388 KiB of shared memory" in too_big
+
+
+@pytest.mark.parametrize(
+    "backward, call, gpu, by_default, expected",
+    [
+        ("auto", problem(causal=True), H100, False, "triton"),  # until checked on a device
+        ("auto", problem(causal=True), H100, True, "hopper"),
+        ("auto", problem(score="sigmoid"), H100, True, "triton"),
+        ("auto", problem(), GpuInfo((8, 0)), True, "triton"),
+        ("hopper", problem(causal=True), H100, False, "hopper"),
+        ("triton", problem(causal=True), H100, True, "triton"),
+    ],
+)
+def test_backward_routing(monkeypatch, backward, call, gpu, by_default, expected):
+    monkeypatch.setattr(flash_attention_routing, "HOPPER_BACKWARD_BY_DEFAULT", by_default)
+    assert backward_kernel(call, BF16, gpu, interpret=False, backward=backward) == expected
+
+
+@pytest.mark.parametrize(
+    "call, gpu, interpret, message",
+    [
+        (problem(logits_soft_cap=5.0), H100, False, "the hopper backward kernel cannot run this call: logits soft cap"),
+        (problem(), GpuInfo((8, 0)), False, "compute capability 8.0"),
+        (problem(), H100, True, "interpret mode"),
+    ],
+)
+def test_forcing_the_hopper_backward_where_it_cannot_run_names_the_reason(call, gpu, interpret, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        backward_kernel(call, BF16, gpu, interpret=interpret, backward="hopper")
+    with pytest.raises(ValueError, match="the backward kernel must be one of"):
+        backward_kernel(call, BF16, gpu, interpret=interpret, backward="mosaic")
 
 
 def kernels_in(fn, *args) -> set[str]:
@@ -151,3 +196,44 @@ def test_forward_triton_keeps_the_triton_forward_on_hopper(monkeypatch):
 
     assert "flash_attention_forward" in run("triton") and "flash_attention_forward_hopper" not in run("triton")
     assert "flash_attention_forward_hopper" in run("auto")
+
+
+@pytest.mark.parametrize(
+    "forward, expected_forward", [("auto", "flash_attention_forward_hopper"), ("triton", "flash_attention_forward")]
+)
+def test_the_hopper_backward_runs_its_dq_and_dkv_kernels_behind_either_forward(monkeypatch, forward, expected_forward):
+    """GQA with head_dim 80 (padded to 128), causal, lengths off the tiles: the gradient's
+    jaxpr holds the Hopper dq and dk/dv kernels and no Triton backward kernel."""
+    monkeypatch.setattr(GpuInfo, "here", classmethod(lambda cls: H100))
+    q = jnp.zeros((1, 100, 4, 80), jnp.bfloat16)
+    k = jnp.zeros((1, 100, 2, 80), jnp.bfloat16)
+    call = attention_problem(q, k, k, causal=True)
+    kernels = kernels_in(
+        lambda q, k, v: flash_attention_kernel(
+            q,
+            k,
+            v,
+            None,
+            problem=call,
+            block_sizes=FlashBlockSizes(64, 64),
+            interpret=False,
+            forward=forward,
+            backward="hopper",
+        ),
+        q,
+        k,
+        k,
+    )
+    assert kernels == {expected_forward, "flash_attention_dq_hopper", "flash_attention_dkv_hopper"}
+
+
+def test_the_op_takes_the_hopper_backward_when_asked_and_refuses_it_off_the_gpu_kernels(monkeypatch):
+    q = jnp.zeros((1, 102, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="backward_kernel='hopper' chooses among the GPU kernels"):
+        flash_attention(q, q, q, impl="xla", backward_kernel="hopper")
+    with pytest.raises(ValueError, match="the hopper backward kernel cannot run this call: interpret mode"):
+        jax.grad(lambda q: flash_attention(q, q, q, impl="interpret", backward_kernel="hopper").sum())(q)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(GpuInfo, "here", classmethod(lambda cls: H100))
+    kernels = kernels_in(lambda q, k, v: flash_attention(q, k, v, impl="pallas", backward_kernel="hopper"), q, q, q)
+    assert kernels == {"flash_attention_forward_hopper", "flash_attention_dq_hopper", "flash_attention_dkv_hopper"}
