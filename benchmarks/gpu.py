@@ -79,6 +79,7 @@ from benchmarks.harness import (
 from ember.core.config import load_config
 from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes
+from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes
 from ember.models.config import ModelConfig
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -167,7 +168,14 @@ TOY_SIZES = PerfSizes(
     mixers=dataclasses.replace(
         sequence_mixers.CPU_SIZES, seq_lens=(128,), scan_max_seq=128, quadratic_max_seq=0, repeats=1
     ),
-    moe=moe.Sizes(problems=(moe.Problem(4, 64, 16, 32),), loads=("skewed",), dtype="float32", impl="xla", repeats=1),
+    moe=moe.Sizes(
+        problems=(moe.Problem(4, 64, 16, 32),),
+        loads=("skewed",),
+        dtype="float32",
+        impl="xla",
+        repeats=1,
+        tiles=(GroupedMatmulBlockSizes(16, 16, 16),),
+    ),
     decode=dict(num_seqs=2, heads=2, kv_heads=1, head_dim=16, page_size=8, length=64),
     quantized_decode=(
         ModelConfig(vocab_size=64, d_model=64, num_layers=1, num_heads=2, mlp_dim=128, max_seq_len=32),
@@ -310,6 +318,10 @@ def _grouped_matmul(sizes: PerfSizes, context: dict) -> list[dict]:
     return moe.grouped_matmul_rows(sizes.moe)
 
 
+def _grouped_matmul_tiles(sizes: PerfSizes, context: dict) -> list[dict]:
+    return moe.grouped_matmul_tile_rows(sizes.moe)
+
+
 def _quantized_decode(sizes: PerfSizes, context: dict) -> list[dict]:
     model, context_len, batches = sizes.quantized_decode
     return quantization.decode_rows(model, context_len, batches)
@@ -343,6 +355,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("train_step", _train_step, 120),
     Measurement("sigmoid", _sigmoid, 30),
     Measurement("flash_tiles", _tiles, 50),
+    Measurement("grouped_matmul_tiles", _grouped_matmul_tiles, 60),
     *(Measurement(f"dense_sweep[{i}]", _dense(lambda s, i=i: s.sweep_lens[i : i + 1]), 40) for i in range(4)),
 )
 """The performance rows, most important first; one line per measurement."""
@@ -560,17 +573,23 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="inputs of the value checks (default: fresh)")
     parser.add_argument("--only-checks", nargs="*", default=(), help="run only checks whose name contains one of these")
     parser.add_argument("--skip", nargs="*", default=(), help="'checks' and/or measurement names to leave out")
+    parser.add_argument("--only", nargs="*", default=None, help="the measurements to run (default: all)")
     parser.add_argument(
         "--keep-checks-from", type=Path, default=None, help="an earlier gpu-<device>.json whose checks this run keeps"
     )
     args = parser.parse_args(argv)
+    names = [measurement.name for measurement in MEASUREMENTS]
+    unknown = [name for name in (*args.skip, *(args.only or ())) if name not in (*names, "checks")]
+    if unknown:
+        parser.error(f"unknown measurement(s) {unknown}; known: checks, {', '.join(names)}")
+    skip = tuple(args.skip) + tuple(name for name in names if args.only is not None and name not in args.only)
     toy = args.toy or not on_gpu()
     if toy and not args.toy:
         print(f"No GPU found (device: {device_label()}): toy sizes, kernels in the Pallas interpreter.")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     budget = args.budget_s if args.budget_s is not None else (1e9 if toy else 500.0)
     previous = json.loads(args.keep_checks_from.read_text()) if args.keep_checks_from else None
-    run(toy, args.results_dir, budget, seed, tuple(args.only_checks), tuple(args.skip), previous)
+    run(toy, args.results_dir, budget, seed, tuple(args.only_checks), skip, previous)
     return 0
 
 

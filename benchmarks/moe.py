@@ -69,7 +69,7 @@ import numpy as np
 from benchmarks.harness import RESULTS_DIR, device_label, on_accelerator, print_table, time_fn, write_results
 from ember.core.config import load_config
 from ember.core.tree import param_count
-from ember.kernels_pallas.grouped_matmul import grouped_matmul
+from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul
 from ember.models.config import ModelConfig, MoEConfig
 from ember.models.layers.mlp import Mlp
 from ember.models.layers.moe import MoeMlp
@@ -94,6 +94,9 @@ class Sizes:
     dtype: str
     impl: str  # grouped_matmul's impl
     repeats: int
+    # Kernel tiles timed on the first problem and load (grouped_matmul_tile_rows); the GPU
+    # candidates are Triton GEMM shapes for sm90: wider n and k tiles, 8 warps, more stages.
+    tiles: tuple[GroupedMatmulBlockSizes, ...] = ()
 
 
 GPU_SIZES = Sizes(
@@ -104,6 +107,14 @@ GPU_SIZES = Sizes(
     dtype="bfloat16",
     impl="pallas",
     repeats=10,
+    tiles=(
+        GroupedMatmulBlockSizes(128, 64, 128, num_warps=4, num_stages=3),  # the default
+        GroupedMatmulBlockSizes(128, 64, 128, num_warps=8, num_stages=4),
+        GroupedMatmulBlockSizes(128, 64, 256, num_warps=8, num_stages=3),
+        GroupedMatmulBlockSizes(256, 64, 128, num_warps=8, num_stages=3),
+        GroupedMatmulBlockSizes(128, 128, 128, num_warps=8, num_stages=3),
+        GroupedMatmulBlockSizes(64, 64, 256, num_warps=4, num_stages=4),
+    ),
 )
 CPU_SIZES = Sizes(
     problems=(Problem(8, 1024, 128, 256), Problem(32, 2048, 64, 128)),
@@ -210,6 +221,36 @@ def grouped_matmul_rows(sizes: Sizes, key=None) -> list[dict]:
                     )
                 )
             del peer_out
+    return rows
+
+
+def grouped_matmul_tile_rows(sizes: Sizes, key=None) -> list[dict]:
+    """One row per tile of ``sizes.tiles``: our grouped matmul's forward and forward+backward
+    on the first problem and load, and each one's TFLOP/s over the equal-FLOP dense matmul's
+    (timed once, in the same run)."""
+    problem, load = sizes.problems[0], sizes.loads[0]
+    group_sizes = group_sizes_for(load, problem.experts, problem.rows)
+    forms = forms_for(sizes, problem, group_sizes, jnp.dtype(sizes.dtype), jax.random.key(0) if key is None else key)
+    flops = 2.0 * problem.rows * problem.k * problem.n
+
+    def timed(fn, args):
+        loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
+        fwd = _timed_ms(jax.jit(fn), args, sizes.repeats)
+        return fwd, _timed_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), args, sizes.repeats)
+
+    dense = timed(*forms["dense_equal_flops"])
+    args = forms["grouped_matmul"][1]
+    rows = []
+    for tile in sizes.tiles:
+        ours = timed(lambda a, b, s, tile=tile: grouped_matmul(a, b, s, impl=sizes.impl, block_sizes=tile), args)
+        row = dict(section="grouped_matmul_tiles", **dataclasses.asdict(problem), load=load, **dataclasses.asdict(tile))
+        for phase, mine, theirs, phase_flops in zip(("fwd", "fwd_bwd"), ours, dense, (flops, 3 * flops), strict=True):
+            row[f"{phase}_ms"] = mine
+            row[f"{phase}_tflops"] = _tflops(phase_flops, mine)
+            dense_tflops = _tflops(phase_flops, theirs)
+            if row[f"{phase}_tflops"] is not None and dense_tflops is not None:
+                row[f"{phase}_vs_dense_equal_flops"] = row[f"{phase}_tflops"] / dense_tflops
+        rows.append(row)
     return rows
 
 

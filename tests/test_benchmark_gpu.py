@@ -147,3 +147,17 @@ def test_kept_checks_carry_their_origin_and_refuse_another_device():
         gpu.kept_checks(previous, "h100")
     with pytest.raises(ValueError, match="toy"):
         gpu.kept_checks(dict(previous, toy=True), "h200")
+
+
+def test_only_runs_the_named_measurements_and_unknown_names_are_refused(tmp_path, capsys):
+    gpu.main(["--toy", "--skip", "checks", "--only", "ceilings", "hopper_backward", "--results-dir", str(tmp_path)])
+    record = json.loads((tmp_path / "gpu-cpu.json").read_text())
+    assert {row["measurement"] for row in record["rows"]} == {"ceilings", "hopper_backward"}
+    assert record["device_value_checks"] == {}
+    # Off the GPU the Hopper backward's rows say why nothing was timed.
+    backward = [row for row in record["rows"] if row["section"] == "hopper_backward"]
+    assert [row["causal"] for row in backward] == [True, False]
+    assert all("sm90 GPU only" in row["hopper_backward_not_run"] for row in backward)
+    with pytest.raises(SystemExit):
+        gpu.main(["--toy", "--only", "flash_tile"])
+    assert "unknown measurement(s) ['flash_tile']" in capsys.readouterr().err
