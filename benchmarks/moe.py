@@ -21,7 +21,10 @@ and some with none), forward and forward+backward (gradients of ``lhs`` and ``rh
 - ``per_expert_loop``: one dense matmul per expert on its static slice of rows (sizes
   known when tracing, as a plain PyTorch-style MoE loop does), concatenated;
 - ``dense_equal_flops``: one ``[rows, k] @ [k, n]`` matmul, the same FLOPs as the grouped
-  matmul; the ceiling a grouped matmul aims at.
+  matmul; the ceiling a grouped matmul aims at;
+- ``jax_ragged_dot_mgpu`` (on a GPU): JAX's Hopper ragged dot written in Mosaic GPU
+  (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``; forward only, so its forward+backward
+  records the error), the wgmma kernel a Triton grouped matmul is measured against.
 
 TFLOP/s count the useful FLOPs (``2 * rows * k * n`` forward, three times that forward +
 backward). Target on an H100 (the issue): grouped_matmul >= 0.8x the TFLOP/s of the
@@ -123,7 +126,7 @@ CPU_SIZES = Sizes(
     impl="auto",
     repeats=5,
 )
-FORMS = ("grouped_matmul", "ragged_dot", "per_expert_loop", "dense_equal_flops")
+FORMS = ("grouped_matmul", "ragged_dot", "per_expert_loop", "dense_equal_flops")  # and on a GPU jax_ragged_dot_mgpu
 
 
 def group_sizes_for(load: str, experts: int, rows: int, seed: int = 0) -> np.ndarray:
@@ -158,12 +161,24 @@ def forms_for(sizes: Sizes, problem: Problem, group_sizes: np.ndarray, dtype, ke
     rhs = (jax.random.normal(k_rhs, (problem.experts, problem.k, problem.n), dtype) / np.sqrt(problem.k)).astype(dtype)
     sizes_array = jnp.asarray(group_sizes, jnp.int32)
     impl = sizes.impl
-    return {
+    forms = {
         "grouped_matmul": (lambda a, b, s: grouped_matmul(a, b, s, impl=impl), (lhs, rhs, sizes_array)),
         "ragged_dot": (lambda a, b, s: jax.lax.ragged_dot(a, b, s), (lhs, rhs, sizes_array)),
         "per_expert_loop": (per_expert_loop(group_sizes), (lhs, rhs)),
         "dense_equal_flops": (lambda a, b: a @ b, (lhs, rhs[0])),
     }
+    if impl == "pallas" and jax.default_backend() == "gpu":
+        forms["jax_ragged_dot_mgpu"] = (_jax_ragged_dot_mgpu, (lhs, rhs, sizes_array))
+    return forms
+
+
+def _jax_ragged_dot_mgpu(lhs, rhs, group_sizes):
+    """JAX's Hopper (Mosaic GPU) ragged dot with the tiles its own sweep starts from."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=group_sizes, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
+    )
 
 
 def _timed_ms(fn: Callable, args, repeats: int) -> float | str:
@@ -202,7 +217,7 @@ def grouped_matmul_rows(sizes: Sizes, key=None) -> list[dict]:
             peer_out = jax.jit(peer_fn)(*peer_args).astype(jnp.float32)
             for form, (fn, args) in forms.items():
                 loss = lambda *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
-                grouped = form in ("grouped_matmul", "per_expert_loop")
+                grouped = form in ("grouped_matmul", "per_expert_loop", "jax_ragged_dot_mgpu")
                 fwd_ms = _timed_ms(jax.jit(fn), args, sizes.repeats)
                 fwd_bwd_ms = _timed_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), args, sizes.repeats)
                 rows.append(
