@@ -16,7 +16,7 @@ A check is isolated: one that fails to compile or disagrees records the error te
 the next one runs. Adding or removing a kernel is one line of :data:`KERNEL_CHECKS`.
 
 :data:`HOPPER_CHECKS` check the Hopper (Mosaic GPU) forward of flash attention, with the
-Triton backward and with the Hopper backward, in bf16 and f16. They run only where those
+Triton backward and with the Hopper backward, and the Hopper grouped matmul, in bf16 and f16. They run only where those
 kernels do (compiled, on an sm90 GPU: :func:`hopper_skip_reason`); elsewhere the GPU
 command records them as skipped.
 """
@@ -24,6 +24,7 @@ command records them as skipped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import traceback
@@ -402,10 +403,11 @@ def _short_conv(sizes: CheckSizes, dtype, gen):
 # ----------------------------------------------------------------------------- grouped matmul
 
 
-def _grouped_matmul(sizes: CheckSizes, dtype, gen):
+def _grouped_matmul(sizes: CheckSizes, dtype, gen, gpu_kernel: str = "auto"):
     """Expert-parallel shard: ``rhs`` holds global groups 1..groups-2 of ``groups``; random
     sizes with an empty local group, one local group holding most rows, and rows past the
-    groups. Rows ``q_len``, contraction ``head_dim``, output ``kv_len`` (not tile multiples)."""
+    groups. Rows ``q_len``, contraction ``head_dim``, output ``kv_len`` (not tile multiples).
+    ``gpu_kernel="hopper"``: the Hopper gmm (forward and ``d_lhs``; raises where it cannot run)."""
     groups, m = 2 * sizes.heads + 1, sizes.q_len
     group_sizes = gen.multinomial(m - 3, np.full(groups, 1.0 / groups))
     group_sizes[2] = 0
@@ -419,7 +421,7 @@ def _grouped_matmul(sizes: CheckSizes, dtype, gen):
     tiles = GroupedMatmulBlockSizes(sizes.block, sizes.block, sizes.block)
 
     def kernel(lhs, rhs):
-        return grouped_matmul(lhs, rhs, impl=sizes.impl, block_sizes=tiles, **extra)
+        return grouped_matmul(lhs, rhs, impl=sizes.impl, block_sizes=tiles, gpu_kernel=gpu_kernel, **extra)
 
     return Problem(kernel, lambda lhs, rhs: grouped_matmul_reference(lhs, rhs, **extra), primals)
 
@@ -490,9 +492,13 @@ HOPPER_CHECKS: tuple[KernelCheck, ...] = (
         "flash_attention[hopper_backward,cross_lengths,mqa,head_dim_80]",
         _hopper_backward_flash(kv_heads=1, head_dim=80),
     ),
+    KernelCheck(
+        "grouped_matmul[hopper,group_offset,empty,skewed,tail_rows]",
+        functools.partial(_grouped_matmul, gpu_kernel="hopper"),
+    ),
 )
-"""The Hopper kernels' checks, in :data:`HOPPER_CHECK_DTYPES`: the forward (with the Triton
-backward), then the forward with the Hopper backward."""
+"""The Hopper kernels' checks, in :data:`HOPPER_CHECK_DTYPES`: flash attention's forward
+(with the Triton backward), then with the Hopper backward; the Hopper grouped matmul."""
 HOPPER_CHECK_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
 
 

@@ -22,6 +22,8 @@ and some with none), forward and forward+backward (gradients of ``lhs`` and ``rh
   known when tracing, as a plain PyTorch-style MoE loop does), concatenated;
 - ``dense_equal_flops``: one ``[rows, k] @ [k, n]`` matmul, the same FLOPs as the grouped
   matmul; the ceiling a grouped matmul aims at;
+- ``grouped_matmul[hopper]`` (on a GPU): Ember's op with ``gpu_kernel="hopper"``, the Mosaic
+  GPU ``gmm`` for the forward and ``d_lhs`` (``d_rhs`` stays Triton's ``tgmm``);
 - ``jax_ragged_dot_mgpu`` (on a GPU): JAX's Hopper ragged dot written in Mosaic GPU
   (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``; forward only, so its forward+backward
   records the error), the wgmma kernel a Triton grouped matmul is measured against.
@@ -168,6 +170,8 @@ def forms_for(sizes: Sizes, problem: Problem, group_sizes: np.ndarray, dtype, ke
         "dense_equal_flops": (lambda a, b: a @ b, (lhs, rhs[0])),
     }
     if impl == "pallas" and jax.default_backend() == "gpu":
+        hopper = lambda a, b, s: grouped_matmul(a, b, s, impl=impl, gpu_kernel="hopper")  # noqa: E731
+        forms["grouped_matmul[hopper]"] = (hopper, (lhs, rhs, sizes_array))
         forms["jax_ragged_dot_mgpu"] = (_jax_ragged_dot_mgpu, (lhs, rhs, sizes_array))
     return forms
 
@@ -217,7 +221,7 @@ def grouped_matmul_rows(sizes: Sizes, key=None) -> list[dict]:
             peer_out = jax.jit(peer_fn)(*peer_args).astype(jnp.float32)
             for form, (fn, args) in forms.items():
                 loss = lambda *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
-                grouped = form in ("grouped_matmul", "per_expert_loop", "jax_ragged_dot_mgpu")
+                grouped = form in ("grouped_matmul", "grouped_matmul[hopper]", "per_expert_loop", "jax_ragged_dot_mgpu")
                 fwd_ms = _timed_ms(jax.jit(fn), args, sizes.repeats)
                 fwd_bwd_ms = _timed_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), args, sizes.repeats)
                 rows.append(

@@ -1,4 +1,5 @@
-"""The Hopper (Mosaic GPU) flash-attention kernels checked without a GPU, before a device call.
+"""The Hopper (Mosaic GPU) kernels checked without a GPU, before a device call: flash
+attention's forward and backward, and the grouped matmul's ``gmm``.
 
     python -m benchmarks.mosaic_gpu_precheck     # jax 0.11.2 + CUDA plugin wheels; no GPU
 
@@ -6,14 +7,18 @@ The suite's jax (0.10) only traces these kernels. With jax 0.11.2 and the CUDA p
 (``jax-cuda12-plugin``, ``jax-cuda12-pjrt``: no NVIDIA libraries or driver needed) in a
 Python 3.12 venv, this command:
 
-1. **lowers** the Hopper forward and backward for CUDA at the GPU benchmark's sizes (batch 8,
-   16 heads, head_dim 128, 8k, causal and not, and GQA): Mosaic GPU's layout inference,
-   lowering and shared-memory check all run on the CPU;
-2. **runs** them in jax's Mosaic GPU interpreter through the op's kernel path
-   (``forward="hopper"``, ``backward="hopper"``, a sm90 device faked) at small sizes: GQA and
-   MQA, causal and not, head_dim 64, 80 (padded to 128) and 128, lengths off the tiles,
-   bf16 and f16. Output and dq/dk/dv are compared with ``flash_attention_reference`` under
-   one random cotangent, with :data:`benchmarks.device_checks.RELATIVE_ERROR_LIMITS`.
+1. **lowers** the Hopper flash-attention forward and backward for CUDA at the GPU benchmark's
+   sizes (batch 8, 16 heads, head_dim 128, 8k, causal and not, and GQA), and the Hopper
+   ``gmm`` at both MoE benchmark problems, plain and with ``rhs`` transposed (``d_lhs``):
+   Mosaic GPU's layout inference, lowering and shared-memory check all run on the CPU;
+2. **runs** them in jax's Mosaic GPU interpreter at small sizes. Flash attention goes
+   through the op's kernel path (``forward="hopper"``, ``backward="hopper"``, an sm90
+   device faked): GQA and MQA, causal and not, head_dim 64, 80 (padded to 128) and 128,
+   lengths off the tiles, bf16 and f16; output and dq/dk/dv are compared with
+   ``flash_attention_reference`` under one random cotangent. ``gmm`` runs with groups that
+   straddle tiles, an empty group, a one-row group and rows of no group (NaN there): against
+   per-group matmuls, and its no-group rows must be exactly 0. Limits:
+   :data:`benchmarks.device_checks.RELATIVE_ERROR_LIMITS`.
 
 jax 0.11.2's interpreter lacks two things the kernels use, which this module adds to the
 running process only (nothing on disk changes): ``pl.run_state`` over WGMMA accumulators
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import itertools
 import re
 import sys
 import textwrap
@@ -37,11 +43,13 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.device_checks import RELATIVE_ERROR_LIMITS, relative_error
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention_reference
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
 from ember.kernels_pallas.flash_attention_mgpu import GpuInfo
+from ember.kernels_pallas.grouped_matmul_mgpu import HopperGmmBlockSizes, hopper_gmm
 
 PATCHED_JAX = "0.11.2"
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype)
@@ -53,6 +61,14 @@ INTERPRETED_CASES = (
     (1, 200, 130, 3, 3, 128, True, "bfloat16"),
 )
 LOWERED_CASES = ((8, 8192, 16, 16, True), (8, 8192, 16, 16, False), (2, 4096, 32, 8, True))
+# (rows, k, n, group sizes, rows before the first group, transpose_rhs, dtype); blocks 64x64
+INTERPRETED_GMM_CASES = (
+    (200, 100, 130, (70, 0, 90, 30), 5, False, "bfloat16"),
+    (192, 128, 64, (64, 64, 0, 64), 0, True, "bfloat16"),
+    (150, 64, 128, (1, 140), 0, False, "float16"),
+)
+# (groups, rows, k, n, transpose_rhs): the MoE benchmark's problems, and d_lhs of the first
+LOWERED_GMM_CASES = ((8, 16384, 4096, 14336, False), (8, 16384, 14336, 4096, True), (64, 32768, 2048, 1408, False))
 
 
 def _patch_interpreter() -> None:
@@ -197,6 +213,30 @@ def lowered(batch, length, heads, kv_heads, causal) -> None:
     jax.jit(grad).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
 
 
+def interpreted_gmm(case, seed: int = 0) -> dict:
+    """One ``gmm`` case run in the interpreter: its relative error against per-group matmuls
+    in float32, whether the rows of no group are exactly 0, and the verdict."""
+    m, k, n, sizes, offset, transpose_rhs, dtype = case
+    lhs_key, rhs_key = jax.random.split(jax.random.key(seed))
+    bounds = np.concatenate([[0], np.cumsum(sizes)]) + offset
+    lhs = jax.random.normal(lhs_key, (m, k), jnp.float32).astype(dtype)
+    if bounds[-1] < m:
+        lhs = lhs.at[-1].set(jnp.nan)  # a row of no group: it must not reach any result
+    rhs_shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
+    rhs = jax.random.normal(rhs_key, rhs_shape, jnp.float32).astype(dtype)
+    blocks = HopperGmmBlockSizes(64, 64, 2)
+    got = np.asarray(hopper_gmm(lhs, rhs, jnp.asarray(bounds, jnp.int32), transpose_rhs=transpose_rhs, blocks=blocks))
+    matrices = np.asarray(rhs, np.float32).swapaxes(1, 2) if transpose_rhs else np.asarray(rhs, np.float32)
+    want = np.zeros((m, n), np.float32)
+    for group, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        want[lo:hi] = np.asarray(lhs[lo:hi], np.float32) @ matrices[group]
+    owned = (np.arange(m) >= bounds[0]) & (np.arange(m) < bounds[-1])
+    error = relative_error(got[owned], want[owned])
+    limit = RELATIVE_ERROR_LIMITS[dtype]
+    zeros = bool(np.all(got[~owned] == 0))
+    return dict(error=error, unowned_rows_zero=zeros, limit=limit, passed=error < limit and zeros)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-lowering", action="store_true")
@@ -208,6 +248,13 @@ def main(argv=None) -> int:
             started = time.perf_counter()
             lowered(*case)
             print(f"[lowered] batch, length, heads, kv_heads, causal = {case}: {time.perf_counter() - started:.1f} s")
+        for groups, m, k, n, transpose_rhs in LOWERED_GMM_CASES:
+            lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+            rhs = jax.ShapeDtypeStruct((groups, n, k) if transpose_rhs else (groups, k, n), jnp.bfloat16)
+            bounds = jax.ShapeDtypeStruct((groups + 1,), jnp.int32)
+            gmm = functools.partial(hopper_gmm, transpose_rhs=transpose_rhs)
+            jax.jit(gmm).trace(lhs, rhs, bounds).lower(lowering_platforms=("cuda",))
+            print(f"[lowered] gmm groups, rows, k, n, transpose_rhs = {(groups, m, k, n, transpose_rhs)}")
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -221,6 +268,14 @@ def main(argv=None) -> int:
         verdict = "ok" if result["passed"] else "FAILED"
         seconds = time.perf_counter() - started
         print(f"[interpreted] {case}: {errors} (limit {result['limit']:.0e}) {verdict}, {seconds:.1f} s")
+    for case in INTERPRETED_GMM_CASES:
+        result = interpreted_gmm(case)
+        failed += not result["passed"]
+        verdict = "ok" if result["passed"] else "FAILED"
+        print(
+            f"[interpreted] gmm {case}: error {result['error']:.1e} (limit {result['limit']:.0e}), "
+            f"rows of no group zero: {result['unowned_rows_zero']}, {verdict}"
+        )
     return 1 if failed else 0
 
 

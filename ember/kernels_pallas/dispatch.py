@@ -12,7 +12,9 @@
 - ``"auto"``: ``"pallas"`` on GPU/TPU where the op has a kernel for that backend, else ``"xla"``.
 
 An op resolves ``impl`` once with :func:`resolve_impl`, then asks :func:`kernel_platform`
-which of its kernels to run and passes :func:`pallas_interpret` to ``pallas_call``.
+which of its kernels to run and passes :func:`pallas_interpret` to ``pallas_call``. On a GPU,
+an op with both a Hopper (Mosaic GPU) and a Triton kernel takes a kernel choice in
+:data:`GPU_KERNELS`, resolved by :func:`choose_gpu_kernel`.
 """
 
 from __future__ import annotations
@@ -92,3 +94,25 @@ def triton_compiler_params(*, interpret: bool, num_warps: int, num_stages: int):
     from jax.experimental.pallas import triton as plgpu
 
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+GPU_KERNELS: tuple[str, ...] = ("auto", "triton", "hopper")
+
+
+def choose_gpu_kernel(what: str, choice: str, hopper_reason: str | None, *, hopper_by_default: bool) -> str:
+    """``"hopper"`` or ``"triton"`` for ``choice`` in :data:`GPU_KERNELS`: ``"auto"`` takes the
+    Hopper kernel where ``hopper_by_default`` and ``hopper_reason`` (why it cannot run this
+    call; None: it can) allow; ``what`` names the kernel in errors.
+
+    Raises:
+      ValueError: for an unknown ``choice``, or ``"hopper"`` where it cannot run.
+    """
+    if choice not in GPU_KERNELS:
+        raise ValueError(f"the {what} kernel must be one of {GPU_KERNELS}, got {choice!r}")
+    if choice == "triton":
+        return "triton"
+    if hopper_reason is not None and choice == "hopper":
+        raise ValueError(f"the hopper {what} kernel cannot run this call: {hopper_reason}")
+    if choice == "auto" and not hopper_by_default:
+        return "triton"
+    return "triton" if hopper_reason else "hopper"

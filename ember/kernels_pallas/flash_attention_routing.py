@@ -3,8 +3,8 @@ backward of :mod:`ember.kernels_pallas.flash_attention_mgpu` and
 :mod:`ember.kernels_pallas.flash_attention_mgpu_backward`, or the Triton kernels of
 :mod:`ember.kernels_pallas.flash_attention_kernels`, which run everything.
 
-Each choice is ``"auto"``, ``"triton"`` or ``"hopper"``; ``"hopper"`` where the Hopper kernel
-cannot run raises with the reason.
+Each choice is one of :data:`ember.kernels_pallas.dispatch.GPU_KERNELS`, resolved by
+:func:`ember.kernels_pallas.dispatch.choose_gpu_kernel`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ember.kernels_pallas.block_mask import CausalMask
+from ember.kernels_pallas.dispatch import choose_gpu_kernel
 from ember.kernels_pallas.flash_attention_mgpu import (
     DEFAULT_HOPPER_BLOCKS,
     GpuInfo,
@@ -24,7 +25,6 @@ from ember.kernels_pallas.flash_attention_mgpu_backward import (
     hopper_backward_supports,
 )
 
-KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "hopper")
 # "auto" takes the Hopper backward once its values have been checked on an sm90 device
 # (python -m benchmarks.gpu, check flash_attention[hopper_backward,...]). Until then it has
 # been checked in jax's Mosaic GPU interpreter and lowered for CUDA on CPU only, so "auto"
@@ -63,18 +63,6 @@ def hopper_backward_reason(
     )
 
 
-def _choose(name: str, choice: str, reason: str | None, by_default: bool) -> str:
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"the {name} kernel must be one of {KERNEL_CHOICES}, got {choice!r}")
-    if choice == "triton":
-        return "triton"
-    if reason is not None and choice == "hopper":
-        raise ValueError(f"the hopper {name} kernel cannot run this call: {reason}")
-    if choice == "auto" and not by_default:
-        return "triton"
-    return "triton" if reason else "hopper"
-
-
 def forward_kernel(
     problem,
     dtypes,
@@ -91,7 +79,7 @@ def forward_kernel(
       ValueError: for an unknown ``forward``, or ``forward="hopper"`` where it cannot run.
     """
     reason = hopper_reason(problem, dtypes, gpu, interpret=interpret, blocks=hopper_blocks)
-    return _choose("forward", forward, reason, by_default=True)
+    return choose_gpu_kernel("forward", forward, reason, hopper_by_default=True)
 
 
 def backward_kernel(
@@ -111,4 +99,4 @@ def backward_kernel(
       ValueError: for an unknown ``backward``, or ``backward="hopper"`` where it cannot run.
     """
     reason = hopper_backward_reason(problem, dtypes, gpu, interpret=interpret, blocks=hopper_blocks)
-    return _choose("backward", backward, reason, by_default=HOPPER_BACKWARD_BY_DEFAULT)
+    return choose_gpu_kernel("backward", backward, reason, hopper_by_default=HOPPER_BACKWARD_BY_DEFAULT)

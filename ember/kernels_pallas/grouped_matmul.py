@@ -150,9 +150,17 @@ def _xla(lhs, rhs, group_sizes, group_offset, out_dtype):
     return jax.lax.ragged_dot(lhs, padded, jnp.concatenate([before[None], sizes]), preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "preferred_element_type", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("impl", "preferred_element_type", "block_sizes", "gpu_kernel"))
 def grouped_matmul(
-    lhs, rhs, group_sizes, *, group_offset=None, preferred_element_type=None, impl="auto", block_sizes=None
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    group_offset=None,
+    preferred_element_type=None,
+    impl="auto",
+    block_sizes=None,
+    gpu_kernel="auto",
 ):
     """``lhs [m, k]`` rows grouped contiguously by ``group_sizes`` times ``rhs [groups, k, n]``.
 
@@ -160,6 +168,9 @@ def grouped_matmul(
     {"auto", "pallas", "interpret", "interpret_tpu", "xla"} and, for the kernels,
     ``block_sizes`` (a :class:`GroupedMatmulBlockSizes`; default tiles if None).
     Differentiable in ``lhs`` and ``rhs`` (the gradients are ``lhs``'s and ``rhs``'s dtypes).
+    ``gpu_kernel``: the GPU kernels' forward (and ``d_lhs``): ``"auto"`` (today Triton's),
+    ``"triton"`` or ``"hopper"`` (Mosaic GPU on sm90, bf16/f16 operands; raises naming the
+    reason elsewhere). Anything but ``"auto"`` needs the GPU kernels.
 
     Raises:
       ValueError: naming a malformed argument; for the TPU kernel, operands other than
@@ -173,12 +184,21 @@ def grouped_matmul(
     impl = resolve_impl(impl, op="grouped_matmul", kernel_backends=KERNEL_BACKENDS)
     out_dtype = preferred_element_type or lhs.dtype
     platform = kernel_platform(impl)
+    if gpu_kernel != "auto" and platform != "gpu":
+        raise ValueError(
+            f"grouped_matmul: gpu_kernel={gpu_kernel!r} chooses among the GPU kernels (impl='pallas' on a GPU, "
+            f"or 'interpret'); impl={impl!r} runs the {platform or 'XLA'} path here"
+        )
     if platform is None:
         return _xla(lhs, rhs, group_sizes, group_offset, out_dtype)
     bounds = _local_bounds(group_sizes, rhs.shape[0], group_offset, lhs.shape[0])
     block_sizes = block_sizes or GroupedMatmulBlockSizes()
-    kernel = grouped_matmul_tpu if platform == "tpu" else grouped_matmul_kernel
-    return kernel(lhs, rhs, bounds, block_sizes=block_sizes, out_dtype=out_dtype, interpret=pallas_interpret(impl))
+    interpret = pallas_interpret(impl)
+    if platform == "tpu":
+        return grouped_matmul_tpu(lhs, rhs, bounds, block_sizes=block_sizes, out_dtype=out_dtype, interpret=interpret)
+    return grouped_matmul_kernel(
+        lhs, rhs, bounds, block_sizes=block_sizes, out_dtype=out_dtype, interpret=interpret, gpu_kernel=gpu_kernel
+    )
 
 
 __all__ = ["KERNEL_BACKENDS", "GroupedMatmulBlockSizes", "grouped_matmul", "grouped_matmul_reference"]

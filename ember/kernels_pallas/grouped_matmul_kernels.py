@@ -15,6 +15,9 @@ Groups reach the kernels as one int32 vector ``bounds``: local group ``g`` owns 
 - ``tgmm`` (``d_rhs``): grid ``(groups, k_tiles, n_tiles)``; a program streams only the
   m-tiles its group's rows meet and writes ``lhs_g^T @ d_out_g``; an empty group writes 0.
 
+On an sm90 GPU, ``gpu_kernel="hopper"`` runs ``gmm`` (forward and ``d_lhs``) as the Mosaic
+GPU kernel of :mod:`ember.kernels_pallas.grouped_matmul_mgpu` instead; ``tgmm`` stays this one.
+
 Unlike JAX's TPU megablox kernels (which accumulate consecutive grid steps in VMEM), every
 program owns its output tile, the form GPU (Triton) programs need. Operands the program
 indexes by group (``rhs``) or by a data-dependent row range are passed as whole slabs and
@@ -33,7 +36,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ember.kernels_pallas.dispatch import triton_compiler_params
+from ember.kernels_pallas.dispatch import choose_gpu_kernel, triton_compiler_params
+from ember.kernels_pallas.flash_attention_mgpu import GpuInfo
+from ember.kernels_pallas.grouped_matmul_mgpu import (
+    DEFAULT_HOPPER_GMM_BLOCKS,
+    HopperGmmBlockSizes,
+    hopper_gmm,
+    hopper_gmm_reason,
+)
 from ember.kernels_pallas.grouped_matmul_vjp import grouped_matmul_vjp
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
@@ -61,6 +71,7 @@ class GmmConfig:
     interpret: bool
     num_warps: int = 4
     num_stages: int = 3
+    hopper_blocks: HopperGmmBlockSizes | None = None  # gmm by the Hopper kernel; None: Triton's
 
 
 def _fit(block: int, length: int) -> int:
@@ -249,13 +260,31 @@ def tgmm(lhs, d_out, bounds, config: GmmConfig, *, out_dtype):
     return out[:, :k, :n]
 
 
-_grouped_matmul = grouped_matmul_vjp(gmm, tgmm)
+def _configured_gmm(lhs, rhs, bounds, config: GmmConfig, *, transpose_rhs: bool = False, out_dtype=None):
+    """:func:`gmm`, or the Hopper kernel where ``config.hopper_blocks`` is set."""
+    if config.hopper_blocks is None:
+        return gmm(lhs, rhs, bounds, config, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+    out_dtype = out_dtype or config.out_dtype
+    return hopper_gmm(lhs, rhs, bounds, transpose_rhs=transpose_rhs, out_dtype=out_dtype, blocks=config.hopper_blocks)
 
 
-def grouped_matmul_kernel(lhs, rhs, bounds, *, block_sizes, out_dtype, interpret: bool):
+# "auto" takes the Hopper gmm once its values have been checked on an sm90 device (python -m
+# benchmarks.gpu, check grouped_matmul[hopper...]); until then it has run only in jax's Mosaic
+# GPU interpreter, lowered for CUDA on CPU, so it runs when asked for (gpu_kernel="hopper").
+HOPPER_GMM_BY_DEFAULT = False
+_grouped_matmul = grouped_matmul_vjp(_configured_gmm, tgmm)
+
+
+def grouped_matmul_kernel(lhs, rhs, bounds, *, block_sizes, out_dtype, interpret: bool, gpu_kernel: str = "auto"):
     """The Pallas path of ``grouped_matmul`` (arguments already validated): ``lhs [m, k]``,
     ``rhs [groups, k, n]``, ``bounds`` int32 ``[groups + 1]`` (see the module docstring),
-    ``block_sizes`` a ``GroupedMatmulBlockSizes``. Differentiable in ``lhs`` and ``rhs``."""
+    ``block_sizes`` a ``GroupedMatmulBlockSizes``. Differentiable in ``lhs`` and ``rhs``.
+    ``gpu_kernel`` (:data:`ember.kernels_pallas.dispatch.GPU_KERNELS`) chooses the forward and
+    ``d_lhs`` kernel: the Hopper ``gmm`` of :mod:`ember.kernels_pallas.grouped_matmul_mgpu` or
+    Triton's; ``d_rhs`` is Triton's ``tgmm`` either way."""
+    gpu = None if interpret else GpuInfo.here()
+    reason = hopper_gmm_reason((lhs.dtype, rhs.dtype), gpu, interpret=interpret)
+    choice = choose_gpu_kernel("grouped matmul", gpu_kernel, reason, hopper_by_default=HOPPER_GMM_BY_DEFAULT)
     config = GmmConfig(
         block_m=block_sizes.block_m,
         block_k=block_sizes.block_k,
@@ -264,5 +293,6 @@ def grouped_matmul_kernel(lhs, rhs, bounds, *, block_sizes, out_dtype, interpret
         interpret=interpret,
         num_warps=block_sizes.num_warps,
         num_stages=block_sizes.num_stages,
+        hopper_blocks=DEFAULT_HOPPER_GMM_BLOCKS if choice == "hopper" else None,
     )
     return _grouped_matmul(lhs, rhs, bounds.astype(jnp.int32), config)
