@@ -49,9 +49,10 @@ from benchmarks.harness import (
 from ember.kernels_pallas.block_mask import LocalGlobalMask, live_block_grid
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
-from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, GpuInfo
+from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS
 from ember.kernels_pallas.flash_attention_mgpu_backward import DEFAULT_HOPPER_BACKWARD_BLOCKS
 from ember.kernels_pallas.flash_attention_routing import hopper_backward_reason, hopper_reason
+from ember.kernels_pallas.hopper import GpuInfo
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
 # Forward+backward FLOPs over forward FLOPs: backward recomputes QK^T and adds four more

@@ -43,9 +43,9 @@ from ember.kernels_pallas.flash_attention import (
     flash_attention_reference,
 )
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
-from ember.kernels_pallas.flash_attention_mgpu import GpuInfo, hopper_device_reason
 from ember.kernels_pallas.flash_attention_routing import forward_kernel
 from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul, grouped_matmul_reference
+from ember.kernels_pallas.hopper import GpuInfo, hopper_device_reason
 from ember.kernels_pallas.linear_attention import linear_attention, linear_attention_reference, state_shape
 from ember.kernels_pallas.quantized_formats import QuantizedMatrix
 from ember.kernels_pallas.quantized_matmul import (

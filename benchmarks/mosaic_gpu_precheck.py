@@ -48,8 +48,8 @@ import numpy as np
 from benchmarks.device_checks import RELATIVE_ERROR_LIMITS, relative_error
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention_reference
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
-from ember.kernels_pallas.flash_attention_mgpu import GpuInfo
 from ember.kernels_pallas.grouped_matmul_mgpu import HopperGmmBlockSizes, hopper_gmm
+from ember.kernels_pallas.hopper import GpuInfo
 
 PATCHED_JAX = "0.11.2"
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype)

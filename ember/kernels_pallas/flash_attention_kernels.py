@@ -54,7 +54,7 @@ from ember.kernels_pallas.block_mask import (
     traced_live_lists,
 )
 from ember.kernels_pallas.dispatch import triton_compiler_params
-from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, GpuInfo, HopperBlockSizes, hopper_forward
+from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, HopperBlockSizes, hopper_forward
 from ember.kernels_pallas.flash_attention_mgpu_backward import DEFAULT_HOPPER_BACKWARD_BLOCKS, hopper_backward
 from ember.kernels_pallas.flash_attention_routing import backward_kernel, forward_kernel
 from ember.kernels_pallas.flash_attention_tiles import (
@@ -67,6 +67,7 @@ from ember.kernels_pallas.flash_attention_tiles import (
     tile_visible,
     tile_weights,
 )
+from ember.kernels_pallas.hopper import GpuInfo
 from ember.kernels_pallas.online_softmax import (
     online_softmax_init,
     online_softmax_lse,

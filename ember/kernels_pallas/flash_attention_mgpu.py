@@ -42,15 +42,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.block_mask import CausalMask
+from ember.kernels_pallas.hopper import SMEM_BUDGET_BYTES, tma_transforms, warp_specialized
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
 HOPPER_DTYPES: tuple[str, ...] = ("bfloat16", "float16")  # wgmma's 16-bit operand types
 HOPPER_HEAD_DIMS: tuple[int, ...] = (64, 128)  # whole 128-byte swizzle tiles; registers fit
-# Shared memory per CTA on sm90 is 227 KiB; keep room for barriers and reduction scratch.
-SMEM_BUDGET_BYTES = 220 * 1024
-# The ptxas of these CUDA runtimes miscompiles causal masking in this kind of kernel
-# (JAX's attention_mgpu refuses them too): [12.8.0, 12.9.1).
-_BAD_CUDA_FOR_CAUSAL = (12080, 12091)
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
 _COMPUTE_WARPGROUPS = 2
@@ -82,46 +78,6 @@ class HopperBlockSizes:
 
 
 DEFAULT_HOPPER_BLOCKS = HopperBlockSizes()
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuInfo:
-    """What decides whether the Hopper kernel can run on a device: its compute capability
-    and, when known, the CUDA runtime version (``12090`` for 12.9.0)."""
-
-    capability: tuple[int, int]
-    cuda_runtime: int | None = None
-
-    @classmethod
-    def here(cls) -> GpuInfo | None:
-        """The default device's, or None when it is not an NVIDIA GPU."""
-        device = jax.devices()[0]
-        capability = getattr(device, "compute_capability", None)
-        if device.platform != "gpu" or not capability:
-            return None
-        return cls(tuple(int(part) for part in str(capability).split(".")[:2]), _cuda_runtime_version())
-
-
-def _cuda_runtime_version() -> int | None:
-    try:  # private to jax; only a guard against a known ptxas bug, so absence is fine
-        from jax._src.lib import cuda_versions
-
-        return int(cuda_versions.cuda_runtime_get_version())
-    except Exception:
-        return None
-
-
-def hopper_device_reason(gpu: GpuInfo | None, causal: bool) -> str | None:
-    """None when ``gpu`` runs the Hopper kernel, else why not."""
-    if gpu is None:
-        return "not an NVIDIA GPU (Mosaic GPU compiles for CUDA devices only)"
-    if gpu.capability[0] != 9:
-        # wgmma exists on sm90 only: Blackwell has tcgen05 instead, Ampere neither.
-        return f"compute capability {gpu.capability[0]}.{gpu.capability[1]}: wgmma needs 9.x (Hopper)"
-    low, high = _BAD_CUDA_FOR_CAUSAL
-    if causal and gpu.cuda_runtime is not None and low <= gpu.cuda_runtime < high:
-        return f"causal on CUDA runtime {gpu.cuda_runtime}: ptxas 12.8-12.9.0 miscompiles the causal mask"
-    return None
 
 
 def hopper_supports(
@@ -189,14 +145,6 @@ class HopperGeometry:
     @property
     def needs_mask(self) -> bool:
         return self.causal or self.kv_len % self.blocks.block_kv != 0
-
-
-def tma_transforms() -> tuple:
-    """Shared-memory tiling of 16-bit ``[rows, head_dim]`` tiles for TMA and wgmma: 64-element
-    rows are 128 bytes, the widest swizzle."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def _take_turn(turn):
@@ -395,15 +343,11 @@ def _kernel(
     tile = lax.axis_index("q_tiles")
     if geo.causal:  # the longest tiles first: a shorter tail of the grid
         tile = num_tiles - 1 - tile
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg < _COMPUTE_WARPGROUPS)
-    def _():
-        _compute_warpgroup(geo, shared, wg, tile, q_ref, out_ref, lse_ref)
-
-    @pl.when(wg == _COMPUTE_WARPGROUPS)
-    def _():
-        _memory_warpgroup(geo, shared, tile, k_ref, v_ref)
+    warp_specialized(
+        lambda wg: _compute_warpgroup(geo, shared, wg, tile, q_ref, out_ref, lse_ref),
+        lambda: _memory_warpgroup(geo, shared, tile, k_ref, v_ref),
+        _COMPUTE_WARPGROUPS,
+    )
 
 
 def _scratch(geo: HopperGeometry):

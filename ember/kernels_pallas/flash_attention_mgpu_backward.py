@@ -45,13 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ember.kernels_pallas.flash_attention_mgpu import (
-    HopperBlockSizes,
-    HopperGeometry,
-    hopper_supports,
-    tma_transforms,
-    visible_tile,
-)
+from ember.kernels_pallas.flash_attention_mgpu import HopperBlockSizes, HopperGeometry, hopper_supports, visible_tile
+from ember.kernels_pallas.hopper import tma_transforms, warp_specialized
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
 _LOG2_E = math.log2(math.e)
@@ -239,15 +234,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, smem, loaded, cons
     tile = lax.axis_index("q_tiles")
     if geo.causal:  # the longest tiles first: a shorter tail of the grid
         tile = num_tiles - 1 - tile
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg < _COMPUTE_WARPGROUPS)
-    def _():
-        _dq_warpgroup(geo, shared, wg, tile, q_ref, do_ref, rows_ref, dq_ref)
-
-    @pl.when(wg == _COMPUTE_WARPGROUPS)
-    def _():
-        _dq_memory_warpgroup(geo, shared, tile, k_ref, v_ref)
+    warp_specialized(
+        lambda wg: _dq_warpgroup(geo, shared, wg, tile, q_ref, do_ref, rows_ref, dq_ref),
+        lambda: _dq_memory_warpgroup(geo, shared, tile, k_ref, v_ref),
+        _COMPUTE_WARPGROUPS,
+    )
 
 
 def _dq_scratch(geo: HopperGeometry):
@@ -441,15 +432,11 @@ def _dkv_memory_warpgroup(geo: _KeyGeometry, shared: _DkvShared, tile, q_ref, do
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref, smem, loaded, consumed, *, geo):
     shared = _DkvShared(*smem, *loaded, consumed)
     tile = lax.axis_index("kv_tiles")  # causal: the first tiles see the most query blocks
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg < _COMPUTE_WARPGROUPS)
-    def _():
-        _dkv_warpgroup(geo, shared, wg, tile, k_ref, v_ref, dk_ref, dv_ref)
-
-    @pl.when(wg == _COMPUTE_WARPGROUPS)
-    def _():
-        _dkv_memory_warpgroup(geo, shared, tile, q_ref, do_ref, rows_ref)
+    warp_specialized(
+        lambda wg: _dkv_warpgroup(geo, shared, wg, tile, k_ref, v_ref, dk_ref, dv_ref),
+        lambda: _dkv_memory_warpgroup(geo, shared, tile, q_ref, do_ref, rows_ref),
+        _COMPUTE_WARPGROUPS,
+    )
 
 
 def _dkv_scratch(geo: _KeyGeometry):

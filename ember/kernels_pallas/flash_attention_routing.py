@@ -13,17 +13,12 @@ import jax.numpy as jnp
 
 from ember.kernels_pallas.block_mask import CausalMask
 from ember.kernels_pallas.dispatch import choose_gpu_kernel
-from ember.kernels_pallas.flash_attention_mgpu import (
-    DEFAULT_HOPPER_BLOCKS,
-    GpuInfo,
-    HopperBlockSizes,
-    hopper_device_reason,
-    hopper_supports,
-)
+from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS, HopperBlockSizes, hopper_supports
 from ember.kernels_pallas.flash_attention_mgpu_backward import (
     DEFAULT_HOPPER_BACKWARD_BLOCKS,
     hopper_backward_supports,
 )
+from ember.kernels_pallas.hopper import GpuInfo, hopper_device_reason
 
 # "auto" takes the Hopper backward once its values have been checked on an sm90 device
 # (python -m benchmarks.gpu, check flash_attention[hopper_backward,...]). Until then it has

@@ -37,7 +37,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.dispatch import choose_gpu_kernel, triton_compiler_params
-from ember.kernels_pallas.flash_attention_mgpu import GpuInfo
 from ember.kernels_pallas.grouped_matmul_mgpu import (
     DEFAULT_HOPPER_GMM_BLOCKS,
     HopperGmmBlockSizes,
@@ -45,6 +44,7 @@ from ember.kernels_pallas.grouped_matmul_mgpu import (
     hopper_gmm_reason,
 )
 from ember.kernels_pallas.grouped_matmul_vjp import grouped_matmul_vjp
+from ember.kernels_pallas.hopper import GpuInfo
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
 # Output tiles are numbered in bands of this many m-tiles, column by column inside a band, so

@@ -33,7 +33,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ember.kernels_pallas.flash_attention_mgpu import SMEM_BUDGET_BYTES, GpuInfo, hopper_device_reason, tma_transforms
+from ember.kernels_pallas.hopper import (
+    SMEM_BUDGET_BYTES,
+    GpuInfo,
+    hopper_device_reason,
+    tma_transforms,
+    warp_specialized,
+)
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 HOPPER_GMM_DTYPES: tuple[str, ...] = ("bfloat16", "float16")  # wgmma's 16-bit operand types
@@ -194,15 +200,15 @@ def _kernel(table_ref, lhs_ref, rhs_ref, out_ref, smem, loaded, consumed, *, geo
     shared = _Shared(*smem, *loaded, consumed)
     index = lax.axis_index("visits")
     visit = tuple(table_ref[index, column] for column in range(4))
-    n_tile, wg = lax.axis_index("n_tiles"), lax.axis_index("wg")
+    n_tile = lax.axis_index("n_tiles")
 
-    @pl.when((visit[0] >= 0) & (wg == 0))
+    @pl.when(visit[0] >= 0)  # past the real visits: nothing to do
     def _():
-        _compute_warpgroup(geo, shared, out_ref, visit, n_tile)
-
-    @pl.when((visit[0] >= 0) & (wg == 1))
-    def _():
-        _memory_warpgroup(geo, shared, lhs_ref, rhs_ref, visit, n_tile)
+        warp_specialized(
+            lambda wg: _compute_warpgroup(geo, shared, out_ref, visit, n_tile),
+            lambda: _memory_warpgroup(geo, shared, lhs_ref, rhs_ref, visit, n_tile),
+            compute_warpgroups=1,
+        )
 
 
 def _scratch(geo: _Geometry, dtype, out_dtype):

@@ -14,14 +14,10 @@ from ember.kernels_pallas import flash_attention_routing
 from ember.kernels_pallas.block_mask import CausalMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, attention_problem, flash_attention
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
-from ember.kernels_pallas.flash_attention_mgpu import (
-    GpuInfo,
-    HopperBlockSizes,
-    hopper_device_reason,
-    hopper_supports,
-)
+from ember.kernels_pallas.flash_attention_mgpu import HopperBlockSizes, hopper_supports
 from ember.kernels_pallas.flash_attention_mgpu_backward import hopper_backward_supports
 from ember.kernels_pallas.flash_attention_routing import backward_kernel, forward_kernel
+from ember.kernels_pallas.hopper import GpuInfo, hopper_device_reason
 
 H100 = GpuInfo((9, 0), cuda_runtime=12091)
 BF16 = (jnp.bfloat16,) * 3

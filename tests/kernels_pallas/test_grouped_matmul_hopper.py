@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from ember.kernels_pallas import grouped_matmul_kernels
-from ember.kernels_pallas.flash_attention_mgpu import GpuInfo
 from ember.kernels_pallas.grouped_matmul import grouped_matmul
 from ember.kernels_pallas.grouped_matmul_mgpu import HopperGmmBlockSizes, hopper_gmm_reason, visit_table
+from ember.kernels_pallas.hopper import GpuInfo
 
 H100 = GpuInfo((9, 0), cuda_runtime=12091)
 
