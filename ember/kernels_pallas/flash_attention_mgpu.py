@@ -147,6 +147,22 @@ class HopperGeometry:
         return self.causal or self.kv_len % self.blocks.block_kv != 0
 
 
+def walk_key_blocks(geo: HopperGeometry, row_start, steps, block, skip, carry):
+    """A compute warpgroup's walk over the key blocks of its rows from ``row_start``:
+    ``block(masked)(kv_step, carry)`` over the blocks they see (``steps[0]`` of them), first
+    those needing no mask, then those that do (the causal diagonal, padded keys); then
+    ``skip(kv_step)`` over the blocks only the tile's other warpgroup sees (causal, up to
+    ``steps[1]``). Returns the carry."""
+    steps, all_steps = steps
+    unmasked = geo.unmasked_steps(row_start) if geo.needs_mask else steps
+    carry = lax.fori_loop(0, unmasked, block(masked=False), carry)
+    if geo.needs_mask:
+        carry = lax.fori_loop(unmasked, steps, block(masked=True), carry)
+    if geo.causal:
+        lax.fori_loop(steps, all_steps, lambda kv_step, _: skip(kv_step), None)
+    return carry
+
+
 def _take_turn(turn):
     """Both compute warpgroups pass the turn barrier together (its two arrivals)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -281,12 +297,8 @@ def _compute_warpgroup(geo: HopperGeometry, shared: _Shared, wg, tile, q_ref, ou
 
     # Warpgroup 1 starts one turn behind, so the two alternate on the tensor cores.
     pl.when(wg == 1)(lambda: _take_turn(shared.turn))
-    unmasked = geo.unmasked_steps(row_start) if geo.needs_mask else steps
-    carry = lax.fori_loop(0, unmasked, blocks(masked=False), carry)
-    if geo.needs_mask:
-        carry = lax.fori_loop(unmasked, steps, blocks(masked=True), carry)
-    if geo.causal:
-        lax.fori_loop(steps, all_steps, lambda kv_step, _: _skip_block(geo, shared, kv_step), None)
+    skip = functools.partial(_skip_block, geo, shared)
+    carry = walk_key_blocks(geo, row_start, (steps, all_steps), blocks, skip, carry)
     pl.when(wg == 0)(lambda: _take_turn(shared.turn))
 
     acc, row_max, row_sum = carry

@@ -45,7 +45,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ember.kernels_pallas.flash_attention_mgpu import HopperBlockSizes, HopperGeometry, hopper_supports, visible_tile
+from ember.kernels_pallas.flash_attention_mgpu import (
+    HopperBlockSizes,
+    HopperGeometry,
+    hopper_supports,
+    visible_tile,
+    walk_key_blocks,
+)
 from ember.kernels_pallas.hopper import tma_transforms, warp_specialized
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
@@ -186,12 +192,8 @@ def _dq_warpgroup(geo: HopperGeometry, shared: _DqShared, wg, tile, q_ref, do_re
     def blocks(masked: bool):
         return lambda kv_step, carry: _dq_block(geo, shared, wg, row_start, kv_step, carry, masked)
 
-    unmasked = geo.unmasked_steps(row_start) if geo.needs_mask else steps
-    carry = lax.fori_loop(0, unmasked, blocks(masked=False), carry)
-    if geo.needs_mask:
-        carry = lax.fori_loop(unmasked, steps, blocks(masked=True), carry)
-    if geo.causal:
-        lax.fori_loop(steps, all_steps, lambda kv_step, _: _dq_skip_block(geo, shared, kv_step), None)
+    skip = functools.partial(_dq_skip_block, geo, shared)
+    carry = walk_key_blocks(geo, row_start, (steps, all_steps), blocks, skip, carry)
 
     q_smem[...] = (carry[0] * geo.sm_scale).astype(geo.dtype)
     plgpu.commit_smem()

@@ -27,35 +27,26 @@ from ember.kernels_pallas.hopper import GpuInfo, hopper_device_reason
 HOPPER_BACKWARD_BY_DEFAULT = False
 
 
-def _input_reason(dtypes, interpret: bool) -> str | None:
+def _reason(supports, problem, dtypes, gpu: GpuInfo | None, interpret: bool, blocks: HopperBlockSizes) -> str | None:
     if interpret:
         return "interpret mode (the Pallas interpreter runs the Triton kernels)"
     if len(set(map(jnp.dtype, dtypes))) != 1:
         return f"q, k, v dtypes differ: {', '.join(jnp.dtype(d).name for d in dtypes)}"
-    return None
+    causal = isinstance(problem.mask, CausalMask)
+    return supports(problem, dtypes[0], blocks) or hopper_device_reason(gpu, causal)
 
 
 def hopper_reason(problem, dtypes, gpu: GpuInfo | None, *, interpret: bool, blocks: HopperBlockSizes) -> str | None:
     """None when the Hopper forward runs ``problem`` with inputs of ``dtypes`` (q, k, v) on
     ``gpu`` (None: not an NVIDIA GPU), else why not."""
-    causal = isinstance(problem.mask, CausalMask)
-    return (
-        _input_reason(dtypes, interpret)
-        or hopper_supports(problem, dtypes[0], blocks)
-        or hopper_device_reason(gpu, causal)
-    )
+    return _reason(hopper_supports, problem, dtypes, gpu, interpret, blocks)
 
 
 def hopper_backward_reason(
     problem, dtypes, gpu: GpuInfo | None, *, interpret: bool, blocks: HopperBlockSizes
 ) -> str | None:
     """None when the Hopper backward computes ``problem``'s gradients, else why not."""
-    causal = isinstance(problem.mask, CausalMask)
-    return (
-        _input_reason(dtypes, interpret)
-        or hopper_backward_supports(problem, dtypes[0], blocks)
-        or hopper_device_reason(gpu, causal)
-    )
+    return _reason(hopper_backward_supports, problem, dtypes, gpu, interpret, blocks)
 
 
 def forward_kernel(
