@@ -67,7 +67,7 @@ class HopperGmmBlockSizes:
 
     def smem_bytes(self, itemsize: int) -> int:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * itemsize
-        return ring + self.block_m * self.block_n * itemsize  # and the output tile
+        return ring + self.block_m * self.block_n * 4  # and the output tile, f32 at most
 
 
 DEFAULT_HOPPER_GMM_BLOCKS = HopperGmmBlockSizes()
