@@ -5,13 +5,16 @@ block is one *work item*, so a block never mixes sequences. The work list is com
 device from the metadata (it is data, not static), padded to the static bound
 ``cdiv(num_tokens, block_q) + num_seqs`` items; padding items do nothing.
 
-Grid ``(work_items, heads)``: a program loads its ``[block_q, head_dim]`` query rows from
-the flat token budget and streams, with an online softmax (or, for sigmoid scores, a plain
-weighted sum), only the pages holding positions it can see: from the window start, or 0,
-up to its last row's position, and with ``global_tokens`` also the pages of the global
-prefix before the window (a first loop), never the pages between. It writes its own
-``[block_q, head_dim]`` output tile, so programs never race; one gather then puts rows
-back in token order.
+Grid ``(work_items, kv_heads)``: a program takes its block's query rows of *every query
+head of one key head's GQA group* -- ``block_q * group`` rows, token-major (``group``
+padded to a power of two for the tiles) -- so each cached page is read once per key head,
+not once per query head: a decode step is bound by reading the cache, and per-query-head
+programs read it ``group`` times. It streams, with an online softmax (or, for sigmoid
+scores, a plain weighted sum), only the pages holding positions it can see: from the
+window start, or 0, up to its last row's position, and with ``global_tokens`` also the
+pages of the global prefix before the window (a first loop), never the pages between. It
+writes its own ``[block_q * group, head_dim]`` output tile, so programs never race; one
+gather then puts rows back in token order.
 """
 
 from __future__ import annotations
@@ -95,10 +98,11 @@ def _ragged_kernel(
     sigmoid_bias,
     global_tokens,
 ):
-    kv_head = pl.program_id(1) // group
+    kv_head = pl.program_id(1)
     seq, token_start, rows, first_pos = (work_ref[c] for c in (_SEQ, _TOKEN_START, _ROWS, _FIRST_POS))
-    q = q_ref[pl.ds(token_start, block_q), :]
-    row = lax.broadcasted_iota(jnp.int32, (block_q, page_size), 0)
+    q = q_ref[pl.ds(token_start * group, block_q * group), :]  # row r: token r // group
+    # lax.div (iota >= 0): jnp's floor // lowered to ill-typed Triton IR
+    row = lax.div(lax.broadcasted_iota(jnp.int32, (block_q * group, page_size), 0), jnp.int32(group))
     q_pos = first_pos + row
     first_visible = 0 if window is None else jnp.maximum(first_pos - window[0], 0)
     tokens_per_block = page_size * pages_per_block
@@ -115,7 +119,7 @@ def _ragged_kernel(
             v = v_ref[page, :, kv_head, :]
             logits = lax.dot_general(q, k, _NT_DIMS, preferred_element_type=jnp.float32) * sm_scale
             logits = soft_cap(logits, soft_cap_value)
-            kv_pos = page_index * page_size + lax.broadcasted_iota(jnp.int32, (block_q, page_size), 1)
+            kv_pos = page_index * page_size + lax.broadcasted_iota(jnp.int32, (block_q * group, page_size), 1)
             visible = (kv_pos <= q_pos) & (row < rows)
             if window is not None:
                 visible = visible & ((kv_pos >= q_pos - window[0]) | (kv_pos < global_tokens))
@@ -128,9 +132,9 @@ def _ragged_kernel(
 
     head_dim = q.shape[1]
     if score == "sigmoid":
-        carry = jnp.zeros((block_q, head_dim), jnp.float32)
+        carry = jnp.zeros((block_q * group, head_dim), jnp.float32)
     else:
-        carry = online_softmax_init(block_q, head_dim)
+        carry = online_softmax_init(block_q * group, head_dim)
     if window is not None and global_tokens > 0:
         # The global prefix's blocks that come before the window's first block (that one
         # and the later ones are the second loop's), so no block is read twice.
@@ -170,12 +174,20 @@ def ragged_paged_attention_kernel(
     query_starts, query_lens, kv_lens = (x.astype(jnp.int32) for x in (query_starts, query_lens, kv_lens))
     table, offsets = work_items(query_starts, query_lens, kv_lens, num_tokens=num_tokens, block_q=block_q)
     max_items = table.shape[0]
-    # block_q spare rows so the last block's read stays in bounds.
-    q_padded = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
+    kv_heads = cache.kv_heads
+    group = heads // kv_heads
+    tile_group = 1 << (group - 1).bit_length()  # GPU tiles: block_q * tile_group rows, a power of two
+    # [kv_heads, tokens * tile_group, head_dim]: a key head's query heads, token-major (the
+    # padded heads are zeros, their outputs dropped); block_q spare tokens so the last
+    # block's read stays in bounds.
+    q_grouped = jnp.pad(
+        q.reshape(num_tokens, kv_heads, group, head_dim), ((0, block_q), (0, 0), (0, tile_group - group), (0, 0))
+    )
+    q_grouped = q_grouped.transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
     kernel = functools.partial(
         _ragged_kernel,
         block_q=block_q,
-        group=heads // cache.kv_heads,
+        group=tile_group,
         page_size=cache.page_size,
         pages_per_block=pages_per_block,
         sm_scale=sm_scale,
@@ -185,22 +197,26 @@ def ragged_paged_attention_kernel(
         sigmoid_bias=sigmoid_bias,
         global_tokens=global_tokens,
     )
-    whole_cache = pl.BlockSpec(k_pages.shape, lambda w, h: (0, 0, 0, 0))
+    whole_cache = pl.BlockSpec(k_pages.shape, lambda w, g: (0, 0, 0, 0))
+    rows = block_q * tile_group
     out_items = pl.pallas_call(
         kernel,
-        grid=(max_items, heads),
+        grid=(max_items, kv_heads),
         in_specs=[
-            pl.BlockSpec((None, _WORK_COLUMNS), lambda w, h: (w, 0)),
-            pl.BlockSpec(page_table.shape, lambda w, h: (0, 0)),
-            pl.BlockSpec((q_padded.shape[0], None, head_dim), lambda w, h: (0, h, 0)),
+            pl.BlockSpec((None, _WORK_COLUMNS), lambda w, g: (w, 0)),
+            pl.BlockSpec(page_table.shape, lambda w, g: (0, 0)),
+            pl.BlockSpec((None, q_grouped.shape[1], head_dim), lambda w, g: (g, 0, 0)),
             whole_cache,
             whole_cache,
         ],
-        out_specs=pl.BlockSpec((None, block_q, None, head_dim), lambda w, h: (w, 0, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((max_items, block_q, heads, head_dim), q.dtype),
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda w, g: (w, g, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((max_items, kv_heads, rows, head_dim), q.dtype),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(table, page_table.astype(jnp.int32), q_padded, k_pages, v_pages)
+    )(table, page_table.astype(jnp.int32), q_grouped, k_pages, v_pages)
+    # [items, kv_heads, block_q, tile_group, d] -> [items, block_q, heads, d]
+    out_items = out_items.reshape(max_items, kv_heads, block_q, tile_group, head_dim)[:, :, :, :group]
+    out_items = out_items.transpose(0, 2, 1, 3, 4).reshape(max_items, block_q, heads, head_dim)
     return items_to_tokens(out_items, offsets, query_starts, owner, covered).astype(q.dtype)
 
 

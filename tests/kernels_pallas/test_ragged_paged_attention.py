@@ -4,6 +4,7 @@ hand-computed causal, windowed, local + global and sigmoid attention per sequenc
 rows included); the kernel skips the pages no query sees."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,20 @@ def test_kernel_matches_reference(rng, dtype, block_q, pages_per_block, options)
     assert out.dtype == dtype
     assert_allclose(out, expected, dtype=dtype)
     assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (8, 1), (3, 3)])
+def test_kernel_reads_each_key_head_once_for_its_whole_query_group(rng, heads, kv_heads):
+    """A program serves every query head of one key head (grid ``(items, kv_heads)``): a
+    group of 3 padded to 4 in the tile, MQA (one program per item) and MHA (group 1)."""
+    q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=heads, kv_heads=kv_heads, head_dim=16)
+    attend = lambda *a: ragged_paged_attention(*a, block_q=8, impl="interpret")  # noqa: E731
+    out = jax.jit(attend, compiler_options=FAST_COMPILE)(q, k_pages, v_pages, page_table, *_metadata())
+    expected = jax.jit(ragged_paged_attention_reference)(q, k_pages, v_pages, page_table, *_metadata())
+    assert_allclose(out, expected)
+    assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
+    jaxpr = str(jax.make_jaxpr(attend)(q, k_pages, v_pages, page_table, *_metadata()))
+    assert re.search(rf"grid=\(\d+, {kv_heads}\)", jaxpr), "one program per (item, key head)"
 
 
 def _numpy_causal_run(q_run, keys, values, kv_len, *, window=None, global_tokens=0, sigmoid_bias=None):
