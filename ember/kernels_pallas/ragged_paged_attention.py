@@ -287,10 +287,11 @@ def ragged_paged_attention(
         sequence stay visible to all later queries (Longformer-style local + global); the
         kernel reads their pages and the window's, not the pages between. Without a window
         every earlier position is visible anyway.
-      block_q: query rows per kernel step (GPU lowering wants a power of two >= 16; on a
-        TPU ``block_q * heads // kv_heads`` rows make one MXU tile, best a multiple of 8
-        for float32 and 16 for bfloat16); a run is split into ``cdiv(query_lens[s],
-        block_q)`` blocks.
+      block_q: query positions per kernel step; a step serves them for every query head of
+        one key head, ``block_q * heads // kv_heads`` rows (on a GPU the group is padded to
+        a power of two and the rows should be at least 16; on a TPU they make one MXU tile,
+        best a multiple of 8 for float32 and 16 for bfloat16); a run is split into
+        ``cdiv(query_lens[s], block_q)`` blocks.
       pages_per_block: pages read per kernel step (default: enough for 128 tokens); on a
         TPU the pages of one step are copied while the previous step computes.
       impl: ``"auto"`` (the Pallas kernel on GPU and TPU, else XLA), ``"pallas"`` (the
