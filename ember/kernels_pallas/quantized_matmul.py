@@ -15,6 +15,10 @@ Forms:
   unpacks nibbles, maps NF4 codes through their 16-entry table, multiplies in ``x``'s dtype
   with f32 accumulation and applies each tile's scales to its partial product. Packed rows
   meet ``x``'s even and odd columns (split outside the kernel), so nothing is interleaved.
+  A decode step has one row tile, so a ``[1, n / block_n]`` grid would leave most of a GPU
+  idle while reading the weight (32 programs for n = 4096 against an H100's 132 SMs): the
+  contraction is split over a third grid axis until there are :data:`MIN_PROGRAMS`
+  programs (split-K), and XLA sums the splits' f32 partial products.
 
 Differentiable in ``x`` (the weight is frozen: QLoRA trains adapters beside it); the
 backward pass is ``dy @ dequantize(W)^T`` through XLA.
@@ -41,6 +45,9 @@ from ember.kernels_pallas.quantized_formats import (
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 _NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+# Programs a call should launch, splitting the contraction when the output tiles are fewer:
+# about two waves of an H100's 132 SMs, so a decode step's weight read keeps HBM busy.
+MIN_PROGRAMS = 256
 KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
 """Backends with a compiled Pallas kernel for this op (Triton lowering)."""
 
@@ -57,6 +64,7 @@ class QuantizedMatmulBlockSizes:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    k_splits: int | None = None  # programs along the contraction; None: up to MIN_PROGRAMS in all
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -67,6 +75,15 @@ class QuantizedMatmulBlockSizes:
             raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
+        if self.k_splits is not None and (not isinstance(self.k_splits, int) or self.k_splits < 1):
+            raise ValueError(f"k_splits must be a positive int or None, got {self.k_splits!r}")
+
+    def splits(self, output_tiles: int, k_tiles: int) -> tuple[int, int]:
+        """``(splits, k-tiles per split)`` for a grid of ``output_tiles`` over ``k_tiles``:
+        ``k_splits``, or the fewest that make :data:`MIN_PROGRAMS` programs; no split empty."""
+        wanted = self.k_splits or -(-MIN_PROGRAMS // output_tiles)
+        per_split = -(-k_tiles // min(wanted, k_tiles))
+        return -(-k_tiles // per_split), per_split
 
 
 def _validate(op: str, x, weight) -> None:
@@ -101,7 +118,7 @@ def _fit(block: int, length: int) -> int:
     return min(block, max(16, 1 << max(0, length - 1).bit_length()))
 
 
-def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, rows_per_scale: int):
+def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, per_split: int, rows_per_scale: int):
     if fmt in PACKED_FORMATS:
         x_even_ref, x_odd_ref, values_ref, scales_ref, out_ref = refs
     else:
@@ -127,7 +144,8 @@ def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, rows_per_scale: int):
         scale = scales_ref[pl.ds(t * block_k // rows_per_scale, 1), :].astype(jnp.float32)
         return acc + partial * scale
 
-    acc = lax.fori_loop(0, k_tiles, step, jnp.zeros(out_ref.shape, jnp.float32))
+    first = pl.program_id(2) * per_split  # this program's share of the contraction
+    acc = lax.fori_loop(first, jnp.minimum(first + per_split, k_tiles), step, jnp.zeros(out_ref.shape, jnp.float32))
     if fmt == "int8":
         acc = acc * scales_ref[...].astype(jnp.float32)
     out_ref[...] = acc.astype(out_ref.dtype)
@@ -150,22 +168,25 @@ def _pallas(x, weight: QuantizedMatrix, out_dtype, block_sizes: QuantizedMatmulB
         k_pad = k
     m_pad, n_pad = x_parts[0].shape[0], values.shape[1]
     x_cols = x_parts[0].shape[1]
+    k_tiles = k_pad // bk
+    splits, per_split = block_sizes.splits((m_pad // bm) * (n_pad // bn), k_tiles)
     kernel = functools.partial(
-        _kernel, fmt=weight.format, block_k=bk, k_tiles=k_pad // bk, rows_per_scale=weight.group_size
+        _kernel, fmt=weight.format, block_k=bk, k_tiles=k_tiles, per_split=per_split, rows_per_scale=weight.group_size
     )
+    partial_dtype = out_dtype if splits == 1 else jnp.float32
     compiler_params = triton_compiler_params(
         interpret=interpret, num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
     )
     out = pl.pallas_call(
         kernel,
-        grid=(m_pad // bm, n_pad // bn),
+        grid=(m_pad // bm, n_pad // bn, splits),
         in_specs=[
-            *[pl.BlockSpec((bm, x_cols), lambda i, j: (i, 0)) for _ in x_parts],
-            pl.BlockSpec((values.shape[0], bn), lambda i, j: (0, j)),
-            pl.BlockSpec((scales.shape[0], bn), lambda i, j: (0, j)),
+            *[pl.BlockSpec((bm, x_cols), lambda i, j, s: (i, 0)) for _ in x_parts],
+            pl.BlockSpec((values.shape[0], bn), lambda i, j, s: (0, j)),
+            pl.BlockSpec((scales.shape[0], bn), lambda i, j, s: (0, j)),
         ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype),
+        out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, m_pad, n_pad), partial_dtype),
         compiler_params=compiler_params,
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,
@@ -173,12 +194,12 @@ def _pallas(x, weight: QuantizedMatrix, out_dtype, block_sizes: QuantizedMatmulB
             bytes_accessed=x.dtype.itemsize * x.size
             + weight.values.size
             + scales.dtype.itemsize * scales.size
-            + jnp.dtype(out_dtype).itemsize * m * n,
+            + jnp.dtype(partial_dtype).itemsize * splits * m * n,
         ),
         interpret=interpret,
         name=f"quantized_matmul_{weight.format}",
     )(*x_parts, values, scales)
-    return out[:m, :n]
+    return out[0, :m, :n] if splits == 1 else out[:, :m, :n].sum(axis=0).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

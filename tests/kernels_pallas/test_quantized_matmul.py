@@ -17,6 +17,7 @@ from ember.kernels_pallas.quantized_formats import (
     unpack_nibbles,
 )
 from ember.kernels_pallas.quantized_matmul import (
+    MIN_PROGRAMS,
     QuantizedMatmulBlockSizes,
     quantized_matmul,
     quantized_matmul_reference,
@@ -67,23 +68,23 @@ def test_dequantize_by_hand():
     np.testing.assert_array_equal(int4, [[-4.0, 14.0], [0.5, -2.0]])
 
 
-CASES = [  # format, m, k, n, group
-    ("int8", 5, 200, 72, 200),
-    ("int8", 33, 64, 16, 64),
-    ("int4", 3, 256, 40, 128),
-    ("int4", 17, 96, 130, 32),
-    ("nf4", 1, 128, 24, 64),
-    ("nf4", 20, 192, 48, 64),
+CASES = [  # format, m, k, n, group, k_splits (split-K: None fills MIN_PROGRAMS, here every k-tile)
+    ("int8", 5, 200, 72, 200, 1),
+    ("int8", 33, 64, 16, 64, None),
+    ("int4", 3, 256, 40, 128, 3),  # more splits asked than k-tiles: 2
+    ("int4", 17, 96, 130, 32, 2),  # 3 k-tiles in splits of 2 and 1
+    ("nf4", 1, 128, 24, 64, None),
+    ("nf4", 20, 192, 48, 64, 3),
 ]
 
 
 @pytest.mark.parametrize("impl", ["interpret", "xla"])
-@pytest.mark.parametrize("fmt,m,k,n,group", CASES)
-def test_equals_reference_values_and_gradients(fmt, m, k, n, group, impl):
+@pytest.mark.parametrize("fmt,m,k,n,group,k_splits", CASES)
+def test_equals_reference_values_and_gradients(fmt, m, k, n, group, k_splits, impl):
     rng = np.random.default_rng(hash((fmt, m, k, n)) % 2**32)
     weight = random_weight(rng, fmt, k, n, group)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
-    blocks = QuantizedMatmulBlockSizes(block_m=16, block_n=32, block_k=32)
+    blocks = QuantizedMatmulBlockSizes(block_m=16, block_n=32, block_k=32, k_splits=k_splits)
     expected = quantized_matmul_reference(x, weight)
     got = quantized_matmul(x, weight, impl=impl, block_sizes=blocks)
     assert got.shape == (m, n) and got.dtype == jnp.float32
@@ -95,6 +96,20 @@ def test_equals_reference_values_and_gradients(fmt, m, k, n, group, impl):
     bf16 = quantized_matmul(x.astype(jnp.bfloat16), weight, impl=impl, block_sizes=blocks)
     assert bf16.dtype == jnp.bfloat16
     assert_allclose(bf16.astype(jnp.float32) / scale, expected / scale, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "k_splits, output_tiles, k_tiles, expected",
+    [
+        (None, 32, 32, (MIN_PROGRAMS // 32, 32 * 32 // MIN_PROGRAMS)),  # a decode at n = 4096: 32 tiles
+        (None, 300, 32, (1, 32)),  # enough output tiles: no split
+        (None, 2, 3, (3, 1)),  # at most one split per k-tile
+        (5, 1, 7, (4, 2)),  # 5 asked: splits of 2 k-tiles, so 4 (none empty)
+        (1, 1, 7, (1, 7)),
+    ],
+)
+def test_split_k_fills_the_grid_without_empty_splits(k_splits, output_tiles, k_tiles, expected):
+    assert QuantizedMatmulBlockSizes(k_splits=k_splits).splits(output_tiles, k_tiles) == expected
 
 
 def test_bad_arguments_name_themselves():
@@ -111,6 +126,8 @@ def test_bad_arguments_name_themselves():
         quantized_matmul(x, QuantizedMatrix(weight.values, jnp.ones((3, 16)), "int4"))
     with pytest.raises(ValueError, match="group_size must be a power of two"):
         quantized_matmul(jnp.ones((2, 48)), QuantizedMatrix(jnp.zeros((24, 16), jnp.uint8), jnp.ones((2, 16)), "nf4"))
+    with pytest.raises(ValueError, match="k_splits must be a positive int or None, got 0"):
+        QuantizedMatmulBlockSizes(k_splits=0)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         QuantizedMatmulBlockSizes(block_n=48)
     with pytest.raises(ValueError, match="impl='pallas' needs"):
