@@ -5,15 +5,16 @@ block is one *work item*, so a block never mixes sequences. The work list is com
 device from the metadata (it is data, not static), padded to the static bound
 ``cdiv(num_tokens, block_q) + num_seqs`` items; padding items do nothing.
 
-Grid ``(work_items, kv_heads)``: a program takes its block's query rows of *every query
-head of one key head's GQA group* -- ``block_q * group`` rows, token-major (``group``
-padded to a power of two for the tiles) -- so each cached page is read once per key head,
-not once per query head: a decode step is bound by reading the cache, and per-query-head
-programs read it ``group`` times. It streams, with an online softmax (or, for sigmoid
+Grid ``(work_items, kv_heads * group_splits)``: a program takes its block's query rows of
+the query heads of one key head's GQA group -- all of them, or for large groups a share of
+at most :data:`MAX_ROWS` rows -- token-major (the group padded to a power of two for the
+tiles), so each cached page is read once per key head (per share), not once per query
+head: a decode step is bound by reading the cache, and per-query-head programs read it
+``group`` times. It streams, with an online softmax (or, for sigmoid
 scores, a plain weighted sum), only the pages holding positions it can see: from the
 window start, or 0, up to its last row's position, and with ``global_tokens`` also the
 pages of the global prefix before the window (a first loop), never the pages between. It
-writes its own ``[block_q * group, head_dim]`` output tile, so programs never race; one
+writes its own ``[rows, head_dim]`` output tile, so programs never race; one
 gather then puts rows back in token order.
 """
 
@@ -30,6 +31,9 @@ from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
 
 _NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+# Query rows a program serves at most (block_q positions x query heads): the tile's f32
+# accumulator and logits live in registers.
+MAX_ROWS = 128
 # Columns of the work-item table (width 8: GPU tiles want powers of two).
 _SEQ, _TOKEN_START, _ROWS, _FIRST_POS = 0, 1, 2, 3
 _WORK_COLUMNS = 8
@@ -89,6 +93,7 @@ def _ragged_kernel(
     *,
     block_q,
     group,
+    group_splits,
     page_size,
     pages_per_block,
     sm_scale,
@@ -98,7 +103,7 @@ def _ragged_kernel(
     sigmoid_bias,
     global_tokens,
 ):
-    kv_head = pl.program_id(1)
+    kv_head = pl.program_id(1) // group_splits
     seq, token_start, rows, first_pos = (work_ref[c] for c in (_SEQ, _TOKEN_START, _ROWS, _FIRST_POS))
     q = q_ref[pl.ds(token_start * group, block_q * group), :]  # row r: token r // group
     # lax.div (iota >= 0): jnp's floor // lowered to ill-typed Triton IR
@@ -176,18 +181,22 @@ def ragged_paged_attention_kernel(
     max_items = table.shape[0]
     kv_heads = cache.kv_heads
     group = heads // kv_heads
-    tile_group = 1 << (group - 1).bit_length()  # GPU tiles: block_q * tile_group rows, a power of two
-    # [kv_heads, tokens * tile_group, head_dim]: a key head's query heads, token-major (the
+    padded_group = 1 << (group - 1).bit_length()  # GPU tiles: powers of two
+    share = min(padded_group, max(1, MAX_ROWS // block_q))  # query heads per program
+    splits = padded_group // share
+    # [kv_heads * splits, tokens * share, head_dim]: a program's query heads, token-major (the
     # padded heads are zeros, their outputs dropped); block_q spare tokens so the last
     # block's read stays in bounds.
     q_grouped = jnp.pad(
-        q.reshape(num_tokens, kv_heads, group, head_dim), ((0, block_q), (0, 0), (0, tile_group - group), (0, 0))
+        q.reshape(num_tokens, kv_heads, group, head_dim), ((0, block_q), (0, 0), (0, padded_group - group), (0, 0))
     )
-    q_grouped = q_grouped.transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
+    q_grouped = q_grouped.reshape(-1, kv_heads, splits, share, head_dim).transpose(1, 2, 0, 3, 4)
+    q_grouped = q_grouped.reshape(kv_heads * splits, -1, head_dim)
     kernel = functools.partial(
         _ragged_kernel,
         block_q=block_q,
-        group=tile_group,
+        group=share,
+        group_splits=splits,
         page_size=cache.page_size,
         pages_per_block=pages_per_block,
         sm_scale=sm_scale,
@@ -198,10 +207,10 @@ def ragged_paged_attention_kernel(
         global_tokens=global_tokens,
     )
     whole_cache = pl.BlockSpec(k_pages.shape, lambda w, g: (0, 0, 0, 0))
-    rows = block_q * tile_group
+    rows = block_q * share
     out_items = pl.pallas_call(
         kernel,
-        grid=(max_items, kv_heads),
+        grid=(max_items, kv_heads * splits),
         in_specs=[
             pl.BlockSpec((None, _WORK_COLUMNS), lambda w, g: (w, 0)),
             pl.BlockSpec(page_table.shape, lambda w, g: (0, 0)),
@@ -210,13 +219,14 @@ def ragged_paged_attention_kernel(
             whole_cache,
         ],
         out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda w, g: (w, g, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((max_items, kv_heads, rows, head_dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((max_items, kv_heads * splits, rows, head_dim), q.dtype),
         interpret=interpret,
         name="ragged_paged_attention",
     )(table, page_table.astype(jnp.int32), q_grouped, k_pages, v_pages)
-    # [items, kv_heads, block_q, tile_group, d] -> [items, block_q, heads, d]
-    out_items = out_items.reshape(max_items, kv_heads, block_q, tile_group, head_dim)[:, :, :, :group]
-    out_items = out_items.transpose(0, 2, 1, 3, 4).reshape(max_items, block_q, heads, head_dim)
+    # [items, kv_heads, splits, block_q, share, d] -> [items, block_q, heads, d]
+    out_items = out_items.reshape(max_items, kv_heads, splits, block_q, share, head_dim).transpose(0, 3, 1, 2, 4, 5)
+    out_items = out_items.reshape(max_items, block_q, kv_heads, padded_group, head_dim)[:, :, :, :group]
+    out_items = out_items.reshape(max_items, block_q, heads, head_dim)
     return items_to_tokens(out_items, offsets, query_starts, owner, covered).astype(q.dtype)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from ember.kernels_pallas.block_mask import CausalMask, LocalGlobalMask, combine_masks
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from ember.kernels_pallas.ragged_paged_attention_kernel import MAX_ROWS
 from tests.kernels_pallas.flash_checks import FAST_COMPILE
 from tests.kernels_pallas.paged_checks import contiguous_cache, random_normal, random_paged_cache
 from tests.tolerances import assert_allclose
@@ -84,18 +85,26 @@ def test_kernel_matches_reference(rng, dtype, block_q, pages_per_block, options)
     assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (8, 1), (3, 3)])
-def test_kernel_reads_each_key_head_once_for_its_whole_query_group(rng, heads, kv_heads):
-    """A program serves every query head of one key head (grid ``(items, kv_heads)``): a
-    group of 3 padded to 4 in the tile, MQA (one program per item) and MHA (group 1)."""
+@pytest.mark.parametrize(
+    "heads, kv_heads, block_q, programs_per_item",
+    [
+        (6, 2, 8, 2),  # a group of 3 padded to 4 in the tile: one program per key head
+        (8, 1, 8, 1),  # MQA: one program per item
+        (3, 3, 8, 3),  # MHA: group 1
+        (8, 1, MAX_ROWS // 4, 2),  # MAX_ROWS / 4 positions x 8 heads: the group in two shares of 4
+    ],
+)
+def test_kernel_reads_each_key_head_once_for_its_query_group(rng, heads, kv_heads, block_q, programs_per_item):
+    """A program serves the query heads of one key head (up to MAX_ROWS rows), so a page is
+    read once per key head, not once per query head."""
     q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=heads, kv_heads=kv_heads, head_dim=16)
-    attend = lambda *a: ragged_paged_attention(*a, block_q=8, impl="interpret")  # noqa: E731
+    attend = lambda *a: ragged_paged_attention(*a, block_q=block_q, impl="interpret")  # noqa: E731
     out = jax.jit(attend, compiler_options=FAST_COMPILE)(q, k_pages, v_pages, page_table, *_metadata())
     expected = jax.jit(ragged_paged_attention_reference)(q, k_pages, v_pages, page_table, *_metadata())
     assert_allclose(out, expected)
     assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
     jaxpr = str(jax.make_jaxpr(attend)(q, k_pages, v_pages, page_table, *_metadata()))
-    assert re.search(rf"grid=\(\d+, {kv_heads}\)", jaxpr), "one program per (item, key head)"
+    assert re.search(rf"grid=\(\d+, {programs_per_item}\)", jaxpr), "programs per work item"
 
 
 def _numpy_causal_run(q_run, keys, values, kv_len, *, window=None, global_tokens=0, sigmoid_bias=None):
