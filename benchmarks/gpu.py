@@ -232,30 +232,16 @@ def _dense(lengths: Callable[[PerfSizes], tuple[int, ...]]):
     return run
 
 
-def _hopper_forward(sizes: PerfSizes, context: dict) -> list[dict]:
-    return attention.hopper_forward_rows(
-        sizes.impl,
-        sizes.hopper_baselines,
-        sizes.goal_len,
-        sizes.batch,
-        sizes.heads,
-        sizes.head_dim,
-        jnp.dtype(sizes.dtype),
-        repeats=sizes.repeats,
-    )
+def _hopper_rows(rows_fn: Callable, baselines: Callable[[PerfSizes], tuple[str, ...]]):
+    """A Hopper A/B at the goal length: ``rows_fn`` of :mod:`benchmarks.attention`
+    (``hopper_forward_rows`` or ``hopper_backward_rows``) against ``baselines(sizes)``."""
 
+    def run(sizes: PerfSizes, context: dict) -> list[dict]:
+        dtype = jnp.dtype(sizes.dtype)
+        shape = (sizes.goal_len, sizes.batch, sizes.heads, sizes.head_dim)
+        return rows_fn(sizes.impl, baselines(sizes), *shape, dtype, repeats=sizes.repeats)
 
-def _hopper_backward(sizes: PerfSizes, context: dict) -> list[dict]:
-    return attention.hopper_backward_rows(
-        sizes.impl,
-        sizes.baselines[:1],
-        sizes.goal_len,
-        sizes.batch,
-        sizes.heads,
-        sizes.head_dim,
-        jnp.dtype(sizes.dtype),
-        repeats=sizes.repeats,
-    )
+    return run
 
 
 def _block_sparse(sizes: PerfSizes, context: dict) -> list[dict]:
@@ -343,8 +329,9 @@ def _train_step(sizes: PerfSizes, context: dict) -> list[dict]:
 MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("ceilings", _ceilings, 10),
     Measurement("dense_goal", _dense(lambda s: (s.goal_len,)), 40),
-    Measurement("hopper_forward", _hopper_forward, 40),
-    Measurement("hopper_backward", _hopper_backward, 40),
+    Measurement("hopper_forward", _hopper_rows(attention.hopper_forward_rows, lambda s: s.hopper_baselines), 40),
+    # cuDNN's fwd+bwd (the first baseline) against the Hopper backward
+    Measurement("hopper_backward", _hopper_rows(attention.hopper_backward_rows, lambda s: s.baselines[:1]), 40),
     Measurement("block_sparse", _block_sparse, 40),
     Measurement("linear_attention", _mixer_rows(sequence_mixers.linear_attention_rows), 40),
     Measurement("ssd", _mixer_rows(sequence_mixers.ssd_rows), 40),
