@@ -361,6 +361,8 @@ def hopper_backward_rows(impl, baselines, q_len, batch, heads, head_dim, dtype, 
             seconds[name] = _time_or_error(grads[name], *args, repeats=repeats)
             row[f"{name}_fwd_bwd_ms"] = _ms(seconds[name])
             row[f"{name}_fwd_bwd_tflops"] = _tflops(flops, seconds[name])
+            if isinstance(seconds[name], str):
+                row[f"{name}_fwd_bwd_error"] = seconds[name]
         for name in forms:
             if name != "hopper_bwd":
                 row[f"hopper_bwd_fwd_bwd_speedup_vs_{name}"] = _ratio(seconds["hopper_bwd"], seconds[name])
