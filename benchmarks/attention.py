@@ -260,21 +260,16 @@ def _our_flash(forward: str, backward: str = "triton") -> Callable:
     return attend
 
 
-def _hopper_not_run(impl, q, causal: bool) -> str | None:
-    """Why the Hopper forward cannot run ``q``'s self-attention here (None: it can)."""
-    if impl != "pallas":
-        return f"impl={impl!r}: the Hopper kernel runs compiled on an sm90 GPU only"
-    problem = attention_problem(q, q, q, causal=causal)
-    return hopper_reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=DEFAULT_HOPPER_BLOCKS)
-
-
-def _hopper_backward_not_run(impl, q, causal: bool) -> str | None:
-    """Why the Hopper backward cannot run ``q``'s self-attention here (None: it can)."""
+def _hopper_not_run(impl, q, causal: bool, backward: bool = False) -> str | None:
+    """Why the Hopper forward (with ``backward``: the Hopper backward) cannot run ``q``'s
+    self-attention here (None: it can)."""
     if impl != "pallas":
         return f"impl={impl!r}: the Hopper kernels run compiled on an sm90 GPU only"
     problem = attention_problem(q, q, q, causal=causal)
-    blocks = DEFAULT_HOPPER_BACKWARD_BLOCKS
-    return hopper_backward_reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=blocks)
+    reason, blocks = (
+        (hopper_backward_reason, DEFAULT_HOPPER_BACKWARD_BLOCKS) if backward else (hopper_reason, DEFAULT_HOPPER_BLOCKS)
+    )
+    return reason(problem, (q.dtype,) * 3, GpuInfo.here(), interpret=False, blocks=blocks)
 
 
 def _timed_forms(forms: dict, causal: bool, flops: float, repeats: int) -> tuple[dict, dict]:
@@ -348,7 +343,7 @@ def hopper_backward_rows(impl, baselines, q_len, batch, heads, head_dim, dtype, 
     rows = []
     for causal in (True, False):
         row = dict(section="hopper_backward", q_len=q_len, batch=batch, causal=causal)
-        reason = _hopper_backward_not_run(impl, q, causal)
+        reason = _hopper_not_run(impl, q, causal, backward=True)
         if reason is not None:
             rows.append(dict(row, hopper_backward_not_run=reason))
             continue

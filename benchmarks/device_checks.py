@@ -16,9 +16,9 @@ A check is isolated: one that fails to compile or disagrees records the error te
 the next one runs. Adding or removing a kernel is one line of :data:`KERNEL_CHECKS`.
 
 :data:`HOPPER_CHECKS` check the Hopper (Mosaic GPU) forward of flash attention, with the
-Triton backward and with the Hopper backward, and the Hopper grouped matmul, in bf16 and f16. They run only where those
-kernels do (compiled, on an sm90 GPU: :func:`hopper_skip_reason`); elsewhere the GPU
-command records them as skipped.
+Triton backward and with the Hopper backward, and the Hopper grouped matmul, in bf16 and
+f16. They run only where those kernels do (compiled, on an sm90 GPU:
+:func:`hopper_skip_reason`); elsewhere the GPU command records them as skipped.
 """
 
 from __future__ import annotations

@@ -128,7 +128,8 @@ CPU_SIZES = Sizes(
     impl="auto",
     repeats=5,
 )
-FORMS = ("grouped_matmul", "ragged_dot", "per_expert_loop", "dense_equal_flops")  # and on a GPU jax_ragged_dot_mgpu
+# On a GPU also grouped_matmul[hopper] and jax_ragged_dot_mgpu.
+FORMS = ("grouped_matmul", "ragged_dot", "per_expert_loop", "dense_equal_flops")
 
 
 def group_sizes_for(load: str, experts: int, rows: int, seed: int = 0) -> np.ndarray:
@@ -193,6 +194,14 @@ def _timed_ms(fn: Callable, args, repeats: int) -> float | str:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
 
 
+def _timed_fwd_and_fwd_bwd(fn: Callable, args, repeats: int) -> tuple[float | str, float | str]:
+    """Milliseconds (or the error's first line) of ``fn`` and of the gradient of its summed
+    output with respect to its first two arguments."""
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
+    fwd = _timed_ms(jax.jit(fn), args, repeats)
+    return fwd, _timed_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), args, repeats)
+
+
 def _tflops(flops: float, ms) -> float | None:
     return flops / ms / 1e9 if isinstance(ms, float) else None
 
@@ -220,10 +229,8 @@ def grouped_matmul_rows(sizes: Sizes, key=None) -> list[dict]:
             peer_fn, peer_args = forms["ragged_dot"]
             peer_out = jax.jit(peer_fn)(*peer_args).astype(jnp.float32)
             for form, (fn, args) in forms.items():
-                loss = lambda *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
-                grouped = form in ("grouped_matmul", "grouped_matmul[hopper]", "per_expert_loop", "jax_ragged_dot_mgpu")
-                fwd_ms = _timed_ms(jax.jit(fn), args, sizes.repeats)
-                fwd_bwd_ms = _timed_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), args, sizes.repeats)
+                grouped = form not in ("ragged_dot", "dense_equal_flops")  # the peer itself; other FLOPs
+                fwd_ms, fwd_bwd_ms = _timed_fwd_and_fwd_bwd(fn, args, sizes.repeats)
                 rows.append(
                     dict(
                         section="grouped_matmul",
@@ -252,16 +259,12 @@ def grouped_matmul_tile_rows(sizes: Sizes, key=None) -> list[dict]:
     forms = forms_for(sizes, problem, group_sizes, jnp.dtype(sizes.dtype), jax.random.key(0) if key is None else key)
     flops = 2.0 * problem.rows * problem.k * problem.n
 
-    def timed(fn, args):
-        loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
-        fwd = _timed_ms(jax.jit(fn), args, sizes.repeats)
-        return fwd, _timed_ms(jax.jit(jax.grad(loss, argnums=(0, 1))), args, sizes.repeats)
-
-    dense = timed(*forms["dense_equal_flops"])
+    dense = _timed_fwd_and_fwd_bwd(*forms["dense_equal_flops"], sizes.repeats)
     args = forms["grouped_matmul"][1]
     rows = []
     for tile in sizes.tiles:
-        ours = timed(lambda a, b, s, tile=tile: grouped_matmul(a, b, s, impl=sizes.impl, block_sizes=tile), args)
+        tiled = lambda a, b, s, tile=tile: grouped_matmul(a, b, s, impl=sizes.impl, block_sizes=tile)  # noqa: E731
+        ours = _timed_fwd_and_fwd_bwd(tiled, args, sizes.repeats)
         row = dict(section="grouped_matmul_tiles", **dataclasses.asdict(problem), load=load, **dataclasses.asdict(tile))
         for phase, mine, theirs, phase_flops in zip(("fwd", "fwd_bwd"), ours, dense, (flops, 3 * flops), strict=True):
             row[f"{phase}_ms"] = mine
