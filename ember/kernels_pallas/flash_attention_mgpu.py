@@ -42,10 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.block_mask import CausalMask
-from ember.kernels_pallas.hopper import SMEM_BUDGET_BYTES, tma_transforms, warp_specialized
+from ember.kernels_pallas.hopper import SMEM_BUDGET_BYTES, WGMMA_DTYPES, tma_transforms, warp_specialized
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
-HOPPER_DTYPES: tuple[str, ...] = ("bfloat16", "float16")  # wgmma's 16-bit operand types
 HOPPER_HEAD_DIMS: tuple[int, ...] = (64, 128)  # whole 128-byte swizzle tiles; registers fit
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
@@ -100,8 +99,8 @@ def hopper_supports(
         return f"mask {problem.mask!r} (only none or causal)"
     if not problem.sm_scale > 0:
         return f"sm_scale {problem.sm_scale} (the base-2 softmax folds a positive scale)"
-    if jnp.dtype(dtype).name not in HOPPER_DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (wgmma takes {' or '.join(HOPPER_DTYPES)})"
+    if jnp.dtype(dtype).name not in WGMMA_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (wgmma takes {' or '.join(WGMMA_DTYPES)})"
     if problem.head_dim not in HOPPER_HEAD_DIMS:
         return f"head_dim {problem.head_dim} (only {' or '.join(map(str, HOPPER_HEAD_DIMS))})"
     smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize) if smem_bytes is None else smem_bytes

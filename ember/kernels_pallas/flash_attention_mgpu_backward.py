@@ -52,7 +52,7 @@ from ember.kernels_pallas.flash_attention_mgpu import (
     visible_tile,
     walk_key_blocks,
 )
-from ember.kernels_pallas.hopper import tma_transforms, warp_specialized
+from ember.kernels_pallas.hopper import feed_ring, tma_transforms, warp_specialized
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
 _LOG2_E = math.log2(math.e)
@@ -216,19 +216,7 @@ def _dq_memory_warpgroup(geo: HopperGeometry, shared: _DqShared, tile, k_ref, v_
         plgpu.copy_gmem_to_smem(k_ref.at[rows], shared.k.at[slot], shared.k_loaded.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], shared.v.at[slot], shared.v_loaded.at[slot])
 
-    for slot in range(min(stages, geo.num_kv_blocks)):
-        pl.when(slot < all_steps)(functools.partial(load, slot, slot))
-
-    @pl.loop(stages, all_steps)
-    def _(kv_step):
-        slot = lax.rem(kv_step, jnp.int32(stages))
-        plgpu.barrier_wait(shared.consumed.at[slot])
-        load(kv_step, slot)
-
-    # Wait out the last blocks too, so that no barrier phase is left unobserved at exit.
-    @pl.loop(jnp.maximum(all_steps - stages, 0), all_steps)
-    def _(kv_step):
-        plgpu.barrier_wait(shared.consumed.at[lax.rem(kv_step, jnp.int32(stages))])
+    feed_ring(load, all_steps, stages, shared.consumed, max_steps=geo.num_kv_blocks)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, smem, loaded, consumed, *, geo, num_tiles):
@@ -410,25 +398,14 @@ def _dkv_memory_warpgroup(geo: _KeyGeometry, shared: _DkvShared, tile, q_ref, do
     per_head = geo.num_q_blocks - tile_first
     total = geo.group * per_head
 
-    def load(step):
-        slot = lax.rem(step, jnp.int32(stages))
+    def load(step, slot):
         head = first_head + lax.div(step, per_head)
         rows = pl.ds((tile_first + lax.rem(step, per_head)) * bq, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], shared.q.at[slot], shared.q_loaded.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], shared.do.at[slot], shared.do_loaded.at[slot])
         plgpu.copy_gmem_to_smem(rows_ref.at[batch, head, :, rows], shared.rows.at[slot], shared.rows_loaded.at[slot])
 
-    for step in range(stages):
-        pl.when(step < total)(functools.partial(load, jnp.int32(step)))
-
-    @pl.loop(stages, total)
-    def _(step):
-        plgpu.barrier_wait(shared.consumed.at[lax.rem(step, jnp.int32(stages))])
-        load(step)
-
-    @pl.loop(jnp.maximum(total - stages, 0), total)
-    def _(step):
-        plgpu.barrier_wait(shared.consumed.at[lax.rem(step, jnp.int32(stages))])
+    feed_ring(load, total, stages, shared.consumed)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref, smem, loaded, consumed, *, geo):

@@ -35,14 +35,14 @@ from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.hopper import (
     SMEM_BUDGET_BYTES,
+    WGMMA_DTYPES,
     GpuInfo,
+    feed_ring,
     hopper_device_reason,
     tma_transforms,
     warp_specialized,
 )
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
-
-HOPPER_GMM_DTYPES: tuple[str, ...] = ("bfloat16", "float16")  # wgmma's 16-bit operand types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,8 @@ def hopper_gmm_reason(dtypes, gpu: GpuInfo | None, *, interpret: bool, blocks=DE
     if interpret:
         return "interpret mode (the Pallas interpreter runs the Triton kernels)"
     names = [jnp.dtype(d).name for d in dtypes]
-    if len(set(names)) != 1 or names[0] not in HOPPER_GMM_DTYPES:
-        return f"operand dtypes {', '.join(names)} (wgmma takes two of {' or '.join(HOPPER_GMM_DTYPES)})"
+    if len(set(names)) != 1 or names[0] not in WGMMA_DTYPES:
+        return f"operand dtypes {', '.join(names)} (wgmma takes two of {' or '.join(WGMMA_DTYPES)})"
     device = hopper_device_reason(gpu, causal=False)
     if device is not None:
         return device
@@ -182,18 +182,7 @@ def _memory_warpgroup(geo: _Geometry, shared: _Shared, lhs_ref, rhs_ref, visit, 
             rhs_tile = rhs_ref.at[group, cols, pl.ds(n_tile * bn, bn)]
         plgpu.copy_gmem_to_smem(rhs_tile, shared.rhs.at[slot], shared.rhs_loaded.at[slot])
 
-    for slot in range(min(stages, geo.k_tiles)):
-        load(slot, slot)
-
-    @pl.loop(stages, geo.k_tiles)
-    def _(kt):
-        slot = lax.rem(kt, jnp.int32(stages))
-        plgpu.barrier_wait(shared.consumed.at[slot])
-        load(kt, slot)
-
-    @pl.loop(max(geo.k_tiles - stages, 0), geo.k_tiles)
-    def _(kt):
-        plgpu.barrier_wait(shared.consumed.at[lax.rem(kt, jnp.int32(stages))])
+    feed_ring(load, geo.k_tiles, stages, shared.consumed)
 
 
 def _kernel(table_ref, lhs_ref, rhs_ref, out_ref, smem, loaded, consumed, *, geo: _Geometry):

@@ -12,11 +12,15 @@ lazily, so this module imports (and the device checks answer) on any backend.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+WGMMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16")  # wgmma's 16-bit operand types
 
 # Shared memory per CTA on sm90 is 227 KiB; keep room for barriers and reduction scratch.
 SMEM_BUDGET_BYTES = 220 * 1024
@@ -71,6 +75,32 @@ def tma_transforms() -> tuple:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def feed_ring(load: Callable, steps, stages: int, consumed, max_steps: int | None = None) -> None:
+    """A memory warpgroup's side of a ring of ``stages`` shared-memory slots: ``load(step,
+    slot)`` for the steps ``0 .. steps - 1`` (``steps`` may be traced; ``max_steps`` bounds it
+    statically), step ``s`` into slot ``s % stages``, each refill once ``consumed.at[slot]``
+    (the barrier the compute warpgroups arrive on when done with a slot) has completed. Then
+    it waits out the last releases too, so that no barrier phase is left unobserved at exit."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    static = isinstance(steps, int)
+    for slot in range(min(stages, steps if static else (max_steps or stages))):
+        if static:
+            load(slot, slot)
+        else:  # a short causal tile may need fewer steps than slots
+            pl.when(slot < steps)(functools.partial(load, slot, slot))
+
+    @pl.loop(stages, steps)
+    def _(step):
+        slot = lax.rem(step, jnp.int32(stages))
+        plgpu.barrier_wait(consumed.at[slot])
+        load(step, slot)
+
+    @pl.loop(max(steps - stages, 0) if static else jnp.maximum(steps - stages, 0), steps)
+    def _(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(stages))])
 
 
 def warp_specialized(compute: Callable, memory: Callable, compute_warpgroups: int) -> None:
