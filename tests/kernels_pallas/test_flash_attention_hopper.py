@@ -18,6 +18,7 @@ from ember.kernels_pallas.flash_attention_mgpu import HopperBlockSizes, hopper_s
 from ember.kernels_pallas.flash_attention_mgpu_backward import hopper_backward_supports
 from ember.kernels_pallas.flash_attention_routing import backward_kernel, forward_kernel
 from ember.kernels_pallas.hopper import GpuInfo, hopper_device_reason
+from tests.kernels_pallas.traced_kernels import kernels_in_gradient
 
 H100 = GpuInfo((9, 0), cuda_runtime=12091)
 BF16 = (jnp.bfloat16,) * 3
@@ -154,12 +155,6 @@ def test_forcing_the_hopper_backward_where_it_cannot_run_names_the_reason(call, 
         backward_kernel(call, BF16, gpu, interpret=interpret, backward="mosaic")
 
 
-def kernels_in(fn, *args) -> set[str]:
-    """The Pallas kernels in the jaxpr of ``fn``'s gradient (traced, not run)."""
-    grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-    return set(re.findall(r"flash_attention_\w+", str(jax.make_jaxpr(grad)(*args))))
-
-
 # Lengths differ per case: the jitted op caches its trace by shapes, not by device.
 @pytest.mark.parametrize(
     "gpu, forward, length", [(H100, "flash_attention_forward_hopper", 100), (GpuInfo((8, 0)), None, 101)]
@@ -171,7 +166,7 @@ def test_the_op_on_a_gpu_runs_the_hopper_forward_with_the_triton_backward(monkey
     monkeypatch.setattr(GpuInfo, "here", classmethod(lambda cls: gpu))
     q = jnp.zeros((1, length, 2, 80), jnp.bfloat16)
     k = jnp.zeros((1, length, 1, 80), jnp.bfloat16)
-    kernels = kernels_in(lambda q, k, v: flash_attention(q, k, v, causal=True, impl="pallas"), q, k, k)
+    kernels = kernels_in_gradient(lambda q, k, v: flash_attention(q, k, v, causal=True, impl="pallas"), q, k, k)
     assert kernels == {forward or "flash_attention_forward", "flash_attention_dq", "flash_attention_dkv"}
 
 
@@ -181,7 +176,7 @@ def test_forward_triton_keeps_the_triton_forward_on_hopper(monkeypatch):
     call = problem(head_dim=64, heads=2, kv_heads=2, q_len=64, kv_len=64, dtype=jnp.float16)
 
     def run(forward):
-        return kernels_in(
+        return kernels_in_gradient(
             lambda q, k, v: flash_attention_kernel(
                 q, k, v, None, problem=call, block_sizes=FlashBlockSizes(64, 64), interpret=False, forward=forward
             ),
@@ -204,7 +199,7 @@ def test_the_hopper_backward_runs_its_dq_and_dkv_kernels_behind_either_forward(m
     q = jnp.zeros((1, 100, 4, 80), jnp.bfloat16)
     k = jnp.zeros((1, 100, 2, 80), jnp.bfloat16)
     call = attention_problem(q, k, k, causal=True)
-    kernels = kernels_in(
+    kernels = kernels_in_gradient(
         lambda q, k, v: flash_attention_kernel(
             q,
             k,
@@ -231,5 +226,6 @@ def test_the_op_takes_the_hopper_backward_when_asked_and_refuses_it_off_the_gpu_
         jax.grad(lambda q: flash_attention(q, q, q, impl="interpret", backward_kernel="hopper").sum())(q)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(GpuInfo, "here", classmethod(lambda cls: H100))
-    kernels = kernels_in(lambda q, k, v: flash_attention(q, k, v, impl="pallas", backward_kernel="hopper"), q, q, q)
+    attend = lambda q, k, v: flash_attention(q, k, v, impl="pallas", backward_kernel="hopper")  # noqa: E731
+    kernels = kernels_in_gradient(attend, q, q, q)
     assert kernels == {"flash_attention_forward_hopper", "flash_attention_dq_hopper", "flash_attention_dkv_hopper"}

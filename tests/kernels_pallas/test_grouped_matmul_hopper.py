@@ -7,7 +7,6 @@ interpreter for it, so here the kernel is only traced, never run."""
 import itertools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from ember.kernels_pallas import grouped_matmul_kernels
 from ember.kernels_pallas.grouped_matmul import grouped_matmul
 from ember.kernels_pallas.grouped_matmul_mgpu import HopperGmmBlockSizes, hopper_gmm_reason, visit_table
 from ember.kernels_pallas.hopper import GpuInfo
+from tests.kernels_pallas.traced_kernels import kernels_in_gradient
 
 H100 = GpuInfo((9, 0), cuda_runtime=12091)
 
@@ -69,24 +69,6 @@ def test_tiles_validate_and_fit_shared_memory():
     assert "KiB of shared memory" in too_big
 
 
-def kernels_in(fn, *args) -> set[str]:
-    """The names of the Pallas kernels in the jaxpr of ``fn``'s gradient (traced, not run;
-    the jitted op's own name would match any pattern on the jaxpr's text)."""
-    grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1))
-    names = set()
-
-    def visit(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("pallas_call", "mpmd_map"):  # Triton's; Mosaic GPU's
-                name = eqn.params["name"]
-                names.add(getattr(name, "name", name))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                visit(sub)
-
-    visit(jax.make_jaxpr(grad)(*args).jaxpr)
-    return names
-
-
 @pytest.mark.parametrize(
     "gpu_kernel, by_default, expected",
     [
@@ -104,7 +86,8 @@ def test_the_op_on_hopper_runs_the_kernels_asked_for(monkeypatch, gpu_kernel, by
     lhs = jnp.zeros((100 + by_default, 64), jnp.bfloat16)  # the jitted ops cache traces by shape
     rhs = jnp.zeros((3, 64, 128), jnp.bfloat16)
     sizes = jnp.asarray([40, 0, 50], jnp.int32)
-    kernels = kernels_in(lambda a, b: grouped_matmul(a, b, sizes, impl="pallas", gpu_kernel=gpu_kernel), lhs, rhs)
+    multiply = lambda a, b: grouped_matmul(a, b, sizes, impl="pallas", gpu_kernel=gpu_kernel)  # noqa: E731
+    kernels = kernels_in_gradient(multiply, lhs, rhs)
     assert kernels == expected
 
 
