@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.block_mask import CausalMask
-from ember.kernels_pallas.hopper import SMEM_BUDGET_BYTES, WGMMA_DTYPES, tma_transforms, warp_specialized
+from ember.kernels_pallas.hopper import WGMMA_DTYPES, shared_memory_reason, tma_transforms, warp_specialized
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple, round_up
 
 HOPPER_HEAD_DIMS: tuple[int, ...] = (64, 128)  # whole 128-byte swizzle tiles; registers fit
@@ -104,9 +104,7 @@ def hopper_supports(
     if problem.head_dim not in HOPPER_HEAD_DIMS:
         return f"head_dim {problem.head_dim} (only {' or '.join(map(str, HOPPER_HEAD_DIMS))})"
     smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize) if smem_bytes is None else smem_bytes
-    if smem > SMEM_BUDGET_BYTES:
-        return f"{blocks} need {smem // 1024} KiB of shared memory (> {SMEM_BUDGET_BYTES // 1024} KiB)"
-    return None
+    return shared_memory_reason(blocks, smem)
 
 
 @dataclasses.dataclass(frozen=True)

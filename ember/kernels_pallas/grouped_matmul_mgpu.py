@@ -34,11 +34,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.hopper import (
-    SMEM_BUDGET_BYTES,
     WGMMA_DTYPES,
     GpuInfo,
     feed_ring,
     hopper_device_reason,
+    shared_memory_reason,
     tma_transforms,
     warp_specialized,
 )
@@ -81,13 +81,8 @@ def hopper_gmm_reason(dtypes, gpu: GpuInfo | None, *, interpret: bool, blocks=DE
     names = [jnp.dtype(d).name for d in dtypes]
     if len(set(names)) != 1 or names[0] not in WGMMA_DTYPES:
         return f"operand dtypes {', '.join(names)} (wgmma takes two of {' or '.join(WGMMA_DTYPES)})"
-    device = hopper_device_reason(gpu, causal=False)
-    if device is not None:
-        return device
     smem = blocks.smem_bytes(jnp.dtype(names[0]).itemsize)
-    if smem > SMEM_BUDGET_BYTES:
-        return f"{blocks} need {smem // 1024} KiB of shared memory (> {SMEM_BUDGET_BYTES // 1024} KiB)"
-    return None
+    return hopper_device_reason(gpu, causal=False) or shared_memory_reason(blocks, smem)
 
 
 def visit_table(bounds: jax.Array, m_tiles: int, block_m: int) -> jax.Array:

@@ -69,6 +69,14 @@ def hopper_device_reason(gpu: GpuInfo | None, causal: bool) -> str | None:
     return None
 
 
+def shared_memory_reason(blocks, smem_bytes: int) -> str | None:
+    """None when a CTA of ``smem_bytes`` (a kernel's with ``blocks``) fits
+    :data:`SMEM_BUDGET_BYTES`, else the reason it does not."""
+    if smem_bytes > SMEM_BUDGET_BYTES:
+        return f"{blocks} need {smem_bytes // 1024} KiB of shared memory (> {SMEM_BUDGET_BYTES // 1024} KiB)"
+    return None
+
+
 def tma_transforms() -> tuple:
     """Shared-memory tiling of 16-bit ``[rows, head_dim]`` tiles for TMA and wgmma: 64-element
     rows are 128 bytes, the widest swizzle."""
