@@ -145,6 +145,25 @@ def _matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
+def weighted_outer_sum(x, weights, y):
+    """``sum_s weights[s] * x[s]^T y[s]``: ``x [..., L, d1]``, ``weights [..., L, 1]``,
+    ``y [..., L, d2]`` -> ``[..., d1, d2]`` float32, the weighted ``x`` cast to ``y``'s dtype
+    for the matmul. A chunk's share of the state leaving it (``x, y = k, v`` with the key
+    weights) and of the gradient of the state entering it (``x, y = q, dout`` with the
+    entering weights)."""
+    return _matmul("...sd,...sv->...dv", (x.astype(jnp.float32) * weights).astype(y.dtype), y)
+
+
+def chunk_outputs(q, k, v, weights: ChunkWeights, state_in):
+    """Outputs of one chunk, ``[..., L, dv]`` float32: the masked, decayed intra-chunk scores
+    by ``v`` plus what the entering state contributes. Arguments as :func:`outputs_and_state`'s."""
+    scores = _matmul("...td,...sd->...ts", q, k) * weights.intra
+    outputs = _matmul("...ts,...sv->...tv", scores.astype(v.dtype), v)
+    if state_in is None:
+        return outputs
+    return outputs + weights.entering * _matmul("...td,...dv->...tv", q.astype(jnp.float32), state_in)
+
+
 def outputs_and_state(q, k, v, weights: ChunkWeights, state_in):
     """Outputs of one chunk and the state leaving it, given the chunk's :class:`ChunkWeights`.
 
@@ -155,14 +174,10 @@ def outputs_and_state(q, k, v, weights: ChunkWeights, state_in):
     Returns:
       ``(outputs [..., L, dv] float32, state_out [..., dk, dv] float32)``.
     """
-    scores = _matmul("...td,...sd->...ts", q, k) * weights.intra
-    outputs = _matmul("...ts,...sv->...tv", scores.astype(v.dtype), v)
-    weighted_keys = (k.astype(jnp.float32) * weights.keys).astype(v.dtype)
-    state_out = _matmul("...sd,...sv->...dv", weighted_keys, v)
+    state_out = weighted_outer_sum(k, weights.keys, v)
     if state_in is not None:
-        outputs = outputs + weights.entering * _matmul("...td,...dv->...tv", q.astype(jnp.float32), state_in)
         state_out = state_out + weights.carry * state_in
-    return outputs, state_out
+    return chunk_outputs(q, k, v, weights, state_in), state_out
 
 
 def chunk_outputs_and_state(q, k, v, cum_log_decay, doc, doc_before, state_in):
@@ -171,28 +186,67 @@ def chunk_outputs_and_state(q, k, v, cum_log_decay, doc, doc_before, state_in):
     return outputs_and_state(q, k, v, chunk_weights(cum_log_decay, doc, doc_before), state_in)
 
 
-def chunk_gradients(q, k, v, dout, weights: ChunkWeights, state_in, state_out, dstate_out):
-    """Gradients through one chunk (the backward of :func:`outputs_and_state`), float32.
+def score_gradients(dout, v, weights: ChunkWeights):
+    """Gradient of one chunk's masked, decayed ``[..., L, L]`` scores, float32."""
+    return _matmul("...tv,...sv->...ts", dout, v) * weights.intra
+
+
+def query_gradient(q, k, dout, dscores, weights: ChunkWeights, state_in):
+    """``(dq [..., L, dk], q . dq [..., L])``, float32: through the scores and the entering state."""
+    dq = _matmul("...ts,...sd->...td", dscores, k) + weights.entering * _matmul("...tv,...dv->...td", dout, state_in)
+    return dq, jnp.sum(q * dq, axis=-1)
+
+
+def key_value_gradients(q, k, v, dout, dscores, weights: ChunkWeights, dstate_out):
+    """``(dk [..., L, dk], dv [..., L, dv], -k . dk [..., L])``, float32: through the scores
+    and the state leaving the chunk."""
+    scores = _matmul("...td,...sd->...ts", q, k) * weights.intra
+    dv = _matmul("...ts,...tv->...sv", scores, dout) + weights.keys * _matmul("...sd,...dv->...sv", k, dstate_out)
+    dk = _matmul("...ts,...td->...sd", dscores, q) + weights.keys * _matmul("...sv,...dv->...sd", v, dstate_out)
+    return dk, dv, -jnp.sum(k * dk, axis=-1)
+
+
+def chunk_input_gradients(q, k, v, dout, weights: ChunkWeights, state_in, state_out, dstate_out):
+    """Gradients of one chunk's inputs (the backward of :func:`outputs_and_state` but for the
+    entering state's, :func:`chunk_gradients`), float32: :func:`score_gradients`, then
+    :func:`query_gradient` and :func:`key_value_gradients` (a kernel short of registers can
+    store dq before it computes dk).
 
     Args:
-      q, k: ``[..., L, dk]``; v, dout: ``[..., L, dv]``, all float32.
-      weights: the chunk's :class:`ChunkWeights`.
+      q, k: ``[..., L, dk]``; v, dout: ``[..., L, dv]``; float32 or promoted to it.
+      weights: the chunk's :class:`ChunkWeights` (``carry`` unused).
       state_in, state_out: ``[..., dk, dv]``, the states entering and leaving the chunk.
       dstate_out: ``[..., dk, dv]``, the gradient of ``state_out``.
 
     Returns:
-      ``(dq, dk, dv, dcum, dcum_last, dstate_in)``. The gradient of the cumulative log decay is
+      ``(dq, dk, dv, dcum, dcum_last)``. The gradient of the cumulative log decay is
       ``dcum [..., L]`` at every position plus ``dcum_last [...]`` at the chunk's last one, by
       the identity: every term with ``q_t`` carries ``exp(b_t)``, every term with ``k_s``
       ``exp(-b_s)``, and the leaving state ``exp(b_last)``, so
       ``d b_t = q_t . dq_t - k_t . dk_t + [t = last] <dS_out, S_out>``.
     """
-    scores = _matmul("...td,...sd->...ts", q, k) * weights.intra
-    dscores = _matmul("...tv,...sv->...ts", dout, v) * weights.intra
-    dq = _matmul("...ts,...sd->...td", dscores, k) + weights.entering * _matmul("...tv,...dv->...td", dout, state_in)
-    dk = _matmul("...ts,...td->...sd", dscores, q) + weights.keys * _matmul("...sv,...dv->...sd", v, dstate_out)
-    dv = _matmul("...ts,...tv->...sv", scores, dout) + weights.keys * _matmul("...sd,...dv->...sv", k, dstate_out)
-    dcum = jnp.sum(q * dq, axis=-1) - jnp.sum(k * dk, axis=-1)
-    dcum_last = jnp.sum(dstate_out * state_out, axis=(-2, -1))
-    dstate_in = weights.carry * dstate_out + _matmul("...td,...tv->...dv", q * weights.entering, dout)
-    return dq, dk, dv, dcum, dcum_last, dstate_in
+    dscores = score_gradients(dout, v, weights)
+    dq, dcum_queries = query_gradient(q, k, dout, dscores, weights, state_in)
+    dk, dv, dcum_keys = key_value_gradients(q, k, v, dout, dscores, weights, dstate_out)
+    return dq, dk, dv, dcum_queries + dcum_keys, last_state_gradient(state_out, dstate_out)
+
+
+def last_state_gradient(state_out, dstate_out):
+    """``<dS_out, S_out>`` ``[...]``: the decay gradient the leaving state adds at the chunk's last position."""
+    return jnp.sum(dstate_out * state_out, axis=(-2, -1))
+
+
+def entering_state_gradient(q, dout, weights: ChunkWeights, dstate_out):
+    """Gradient of the state entering one chunk, ``[..., dk, dv]`` float32: the leaving state's
+    gradient carried back plus what the chunk's outputs read from the entering state."""
+    return weights.carry * dstate_out + weighted_outer_sum(q, weights.entering, dout)
+
+
+def chunk_gradients(q, k, v, dout, weights: ChunkWeights, state_in, state_out, dstate_out):
+    """Gradients through one chunk (the backward of :func:`outputs_and_state`), float32:
+    :func:`chunk_input_gradients`' ``(dq, dk, dv, dcum, dcum_last)`` and then
+    :func:`entering_state_gradient`'s ``dstate_in``. Arguments as the former's."""
+    return (
+        *chunk_input_gradients(q, k, v, dout, weights, state_in, state_out, dstate_out),
+        entering_state_gradient(q, dout, weights, dstate_out),
+    )
