@@ -16,6 +16,7 @@ Values and times still need the device (``python -m benchmarks.gpu``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import re
@@ -46,12 +47,13 @@ class TritonKernel:
     num_stages: int
 
 
-def capture_kernels(problem) -> list[TritonKernel]:
-    """The Triton kernels of ``problem``'s forward and backward, captured while lowering them
-    for CUDA (under :func:`benchmarks.triton_lowering.pretend_gpu`)."""
+@contextlib.contextmanager
+def captured_kernels():
+    """Collects, into the list it yields, every Triton kernel that JAX's lowering writes
+    inside the block (lower for CUDA under :func:`benchmarks.triton_lowering.pretend_gpu`)."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
-    captured = []
+    captured: list[TritonKernel] = []
     lower = lowering.lower_jaxpr_to_triton_module
 
     def lower_and_keep(*args, **kwargs):
@@ -64,8 +66,7 @@ def capture_kernels(problem) -> list[TritonKernel]:
         return result
 
     with unittest.mock.patch.object(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", lower_and_keep):
-        triton_kernels_in(problem)
-    return captured
+        yield captured
 
 
 def compile_for_hopper(kernel: TritonKernel, workdir: pathlib.Path) -> dict:
@@ -107,7 +108,8 @@ def compile_all(sizes: CheckSizes = GPU_CHECK_SIZES, only: tuple[str, ...] = ())
                 label = f"{check.name} {dtype}"
                 try:
                     problem = check.problem(sizes, jnp.dtype(dtype), np.random.default_rng(0))
-                    kernels = capture_kernels(problem)
+                    with captured_kernels() as kernels:
+                        triton_kernels_in(problem)
                 except Exception as error:
                     rows.append(dict(check=label, error=_first_line(error)))
                     continue

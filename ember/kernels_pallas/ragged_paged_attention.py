@@ -33,6 +33,8 @@ from ember.kernels_pallas.block_mask import check_non_negative_int
 from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.flash_attention import SCORES
 from ember.kernels_pallas.ragged_paged_attention_kernel import (
+    DEFAULT_BLOCK_Q,
+    gpu_block_q,
     items_to_tokens,
     ragged_paged_attention_kernel,
     work_items,
@@ -243,7 +245,7 @@ def ragged_paged_attention(
     score: str = "softmax",
     sigmoid_bias: float | None = None,
     global_tokens: int = 0,
-    block_q: int = 16,
+    block_q: int | None = None,
     pages_per_block: int | None = None,
     impl: str = "auto",
 ) -> jax.Array:
@@ -291,7 +293,9 @@ def ragged_paged_attention(
         one key head, ``block_q * heads // kv_heads`` rows (on a GPU the group is padded to
         a power of two and the rows should be at least 16; on a TPU they make one MXU tile,
         best a multiple of 8 for float32 and 16 for bfloat16); a run is split into
-        ``cdiv(query_lens[s], block_q)`` blocks.
+        ``cdiv(query_lens[s], block_q)`` blocks. None: 16, except that the GPU kernel
+        shrinks it for batches of short runs, down to 16 rows for a decode step
+        (:func:`~ember.kernels_pallas.ragged_paged_attention_kernel.gpu_block_q`).
       pages_per_block: pages read per kernel step (default: enough for 128 tokens); on a
         TPU the pages of one step are copied while the previous step computes.
       impl: ``"auto"`` (the Pallas kernel on GPU and TPU, else XLA), ``"pallas"`` (the
@@ -331,10 +335,14 @@ def ragged_paged_attention(
         global_tokens=global_tokens,
     )
     num_tokens, _, head_dim = q.shape
-    if not isinstance(block_q, int) or block_q < 1:
-        raise ValueError(f"block_q must be a positive int, got {block_q!r}")
+    if block_q is not None and (not isinstance(block_q, int) or isinstance(block_q, bool) or block_q < 1):
+        raise ValueError(f"block_q must be a positive int or None (chosen per backend), got {block_q!r}")
     resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=KERNEL_BACKENDS)
     platform = kernel_platform(resolved)
+    if block_q is None and platform == "gpu":
+        block_q = gpu_block_q(num_tokens, query_lens.shape[0], q.shape[1], cache.kv_heads)
+    elif block_q is None:
+        block_q = DEFAULT_BLOCK_Q
     if platform is None:
         return _blocked_xla(
             q,

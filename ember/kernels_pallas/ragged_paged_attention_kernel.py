@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.attention_math import soft_cap
+from ember.kernels_pallas.dispatch import triton_compiler_params
 from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
 
 _NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -37,6 +38,31 @@ MAX_ROWS = 128
 # Columns of the work-item table (width 8: GPU tiles want powers of two).
 _SEQ, _TOKEN_START, _ROWS, _FIRST_POS = 0, 1, 2, 3
 _WORK_COLUMNS = 8
+
+
+DEFAULT_BLOCK_Q = 16
+# Rows Triton's dot needs at least (block_q positions x the padded query group).
+MIN_ROWS = 16
+
+
+def gpu_block_q(num_tokens: int, num_seqs: int, heads: int, kv_heads: int) -> int:
+    """The GPU kernel's ``block_q`` when the caller leaves it to the kernel: the mean run
+    (``num_tokens // num_seqs``) rounded up to a power of two, at most :data:`DEFAULT_BLOCK_Q`
+    and at least enough positions for :data:`MIN_ROWS` rows. A decode step (one token per
+    sequence) with groups of 4 gets 4: 16 rows a program, where 16 positions made 64 rows of
+    which 4 were real, and compiled for sm_90 needed 255 registers and spilled (96 bytes)
+    where 4 needs 181 and less than half the shared memory."""
+    padded_group = 1 << (heads // kv_heads - 1).bit_length()
+    mean_run = max(1, num_tokens // max(1, num_seqs))
+    smallest = -(-MIN_ROWS // padded_group)
+    return max(smallest, min(DEFAULT_BLOCK_Q, 1 << (mean_run - 1).bit_length()))
+
+
+def warps_for_rows(rows: int) -> int:
+    """Warps of a program serving ``rows`` query rows. Compiled for sm_90 (head_dim 128, 128
+    tokens a step), 16 rows fit 4 warps without spilling; at 32 rows 4 warps spilled 80 bytes
+    (8: 16) and at 128 rows 984 (8: 88)."""
+    return 4 if rows <= MIN_ROWS else 8
 
 
 def default_pages_per_block(page_size: int) -> int:
@@ -221,6 +247,7 @@ def ragged_paged_attention_kernel(
         out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda w, g: (w, g, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((max_items, kv_heads * splits, rows, head_dim), q.dtype),
         interpret=interpret,
+        compiler_params=triton_compiler_params(interpret=interpret, num_warps=warps_for_rows(rows), num_stages=3),
         name="ragged_paged_attention",
     )(table, page_table.astype(jnp.int32), q_grouped, k_pages, v_pages)
     # [items, kv_heads, splits, block_q, share, d] -> [items, block_q, heads, d]

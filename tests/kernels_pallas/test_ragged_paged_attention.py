@@ -13,7 +13,7 @@ import pytest
 
 from ember.kernels_pallas.block_mask import CausalMask, LocalGlobalMask, combine_masks
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
-from ember.kernels_pallas.ragged_paged_attention_kernel import MAX_ROWS
+from ember.kernels_pallas.ragged_paged_attention_kernel import MAX_ROWS, gpu_block_q
 from tests.kernels_pallas.flash_checks import FAST_COMPILE
 from tests.kernels_pallas.paged_checks import contiguous_cache, random_normal, random_paged_cache
 from tests.tolerances import assert_allclose
@@ -105,6 +105,27 @@ def test_kernel_reads_each_key_head_once_for_its_query_group(rng, heads, kv_head
     assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
     jaxpr = str(jax.make_jaxpr(attend)(q, k_pages, v_pages, page_table, *_metadata()))
     assert re.search(rf"grid=\(\d+, {programs_per_item}\)", jaxpr), "programs per work item"
+
+
+def test_gpu_kernel_sizes_its_blocks_to_the_runs_when_left_to_choose(rng):
+    """block_q=None: a decode step (one token per sequence) gets just enough positions for 16
+    rows, a mixed batch the mean run rounded up to a power of two, long runs 16; the kernel
+    run that way still matches the reference."""
+    assert gpu_block_q(num_tokens=64, num_seqs=64, heads=32, kv_heads=8) == 4  # 4 x group 4
+    assert gpu_block_q(num_tokens=64, num_seqs=64, heads=6, kv_heads=2) == 4  # group 3 padded to 4
+    assert gpu_block_q(num_tokens=64, num_seqs=64, heads=8, kv_heads=8) == 16  # MHA: 16 x 1
+    assert gpu_block_q(num_tokens=64, num_seqs=64, heads=32, kv_heads=1) == 1  # MQA: 32 rows
+    assert gpu_block_q(num_tokens=48, num_seqs=7, heads=8, kv_heads=2) == 8  # mean run 6
+    assert gpu_block_q(num_tokens=4096, num_seqs=4, heads=8, kv_heads=2) == 16
+    num_seqs = 6
+    q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=8, kv_heads=2, head_dim=16)
+    decode = (jnp.arange(num_seqs, dtype=jnp.int32), jnp.ones(num_seqs, jnp.int32), KV_LENS[:num_seqs] + 1)
+    q, page_table = q[:num_seqs], page_table[:num_seqs]
+    attend = lambda *a: ragged_paged_attention(*a, impl="interpret")  # noqa: E731
+    out = jax.jit(attend, compiler_options=FAST_COMPILE)(q, k_pages, v_pages, page_table, *decode)
+    assert_allclose(out, jax.jit(ragged_paged_attention_reference)(q, k_pages, v_pages, page_table, *decode))
+    jaxpr = str(jax.make_jaxpr(attend)(q, k_pages, v_pages, page_table, *decode))
+    assert re.search(r"float32\[\d+,2,16,16\]", jaxpr), "[items, kv_heads, 16 rows, head_dim] outputs"
 
 
 def _numpy_causal_run(q_run, keys, values, kv_len, *, window=None, global_tokens=0, sigmoid_bias=None):
