@@ -48,10 +48,12 @@ from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 # Block sizes and warps, chosen by compiling every kernel for sm_90 at dk = 128, chunks of 64
 # and dv = 192 (python -m benchmarks.triton_compile linear_attention): none needs more than
 # 144 KB of shared memory, and all but the bfloat16 dk/dv kernel (168 bytes) are free of
-# register spills. A single gradient kernel spilled 2 KB at any value block or warp count.
+# register spills. One kernel for dq, dk and dv spilled 0.1-2 KB at every value block (16-64)
+# and warp count (4-16) tried; the kernels this replaced spilled 0.4 KB (forward) and 2.7 KB.
 STATE_VALUE_BLOCK = 32  # 4 state-pass programs per head at dv = 128, each carrying a [dk, 32] state
 FORWARD_VALUE_BLOCK = 64
-BACKWARD_VALUE_BLOCK = 32  # 64 overran the H200's shared memory in float32
+QUERY_GRADIENT_VALUE_BLOCK = 64  # half the dq partial sums of 32 columns, still without spills
+KEY_VALUE_GRADIENT_VALUE_BLOCK = 32  # 64 spilled 272 bytes in bfloat16 (32: 168)
 STATE_PASS_WARPS = 8  # 4 spilled in the float32 gradient pass
 OUTPUT_WARPS = 4  # 168 registers a thread, no spills: more blocks per SM than 8 warps
 GRADIENT_WARPS = 8  # each gradient kernel holds [chunk, dk] float32 tiles of q, k and its gradient
@@ -273,43 +275,65 @@ def _forward(q, k, v, cum, doc, initial, chunk_size, interpret):
     return outputs, states
 
 
+def _gradient_call(kernel, name, block, q, k, v, dout, cum, doc, states, state_specs, outputs, chunk_size, interpret):
+    """A gradient kernel over (batch, head, chunk, value block of ``block`` columns): the
+    chunk's q, k, v, dout, cum and doc, then ``states`` as ``state_specs`` name them
+    (entries of :func:`_chunk_specs`); ``outputs`` names the results: ``"partial_qk"``
+    ``[value blocks, batch, seq, heads, dk]``, ``"partial_cum"`` ``[value blocks, batch, seq,
+    heads]`` or ``"v"`` ``[batch, seq, heads, dv]``, all float32."""
+    batch, seq, heads, dv = v.shape
+    specs = _chunk_specs(q.shape, v.shape, chunk_size, block)
+    value_blocks = dv // block
+    shapes = {
+        "partial_qk": (value_blocks, batch, seq, heads, q.shape[-1]),
+        "partial_cum": (value_blocks, batch, seq, heads),
+        "v": v.shape,
+    }
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads, seq // chunk_size, value_blocks),
+        in_specs=[specs[n] for n in ("qk", "qk", "v", "v", "cum", "doc", *state_specs)],
+        out_specs=[specs[n] for n in outputs],
+        out_shape=[jax.ShapeDtypeStruct(shapes[n], jnp.float32) for n in outputs],
+        interpret=interpret,
+        compiler_params=_chunk_kernel_params(interpret, GRADIENT_WARPS),
+        name=name,
+    )(q, k, v, dout, cum, doc, *states)
+
+
 def _backward(q, k, v, cum, doc, states, dout, dfinal, chunk_size, interpret):
     batch, seq, heads, dv = v.shape
     qk_heads, dk = q.shape[2], q.shape[3]
     dstates = _state_gradients(q, dout, cum, doc, dfinal, chunk_size, interpret)
-    block = value_block_size(dv, BACKWARD_VALUE_BLOCK)
-    specs = _chunk_specs(q.shape, v.shape, chunk_size, block)
-    grid = (batch, heads, seq // chunk_size, dv // block)
-    f32 = jnp.float32
-    partial_qk = jax.ShapeDtypeStruct((grid[3], batch, seq, heads, dk), f32)
-    partial_cum = jax.ShapeDtypeStruct((grid[3], batch, seq, heads), f32)
-    chunk_inputs = [specs["qk"], specs["qk"], specs["v"], specs["v"], specs["cum"], specs["doc"]]
-    dq, dcum_queries = pl.pallas_call(
+    inputs = (q, k, v, dout, cum, doc)
+    dq, dcum_queries = _gradient_call(
         _query_gradients_kernel,
-        grid=grid,
-        in_specs=[*chunk_inputs, specs["state_in"]],
-        out_specs=[specs["partial_qk"], specs["partial_cum"]],
-        out_shape=[partial_qk, partial_cum],
-        interpret=interpret,
-        compiler_params=_chunk_kernel_params(interpret, GRADIENT_WARPS),
-        name="linear_attention_query_gradients",
-    )(q, k, v, dout, cum, doc, states)
-    dk_, dv_, dcum_keys = pl.pallas_call(
+        "linear_attention_query_gradients",
+        value_block_size(dv, QUERY_GRADIENT_VALUE_BLOCK),
+        *inputs,
+        (states,),
+        ("state_in",),
+        ("partial_qk", "partial_cum"),
+        chunk_size,
+        interpret,
+    )
+    dk_, dv_, dcum_keys = _gradient_call(
         _key_value_gradients_kernel,
-        grid=grid,
-        in_specs=[*chunk_inputs, specs["state_out"], specs["state_out"]],
-        out_specs=[specs["partial_qk"], specs["v"], specs["partial_cum"]],
-        out_shape=[partial_qk, jax.ShapeDtypeStruct((batch, seq, heads, dv), f32), partial_cum],
-        interpret=interpret,
-        compiler_params=_chunk_kernel_params(interpret, GRADIENT_WARPS),
-        name="linear_attention_key_value_gradients",
-    )(q, k, v, dout, cum, doc, states, dstates)
-    dcum = dcum_queries + dcum_keys
+        "linear_attention_key_value_gradients",
+        value_block_size(dv, KEY_VALUE_GRADIENT_VALUE_BLOCK),
+        *inputs,
+        (states, dstates),
+        ("state_out", "state_out"),
+        ("partial_qk", "v", "partial_cum"),
+        chunk_size,
+        interpret,
+    )
 
     def total(partial_qk):  # [value blocks, batch, seq, heads, dk] -> [batch, seq, qk_heads, dk]
         return partial_qk.sum(axis=0).reshape(batch, seq, qk_heads, heads // qk_heads, dk).sum(axis=3)
 
-    return total(dq), total(dk_), dv_, dcum.sum(axis=0), dstates[:, :, 0]
+    dcum = dcum_queries.sum(axis=0) + dcum_keys.sum(axis=0)
+    return total(dq), total(dk_), dv_, dcum, dstates[:, :, 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))

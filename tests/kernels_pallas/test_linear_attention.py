@@ -15,8 +15,9 @@ from ember.kernels_pallas.linear_attention import (
     linear_attention_step,
 )
 from ember.kernels_pallas.linear_attention_pallas import (
-    BACKWARD_VALUE_BLOCK,
     FORWARD_VALUE_BLOCK,
+    KEY_VALUE_GRADIENT_VALUE_BLOCK,
+    QUERY_GRADIENT_VALUE_BLOCK,
     STATE_VALUE_BLOCK,
     value_block_size,
 )
@@ -90,12 +91,14 @@ def test_chunked_scan_and_quadratic_agree_in_values_and_gradients(rng, impl, dty
 
 
 def test_kernel_splits_wide_values_across_programs(rng):
-    """dv = 128 runs as two programs of 64 value columns per chunk forward, four of 32 per chunk
-    backward and four of 32 per state pass; dq, dk and the decay gradient are the sums of
-    their partial results."""
+    """dv = 128 runs as two programs of 64 value columns per chunk for the outputs and for dq,
+    four of 32 per chunk for dk and dv, and four of 32 per state pass; dq, dk and the decay
+    gradient are the sums of their partial results."""
     assert value_block_size(128, FORWARD_VALUE_BLOCK) == 64 and value_block_size(96, FORWARD_VALUE_BLOCK) == 96
+    assert value_block_size(128, QUERY_GRADIENT_VALUE_BLOCK) == 64
     assert value_block_size(128, STATE_VALUE_BLOCK) == 32
-    assert value_block_size(128, BACKWARD_VALUE_BLOCK) == 32 and value_block_size(96, BACKWARD_VALUE_BLOCK) == 32
+    assert value_block_size(128, KEY_VALUE_GRADIENT_VALUE_BLOCK) == 32
+    assert value_block_size(96, KEY_VALUE_GRADIENT_VALUE_BLOCK) == 32
     key_inputs, key_cotangent = jax.random.split(rng)
     inputs = make_inputs(key_inputs, batch=1, seq=20, dv=128)
     expected, expected_grads = values_and_grads(linear_attention_reference, inputs, key_cotangent)
