@@ -434,18 +434,43 @@ def _run_measurement(measurement: Measurement, sizes: PerfSizes, context: dict, 
     return rows
 
 
-def kept_checks(previous: dict, device: str) -> dict[str, dict]:
-    """The device value checks of an earlier results record of the same ``device``, each
-    marked with the date and seed of the run that made it: a session whose device time
-    allows one short call rechecks only the kernels it changed (``--only-checks``) and keeps
-    the others' results (``--keep-checks-from``)."""
+def kept_results(previous: dict, device: str) -> dict[str, Any]:
+    """What an earlier results record of the same ``device`` measured, for a run that repeats
+    only part of it (``--keep-from``): its device and Hopper value checks, each marked with the
+    date and seed of the run that made it (``checked_on``, ``checked_with_seed``), and its rows,
+    marked ``measured_on``; marks already there stand. A session whose device time allows one
+    short call rechecks and re-times only what it changed and keeps the rest."""
     if previous.get("device") != device or previous.get("toy"):
         raise ValueError(
-            f"--keep-checks-from needs a non-toy results file of this device ({device!r}), "
+            f"--keep-from needs a non-toy results file of this device ({device!r}), "
             f"got one of {previous.get('device')!r} (toy: {previous.get('toy')})"
         )
     origin = dict(checked_on=previous["date"], checked_with_seed=previous["seed"])
-    return {name: {**check, **origin} for name, check in previous["device_value_checks"].items()}
+
+    def checks(name):
+        return {check: {**origin, **result} for check, result in previous.get(name, {}).items()}
+
+    return dict(
+        device_value_checks=checks("device_value_checks"),
+        hopper_value_checks=checks("hopper_value_checks"),
+        rows=[{"measured_on": previous["date"], **row} for row in previous.get("rows", ()) if "skipped" not in row],
+    )
+
+
+def previous_record(path: Path, device: str) -> dict | None:
+    """The record ``--keep-from`` names: a results file, or in a folder the file of this
+    ``device`` (None if it has none: a call that lands on another kind of GPU starts afresh)."""
+    if path.is_dir():
+        path = path / f"gpu-{device}.json"
+        if not path.exists():
+            print(f"--keep-from: no {path.name} in {path.parent}; nothing kept", flush=True)
+            return None
+    return json.loads(path.read_text())
+
+
+def _measured(rows: list[dict]) -> bool:
+    """Whether a measurement's rows hold a result (not only a budget skip)."""
+    return any("skipped" not in row for row in rows)
 
 
 def run(
@@ -455,13 +480,17 @@ def run(
     seed: int,
     only_checks: tuple[str, ...] = (),
     skip: tuple[str, ...] = (),
-    keep_checks_from: dict | None = None,
+    keep_from: dict | None = None,
+    first: tuple[str, ...] = (),
 ) -> Path:
     """Runs the checks and the measurements; returns the results file's path. With
-    ``keep_checks_from`` (an earlier record), its checks stand where this run repeats none."""
+    ``keep_from`` (an earlier record), its checks and a measurement's rows stand where this
+    run repeats none of them (:func:`kept_results`). The measurements named in ``first`` run
+    first, in that order (a short call's budget then skips the least important)."""
     check_sizes: CheckSizes = TOY_CHECK_SIZES if toy else GPU_CHECK_SIZES
     sizes = TOY_SIZES if toy else GPU_SIZES
     deadline = time.monotonic() + budget_s
+    kept = kept_results(keep_from, device_label()) if keep_from else dict(rows=[])
     record: dict[str, Any] = dict(
         toy=toy,
         seed=seed,
@@ -469,9 +498,9 @@ def run(
         check_sizes=dataclasses.asdict(check_sizes),
         perf_sizes={k: repr(v) for k, v in dataclasses.asdict(sizes).items()},
         kernels=[check.name for check in KERNEL_CHECKS],
-        device_value_checks=kept_checks(keep_checks_from, device_label()) if keep_checks_from else {},
-        hopper_value_checks={},
-        rows=[],
+        device_value_checks=kept.get("device_value_checks", {}),
+        hopper_value_checks=kept.get("hopper_value_checks", {}),
+        rows=list(kept["rows"]),
         goals={},
     )
 
@@ -512,10 +541,14 @@ def run(
     run_checks_in(first_dtypes)
     run_hopper_checks()
     context: dict[str, Any] = {}
-    for measurement in MEASUREMENTS:
+    ordered = sorted(MEASUREMENTS, key=lambda m: first.index(m.name) if m.name in first else len(first))
+    for measurement in ordered:
         if measurement.name in skip:
             continue
-        record["rows"] += _run_measurement(measurement, sizes, context, deadline)
+        rows = _run_measurement(measurement, sizes, context, deadline)
+        if _measured(rows):  # new rows replace kept ones
+            record["rows"] = [row for row in record["rows"] if row.get("measurement") != measurement.name]
+        record["rows"] += rows
         record["goals"] = goals(record["rows"], sizes)
         save()
     run_checks_in(check_sizes.dtypes[len(first_dtypes) :], deadline)
@@ -560,9 +593,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="inputs of the value checks (default: fresh)")
     parser.add_argument("--only-checks", nargs="*", default=(), help="run only checks whose name contains one of these")
     parser.add_argument("--skip", nargs="*", default=(), help="'checks' and/or measurement names to leave out")
-    parser.add_argument("--only", nargs="*", default=None, help="the measurements to run (default: all)")
+    parser.add_argument("--only", nargs="*", default=None, help="the measurements to run, in this order (default: all)")
     parser.add_argument(
-        "--keep-checks-from", type=Path, default=None, help="an earlier gpu-<device>.json whose checks this run keeps"
+        "--keep-from",
+        type=Path,
+        default=None,
+        help="an earlier gpu-<device>.json (or a folder holding one for this device) whose checks and rows "
+        "stand where this run repeats none of them",
     )
     args = parser.parse_args(argv)
     names = [measurement.name for measurement in MEASUREMENTS]
@@ -575,8 +612,8 @@ def main(argv=None) -> int:
         print(f"No GPU found (device: {device_label()}): toy sizes, kernels in the Pallas interpreter.")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     budget = args.budget_s if args.budget_s is not None else (1e9 if toy else 500.0)
-    previous = json.loads(args.keep_checks_from.read_text()) if args.keep_checks_from else None
-    run(toy, args.results_dir, budget, seed, tuple(args.only_checks), skip, previous)
+    previous = previous_record(args.keep_from, device_label()) if args.keep_from else None
+    run(toy, args.results_dir, budget, seed, tuple(args.only_checks), skip, previous, tuple(args.only or ()))
     return 0
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import gpu, triton_lowering
+from benchmarks import gpu, harness, triton_lowering
 from benchmarks.device_checks import (
     GPU_CHECK_SIZES,
     KERNEL_CHECKS,
@@ -128,33 +128,82 @@ def test_kernels_lower_to_triton_without_a_gpu(check, kernels):
     assert results == {f"{check} bfloat16": {"lowered": True, "triton_kernels": kernels}}
 
 
-def test_kept_checks_carry_their_origin_and_refuse_another_device():
+def test_kept_results_carry_their_origin_and_refuse_another_device():
     previous = dict(
         device="h200",
         toy=False,
         date="2026-11-26T23:59:00+00:00",
         seed=7,
-        device_value_checks={"ssd bfloat16": {"passed": True, "max_relative_error": 0.007}},
+        device_value_checks={
+            "ssd bfloat16": {"passed": True, "max_relative_error": 0.007},
+            "older bfloat16": {"passed": True, "checked_on": "2026-11-25T10:00:00+00:00", "checked_with_seed": 3},
+        },
+        hopper_value_checks={"hopper bfloat16": {"passed": False}},
+        rows=[{"measurement": "ssd", "fwd_ms": 1.0}, {"section": "flash_tiles", "skipped": "budget: 15 s left"}],
     )
-    kept = gpu.kept_checks(previous, "h200")
-    assert kept == {
+    kept = gpu.kept_results(previous, "h200")
+    assert kept["device_value_checks"] == {
         "ssd bfloat16": {
             "passed": True,
             "max_relative_error": 0.007,
             "checked_on": "2026-11-26T23:59:00+00:00",
             "checked_with_seed": 7,
-        }
+        },
+        # A check kept once already keeps the date and seed of the run that made it.
+        "older bfloat16": {"passed": True, "checked_on": "2026-11-25T10:00:00+00:00", "checked_with_seed": 3},
     }
+    assert kept["hopper_value_checks"]["hopper bfloat16"]["checked_on"] == "2026-11-26T23:59:00+00:00"
+    assert kept["rows"] == [{"measured_on": "2026-11-26T23:59:00+00:00", "measurement": "ssd", "fwd_ms": 1.0}]
     with pytest.raises(ValueError, match="h100"):
-        gpu.kept_checks(previous, "h100")
+        gpu.kept_results(previous, "h100")
     with pytest.raises(ValueError, match="toy"):
-        gpu.kept_checks(dict(previous, toy=True), "h200")
+        gpu.kept_results(dict(previous, toy=True), "h200")
 
 
-def test_only_runs_the_named_measurements_and_unknown_names_are_refused(tmp_path, capsys):
-    gpu.main(["--toy", "--skip", "checks", "--only", "ceilings", "hopper_backward", "--results-dir", str(tmp_path)])
+def test_a_partial_run_keeps_the_rows_it_does_not_repeat(tmp_path):
+    """--keep-from: the measurements this run times replace the earlier record's rows; the
+    others' rows and every check stand, marked with the earlier run's date. Given a folder,
+    it reads the file of this run's device, and keeps nothing where there is none."""
+    device = harness.device_label()
+    previous = dict(
+        device=device,
+        toy=False,
+        date="2026-11-26T23:59:00+00:00",
+        seed=7,
+        device_value_checks={"ssd bfloat16": {"passed": True}},
+        rows=[{"measurement": "ceilings", "section": "ceilings", "stale": True}, {"measurement": "ssd", "fwd_ms": 1.0}],
+    )
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / f"gpu-{device}.json").write_text(json.dumps(previous))
+    assert gpu.previous_record(tmp_path / "results", "another-device") is None
+    out = tmp_path / "out"
+    gpu.main(
+        [
+            "--toy",
+            "--skip",
+            "checks",
+            "--only",
+            "ceilings",
+            "--results-dir",
+            str(out),
+            "--keep-from",
+            str(tmp_path / "results"),
+        ]
+    )
+    record = json.loads((out / f"gpu-{device}.json").read_text())
+    assert record["device_value_checks"]["ssd bfloat16"]["checked_on"] == previous["date"]
+    ceilings = [row for row in record["rows"] if row["measurement"] == "ceilings"]
+    assert ceilings and not any(row.get("stale") or "measured_on" in row for row in ceilings)
+    assert [row for row in record["rows"] if row["measurement"] == "ssd"] == [
+        {"measured_on": previous["date"], "measurement": "ssd", "fwd_ms": 1.0}
+    ]
+
+
+def test_only_runs_the_named_measurements_in_order_and_unknown_names_are_refused(tmp_path, capsys):
+    gpu.main(["--toy", "--skip", "checks", "--only", "hopper_backward", "ceilings", "--results-dir", str(tmp_path)])
     record = json.loads((tmp_path / "gpu-cpu.json").read_text())
-    assert {row["measurement"] for row in record["rows"]} == {"ceilings", "hopper_backward"}
+    measured = [row["measurement"] for row in record["rows"]]
+    assert list(dict.fromkeys(measured)) == ["hopper_backward", "ceilings"]  # as named, not gpu.MEASUREMENTS' order
     assert record["device_value_checks"] == {}
     # Off the GPU the Hopper backward's rows say why nothing was timed.
     backward = [row for row in record["rows"] if row["section"] == "hopper_backward"]
