@@ -115,7 +115,7 @@ def test_goals_without_rows_are_unmeasured():
     [
         ("flash_attention[causal,segments]", 3),  # forward, dq, dk/dv
         ("grouped_matmul[group_offset,empty,skewed,tail_rows]", 3),  # gmm, gmm against rhs^T, tgmm
-        # state pass, outputs; state gradient pass, dq, dk/dv
+        # state pass, outputs; state gradient pass, dv, dq/dk
         ("linear_attention[normalize,decay,state,segments]", 5),
     ],
 )

@@ -157,8 +157,7 @@ def weighted_outer_sum(x, weights, y):
 def chunk_outputs(q, k, v, weights: ChunkWeights, state_in):
     """Outputs of one chunk, ``[..., L, dv]`` float32: the masked, decayed intra-chunk scores
     by ``v`` plus what the entering state contributes. Arguments as :func:`outputs_and_state`'s."""
-    scores = _matmul("...td,...sd->...ts", q, k) * weights.intra
-    outputs = _matmul("...ts,...sv->...tv", scores.astype(v.dtype), v)
+    outputs = _matmul("...ts,...sv->...tv", masked_scores(q, k, weights).astype(v.dtype), v)
     if state_in is None:
         return outputs
     return outputs + weights.entering * _matmul("...td,...dv->...tv", q.astype(jnp.float32), state_in)
@@ -186,34 +185,56 @@ def chunk_outputs_and_state(q, k, v, cum_log_decay, doc, doc_before, state_in):
     return outputs_and_state(q, k, v, chunk_weights(cum_log_decay, doc, doc_before), state_in)
 
 
+# The gradients of one chunk's inputs, in pieces a kernel can also sum over blocks of value
+# columns: score_gradients, state_product and last_state_gradient are sums over the value
+# columns, so a program holding a block of them adds up its blocks' shares.
+
+
+def masked_scores(q, k, weights: ChunkWeights):
+    """One chunk's masked, decayed scores ``[..., L, L]``, float32."""
+    return _matmul("...td,...sd->...ts", q, k) * weights.intra
+
+
 def score_gradients(dout, v, weights: ChunkWeights):
     """Gradient of one chunk's masked, decayed ``[..., L, L]`` scores, float32."""
     return _matmul("...tv,...sv->...ts", dout, v) * weights.intra
 
 
-def query_gradient(q, k, dout, dscores, weights: ChunkWeights, state_in):
-    """``(dq [..., L, dk], q . dq [..., L])``, float32: through the scores and the entering state."""
-    dq = _matmul("...ts,...sd->...td", dscores, k) + weights.entering * _matmul("...tv,...dv->...td", dout, state_in)
-    return dq, jnp.sum(q * dq, axis=-1)
+def state_product(x, state):
+    """``x [..., L, dv]`` by a state's transpose ``[..., dk, dv]``: ``[..., L, dk]`` float32
+    (``dout S_in^T`` in dq, ``v dS_out^T`` in dk)."""
+    return _matmul("...tv,...dv->...td", x, state)
 
 
-def key_value_gradients(q, k, v, dout, dscores, weights: ChunkWeights, dstate_out):
-    """``(dk [..., L, dk], dv [..., L, dv], -k . dk [..., L])``, float32: through the scores
-    and the state leaving the chunk."""
-    scores = _matmul("...td,...sd->...ts", q, k) * weights.intra
-    dv = _matmul("...ts,...tv->...sv", scores, dout) + weights.keys * _matmul("...sd,...dv->...sv", k, dstate_out)
-    dk = _matmul("...ts,...td->...sd", dscores, q) + weights.keys * _matmul("...sv,...dv->...sd", v, dstate_out)
-    return dk, dv, -jnp.sum(k * dk, axis=-1)
+def query_gradient(dscores, k, weights: ChunkWeights, dout_by_state_in):
+    """dq ``[..., L, dk]``: through the scores and the entering state
+    (``dout_by_state_in = state_product(dout, state_in)``)."""
+    return _matmul("...ts,...sd->...td", dscores, k) + weights.entering * dout_by_state_in
+
+
+def key_gradient(dscores, q, weights: ChunkWeights, v_by_dstate_out):
+    """dk ``[..., L, dk]``: through the scores and the state leaving the chunk
+    (``v_by_dstate_out = state_product(v, dstate_out)``)."""
+    return _matmul("...ts,...td->...sd", dscores, q) + weights.keys * v_by_dstate_out
+
+
+def value_gradient(scores, dout, k, weights: ChunkWeights, dstate_out):
+    """dv ``[..., L, dv]``: through the scores and the state leaving the chunk."""
+    return _matmul("...ts,...tv->...sv", scores, dout) + weights.keys * _matmul("...sd,...dv->...sv", k, dstate_out)
+
+
+def decay_gradient(q, dq, k, dk):
+    """``q . dq - k . dk`` ``[..., L]``: the cumulative log decay's gradient at every position
+    (see :func:`chunk_input_gradients`)."""
+    return jnp.sum(q * dq, axis=-1) - jnp.sum(k * dk, axis=-1)
 
 
 def chunk_input_gradients(q, k, v, dout, weights: ChunkWeights, state_in, state_out, dstate_out):
     """Gradients of one chunk's inputs (the backward of :func:`outputs_and_state` but for the
-    entering state's, :func:`chunk_gradients`), float32: :func:`score_gradients`, then
-    :func:`query_gradient` and :func:`key_value_gradients` (a kernel short of registers can
-    store dq before it computes dk).
+    entering state's, :func:`chunk_gradients`), float32, from the pieces above.
 
     Args:
-      q, k: ``[..., L, dk]``; v, dout: ``[..., L, dv]``; float32 or promoted to it.
+      q, k: ``[..., L, dk]``; v, dout: ``[..., L, dv]``; float32.
       weights: the chunk's :class:`ChunkWeights` (``carry`` unused).
       state_in, state_out: ``[..., dk, dv]``, the states entering and leaving the chunk.
       dstate_out: ``[..., dk, dv]``, the gradient of ``state_out``.
@@ -226,9 +247,10 @@ def chunk_input_gradients(q, k, v, dout, weights: ChunkWeights, state_in, state_
       ``d b_t = q_t . dq_t - k_t . dk_t + [t = last] <dS_out, S_out>``.
     """
     dscores = score_gradients(dout, v, weights)
-    dq, dcum_queries = query_gradient(q, k, dout, dscores, weights, state_in)
-    dk, dv, dcum_keys = key_value_gradients(q, k, v, dout, dscores, weights, dstate_out)
-    return dq, dk, dv, dcum_queries + dcum_keys, last_state_gradient(state_out, dstate_out)
+    dq = query_gradient(dscores, k, weights, state_product(dout, state_in))
+    dk = key_gradient(dscores, q, weights, state_product(v, dstate_out))
+    dv = value_gradient(masked_scores(q, k, weights), dout, k, weights, dstate_out)
+    return dq, dk, dv, decay_gradient(q, dq, k, dk), last_state_gradient(state_out, dstate_out)
 
 
 def last_state_gradient(state_out, dstate_out):

@@ -10,23 +10,26 @@ flash-linear-attention:
   (``S_out = carry * S_in + sum_s w_s k_s^T v_s``) and writes the state entering every chunk;
   the backward walks in reverse carrying the state's gradient
   (``dS_in = carry * dS_out + sum_t e_t q_t^T dout_t``) and writes it for every chunk;
-- *chunk kernels*, one program per (batch, head, chunk, block of value columns), all
+- *chunk kernels*, one program per (batch, head, chunk and a block of columns), all
   independent: the forward's outputs (masked, decayed ``[chunk, chunk]`` scores by ``v``,
-  plus ``q`` by the entering state); the backward's dq (with its share of the decay
-  gradient) in one kernel and dk, dv (with theirs) in another, since one kernel holding dq,
-  dk, q and k as ``[chunk, dk]`` float32 tiles spilled registers.
+  plus ``q`` by the entering state), per block of value columns; the backward's dv, per
+  block of value columns, and its dq and dk (with the decay gradient), per block of *key*
+  columns.
 
 A chunk kernel's grid is ``chunks`` times larger than a state pass's: at batch 1, 16 heads,
 16k tokens and chunks of 64 that is 8,192 forward programs against the 32 of a kernel that
 walks each head's chunks itself, which left most of an H100's 132 SMs idle.
 
-Value columns never mix (output column ``j`` reads state column ``j`` only), so splitting
-them multiplies the programs for the price of recomputing the ``[chunk, chunk]`` scores per
-block; the backward's dq, dk and decay gradients are then partial sums per value block,
-added up outside the kernel. The chunk math is ``linear_attention_chunks.py``, shared with
-the XLA path and the TPU kernels; the chunk kernels compute the gradient of the chunk-local
-cumulative log decay, and ``d log_decay`` follows by differentiating that cumulative sum
-outside the kernels.
+Value columns never mix (output column ``j`` reads state column ``j`` only), so the forward
+and dv split them across programs, for the price of recomputing the ``[chunk, chunk]``
+scores per block. dq and dk are sums over every value column (through the score gradients
+``dout v^T`` and the states), so their kernel splits the key columns instead and adds up
+the value columns in a loop: each writes its dq and dk whole, with no partial sums per value
+block to write out and add up after (at dv = 128 and 32 columns a block those were 4x dq's
+and dk's size in float32). Only the decay gradient, a ``[seq]`` vector per head, is summed
+over key blocks outside. The chunk math is ``linear_attention_chunks.py``, shared with the
+XLA path and the TPU kernels; the kernels compute the gradient of the chunk-local cumulative
+log decay, and ``d log_decay`` follows by differentiating that cumulative sum outside.
 
 Documents: each chunk's document indices are counted from the document of the state
 entering it (as in the TPU kernels), so no program needs the position before its chunk:
@@ -47,21 +50,24 @@ from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 # Block sizes and warps, chosen by compiling every kernel for sm_90 at dk = 128, chunks of 64
 # and dv = 192 (python -m benchmarks.triton_compile linear_attention): none needs more than
-# 144 KB of shared memory, and all but the bfloat16 dk/dv kernel (168 bytes) are free of
-# register spills. One kernel for dq, dk and dv spilled 0.1-2 KB at every value block (16-64)
-# and warp count (4-16) tried; the kernels this replaced spilled 0.4 KB (forward) and 2.7 KB.
+# 112 KB of shared memory or spills registers. The kernels this replaced spilled 0.4 KB
+# (forward) and 2.7 KB (backward); dq, dk and dv in one chunk kernel spilled 0.1-2 KB at every
+# value block (16-64) and warp count (4-16) tried, and dq + dk/dv kernels split by value
+# block still spilled 168 bytes in bfloat16.
 STATE_VALUE_BLOCK = 32  # 4 state-pass programs per head at dv = 128, each carrying a [dk, 32] state
 FORWARD_VALUE_BLOCK = 64
-QUERY_GRADIENT_VALUE_BLOCK = 64  # half the dq partial sums of 32 columns, still without spills
-KEY_VALUE_GRADIENT_VALUE_BLOCK = 32  # 64 spilled 272 bytes in bfloat16 (32: 168)
+VALUE_GRADIENT_VALUE_BLOCK = 64
+KEY_BLOCK = 64  # key columns per dq/dk program: 2 at dk = 128
+LOOP_VALUE_BLOCK = 32  # value columns the dq/dk kernel adds up per loop step
 STATE_PASS_WARPS = 8  # 4 spilled in the float32 gradient pass
 OUTPUT_WARPS = 4  # 168 registers a thread, no spills: more blocks per SM than 8 warps
-GRADIENT_WARPS = 8  # each gradient kernel holds [chunk, dk] float32 tiles of q, k and its gradient
+GRADIENT_WARPS = 8  # 4 spilled in the bfloat16 dv kernel
 
 
-def value_block_size(dv: int, block: int) -> int:
-    """Value columns per program: ``block`` when that splits ``dv`` evenly, else all of them."""
-    return block if dv > block and dv % block == 0 else dv
+def column_block_size(columns: int, block: int) -> int:
+    """Value or key columns per program (or loop step): ``block`` when that splits
+    ``columns`` evenly, else all of them."""
+    return block if columns > block and columns % block == 0 else columns
 
 
 def padded_value_columns(dv: int) -> int:
@@ -141,33 +147,72 @@ def _outputs_kernel(q_ref, k_ref, v_ref, cum_ref, doc_ref, state_ref, out_ref):
     out_ref[...] = chunks.chunk_outputs(q_ref[...], k_ref[...], v_ref[...], weights, state_ref[...])
 
 
-def _query_gradients_kernel(q_ref, k_ref, v_ref, dout_ref, cum_ref, doc_ref, state_in_ref, dq_ref, dcum_ref):
-    """dq of one (batch, head, chunk, value block). Blocks as the forward's, plus dout
-    ``[L, dv]``; dq ``[L, dk]`` and its share of dcum ``[L]`` (this value head's and block's
-    partial sums), float32."""
+def _value_gradients_kernel(q_ref, k_ref, dout_ref, cum_ref, doc_ref, dstate_out_ref, dv_ref):
+    """dv of one (batch, head, chunk, value block). Blocks: q/k ``[L, dk]``, dout ``[L, dv]``,
+    cum/doc ``[L]``, the gradient of the state leaving the chunk ``[dk, dv]``; dv ``[L, dv]``
+    float32."""
     f32 = jnp.float32
-    q, k, v, dout = (ref[...].astype(f32) for ref in (q_ref, k_ref, v_ref, dout_ref))
+    q, k, dout = (ref[...].astype(f32) for ref in (q_ref, k_ref, dout_ref))
     weights = _chunk_weights(cum_ref[...], doc_ref[...])
-    dscores = chunks.score_gradients(dout, v, weights)
-    dq_ref[...], dcum_ref[...] = chunks.query_gradient(q, k, dout, dscores, weights, state_in_ref[...])
+    dv_ref[...] = chunks.value_gradient(chunks.masked_scores(q, k, weights), dout, k, weights, dstate_out_ref[...])
 
 
-def _key_value_gradients_kernel(
-    q_ref, k_ref, v_ref, dout_ref, cum_ref, doc_ref, state_out_ref, dstate_out_ref, dk_ref, dv_ref, dcum_ref
+def _query_key_gradients_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    dout_ref,
+    cum_ref,
+    doc_ref,
+    state_in_ref,
+    state_out_ref,
+    dstate_out_ref,
+    dq_ref,
+    dk_ref,
+    dcum_ref,
+    *,
+    value_block,
 ):
-    """dk and dv of one (batch, head, chunk, value block). Blocks as the forward's, plus dout
-    ``[L, dv]``, the state leaving the chunk and its gradient ``[dk, dv]``; dk ``[L, dk]`` and
-    its share of dcum ``[L]`` (partial sums as the dq kernel's), dv ``[L, dv]``, float32."""
+    """dq and dk of one (batch, value head, chunk, block of key columns), and their share of
+    the decay gradient. Blocks: q/k ``[L, bk]``, v/dout ``[L, dv]`` (all value columns),
+    cum/doc ``[L]``, the states entering and leaving the chunk and the leaving one's gradient
+    ``[bk, dv]`` (the block's rows); dq/dk ``[L, bk]`` and dcum ``[L]``, float32.
+
+    The score gradients and the state products sum over the value columns: a loop adds them
+    up ``value_block`` columns at a time, so dq and dk are whole here (no partial sums per
+    value block written out and added up after)."""
     f32 = jnp.float32
-    q, k, v, dout = (ref[...].astype(f32) for ref in (q_ref, k_ref, v_ref, dout_ref))
+    length, key_block = q_ref.shape
     weights = _chunk_weights(cum_ref[...], doc_ref[...])
-    dscores = chunks.score_gradients(dout, v, weights)
-    dk, dv, dcum_keys = chunks.key_value_gradients(q, k, v, dout, dscores, weights, dstate_out_ref[...])
-    dv_ref[...] = dv
+
+    def add_value_block(index, sums):
+        dscores, dout_by_state_in, v_by_dstate_out, dcum_last = sums
+        columns = pl.ds(index * value_block, value_block)
+        v, dout = v_ref[:, columns].astype(f32), dout_ref[:, columns]
+        dstate_out = dstate_out_ref[:, columns]
+        return (
+            dscores + chunks.score_gradients(dout, v, weights),
+            dout_by_state_in + chunks.state_product(dout, state_in_ref[:, columns]),
+            v_by_dstate_out + chunks.state_product(v, dstate_out),
+            dcum_last + chunks.last_state_gradient(state_out_ref[:, columns], dstate_out),
+        )
+
+    zeros = (
+        jnp.zeros((length, length), f32),
+        jnp.zeros((length, key_block), f32),
+        jnp.zeros((length, key_block), f32),
+        jnp.zeros((), f32),
+    )
+    dscores, dout_by_state_in, v_by_dstate_out, dcum_last = jax.lax.fori_loop(
+        0, v_ref.shape[1] // value_block, add_value_block, zeros
+    )
+    q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
+    dq = chunks.query_gradient(dscores, k, weights, dout_by_state_in)
+    dq_ref[...] = dq
+    dk = chunks.key_gradient(dscores, q, weights, v_by_dstate_out)
     dk_ref[...] = dk
-    dcum_last = chunks.last_state_gradient(state_out_ref[...], dstate_out_ref[...])
-    is_last = jax.lax.broadcasted_iota(jnp.int32, dcum_keys.shape, 0) == dcum_keys.shape[0] - 1
-    dcum_ref[...] = dcum_keys + jnp.where(is_last, dcum_last, 0.0)
+    is_last = jax.lax.broadcasted_iota(jnp.int32, (length,), 0) == length - 1
+    dcum_ref[...] = chunks.decay_gradient(q, dq, k, dk) + jnp.where(is_last, dcum_last, 0.0)
 
 
 # ----------------------------------------------------------------------------- pallas_calls
@@ -202,9 +247,26 @@ def _chunk_specs(q_shape, v_shape, chunk_size, block):
         "doc": pl.BlockSpec((None, size), lambda b, h, c, j: (b, c)),
         "state_in": pl.BlockSpec((None, None, None, dk, block), lambda b, h, c, j: (b, h, c, 0, j)),
         "state_out": pl.BlockSpec((None, None, None, dk, block), lambda b, h, c, j: (b, h, c + 1, 0, j)),
-        # Partial gradients, one slab per value block: [value blocks, batch, seq, heads, ...].
-        "partial_qk": pl.BlockSpec((None, None, size, None, dk), lambda b, h, c, j: (j, b, c, h, 0)),
-        "partial_cum": pl.BlockSpec((None, None, size, None), lambda b, h, c, j: (j, b, c, h)),
+    }
+
+
+def _key_block_specs(q_shape, v_shape, chunk_size, block):
+    """BlockSpecs over the dq/dk kernel's grid (batch, head, chunk, key block of ``block``
+    columns): one chunk of one value head, every value column; the states' rows of the key
+    block. dq and dk come out per value head ``[batch, seq, heads, dk]``, dcum as one partial
+    sum per key block ``[key blocks, batch, seq, heads]``."""
+    _, _, qk_heads, _ = q_shape
+    group = v_shape[2] // qk_heads
+    size, dv = chunk_size, v_shape[-1]
+    return {
+        "qk": pl.BlockSpec((None, size, None, block), lambda b, h, c, i: (b, c, h // group, i)),
+        "v": pl.BlockSpec((None, size, None, dv), lambda b, h, c, i: (b, c, h, 0)),
+        "cum": pl.BlockSpec((None, size, None), lambda b, h, c, i: (b, c, h)),
+        "doc": pl.BlockSpec((None, size), lambda b, h, c, i: (b, c)),
+        "state_in": pl.BlockSpec((None, None, None, block, dv), lambda b, h, c, i: (b, h, c, i, 0)),
+        "state_out": pl.BlockSpec((None, None, None, block, dv), lambda b, h, c, i: (b, h, c + 1, i, 0)),
+        "per_value_head": pl.BlockSpec((None, size, None, block), lambda b, h, c, i: (b, c, h, i)),
+        "partial_cum": pl.BlockSpec((None, None, size, None), lambda b, h, c, i: (i, b, c, h)),
     }
 
 
@@ -222,7 +284,7 @@ def _states(k, v, cum, doc, initial, chunk_size, interpret):
     batch, seq, heads, dv = v.shape
     dk = k.shape[-1]
     n_chunks = seq // chunk_size
-    block = value_block_size(dv, STATE_VALUE_BLOCK)
+    block = column_block_size(dv, STATE_VALUE_BLOCK)
     specs = _state_pass_specs(k.shape, v.shape, n_chunks, block)
     return pl.pallas_call(
         functools.partial(_state_pass_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
@@ -242,7 +304,7 @@ def _state_gradients(q, dout, cum, doc, dfinal, chunk_size, interpret):
     batch, seq, heads, dv = dout.shape
     dk = q.shape[-1]
     n_chunks = seq // chunk_size
-    block = value_block_size(dv, STATE_VALUE_BLOCK)
+    block = column_block_size(dv, STATE_VALUE_BLOCK)
     specs = _state_pass_specs(q.shape, dout.shape, n_chunks, block)
     return pl.pallas_call(
         functools.partial(_state_gradient_pass_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
@@ -260,7 +322,7 @@ def _forward(q, k, v, cum, doc, initial, chunk_size, interpret):
     """Outputs ``[batch, seq, heads, dv]`` and the states of :func:`_states`, float32."""
     batch, seq, heads, dv = v.shape
     states = _states(k, v, cum, doc, initial, chunk_size, interpret)
-    block = value_block_size(dv, FORWARD_VALUE_BLOCK)
+    block = column_block_size(dv, FORWARD_VALUE_BLOCK)
     specs = _chunk_specs(q.shape, v.shape, chunk_size, block)
     outputs = pl.pallas_call(
         _outputs_kernel,
@@ -275,65 +337,61 @@ def _forward(q, k, v, cum, doc, initial, chunk_size, interpret):
     return outputs, states
 
 
-def _gradient_call(kernel, name, block, q, k, v, dout, cum, doc, states, state_specs, outputs, chunk_size, interpret):
-    """A gradient kernel over (batch, head, chunk, value block of ``block`` columns): the
-    chunk's q, k, v, dout, cum and doc, then ``states`` as ``state_specs`` name them
-    (entries of :func:`_chunk_specs`); ``outputs`` names the results: ``"partial_qk"``
-    ``[value blocks, batch, seq, heads, dk]``, ``"partial_cum"`` ``[value blocks, batch, seq,
-    heads]`` or ``"v"`` ``[batch, seq, heads, dv]``, all float32."""
-    batch, seq, heads, dv = v.shape
-    specs = _chunk_specs(q.shape, v.shape, chunk_size, block)
-    value_blocks = dv // block
-    shapes = {
-        "partial_qk": (value_blocks, batch, seq, heads, q.shape[-1]),
-        "partial_cum": (value_blocks, batch, seq, heads),
-        "v": v.shape,
-    }
+def _value_gradients(q, k, dout, cum, doc, dstates, chunk_size, interpret):
+    """dv ``[batch, seq, heads, dv]`` float32."""
+    batch, seq, heads, dv = dout.shape
+    block = column_block_size(dv, VALUE_GRADIENT_VALUE_BLOCK)
+    specs = _chunk_specs(q.shape, dout.shape, chunk_size, block)
     return pl.pallas_call(
-        kernel,
-        grid=(batch, heads, seq // chunk_size, value_blocks),
-        in_specs=[specs[n] for n in ("qk", "qk", "v", "v", "cum", "doc", *state_specs)],
-        out_specs=[specs[n] for n in outputs],
-        out_shape=[jax.ShapeDtypeStruct(shapes[n], jnp.float32) for n in outputs],
+        _value_gradients_kernel,
+        grid=(batch, heads, seq // chunk_size, dv // block),
+        in_specs=[specs["qk"], specs["qk"], specs["v"], specs["cum"], specs["doc"], specs["state_out"]],
+        out_specs=specs["v"],
+        out_shape=jax.ShapeDtypeStruct(dout.shape, jnp.float32),
         interpret=interpret,
         compiler_params=_chunk_kernel_params(interpret, GRADIENT_WARPS),
-        name=name,
-    )(q, k, v, dout, cum, doc, *states)
+        name="linear_attention_value_gradients",
+    )(q, k, dout, cum, doc, dstates)
+
+
+def _query_key_gradients(q, k, v, dout, cum, doc, states, dstates, chunk_size, interpret):
+    """dq and dk per value head ``[batch, seq, heads, dk]`` and the decay gradient's partial
+    sums per key block ``[key blocks, batch, seq, heads]``, float32."""
+    batch, seq, heads, dv = v.shape
+    dk = q.shape[-1]
+    block = column_block_size(dk, KEY_BLOCK)
+    specs = _key_block_specs(q.shape, v.shape, chunk_size, block)
+    per_value_head = jax.ShapeDtypeStruct((batch, seq, heads, dk), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_query_key_gradients_kernel, value_block=column_block_size(dv, LOOP_VALUE_BLOCK)),
+        grid=(batch, heads, seq // chunk_size, dk // block),
+        in_specs=[
+            *(specs[name] for name in ("qk", "qk", "v", "v", "cum", "doc")),
+            *(specs[name] for name in ("state_in", "state_out", "state_out")),
+        ],
+        out_specs=[specs["per_value_head"], specs["per_value_head"], specs["partial_cum"]],
+        out_shape=[
+            per_value_head,
+            per_value_head,
+            jax.ShapeDtypeStruct((dk // block, batch, seq, heads), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=_chunk_kernel_params(interpret, GRADIENT_WARPS),
+        name="linear_attention_query_key_gradients",
+    )(q, k, v, dout, cum, doc, states, states, dstates)
 
 
 def _backward(q, k, v, cum, doc, states, dout, dfinal, chunk_size, interpret):
-    batch, seq, heads, dv = v.shape
+    batch, seq, heads, _ = v.shape
     qk_heads, dk = q.shape[2], q.shape[3]
     dstates = _state_gradients(q, dout, cum, doc, dfinal, chunk_size, interpret)
-    inputs = (q, k, v, dout, cum, doc)
-    dq, dcum_queries = _gradient_call(
-        _query_gradients_kernel,
-        "linear_attention_query_gradients",
-        value_block_size(dv, QUERY_GRADIENT_VALUE_BLOCK),
-        *inputs,
-        (states,),
-        ("state_in",),
-        ("partial_qk", "partial_cum"),
-        chunk_size,
-        interpret,
-    )
-    dk_, dv_, dcum_keys = _gradient_call(
-        _key_value_gradients_kernel,
-        "linear_attention_key_value_gradients",
-        value_block_size(dv, KEY_VALUE_GRADIENT_VALUE_BLOCK),
-        *inputs,
-        (states, dstates),
-        ("state_out", "state_out"),
-        ("partial_qk", "v", "partial_cum"),
-        chunk_size,
-        interpret,
-    )
+    dv = _value_gradients(q, k, dout, cum, doc, dstates, chunk_size, interpret)
+    dq, dk_, dcum = _query_key_gradients(q, k, v, dout, cum, doc, states, dstates, chunk_size, interpret)
 
-    def total(partial_qk):  # [value blocks, batch, seq, heads, dk] -> [batch, seq, qk_heads, dk]
-        return partial_qk.sum(axis=0).reshape(batch, seq, qk_heads, heads // qk_heads, dk).sum(axis=3)
+    def group_total(per_value_head):  # [batch, seq, heads, dk] -> [batch, seq, qk_heads, dk]
+        return per_value_head.reshape(batch, seq, qk_heads, heads // qk_heads, dk).sum(axis=3)
 
-    dcum = dcum_queries.sum(axis=0) + dcum_keys.sum(axis=0)
-    return total(dq), total(dk_), dv_, dcum, dstates[:, :, 0]
+    return group_total(dq), group_total(dk_), dv, dcum.sum(axis=0), dstates[:, :, 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
