@@ -279,43 +279,38 @@ def _chunk_kernel_params(interpret: bool, num_warps: int):
     return triton_compiler_params(interpret=interpret, num_warps=num_warps, num_stages=1)  # no loop to pipeline
 
 
-def _states(k, v, cum, doc, initial, chunk_size, interpret):
-    """``[batch, heads, chunks + 1, dk, dv]`` float32: the state entering every chunk, then the final one."""
-    batch, seq, heads, dv = v.shape
-    dk = k.shape[-1]
+def _state_pass(kernel, name, x, y, cum, doc, start, chunk_size, interpret):
+    """A state pass over (batch, head, value block): ``kernel`` walks ``x`` ``[batch, seq,
+    qk_heads, dk]`` and ``y`` ``[batch, seq, heads, dv]`` (k and v forward, q and dout
+    backward) from ``start`` ``[batch, heads, dk, dv]``; returns its ``[batch, heads, chunks +
+    1, dk, dv]`` float32 states."""
+    batch, seq, heads, dv = y.shape
     n_chunks = seq // chunk_size
     block = column_block_size(dv, STATE_VALUE_BLOCK)
-    specs = _state_pass_specs(k.shape, v.shape, n_chunks, block)
+    specs = _state_pass_specs(x.shape, y.shape, n_chunks, block)
     return pl.pallas_call(
-        functools.partial(_state_pass_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
+        functools.partial(kernel, chunk_size=chunk_size, n_chunks=n_chunks),
         grid=(batch, heads, dv // block),
         in_specs=[specs["qk"], specs["v"], specs["cum"], specs["doc"], specs["state"]],
         out_specs=specs["states"],
-        out_shape=jax.ShapeDtypeStruct((batch, heads, n_chunks + 1, dk, dv), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, n_chunks + 1, x.shape[-1], dv), jnp.float32),
         interpret=interpret,
         compiler_params=_state_pass_params(interpret),
-        name="linear_attention_state_pass",
-    )(k, v, cum, doc, initial)
+        name=name,
+    )(x, y, cum, doc, start)
+
+
+def _states(k, v, cum, doc, initial, chunk_size, interpret):
+    """``[batch, heads, chunks + 1, dk, dv]`` float32: the state entering every chunk, then the final one."""
+    name = "linear_attention_state_pass"
+    return _state_pass(_state_pass_kernel, name, k, v, cum, doc, initial, chunk_size, interpret)
 
 
 def _state_gradients(q, dout, cum, doc, dfinal, chunk_size, interpret):
     """``[batch, heads, chunks + 1, dk, dv]`` float32: the gradient of the state entering every
     chunk (entry 0: the initial state's), then ``dfinal``."""
-    batch, seq, heads, dv = dout.shape
-    dk = q.shape[-1]
-    n_chunks = seq // chunk_size
-    block = column_block_size(dv, STATE_VALUE_BLOCK)
-    specs = _state_pass_specs(q.shape, dout.shape, n_chunks, block)
-    return pl.pallas_call(
-        functools.partial(_state_gradient_pass_kernel, chunk_size=chunk_size, n_chunks=n_chunks),
-        grid=(batch, heads, dv // block),
-        in_specs=[specs["qk"], specs["v"], specs["cum"], specs["doc"], specs["state"]],
-        out_specs=specs["states"],
-        out_shape=jax.ShapeDtypeStruct((batch, heads, n_chunks + 1, dk, dv), jnp.float32),
-        interpret=interpret,
-        compiler_params=_state_pass_params(interpret),
-        name="linear_attention_state_gradient_pass",
-    )(q, dout, cum, doc, dfinal)
+    name = "linear_attention_state_gradient_pass"
+    return _state_pass(_state_gradient_pass_kernel, name, q, dout, cum, doc, dfinal, chunk_size, interpret)
 
 
 def _forward(q, k, v, cum, doc, initial, chunk_size, interpret):
