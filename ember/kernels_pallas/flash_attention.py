@@ -46,31 +46,48 @@ SCORES: tuple[str, ...] = ("softmax", "sigmoid")
 KERNEL_BACKENDS: tuple[str, ...] = ("gpu", "tpu")
 # Queries per piece of the XLA path: bounds its scores to [batch, heads, 512, kv_len].
 XLA_QUERY_CHUNK = 512
+# The Triton backward kernels' key tile by default (see FlashBlockSizes).
+BACKWARD_BLOCK_KV = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashBlockSizes:
     """Kernel tile sizes: ``block_q`` query rows and ``block_kv`` key rows per step (the same
-    tiles in the forward and both backward kernels). Powers of two, at least 8 (GPU tiles
-    want 16+; 8 keeps CPU interpret tests cheap). Sequences shorter than a block get a block
-    of the next power of two above their length instead. The TPU kernel then raises each to
-    at least 128 (the lane width).
+    tiles in the forward and, except on a GPU, the backward kernels). Powers of two, at least
+    8 (GPU tiles want 16+; 8 keeps CPU interpret tests cheap). Sequences shorter than a block
+    get a block of the next power of two above their length instead. The TPU kernel then
+    raises each to at least 128 (the lane width).
 
-    On a GPU, ``num_warps`` per program (default: 4 for ``head_dim <= 64``, else 8) and
-    Triton's software-pipelining depth ``num_stages``; both ignored elsewhere."""
+    On a GPU, ``num_warps`` per program (default: 8, or 4 for tiles of fewer than 64 x 64
+    pairs: ``flash_attention_kernels.default_num_warps``) and Triton's software-pipelining
+    depth ``num_stages``; both ignored elsewhere.
+
+    The GPU's Triton backward kernels keep ``block_q`` but take keys ``backward_block_kv`` at
+    a time (None: :data:`BACKWARD_BLOCK_KV`; never more than ``block_kv``) with
+    ``backward_num_warps`` (None: ``num_warps``): the dq kernel streams key blocks past its
+    queries, the dk/dv kernel keeps a key block's f32 dk and dv while query blocks stream
+    past. Compiled for sm_90 at 128 x 128 tiles they spilled registers (dk/dv 0.8 KB at
+    head_dim 128 and 1.5 KB at 64, dq 0.4 KB at 64); at 128 x 64 with 8 warps neither
+    spills (``python -m benchmarks.triton_compile``)."""
 
     block_q: int = 128
     block_kv: int = 128
     num_warps: int | None = None
     num_stages: int = 2
+    backward_block_kv: int | None = None
+    backward_num_warps: int | None = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv"):
+        for name in ("block_q", "block_kv", "backward_block_kv"):
             value = getattr(self, name)
+            if name == "backward_block_kv" and value is None:
+                continue
             if not isinstance(value, int) or value < 8 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 8, got {value!r}")
-        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be None or one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        for name in ("num_warps", "backward_num_warps"):
+            value = getattr(self, name)
+            if value is not None and value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name} must be None or one of 1, 2, 4, 8, 16, got {value!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
 
@@ -81,6 +98,12 @@ class FlashBlockSizes:
             return min(block, max(8, 1 << max(0, length - 1).bit_length()))
 
         return dataclasses.replace(self, block_q=fit(self.block_q, q_len), block_kv=fit(self.block_kv, kv_len))
+
+    def backward_tiles(self) -> tuple[int, int | None]:
+        """``(block_kv, num_warps)`` of the Triton backward kernels (their ``block_q`` is
+        ``block_q``; warps None: chosen by tile)."""
+        block_kv = min(self.block_kv, self.backward_block_kv or BACKWARD_BLOCK_KV)
+        return block_kv, self.backward_num_warps or self.num_warps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,10 +96,21 @@ class KernelConfig(AttentionBlocks):
     num_stages: int = 2
     hopper_blocks: HopperBlockSizes | None = None  # the Hopper forward's tiles; None: Triton's
     hopper_backward_blocks: HopperBlockSizes | None = None  # the Hopper backward's; None: Triton's
+    backward_block_kv: int | None = None  # the Triton backward's key tile; None: block_kv
+    backward_num_warps: int | None = None  # the Triton backward's warps; None: num_warps
 
     @property
     def head_dim(self) -> int:
         return self.problem.head_dim
+
+    def for_backward(self) -> KernelConfig:
+        """This config with the Triton backward kernels' tiles and warps (same ``block_q``,
+        so the forward's ``lse`` rows line up)."""
+        return dataclasses.replace(
+            self,
+            block_kv=self.backward_block_kv or self.block_kv,
+            num_warps=self.backward_num_warps or self.num_warps,
+        )
 
 
 def _table_width(indices: np.ndarray) -> int:
@@ -259,8 +270,15 @@ def _dkv_kernel(table_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def default_num_warps(block_q: int, block_kv: int) -> int:
+    """Warps of a Triton flash-attention program when not given: 8, or 4 for tiles of fewer
+    than 64 x 64 pairs (short sequences). Compiled for sm_90, 128 x 128 forward tiles at 4
+    warps spilled registers even at head_dim 32 and 64 (48 and 56 bytes); at 8 none did."""
+    return 4 if block_q * block_kv < 64 * 64 else 8
+
+
 def _compiler_params(config: KernelConfig):
-    num_warps = config.num_warps or (4 if config.problem.head_dim <= 64 else 8)
+    num_warps = config.num_warps or default_num_warps(config.block_q, config.block_kv)
     return triton_compiler_params(interpret=config.interpret, num_warps=num_warps, num_stages=config.num_stages)
 
 
@@ -352,7 +370,9 @@ def flash_forward(q, k, v, rows, config: KernelConfig, count_visits: bool = Fals
 
 
 def flash_backward(q, k, v, rows, out, lse, d_out, config: KernelConfig):
-    """``(dq, dk, dv)`` shaped like ``q, k, v``, from the forward's ``out`` and ``lse``."""
+    """``(dq, dk, dv)`` shaped like ``q, k, v``, from the forward's ``out`` and ``lse``, with
+    the backward's tiles (:meth:`KernelConfig.for_backward`)."""
+    config = config.for_backward()
     p = config.problem
     bq, bk, group = config.block_q, config.block_kv, p.group
     # delta_i = sum_d dO_id * O_id: the softmax Jacobian's row term, [batch, heads, q_len].
@@ -487,6 +507,7 @@ def flash_attention_kernel(
     backward_choice = backward_kernel(
         problem, dtypes, gpu, interpret=interpret, backward=backward, hopper_blocks=hopper_backward_blocks
     )
+    backward_block_kv, backward_num_warps = block_sizes.backward_tiles()
     config = KernelConfig(
         problem,
         block_sizes.block_q,
@@ -496,5 +517,7 @@ def flash_attention_kernel(
         block_sizes.num_stages,
         hopper_blocks=hopper_blocks if choice == "hopper" else None,
         hopper_backward_blocks=hopper_backward_blocks if backward_choice == "hopper" else None,
+        backward_block_kv=backward_block_kv,
+        backward_num_warps=backward_num_warps,
     )
     return _flash(q, k, v, (segments, segment_positions), config)[..., :head_dim]

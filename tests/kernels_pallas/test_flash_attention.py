@@ -9,6 +9,7 @@ import pytest
 from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
 from tests.kernels_pallas.flash_checks import assert_kernel_matches_reference, random_qkv
+from tests.kernels_pallas.traced_kernels import kernel_grids_in_gradient
 from tests.tolerances import assert_allclose
 
 
@@ -124,6 +125,27 @@ def test_bad_arguments_raise_value_error_naming_them(shapes, options, argument):
         flash_attention(q, k, v, **options)
 
 
+def test_gpu_backward_takes_keys_in_its_own_tiles(rng):
+    """The Triton backward keeps the forward's query blocks but takes keys 64 at a time by
+    default (``backward_block_kv`` sets it, never above ``block_kv``): 200 tokens are 2
+    query blocks of 128 and 4 key blocks of 64 for dk/dv."""
+    q, k, v, _ = random_qkv(rng, batch=1, q_len=200, kv_len=200, heads=4, kv_heads=2, head_dim=16)
+
+    def grids(block_sizes):
+        attend = lambda q, k, v: flash_attention(q, k, v, causal=True, block_sizes=block_sizes, impl="interpret")  # noqa: E731
+        return kernel_grids_in_gradient(attend, q, k, v)
+
+    assert grids(FlashBlockSizes()) == {
+        "flash_attention_forward": (1, 4, 2),
+        "flash_attention_dq": (1, 4, 2),
+        "flash_attention_dkv": (1, 2, 4),
+    }
+    assert grids(FlashBlockSizes(backward_block_kv=32))["flash_attention_dkv"] == (1, 2, 7)
+    assert grids(FlashBlockSizes(64, 32, backward_block_kv=128))["flash_attention_dkv"] == (1, 2, 7)
+    assert FlashBlockSizes().backward_tiles() == (64, None)
+    assert FlashBlockSizes(num_warps=4, backward_num_warps=8).backward_tiles() == (64, 8)
+
+
 @pytest.mark.parametrize(
     "kwargs, argument",
     [
@@ -131,6 +153,8 @@ def test_bad_arguments_raise_value_error_naming_them(shapes, options, argument):
         (dict(block_kv=4), "block_kv"),
         (dict(num_warps=3), "num_warps"),
         (dict(num_stages=0), "num_stages"),
+        (dict(backward_block_kv=48), "backward_block_kv"),
+        (dict(backward_num_warps=6), "backward_num_warps"),
     ],
 )
 def test_block_sizes_validate_themselves(kwargs, argument):
