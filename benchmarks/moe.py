@@ -113,8 +113,8 @@ GPU_SIZES = Sizes(
     impl="pallas",
     repeats=10,
     tiles=(
-        GroupedMatmulBlockSizes(128, 64, 128, num_warps=4, num_stages=3),  # the default
-        GroupedMatmulBlockSizes(128, 64, 128, num_warps=8, num_stages=4),
+        GroupedMatmulBlockSizes(128, 64, 128, num_warps=8, num_stages=4),  # the default
+        GroupedMatmulBlockSizes(128, 64, 128, num_warps=4, num_stages=3),  # the default until it was seen to spill
         GroupedMatmulBlockSizes(128, 64, 256, num_warps=8, num_stages=3),
         GroupedMatmulBlockSizes(256, 64, 128, num_warps=8, num_stages=3),
         GroupedMatmulBlockSizes(128, 128, 128, num_warps=8, num_stages=3),
