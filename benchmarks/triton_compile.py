@@ -3,6 +3,7 @@ reports what each asks of the hardware: shared memory, registers and spills.
 
     python -m benchmarks.triton_compile                  # every check; exit code 1 if one fails
     python -m benchmarks.triton_compile linear_attention # only checks whose name contains it
+    python -m benchmarks.triton_compile --benchmark-shapes # the shapes the GPU command times
 
 Needs JAX 0.11 with the CUDA plugin wheels and ``pip install triton`` (3.9 read JAX 0.11.2's
 Triton IR); no GPU or NVIDIA libraries. :mod:`benchmarks.triton_lowering` stops at the Triton
@@ -16,6 +17,7 @@ Values and times still need the device (``python -m benchmarks.gpu``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import pathlib
@@ -95,32 +97,149 @@ def compile_for_hopper(kernel: TritonKernel, workdir: pathlib.Path) -> dict:
     }
 
 
+def _compiled_rows(label: str, lower, workdir: pathlib.Path) -> list[dict]:
+    """One row per Triton kernel that ``lower()`` hands JAX's lowering: the kernel, its launch
+    options and :func:`compile_for_hopper`'s figures, or the error that stopped it."""
+    try:
+        with captured_kernels() as kernels:
+            lower()
+    except Exception as error:
+        return [dict(check=label, error=_first_line(error))]
+    rows = []
+    for kernel in kernels:
+        row = dict(check=label, kernel=kernel.name, warps=kernel.num_warps, stages=kernel.num_stages)
+        try:
+            row |= compile_for_hopper(kernel, workdir)
+        except Exception as error:
+            row["error"] = _first_line(error)
+        rows.append(row)
+    return rows
+
+
 def compile_all(sizes: CheckSizes = GPU_CHECK_SIZES, only: tuple[str, ...] = ()) -> list[dict]:
-    """One row per Triton kernel of every check (with ``only``: whose name contains one of
-    them) and dtype: the check, the kernel, its launch options and :func:`compile_for_hopper`'s
-    figures, or the error that stopped it."""
+    """:func:`_compiled_rows` of every check (with ``only``: whose name contains one of them),
+    forward and backward, in each dtype."""
     rows = []
     with pretend_gpu(), tempfile.TemporaryDirectory() as workdir:
         for check in KERNEL_CHECKS:
             if only and not any(part in check.name for part in only):
                 continue
             for dtype in sizes.dtypes:
-                label = f"{check.name} {dtype}"
-                try:
-                    problem = check.problem(sizes, jnp.dtype(dtype), np.random.default_rng(0))
-                    with captured_kernels() as kernels:
-                        triton_kernels_in(problem)
-                except Exception as error:
-                    rows.append(dict(check=label, error=_first_line(error)))
-                    continue
-                for kernel in kernels:
-                    row = dict(check=label, kernel=kernel.name, warps=kernel.num_warps, stages=kernel.num_stages)
-                    try:
-                        row |= compile_for_hopper(kernel, pathlib.Path(workdir))
-                    except Exception as error:
-                        row["error"] = _first_line(error)
-                    rows.append(row)
+
+                def lower(check=check, dtype=dtype):
+                    triton_kernels_in(check.problem(sizes, jnp.dtype(dtype), np.random.default_rng(0)))
+
+                rows += _compiled_rows(f"{check.name} {dtype}", lower, pathlib.Path(workdir))
     return rows
+
+
+def compile_benchmark_shapes(only: tuple[str, ...] = ()) -> list[dict]:
+    """:func:`_compiled_rows` of the Triton kernels at the shapes the GPU command times
+    (:func:`benchmark_shapes`), with their default tiles."""
+    rows = []
+    with pretend_gpu(), tempfile.TemporaryDirectory() as workdir:
+        for label, fn, args in benchmark_shapes():
+            if only and not any(part in label for part in only):
+                continue
+
+            def lower(fn=fn, args=args):
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+            rows += _compiled_rows(label, lower, pathlib.Path(workdir))
+    return rows
+
+
+def benchmark_shapes() -> list[tuple[str, object, tuple]]:
+    """``(label, fn, abstract args)`` of the calls ``benchmarks.gpu`` times on the device
+    (bf16; gradients where the rows time a backward): flash attention at the goal's 8k and the
+    350M train step's shape, linear attention at 16k, the grouped matmul at the Mixtral shape,
+    a ragged paged decode step and quantized decode matmuls."""
+    from benchmarks import gpu, sequence_mixers
+    from ember.kernels_pallas.flash_attention import flash_attention
+    from ember.kernels_pallas.grouped_matmul import grouped_matmul
+    from ember.kernels_pallas.linear_attention import linear_attention
+    from ember.kernels_pallas.quantized_formats import QuantizedMatrix
+    from ember.kernels_pallas.quantized_matmul import quantized_matmul
+    from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
+    from ember.models.config import ModelConfig
+
+    sizes, bf16, int32 = gpu.GPU_SIZES, jnp.bfloat16, jnp.int32
+    array = jax.ShapeDtypeStruct
+
+    def gradient(fn):
+        return jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=tuple(range(3)))
+
+    def flash(q, k, v):
+        return flash_attention(q, k, v, causal=True, impl="pallas")
+
+    preset, train_batch, train_len = sizes.train
+    model = gpu.load_config(ModelConfig, gpu.PRESETS / f"{preset}.yaml")
+    shapes = [
+        (
+            f"flash fwd+bwd causal {sizes.goal_len}, head_dim {sizes.head_dim}",
+            (sizes.batch, sizes.goal_len, sizes.heads, sizes.head_dim),
+        ),
+        (
+            f"flash fwd+bwd causal {train_len}, head_dim {model.d_model // model.num_heads} ({preset})",
+            (train_batch, train_len, model.num_heads, model.d_model // model.num_heads),
+        ),
+    ]
+    calls = [(label, gradient(flash), (array(shape, bf16),) * 3) for label, shape in shapes]
+
+    mixers = sequence_mixers.GPU_SIZES
+    seq = max(length for length in mixers.seq_lens if length <= mixers.scan_max_seq)
+    qkv = array((mixers.batch, seq, mixers.heads, mixers.head_dim), bf16)
+
+    def linear(q, k, v, log_decay):
+        return linear_attention(q, k, v, log_decay=log_decay, impl="pallas")
+
+    linear_gradient = jax.grad(lambda *a: linear(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+    calls.append(
+        (f"linear attention fwd+bwd {seq}", linear_gradient, (qkv, qkv, qkv, array(qkv.shape[:3], jnp.float32)))
+    )
+
+    problem = sizes.moe.problems[0]
+    grouped = jax.grad(
+        lambda lhs, rhs, groups: grouped_matmul(lhs, rhs, groups, impl="pallas").astype(jnp.float32).sum(), (0, 1)
+    )
+    calls.append(
+        (
+            f"grouped matmul fwd+bwd {problem}",
+            grouped,
+            (
+                array((problem.rows, problem.k), bf16),
+                array((problem.experts, problem.k, problem.n), bf16),
+                array((problem.experts,), int32),
+            ),
+        )
+    )
+
+    d = sizes.decode
+    pages = d["num_seqs"] * d["length"] // d["page_size"]
+    cache = array((pages, d["page_size"], d["kv_heads"], d["head_dim"]), bf16)
+    decode_args = (
+        array((d["num_seqs"], d["heads"], d["head_dim"]), bf16),
+        cache,
+        cache,
+        array((d["num_seqs"], d["length"] // d["page_size"]), int32),
+        *(array((d["num_seqs"],), int32),) * 3,
+    )
+    calls.append(("ragged paged decode step", lambda *a: ragged_paged_attention(*a, impl="pallas"), decode_args))
+
+    k = sizes.quantized_matmul[0]
+    for fmt in ("int8", "int4", "nf4"):
+        codes = array((k, k), jnp.int8) if fmt == "int8" else array((k // 2, k), jnp.uint8)
+        groups = 1 if fmt == "int8" else k // 64
+        calls.append(
+            (
+                f"quantized matmul decode {fmt} 16 x {k} x {k}",
+                lambda x, codes, scales, fmt=fmt: quantized_matmul(
+                    x, QuantizedMatrix(codes, scales, fmt), impl="pallas"
+                ),
+                (array((16, k), bf16), codes, array((groups, k), jnp.float32)),
+            )
+        )
+    return calls
 
 
 def _first_line(error: Exception) -> str:
@@ -133,8 +252,15 @@ def fits(row: dict) -> bool:
 
 
 def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="only checks (or shapes) whose name contains one of these")
+    parser.add_argument(
+        "--benchmark-shapes", action="store_true", help="the shapes the GPU command times, not the checks'"
+    )
+    args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")
-    rows = compile_all(only=tuple(sys.argv[1:] if argv is None else argv))
+    names = tuple(args.names)
+    rows = compile_benchmark_shapes(names) if args.benchmark_shapes else compile_all(only=names)
     for row in rows:
         row["fits"] = fits(row)
     print_table(rows, ["check", "kernel", "warps", "stages", "shared_kb", "registers", "stack_bytes", "fits", "error"])

@@ -9,11 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import gpu, harness, triton_lowering
+from benchmarks import gpu, harness, triton_compile, triton_lowering
 from benchmarks.device_checks import (
     GPU_CHECK_SIZES,
     KERNEL_CHECKS,
@@ -126,6 +127,39 @@ def test_kernels_lower_to_triton_without_a_gpu(check, kernels):
     sizes = dataclasses.replace(GPU_CHECK_SIZES, dtypes=("bfloat16",))
     results = triton_lowering.lower_all(sizes, only=(check,))
     assert results == {f"{check} bfloat16": {"lowered": True, "triton_kernels": kernels}}
+
+
+def test_benchmark_shapes_lower_with_the_launch_options_compiled_without_spills():
+    """The calls the GPU command times lower to Triton kernels here (jax 0.10 too), with the
+    warps and stages ``python -m benchmarks.triton_compile --benchmark-shapes`` compiled for
+    sm_90 without register spills (2026-11-27); a change of defaults shows up here."""
+    launches = {}
+    with triton_lowering.pretend_gpu():
+        for label, fn, args in triton_compile.benchmark_shapes():
+            with triton_compile.captured_kernels() as kernels:
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            launches[label.split(" ")[0]] = launches.get(label.split(" ")[0], set()) | {
+                (kernel.name, kernel.num_warps, kernel.num_stages) for kernel in kernels
+            }
+    assert launches["flash"] == {
+        ("flash_attention_forward", 8, 2),
+        ("flash_attention_dq", 8, 2),
+        ("flash_attention_dkv", 8, 2),
+    }
+    assert launches["linear"] == {
+        ("linear_attention_state_pass", 8, 2),
+        ("linear_attention_outputs", 4, 1),
+        ("linear_attention_state_gradient_pass", 8, 2),
+        ("linear_attention_value_gradients", 8, 1),
+        ("linear_attention_query_key_gradients", 8, 1),
+    }
+    assert launches["grouped"] == {
+        ("grouped_matmul", 8, 4),
+        ("grouped_matmul_transposed_rhs", 8, 4),
+        ("grouped_matmul_tgmm", 8, 4),
+    }
+    assert launches["ragged"] == {("ragged_paged_attention", 4, 3)}
+    assert launches["quantized"] == {(f"quantized_matmul_{fmt}", 4, 3) for fmt in ("int8", "int4", "nf4")}
 
 
 def test_kept_results_carry_their_origin_and_refuse_another_device():
