@@ -151,7 +151,7 @@ def test_benchmark_shapes_lower_with_the_launch_options_compiled_without_spills(
         ("linear_attention_outputs", 4, 1),
         ("linear_attention_state_gradient_pass", 8, 2),
         ("linear_attention_value_gradients", 8, 1),
-        ("linear_attention_query_key_gradients", 8, 1),
+        ("linear_attention_query_key_gradients", 8, 2),
     }
     assert launches["grouped"] == {
         ("grouped_matmul", 8, 4),

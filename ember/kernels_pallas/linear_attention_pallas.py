@@ -275,8 +275,10 @@ def _state_pass_params(interpret: bool):
     return triton_compiler_params(interpret=interpret, num_warps=STATE_PASS_WARPS, num_stages=2)
 
 
-def _chunk_kernel_params(interpret: bool, num_warps: int):
-    return triton_compiler_params(interpret=interpret, num_warps=num_warps, num_stages=1)  # no loop to pipeline
+def _chunk_kernel_params(interpret: bool, num_warps: int, num_stages: int = 1):
+    # One stage where the kernel has no loop to pipeline; the dq/dk kernel's loop over value
+    # blocks takes two (the next block's v, dout and states load during this one's matmuls).
+    return triton_compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
 def _state_pass(kernel, name, x, y, cum, doc, start, chunk_size, interpret):
@@ -371,7 +373,7 @@ def _query_key_gradients(q, k, v, dout, cum, doc, states, dstates, chunk_size, i
             jax.ShapeDtypeStruct((dk // block, batch, seq, heads), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=_chunk_kernel_params(interpret, GRADIENT_WARPS),
+        compiler_params=_chunk_kernel_params(interpret, GRADIENT_WARPS, num_stages=2),
         name="linear_attention_query_key_gradients",
     )(q, k, v, dout, cum, doc, states, states, dstates)
 
