@@ -1,18 +1,19 @@
-"""Compiles every Triton kernel of the GPU checks for an H100 on a machine without a GPU, and
-reports what each asks of the hardware: shared memory, registers and spills.
+"""Compiles every Triton kernel of the GPU checks (or of the timed calls) for an H100 on a
+machine without a GPU, and reports what each asks of the hardware: shared memory, registers
+and spills.
 
-    python -m benchmarks.triton_compile                  # every check; exit code 1 if one fails
-    python -m benchmarks.triton_compile linear_attention # only checks whose name contains it
+    python -m benchmarks.triton_compile                    # every check; exit code 1 if one does not fit
+    python -m benchmarks.triton_compile linear_attention   # only checks whose name contains it
     python -m benchmarks.triton_compile --benchmark-shapes # the shapes the GPU command times
 
-Needs JAX 0.11 with the CUDA plugin wheels and ``pip install triton`` (3.9 read JAX 0.11.2's
+Needs JAX 0.11 with the CUDA plugin wheels and ``pip install triton`` (3.9 reads JAX 0.11.2's
 Triton IR); no GPU or NVIDIA libraries. :mod:`benchmarks.triton_lowering` stops at the Triton
 IR that JAX's lowering writes; this goes on, with Triton's own compiler, to a cubin for
 sm_90, whose resource usage the ``cuobjdump`` bundled with Triton prints: registers per
 thread and the stack frame that spilled registers live in. So a kernel that would need more
 than the 227 KB of shared memory a block may have, or that spills registers to local memory,
-shows up before a device call, not in it.
-Values and times still need the device (``python -m benchmarks.gpu``).
+shows up before a device call, not in it. Values and times still need the device
+(``python -m benchmarks.gpu``).
 """
 
 from __future__ import annotations
