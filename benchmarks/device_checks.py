@@ -319,16 +319,37 @@ def _ragged(**options) -> Callable:
             },
         )
         block_q = 16 if sizes.impl == "pallas" else 8
-
-        def kernel(**a):
-            return ragged_paged_attention(**a, **metadata, impl=sizes.impl, block_q=block_q, **options)
-
-        def reference(**a):
-            return ragged_paged_attention_reference(**a, **metadata, **options)
-
-        return Problem(kernel, reference, dict(q=q, k_pages=k_pages, v_pages=v_pages), differentiable=False)
+        return _ragged_problem(sizes, q, k_pages, v_pages, metadata, block_q=block_q, **options)
 
     return problem
+
+
+def _ragged_decode(sizes: CheckSizes, dtype, gen):
+    """A decode step (one token for each of seven sequences, some a page boundary away from
+    their last one) with ``block_q`` left to the kernel: on a GPU its 16-row decode blocks."""
+    pages_per_seq = -(-sizes.kv_len // sizes.page_size)
+    kv_lens = np.array(
+        [1, sizes.page_size, sizes.page_size + 1, 2 * sizes.page_size, 5, sizes.kv_len, sizes.kv_len - 1]
+    )
+    k_pages, v_pages, table = _random_paged_cache(gen, sizes, dtype, len(kv_lens), pages_per_seq)
+    metadata = dict(
+        page_table=table,
+        query_starts=jnp.arange(len(kv_lens), dtype=jnp.int32),
+        query_lens=jnp.ones(len(kv_lens), jnp.int32),
+        kv_lens=jnp.asarray(kv_lens, jnp.int32),
+    )
+    q = _normal(gen, (len(kv_lens), sizes.heads, sizes.head_dim), dtype)
+    return _ragged_problem(sizes, q, k_pages, v_pages, metadata, block_q=None)
+
+
+def _ragged_problem(sizes: CheckSizes, q, k_pages, v_pages, metadata, *, block_q, **options) -> Problem:
+    def kernel(**a):
+        return ragged_paged_attention(**a, **metadata, impl=sizes.impl, block_q=block_q, **options)
+
+    def reference(**a):
+        return ragged_paged_attention_reference(**a, **metadata, **options)
+
+    return Problem(kernel, reference, dict(q=q, k_pages=k_pages, v_pages=v_pages), differentiable=False)
 
 
 # ----------------------------------------------------------------------------- sequence mixers
@@ -470,6 +491,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         "ragged_paged_attention[sigmoid,window,global,soft_cap]",
         _ragged(score="sigmoid", sigmoid_bias=-3.0, window=(9, 0), global_tokens=5, logits_soft_cap=4.0),
     ),
+    KernelCheck("ragged_paged_attention[decode,default_block]", _ragged_decode),
     KernelCheck("linear_attention[normalize,decay,state,segments]", _linear_attention(normalize=True)),
     # Linear attention's kernels without normalize. dA's gradient sums over every position
     # through tf32 dots: f32 errors 1.87e-3 (H200) and 2.02e-3 (H100, another seed) against
