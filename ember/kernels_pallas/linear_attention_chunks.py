@@ -186,7 +186,7 @@ def chunk_outputs_and_state(q, k, v, cum_log_decay, doc, doc_before, state_in):
 
 
 # The gradients of one chunk's inputs, in pieces a kernel can also sum over blocks of value
-# columns: score_gradients, state_product and last_state_gradient are sums over the value
+# columns: output_products, state_product and last_state_gradient are sums over the value
 # columns, so a program holding a block of them adds up its blocks' shares.
 
 
@@ -195,9 +195,16 @@ def masked_scores(q, k, weights: ChunkWeights):
     return _matmul("...td,...sd->...ts", q, k) * weights.intra
 
 
-def score_gradients(dout, v, weights: ChunkWeights):
-    """Gradient of one chunk's masked, decayed ``[..., L, L]`` scores, float32."""
-    return _matmul("...tv,...sv->...ts", dout, v) * weights.intra
+def output_products(dout, v):
+    """``dout v^T`` ``[..., L, L]`` float32: the gradient of one chunk's scores before the
+    mask and decay (:func:`score_gradients`)."""
+    return _matmul("...tv,...sv->...ts", dout, v)
+
+
+def score_gradients(dout_by_v, weights: ChunkWeights):
+    """Gradient of one chunk's masked, decayed ``[..., L, L]`` scores, float32, from
+    ``dout_by_v = output_products(dout, v)``."""
+    return dout_by_v * weights.intra
 
 
 def state_product(x, state):
@@ -246,7 +253,7 @@ def chunk_input_gradients(q, k, v, dout, weights: ChunkWeights, state_in, state_
       ``exp(-b_s)``, and the leaving state ``exp(b_last)``, so
       ``d b_t = q_t . dq_t - k_t . dk_t + [t = last] <dS_out, S_out>``.
     """
-    dscores = score_gradients(dout, v, weights)
+    dscores = score_gradients(output_products(dout, v), weights)
     dq = query_gradient(dscores, k, weights, state_product(dout, state_in))
     dk = key_gradient(dscores, q, weights, state_product(v, dstate_out))
     dv = value_gradient(masked_scores(q, k, weights), dout, k, weights, dstate_out)

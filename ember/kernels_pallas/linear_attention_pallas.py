@@ -178,20 +178,21 @@ def _query_key_gradients_kernel(
     cum/doc ``[L]``, the states entering and leaving the chunk and the leaving one's gradient
     ``[bk, dv]`` (the block's rows); dq/dk ``[L, bk]`` and dcum ``[L]``, float32.
 
-    The score gradients and the state products sum over the value columns: a loop adds them
-    up ``value_block`` columns at a time, so dq and dk are whole here (no partial sums per
-    value block written out and added up after)."""
+    The output products ``dout v^T`` and the state products sum over the value columns: a
+    loop adds them up ``value_block`` columns at a time (the mask and decay applied once,
+    after), so dq and dk are whole here (no partial sums per value block written out and
+    added up after)."""
     f32 = jnp.float32
     length, key_block = q_ref.shape
     weights = _chunk_weights(cum_ref[...], doc_ref[...])
 
     def add_value_block(index, sums):
-        dscores, dout_by_state_in, v_by_dstate_out, dcum_last = sums
+        dout_by_v, dout_by_state_in, v_by_dstate_out, dcum_last = sums
         columns = pl.ds(index * value_block, value_block)
         v, dout = v_ref[:, columns].astype(f32), dout_ref[:, columns]
         dstate_out = dstate_out_ref[:, columns]
         return (
-            dscores + chunks.score_gradients(dout, v, weights),
+            dout_by_v + chunks.output_products(dout, v),
             dout_by_state_in + chunks.state_product(dout, state_in_ref[:, columns]),
             v_by_dstate_out + chunks.state_product(v, dstate_out),
             dcum_last + chunks.last_state_gradient(state_out_ref[:, columns], dstate_out),
@@ -203,9 +204,10 @@ def _query_key_gradients_kernel(
         jnp.zeros((length, key_block), f32),
         jnp.zeros((), f32),
     )
-    dscores, dout_by_state_in, v_by_dstate_out, dcum_last = jax.lax.fori_loop(
+    dout_by_v, dout_by_state_in, v_by_dstate_out, dcum_last = jax.lax.fori_loop(
         0, v_ref.shape[1] // value_block, add_value_block, zeros
     )
+    dscores = chunks.score_gradients(dout_by_v, weights)
     q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
     dq = chunks.query_gradient(dscores, k, weights, dout_by_state_in)
     dq_ref[...] = dq
