@@ -490,7 +490,8 @@ def run(
     check_sizes: CheckSizes = TOY_CHECK_SIZES if toy else GPU_CHECK_SIZES
     sizes = TOY_SIZES if toy else GPU_SIZES
     deadline = time.monotonic() + budget_s
-    kept = kept_results(keep_from, device_label()) if keep_from else dict(rows=[])
+    nothing_kept = dict(device_value_checks={}, hopper_value_checks={}, rows=[])
+    kept = kept_results(keep_from, device_label()) if keep_from else nothing_kept
     record: dict[str, Any] = dict(
         toy=toy,
         seed=seed,
@@ -498,8 +499,8 @@ def run(
         check_sizes=dataclasses.asdict(check_sizes),
         perf_sizes={k: repr(v) for k, v in dataclasses.asdict(sizes).items()},
         kernels=[check.name for check in KERNEL_CHECKS],
-        device_value_checks=kept.get("device_value_checks", {}),
-        hopper_value_checks=kept.get("hopper_value_checks", {}),
+        device_value_checks=kept["device_value_checks"],
+        hopper_value_checks=kept["hopper_value_checks"],
         rows=list(kept["rows"]),
         goals={},
     )

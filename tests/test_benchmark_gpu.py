@@ -138,9 +138,9 @@ def test_benchmark_shapes_lower_with_the_launch_options_compiled_without_spills(
         for label, fn, args in triton_compile.benchmark_shapes():
             with triton_compile.captured_kernels() as kernels:
                 jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-            launches[label.split(" ")[0]] = launches.get(label.split(" ")[0], set()) | {
+            launches.setdefault(label.split(" ")[0], set()).update(
                 (kernel.name, kernel.num_warps, kernel.num_stages) for kernel in kernels
-            }
+            )
     assert launches["flash"] == {
         ("flash_attention_forward", 8, 2),
         ("flash_attention_dq", 8, 2),
