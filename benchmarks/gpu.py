@@ -28,7 +28,9 @@ issue's performance rows, writing ``gpu-<device>.json`` after every step.
    attention and SSD vs our flash attention and their naive scans at 16k; the grouped
    matmul vs ``ragged_dot``, a per-expert loop and the equal-FLOP dense matmul; ragged paged
    decode vs the measured bandwidth; a decode step with int8 / int4 / NF4 weights vs bf16
-   (:mod:`benchmarks.quantization`, batch 1-64) and the quantized matmul vs the bf16 one;
+   (:mod:`benchmarks.quantization`, batch 1-64), and at batch 1 with the layers scanned and
+   unrolled; the quantized matmul vs the bf16 one on weights streamed from HBM, with its XLA
+   path and :attr:`PerfSizes.quantized_tiles` beside the default tiles;
    the ~350M preset's train step MFU in bf16.
 3. ``goals``: the issue's targets as measured ratios, each with its threshold.
 
@@ -80,6 +82,7 @@ from ember.core.config import load_config
 from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import FlashBlockSizes
 from ember.kernels_pallas.grouped_matmul import GroupedMatmulBlockSizes
+from ember.kernels_pallas.quantized_matmul import QuantizedMatmulBlockSizes
 from ember.models.config import ModelConfig
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -107,7 +110,9 @@ class PerfSizes:
     moe: moe.Sizes
     decode: dict[str, int]
     quantized_decode: tuple[ModelConfig, int, tuple[int, ...]]  # model, context, batches
-    quantized_matmul: tuple[int, tuple[int, ...]]  # k = n, batches
+    quantized_layouts: tuple[str, ...]  # formats timed with scanned and unrolled layers
+    quantized_matmul: tuple[int, tuple[int, ...], int]  # k = n, batches, weight copies per call
+    quantized_tiles: tuple[QuantizedMatmulBlockSizes, ...]  # timed beside the default tiles
     train: tuple[str, int, int]  # preset, batch, seq_len
     train_overrides: dict[str, Any]
     bandwidth_bytes: int
@@ -144,7 +149,18 @@ GPU_SIZES = PerfSizes(
     moe=moe.GPU_SIZES,
     decode=dict(num_seqs=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096),
     quantized_decode=(quantization.GPU_DECODE_MODEL, 256, (1, 8, 16, 64)),
-    quantized_matmul=(4096, (1, 8, 16, 64)),
+    quantized_layouts=("int8", "int4"),
+    # 16 copies of a 4096 x 4096 weight: 134 MB in int4, past the 50 MB L2 cache.
+    quantized_matmul=(4096, (1, 16, 64), 16),
+    quantized_tiles=(
+        QuantizedMatmulBlockSizes(block_n=64),
+        QuantizedMatmulBlockSizes(block_n=256, num_warps=8),
+        QuantizedMatmulBlockSizes(block_k=256, num_stages=4),
+        QuantizedMatmulBlockSizes(num_warps=8),
+        QuantizedMatmulBlockSizes(k_splits=1),
+        QuantizedMatmulBlockSizes(one_row="vector"),
+        QuantizedMatmulBlockSizes(block_n=64, block_k=256, one_row="vector"),
+    ),
     train=("350m", 16, 2048),
     train_overrides=dict(precision="bf16", remat="none"),
     bandwidth_bytes=4 << 30,
@@ -182,7 +198,9 @@ TOY_SIZES = PerfSizes(
         16,
         (1,),
     ),
-    quantized_matmul=(128, (1,)),
+    quantized_layouts=("int8",),
+    quantized_matmul=(128, (1,), 2),
+    quantized_tiles=(QuantizedMatmulBlockSizes(block_n=32, one_row="vector"),),
     train=("tiny", 8, 32),
     train_overrides=dict(max_seq_len=32),
     bandwidth_bytes=1 << 20,
@@ -313,9 +331,15 @@ def _quantized_decode(sizes: PerfSizes, context: dict) -> list[dict]:
     return quantization.decode_rows(model, context_len, batches)
 
 
+def _quantized_layouts(sizes: PerfSizes, context: dict) -> list[dict]:
+    model, context_len, _ = sizes.quantized_decode
+    return quantization.layout_rows(model, context_len, formats=sizes.quantized_layouts)
+
+
 def _quantized_matmul(sizes: PerfSizes, context: dict) -> list[dict]:
-    size, batches = sizes.quantized_matmul
-    return quantization.matmul_rows(size, jnp.dtype(sizes.dtype), batches, impl=sizes.impl)
+    size, batches, copies = sizes.quantized_matmul
+    dtype = jnp.dtype(sizes.dtype)
+    return quantization.matmul_rows(size, dtype, batches, sizes.impl, copies, sizes.quantized_tiles)
 
 
 def _train_step(sizes: PerfSizes, context: dict) -> list[dict]:
@@ -338,7 +362,8 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("grouped_matmul", _grouped_matmul, 90),
     Measurement("ragged_decode", _ragged_decode, 15),
     Measurement("quantized_decode", _quantized_decode, 60),
-    Measurement("quantized_matmul", _quantized_matmul, 30),
+    Measurement("quantized_layouts", _quantized_layouts, 40),
+    Measurement("quantized_matmul", _quantized_matmul, 60),
     Measurement("train_step", _train_step, 120),
     Measurement("sigmoid", _sigmoid, 30),
     Measurement("flash_tiles", _tiles, 50),

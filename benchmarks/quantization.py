@@ -3,10 +3,11 @@
     python -m benchmarks.quantization                    # every section
     python -m benchmarks.quantization --section decode   # one section (repeat for more)
 
-``matmul`` section: one decode-shaped product ``x [batch, k] @ W [k, n]`` (batch 1, 8, 64)
+``matmul`` section: decode-shaped products ``x [batch, k] @ W [k, n]`` (batch 1, 8, 64)
 with ``W`` float (bf16 on a GPU, f32 on CPU) and as int8 / int4 / NF4 through
-``quantized_matmul`` (the Pallas kernel on a GPU, the XLA path on CPU); ms and the float
-product's time over each format's.
+``quantized_matmul`` (the Pallas kernel on a GPU, the XLA path on CPU) and its XLA path; on a
+GPU, 16 products per call, each with its own copy of ``W``, so that weights come from HBM,
+not the L2 cache; ms per product, the weight's GB/s and the float product's time over each.
 
 ``decode`` section: one serving decode step (the engine's jitted ragged step, one new token
 per sequence over a short context) of the same decoder LM with float weights and with its
@@ -14,6 +15,10 @@ projections stored int8 / int4 / NF4, at batch 1, 8 and 64; weight bytes, ms, an
 step's time over each format's. On a GPU the step is memory-bound, so the goal there is int8
 >= 1.6x and int4 >= 2.5x the bf16 step at batch 1-16 (MARLIN reports near 4x for its 4-bit
 GEMM up to batch 16-32).
+
+``layouts`` section: the decode step at batch 1 with its layers scanned (the default) and
+unrolled (``scan_layers=false``), float and int8 / int4: whether slicing a stacked quantized
+weight for the kernel costs a copy.
 
 ``loss`` section: a tiny byte-level LM trained briefly on the stdlib corpus (float, and with
 int4 QAT over the last half or the last fifth of its steps), then quantized every way (``ember quantize``'s
@@ -25,6 +30,7 @@ other sections' figures already in that file).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 from pathlib import Path
@@ -49,30 +55,67 @@ from ember.training.quantization.ptq import EvalConfig, quantize_model
 BATCHES = (1, 8, 64)
 
 
-def matmul_rows(size: int, dtype, batches=BATCHES, impl: str = "auto") -> list[dict]:
-    """``x [batch, size] @ W [size, size]``: float ``W`` in ``dtype`` and each format through
-    ``quantized_matmul(impl=...)``; ms and the float product's time over each format's."""
+def _copies(tree, copies: int) -> list:
+    """``copies`` distinct buffers holding ``tree``: products that each read their own weight."""
+    return [tree] + [jax.tree.map(jnp.copy, tree) for _ in range(copies - 1)]
+
+
+def matmul_rows(size: int, dtype, batches=BATCHES, impl: str = "auto", copies: int = 1, tiles=()) -> list[dict]:
+    """``x [batch, size] @ W [size, size]``: float ``W`` in ``dtype``, and each format through
+    ``quantized_matmul(impl=...)`` (form ``impl``) and through its XLA path (form ``xla``); the
+    goal formats (int8, int4) also with each of ``tiles`` (a :class:`QuantizedMatmulBlockSizes`
+    each, form ``tile i``) at the goal's batches (up to 16).
+
+    One jitted call makes ``copies`` products, each with its own copy of the weight: with
+    enough copies to overflow a GPU's L2 cache (50 MB on an H100) every product reads its
+    weight from HBM, as a decode step does, and the call is long enough that dispatch does not
+    dominate. ms per product, the weight's GB/s and the float product's time over each form's."""
     w = jax.random.normal(jax.random.key(0), (size, size), jnp.float32) * 0.02
     weights = {fmt: quantize_matrix(w, fmt, None if fmt == "int8" else 128 if fmt == "int4" else 64) for fmt in FORMATS}
-    dense_w = w.astype(dtype)
-    dense = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+    forms = {impl: {"impl": impl}} | ({} if impl == "xla" else {"xla": {"impl": "xla"}})
+    forms |= {f"tile {i}": {"impl": impl, "block_sizes": tile} for i, tile in enumerate(tiles)}
+
+    def products(product):
+        return jax.jit(lambda x, ws: [product(x, w) for w in ws])
+
+    def row(batch, fmt, form, seconds, stored, float_s, **extra):
+        per_product = seconds / copies
+        return dict(section="quantized_matmul", batch=batch, format=fmt, form=form, ms=per_product * 1e3,
+                    speedup=float_s / seconds, weight_mb=stored / 1e6, weight_gb_s=stored / per_product / 1e9,
+                    copies=copies, **extra)  # fmt: skip
+
+    dense = products(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+    dense_ws = _copies(w.astype(dtype), copies)
+    quantized_ws = {fmt: _copies(weight, copies) for fmt, weight in weights.items()}
     rows = []
     for batch in batches:
         x = jax.random.normal(jax.random.key(batch), (batch, size), dtype)
-        float_s = time_fn(dense, x, dense_w, repeats=20)
-        rows.append(dict(section="quantized_matmul", batch=batch, format=f"float ({jnp.dtype(dtype).name})",
-                         ms=float_s * 1e3, speedup=1.0, weight_mb=dense_w.nbytes / 1e6))  # fmt: skip
-        for fmt, weight in weights.items():
-            seconds = time_fn(functools.partial(quantized_matmul, impl=impl), x, weight, repeats=20)
-            stored = (weight.values.nbytes + weight.scales.nbytes) / 1e6
-            rows.append(dict(section="quantized_matmul", batch=batch, format=fmt, ms=seconds * 1e3,
-                             speedup=float_s / seconds, weight_mb=stored))  # fmt: skip
+        float_s = time_fn(dense, x, dense_ws, repeats=20)
+        rows.append(row(batch, f"float ({jnp.dtype(dtype).name})", "xla", float_s, dense_ws[0].nbytes, float_s))
+        for fmt, ws in quantized_ws.items():
+            stored = ws[0].values.nbytes + ws[0].scales.nbytes
+            for form, options in forms.items():
+                tile = dataclasses.asdict(options["block_sizes"]) if "block_sizes" in options else {}
+                if tile and (batch > 16 or fmt == "nf4"):
+                    continue
+                try:
+                    seconds = time_fn(products(functools.partial(quantized_matmul, **options)), x, ws, repeats=20)
+                except Exception as error:  # a tile the compiler rejects costs its row only
+                    if not tile:
+                        raise
+                    rows.append(dict(section="quantized_matmul", batch=batch, format=fmt, form=form, **tile,
+                                     error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"))  # fmt: skip
+                    continue
+                rows.append(row(batch, fmt, form, seconds, stored, float_s, **tile))
     return rows
 
 
 def matmul_section() -> list[dict]:
-    rows = matmul_rows(4096, jnp.bfloat16) if on_gpu() else matmul_rows(2048, jnp.float32)
-    print_table(rows, ["batch", "format", "ms", "speedup", "weight_mb"])
+    if on_gpu():
+        rows = matmul_rows(4096, jnp.bfloat16, impl="pallas", copies=16)
+    else:
+        rows = matmul_rows(2048, jnp.float32, impl="xla")  # no kernel to compare with on CPU
+    print_table(rows, ["batch", "format", "form", "ms", "weight_gb_s", "speedup", "weight_mb"])
     return rows
 
 
@@ -81,13 +124,18 @@ GPU_DECODE_MODEL = ModelConfig(vocab_size=32000, d_model=2048, num_layers=8, num
 CPU_DECODE_MODEL = ModelConfig(vocab_size=512, d_model=512, num_layers=4, num_heads=8, mlp_dim=2048, max_seq_len=128)
 
 
-def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict]:
-    """One serving decode step with float weights and with the projections stored in each
-    format; ms and the float step's time over each format's."""
+def _weight_variants(config: ModelConfig, formats=FORMATS) -> dict:
+    """``{"float": params, fmt: params with the projections stored in fmt}`` for ``config``."""
     # Jitted: op by op, initialising and quantizing took most of a toy-sized run.
     params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     quantize = jax.jit(quantize_params, static_argnums=1)
-    variants = {"float": params, **{fmt: quantize(params, QuantizeConfig(format=fmt)) for fmt in FORMATS}}
+    return {"float": params, **{fmt: quantize(params, QuantizeConfig(format=fmt)) for fmt in formats}}
+
+
+def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict]:
+    """One serving decode step with float weights and with the projections stored in each
+    format; ms and the float step's time over each format's."""
+    variants = _weight_variants(config)
     rows = []
     for batch in batches:
         float_s = None
@@ -96,6 +144,29 @@ def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict
             float_s = float_s or seconds
             rows.append(dict(section="quantized_decode", batch=batch, weights=name, step_ms=seconds * 1e3,
                              speedup=float_s / seconds, weight_mb=weight_bytes(weights) / 1e6))  # fmt: skip
+    return rows
+
+
+def layout_rows(config: ModelConfig, context: int, batch: int = 1, formats=("int8", "int4")) -> list[dict]:
+    """The decode step of :func:`decode_rows` at ``batch`` with the layers scanned (one stacked
+    parameter per weight, the layer's slice taken inside the loop) and unrolled (a parameter
+    per layer): whether the slice costs the quantized matmul, a custom call, a copy of its
+    weight that XLA's own dot is spared. ms and the float step's time (same layout) over each."""
+    rows = []
+    for layers, scan in (("scanned", True), ("unrolled", False)):
+        layout = dataclasses.replace(config, scan_layers=scan)
+        float_s = None
+        for name, weights in _weight_variants(layout, formats).items():
+            seconds, _ = decode_step_seconds(layout, weights, batch, context)
+            float_s = float_s or seconds
+            rows.append(dict(section="quantized_decode_layouts", batch=batch, layers=layers, weights=name,
+                             step_ms=seconds * 1e3, speedup=float_s / seconds))  # fmt: skip
+    return rows
+
+
+def layouts_section() -> list[dict]:
+    rows = layout_rows(GPU_DECODE_MODEL, 256) if on_gpu() else layout_rows(CPU_DECODE_MODEL, 64)
+    print_table(rows, ["batch", "layers", "weights", "step_ms", "speedup"])
     return rows
 
 
@@ -141,7 +212,7 @@ def loss_section() -> list[dict]:
     return rows
 
 
-SECTIONS = {"matmul": matmul_section, "decode": decode_section, "loss": loss_section}
+SECTIONS = {"matmul": matmul_section, "decode": decode_section, "layouts": layouts_section, "loss": loss_section}
 
 
 def main() -> None:

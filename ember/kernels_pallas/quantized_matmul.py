@@ -18,7 +18,11 @@ Forms:
   A decode step has one row tile, so a ``[1, n / block_n]`` grid would leave most of a GPU
   idle while reading the weight (32 programs for n = 4096 against an H100's 132 SMs): the
   contraction is split over a third grid axis until there are :data:`MIN_PROGRAMS`
-  programs (split-K), and XLA sums the splits' f32 partial products.
+  programs (split-K), and XLA sums the splits' f32 partial products. Rows of ``x``'s padding
+  to ``block_m`` are not stored (a masked store), so a one-row decode step writes one row of
+  partial products per split, not sixteen. ``QuantizedMatmulBlockSizes(one_row="vector")``
+  gives a one-row call a kernel without the dot: the row times each weight tile, summed
+  over ``k``.
 
 Differentiable in ``x`` (the weight is frozen: QLoRA trains adapters beside it); the
 backward pass is ``dy @ dequantize(W)^T`` through XLA.
@@ -33,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
 
 from ember.kernels_pallas.dispatch import resolve_impl, triton_compiler_params
 from ember.kernels_pallas.quantized_formats import (
@@ -48,6 +53,7 @@ _NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
 # Programs a call should launch, splitting the contraction when the output tiles are fewer:
 # about two waves of an H100's 132 SMs, so a decode step's weight read keeps HBM busy.
 MIN_PROGRAMS = 256
+ONE_ROW_PRODUCTS: tuple[str, ...] = ("dot", "vector")
 KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
 """Backends with a compiled Pallas kernel for this op (Triton lowering)."""
 
@@ -57,7 +63,13 @@ class QuantizedMatmulBlockSizes:
     """Kernel tiles: ``block_m`` rows and ``block_n`` output columns per program; ``block_k``
     rows of the weight per step for int8 (4-bit formats step one scale group at a time).
     Powers of two, at least 16 (what GPU dots want); a dimension shorter than its tile gets
-    the next power of two above it. ``num_warps``/``num_stages``: Triton's parameters."""
+    the next power of two above it. ``num_warps``/``num_stages``: Triton's parameters.
+
+    ``one_row``: how a call with a single row of ``x`` (a batch-1 decode step) multiplies:
+    ``"dot"`` pads it to ``block_m`` rows for the tensor cores' dot; ``"vector"`` multiplies
+    the weight tile by the row broadcast down its columns and sums over ``k`` on the CUDA
+    cores (no padding, and no trip of the dequantised tile through shared memory into the
+    dot's operand layout)."""
 
     block_m: int = 16
     block_n: int = 128
@@ -65,6 +77,7 @@ class QuantizedMatmulBlockSizes:
     num_warps: int = 4
     num_stages: int = 3
     k_splits: int | None = None  # programs along the contraction; None: up to MIN_PROGRAMS in all
+    one_row: str = "dot"
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -77,6 +90,8 @@ class QuantizedMatmulBlockSizes:
             raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
         if self.k_splits is not None and (not isinstance(self.k_splits, int) or self.k_splits < 1):
             raise ValueError(f"k_splits must be a positive int or None, got {self.k_splits!r}")
+        if self.one_row not in ONE_ROW_PRODUCTS:
+            raise ValueError(f"one_row must be one of {', '.join(ONE_ROW_PRODUCTS)}, got {self.one_row!r}")
 
     def splits(self, output_tiles: int, k_tiles: int) -> tuple[int, int]:
         """``(splits, k-tiles per split)`` for a grid of ``output_tiles`` over ``k_tiles``:
@@ -118,19 +133,30 @@ def _fit(block: int, length: int) -> int:
     return min(block, max(16, 1 << max(0, length - 1).bit_length()))
 
 
-def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, per_split: int, rows_per_scale: int):
+def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, per_split: int, rows_per_scale: int, x_rows: int):
     if fmt in PACKED_FORMATS:
         x_even_ref, x_odd_ref, values_ref, scales_ref, out_ref = refs
     else:
         x_ref, values_ref, scales_ref, out_ref = refs
-    dot = functools.partial(
-        lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
+    block_m = out_ref.shape[0]
+    if block_m == 1:  # one_row="vector": [k] x [k, n] as a broadcast product summed over k
+        acc_shape = out_ref.shape[1:]
+
+        def product(x_block, cols, w):
+            x = x_block[0, cols].astype(jnp.float32)
+            return jnp.sum(x[:, None] * w.astype(jnp.float32), axis=0)
+
+    else:
+        acc_shape = out_ref.shape
+
+        def product(x_block, cols, w):
+            x = x_block[:, cols]
+            return lax.dot_general(x, w.astype(x.dtype), _NN_DIMS, preferred_element_type=jnp.float32)
 
     def step(t, acc):
         if fmt == "int8":
             rows = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-            return acc + dot(x_ref[:, rows], values_ref[rows, :].astype(x_ref.dtype))
+            return acc + product(x_ref, rows, values_ref[rows, :])
         half = block_k // 2
         rows = pl.ds(pl.multiple_of(t * half, half), half)
         packed = values_ref[rows, :].astype(jnp.int32)
@@ -139,21 +165,29 @@ def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, per_split: int, rows_pe
             low, high = nibbles_to_int4(low), nibbles_to_int4(high)
         else:
             low, high = nf4_lookup(low), nf4_lookup(high)
-        dtype = x_even_ref.dtype
-        partial = dot(x_even_ref[:, rows], low.astype(dtype)) + dot(x_odd_ref[:, rows], high.astype(dtype))
+        partial = product(x_even_ref, rows, low) + product(x_odd_ref, rows, high)
         scale = scales_ref[pl.ds(t * block_k // rows_per_scale, 1), :].astype(jnp.float32)
-        return acc + partial * scale
+        return acc + partial * (scale[0] if block_m == 1 else scale)
 
     first = pl.program_id(2) * per_split  # this program's share of the contraction
-    acc = lax.fori_loop(first, jnp.minimum(first + per_split, k_tiles), step, jnp.zeros(out_ref.shape, jnp.float32))
+    acc = lax.fori_loop(first, jnp.minimum(first + per_split, k_tiles), step, jnp.zeros(acc_shape, jnp.float32))
+    if block_m == 1:
+        acc = acc[None, :]
     if fmt == "int8":
         acc = acc * scales_ref[...].astype(jnp.float32)
-    out_ref[...] = acc.astype(out_ref.dtype)
+    if x_rows % block_m == 0:
+        out_ref[...] = acc.astype(out_ref.dtype)
+        return
+    # x's padding rows are zeros: not writing their products saves (block_m - m) / block_m of
+    # the output's (or split-K partials') bytes, most of them in a one-row decode step.
+    row = pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+    pallas_triton.store(out_ref, acc.astype(out_ref.dtype), mask=row < x_rows)
 
 
 def _pallas(x, weight: QuantizedMatrix, out_dtype, block_sizes: QuantizedMatmulBlockSizes, interpret: bool):
     (m, k), n = x.shape, weight.shape[1]
-    bm, bn = _fit(block_sizes.block_m, m), _fit(block_sizes.block_n, n)
+    bm = 1 if m == 1 and block_sizes.one_row == "vector" else _fit(block_sizes.block_m, m)
+    bn = _fit(block_sizes.block_n, n)
     scales = pad_axis_to_multiple(weight.scales, 1, bn)
     if weight.format == "int8":
         bk = _fit(block_sizes.block_k, k)
@@ -171,7 +205,13 @@ def _pallas(x, weight: QuantizedMatrix, out_dtype, block_sizes: QuantizedMatmulB
     k_tiles = k_pad // bk
     splits, per_split = block_sizes.splits((m_pad // bm) * (n_pad // bn), k_tiles)
     kernel = functools.partial(
-        _kernel, fmt=weight.format, block_k=bk, k_tiles=k_tiles, per_split=per_split, rows_per_scale=weight.group_size
+        _kernel,
+        fmt=weight.format,
+        block_k=bk,
+        k_tiles=k_tiles,
+        per_split=per_split,
+        rows_per_scale=weight.group_size,
+        x_rows=m,
     )
     partial_dtype = out_dtype if splits == 1 else jnp.float32
     compiler_params = triton_compiler_params(
@@ -194,7 +234,7 @@ def _pallas(x, weight: QuantizedMatrix, out_dtype, block_sizes: QuantizedMatmulB
             bytes_accessed=x.dtype.itemsize * x.size
             + weight.values.size
             + scales.dtype.itemsize * scales.size
-            + jnp.dtype(partial_dtype).itemsize * splits * m * n,
+            + jnp.dtype(partial_dtype).itemsize * splits * m * n,  # padding rows are not written
         ),
         interpret=interpret,
         name=f"quantized_matmul_{weight.format}",

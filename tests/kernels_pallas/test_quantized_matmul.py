@@ -78,13 +78,20 @@ CASES = [  # format, m, k, n, group, k_splits (split-K: None fills MIN_PROGRAMS,
 ]
 
 
-@pytest.mark.parametrize("impl", ["interpret", "xla"])
-@pytest.mark.parametrize("fmt,m,k,n,group,k_splits", CASES)
-def test_equals_reference_values_and_gradients(fmt, m, k, n, group, k_splits, impl):
+# Batch-1 decode shapes for one_row="vector" (the row times the weight tile, summed over k).
+ONE_ROW_CASES = [("int8", 1, 96, 40, 96, None), ("int4", 1, 128, 72, 32, 2), ("nf4", 1, 192, 24, 64, 1)]
+
+
+@pytest.mark.parametrize(
+    "impl,fmt,m,k,n,group,k_splits,one_row",
+    [(impl, *case, "dot") for case in CASES for impl in ("interpret", "xla")]
+    + [("interpret", *case, "vector") for case in ONE_ROW_CASES],  # the XLA path has one form
+)
+def test_equals_reference_values_and_gradients(impl, fmt, m, k, n, group, k_splits, one_row):
     rng = np.random.default_rng(hash((fmt, m, k, n)) % 2**32)
     weight = random_weight(rng, fmt, k, n, group)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
-    blocks = QuantizedMatmulBlockSizes(block_m=16, block_n=32, block_k=32, k_splits=k_splits)
+    blocks = QuantizedMatmulBlockSizes(block_m=16, block_n=32, block_k=32, k_splits=k_splits, one_row=one_row)
     expected = quantized_matmul_reference(x, weight)
     got = quantized_matmul(x, weight, impl=impl, block_sizes=blocks)
     assert got.shape == (m, n) and got.dtype == jnp.float32
@@ -130,5 +137,7 @@ def test_bad_arguments_name_themselves():
         QuantizedMatmulBlockSizes(k_splits=0)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         QuantizedMatmulBlockSizes(block_n=48)
+    with pytest.raises(ValueError, match="one_row must be one of dot, vector, got 'gemv'"):
+        QuantizedMatmulBlockSizes(one_row="gemv")
     with pytest.raises(ValueError, match="impl='pallas' needs"):
         quantized_matmul(x, weight, impl="pallas")
