@@ -450,9 +450,11 @@ def _grouped_matmul(sizes: CheckSizes, dtype, gen, gpu_kernel: str = "auto"):
 # ----------------------------------------------------------------------------- quantized matmul
 
 
-def _quantized_matmul(fmt: str) -> Callable:
+def _quantized_matmul(fmt: str, one_row: str | None = None) -> Callable:
     """``x [q_len, 4 head_dim] @ W [4 head_dim, kv_len]`` with ``W`` random codes in ``fmt``
-    and random scales (groups of ``2 block`` rows for the 4-bit formats); the gradient is ``x``'s."""
+    and random scales (groups of ``2 block`` rows for the 4-bit formats); the gradient is ``x``'s.
+    With ``one_row`` (a :class:`QuantizedMatmulBlockSizes` ``one_row`` form), ``x`` is one row:
+    a batch-1 decode step's product."""
 
     def problem(sizes: CheckSizes, dtype, gen):
         k, n = 4 * sizes.head_dim, sizes.kv_len
@@ -464,14 +466,13 @@ def _quantized_matmul(fmt: str) -> Callable:
         scales = jnp.asarray(gen.uniform(0.005, 0.02, (k // group, n)), jnp.float32)
         weight = QuantizedMatrix(values, scales, fmt)
         tile = max(16, sizes.block)
-        tiles = QuantizedMatmulBlockSizes(block_m=16, block_n=tile, block_k=tile)
+        tiles = QuantizedMatmulBlockSizes(block_m=16, block_n=tile, block_k=tile, one_row=one_row or "dot")
+        rows = 1 if one_row else sizes.q_len
 
         def kernel(x):
             return quantized_matmul(x, weight, impl=sizes.impl, block_sizes=tiles)
 
-        return Problem(
-            kernel, lambda x: quantized_matmul_reference(x, weight), dict(x=_normal(gen, (sizes.q_len, k), dtype))
-        )
+        return Problem(kernel, lambda x: quantized_matmul_reference(x, weight), dict(x=_normal(gen, (rows, k), dtype)))
 
     return problem
 
@@ -500,6 +501,10 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck("short_conv[xla_path]", _short_conv),
     KernelCheck("grouped_matmul[group_offset,empty,skewed,tail_rows]", _grouped_matmul),
     *(KernelCheck(f"quantized_matmul[{fmt}]", _quantized_matmul(fmt)) for fmt in ("int8", "int4", "nf4")),
+    *(
+        KernelCheck(f"quantized_matmul[{fmt},one_row_vector]", _quantized_matmul(fmt, one_row="vector"))
+        for fmt in ("int8", "int4")
+    ),
 )
 """The kernels the GPU command checks, in order. One line per kernel (and option set)."""
 

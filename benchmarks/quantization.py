@@ -78,6 +78,13 @@ def matmul_rows(size: int, dtype, batches=BATCHES, impl: str = "auto", copies: i
     def products(product):
         return jax.jit(lambda x, ws: [product(x, w) for w in ws])
 
+    def relative_difference(product, x, ws):
+        """max |form - XLA path| / max |XLA path| on the first weight: a fast wrong kernel
+        shows here."""
+        got = products(product)(x, ws[:1])[0].astype(jnp.float32)
+        want = quantized_matmul(x, ws[0], impl="xla").astype(jnp.float32)
+        return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
     def row(batch, fmt, form, seconds, stored, float_s, **extra):
         per_product = seconds / copies
         return dict(section="quantized_matmul", batch=batch, format=fmt, form=form, ms=per_product * 1e3,
@@ -98,15 +105,17 @@ def matmul_rows(size: int, dtype, batches=BATCHES, impl: str = "auto", copies: i
                 tile = dataclasses.asdict(options["block_sizes"]) if "block_sizes" in options else {}
                 if tile and (batch > 16 or fmt == "nf4"):
                     continue
+                product = functools.partial(quantized_matmul, **options)
                 try:
-                    seconds = time_fn(products(functools.partial(quantized_matmul, **options)), x, ws, repeats=20)
+                    seconds = time_fn(products(product), x, ws, repeats=20)
+                    difference = relative_difference(product, x, ws)
                 except Exception as error:  # a tile the compiler rejects costs its row only
                     if not tile:
                         raise
                     rows.append(dict(section="quantized_matmul", batch=batch, format=fmt, form=form, **tile,
                                      error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"))  # fmt: skip
                     continue
-                rows.append(row(batch, fmt, form, seconds, stored, float_s, **tile))
+                rows.append(row(batch, fmt, form, seconds, stored, float_s, rel_diff_vs_xla=difference, **tile))
     return rows
 
 
