@@ -150,8 +150,9 @@ GPU_SIZES = PerfSizes(
     decode=dict(num_seqs=64, heads=32, kv_heads=8, head_dim=128, page_size=16, length=4096),
     quantized_decode=(quantization.GPU_DECODE_MODEL, 256, (1, 8, 16, 64)),
     quantized_layouts=("int8", "int4"),
-    # 16 copies of a 4096 x 4096 weight: 134 MB in int4, past the 50 MB L2 cache.
-    quantized_matmul=(4096, (1, 16, 64), 16),
+    # 16 copies of a 4096 x 4096 weight: 134 MB in int4, past the 50 MB L2 cache. 4096 rows:
+    # a prefill- or QLoRA-training-shaped product (64-row tiles), bound by the dot, not HBM.
+    quantized_matmul=(4096, (1, 16, 64, 4096), 16),
     quantized_tiles=(
         QuantizedMatmulBlockSizes(block_n=64),
         QuantizedMatmulBlockSizes(block_n=256, num_warps=8),

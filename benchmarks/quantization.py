@@ -3,7 +3,7 @@
     python -m benchmarks.quantization                    # every section
     python -m benchmarks.quantization --section decode   # one section (repeat for more)
 
-``matmul`` section: decode-shaped products ``x [batch, k] @ W [k, n]`` (batch 1, 8, 64)
+``matmul`` section: products ``x [batch, k] @ W [k, n]`` (batch 1, 8, 64: decode-shaped)
 with ``W`` float (bf16 on a GPU, f32 on CPU) and as int8 / int4 / NF4 through
 ``quantized_matmul`` (the Pallas kernel on a GPU, the XLA path on CPU) and its XLA path; on a
 GPU, 16 products per call, each with its own copy of ``W``, so that weights come from HBM,

@@ -154,7 +154,7 @@ def benchmark_shapes() -> list[tuple[str, object, tuple]]:
     """``(label, fn, abstract args)`` of the calls ``benchmarks.gpu`` times on the device
     (bf16; gradients where the rows time a backward): flash attention at the goal's 8k and the
     350M train step's shape, linear attention at 16k, the grouped matmul at the Mixtral shape,
-    a ragged paged decode step and quantized decode matmuls."""
+    a ragged paged decode step and quantized matmuls of a decode step's and a prefill's rows."""
     from benchmarks import gpu, sequence_mixers
     from ember.kernels_pallas.flash_attention import flash_attention
     from ember.kernels_pallas.grouped_matmul import grouped_matmul
@@ -227,19 +227,20 @@ def benchmark_shapes() -> list[tuple[str, object, tuple]]:
     )
     calls.append(("ragged paged decode step", lambda *a: ragged_paged_attention(*a, impl="pallas"), decode_args))
 
-    k = sizes.quantized_matmul[0]
+    k, batches = sizes.quantized_matmul[:2]
     for fmt in ("int8", "int4", "nf4"):
         codes = array((k, k), jnp.int8) if fmt == "int8" else array((k // 2, k), jnp.uint8)
         groups = 1 if fmt == "int8" else k // 64
-        calls.append(
-            (
-                f"quantized matmul decode {fmt} 16 x {k} x {k}",
-                lambda x, codes, scales, fmt=fmt: quantized_matmul(
-                    x, QuantizedMatrix(codes, scales, fmt), impl="pallas"
-                ),
-                (array((16, k), bf16), codes, array((groups, k), jnp.float32)),
+        for rows in (16, max(batches)):  # a decode step's tiles, and a prefill's
+            calls.append(
+                (
+                    f"quantized matmul {fmt} {rows} x {k} x {k}",
+                    lambda x, codes, scales, fmt=fmt: quantized_matmul(
+                        x, QuantizedMatrix(codes, scales, fmt), impl="pallas"
+                    ),
+                    (array((rows, k), bf16), codes, array((groups, k), jnp.float32)),
+                )
             )
-        )
     return calls
 
 

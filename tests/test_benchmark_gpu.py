@@ -159,7 +159,10 @@ def test_benchmark_shapes_lower_with_the_launch_options_compiled_without_spills(
         ("grouped_matmul_tgmm", 8, 4),
     }
     assert launches["ragged"] == {("ragged_paged_attention", 4, 3)}
-    assert launches["quantized"] == {(f"quantized_matmul_{fmt}", 4, 3) for fmt in ("int8", "int4", "nf4")}
+    # decode steps' 16-row tiles on 4 warps, prefills' 64-row tiles on 8
+    assert launches["quantized"] == {
+        (f"quantized_matmul_{fmt}", warps, 3) for fmt in ("int8", "int4", "nf4") for warps in (4, 8)
+    }
 
 
 def test_kept_results_carry_their_origin_and_refuse_another_device():

@@ -22,7 +22,8 @@ Forms:
   to ``block_m`` are not stored (a masked store), so a one-row decode step writes one row of
   partial products per split, not sixteen. ``QuantizedMatmulBlockSizes(one_row="vector")``
   gives a one-row call a kernel without the dot: the row times each weight tile, summed
-  over ``k``.
+  over ``k``. Tiles follow ``x``'s rows (:func:`default_block_sizes`): 16 rows for a decode
+  step, 64 for prefill and training products.
 
 Differentiable in ``x`` (the weight is frozen: QLoRA trains adapters beside it); the
 backward pass is ``dy @ dequantize(W)^T`` through XLA.
@@ -99,6 +100,19 @@ class QuantizedMatmulBlockSizes:
         wanted = self.k_splits or -(-MIN_PROGRAMS // output_tiles)
         per_split = -(-k_tiles // min(wanted, k_tiles))
         return -(-k_tiles // per_split), per_split
+
+
+def default_block_sizes(rows: int) -> QuantizedMatmulBlockSizes:
+    """The tiles a call with ``rows`` rows of ``x`` gets when it names none. Up to 16 rows (a
+    decode step): 16-row tiles. More (prefill, QLoRA's training products): 64-row tiles on 8
+    warps, as every program dequantises each weight tile it reads once for all its rows, and
+    16-row tiles made a 16k-row product dequantise every weight tile 1,024 times. Compiled for
+    sm_90 at 4096 x 4096 x 4096 in bf16, 64-row tiles need 112 / 80 / 40 KB of shared memory
+    and 94 / 128 / 123 registers (int8 / int4 / NF4), without spilling; 128-row tiles took
+    160 / 128 / 64 KB and up to 244 registers."""
+    if rows <= 16:
+        return QuantizedMatmulBlockSizes()
+    return QuantizedMatmulBlockSizes(block_m=64, num_warps=8)
 
 
 def _validate(op: str, x, weight) -> None:
@@ -270,7 +284,8 @@ def quantized_matmul(x, weight: QuantizedMatrix, *, preferred_element_type=None,
 
     ``impl`` in {"auto", "pallas", "interpret", "xla"} (no TPU kernel: on a TPU, "auto" runs
     XLA); ``block_sizes`` a
-    :class:`QuantizedMatmulBlockSizes` for the kernel (defaults if None).
+    :class:`QuantizedMatmulBlockSizes` for the kernel (None: :func:`default_block_sizes` for
+    ``x``'s rows).
 
     Raises:
       ValueError: naming the argument whose shape, dtype or group size does not fit.
@@ -288,7 +303,7 @@ def quantized_matmul(x, weight: QuantizedMatrix, *, preferred_element_type=None,
         forward = functools.partial(
             _pallas,
             out_dtype=out_dtype,
-            block_sizes=block_sizes or QuantizedMatmulBlockSizes(),
+            block_sizes=block_sizes or default_block_sizes(x.shape[0]),
             interpret=impl == "interpret",
         )
     return _differentiable(x, weight, forward)
@@ -297,6 +312,7 @@ def quantized_matmul(x, weight: QuantizedMatrix, *, preferred_element_type=None,
 __all__ = [
     "KERNEL_BACKENDS",
     "QuantizedMatmulBlockSizes",
+    "default_block_sizes",
     "quantized_matmul",
     "quantized_matmul_reference",
 ]

@@ -19,6 +19,7 @@ from ember.kernels_pallas.quantized_formats import (
 from ember.kernels_pallas.quantized_matmul import (
     MIN_PROGRAMS,
     QuantizedMatmulBlockSizes,
+    default_block_sizes,
     quantized_matmul,
     quantized_matmul_reference,
 )
@@ -103,6 +104,20 @@ def test_equals_reference_values_and_gradients(impl, fmt, m, k, n, group, k_spli
     bf16 = quantized_matmul(x.astype(jnp.bfloat16), weight, impl=impl, block_sizes=blocks)
     assert bf16.dtype == jnp.bfloat16
     assert_allclose(bf16.astype(jnp.float32) / scale, expected / scale, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("fmt, group", [("int8", 96), ("nf4", 32)])
+def test_default_tiles_follow_the_rows(fmt, group):
+    """Prefill- and training-shaped products get 64-row tiles (each weight tile dequantised
+    once for all of them), decode steps 16-row ones; both equal the reference."""
+    assert default_block_sizes(1) == default_block_sizes(16) == QuantizedMatmulBlockSizes()
+    assert (default_block_sizes(17).block_m, default_block_sizes(4096).num_warps) == (64, 8)
+    rng = np.random.default_rng(5)
+    weight = random_weight(rng, fmt, 96, 40, group)
+    x = jnp.asarray(rng.normal(size=(70, 96)), jnp.float32)  # two 64-row tiles, the second partial
+    expected = quantized_matmul_reference(x, weight)
+    scale = float(jnp.max(jnp.abs(expected)))
+    assert_allclose(quantized_matmul(x, weight, impl="interpret") / scale, expected / scale)
 
 
 @pytest.mark.parametrize(
