@@ -364,7 +364,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("ragged_decode", _ragged_decode, 15),
     Measurement("quantized_decode", _quantized_decode, 60),
     Measurement("quantized_layouts", _quantized_layouts, 40),
-    Measurement("quantized_matmul", _quantized_matmul, 60),
+    Measurement("quantized_matmul", _quantized_matmul, 90),
     Measurement("train_step", _train_step, 120),
     Measurement("sigmoid", _sigmoid, 30),
     Measurement("flash_tiles", _tiles, 50),

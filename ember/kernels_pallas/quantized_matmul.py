@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pallas_triton
 
 from ember.kernels_pallas.dispatch import resolve_impl, triton_compiler_params
 from ember.kernels_pallas.quantized_formats import (
@@ -194,6 +193,8 @@ def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, per_split: int, rows_pe
         return
     # x's padding rows are zeros: not writing their products saves (block_m - m) / block_m of
     # the output's (or split-K partials') bytes, most of them in a one-row decode step.
+    from jax.experimental.pallas import triton as pallas_triton  # GPU-only module: imported where used
+
     row = pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, acc.shape, 0)
     pallas_triton.store(out_ref, acc.astype(out_ref.dtype), mask=row < x_rows)
 
