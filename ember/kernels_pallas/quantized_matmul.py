@@ -22,8 +22,8 @@ Forms:
   to ``block_m`` are not stored (a masked store), so a one-row decode step writes one row of
   partial products per split, not sixteen. ``QuantizedMatmulBlockSizes(one_row="vector")``
   gives a one-row call a kernel without the dot: the row times each weight tile, summed
-  over ``k``. Tiles follow ``x``'s rows (:func:`default_block_sizes`): 16 rows for a decode
-  step, 64 for prefill and training products.
+  over ``k``. Tiles follow ``x``'s rows (:func:`default_block_sizes`): 16 rows for decode
+  steps, 64 for prefill and training products.
 
 Differentiable in ``x`` (the weight is frozen: QLoRA trains adapters beside it); the
 backward pass is ``dy @ dequantize(W)^T`` through XLA.
@@ -54,6 +54,7 @@ _NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
 # about two waves of an H100's 132 SMs, so a decode step's weight read keeps HBM busy.
 MIN_PROGRAMS = 256
 ONE_ROW_PRODUCTS: tuple[str, ...] = ("dot", "vector")
+DECODE_ROWS = 64  # rows up to which a call gets decode tiles (see default_block_sizes)
 KERNEL_BACKENDS: tuple[str, ...] = ("gpu",)
 """Backends with a compiled Pallas kernel for this op (Triton lowering)."""
 
@@ -102,14 +103,21 @@ class QuantizedMatmulBlockSizes:
 
 
 def default_block_sizes(rows: int) -> QuantizedMatmulBlockSizes:
-    """The tiles a call with ``rows`` rows of ``x`` gets when it names none. Up to 16 rows (a
-    decode step): 16-row tiles. More (prefill, QLoRA's training products): 64-row tiles on 8
-    warps, as every program dequantises each weight tile it reads once for all its rows, and
-    16-row tiles made a 16k-row product dequantise every weight tile 1,024 times. Compiled for
-    sm_90 at 4096 x 4096 x 4096 in bf16, 64-row tiles need 112 / 80 / 40 KB of shared memory
-    and 94 / 128 / 123 registers (int8 / int4 / NF4), without spilling; 128-row tiles took
-    160 / 128 / 64 KB and up to 244 registers."""
-    if rows <= 16:
+    """The tiles a call with ``rows`` rows of ``x`` gets when it names none.
+
+    Up to :data:`DECODE_ROWS` rows (decode steps): 16-row tiles. The row tiles that share a
+    weight tile run next to each other (rows are the grid's fastest axis), so the weight
+    comes from HBM about once, and split-K's f32 partials stay small: at 64 rows and n =
+    4096, 64-row tiles would split k eight ways and write 8 MB of partials beside a 16 MB
+    int8 weight.
+
+    More rows (prefill, QLoRA's training products): 64-row tiles on 8 warps. Every program
+    dequantises each weight tile it reads once for all its rows, and 16-row tiles made a
+    16k-row product dequantise every weight tile 1,024 times. Compiled for sm_90 at 4096 x
+    4096 x 4096 in bf16, 64-row tiles need 112 / 80 / 40 KB of shared memory and 94 / 128 /
+    123 registers (int8 / int4 / NF4), without spilling; 128-row tiles took 160 / 128 / 64 KB
+    and up to 244 registers."""
+    if rows <= DECODE_ROWS:
         return QuantizedMatmulBlockSizes()
     return QuantizedMatmulBlockSizes(block_m=64, num_warps=8)
 

@@ -17,6 +17,7 @@ from ember.kernels_pallas.quantized_formats import (
     unpack_nibbles,
 )
 from ember.kernels_pallas.quantized_matmul import (
+    DECODE_ROWS,
     MIN_PROGRAMS,
     QuantizedMatmulBlockSizes,
     default_block_sizes,
@@ -110,8 +111,8 @@ def test_equals_reference_values_and_gradients(impl, fmt, m, k, n, group, k_spli
 def test_default_tiles_follow_the_rows(fmt, group):
     """Prefill- and training-shaped products get 64-row tiles (each weight tile dequantised
     once for all of them), decode steps 16-row ones; both equal the reference."""
-    assert default_block_sizes(1) == default_block_sizes(16) == QuantizedMatmulBlockSizes()
-    assert (default_block_sizes(17).block_m, default_block_sizes(4096).num_warps) == (64, 8)
+    assert default_block_sizes(1) == default_block_sizes(DECODE_ROWS) == QuantizedMatmulBlockSizes()
+    assert (default_block_sizes(DECODE_ROWS + 1).block_m, default_block_sizes(4096).num_warps) == (64, 8)
     rng = np.random.default_rng(5)
     weight = random_weight(rng, fmt, 96, 40, group)
     x = jnp.asarray(rng.normal(size=(70, 96)), jnp.float32)  # two 64-row tiles, the second partial
