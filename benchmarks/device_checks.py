@@ -450,11 +450,12 @@ def _grouped_matmul(sizes: CheckSizes, dtype, gen, gpu_kernel: str = "auto"):
 # ----------------------------------------------------------------------------- quantized matmul
 
 
-def _quantized_matmul(fmt: str, one_row: str | None = None) -> Callable:
+def _quantized_matmul(fmt: str, one_row: str | None = None, default_tiles: bool = False) -> Callable:
     """``x [q_len, 4 head_dim] @ W [4 head_dim, kv_len]`` with ``W`` random codes in ``fmt``
     and random scales (groups of ``2 block`` rows for the 4-bit formats); the gradient is ``x``'s.
     With ``one_row`` (a :class:`QuantizedMatmulBlockSizes` ``one_row`` form), ``x`` is one row:
-    a batch-1 decode step's product."""
+    a batch-1 decode step's product. With ``default_tiles`` the kernel picks its own tiles
+    (``default_block_sizes``: a prefill's 64-row tiles at ``q_len`` rows)."""
 
     def problem(sizes: CheckSizes, dtype, gen):
         k, n = 4 * sizes.head_dim, sizes.kv_len
@@ -470,7 +471,7 @@ def _quantized_matmul(fmt: str, one_row: str | None = None) -> Callable:
         rows = 1 if one_row else sizes.q_len
 
         def kernel(x):
-            return quantized_matmul(x, weight, impl=sizes.impl, block_sizes=tiles)
+            return quantized_matmul(x, weight, impl=sizes.impl, block_sizes=None if default_tiles else tiles)
 
         return Problem(kernel, lambda x: quantized_matmul_reference(x, weight), dict(x=_normal(gen, (rows, k), dtype)))
 
@@ -503,6 +504,10 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     *(KernelCheck(f"quantized_matmul[{fmt}]", _quantized_matmul(fmt)) for fmt in ("int8", "int4", "nf4")),
     *(
         KernelCheck(f"quantized_matmul[{fmt},one_row_vector]", _quantized_matmul(fmt, one_row="vector"))
+        for fmt in ("int8", "int4")
+    ),
+    *(
+        KernelCheck(f"quantized_matmul[{fmt},default_tiles]", _quantized_matmul(fmt, default_tiles=True))
         for fmt in ("int8", "int4")
     ),
 )
