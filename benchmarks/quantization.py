@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -156,26 +158,53 @@ def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict
     return rows
 
 
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(s8|u8)\[([\d,]*)\]\S*\s+([\w-]+)\(")
+_ALIASES = {"parameter", "get-tuple-element", "bitcast", "tuple"}
+
+
+def materialized_weight_mb(hlo: str) -> tuple[int, float]:
+    """``(instructions, MB)`` of the int8 / uint8 arrays of rank >= 2 that a compiled
+    program's instructions write, outside fused computations: copies or slices of quantized
+    weights, as nothing else a step computes has those types. A loop body counts once (for
+    scanned layers: one layer's)."""
+    count, size, fused = 0, 0, False
+    for line in hlo.splitlines():
+        if line.startswith(("%", "ENTRY")):  # a computation's header
+            name = line.split(" ", 1)[0]
+            fused = "fused" in name or "wrapped" in name
+            continue
+        match = _INSTRUCTION.match(line)
+        if fused or not match or match.group(3) in _ALIASES or "," not in match.group(2):
+            continue
+        count += 1
+        size += math.prod(int(d) for d in match.group(2).split(","))
+    return count, size / 1e6
+
+
 def layout_rows(config: ModelConfig, context: int, batch: int = 1, formats=("int8", "int4")) -> list[dict]:
     """The decode step of :func:`decode_rows` at ``batch`` with the layers scanned (one stacked
     parameter per weight, the layer's slice taken inside the loop) and unrolled (a parameter
     per layer): whether the slice costs the quantized matmul, a custom call, a copy of its
-    weight that XLA's own dot is spared. ms and the float step's time (same layout) over each."""
+    weight that XLA's own dot is spared. ms and the float step's time (same layout) over
+    each, and :func:`materialized_weight_mb` of the compiled step (``weight_copies``,
+    ``weight_copies_mb``): a copy shows there whatever the timings say."""
     rows = []
     for layers, scan in (("scanned", True), ("unrolled", False)):
         layout = dataclasses.replace(config, scan_layers=scan)
         float_s = None
         for name, weights in _weight_variants(layout, formats).items():
-            seconds, _ = decode_step_seconds(layout, weights, batch, context)
+            seconds, program = decode_step_seconds(layout, weights, batch, context)
+            copies, copied_mb = materialized_weight_mb(program.steps[batch].as_text())
             float_s = float_s or seconds
             rows.append(dict(section="quantized_decode_layouts", batch=batch, layers=layers, weights=name,
-                             step_ms=seconds * 1e3, speedup=float_s / seconds))  # fmt: skip
+                             step_ms=seconds * 1e3, speedup=float_s / seconds, weight_copies=copies,
+                             weight_copies_mb=copied_mb))  # fmt: skip
     return rows
 
 
 def layouts_section() -> list[dict]:
     rows = layout_rows(GPU_DECODE_MODEL, 256) if on_gpu() else layout_rows(CPU_DECODE_MODEL, 64)
-    print_table(rows, ["batch", "layers", "weights", "step_ms", "speedup"])
+    print_table(rows, ["batch", "layers", "weights", "step_ms", "speedup", "weight_copies", "weight_copies_mb"])
     return rows
 
 
