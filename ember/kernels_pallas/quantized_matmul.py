@@ -160,15 +160,13 @@ def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, per_split: int, rows_pe
     else:
         x_ref, values_ref, scales_ref, out_ref = refs
     block_m = out_ref.shape[0]
-    if block_m == 1:  # one_row="vector": [k] x [k, n] as a broadcast product summed over k
-        acc_shape = out_ref.shape[1:]
+    if block_m == 1:  # one_row="vector": [1, k] x [k, n] as a broadcast product summed over k
 
         def product(x_block, cols, w):
             x = x_block[0, cols].astype(jnp.float32)
-            return jnp.sum(x[:, None] * w.astype(jnp.float32), axis=0)
+            return jnp.sum(x[:, None] * w.astype(jnp.float32), axis=0, keepdims=True)
 
     else:
-        acc_shape = out_ref.shape
 
         def product(x_block, cols, w):
             x = x_block[:, cols]
@@ -188,12 +186,10 @@ def _kernel(*refs, fmt: str, block_k: int, k_tiles: int, per_split: int, rows_pe
             low, high = nf4_lookup(low), nf4_lookup(high)
         partial = product(x_even_ref, rows, low) + product(x_odd_ref, rows, high)
         scale = scales_ref[pl.ds(t * block_k // rows_per_scale, 1), :].astype(jnp.float32)
-        return acc + partial * (scale[0] if block_m == 1 else scale)
+        return acc + partial * scale
 
     first = pl.program_id(2) * per_split  # this program's share of the contraction
-    acc = lax.fori_loop(first, jnp.minimum(first + per_split, k_tiles), step, jnp.zeros(acc_shape, jnp.float32))
-    if block_m == 1:
-        acc = acc[None, :]
+    acc = lax.fori_loop(first, jnp.minimum(first + per_split, k_tiles), step, jnp.zeros(out_ref.shape, jnp.float32))
     if fmt == "int8":
         acc = acc * scales_ref[...].astype(jnp.float32)
     if x_rows % block_m == 0:
