@@ -36,6 +36,14 @@ from an empty state (the slot's old state is ignored), so a slot is reused witho
 
 Pages are shared by all layers of a sequence (one page table); state slots are O(1) per
 sequence. Layers see the step's metadata through :class:`Paging`.
+
+Inside ``DecoderLM`` the groups' pages of each block are one pool (:func:`fold_pages`:
+``[groups * num_pages, ...]``, a reshape), and group ``g`` addresses its own part through a
+page table offset by ``g * num_pages`` (:meth:`Paging.offset_pages`). The pool passes from
+group to group whole, so a step writes only its new tokens' rows into the pool, in place, and
+the attention kernel reads the pool where it lies: with a group's slice of the pages taken
+and put back instead, XLA copied every layer's pages, all of them, twice a step (once into
+the slice the kernel reads, once back into the stacked cache).
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 
 FLOAT32_ENTRIES: frozenset[str] = frozenset({"state", "ssm_state"})
 """Cache entries kept in float32 whatever the storage dtype: recurrent states accumulate."""
+
+PAGE_ENTRIES: frozenset[str] = frozenset({"k_pages", "v_pages"})
+"""Cache entries indexed by the page table (the rest are indexed by slot)."""
 
 
 @struct.dataclass
@@ -86,6 +97,11 @@ class Paging:
         if self.adapters is None:
             return None
         return jnp.where(valid, self.adapters[self.owner][None], -1)
+
+    def offset_pages(self, offset: jax.Array | int) -> Paging:
+        """This paging with every page id moved by ``offset``: group ``g`` of a pool of
+        :func:`fold_pages` reads and writes its pages at ``offset = g * num_pages``."""
+        return self.replace(page_table=self.page_table + offset)
 
     def fresh(self) -> jax.Array:
         """bool ``[seqs]``: the sequence's run starts at position 0 (a new sequence: its
@@ -156,6 +172,25 @@ def linear_feature_dim(config: ModelConfig) -> int:
     return 2 * width if config.linear_feature_map == "hedgehog" else config.head_size
 
 
+def fold_pages(layers: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(pools, slots)`` of a cache's ``layers``: per block, its :data:`PAGE_ENTRIES` with the
+    groups folded into the pages (``[groups, num_pages, ...]`` -> ``[groups * num_pages, ...]``),
+    and its other entries as they are. :func:`unfold_pages` undoes it."""
+    pools, slots = {}, {}
+    for block, state in layers.items():
+        pools[block] = {name: leaf.reshape(-1, *leaf.shape[2:]) for name, leaf in state.items() if name in PAGE_ENTRIES}
+        slots[block] = {name: leaf for name, leaf in state.items() if name not in PAGE_ENTRIES}
+    return pools, slots
+
+
+def unfold_pages(pools: dict[str, Any], slots: dict[str, Any], groups: int) -> dict[str, Any]:
+    """The ``layers`` of a cache from :func:`fold_pages`' pools and slots (``groups`` groups)."""
+    return {
+        block: {**slots[block], **{name: leaf.reshape(groups, -1, *leaf.shape[1:]) for name, leaf in pool.items()}}
+        for block, pool in pools.items()
+    }
+
+
 def write_pages(pages: jax.Array, new: jax.Array, paging: Paging, positions: jax.Array, valid: jax.Array) -> jax.Array:
     """Writes ``new [num_tokens, heads, dim]`` at ``positions [num_tokens]`` of each token's
     own sequence into ``pages [num_pages, page_size, heads, dim]``; tokens with ``valid
@@ -191,10 +226,13 @@ def run_history(
 
 __all__ = [
     "FLOAT32_ENTRIES",
+    "PAGE_ENTRIES",
     "Paging",
+    "fold_pages",
     "init_cache_layers",
     "layer_state_shapes",
     "linear_feature_dim",
     "run_history",
+    "unfold_pages",
     "write_pages",
 ]

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from ember.core.sharding import constrain
 from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.ragged_paged_attention import token_owners
-from ember.models.cache import Paging
+from ember.models.cache import PAGE_ENTRIES, Paging, fold_pages, unfold_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.layers.attention import Attention
 from ember.models.layers.cca import CompressedConvAttention
@@ -113,9 +113,11 @@ class BlockGroup(nn.Module):
     """One period of the block pattern: blocks ``block_0 .. block_<n-1>`` in order, the first
     of them layer ``first_layer``.
 
-    ``((x, router_logits), states, broadcast...) -> ((x, router_logits), (states, stats))``:
-    the signature ``nn.scan`` iterates; ``stats`` holds the balance statistics of the MoE
-    blocks by block name.
+    ``((x, router_logits, pools), (states, page_offset), broadcast...) -> ((x, router_logits,
+    pools), (states, stats))``: the signature ``nn.scan`` iterates. ``pools`` are the blocks'
+    pages for all groups (``ember.models.cache.fold_pages``), carried whole so a step updates
+    them in place; this group's pages start at ``page_offset``. ``states`` are this group's
+    other cache entries. ``stats`` holds the balance statistics of the MoE blocks by block name.
     """
 
     config: ModelConfig
@@ -123,21 +125,27 @@ class BlockGroup(nn.Module):
     first_layer: int = 0
 
     @nn.compact
-    def __call__(self, carry, states, positions, segment_ids, paging, valid):
-        x, router_logits = carry
+    def __call__(self, carry, group_cache, positions, segment_ids, paging, valid):
+        x, router_logits, pools = carry
+        states, page_offset = group_cache
         new_states = None if states is None else dict(states)
+        new_pools = None if pools is None else dict(pools)
+        group_paging = None if paging is None else paging.offset_pages(page_offset)
         stats = {}
         for j in range(self.num_blocks):
             name = f"block_{j}"
             layer = self.first_layer + j
-            state = None if states is None else states[name]
+            state = None if states is None else {**states[name], **pools[name]}
             block = Block(self.config, self.config.layer_kinds[layer], self.config.layer_mlps[layer], name=name)
-            x, state, router_logits, block_stats = block(x, positions, segment_ids, state, paging, valid, router_logits)
+            x, state, router_logits, block_stats = block(
+                x, positions, segment_ids, state, group_paging, valid, router_logits
+            )
             if new_states is not None:
-                new_states[name] = state
+                new_pools[name] = {entry: leaf for entry, leaf in state.items() if entry in PAGE_ENTRIES}
+                new_states[name] = {entry: leaf for entry, leaf in state.items() if entry not in PAGE_ENTRIES}
             if block_stats is not None:
                 stats[name] = block_stats
-        return (x, router_logits), (new_states, stats)
+        return (x, router_logits, new_pools), (new_states, stats)
 
 
 class DecoderLM(nn.Module):
@@ -226,9 +234,14 @@ class DecoderLM(nn.Module):
         """``(x, states, per-MoE-layer balance statistics in layer order)``."""
         config = self.config
         period = config.layer_period
+        groups = math.ceil(config.num_layers / period)
         router_logits = None
         if config.moe.gating_residual and "moe" in config.layer_mlps:
             router_logits = jnp.zeros((*x.shape[:2], config.moe.total_experts), jnp.float32)
+        pools, pages_per_group = None, 0
+        if states is not None:
+            pools, states = fold_pages(states)
+            pages_per_group = next((leaf.shape[0] // groups for leaf in jax.tree.leaves(pools)), 0)
         group_cls = BlockGroup
         if config.remat != "none":
             group_cls = nn.remat(BlockGroup, policy=_REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers)
@@ -241,30 +254,31 @@ class DecoderLM(nn.Module):
                 length=config.num_layers // period,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            (x, _), (states, stats) = scanned(config, period, name="layers")(
-                (x, router_logits), states, positions, segment_ids, paging, valid
+            page_offsets = None if states is None else jnp.arange(groups, dtype=jnp.int32) * pages_per_group
+            (x, _, pools), (states, stats) = scanned(config, period, name="layers")(
+                (x, router_logits, pools), (states, page_offsets), positions, segment_ids, paging, valid
             )
-            groups = config.num_layers // period
             per_layer = [
                 jax.tree.map(lambda leaf, g=g: leaf[g], stats[f"block_{j}"])
                 for g in range(groups)
                 for j in range(period)
                 if f"block_{j}" in stats
             ]
-            return x, states, per_layer
+            return x, None if states is None else unfold_pages(pools, states, groups), per_layer
         new_groups, per_layer = [], []
-        for g in range(math.ceil(config.num_layers / period)):
+        for g in range(groups):
             group_states = None if states is None else jax.tree.map(lambda leaf, g=g: leaf[g], states)
             num_blocks = min(period, config.num_layers - g * period)
-            (x, router_logits), (group_states, stats) = group_cls(config, num_blocks, g * period, name=f"group_{g}")(
-                (x, router_logits), group_states, positions, segment_ids, paging, valid
-            )
+            (x, router_logits, pools), (group_states, stats) = group_cls(
+                config, num_blocks, g * period, name=f"group_{g}"
+            )((x, router_logits, pools), (group_states, g * pages_per_group), positions, segment_ids, paging, valid)
             new_groups.append(group_states)
             per_layer.extend(stats[f"block_{j}"] for j in range(num_blocks) if f"block_{j}" in stats)
         if states is None:
             return x, None, per_layer
         # Every group returns all its entries (a last partial group passes unused ones through).
-        return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *new_groups), per_layer
+        states = jax.tree.map(lambda *leaves: jnp.stack(leaves), *new_groups)
+        return x, unfold_pages(pools, states, groups), per_layer
 
     def _sow_moe_outputs(self, per_layer: list[dict[str, jax.Array]]) -> None:
         """Sows the global load-balancing and z losses (collection ``losses``: ``load_balance``,

@@ -4,6 +4,8 @@ each step, their runs packed in random order with padding between them, over a s
 page table and a shuffled assignment of sequences to state slots; a slot that held an
 earlier sequence is reused without a reset."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,29 @@ def test_logits_at_computes_the_head_only_where_asked(rng):
     last = jnp.asarray([[4, 8, 15]], jnp.int32)
     selected, _ = apply({"params": params}, tokens, cache=cache, logits_at=last)
     assert_allclose(selected[0], logits[0, last[0]])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_a_step_writes_the_pages_in_place(scan_layers):
+    """A step writes its tokens' keys and values into the pages where they lie, and the
+    attention reads them there: the compiled step needs less scratch memory than a quarter of
+    one layer's pages. (When each layer's pages were sliced out of the stacked cache and put
+    back, the step copied all of them, twice, in either layer layout.)"""
+    config = dataclasses.replace(make("global"), scan_layers=scan_layers)
+    model = DecoderLM(config)
+    tokens = jax.ShapeDtypeStruct((1, BUDGET), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    num_pages = 4096
+    layers = jax.eval_shape(lambda: init_cache_layers(config, SLOTS, num_pages))
+    cache = {
+        "page_table": jax.ShapeDtypeStruct((SLOTS, 8), jnp.int32),
+        **{name: jax.ShapeDtypeStruct((SLOTS,), jnp.int32) for name in ("query_starts", "query_lens", "kv_lens")},
+        "layers": layers,
+    }
+    step = jax.jit(lambda params, tokens, cache: model.apply({"params": params}, tokens, cache=cache), donate_argnums=2)
+    scratch = step.lower(params, tokens, cache).compile().memory_analysis().temp_size_in_bytes
+    one_layer = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(layers)) // config.num_layers
+    assert scratch < one_layer / 4, (scratch, one_layer)
 
 
 def test_ragged_cache_rejects_positions_and_segment_ids(rng):
