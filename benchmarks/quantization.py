@@ -11,14 +11,17 @@ not the L2 cache; ms per product, the weight's GB/s and the float product's time
 
 ``decode`` section: one serving decode step (the engine's jitted ragged step, one new token
 per sequence over a short context) of the same decoder LM with float weights and with its
-projections stored int8 / int4 / NF4, at batch 1, 8 and 64; weight bytes, ms, and the float
+projections stored int8 / int4 / NF4, at batch 1, 8 and 64, each in the layer layout
+serving gives it (quantized: unrolled on a GPU); weight bytes, ms, and the float
 step's time over each format's. On a GPU the step is memory-bound, so the goal there is int8
 >= 1.6x and int4 >= 2.5x the bf16 step at batch 1-16 (MARLIN reports near 4x for its 4-bit
 GEMM up to batch 16-32).
 
 ``layouts`` section: the decode step at batch 1 with its layers scanned (the default) and
-unrolled (``scan_layers=false``), float and int8 / int4: whether slicing a stacked quantized
-weight for the kernel costs a copy.
+unrolled (``scan_layers=false``), float and int8 / int4: what slicing a stacked quantized
+weight for the kernel costs. It costs a copy of every layer's weights a step: compiled for an
+H100 without one (``python -m benchmarks.deviceless_compile``) the scanned int8 step writes
+67 MB of int8 copies, one layer's weights, in its loop body; the unrolled step none.
 
 ``loss`` section: a tiny byte-level LM trained briefly on the stdlib corpus (float, and with
 int4 QAT over the last half or the last fifth of its steps), then quantized every way (``ember quantize``'s
@@ -47,9 +50,10 @@ from ember.core.config import load_config
 from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.kernels_pallas.quantized_matmul import quantized_matmul
 from ember.models.config import ModelConfig
-from ember.models.decoder import DecoderLM
+from ember.models.decoder import DecoderLM, convert_layer_layout
 from ember.models.quantization import QuantizeConfig, quantize_params, weight_bytes
 from ember.models.quantization.numerics import quantize_matrix
+from ember.serving.loading import quantized_scan_layers
 from ember.training.lm.config import LMConfig
 from ember.training.lm.trainer import train
 from ember.training.quantization.ptq import EvalConfig, quantize_model
@@ -145,16 +149,23 @@ def _weight_variants(config: ModelConfig, formats=FORMATS) -> dict:
 
 def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict]:
     """One serving decode step with float weights and with the projections stored in each
-    format; ms and the float step's time over each format's."""
+    format, each in the layer layout ``load_model`` serves it in (quantized ones unrolled where
+    their matmul is a kernel: ``ember.serving.loading.quantized_scan_layers``); ms and the
+    float step's time over each format's."""
+    served = dataclasses.replace(config, scan_layers=quantized_scan_layers())
     variants = _weight_variants(config)
     rows = []
     for batch in batches:
         float_s = None
         for name, weights in variants.items():
-            seconds, _ = decode_step_seconds(config, weights, batch, context)
+            layout = config if name == "float" else served
+            if layout.scan_layers != config.scan_layers:
+                weights = convert_layer_layout(weights, config, layout)
+            seconds, _ = decode_step_seconds(layout, weights, batch, context)
             float_s = float_s or seconds
             rows.append(dict(section="quantized_decode", batch=batch, weights=name, step_ms=seconds * 1e3,
-                             speedup=float_s / seconds, weight_mb=weight_bytes(weights) / 1e6))  # fmt: skip
+                             speedup=float_s / seconds, weight_mb=weight_bytes(weights) / 1e6,
+                             layers="scanned" if layout.scan_layers else "unrolled"))  # fmt: skip
     return rows
 
 
@@ -210,7 +221,7 @@ def layouts_section() -> list[dict]:
 
 def decode_section() -> list[dict]:
     rows = decode_rows(GPU_DECODE_MODEL, 256) if on_gpu() else decode_rows(CPU_DECODE_MODEL, 64)
-    print_table(rows, ["batch", "weights", "step_ms", "speedup", "weight_mb"])
+    print_table(rows, ["batch", "weights", "layers", "step_ms", "speedup", "weight_mb"])
     return rows
 
 
