@@ -26,8 +26,10 @@ stored int8 / int4, its layers scanned or unrolled:
 
 What it found (2026-11-27, jax 0.11.2): a scanned int8 step copied each layer's 67 MB of packed
 weights out of the stacked parameter for the kernel (a custom call), where XLA's own dot reads
-its slice in place; the unrolled step copied none. So ``load_model`` serves quantized models
-unrolled on a GPU. Every step also copied every layer's KV pages twice (into the slice the
+its slice in place; the unrolled step copied none. The scanned float step transposed the
+stacked q, k and v kernels of all layers every step; the unrolled one did not. So
+``load_model`` loads models unrolled on a GPU (``ember.serving.loading.serving_overrides``).
+Every step also copied every layer's KV pages twice (into the slice the
 attention kernel read, and back into the stacked cache), in both layouts, until the pages
 became one pool updated in place (``ember.models.cache.fold_pages``).
 """

@@ -12,7 +12,7 @@ not the L2 cache; ms per product, the weight's GB/s and the float product's time
 ``decode`` section: one serving decode step (the engine's jitted ragged step, one new token
 per sequence over a short context) of the same decoder LM with float weights and with its
 projections stored int8 / int4 / NF4, at batch 1, 8 and 64, each in the layer layout
-serving gives it (quantized: unrolled on a GPU); weight bytes, ms, and the float
+serving gives them (unrolled on a GPU); weight bytes, ms, and the float
 step's time over each format's. On a GPU the step is memory-bound, so the goal there is int8
 >= 1.6x and int4 >= 2.5x the bf16 step at batch 1-16 (MARLIN reports near 4x for its 4-bit
 GEMM up to batch 16-32).
@@ -53,7 +53,7 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM, convert_layer_layout
 from ember.models.quantization import QuantizeConfig, quantize_params, weight_bytes
 from ember.models.quantization.numerics import quantize_matrix
-from ember.serving.loading import quantized_scan_layers
+from ember.serving.loading import serving_overrides
 from ember.training.lm.config import LMConfig
 from ember.training.lm.trainer import train
 from ember.training.quantization.ptq import EvalConfig, quantize_model
@@ -149,23 +149,22 @@ def _weight_variants(config: ModelConfig, formats=FORMATS) -> dict:
 
 def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict]:
     """One serving decode step with float weights and with the projections stored in each
-    format, each in the layer layout ``load_model`` serves it in (quantized ones unrolled where
-    their matmul is a kernel: ``ember.serving.loading.quantized_scan_layers``); ms and the
-    float step's time over each format's."""
-    served = dataclasses.replace(config, scan_layers=quantized_scan_layers())
+    format, in the layer layout ``load_model`` serves them in (unrolled on a GPU:
+    ``ember.serving.loading.serving_overrides``); ms and the float step's time over each
+    format's."""
+    served = dataclasses.replace(config, **serving_overrides())
     variants = _weight_variants(config)
+    if served.scan_layers != config.scan_layers:
+        variants = {name: convert_layer_layout(weights, config, served) for name, weights in variants.items()}
     rows = []
     for batch in batches:
         float_s = None
         for name, weights in variants.items():
-            layout = config if name == "float" else served
-            if layout.scan_layers != config.scan_layers:
-                weights = convert_layer_layout(weights, config, layout)
-            seconds, _ = decode_step_seconds(layout, weights, batch, context)
+            seconds, _ = decode_step_seconds(served, weights, batch, context)
             float_s = float_s or seconds
             rows.append(dict(section="quantized_decode", batch=batch, weights=name, step_ms=seconds * 1e3,
                              speedup=float_s / seconds, weight_mb=weight_bytes(weights) / 1e6,
-                             layers="scanned" if layout.scan_layers else "unrolled"))  # fmt: skip
+                             layers="scanned" if served.scan_layers else "unrolled"))  # fmt: skip
     return rows
 
 

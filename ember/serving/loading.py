@@ -13,11 +13,12 @@
   ``LoadedModel.params`` are the weights serving applies (``serving_weights``).
 - Quantized model (``kind: quantized``, written by ``ember quantize``): a run directory whose
   checkpointed params hold packed quantized weights (they stay packed on the device), with
-  the source's tokenizer files when it came from Hugging Face. Unless the caller chooses
-  ``scan_layers``, its layers are unrolled where the quantized matmul is a kernel
-  (:func:`quantized_scan_layers`).
+  the source's tokenizer files when it came from Hugging Face.
 - Hugging Face directory: ``config.json`` + safetensors, read by ``ember.models.hf``; its
   tokenizer is its ``tokenizer.json`` (``ember.core.hf_tokenizer``), when it has one.
+
+On a GPU every model is loaded with its layers unrolled unless the caller sets
+``scan_layers`` (:func:`serving_overrides`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from ember.core.config import load_config, read_key
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
-from ember.kernels_pallas.dispatch import resolve_impl
-from ember.kernels_pallas.quantized_matmul import KERNEL_BACKENDS as QUANTIZED_MATMUL_BACKENDS
 from ember.models.config import ModelConfig
 from ember.models.decoder import convert_layer_layout, saved_scan_layers
 from ember.models.linearize import LinearizeConfig, linearized_config
@@ -61,6 +60,7 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
       ConfigError: its config is invalid (or names an architecture Ember does not support).
     """
     path = Path(path)
+    config_overrides = {**serving_overrides(), **config_overrides}
     if (path / "config.json").is_file():
         return _load_hf(path, config_overrides)
     if (path / "config.yaml").is_file():
@@ -76,8 +76,6 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
     if kind in ("finetune", "grpo", "linearize"):
         return _load_finetune_run(path, step, config_overrides, linearized=kind == "linearize")
     section = read_key(path / "config.yaml", "model")
-    if kind == "quantized":
-        config_overrides = {"scan_layers": quantized_scan_layers(), **config_overrides}
     if section is None:
         raise ConfigError(f"{path / 'config.yaml'} has no model: section", key="model")
     try:
@@ -93,14 +91,19 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
     return LoadedModel(config, serving_weights(params, model_state), tokenizer, eos_id)
 
 
-def quantized_scan_layers() -> bool:
-    """Whether a quantized model is served with its layers scanned, unless the caller says:
-    where ``quantized_matmul`` runs XLA, yes; where it runs a kernel (a GPU), no. The kernel
-    is a custom call, and XLA gives a custom call its own copy of a loop's slice of a stacked
-    (scanned) weight: compiled for an H100, a scanned int8 decode step copied every layer's
-    packed weights each step (a read and a write of each, besides the kernel's read), the
-    unrolled step none (``python -m benchmarks.deviceless_compile``)."""
-    return resolve_impl("auto", op="quantized_matmul", kernel_backends=QUANTIZED_MATMUL_BACKENDS) == "xla"
+def serving_overrides() -> dict[str, Any]:
+    """The ``ModelConfig`` fields :func:`load_model` sets unless its caller does: on a GPU,
+    ``scan_layers=False``; elsewhere none (the saved layout).
+
+    Compiled for an H100 (``python -m benchmarks.deviceless_compile``), a decode step with
+    scanned layers did work the unrolled one did not, every step. With int8 or int4 weights,
+    XLA copied each layer's packed weights out of the stacked parameter for the quantized
+    matmul, a custom call (XLA's own dot reads its slice in place): a read and a write of
+    every weight besides the kernel's read. With float weights, it transposed the stacked
+    q, k and v kernels of all layers. Unrolled layers cost compile time (per layer, where a
+    scan compiles one), not step time. On CPU, XLA ran the int8 step 6-7x slower unrolled.
+    """
+    return {"scan_layers": False} if jax.default_backend() == "gpu" else {}
 
 
 def _load_finetune_run(
@@ -157,4 +160,4 @@ def _hf_tokenizer(path: Path) -> HFTokenizer | None:
     return load_hf_tokenizer(path) if (path / "tokenizer.json").is_file() else None
 
 
-__all__ = ["LoadedModel", "load_model", "quantized_scan_layers", "restore_weights"]
+__all__ = ["LoadedModel", "load_model", "restore_weights", "serving_overrides"]

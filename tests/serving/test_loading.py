@@ -1,5 +1,6 @@
 """``load_model`` on an Ember run directory reads the parameters only (never the optimizer
-state) and serves them in either layer layout (``scan_layers`` is a runtime setting)."""
+state) and serves them in either layer layout (``scan_layers`` is a runtime setting): on a
+GPU unrolled unless the caller says otherwise."""
 
 import gc
 import textwrap
@@ -75,3 +76,17 @@ def test_scanned_checkpoint_serves_unscanned_with_the_same_logits(run_dir, rng):
     expected, _ = jax.jit(DecoderLM(CONFIG).apply)({"params": params}, tokens)
     got, _ = jax.jit(DecoderLM(loaded.config).apply)({"params": loaded.params}, tokens)
     assert_allclose(got, expected, dtype=np.float32)
+
+
+def test_a_gpu_loads_the_layers_unrolled_unless_told(run_dir, monkeypatch):
+    """A scanned decode step does work on a GPU that an unrolled one does not (XLA copies each
+    layer's packed weights for the quantized matmul, transposes stacked float kernels), so
+    there ``load_model`` unrolls the layers unless its caller sets ``scan_layers``; elsewhere
+    it keeps the saved layout."""
+    path, _ = run_dir
+    assert load_model(path).config.scan_layers
+    with monkeypatch.context() as patch:
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        unrolled, kept = load_model(path), load_model(path, scan_layers=True)
+    assert unrolled.config.scan_layers is False and "group_3" in unrolled.params and "layers" not in unrolled.params
+    assert kept.config.scan_layers and "layers" in kept.params

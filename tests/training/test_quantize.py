@@ -152,24 +152,6 @@ def test_qat_steps_see_the_int4_values_that_ember_quantize_stores(work, rng):
     assert_allclose(served, jax.jit(DecoderLM(qat.config).apply)(as_variables(fake), tokens)[0])
 
 
-def test_a_quantized_run_is_served_unrolled_where_its_matmul_is_a_kernel(work, monkeypatch, rng):
-    """On a GPU the quantized matmul is a kernel, which XLA would hand a copy of each scanned
-    layer's weights every step: ``load_model`` unrolls a quantized run's layers there (unless
-    the caller sets ``scan_layers``), keeps them scanned where the matmul is XLA's, and the two
-    layouts compute the same logits."""
-    scanned = load_model(work / "int8")
-    assert scanned.config.scan_layers and "layers" in scanned.params
-    with monkeypatch.context() as patch:
-        patch.setattr(jax, "default_backend", lambda: "gpu")
-        unrolled = load_model(work / "int8")
-        assert load_model(work / "int8", scan_layers=True).config.scan_layers
-    assert not unrolled.config.scan_layers and "layers" not in unrolled.params
-    assert {"group_0", "group_1"} <= set(unrolled.params)
-    tokens = jax.random.randint(rng, (2, 24), 0, scanned.config.vocab_size)
-    logits = [jax.jit(DecoderLM(m.config).apply)(as_variables(m.params), tokens)[0] for m in (scanned, unrolled)]
-    assert_allclose(logits[1], logits[0])
-
-
 def test_bad_sources_and_configs(work, tmp_path, capsys):
     assert main(["quantize", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert "neither an Ember run directory" in capsys.readouterr().err
