@@ -96,8 +96,10 @@ def tile_group_table(bounds: jax.Array, num_tiles: int, block_m: int) -> jax.Arr
     between them, which costs a skipped loop step)."""
     starts, ends = bounds[:-1], bounds[1:]
     tile_starts = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
-    first = jnp.searchsorted(ends, tile_starts, side="right").astype(jnp.int32)  # first group ending past the start
-    stop = jnp.searchsorted(starts, tile_starts + block_m, side="left").astype(jnp.int32)
+    # compare_all: one fused comparison, where the default (scan) is a while loop of small kernels.
+    first = jnp.searchsorted(ends, tile_starts, side="right", method="compare_all")  # first group ending past the start
+    stop = jnp.searchsorted(starts, tile_starts + block_m, side="left", method="compare_all")
+    first, stop = first.astype(jnp.int32), stop.astype(jnp.int32)
     return jnp.stack([first, jnp.maximum(stop - first, 0)], axis=1)
 
 

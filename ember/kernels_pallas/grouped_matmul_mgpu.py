@@ -94,7 +94,9 @@ def visit_table(bounds: jax.Array, m_tiles: int, block_m: int) -> jax.Array:
     counts = jnp.where(hi > lo, (hi - 1) // block_m - first + 1, 0)
     ends = jnp.cumsum(counts)
     visit = jnp.arange(m_tiles + groups - 1, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(ends, visit, side="right"), groups - 1).astype(jnp.int32)
+    # compare_all: one fused comparison, where the default (scan) is a while loop of small kernels.
+    group = jnp.searchsorted(ends, visit, side="right", method="compare_all")
+    group = jnp.minimum(group, groups - 1).astype(jnp.int32)
     tile = first[group] + visit - (ends[group] - counts[group])
     tile_start = tile * block_m
     row_lo = jnp.maximum(lo[group], tile_start) - tile_start

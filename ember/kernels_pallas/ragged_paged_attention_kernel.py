@@ -97,7 +97,10 @@ def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: i
     ends = jnp.cumsum(blocks)
     offsets = ends - blocks
     item = jnp.arange(max_items)
-    seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), num_seqs - 1).astype(jnp.int32)
+    # compare_all: one fused comparison; the default (scan) compiles to a while loop of small
+    # kernels run one iteration at a time, in every step of every layer.
+    seq = jnp.searchsorted(ends, item, side="right", method="compare_all")
+    seq = jnp.minimum(seq, num_seqs - 1).astype(jnp.int32)
     block = item - offsets[seq]
     valid = item < ends[-1]
     rows = jnp.where(valid, jnp.minimum(block_q, query_lens[seq] - block * block_q), 0)

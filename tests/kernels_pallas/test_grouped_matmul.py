@@ -202,6 +202,9 @@ def test_tile_table_visits_each_tile_once_per_group_meeting_it():
     np.testing.assert_array_equal(np.asarray(table), [[1, 4], [4, 3], [6, 1]])
     # A tile past every group visits none: its rows come out zero without a matmul.
     np.testing.assert_array_equal(np.asarray(tile_group_table(bounds, num_tiles=4, block_m=8))[3], [7, 0])
+    # One fused comparison per column: no loop of small kernels, which a GPU runs one at a time.
+    jaxpr = str(jax.make_jaxpr(tile_group_table, static_argnums=(1, 2))(bounds, 3, 8))
+    assert "scan[" not in jaxpr and "while[" not in jaxpr
 
 
 @pytest.mark.parametrize("m, k", [(0, 5), (4, 0)])

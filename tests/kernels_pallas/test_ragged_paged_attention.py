@@ -13,7 +13,7 @@ import pytest
 
 from ember.kernels_pallas.block_mask import CausalMask, LocalGlobalMask, combine_masks
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
-from ember.kernels_pallas.ragged_paged_attention_kernel import MAX_ROWS, gpu_block_q
+from ember.kernels_pallas.ragged_paged_attention_kernel import MAX_ROWS, gpu_block_q, work_items
 from tests.kernels_pallas.flash_checks import FAST_COMPILE
 from tests.kernels_pallas.paged_checks import contiguous_cache, random_normal, random_paged_cache
 from tests.tolerances import assert_allclose
@@ -105,6 +105,18 @@ def test_kernel_reads_each_key_head_once_for_its_query_group(rng, heads, kv_head
     assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
     jaxpr = str(jax.make_jaxpr(attend)(q, k_pages, v_pages, page_table, *_metadata()))
     assert re.search(rf"grid=\(\d+, {programs_per_item}\)", jaxpr), "programs per work item"
+
+
+def test_the_work_list_is_computed_without_a_loop():
+    """Sequence ``s`` owns items ``offsets[s]..``; the list is one fused comparison, not a loop
+    of small kernels (a GPU runs those one at a time, in every layer of every step)."""
+    lens = jnp.asarray([3, 0, 5, 1], jnp.int32)
+    arguments = (jnp.asarray([0, 3, 3, 8], jnp.int32), lens, lens + 2)
+    table, offsets = work_items(*arguments, num_tokens=9, block_q=2)
+    np.testing.assert_array_equal(np.asarray(offsets), [0, 2, 2, 5])
+    np.testing.assert_array_equal(np.asarray(table[:6, 0]), [0, 0, 2, 2, 2, 3])  # each item's sequence
+    jaxpr = str(jax.make_jaxpr(lambda *a: work_items(*a, num_tokens=9, block_q=2))(*arguments))
+    assert "scan[" not in jaxpr and "while[" not in jaxpr
 
 
 def test_gpu_kernel_sizes_its_blocks_to_the_runs_when_left_to_choose(rng):
