@@ -1,8 +1,8 @@
 """Compiles whole programs with XLA's GPU compiler for an H100 (or H200) on a machine without
 a GPU, and reports the memory each compiled program needs besides its arguments and results.
 
-    python -m benchmarks.deviceless_compile               # the serving decode steps, for an H100
-    python -m benchmarks.deviceless_compile --device h200
+    python -m benchmarks.deviceless_compile               # decode and train steps, for an H100
+    python -m benchmarks.deviceless_compile --device h200 --programs decode
 
 Needs JAX 0.11 with the CUDA plugin wheels (``jax-cuda12-plugin``, ``jax-cuda12-pjrt``: the
 Python 3.12 venv of :mod:`benchmarks.triton_compile`), and Ember's own requirements; no GPU,
@@ -24,6 +24,10 @@ stored int8 / int4, its layers scanned or unrolled:
   packed weights copied for the quantized matmul.
 - ``kv_mb`` and ``weights_mb``: the cache's pages and the weights, for scale.
 
+And the ``350m`` preset's training step as ``benchmarks.gpu`` times it (bf16, 16 x 2048 tokens),
+with each ``remat`` policy: ``scratch_mb`` there is mostly the activations the scan over layers
+saves for the backward pass.
+
 What it found (2026-11-27, jax 0.11.2): a scanned int8 step copied each layer's 67 MB of packed
 weights out of the stacked parameter for the kernel (a custom call), where XLA's own dot reads
 its slice in place; the unrolled step copied none. The scanned float step transposed the
@@ -31,7 +35,12 @@ stacked q, k and v kernels of all layers every step; the unrolled one did not. S
 ``load_model`` loads models unrolled on a GPU (``ember.serving.loading.serving_overrides``).
 Every step also copied every layer's KV pages twice (into the slice the
 attention kernel read, and back into the stacked cache), in both layouts, until the pages
-became one pool updated in place (``ember.models.cache.fold_pages``).
+became one pool updated in place (``ember.models.cache.fold_pages``). The training step
+without remat (as ``benchmarks.gpu`` timed it at 28.9% MFU) needs 56 GB of scratch, 51 GB of it
+the scan's saved activations: JAX fills those stacked buffers with zeros before the loop
+(``lax.empty2`` in ``jax._src.lax.control_flow.loops``, a TODO there), writes them in the
+forward and reads them in the backward, about 150 GB of HBM traffic a step. ``remat="dots"``
+saves 23 GB, ``"full"`` 8 GB.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import pathlib
 import time
@@ -46,20 +56,30 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
 from benchmarks.harness import print_table
 from benchmarks.quantization import GPU_DECODE_MODEL, materialized_weight_mb
+from benchmarks.train_step import random_batch
 from benchmarks.triton_lowering import pretend_gpu
+from ember.core.config import load_config
+from ember.core.sharding import unbox
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import QuantizeConfig, quantize_params
 from ember.serving.model_program import jitted_step, program_layout
 from ember.serving.program import step_argument_specs
+from ember.training.lm.task import lm_loss
+from ember.training.optimizers import OptimConfig, make_optimizer, make_schedule
+from ember.training.train_step import init_state, train_step
+from ember.training.trainable import map_paths
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+PRESETS = pathlib.Path(__file__).parent.parent / "configs" / "models"
+REMATS = ("none", "dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,14 +181,53 @@ def decode_rows(device: jax.Device, formats=("float", "int8", "int4")) -> list[d
     ]
 
 
+def train_step_row(device: jax.Device, remat: str, preset: str = "350m", batch: int = 16, seq_len: int = 2048) -> dict:
+    """The compiled training step (AdamW, every parameter trained) of ``preset`` in bf16 with
+    ``remat``, at ``batch`` x ``seq_len`` tokens."""
+    config = dataclasses.replace(load_config(ModelConfig, PRESETS / f"{preset}.yaml"), precision="bf16", remat=remat)
+    model = DecoderLM(config)
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    optim = OptimConfig(lr=1e-3)
+    tx: optax.GradientTransformation = make_optimizer(optim, 1000)
+    with pretend_gpu():
+        batch_specs = jax.eval_shape(lambda: random_batch(jax.random.key(0), config, batch, seq_len))
+
+        def init_variables(rng):
+            zeros = jnp.zeros(tokens.shape, tokens.dtype)
+            return {"params": model.init(rng, zeros, positions=zeros)["params"]}
+
+        mask = map_paths(lambda path, _: True, jax.eval_shape(init_variables, jax.random.key(0))["params"])
+        state = jax.eval_shape(
+            lambda key: unbox(init_state(key, init_variables=init_variables, tx=tx, mask=mask)), jax.random.key(0)
+        )
+    loss = functools.partial(lm_loss, model=model)
+    step = jax.jit(
+        functools.partial(train_step, loss_fn=loss, tx=tx, schedule=make_schedule(optim, 1000), mask=mask),
+        donate_argnums=0,
+    )
+    start = time.perf_counter()
+    compiled = compile_for(device, step, state, batch_specs, None)
+    return dict(
+        program=f"train_step {preset}",
+        remat=remat,
+        compile_s=round(time.perf_counter() - start, 1),
+        scratch_mb=compiled.memory_analysis().temp_size_in_bytes / 1e6,
+        weights_mb=megabytes(state.params),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(DEVICES), default="h100")
+    parser.add_argument("--programs", nargs="+", choices=("decode", "train"), default=("decode", "train"))
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
-    rows = decode_rows(compile_only_device(DEVICES[args.device]))
-    print_table(rows, ["program", "layers", "weights", "compile_s", "scratch_mb", "weight_copies", "weight_copies_mb",
-                       "kv_mb", "weights_mb"])  # fmt: skip
+    device = compile_only_device(DEVICES[args.device])
+    rows = decode_rows(device) if "decode" in args.programs else []
+    rows += [train_step_row(device, remat) for remat in REMATS] if "train" in args.programs else []
+    columns = ["program", "layers", "remat", "weights", "compile_s", "scratch_mb", "weight_copies", "weight_copies_mb",
+               "kv_mb", "weights_mb"]  # fmt: skip
+    print_table(rows, [c for c in columns if any(c in row for row in rows)])
     record = {
         "device": f"{args.device} (compiled without one: XLA's deviceless GPU compile)",
         "date": datetime.date.today().isoformat(),
