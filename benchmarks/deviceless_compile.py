@@ -9,9 +9,10 @@ Python 3.12 venv of :mod:`benchmarks.triton_compile`), and Ember's own requireme
 driver or NVIDIA libraries. XLA compiles for a GPU it is described (a
 ``GpuTargetConfigProto``: compute capability, SMs, shared memory, caches, bandwidth) rather
 than one it finds, through ``jax.experimental.topologies.get_topology_desc(platform="cuda",
-target_config=...)``. The whole pipeline runs: fusion, layout assignment, scheduling, buffer
-assignment, the Pallas Triton kernels and XLA's own. So the optimized HLO and the buffer sizes
-are those a device would run, where :mod:`benchmarks.triton_compile` sees one kernel at a time.
+target_config=...)``. The whole XLA pipeline runs: fusion, layout assignment, scheduling,
+buffer assignment, with the Pallas kernels as custom calls. So the optimized HLO and the
+buffer sizes are those a device would run, where :mod:`benchmarks.triton_compile` sees one
+kernel at a time.
 Times need the device (``python -m benchmarks.gpu``).
 
 Each row is one serving decode step of ``benchmarks.quantization.GPU_DECODE_MODEL`` (8 layers,
