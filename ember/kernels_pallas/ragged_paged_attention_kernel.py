@@ -98,7 +98,7 @@ def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: i
     offsets = ends - blocks
     item = jnp.arange(max_items)
     # compare_all: one fused comparison; the default (scan) compiles to a while loop of small
-    # kernels run one iteration at a time, in every step of every layer.
+    # kernels run one iteration at a time, in every serving step.
     seq = jnp.searchsorted(ends, item, side="right", method="compare_all")
     seq = jnp.minimum(seq, num_seqs - 1).astype(jnp.int32)
     block = item - offsets[seq]

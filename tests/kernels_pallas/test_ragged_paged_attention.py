@@ -109,7 +109,7 @@ def test_kernel_reads_each_key_head_once_for_its_query_group(rng, heads, kv_head
 
 def test_the_work_list_is_computed_without_a_loop():
     """Sequence ``s`` owns items ``offsets[s]..``; the list is one fused comparison, not a loop
-    of small kernels (a GPU runs those one at a time, in every layer of every step)."""
+    of small kernels (a GPU runs those one at a time, in every serving step)."""
     lens = jnp.asarray([3, 0, 5, 1], jnp.int32)
     arguments = (jnp.asarray([0, 3, 3, 8], jnp.int32), lens, lens + 2)
     table, offsets = work_items(*arguments, num_tokens=9, block_q=2)
