@@ -57,7 +57,6 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
@@ -70,7 +69,7 @@ from ember.core.sharding import unbox
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
-from ember.models.quantization import QuantizeConfig, quantize_params
+from ember.models.quantization import QuantizeConfig, quantize_params, weight_bytes
 from ember.serving.model_program import jitted_step, program_layout
 from ember.serving.program import step_argument_specs
 from ember.training.lm.task import lm_loss
@@ -140,10 +139,6 @@ def compile_for(device: jax.Device, function, *argument_specs):
         return function.lower(*placed).compile()
 
 
-def megabytes(tree) -> float:
-    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)) / 1e6
-
-
 def decode_step_row(device: jax.Device, config: ModelConfig, weights: str, context: int = 256) -> dict:
     """The compiled serving decode step (one sequence, one new token, ``context`` tokens of
     pages) of ``config`` with its projections stored in ``weights`` ("float" or a format)."""
@@ -169,8 +164,8 @@ def decode_step_row(device: jax.Device, config: ModelConfig, weights: str, conte
         scratch_mb=compiled.memory_analysis().temp_size_in_bytes / 1e6,
         weight_copies=copies,
         weight_copies_mb=copied_mb,
-        kv_mb=megabytes(kv),
-        weights_mb=megabytes(params),
+        kv_mb=weight_bytes(kv) / 1e6,
+        weights_mb=weight_bytes(params) / 1e6,
     )
 
 
@@ -187,14 +182,13 @@ def train_step_row(device: jax.Device, remat: str, preset: str = "350m", batch: 
     ``remat``, at ``batch`` x ``seq_len`` tokens."""
     config = dataclasses.replace(load_config(ModelConfig, PRESETS / f"{preset}.yaml"), precision="bf16", remat=remat)
     model = DecoderLM(config)
-    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
     optim = OptimConfig(lr=1e-3)
-    tx: optax.GradientTransformation = make_optimizer(optim, 1000)
+    tx = make_optimizer(optim, 1000)
     with pretend_gpu():
         batch_specs = jax.eval_shape(lambda: random_batch(jax.random.key(0), config, batch, seq_len))
 
         def init_variables(rng):
-            zeros = jnp.zeros(tokens.shape, tokens.dtype)
+            zeros = jnp.zeros((1, seq_len), jnp.int32)
             return {"params": model.init(rng, zeros, positions=zeros)["params"]}
 
         mask = map_paths(lambda path, _: True, jax.eval_shape(init_variables, jax.random.key(0))["params"])
@@ -213,7 +207,7 @@ def train_step_row(device: jax.Device, remat: str, preset: str = "350m", batch: 
         remat=remat,
         compile_s=round(time.perf_counter() - start, 1),
         scratch_mb=compiled.memory_analysis().temp_size_in_bytes / 1e6,
-        weights_mb=megabytes(state.params),
+        weights_mb=weight_bytes(state.params) / 1e6,
     )
 
 
