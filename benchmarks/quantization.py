@@ -194,15 +194,18 @@ def materialized_weight_mb(hlo: str) -> tuple[int, float]:
 def layout_rows(config: ModelConfig, context: int, batch: int = 1, formats=("int8", "int4")) -> list[dict]:
     """The decode step of :func:`decode_rows` at ``batch`` with the layers scanned (one stacked
     parameter per weight, the layer's slice taken inside the loop) and unrolled (a parameter
-    per layer): whether the slice costs the quantized matmul, a custom call, a copy of its
+    per layer; the same weights): whether the slice costs the quantized matmul, a custom call, a copy of its
     weight that XLA's own dot is spared. ms and the float step's time (same layout) over
     each, and :func:`materialized_weight_mb` of the compiled step (``weight_copies``,
     ``weight_copies_mb``): a copy shows there whatever the timings say."""
+    scanned = dataclasses.replace(config, scan_layers=True)
+    variants = _weight_variants(scanned, formats)
     rows = []
     for layers, scan in (("scanned", True), ("unrolled", False)):
         layout = dataclasses.replace(config, scan_layers=scan)
         float_s = None
-        for name, weights in _weight_variants(layout, formats).items():
+        for name, weights in variants.items():
+            weights = convert_layer_layout(weights, scanned, layout) if not scan else weights
             seconds, program = decode_step_seconds(layout, weights, batch, context)
             copies, copied_mb = materialized_weight_mb(program.steps[batch].as_text())
             float_s = float_s or seconds
