@@ -1,6 +1,6 @@
 """``ember quantize`` on briefly trained tiny byte models (the quantization notebook's
 runs, tests/notebooks.py): int8 within 1% of the float validation loss, int4 GPTQ closer to
-float than int4 round-to-nearest, int8 greedy generations equal to the float model's on most
+float (KL divergence) than int4 round-to-nearest, int8 greedy generations equal to the float model's on most
 prompts, the output served as a checkpoint and as an exported artifact; QAT steps see the very
 int4 values that quantizing the QAT run stores; bad inputs fail with one line."""
 
@@ -72,8 +72,11 @@ def test_int8_is_within_one_percent_and_gptq_beats_round_to_nearest(work):
     assert (rtn["method"], gptq["method"], rtn["group_size"]) == ("rtn", "gptq", gptq["group_size"])
     assert abs(int8["val_loss_delta"]) < 0.01 * int8["float_val_loss"], int8
     assert rtn["float_val_loss"] == gptq["float_val_loss"] == int8["float_val_loss"]
-    closeness = {name: abs(s["val_loss_delta"]) for name, s in (("gptq", gptq), ("rtn", rtn))}
-    assert closeness["gptq"] < closeness["rtn"], closeness
+    # GPTQ's claim is a model closer to the float one. The loss delta is no measure of that at this
+    # size (both int4 deltas were within 0.002 nats, their order flipping with the CPU's numerics);
+    # the KL divergence from the float model is (GPTQ's was a fifth of round-to-nearest's).
+    assert 0 < gptq["kl_to_float"] < 0.5 * rtn["kl_to_float"], (gptq["kl_to_float"], rtn["kl_to_float"])
+    assert 0 < int8["kl_to_float"] < gptq["kl_to_float"]
     assert int8["quantized_weights"] == 14  # the 7 projections of each of the 2 (unscanned) layers
     assert rtn["quantized_weight_bytes"] < int8["quantized_weight_bytes"] < int8["float_weight_bytes"]
 

@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"validation loss: float {summary['float_val_loss']:.4f}, quantized {summary['quantized_val_loss']:.4f} "
-        f"(delta {summary['val_loss_delta']:+.4f}) over {summary['eval_tokens']} tokens"
+        f"(delta {summary['val_loss_delta']:+.4f}, KL to float {summary['kl_to_float']:.2e}) "
+        f"over {summary['eval_tokens']} tokens"
     )
     print(f"wrote {args.out}")
     return 0

@@ -10,7 +10,8 @@ exports like a run (``ember generate --checkpoint OUT``, ``ember export OUT DIR`
 - ``config.yaml``: ``kind: quantized``, the ``model:`` section, the ``quantize:`` settings,
   the source and, for a HF source, its tokenizer files copied beside it;
 - ``checkpoints/``: step 0 holds the quantized ``params`` (packed, as the device keeps them);
-- ``summary.json``: the float and quantized validation losses and weight bytes.
+- ``summary.json``: the float and quantized validation losses, the quantized model's mean
+  per-token KL divergence from the float one (``kl_to_float``), and weight bytes.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ember.models.variables import as_variables
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.data import TokenDataset, stdlib_corpus_dir
 from ember.training.data.corpus import stdlib_documents
-from ember.training.task import next_token_loss
+from ember.training.task import next_token_kl, next_token_loss
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -126,19 +127,32 @@ def _batches(windows: np.ndarray, batch_size: int):
         yield jnp.asarray(windows[start : start + batch_size])
 
 
-def validation_loss(model: DecoderLM, variables: dict[str, Any], windows: np.ndarray, batch_size: int) -> float:
-    """Mean next-token cross-entropy of ``model`` over the windows ``[n, seq_len + 1]``."""
+def validation_figures(
+    model: DecoderLM,
+    float_variables: dict[str, Any],
+    quantized_variables: dict[str, Any],
+    windows: np.ndarray,
+    batch_size: int,
+) -> dict[str, float]:
+    """Over the windows ``[n, seq_len + 1]``: the mean next-token cross-entropy of ``model``
+    with each set of variables, and the mean per-token ``KL(float || quantized)`` of their
+    next-token distributions (how far quantizing moved the model: unlike the loss difference,
+    errors that raise one token's loss and lower another's do not cancel)."""
 
     @jax.jit
-    def loss(variables, tokens):
-        logits, _ = model.apply(variables, tokens[:, :-1])
-        return next_token_loss(logits, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape))
+    def sums(float_variables, quantized_variables, tokens):
+        mask = jnp.ones(tokens[:, 1:].shape)
+        float_logits, _ = model.apply(float_variables, tokens[:, :-1])
+        quantized_logits, _ = model.apply(quantized_variables, tokens[:, :-1])
+        float_loss, count = next_token_loss(float_logits, tokens[:, 1:], mask)
+        quantized_loss, _ = next_token_loss(quantized_logits, tokens[:, 1:], mask)
+        return float_loss, quantized_loss, next_token_kl(quantized_logits, float_logits, mask), count
 
-    total = count = 0.0
+    totals = np.zeros(4)
     for batch in _batches(windows, batch_size):
-        loss_sum, n = loss(variables, batch)
-        total, count = total + float(loss_sum), count + float(n)
-    return total / count
+        totals += np.array([float(x) for x in sums(float_variables, quantized_variables, batch)])
+    float_loss, quantized_loss, kl, count = totals
+    return dict(float_val_loss=float_loss / count, quantized_val_loss=quantized_loss / count, kl_to_float=kl / count)
 
 
 def quantize_model(
@@ -167,17 +181,17 @@ def quantize_model(
 
         grams = calibration_grams(apply_fn, params, _batches(calibration, windows.batch_size))
     quantized = quantize_params(params, config, grams=grams)
-    float_loss = validation_loss(model, {"params": params, **state}, validation, windows.batch_size)
-    quantized_loss = validation_loss(model, {"params": quantized, **state}, validation, windows.batch_size)
+    figures = validation_figures(
+        model, {"params": params, **state}, {"params": quantized, **state}, validation, windows.batch_size
+    )
     summary = {
         "source": str(source),
         "format": config.format,
         "method": config.method,
         "group_size": config.rows_per_scale,
         "quantized_weights": len(quantized_paths(params, config)),
-        "float_val_loss": float_loss,
-        "quantized_val_loss": quantized_loss,
-        "val_loss_delta": quantized_loss - float_loss,
+        **figures,
+        "val_loss_delta": figures["quantized_val_loss"] - figures["float_val_loss"],
         "float_weight_bytes": weight_bytes(params),
         "quantized_weight_bytes": weight_bytes(quantized),
         "eval_tokens": int(validation[:, 1:].size),
@@ -208,4 +222,4 @@ def _write(out: Path, loaded: LoadedModel, quantized: Any, state: dict, config: 
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-__all__ = ["EvalConfig", "quantize_model", "token_splits", "validation_loss"]
+__all__ = ["EvalConfig", "quantize_model", "token_splits", "validation_figures"]
