@@ -17,13 +17,14 @@ Times need the device (``python -m benchmarks.gpu``).
 
 Each row is one serving decode step of ``benchmarks.quantization.GPU_DECODE_MODEL`` (8 layers,
 d_model 2048, bf16 compute) at batch 1 with 256 tokens of context, its weights float or
-stored int8 / int4, its layers scanned or unrolled:
+stored int8 / int4 (each stored as ``build_program`` stores it, in the dtype the step reads it
+in), its layers scanned or unrolled:
 
 - ``scratch_mb``: XLA's temporary buffers. A copy of an argument lives there.
 - ``weight_copies``, ``weight_copies_mb``: int8 / uint8 arrays the step writes outside fused
   computations (``benchmarks.quantization.materialized_weight_mb``), a loop body counted once:
   packed weights copied for the quantized matmul.
-- ``kv_mb`` and ``weights_mb``: the cache's pages and the weights, for scale.
+- ``kv_mb`` and ``weights_mb``: the cache's pages and the weights as stored, for scale.
 
 And the ``350m`` preset's training step as ``benchmarks.gpu`` times it (bf16, 16 x 2048 tokens),
 with each ``remat`` policy: ``scratch_mb`` there is mostly the activations the scan over layers
@@ -70,8 +71,8 @@ from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import QuantizeConfig, quantize_params, weight_bytes
-from ember.serving.model_program import jitted_step, program_layout
-from ember.serving.program import step_argument_specs
+from ember.serving.model_program import jitted_step, program_layout, read_weight_dtypes
+from ember.serving.program import narrowed_weights, step_argument_specs
 from ember.training.lm.task import lm_loss
 from ember.training.optimizers import OptimConfig, make_optimizer, make_schedule
 from ember.training.train_step import init_state, train_step
@@ -151,9 +152,13 @@ def decode_step_row(device: jax.Device, config: ModelConfig, weights: str, conte
             params = jax.eval_shape(lambda p: quantize_params(p, QuantizeConfig(format=weights)), params)
         layout = program_layout(config, 1, context, None)
         kv = jax.eval_shape(lambda: init_cache_layers(config, 1, layout["num_pages"]))
+    step = jitted_step(config)
+    with pretend_gpu():  # stored as build_program stores them: each in the dtype the step reads it in
+        dtypes = read_weight_dtypes(step, params, kv, 1, layout["pages_per_seq"])
+        params = jax.eval_shape(lambda p: narrowed_weights(p, dtypes), params)
     specs = step_argument_specs(params, kv, 1, 1, layout["pages_per_seq"])
     start = time.perf_counter()
-    compiled = compile_for(device, jitted_step(config), *specs)
+    compiled = compile_for(device, step, *specs)
     seconds = time.perf_counter() - start
     copies, copied_mb = materialized_weight_mb(compiled.as_text())
     return dict(

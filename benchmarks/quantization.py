@@ -151,7 +151,9 @@ def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict
     """One serving decode step with float weights and with the projections stored in each
     format, in the layer layout ``load_model`` serves them in (unrolled on a GPU:
     ``ember.serving.loading.serving_overrides``); ms and the float step's time over each
-    format's."""
+    format's. The program stores each weight as its step reads it (a bf16 model's float
+    projections in bf16: ``ember.serving.model_program.read_weight_dtypes``); ``weight_mb``
+    is what it stores."""
     served = dataclasses.replace(config, **serving_overrides())
     variants = _weight_variants(config)
     if served.scan_layers != config.scan_layers:
@@ -160,10 +162,10 @@ def decode_rows(config: ModelConfig, context: int, batches=BATCHES) -> list[dict
     for batch in batches:
         float_s = None
         for name, weights in variants.items():
-            seconds, _ = decode_step_seconds(served, weights, batch, context)
+            seconds, program = decode_step_seconds(served, weights, batch, context)
             float_s = float_s or seconds
             rows.append(dict(section="quantized_decode", batch=batch, weights=name, step_ms=seconds * 1e3,
-                             speedup=float_s / seconds, weight_mb=weight_bytes(weights) / 1e6,
+                             speedup=float_s / seconds, weight_mb=weight_bytes(program.params) / 1e6,
                              layers="scanned" if served.scan_layers else "unrolled"))  # fmt: skip
     return rows
 

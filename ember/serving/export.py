@@ -5,7 +5,8 @@
 
 ``OUT_DIR`` holds ``manifest.json`` (engine sizes, token buckets, tokenizer description, EOS
 id), ``step_t<tokens>.jaxexport`` (one serialized step per token bucket) and ``params.npz`` (the
-parameter leaves in the order of the exported functions' input tree). Loading an artifact
+parameter leaves in the order of the exported functions' input tree, each in the dtype the
+step reads it in: ``ember.serving.model_program.read_weight_dtypes``). Loading an artifact
 (:func:`load_artifact`) imports neither ``ember.models`` nor Flax model code: the exported
 functions carry their input trees, from which the parameters and the empty cache are rebuilt.
 Only tokenizers with a ``describe()`` (Ember's byte tokenizer) travel with the artifact; an
@@ -25,7 +26,13 @@ import numpy as np
 
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.tokenizer import tokenizer_from_description
-from ember.serving.program import LAYOUT_FIELDS, DeviceProgram, resolve_token_buckets, step_argument_specs
+from ember.serving.program import (
+    LAYOUT_FIELDS,
+    DeviceProgram,
+    narrowed_weights,
+    resolve_token_buckets,
+    step_argument_specs,
+)
 
 FORMAT_VERSION = 2
 
@@ -46,12 +53,13 @@ def export_program(
     """Writes the artifact of ``DecoderLM(config)`` with ``params`` to ``out_dir``
     (sizes as in :func:`ember.serving.model_program.build_program`)."""
     from ember.models.cache import init_cache_layers  # model code: export side only
-    from ember.serving.model_program import jitted_step, program_layout
+    from ember.serving.model_program import jitted_step, program_layout, read_weight_dtypes
 
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
     layout = program_layout(config, num_slots, max_context, num_pages)
     kv = jax.eval_shape(lambda: init_cache_layers(config, num_slots, layout["num_pages"]))
     step = jitted_step(config)
+    params = narrowed_weights(params, read_weight_dtypes(step, params, kv, num_slots, layout["pages_per_seq"]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for size in buckets:

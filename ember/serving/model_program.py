@@ -14,16 +14,19 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ember.core.errors import ConfigError
+from ember.core.read_dtypes import read_dtypes
 from ember.models.adapters.stacking import stack_adapters
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables, serving_weights, split_variables
-from ember.serving.program import DeviceProgram, resolve_token_buckets, step_argument_specs
+from ember.serving.program import DeviceProgram, narrowed_weights, resolve_token_buckets, step_argument_specs
 from ember.serving.sampling import sample_tokens
 
 
@@ -85,13 +88,34 @@ def build_program(
     kv = init_cache_layers(config, num_slots, layout["num_pages"], kv_dtype)
     step = jitted_step(config)
     pages_per_seq, with_adapters = layout["pages_per_seq"], bool(names)
+    weight_dtypes = read_weight_dtypes(step, params, kv, num_slots, pages_per_seq, adapters=with_adapters)
+    params = narrowed_weights(params, weight_dtypes)
     steps = {
         size: step.lower(
             *step_argument_specs(params, kv, num_slots, size, pages_per_seq, adapters=with_adapters)
         ).compile()
         for size in buckets
     }
-    return DeviceProgram(steps=steps, params=params, kv=kv, adapter_names=names, **layout)
+    return DeviceProgram(steps=steps, params=params, kv=kv, adapter_names=names, weight_dtypes=weight_dtypes, **layout)
+
+
+def read_weight_dtypes(
+    step: Any, params: Any, kv: Any, num_slots: int, pages_per_seq: int, *, adapters: bool = False
+) -> dict[str, np.dtype]:
+    """``{path: dtype}`` of the float weights in ``params`` that ``step`` reads only converted
+    to a narrower dtype (``ember.core.read_dtypes``): the float32 weights of a bf16 model's
+    projections and embeddings, not its norm scales or routers (read in float32). Stored in
+    that dtype, they give the same tokens and logprobs, and each step reads half the bytes
+    and converts nothing."""
+    unboxed = nn.meta.unbox(params)
+    specs = step_argument_specs(unboxed, kv, num_slots, num_slots, pages_per_seq, adapters=adapters)
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(unboxed)[0]
+    dtypes = read_dtypes(step, *specs)[: len(paths_and_leaves)]
+    return {
+        "/".join(str(getattr(key, "key", key)) for key in path): dtype
+        for (path, leaf), dtype in zip(paths_and_leaves, dtypes)
+        if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating) and dtype.itemsize < leaf.dtype.itemsize
+    }
 
 
 def program_layout(
@@ -115,4 +139,4 @@ def program_layout(
     )
 
 
-__all__ = ["build_program", "jitted_step", "model_step", "program_layout"]
+__all__ = ["build_program", "jitted_step", "model_step", "program_layout", "read_weight_dtypes"]

@@ -63,25 +63,33 @@ class DeviceProgram:
     max_context: int
     adapter_names: tuple[str, ...] = ()
     """The adapters the params hold stacked (slot ``i`` is ``adapter_names[i]``), if any."""
+    weight_dtypes: Mapping[str, np.dtype] = dataclasses.field(default_factory=dict)
+    """The weights stored in the narrower dtype the steps read them in (``ember.core.read_dtypes``),
+    by path: weights given for them in their original dtype are converted on the way in."""
 
     def fresh_copy(self, params: Any = None) -> DeviceProgram:
         """A program sharing these compiled steps with its own empty cache (and ``params``
         instead of these, of the same shapes, if given): engines on copies run independently."""
         kv = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self.kv)
-        return dataclasses.replace(self, kv=kv, params=self.params if params is None else params)
+        return dataclasses.replace(self, kv=kv, params=self.params if params is None else self.stored(params))
+
+    def stored(self, weights: Any) -> Any:
+        """``weights`` (the whole tree or a nested-dict part of it) as the program stores them."""
+        return narrowed_weights(weights, self.weight_dtypes)
 
     def load_params(self, updates: Any) -> None:
         """Replaces the weights in ``updates`` (the whole tree or any nested-dict part of it,
         such as the trainable leaves of a run) with copies of them on this program's devices,
         device to device: the compiled steps take the new weights as they are (nothing
         recompiles) and no buffer is shared with the caller, whose arrays may be donated later.
+        A weight the program stores narrower (:attr:`weight_dtypes`) is converted to it.
 
         Raises:
           ValueError: a path that is not one of the weights, or a shape or dtype that differs
             from the weight it replaces (the steps were compiled for those).
         """
         current = {path: _unboxed(leaf) for path, leaf in param_paths(self.params).items()}
-        new = {path: _unboxed(leaf) for path, leaf in param_paths(updates).items()}
+        new = {path: _unboxed(leaf) for path, leaf in param_paths(self.stored(updates)).items()}
         for path, leaf in new.items():
             if path not in current:
                 known = ", ".join(sorted(current)[:4])
@@ -113,6 +121,17 @@ def owned_copy(tree: Any, placement: Any) -> Any:
     return jax.tree.map(lambda leaf: jax.device_put(jax.device_put(leaf, placement), placement, may_alias=False), tree)
 
 
+def narrowed_weights(weights: Any, dtypes: Mapping[str, Any]) -> Any:
+    """``weights`` (nested dicts) with the float leaves at the paths of ``dtypes`` converted to
+    theirs (a boxed leaf keeps its box)."""
+    narrowed = {
+        path: _unboxed(leaf).astype(dtypes[path])
+        for path, leaf in param_paths(weights).items()
+        if path in dtypes and jnp.issubdtype(_unboxed(leaf).dtype, jnp.floating)
+    }
+    return _with_leaves(weights, narrowed) if narrowed else weights
+
+
 def _unboxed(leaf: Any) -> Any:
     return leaf.unbox(apply_constraint=False) if isinstance(leaf, nn.meta.AxisMetadata) else leaf
 
@@ -137,7 +156,7 @@ def _with_leaves(tree: Any, leaves: dict[str, Any], prefix: str = "") -> Any:
 LAYOUT_FIELDS: tuple[str, ...] = tuple(
     field.name
     for field in dataclasses.fields(DeviceProgram)
-    if field.name not in ("steps", "params", "kv", "adapter_names")
+    if field.name not in ("steps", "params", "kv", "adapter_names", "weight_dtypes")
 )
 """``DeviceProgram``'s size fields: ``num_slots``, ``pages_per_seq``, ``page_size``, ``num_pages``,
 ``vocab_size``, ``max_context``."""
@@ -190,6 +209,7 @@ __all__ = [
     "DeviceProgram",
     "StepFunction",
     "batch_arrays",
+    "narrowed_weights",
     "owned_copy",
     "resolve_token_buckets",
     "step_argument_specs",
