@@ -11,7 +11,6 @@ A new state kind is one more entry of ``STATE_KINDS`` (plus its settings in ``CO
 
 import itertools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +19,6 @@ import pytest
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig, MoEConfig, SSMConfig
-from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.export import export_program, load_artifact
 from ember.serving.model_program import build_program
@@ -28,6 +26,7 @@ from ember.serving.requests import SamplingParams
 from tests.host_random import numpy_rng
 from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
+from tests.serving.random_weights import random_weights
 from tests.serving.random_workload import run_random_arrivals
 from tests.tolerances import assert_allclose
 
@@ -66,18 +65,7 @@ CONFIG = ModelConfig(
 
 @pytest.fixture(scope="module")
 def params():
-    """Random parameters drawn on the host into the model's parameter shapes (norm scales,
-    the Mamba-2 gated norm's ``norm_scale`` too, around 1, everything else around 0):
-    initialising a model of every kind eagerly costs more than the rest of this module."""
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    shapes = nn.meta.unbox(jax.eval_shape(DecoderLM(CONFIG).init, jax.random.key(0), tokens)["params"])
-    generator = np.random.default_rng(20261123)
-
-    def draw(path, leaf):
-        centre = 1.0 if jax.tree_util.keystr(path).endswith(("['scale']", "['norm_scale']")) else 0.0
-        return jnp.asarray(centre + 0.1 * generator.standard_normal(leaf.shape), leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
+    return random_weights(CONFIG, seed=20261123, spread=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ program compiled for all-float32 weights. Weights handed over later in float32
 (``fresh_copy``, ``Engine.update_params``) are converted on the way in; an artifact stores
 them converted and serves the same."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +13,12 @@ import pytest
 
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.config import ModelConfig, MoEConfig, SSMConfig
-from ember.models.decoder import DecoderLM
 from ember.serving import model_program
 from ember.serving.engine import Engine
 from ember.serving.export import export_program, load_artifact
 from ember.serving.requests import SamplingParams
+from tests.once_per_session import one_at_a_time
+from tests.serving.random_weights import random_weights
 
 KINDS = ("linear", "global", "cca", "mamba2")
 """Every kind of layer weights: softmax attention (global and local share them), linear attention, CCA, Mamba-2."""
@@ -37,27 +37,20 @@ PROMPTS = [[5, 9, 2, 77, 3, 14, 15], [100, 1, 2]]
 
 @pytest.fixture(scope="module")
 def params():
-    """Random weights away from their initial values (norm scales around 1, the rest around 0)."""
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    shapes = nn.meta.unbox(jax.eval_shape(DecoderLM(CONFIG).init, jax.random.key(0), tokens)["params"])
-    generator = np.random.default_rng(20261128)
-
-    def draw(path, leaf):
-        centre = 1.0 if jax.tree_util.keystr(path).endswith(("['scale']", "['norm_scale']")) else 0.0
-        return jnp.asarray(centre + 0.2 * generator.standard_normal(leaf.shape), leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
+    """Random weights away from their initial values."""
+    return random_weights(CONFIG, seed=20261128, spread=0.2)
 
 
 @pytest.fixture(scope="module")
-def program(params):
-    return model_program.build_program(CONFIG, params, **OPTIONS)
+def program(params, tmp_path_factory):
+    with one_at_a_time(tmp_path_factory, "weight-dtypes-program"):  # compiled once per session
+        return model_program.build_program(CONFIG, params, **OPTIONS)
 
 
 @pytest.fixture(scope="module")
-def float32_program(params):
+def float32_program(params, tmp_path_factory):
     """The same program with every weight stored as given (float32)."""
-    with pytest.MonkeyPatch.context() as patch:
+    with one_at_a_time(tmp_path_factory, "weight-dtypes-float32-program"), pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_program, "read_weight_dtypes", lambda *args, **kwargs: {})
         return model_program.build_program(CONFIG, params, **OPTIONS)
 
