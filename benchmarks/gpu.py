@@ -58,6 +58,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from omegaconf import OmegaConf
 
 from benchmarks import attention, moe, quantization, sequence_mixers, train_step
 from benchmarks.device_checks import (
@@ -348,7 +349,7 @@ def _train_step(sizes: PerfSizes, context: dict) -> list[dict]:
     config = load_config(ModelConfig, PRESETS / f"{preset}.yaml")
     config = dataclasses.replace(config, **sizes.train_overrides)
     row = train_step.measure(preset, config, batch, seq_len, compare_plain=False)
-    return [dict(section="train_step", preset=preset, **row)]
+    return [dict(section="train_step", preset=preset, remat=config.remat, scan_layers=config.scan_layers, **row)]
 
 
 MEASUREMENTS: tuple[Measurement, ...] = (
@@ -508,13 +509,17 @@ def run(
     skip: tuple[str, ...] = (),
     keep_from: dict | None = None,
     first: tuple[str, ...] = (),
+    train_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Runs the checks and the measurements; returns the results file's path. With
     ``keep_from`` (an earlier record), its checks and a measurement's rows stand where this
     run repeats none of them (:func:`kept_results`). The measurements named in ``first`` run
-    first, in that order (a short call's budget then skips the least important)."""
+    first, in that order (a short call's budget then skips the least important).
+    ``train_overrides`` replace ``ModelConfig`` fields of the timed training step."""
     check_sizes: CheckSizes = TOY_CHECK_SIZES if toy else GPU_CHECK_SIZES
     sizes = TOY_SIZES if toy else GPU_SIZES
+    if train_overrides:
+        sizes = dataclasses.replace(sizes, train_overrides={**sizes.train_overrides, **train_overrides})
     deadline = time.monotonic() + budget_s
     nothing_kept = dict(device_value_checks={}, hopper_value_checks={}, rows=[])
     kept = kept_results(keep_from, device_label()) if keep_from else nothing_kept
@@ -628,7 +633,18 @@ def main(argv=None) -> int:
         help="an earlier gpu-<device>.json (or a folder holding one for this device) whose checks and rows "
         "stand where this run repeats none of them",
     )
+    parser.add_argument(
+        "--train-overrides",
+        nargs="*",
+        default=(),
+        metavar="FIELD=VALUE",
+        help="ModelConfig fields of the timed training step, e.g. remat=dots scan_layers=false",
+    )
     args = parser.parse_args(argv)
+    train_overrides = OmegaConf.to_container(OmegaConf.from_dotlist(list(args.train_overrides)))
+    unknown_fields = sorted(set(train_overrides) - {field.name for field in dataclasses.fields(ModelConfig)})
+    if unknown_fields:
+        parser.error(f"--train-overrides: {unknown_fields} are not ModelConfig fields")
     names = [measurement.name for measurement in MEASUREMENTS]
     unknown = [name for name in (*args.skip, *(args.only or ())) if name not in (*names, "checks")]
     if unknown:
@@ -640,7 +656,10 @@ def main(argv=None) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     budget = args.budget_s if args.budget_s is not None else (1e9 if toy else 500.0)
     previous = previous_record(args.keep_from, device_label()) if args.keep_from else None
-    run(toy, args.results_dir, budget, seed, tuple(args.only_checks), skip, previous, tuple(args.only or ()))
+    run(
+        toy, args.results_dir, budget, seed, tuple(args.only_checks), skip, previous, tuple(args.only or ()),
+        train_overrides,
+    )  # fmt: skip
     return 0
 
 

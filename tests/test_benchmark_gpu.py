@@ -249,3 +249,15 @@ def test_only_runs_the_named_measurements_in_order_and_unknown_names_are_refused
     with pytest.raises(SystemExit):
         gpu.main(["--toy", "--only", "flash_tile"])
     assert "unknown measurement(s) ['flash_tile']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.main(["--toy", "--train-overrides", "remat=dots", "rematt=full"])
+    assert "--train-overrides: ['rematt'] are not ModelConfig fields" in capsys.readouterr().err
+
+
+def test_the_training_step_runs_with_the_overrides_it_is_given(tmp_path):
+    args = ["--toy", "--skip", "checks", "--only", "train_step", "--results-dir", str(tmp_path)]
+    gpu.main([*args, "--train-overrides", "remat=dots", "scan_layers=false"])
+    rows = json.loads((tmp_path / "gpu-cpu.json").read_text())["rows"]
+    (row,) = [row for row in rows if row["section"] == "train_step"]
+    assert (row["remat"], row["scan_layers"]) == ("dots", False)
+    assert row["ember_ms"] > 0
