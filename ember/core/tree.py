@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 
-def _leaves_with_paths(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+def leaves_with_paths(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """``(path names, leaf)`` for the array leaves of ``tree`` (boxes unboxed), in ``jax.tree.leaves`` order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(tree))
     return [(tuple(_key_name(k) for k in path), leaf) for path, leaf in flat if hasattr(leaf, "shape")]
 
@@ -34,12 +35,12 @@ def _key_name(key: Any) -> str:
 
 def param_count(tree: Any) -> int:
     """Number of scalar entries over all array leaves of ``tree``."""
-    return sum(int(np.prod(leaf.shape)) for _, leaf in _leaves_with_paths(tree))
+    return sum(int(np.prod(leaf.shape)) for _, leaf in leaves_with_paths(tree))
 
 
 def param_bytes(tree: Any) -> int:
     """Bytes held by the array leaves of ``tree`` (``ShapeDtypeStruct`` leaves count too)."""
-    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for _, leaf in _leaves_with_paths(tree))
+    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for _, leaf in leaves_with_paths(tree))
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -56,7 +57,7 @@ def summary_rows(tree: Any, depth: int = 2) -> list[dict[str, Any]]:
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"params": 0, "bytes": 0, "dtypes": set()})
-    for path, leaf in _leaves_with_paths(tree):
+    for path, leaf in leaves_with_paths(tree):
         name = "/".join(path[: min(depth, max(len(path) - 1, 1))]) or "(root)"
         size = int(np.prod(leaf.shape))
         group = groups[name]
@@ -117,6 +118,7 @@ def map_paths(fn: Callable[[str, Any], Any], tree: Mapping[str, Any], prefix: st
 
 __all__ = [
     "format_bytes",
+    "leaves_with_paths",
     "map_paths",
     "param_bytes",
     "param_count",

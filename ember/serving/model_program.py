@@ -21,6 +21,7 @@ import numpy as np
 
 from ember.core.errors import ConfigError
 from ember.core.read_dtypes import read_dtypes
+from ember.core.tree import leaves_with_paths
 from ember.models.adapters.stacking import stack_adapters
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
@@ -107,12 +108,11 @@ def read_weight_dtypes(
     projections and embeddings, not its norm scales or routers (read in float32). Stored in
     that dtype, they give the same tokens and logprobs, and each step reads half the bytes
     and converts nothing."""
-    unboxed = nn.meta.unbox(params)
-    specs = step_argument_specs(unboxed, kv, num_slots, num_slots, pages_per_seq, adapters=adapters)
-    paths_and_leaves = jax.tree_util.tree_flatten_with_path(unboxed)[0]
+    specs = step_argument_specs(nn.meta.unbox(params), kv, num_slots, num_slots, pages_per_seq, adapters=adapters)
+    paths_and_leaves = leaves_with_paths(params)
     dtypes = read_dtypes(step, *specs)[: len(paths_and_leaves)]
     return {
-        "/".join(str(getattr(key, "key", key)) for key in path): dtype
+        "/".join(path): dtype
         for (path, leaf), dtype in zip(paths_and_leaves, dtypes)
         if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating) and dtype.itemsize < leaf.dtype.itemsize
     }
