@@ -15,7 +15,8 @@ Sections (each row prints ours and the baselines, and the ratios):
   (XLA on a TPU) given the same mask as an explicit boolean array, vs our dense causal kernel;
 - sigmoid: ``score="sigmoid"`` vs our softmax kernel, same shapes;
 - ragged_decode: ``ragged_paged_attention`` on a decode-only budget, GB/s of KV cache read
-  vs the measured HBM bandwidth.
+  vs the measured HBM bandwidth; one row per ``kv_splits`` (1, the GPU kernel's default,
+  twice and four times that).
 
 Before timing, every attention kernel is checked against its reference on the device
 (:mod:`benchmarks.device_checks`, compiled for real instead of interpreted); a failure
@@ -54,6 +55,7 @@ from ember.kernels_pallas.flash_attention_mgpu_backward import DEFAULT_HOPPER_BA
 from ember.kernels_pallas.flash_attention_routing import hopper_backward_reason, hopper_reason
 from ember.kernels_pallas.hopper import GpuInfo
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
+from ember.kernels_pallas.ragged_paged_attention_kernel import default_pages_per_block, gpu_block_q, gpu_kv_splits
 
 # Forward+backward FLOPs over forward FLOPs: backward recomputes QK^T and adds four more
 # matmuls (dV, dP, dQ, dK): 2 + 5 = 7 matmuls against the forward's 2.
@@ -432,9 +434,20 @@ def sigmoid_rows(impl, q_len, batch, heads, head_dim, dtype, causal_values=(Fals
     return rows
 
 
+def default_decode_kv_splits(num_seqs, heads, kv_heads, page_size, length) -> int:
+    """The ``kv_splits`` the GPU kernel picks (``kv_splits=None``) for
+    :func:`ragged_decode_rows`' step: its ``block_q`` and ``pages_per_block`` left to it too."""
+    pages_per_seq = length // page_size
+    pages_per_block = min(default_pages_per_block(page_size), pages_per_seq)
+    block_q = gpu_block_q(num_seqs, num_seqs, heads, kv_heads)
+    return gpu_kv_splits(num_seqs, num_seqs, heads, kv_heads, block_q, -(-pages_per_seq // pages_per_block))
+
+
 def ragged_decode_rows(impl, num_seqs, heads, kv_heads, head_dim, page_size, length, dtype, bandwidth_gbs, repeats=10):
     """One decode token per sequence, every sequence ``length`` tokens long: GB/s of KV
-    cache read (each cached key and value once) against the measured bandwidth."""
+    cache read (each cached key and value once) against the measured bandwidth. One row per
+    ``kv_splits``: 1 (no split), the GPU kernel's default (``kv_splits=None``, the row with
+    ``kv_splits_default``), twice and four times that; the XLA path ignores it."""
     pages_per_seq = length // page_size
     num_pages = num_seqs * pages_per_seq
     keys = jax.random.split(jax.random.key(4), 4)
@@ -444,25 +457,32 @@ def ragged_decode_rows(impl, num_seqs, heads, kv_heads, head_dim, page_size, len
     q = jax.random.normal(keys[3], (num_seqs, heads, head_dim), dtype)
     starts, query_lens = jnp.arange(num_seqs, dtype=jnp.int32), jnp.ones((num_seqs,), jnp.int32)
     kv_lens = jnp.full((num_seqs,), length, jnp.int32)
-    step = jax.jit(lambda *a: ragged_paged_attention(*a, impl=impl))
-    seconds = _time_or_error(step, q, k_pages, v_pages, table, starts, query_lens, kv_lens, repeats=repeats)
     cache_bytes = 2 * num_seqs * length * kv_heads * head_dim * jnp.dtype(dtype).itemsize
-    gbs = cache_bytes / seconds / 1e9 if isinstance(seconds, float) else None
-    return [
-        dict(
-            section="ragged_decode",
-            num_seqs=num_seqs,
-            length=length,
-            page_size=page_size,
-            heads=heads,
-            kv_heads=kv_heads,
-            cache_gb=cache_bytes / 1e9,
-            ours_ms=_ms(seconds),
-            ours_gbs=gbs,
-            measured_bandwidth_gbs=bandwidth_gbs,
-            fraction_of_bandwidth=gbs / bandwidth_gbs if gbs else None,
+    default = default_decode_kv_splits(num_seqs, heads, kv_heads, page_size, length)
+    rows = []
+    for kv_splits in dict.fromkeys((1, default, 2 * default, 4 * default)):
+        chosen = None if kv_splits == default else kv_splits
+        step = jax.jit(lambda *a, chosen=chosen: ragged_paged_attention(*a, kv_splits=chosen, impl=impl))
+        seconds = _time_or_error(step, q, k_pages, v_pages, table, starts, query_lens, kv_lens, repeats=repeats)
+        gbs = cache_bytes / seconds / 1e9 if isinstance(seconds, float) else None
+        rows.append(
+            dict(
+                section="ragged_decode",
+                num_seqs=num_seqs,
+                length=length,
+                page_size=page_size,
+                heads=heads,
+                kv_heads=kv_heads,
+                kv_splits=kv_splits,
+                kv_splits_default=kv_splits == default,
+                cache_gb=cache_bytes / 1e9,
+                ours_ms=_ms(seconds),
+                ours_gbs=gbs,
+                measured_bandwidth_gbs=bandwidth_gbs,
+                fraction_of_bandwidth=gbs / bandwidth_gbs if gbs else None,
+            )
         )
-    ]
+    return rows
 
 
 def print_sections(rows, title: str) -> None:

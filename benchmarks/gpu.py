@@ -27,10 +27,11 @@ issue's performance rows, writing ``gpu-<device>.json`` after every step.
    block-sparse local + global vs cuDNN given the mask; sigmoid vs softmax scores; linear
    attention and SSD vs our flash attention and their naive scans at 16k; the grouped
    matmul vs ``ragged_dot``, a per-expert loop and the equal-FLOP dense matmul; ragged paged
-   decode vs the measured bandwidth; a decode step with int8 / int4 / NF4 weights vs bf16
-   (:mod:`benchmarks.quantization`, batch 1-64), and at batch 1 with the layers scanned and
-   unrolled; the quantized matmul vs the bf16 one on weights streamed from HBM, with its XLA
-   path and :attr:`PerfSizes.quantized_tiles` beside the default tiles;
+   decode vs the measured bandwidth (a row per ``kv_splits``, the goal the default's); a
+   decode step with int8 / int4 / NF4 weights vs bf16 (:mod:`benchmarks.quantization`, batch
+   1-64), and at batch 1 with the layers scanned and unrolled; the quantized matmul vs the
+   bf16 one on weights streamed from HBM, with its XLA path and
+   :attr:`PerfSizes.quantized_tiles` beside the default tiles;
    the ~350M preset's train step MFU in bf16.
 3. ``goals``: the issue's targets as measured ratios, each with its threshold.
 
@@ -390,7 +391,8 @@ def goals(rows: list[dict], sizes: PerfSizes) -> dict[str, dict]:
     ssd_chunked = _first(rows, section="sequence_mixers", op="ssd", seq=sizes.long_len, form=chunked)
     ssd_scan = _first(rows, section="sequence_mixers", op="ssd", seq=sizes.long_len, form="scan")
     train = _first(rows, section="train_step")
-    decode = _first(rows, section="ragged_decode")
+    # the kernel's default kv_splits (rows kept from before the column: their only row)
+    decode = _first(rows, section="ragged_decode", kv_splits_default=True) or _first(rows, section="ragged_decode")
     load, problem = sizes.moe.loads[0], sizes.moe.problems[0]
     moe_row = dict(section="grouped_matmul", experts=problem.experts, k=problem.k, n=problem.n, load=load)
     grouped = _first(rows, **moe_row, form=f"grouped_matmul[{sizes.moe.impl}]")

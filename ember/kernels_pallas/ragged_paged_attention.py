@@ -227,6 +227,7 @@ def _blocked_xla(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_l
         "global_tokens",
         "block_q",
         "pages_per_block",
+        "kv_splits",
         "impl",
     ),
 )
@@ -247,6 +248,7 @@ def ragged_paged_attention(
     global_tokens: int = 0,
     block_q: int | None = None,
     pages_per_block: int | None = None,
+    kv_splits: int | None = None,
     impl: str = "auto",
 ) -> jax.Array:
     """Attention for a mixed batch of prefill chunks and decode tokens over a paged cache.
@@ -298,6 +300,12 @@ def ragged_paged_attention(
         (:func:`~ember.kernels_pallas.ragged_paged_attention_kernel.gpu_block_q`).
       pages_per_block: pages read per kernel step (default: enough for 128 tokens); on a
         TPU the pages of one step are copied while the previous step computes.
+      kv_splits: GPU kernel only (the XLA path and the TPU kernel ignore it): programs that
+        share each work item's visible blocks of ``pages_per_block`` pages (flash-decoding),
+        their partial results merged after the kernel; splits past a sequence's
+        blocks read nothing. None: enough splits for about 4 programs per SM of a 132-SM
+        GPU, at most the blocks a sequence can have, 1 when the work items alone are that
+        many (:func:`~ember.kernels_pallas.ragged_paged_attention_kernel.gpu_kv_splits`).
       impl: ``"auto"`` (the Pallas kernel on GPU and TPU, else XLA), ``"pallas"`` (the
         kernel compiled for the default backend: Triton on an NVIDIA GPU, Mosaic TPU on a
         TPU), ``"interpret"`` (the GPU kernel in the Pallas interpreter, any backend),
@@ -317,7 +325,8 @@ def ragged_paged_attention(
     Raises:
       ValueError: naming the argument, for bad ranks, shapes or dtypes, or bad options
         (an unknown ``score``, ``sigmoid_bias`` missing with ``"sigmoid"`` or given with
-        ``"softmax"``, a negative ``global_tokens``); for the TPU kernel, caches that are
+        ``"softmax"``, a negative ``global_tokens``, a ``block_q`` or ``kv_splits`` that is
+        not a positive int or None); for the TPU kernel, caches that are
         not both float32 or both bfloat16.
     """
     cache, logits_soft_cap, window, sigmoid_bias = _check_call(
@@ -337,6 +346,8 @@ def ragged_paged_attention(
     num_tokens, _, head_dim = q.shape
     if block_q is not None and (not isinstance(block_q, int) or isinstance(block_q, bool) or block_q < 1):
         raise ValueError(f"block_q must be a positive int or None (chosen per backend), got {block_q!r}")
+    if kv_splits is not None and (not isinstance(kv_splits, int) or isinstance(kv_splits, bool) or kv_splits < 1):
+        raise ValueError(f"kv_splits must be a positive int or None (chosen by the GPU kernel), got {kv_splits!r}")
     resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=KERNEL_BACKENDS)
     platform = kernel_platform(resolved)
     if block_q is None and platform == "gpu":
@@ -361,7 +372,10 @@ def ragged_paged_attention(
             global_tokens=global_tokens,
         )
     owner, _, covered = token_owners(query_starts, query_lens, kv_lens, num_tokens)
-    kernel = ragged_paged_attention_tpu if platform == "tpu" else ragged_paged_attention_kernel
+    if platform == "tpu":
+        kernel = ragged_paged_attention_tpu
+    else:
+        kernel = functools.partial(ragged_paged_attention_kernel, kv_splits=kv_splits)
     return kernel(
         q,
         k_pages,

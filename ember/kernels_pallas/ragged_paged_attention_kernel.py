@@ -11,11 +11,25 @@ at most :data:`MAX_ROWS` rows -- token-major (the group padded to a power of two
 tiles), so each cached page is read once per key head (per share), not once per query
 head: a decode step is bound by reading the cache, and per-query-head programs read it
 ``group`` times. It streams, with an online softmax (or, for sigmoid
-scores, a plain weighted sum), only the pages holding positions it can see: from the
-window start, or 0, up to its last row's position, and with ``global_tokens`` also the
-pages of the global prefix before the window (a first loop), never the pages between. It
-writes its own ``[rows, head_dim]`` output tile, so programs never race; one
-gather then puts rows back in token order.
+scores, a plain weighted sum), only the blocks of ``pages_per_block`` pages holding
+positions it can see: from the window start, or 0, up to its last row's position, and with
+``global_tokens`` also the blocks of the global prefix before the window (a first loop),
+never the blocks between. It writes its own ``[rows, head_dim]`` output tile, so programs
+never race; one gather then puts rows back in token order.
+
+Split KV (flash-decoding), ``kv_splits > 1``: grid ``(work_items, kv_heads * group_splits,
+kv_splits)``. A work item's ``n`` visible blocks, in the order the loops read them (global
+prefix, then window), are cut into ``kv_splits`` consecutive runs of ``n // kv_splits`` or
+one more blocks; split ``s`` reads run ``s`` only, so every block is read once, and a
+split with no blocks (a short sequence, a padding item) reads nothing. It writes float32
+partials, ``acc [kv_splits, work_items, kv_heads * group_splits, rows, head_dim]`` with
+the online softmax's row max and row sum ``[kv_splits, work_items, kv_heads *
+group_splits, rows]`` (sigmoid scores: the weighted sum alone), which plain jnp outside the
+kernel merges (:func:`~ember.kernels_pallas.online_softmax.online_softmax_merge`; for
+sigmoid scores, a sum over the splits). A decode step has one work item per sequence, so
+without splits each program loops over a whole sequence's cache while most SMs idle;
+:func:`gpu_kv_splits` picks the splits when the caller does not. ``kv_splits=1`` is the
+kernel without splits: two grid axes, the normalized output written in ``q``'s dtype.
 """
 
 from __future__ import annotations
@@ -29,7 +43,12 @@ from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.dispatch import triton_compiler_params
-from ember.kernels_pallas.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
+from ember.kernels_pallas.online_softmax import (
+    online_softmax_init,
+    online_softmax_merge,
+    online_softmax_result,
+    online_softmax_step,
+)
 
 _NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 # Query rows a program serves at most (block_q positions x query heads): the tile's f32
@@ -43,6 +62,9 @@ _WORK_COLUMNS = 8
 DEFAULT_BLOCK_Q = 16
 # Rows Triton's dot needs at least (block_q positions x the padded query group).
 MIN_ROWS = 16
+# What gpu_kv_splits aims for: programs per SM, SMs of an H100 / H200.
+PROGRAMS_PER_SM = 4
+GPU_SMS = 132
 
 
 def gpu_block_q(num_tokens: int, num_seqs: int, heads: int, kv_heads: int) -> int:
@@ -56,6 +78,37 @@ def gpu_block_q(num_tokens: int, num_seqs: int, heads: int, kv_heads: int) -> in
     mean_run = max(1, num_tokens // max(1, num_seqs))
     smallest = -(-MIN_ROWS // padded_group)
     return max(smallest, min(DEFAULT_BLOCK_Q, 1 << (mean_run - 1).bit_length()))
+
+
+def group_shares(group: int, block_q: int) -> tuple[int, int, int]:
+    """``(padded_group, share, group_splits)``: the GQA group padded to a power of two (GPU
+    tiles), the query heads a program serves (at most :data:`MAX_ROWS` rows of ``block_q``
+    positions each) and the programs per key head, ``padded_group // share``."""
+    padded_group = 1 << (group - 1).bit_length()
+    share = min(padded_group, max(1, MAX_ROWS // block_q))
+    return padded_group, share, padded_group // share
+
+
+def gpu_kv_splits(num_tokens: int, num_seqs: int, heads: int, kv_heads: int, block_q: int, seq_blocks: int) -> int:
+    """The GPU kernel's ``kv_splits`` when the caller leaves it to the kernel: the fewest
+    splits that make :data:`PROGRAMS_PER_SM` programs for each of :data:`GPU_SMS` SMs (528),
+    at most ``seq_blocks`` (the blocks of ``pages_per_block`` pages a sequence can have:
+    more splits would all be empty), and 1 where the work items alone make that many.
+
+    A program's loop over its blocks is a chain of page-table reads, loads and dots whose
+    latency the SM hides only with other programs: a decode step of 64 sequences x 8 key
+    heads at 4096 tokens (32 blocks of 128) made 512 programs of 32 steps and read the cache
+    at 19% of an H200's bandwidth. It gets 2 splits here: 1,024 programs of 16 steps. A
+    prefill budget of 4096 tokens in blocks of 16 makes 256 items, 2,048 programs, and gets 1.
+
+    The live work items are estimated as the fewest a full budget makes,
+    ``max(cdiv(num_tokens, block_q), min(num_seqs, num_tokens))`` (one per sequence in a
+    decode step), not the grid's static bound ``cdiv(num_tokens, block_q) + num_seqs`` (80
+    in that decode step), whose padding items return at once."""
+    items = max(-(-num_tokens // block_q), min(num_seqs, num_tokens))
+    programs = items * kv_heads * group_shares(heads // kv_heads, block_q)[2]
+    wanted = -(-PROGRAMS_PER_SM * GPU_SMS // max(1, programs))
+    return max(1, min(wanted, seq_blocks))
 
 
 def warps_for_rows(rows: int) -> int:
@@ -112,17 +165,33 @@ def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: i
     return table, offsets.astype(jnp.int32)
 
 
+def _split_share(segments, split, kv_splits: int):
+    """Split ``split``'s share of the visible blocks, given as ``segments`` ``[(start, stop),
+    ...]`` read in that order: of their ``n`` blocks, it takes positions ``n * split //
+    kv_splits`` up to ``n * (split + 1) // kv_splits``, cut back into the segments (as
+    ``(start, stop)`` each, empty where the share misses one)."""
+    total = sum(stop - start for start, stop in segments)
+    splits = jnp.int32(kv_splits)
+    lo, hi = lax.div(total * split, splits), lax.div(total * (split + 1), splits)
+    share, before = [], 0
+    for start, stop in segments:
+        size = stop - start
+        share.append(tuple(start + jnp.clip(edge - before, 0, size) for edge in (lo, hi)))
+        before = before + size
+    return share
+
+
 def _ragged_kernel(
     work_ref,
     page_table_ref,
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    *,
+    *out_refs,
     block_q,
     group,
     group_splits,
+    kv_splits,
     page_size,
     pages_per_block,
     sm_scale,
@@ -169,14 +238,26 @@ def _ragged_kernel(
         carry = jnp.zeros((block_q * group, head_dim), jnp.float32)
     else:
         carry = online_softmax_init(block_q * group, head_dim)
+    segments = [(first_block, end_block)]
     if window is not None and global_tokens > 0:
         # The global prefix's blocks that come before the window's first block (that one
         # and the later ones are the second loop's), so no block is read twice.
         global_end = jnp.where(rows > 0, jnp.minimum(pl.cdiv(global_tokens, tokens_per_block), first_block), 0)
-        carry = lax.fori_loop(0, global_end, body, carry)
-    carry = lax.fori_loop(first_block, end_block, body, carry)
-    out = carry if score == "sigmoid" else online_softmax_result(carry)
-    o_ref[...] = out.astype(o_ref.dtype)
+        segments.insert(0, (0, global_end))
+    if kv_splits > 1:
+        segments = _split_share(segments, pl.program_id(2), kv_splits)
+    for start, stop in segments:
+        carry = lax.fori_loop(start, stop, body, carry)
+    if kv_splits == 1:
+        (o_ref,) = out_refs
+        out = carry if score == "sigmoid" else online_softmax_result(carry)
+        o_ref[...] = out.astype(o_ref.dtype)
+    elif score == "sigmoid":
+        (o_ref,) = out_refs
+        o_ref[...] = carry
+    else:
+        acc_ref, max_ref, sum_ref = out_refs
+        max_ref[...], sum_ref[...], acc_ref[...] = carry
 
 
 def ragged_paged_attention_kernel(
@@ -199,10 +280,12 @@ def ragged_paged_attention_kernel(
     global_tokens,
     block_q,
     pages_per_block,
+    kv_splits,
     interpret,
 ):
     """The Pallas path of ``ragged_paged_attention`` (arguments already validated;
-    ``owner``/``covered`` ``[num_tokens]`` say which sequence owns each token row)."""
+    ``owner``/``covered`` ``[num_tokens]`` say which sequence owns each token row;
+    ``kv_splits`` None: :func:`gpu_kv_splits`)."""
     num_tokens, heads, head_dim = q.shape
     pages_per_block = pages_per_step(pages_per_block, cache)
     query_starts, query_lens, kv_lens = (x.astype(jnp.int32) for x in (query_starts, query_lens, kv_lens))
@@ -210,22 +293,24 @@ def ragged_paged_attention_kernel(
     max_items = table.shape[0]
     kv_heads = cache.kv_heads
     group = heads // kv_heads
-    padded_group = 1 << (group - 1).bit_length()  # GPU tiles: powers of two
-    share = min(padded_group, max(1, MAX_ROWS // block_q))  # query heads per program
-    splits = padded_group // share
-    # [kv_heads * splits, tokens * share, head_dim]: a program's query heads, token-major (the
-    # padded heads are zeros, their outputs dropped); block_q spare tokens so the last
+    padded_group, share, group_splits = group_shares(group, block_q)
+    if kv_splits is None:
+        seq_blocks = -(-cache.max_pages_per_seq // pages_per_block)
+        kv_splits = gpu_kv_splits(num_tokens, page_table.shape[0], heads, kv_heads, block_q, seq_blocks)
+    # [kv_heads * group_splits, tokens * share, head_dim]: a program's query heads, token-major
+    # (the padded heads are zeros, their outputs dropped); block_q spare tokens so the last
     # block's read stays in bounds.
     q_grouped = jnp.pad(
         q.reshape(num_tokens, kv_heads, group, head_dim), ((0, block_q), (0, 0), (0, padded_group - group), (0, 0))
     )
-    q_grouped = q_grouped.reshape(-1, kv_heads, splits, share, head_dim).transpose(1, 2, 0, 3, 4)
-    q_grouped = q_grouped.reshape(kv_heads * splits, -1, head_dim)
+    q_grouped = q_grouped.reshape(-1, kv_heads, group_splits, share, head_dim).transpose(1, 2, 0, 3, 4)
+    q_grouped = q_grouped.reshape(kv_heads * group_splits, -1, head_dim)
     kernel = functools.partial(
         _ragged_kernel,
         block_q=block_q,
         group=share,
-        group_splits=splits,
+        group_splits=group_splits,
+        kv_splits=kv_splits,
         page_size=cache.page_size,
         pages_per_block=pages_per_block,
         sm_scale=sm_scale,
@@ -235,29 +320,53 @@ def ragged_paged_attention_kernel(
         sigmoid_bias=sigmoid_bias,
         global_tokens=global_tokens,
     )
-    whole_cache = pl.BlockSpec(k_pages.shape, lambda w, g: (0, 0, 0, 0))
+    whole_cache = pl.BlockSpec(k_pages.shape, lambda *_: (0, 0, 0, 0))
     rows = block_q * share
-    out_items = pl.pallas_call(
+    grid = (max_items, kv_heads * group_splits)
+    if kv_splits == 1:
+        out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda w, g: (w, g, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((*grid, rows, head_dim), q.dtype)]
+    else:
+        grid = (*grid, kv_splits)
+        out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda w, g, s: (s, w, g, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((kv_splits, *grid[:2], rows, head_dim), jnp.float32)]
+        if score != "sigmoid":  # the row max and row sum
+            out_specs += [pl.BlockSpec((None, None, None, rows), lambda w, g, s: (s, w, g, 0))] * 2
+            out_shape += [jax.ShapeDtypeStruct((kv_splits, *grid[:2], rows), jnp.float32)] * 2
+    outs = pl.pallas_call(
         kernel,
-        grid=(max_items, kv_heads * splits),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec((None, _WORK_COLUMNS), lambda w, g: (w, 0)),
-            pl.BlockSpec(page_table.shape, lambda w, g: (0, 0)),
-            pl.BlockSpec((None, q_grouped.shape[1], head_dim), lambda w, g: (g, 0, 0)),
+            pl.BlockSpec((None, _WORK_COLUMNS), lambda w, *_: (w, 0)),
+            pl.BlockSpec(page_table.shape, lambda *_: (0, 0)),
+            pl.BlockSpec((None, q_grouped.shape[1], head_dim), lambda w, g, *_: (g, 0, 0)),
             whole_cache,
             whole_cache,
         ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda w, g: (w, g, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((max_items, kv_heads * splits, rows, head_dim), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=triton_compiler_params(interpret=interpret, num_warps=warps_for_rows(rows), num_stages=3),
         name="ragged_paged_attention",
     )(table, page_table.astype(jnp.int32), q_grouped, k_pages, v_pages)
-    # [items, kv_heads, splits, block_q, share, d] -> [items, block_q, heads, d]
-    out_items = out_items.reshape(max_items, kv_heads, splits, block_q, share, head_dim).transpose(0, 3, 1, 2, 4, 5)
+    out_items = outs[0] if kv_splits == 1 else merge_splits(outs, score).astype(q.dtype)
+    # [items, kv_heads, group_splits, block_q, share, d] -> [items, block_q, heads, d]
+    out_items = out_items.reshape(max_items, kv_heads, group_splits, block_q, share, head_dim)
+    out_items = out_items.transpose(0, 3, 1, 2, 4, 5)
     out_items = out_items.reshape(max_items, block_q, kv_heads, padded_group, head_dim)[:, :, :, :group]
     out_items = out_items.reshape(max_items, block_q, heads, head_dim)
     return items_to_tokens(out_items, offsets, query_starts, owner, covered).astype(q.dtype)
+
+
+def merge_splits(partials, score: str):
+    """The splits' partial results merged, ``[..., rows, head_dim]`` float32: for softmax
+    ``partials`` are ``(acc [kv_splits, ..., rows, head_dim], row_max, row_sum [kv_splits,
+    ..., rows])`` (unnormalized, as the online softmax carries them); for sigmoid scores
+    ``(weighted_sum [kv_splits, ..., rows, head_dim],)``, summed."""
+    if score == "sigmoid":
+        return jnp.sum(partials[0], axis=0)
+    acc, row_max, row_sum = partials
+    return online_softmax_result(online_softmax_merge(row_max, row_sum, acc))
 
 
 def items_to_tokens(out_items, item_offsets, query_starts, owner, covered):

@@ -1,7 +1,8 @@
 """ragged_paged_attention: mixed prefill chunks and decodes in one call, the Pallas kernel
 (interpret mode) and the XLA path against the reference; the reference against
 hand-computed causal, windowed, local + global and sigmoid attention per sequence (decode
-rows included); the kernel skips the pages no query sees."""
+rows included); the kernel skips the pages no query sees; split KV (``kv_splits``) gives
+the unsplit kernel's values."""
 
 import math
 import re
@@ -13,7 +14,7 @@ import pytest
 
 from ember.kernels_pallas.block_mask import CausalMask, LocalGlobalMask, combine_masks
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
-from ember.kernels_pallas.ragged_paged_attention_kernel import MAX_ROWS, gpu_block_q, work_items
+from ember.kernels_pallas.ragged_paged_attention_kernel import MAX_ROWS, gpu_block_q, gpu_kv_splits, work_items
 from tests.kernels_pallas.flash_checks import FAST_COMPILE
 from tests.kernels_pallas.paged_checks import contiguous_cache, random_normal, random_paged_cache
 from tests.tolerances import assert_allclose
@@ -140,6 +141,66 @@ def test_gpu_kernel_sizes_its_blocks_to_the_runs_when_left_to_choose(rng):
     assert re.search(r"float32\[\d+,2,16,16\]", jaxpr), "[items, kv_heads, 16 rows, head_dim] outputs"
 
 
+# A decode step of sequences of very different lengths (page size 8, 4 pages a sequence): one
+# or four blocks of one page, so 2, 3 and 6 splits leave some splits of each without blocks.
+DECODE_KV_LENS = jnp.array([1, 5, 9, 17, 26, 32], jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "batch, options",
+    [
+        ("decode", {}),
+        ("mixed", {}),
+        # Global prefix of one page; the window's blocks start past the next one for seq 6's
+        # last item (positions 25..31), so its visible blocks are 0, 2, 3.
+        ("mixed", dict(window=(3, 0), global_tokens=8)),
+        ("mixed", dict(score="sigmoid", sigmoid_bias=-2.0)),
+    ],
+)
+def test_split_kv_matches_the_unsplit_kernel_and_the_reference(rng, batch, options):
+    """kv_splits 1, 2, 3 and more than a sequence's 4 blocks: each split reads its share of
+    the visible blocks (global prefix, then window) and the merged partials give the
+    reference's values, and the unsplit kernel's to float tolerance; splits with no blocks
+    (short sequences, padding items) add nothing, and padding rows stay zero."""
+    q, k_pages, v_pages, page_table = _setup(rng, jnp.float32, heads=4, kv_heads=2, head_dim=16)
+    if batch == "decode":
+        num_seqs = DECODE_KV_LENS.shape[0]
+        q, page_table = q[: num_seqs + 2], page_table[:num_seqs]  # two padding rows
+        metadata = (jnp.arange(num_seqs, dtype=jnp.int32), jnp.ones(num_seqs, jnp.int32), DECODE_KV_LENS)
+        padding = slice(num_seqs, None)
+    else:
+        metadata, padding = _metadata(), PADDING_ROWS
+    expected = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **options))(
+        q, k_pages, v_pages, page_table, *metadata
+    )
+    outs = {}
+    for kv_splits in (1, 2, 3, 6):
+        attend = lambda *a, s=kv_splits: ragged_paged_attention(  # noqa: E731
+            *a, block_q=8, pages_per_block=1, kv_splits=s, impl="interpret", **options
+        )
+        outs[kv_splits] = jax.jit(attend, compiler_options=FAST_COMPILE)(q, k_pages, v_pages, page_table, *metadata)
+        assert_allclose(outs[kv_splits], expected, err_msg=f"kv_splits={kv_splits}")
+        assert_allclose(outs[kv_splits], outs[1], err_msg=f"kv_splits={kv_splits} vs 1")
+        assert np.all(np.asarray(outs[kv_splits][padding]) == 0.0)
+    jaxpr = str(jax.make_jaxpr(attend)(q, k_pages, v_pages, page_table, *metadata))
+    assert re.search(r"grid=\(\d+, 2, 6\)", jaxpr), "[items, kv_heads, kv_splits] programs"
+
+
+def test_gpu_kernel_splits_kv_when_the_work_items_are_few():
+    """kv_splits=None: splits until about 4 programs per SM of a 132-SM GPU, no more than the
+    blocks a sequence can have, none when the work items alone are enough."""
+    # The benchmark's decode step: 64 items x 8 key heads = 512 programs, 32 blocks of 128 tokens.
+    assert gpu_kv_splits(num_tokens=64, num_seqs=64, heads=32, kv_heads=8, block_q=4, seq_blocks=32) == 2
+    assert gpu_kv_splits(num_tokens=8, num_seqs=8, heads=32, kv_heads=8, block_q=4, seq_blocks=32) == 9
+    assert gpu_kv_splits(num_tokens=8, num_seqs=8, heads=32, kv_heads=8, block_q=4, seq_blocks=4) == 4
+    # A padded decode budget counts its sequences, not the grid's padding items.
+    assert gpu_kv_splits(num_tokens=64, num_seqs=256, heads=32, kv_heads=8, block_q=4, seq_blocks=32) == 2
+    # Prefill: 256 items of 16 tokens x 8 key heads, already 2,048 programs.
+    assert gpu_kv_splits(num_tokens=4096, num_seqs=4, heads=32, kv_heads=8, block_q=16, seq_blocks=32) == 1
+    # A group of 32 at block_q 16 is served by 4 programs per key head (MAX_ROWS 128).
+    assert gpu_kv_splits(num_tokens=16, num_seqs=1, heads=32, kv_heads=1, block_q=16, seq_blocks=256) == 132
+
+
 def _numpy_causal_run(q_run, keys, values, kv_len, *, window=None, global_tokens=0, sigmoid_bias=None):
     """Hand-computed attention of a run of new queries ``[n, heads, d]`` (the last ``n``
     positions of a ``kv_len``-token sequence) over its contiguous cache, float64: softmax,
@@ -197,11 +258,15 @@ def test_xla_path_matches_hand_computed_attention(rng, options):
     assert np.all(out[~covered] == 0.0)
 
 
-@pytest.mark.parametrize("score_options", [{}, dict(score="sigmoid", sigmoid_bias=-2.0)])
-def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options):
+@pytest.mark.parametrize(
+    "score_options, kv_splits",
+    [({}, 1), (dict(score="sigmoid", sigmoid_bias=-2.0), 1), ({}, 3), (dict(score="sigmoid", sigmoid_bias=-2.0), 3)],
+)
+def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options, kv_splits):
     """A decode at position 39 with window 4 and 8 global tokens (page size 8) sees pages
     0 and 4 only: NaN keys and values in pages 1..3 must not reach the output (a visited
-    page poisons it even when fully masked, as 0 * NaN = NaN)."""
+    page poisons it even when fully masked, as 0 * NaN = NaN). In 3 splits: none, page 0,
+    page 4."""
     q, k_pages, v_pages, _ = _setup(rng, jnp.float32, heads=4, kv_heads=2, head_dim=16)
     page_table = jnp.arange(5, dtype=jnp.int32)[None]
     metadata = jnp.array([0], jnp.int32), jnp.array([1], jnp.int32), jnp.array([40], jnp.int32)
@@ -211,7 +276,9 @@ def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options)
     )
     k_poisoned, v_poisoned = (x.at[1:4].set(jnp.nan) for x in (k_pages, v_pages))
     kernel = jax.jit(
-        lambda *a: ragged_paged_attention(*a, block_q=8, pages_per_block=1, impl="interpret", **options),
+        lambda *a: ragged_paged_attention(
+            *a, block_q=8, pages_per_block=1, kv_splits=kv_splits, impl="interpret", **options
+        ),
         compiler_options=FAST_COMPILE,
     )
     out = kernel(q[:1], k_poisoned, v_poisoned, page_table, *metadata)
@@ -228,6 +295,9 @@ def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options)
         (lambda a: {**a, "query_lens": a["query_lens"].astype(jnp.float32)}, "query_lens"),
         (lambda a: {**a, "kv_lens": a["kv_lens"][None]}, "kv_lens"),
         (lambda a: {**a, "block_q": 0}, "block_q"),
+        (lambda a: {**a, "kv_splits": 0}, "kv_splits"),
+        (lambda a: {**a, "kv_splits": True}, "kv_splits"),
+        (lambda a: {**a, "kv_splits": 2.0}, "kv_splits"),
         (lambda a: {**a, "score": "relu"}, "score"),
         (lambda a: {**a, "score": "sigmoid"}, "sigmoid_bias"),
         (lambda a: {**a, "score": "sigmoid", "sigmoid_bias": float("inf")}, "sigmoid_bias"),
