@@ -54,8 +54,8 @@ from ember.kernels_pallas.flash_attention_mgpu import DEFAULT_HOPPER_BLOCKS
 from ember.kernels_pallas.flash_attention_mgpu_backward import DEFAULT_HOPPER_BACKWARD_BLOCKS
 from ember.kernels_pallas.flash_attention_routing import hopper_backward_reason, hopper_reason
 from ember.kernels_pallas.hopper import GpuInfo
-from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
-from ember.kernels_pallas.ragged_paged_attention_kernel import default_pages_per_block, gpu_block_q, gpu_kv_splits
+from ember.kernels_pallas.ragged_paged_attention import check_paged_cache, ragged_paged_attention
+from ember.kernels_pallas.ragged_paged_attention_kernel import default_kv_splits, gpu_block_q
 
 # Forward+backward FLOPs over forward FLOPs: backward recomputes QK^T and adds four more
 # matmuls (dV, dP, dQ, dK): 2 + 5 = 7 matmuls against the forward's 2.
@@ -434,15 +434,6 @@ def sigmoid_rows(impl, q_len, batch, heads, head_dim, dtype, causal_values=(Fals
     return rows
 
 
-def default_decode_kv_splits(num_seqs, heads, kv_heads, page_size, length) -> int:
-    """The ``kv_splits`` the GPU kernel picks (``kv_splits=None``) for
-    :func:`ragged_decode_rows`' step: its ``block_q`` and ``pages_per_block`` left to it too."""
-    pages_per_seq = length // page_size
-    pages_per_block = min(default_pages_per_block(page_size), pages_per_seq)
-    block_q = gpu_block_q(num_seqs, num_seqs, heads, kv_heads)
-    return gpu_kv_splits(num_seqs, num_seqs, heads, kv_heads, block_q, -(-pages_per_seq // pages_per_block))
-
-
 def ragged_decode_rows(impl, num_seqs, heads, kv_heads, head_dim, page_size, length, dtype, bandwidth_gbs, repeats=10):
     """One decode token per sequence, every sequence ``length`` tokens long: GB/s of KV
     cache read (each cached key and value once) against the measured bandwidth. One row per
@@ -458,7 +449,10 @@ def ragged_decode_rows(impl, num_seqs, heads, kv_heads, head_dim, page_size, len
     starts, query_lens = jnp.arange(num_seqs, dtype=jnp.int32), jnp.ones((num_seqs,), jnp.int32)
     kv_lens = jnp.full((num_seqs,), length, jnp.int32)
     cache_bytes = 2 * num_seqs * length * kv_heads * head_dim * jnp.dtype(dtype).itemsize
-    default = default_decode_kv_splits(num_seqs, heads, kv_heads, page_size, length)
+    # The kernel's own choice for this step, block_q and pages_per_block left to it too.
+    cache = check_paged_cache(k_pages, v_pages, table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
+    block_q = gpu_block_q(num_seqs, num_seqs, heads, kv_heads)
+    default = default_kv_splits(num_seqs, num_seqs, heads, block_q, None, cache)
     rows = []
     for kv_splits in dict.fromkeys((1, default, 2 * default, 4 * default)):
         chosen = None if kv_splits == default else kv_splits

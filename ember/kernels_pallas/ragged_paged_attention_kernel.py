@@ -137,6 +137,14 @@ def pages_per_step(pages_per_block, cache) -> int:
     return min(pages_per_block, cache.max_pages_per_seq)
 
 
+def default_kv_splits(num_tokens: int, num_seqs: int, heads: int, block_q: int, pages_per_block, cache) -> int:
+    """``kv_splits=None`` resolved as the kernel resolves it for a call's sizes: :func:`gpu_kv_splits`
+    over the blocks of :func:`pages_per_step` pages that ``cache`` (a ``PagedCacheShape``) gives
+    a sequence."""
+    seq_blocks = -(-cache.max_pages_per_seq // pages_per_step(pages_per_block, cache))
+    return gpu_kv_splits(num_tokens, num_seqs, heads, cache.kv_heads, block_q, seq_blocks)
+
+
 def work_items(query_starts, query_lens, kv_lens, *, num_tokens: int, block_q: int):
     """The work list, ``(table [max_items, 8] int32, item_offsets [num_seqs] int32)``.
 
@@ -285,7 +293,7 @@ def ragged_paged_attention_kernel(
 ):
     """The Pallas path of ``ragged_paged_attention`` (arguments already validated;
     ``owner``/``covered`` ``[num_tokens]`` say which sequence owns each token row;
-    ``kv_splits`` None: :func:`gpu_kv_splits`)."""
+    ``kv_splits`` None: :func:`default_kv_splits`)."""
     num_tokens, heads, head_dim = q.shape
     pages_per_block = pages_per_step(pages_per_block, cache)
     query_starts, query_lens, kv_lens = (x.astype(jnp.int32) for x in (query_starts, query_lens, kv_lens))
@@ -295,8 +303,7 @@ def ragged_paged_attention_kernel(
     group = heads // kv_heads
     padded_group, share, group_splits = group_shares(group, block_q)
     if kv_splits is None:
-        seq_blocks = -(-cache.max_pages_per_seq // pages_per_block)
-        kv_splits = gpu_kv_splits(num_tokens, page_table.shape[0], heads, kv_heads, block_q, seq_blocks)
+        kv_splits = default_kv_splits(num_tokens, page_table.shape[0], heads, block_q, pages_per_block, cache)
     # [kv_heads * group_splits, tokens * share, head_dim]: a program's query heads, token-major
     # (the padded heads are zeros, their outputs dropped); block_q spare tokens so the last
     # block's read stays in bounds.
