@@ -9,8 +9,8 @@ CLI runs, notebook kernels, multi-process trainers) -- shares one JAX persistent
 in a temporary directory made for the session, so a program is compiled by XLA once per session
 rather than once per process or per test that rebuilds it. The cache is keyed by the program, its
 devices and compile options, so a hit runs the same executable a compilation would have built.
-XLA's backend optimizations are off for the same reason (compiling dominates at test sizes), except
-in tests marked ``xla_optimized``.
+XLA compiles fast for the same reason (compiling dominates at test sizes; tests/xla_settings.py):
+backend optimizations off and XLA:CPU's loop emitters, except in tests marked ``xla_optimized``.
 """
 
 import os
@@ -29,16 +29,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ember-test-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-# At test sizes XLA's compile time dwarfs the run time of what it compiles, so its backend
-# optimizations are off (measured: about 40% less CPU for the model and kernel tests); tests marked
-# ``xla_optimized`` (long training runs) turn them back on for themselves and what they spawn.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+from tests import xla_settings  # noqa: E402
+
+xla_settings.compile_fast_by_default()
 
 import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from tests.xla_settings import xla_optimizations  # noqa: E402
+if xla_settings.LOOP_EMITTERS in os.environ["XLA_FLAGS"].split():
+    xla_settings.install_emitter_switch()
 
 hypothesis.settings.register_profile("ember", deadline=None, max_examples=20, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ember"))
@@ -81,7 +82,7 @@ def _xla_optimizations_for_marked_tests(request):
     if request.node.get_closest_marker("xla_optimized") is None:
         yield
         return
-    with xla_optimizations():
+    with xla_settings.xla_optimizations():
         yield
 
 

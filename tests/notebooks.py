@@ -17,14 +17,16 @@ import pytest
 from nbclient import NotebookClient
 
 from tests.once_per_session import build_once
+from tests.xla_settings import without_loop_emitters
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 XLA_OPTIMIZED = {"rl_lm.ipynb", "linearize.ipynb"}
-"""Notebooks whose training runs outlast compiling: their kernels get XLA's optimizations back
-(the suite turns them off, see tests/conftest.py). Measured: rl_lm 77 -> 55 s; the others ran
-as fast or faster without them, but for envs_and_rl (24 -> 17 s), whose seed sweep's asserted
-returns were measured with them off (a seed's return changes with the compiled arithmetic)."""
+"""Notebooks whose training runs outlast compiling: their kernels compile with XLA's optimizations
+and fusion emitters (the suite's fast compile turns both off, see tests/xla_settings.py).
+Measured with optimizations: rl_lm 77 -> 55 s; the others ran as fast or faster without them, but
+for envs_and_rl (24 -> 17 s), whose seed sweep's asserted returns were measured with them off (a
+seed's return changes with the compiled arithmetic)."""
 
 # Appended to the executed copy: prints the notebook's own ``work`` directory, if it has one.
 _PRINT_WORK = 'print(globals().get("work", ""))'
@@ -49,20 +51,17 @@ def executed_notebook(tmp_path_factory, name: str) -> ExecutedNotebook:
         notebook.cells.append(nbformat.v4.new_code_cell(_PRINT_WORK))
         with pytest.MonkeyPatch.context() as patch:
             # The kernel gets the one CPU device a researcher's machine has, not the suite's 8 (a
-            # notebook that shows sharding asks for host devices itself): 8 devices' collectives
-            # starved of CPU by the other test worker were seen to exceed XLA's 40 s rendezvous
-            # timeout and kill the kernel. Unset when nothing else is left in it, so that a
-            # notebook's own ``os.environ.setdefault("XLA_FLAGS", ...)`` takes effect.
+            # notebook that shows sharding adds host devices to XLA_FLAGS itself): 8 devices'
+            # collectives starved of CPU by the other test worker were seen to exceed XLA's 40 s
+            # rendezvous timeout and kill the kernel.
             flags = os.environ.get("XLA_FLAGS", "").split()
-            flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
-            if flags:
-                patch.setenv("XLA_FLAGS", " ".join(flags))
-            else:
-                patch.delenv("XLA_FLAGS", raising=False)
-            # A notebook prepares its corpora in its own ``work`` (``os.environ.setdefault``).
-            patch.delenv("EMBER_CACHE", raising=False)
+            flags = " ".join(f for f in flags if "xla_force_host_platform_device_count" not in f)
             if name in XLA_OPTIMIZED:
                 patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+                flags = without_loop_emitters(flags)
+            patch.setenv("XLA_FLAGS", flags)
+            # A notebook prepares its corpora in its own ``work`` (``os.environ.setdefault``).
+            patch.delenv("EMBER_CACHE", raising=False)
             # The notebook's temporary directories (its ``work``) land inside this session's.
             (directory / "tmp").mkdir()
             patch.setenv("TMPDIR", str(directory / "tmp"))

@@ -25,6 +25,7 @@ from benchmarks.device_checks import (
     run_check,
 )
 from tests.once_per_session import build_once
+from tests.xla_settings import subprocess_xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,10 +34,11 @@ REPO = Path(__file__).resolve().parents[1]
 def toy_record(tmp_path_factory):
     """The JSON record of one ``python -m benchmarks.gpu --toy`` run (once per session). A
     subprocess, so it gets one CPU device and XLA's backend optimizations off (compile time
-    dominates at toy sizes and they buy nothing there)."""
+    dominates at toy sizes and they buy nothing there; tests/xla_settings.py)."""
 
     def run(results_dir):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+        flags = subprocess_xla_flags("--xla_backend_optimization_level=0")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
         command = [sys.executable, "-m", "benchmarks.gpu", "--toy", "--results-dir", str(results_dir), "--seed", "11"]
         done = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

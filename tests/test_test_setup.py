@@ -1,5 +1,5 @@
-"""The suite's own set-up: 8 CPU devices, XLA optimizations off unless a test is marked, and the
-tolerance table."""
+"""The suite's own set-up: 8 CPU devices, XLA's fast compile (optimizations and fusion emitters
+off) unless a test is marked, and the tolerance table."""
 
 import os
 
@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import compiler
 
+from tests import xla_settings
 from tests.tolerances import assert_allclose, tolerance
 
 
@@ -33,12 +35,35 @@ def test_assert_allclose_uses_the_dtype_of_actual(rng):
         assert_allclose(x.at[3].set(jnp.nan), x)
 
 
-def test_xla_optimizations_are_off_by_default():
+def fusion_emitters_in_compile_options():
+    overrides = dict(compiler.get_compile_options(num_replicas=1, num_partitions=1).env_option_overrides)
+    return overrides["xla_cpu_use_fusion_emitters"]
+
+
+def test_xla_optimizations_and_fusion_emitters_are_off_by_default(rng):
     assert jax.config.read("jax_disable_most_optimizations")
-    assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"  # and in the subprocesses tests start
+    # ... and in the subprocesses tests start
+    assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+    assert xla_settings.LOOP_EMITTERS in os.environ["XLA_FLAGS"].split()
+    assert xla_settings.subprocess_xla_flags("--xla_backend_optimization_level=0").split() == [
+        "--xla_backend_optimization_level=0",
+        xla_settings.LOOP_EMITTERS,
+    ]
+    assert fusion_emitters_in_compile_options() is False
+    # The emitters differ in tanh's last bits without optimizations: a plain jit uses the loop ones.
+    x = 4 * jax.random.normal(rng, (4096,))
+    by_emitters = {
+        fusion: np.asarray(jax.jit(jnp.tanh, compiler_options={"xla_cpu_use_fusion_emitters": fusion})(x))
+        for fusion in (False, True)
+    }
+    assert not np.array_equal(by_emitters[False], by_emitters[True])
+    np.testing.assert_array_equal(jax.jit(jnp.tanh)(x), by_emitters[False])
 
 
 @pytest.mark.xla_optimized
-def test_a_marked_test_compiles_with_xla_optimizations():
+def test_a_marked_test_compiles_with_xla_optimizations_and_fusion_emitters():
     assert not jax.config.read("jax_disable_most_optimizations")
     assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "0"
+    assert xla_settings.LOOP_EMITTERS not in os.environ["XLA_FLAGS"].split()
+    assert xla_settings.subprocess_xla_flags("--xla_dump_to=x") == "--xla_dump_to=x"
+    assert fusion_emitters_in_compile_options() is True

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ember.core.config import load_config, to_yaml
 from ember.training.lm.config import LMConfig
+from tests.xla_settings import subprocess_xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +62,7 @@ def ember_train(*args, devices=2):
         os.environ,
         PYTHONPATH=str(REPO),
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=subprocess_xla_flags(f"--xla_force_host_platform_device_count={devices}"),
     )
     return subprocess.Popen(
         [sys.executable, "-m", "ember", "train", *map(str, args)],
