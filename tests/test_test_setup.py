@@ -45,8 +45,10 @@ def test_xla_optimizations_and_fusion_emitters_are_off_by_default(rng):
     # ... and in the subprocesses tests start
     assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
     assert xla_settings.LOOP_EMITTERS in os.environ["XLA_FLAGS"].split()
+    assert xla_settings.ONE_CODEGEN_PART in os.environ["XLA_FLAGS"].split()
     assert xla_settings.subprocess_xla_flags("--xla_backend_optimization_level=0").split() == [
         "--xla_backend_optimization_level=0",
+        xla_settings.ONE_CODEGEN_PART,
         xla_settings.LOOP_EMITTERS,
     ]
     assert fusion_emitters_in_compile_options() is False
@@ -65,5 +67,6 @@ def test_a_marked_test_compiles_with_xla_optimizations_and_fusion_emitters():
     assert not jax.config.read("jax_disable_most_optimizations")
     assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "0"
     assert xla_settings.LOOP_EMITTERS not in os.environ["XLA_FLAGS"].split()
-    assert xla_settings.subprocess_xla_flags("--xla_dump_to=x") == "--xla_dump_to=x"
+    assert xla_settings.ONE_CODEGEN_PART in os.environ["XLA_FLAGS"].split()
+    assert xla_settings.subprocess_xla_flags("--xla_dump_to=x") == f"--xla_dump_to=x {xla_settings.ONE_CODEGEN_PART}"
     assert fusion_emitters_in_compile_options() is True
