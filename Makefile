@@ -16,12 +16,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,hf]"
 	touch $(STAMP)
 
-# Lint and format check first (fast, and a failure stops before the long suite), then pytest
-# (tests/conftest.py starts the longest modules first, so both workers finish together).
+# Lint and format check first (fast, and a failure stops before the long suite), then pytest.
+# Work stealing: a worker that runs out of tests takes them from the other's queue (xdist's default
+# keeps each worker's queue; one worker was seen idle for the last 5 of 17 minutes), and
+# tests/conftest.py starts the longest modules first, so that what is left to steal is short.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 
 # Trains the tiny byte-level LM on this machine's Python stdlib sources (~2 minutes on CPU) into a
 # fresh run directory, samples text from it, and plots its curves.

@@ -59,9 +59,16 @@ LONG_MODULES = (
     "tests/training/rl/test_multi_agent_ppo.py",
     "tests/training/rl/test_pqn.py",
     "tests/training/rl/test_sac.py",
+    "tests/training/rl/test_ppo.py",
+    "tests/training/rl/test_dqn.py",
+    "tests/serving/test_weight_dtypes.py",
+    "tests/models/test_hf_mamba2.py",
+    "tests/training/test_lm_resume.py",
+    "tests/training/test_lm_sampling.py",
 )
-"""Modules holding the suite's longest tests (the CI log's slowest durations). They run first,
-so that the two xdist workers, dealt tests in collection order, finish together instead of
+"""Modules holding the suite's longest tests (the CI log's slowest durations). They run first, so
+that the tests left when a worker runs out are short ones: it steals them from the other worker's
+queue (``make test`` runs xdist with ``--dist worksteal``), and both finish together instead of
 one of them spending the last minutes alone on a long test."""
 
 
