@@ -344,10 +344,9 @@ def ragged_paged_attention(
         global_tokens=global_tokens,
     )
     num_tokens, _, head_dim = q.shape
-    if block_q is not None and (not isinstance(block_q, int) or isinstance(block_q, bool) or block_q < 1):
-        raise ValueError(f"block_q must be a positive int or None (chosen per backend), got {block_q!r}")
-    if kv_splits is not None and (not isinstance(kv_splits, int) or isinstance(kv_splits, bool) or kv_splits < 1):
-        raise ValueError(f"kv_splits must be a positive int or None (chosen by the GPU kernel), got {kv_splits!r}")
+    for name, value, chosen_by in (("block_q", block_q, "per backend"), ("kv_splits", kv_splits, "by the GPU kernel")):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None (chosen {chosen_by}), got {value!r}")
     resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=KERNEL_BACKENDS)
     platform = kernel_platform(resolved)
     if block_q is None and platform == "gpu":
