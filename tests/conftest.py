@@ -38,9 +38,6 @@ import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-if xla_settings.LOOP_EMITTERS in os.environ["XLA_FLAGS"].split():
-    xla_settings.install_emitter_switch()
-
 hypothesis.settings.register_profile("ember", deadline=None, max_examples=20, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ember"))
 

@@ -10,10 +10,10 @@ compiles fast (:func:`compile_fast_by_default`, which tests/conftest.py calls be
   arithmetic is bit for bit the same either way (PPO's CartPole training, checked).
 
 Long training runs pay for the optimized compile, and their asserted outcomes were measured with
-it: a test marked ``xla_optimized`` gets it through conftest, a module fixture that trains through
-:func:`xla_optimizations`. Both settings come back, in this process and in the subprocesses it
-starts. The emitters matter there: PPO's shipped CartPole config solved CartPole on 8 of 8 seeds
-compiled with the fusion emitters and on 5 of 8 with the loop emitters (their arithmetic differs).
+it: for a test marked ``xla_optimized``, conftest enters :func:`xla_optimizations`, which brings
+optimizations and the fusion emitters back, in this process and in the subprocesses it starts.
+The emitters matter there: PPO's shipped CartPole config solved CartPole on 8 of 8 seeds compiled
+with the fusion emitters and on 5 of 8 with the loop emitters (their arithmetic differs).
 
 JAX is imported inside the functions: this module is imported before JAX reads its environment.
 """
@@ -34,9 +34,16 @@ ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
 
 def compile_fast_by_default() -> None:
     """Fast compiles for this process and every subprocess it starts (environment variables, read
-    when JAX is imported and when its backend starts), unless the environment already chose."""
+    when JAX is imported and when its backend starts), unless the environment already chose; with
+    the loop emitters, also :func:`_install_emitter_switch` in this process."""
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""), loop_emitters=True)
+    if _loop_emitters_in_environment():
+        _install_emitter_switch()
+
+
+def _loop_emitters_in_environment() -> bool:
+    return LOOP_EMITTERS in os.environ.get("XLA_FLAGS", "").split()
 
 
 def suite_xla_flags(flags: str, *, loop_emitters: bool) -> str:
@@ -56,11 +63,10 @@ def without_loop_emitters(flags: str) -> str:
 def subprocess_xla_flags(*flags: str) -> str:
     """``XLA_FLAGS`` for a subprocess that sets its own ``flags``: with the suite's flags, the loop
     emitters only while this process compiles fast (outside :func:`xla_optimizations`)."""
-    loop_emitters = LOOP_EMITTERS in os.environ.get("XLA_FLAGS", "").split()
-    return suite_xla_flags(" ".join(flags), loop_emitters=loop_emitters)
+    return suite_xla_flags(" ".join(flags), loop_emitters=_loop_emitters_in_environment())
 
 
-def install_emitter_switch() -> None:
+def _install_emitter_switch() -> None:
     """Makes this process pick the emitters per compilation: the loop emitters while XLA's
     optimizations are off, the fusion emitters while they are on. ``XLA_FLAGS`` is read once per
     process, but one test worker runs marked and unmarked tests; JAX has no public per-process
