@@ -6,7 +6,6 @@ applies only with a dropout RNG, and bad configs name their key."""
 
 import dataclasses
 import functools
-import zlib
 
 import flax.linen as nn
 import jax
@@ -15,10 +14,11 @@ import numpy as np
 import pytest
 
 from ember.core.errors import ConfigError
-from ember.core.tree import param_paths, tree_from_paths
+from ember.core.tree import param_paths
 from ember.models.adapters import LoraConfig, adapter_mask, add_lora, merge, merged_weights, unmerge, without_adapters
 from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM
+from tests.moved_adapters import moved
 from tests.tolerances import assert_allclose
 
 DENSE = ModelConfig(vocab_size=53, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=24, max_seq_len=32)
@@ -53,13 +53,7 @@ def add_lora_jit(params, lora, rng):
 @jax.jit
 def perturbed(params, seed, scale=0.05):
     """Adapter leaves A, B and magnitudes moved away from their initial values."""
-    out = {}
-    for path, value in param_paths(nn.meta.unbox(params)).items():
-        if path.endswith(("_lora_a", "_lora_b", "_lora_magnitude")):
-            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
-            value = value + scale * jax.random.normal(key, value.shape, value.dtype)
-        out[path] = value
-    return tree_from_paths(out)
+    return moved(nn.meta.unbox(params), seed, scale)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ PEFT's logits; PiSSA adapters save against the original base."""
 
 import dataclasses
 import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +13,13 @@ import numpy as np
 import pytest
 
 from ember.core.errors import DataError, PathNotFoundError
-from ember.core.tree import param_paths, tree_from_paths
 from ember.models import hf
 from ember.models.adapters import LoraConfig, add_lora
 from ember.models.adapters.lora_ga import lora_ga_init
 from ember.models.decoder import DecoderLM
 from ember.models.hf.peft import load_peft_adapter, save_peft_adapter, with_adapter
 from tests.hf_peers import random_hf_model
+from tests.moved_adapters import moved
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
@@ -60,13 +59,7 @@ def peft_logits(peft_model):
 
 def trained(params, seed, scale=0.1):
     """Adapter factors and magnitudes moved away from their initial values, as training would."""
-    flat = {}
-    for path, value in param_paths(params).items():
-        if path.endswith(("_lora_a", "_lora_b", "_lora_magnitude")):
-            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
-            value = value + scale * jax.random.normal(key, np.shape(value), jnp.float32)
-        flat[path] = value
-    return tree_from_paths(flat)
+    return moved(params, seed, scale)
 
 
 def fresh_hf(path):

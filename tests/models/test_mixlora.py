@@ -4,7 +4,6 @@ load-balancing loss and expert loads are sown as computed by hand; a few masked 
 steps lower the loss and never touch the base; what cannot take MixLoRA says so."""
 
 import dataclasses
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import pytest
 
 from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
-from ember.core.tree import param_paths, tree_from_paths
+from ember.core.tree import param_paths
 from ember.models.adapters import MixLoraConfig, adapter_mask, add_mixlora, merge, without_adapters
 from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM, layers_to_list
@@ -23,6 +22,7 @@ from ember.models.layers.router import load_balancing_loss
 from ember.training.task import apply_model
 from ember.training.trainable import merge as merge_subset
 from ember.training.trainable import select
+from tests.moved_adapters import moved
 from tests.tolerances import assert_allclose
 
 CONFIG = ModelConfig(vocab_size=41, d_model=16, num_layers=2, num_heads=2, mlp_dim=24, max_seq_len=16, init_std=0.1)
@@ -39,15 +39,13 @@ def base_params(config):
 add_mixlora_jit = jax.jit(add_mixlora, static_argnums=1)
 
 
+def expert_factor_or_router(path):
+    return path.endswith(("_lora_a", "_lora_b")) or "mixlora_router" in path
+
+
 @jax.jit
 def trained(params, seed=1, scale=0.3):
-    flat = {}
-    for path, value in param_paths(params).items():
-        if path.endswith(("_lora_a", "_lora_b")) or "mixlora_router" in path:
-            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
-            value = value + scale * jax.random.normal(key, value.shape, value.dtype)
-        flat[path] = value
-    return tree_from_paths(flat)
+    return moved(params, seed, scale, moves=expert_factor_or_router)
 
 
 def reference_mlp(x, layer):

@@ -3,8 +3,6 @@ three adapters (different ranks and targets, one DoRA) gives every request the t
 gets alone from its merged model; an unknown adapter is one request's error; adapters that
 cannot be stacked are refused by name."""
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +10,6 @@ import pytest
 
 from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
-from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters import LoraConfig, adapter_leaves, add_lora, merged_weights
 from ember.models.adapters.stacking import stack_adapters
 from ember.models.config import ModelConfig
@@ -21,6 +18,7 @@ from ember.models.hf.peft import with_adapter
 from ember.serving.engine import Engine
 from ember.serving.model_program import build_program
 from ember.serving.requests import FINISH_ERROR, SamplingParams
+from tests.moved_adapters import moved
 
 CONFIG = ModelConfig(
     vocab_size=97,
@@ -43,13 +41,7 @@ OPTIONS = dict(num_slots=4, token_buckets=(4, 16), max_context=32)
 
 def trained_adapter(base, config, seed):
     """An adapter whose factors and magnitudes are moved well away from their init."""
-    flat = {}
-    for path, value in param_paths(add_lora(base, config, jax.random.key(seed))).items():
-        if path.endswith(("_lora_a", "_lora_b", "_lora_magnitude")):
-            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
-            value = value + 0.3 * jax.random.normal(key, value.shape, value.dtype)
-        flat[path] = value
-    return adapter_leaves(tree_from_paths(flat))
+    return adapter_leaves(moved(add_lora(base, config, jax.random.key(seed)), seed, 0.3))
 
 
 @pytest.fixture(scope="module")
