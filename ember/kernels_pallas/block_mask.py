@@ -42,6 +42,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ember.kernels_pallas.int_options import check_non_negative_int
+
 # Rows of query positions evaluated at a time when reducing a token mask to blocks; bounds
 # host memory to _ROWS_PER_CHUNK * kv_len booleans for 16k x 16k masks.
 _ROWS_PER_CHUNK = 512
@@ -77,12 +79,6 @@ class BlockMask:
         q_pos = np.arange(q_len)[:, None]
         kv_pos = np.arange(kv_len)[None, :]
         return np.broadcast_to(np.asarray(self.visible(q_pos, kv_pos), dtype=bool), (q_len, kv_len))
-
-
-def check_non_negative_int(name: str, value: Any) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``value`` is an int >= 0 (not a bool)."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

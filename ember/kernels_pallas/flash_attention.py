@@ -39,6 +39,7 @@ from ember.kernels_pallas.block_mask import (
 from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
 from ember.kernels_pallas.flash_attention_tpu import flash_attention_tpu
+from ember.kernels_pallas.int_options import check_num_warps, check_positive_int, check_power_of_two
 from ember.kernels_pallas.sequence_padding import pad_axis_to_multiple
 
 SCORES: tuple[str, ...] = ("softmax", "sigmoid")
@@ -78,18 +79,13 @@ class FlashBlockSizes:
     backward_num_warps: int | None = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "backward_block_kv"):
-            value = getattr(self, name)
-            if name == "backward_block_kv" and value is None:
-                continue
-            if not isinstance(value, int) or value < 8 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 8, got {value!r}")
-        for name in ("num_warps", "backward_num_warps"):
-            value = getattr(self, name)
-            if value is not None and value not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name} must be None or one of 1, 2, 4, 8, 16, got {value!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        check_power_of_two("block_q", self.block_q, 8)
+        check_power_of_two("block_kv", self.block_kv, 8)
+        if self.backward_block_kv is not None:
+            check_power_of_two("backward_block_kv", self.backward_block_kv, 8)
+        check_num_warps("num_warps", self.num_warps, none_means="chosen by tile size")
+        check_num_warps("backward_num_warps", self.backward_num_warps, none_means="the forward's num_warps")
+        check_positive_int("num_stages", self.num_stages)
 
     def fitted(self, q_len: int, kv_len: int) -> FlashBlockSizes:
         """These sizes shrunk to the next power of two of short sequences (min 8)."""

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.grouped_matmul_kernels import grouped_matmul_kernel
 from ember.kernels_pallas.grouped_matmul_tpu import grouped_matmul_tpu
+from ember.kernels_pallas.int_options import check_num_warps, check_positive_int, check_power_of_two
 
 KERNEL_BACKENDS: tuple[str, ...] = ("gpu", "tpu")
 """Backends with a compiled Pallas kernel for this op."""
@@ -66,13 +67,9 @@ class GroupedMatmulBlockSizes:
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 8 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 8, got {value!r}")
-        if not isinstance(self.num_warps, int) or self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
-            raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
+            check_power_of_two(name, getattr(self, name), 8)
+        check_num_warps("num_warps", self.num_warps)
+        check_positive_int("num_stages", self.num_stages)
 
 
 def _validate(op, lhs, rhs, group_sizes, group_offset) -> None:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from ember.kernels_pallas import linear_attention_chunks as chunks
 from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.document_boundaries import document_index, document_starts
+from ember.kernels_pallas.int_options import check_power_of_two
 from ember.kernels_pallas.linear_attention_pallas import chunked_linear_attention_pallas
 from ember.kernels_pallas.linear_attention_tpu import chunked_linear_attention_tpu
 
@@ -61,9 +62,7 @@ class ChunkSize:
     chunk_size: int
 
     def __post_init__(self):
-        size = self.chunk_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 8 or size & (size - 1):
-            raise ValueError(f"chunk_size must be a power of two >= 8, got {size!r}")
+        check_power_of_two("chunk_size", self.chunk_size, 8)
 
 
 # ----------------------------------------------------------------------------- validation

@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.dispatch import resolve_impl, triton_compiler_params
+from ember.kernels_pallas.int_options import check_num_warps, check_positive_int, check_power_of_two
 from ember.kernels_pallas.quantized_formats import (
     PACKED_FORMATS,
     QuantizedMatrix,
@@ -82,15 +83,10 @@ class QuantizedMatmulBlockSizes:
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
-        if self.k_splits is not None and (not isinstance(self.k_splits, int) or self.k_splits < 1):
-            raise ValueError(f"k_splits must be a positive int or None, got {self.k_splits!r}")
+            check_power_of_two(name, getattr(self, name), 16)
+        check_num_warps("num_warps", self.num_warps)
+        check_positive_int("num_stages", self.num_stages)
+        check_positive_int("k_splits", self.k_splits, none_means=f"enough for {MIN_PROGRAMS} programs")
         if self.one_row not in ONE_ROW_PRODUCTS:
             raise ValueError(f"one_row must be one of {', '.join(ONE_ROW_PRODUCTS)}, got {self.one_row!r}")
 

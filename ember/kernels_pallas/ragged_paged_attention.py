@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.kernels_pallas.attention_math import check_soft_cap, check_window, reference_attention
-from ember.kernels_pallas.block_mask import check_non_negative_int
 from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.flash_attention import SCORES
+from ember.kernels_pallas.int_options import check_non_negative_int, check_positive_int
 from ember.kernels_pallas.ragged_paged_attention_kernel import (
     DEFAULT_BLOCK_Q,
     gpu_block_q,
@@ -344,9 +344,8 @@ def ragged_paged_attention(
         global_tokens=global_tokens,
     )
     num_tokens, _, head_dim = q.shape
-    for name, value, chosen_by in (("block_q", block_q, "per backend"), ("kv_splits", kv_splits, "by the GPU kernel")):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive int or None (chosen {chosen_by}), got {value!r}")
+    check_positive_int("block_q", block_q, none_means="chosen per backend")
+    check_positive_int("kv_splits", kv_splits, none_means="chosen by the GPU kernel")
     resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=KERNEL_BACKENDS)
     platform = kernel_platform(resolved)
     if block_q is None and platform == "gpu":

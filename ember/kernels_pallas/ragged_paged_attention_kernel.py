@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 
 from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.dispatch import triton_compiler_params
+from ember.kernels_pallas.int_options import check_positive_int
 from ember.kernels_pallas.online_softmax import (
     online_softmax_init,
     online_softmax_merge,
@@ -132,8 +133,7 @@ def pages_per_step(pages_per_block, cache) -> int:
     """
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(cache.page_size)
-    if not isinstance(pages_per_block, int) or pages_per_block < 1:
-        raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
+    check_positive_int("pages_per_block", pages_per_block)
     return min(pages_per_block, cache.max_pages_per_seq)
 
 

@@ -155,6 +155,8 @@ def test_gpu_backward_takes_keys_in_its_own_tiles(rng):
         (dict(num_stages=0), "num_stages"),
         (dict(backward_block_kv=48), "backward_block_kv"),
         (dict(backward_num_warps=6), "backward_num_warps"),
+        (dict(num_stages=True), "num_stages must be a positive int, got True"),
+        (dict(num_warps=True), r"num_warps must be None \(chosen by tile size\) or one of"),
     ],
 )
 def test_block_sizes_validate_themselves(kwargs, argument):

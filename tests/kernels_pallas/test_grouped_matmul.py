@@ -165,6 +165,7 @@ def test_default_tiles_and_preferred_element_type(rng):
         (dict(block_k=4), "block_k must be a power of two >= 8, got 4"),
         (dict(block_n=True), "block_n must be a power of two >= 8, got True"),
         (dict(num_warps=3), "num_warps must be one of 1, 2, 4, 8, 16, got 3"),
+        (dict(num_warps=True), "num_warps must be one of 1, 2, 4, 8, 16, got True"),
         (dict(num_stages=0), "num_stages must be a positive int, got 0"),
     ],
 )

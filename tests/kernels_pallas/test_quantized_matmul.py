@@ -149,8 +149,13 @@ def test_bad_arguments_name_themselves():
         quantized_matmul(x, QuantizedMatrix(weight.values, jnp.ones((3, 16)), "int4"))
     with pytest.raises(ValueError, match="group_size must be a power of two"):
         quantized_matmul(jnp.ones((2, 48)), QuantizedMatrix(jnp.zeros((24, 16), jnp.uint8), jnp.ones((2, 16)), "nf4"))
-    with pytest.raises(ValueError, match="k_splits must be a positive int or None, got 0"):
-        QuantizedMatmulBlockSizes(k_splits=0)
+    for k_splits in (0, True):
+        with pytest.raises(ValueError, match=rf"k_splits must be a positive int or None \(.*\), got {k_splits}"):
+            QuantizedMatmulBlockSizes(k_splits=k_splits)
+    with pytest.raises(ValueError, match="num_stages must be a positive int, got True"):
+        QuantizedMatmulBlockSizes(num_stages=True)
+    with pytest.raises(ValueError, match="num_warps must be one of 1, 2, 4, 8, 16, got True"):
+        QuantizedMatmulBlockSizes(num_warps=True)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         QuantizedMatmulBlockSizes(block_n=48)
     with pytest.raises(ValueError, match="one_row must be one of dot, vector, got 'gemv'"):
