@@ -77,9 +77,11 @@ def settings_array(rows: int) -> dict[str, np.ndarray]:
 
 
 def fill_settings(settings: dict[str, np.ndarray], row: int, params: SamplingParams, sample_index: int) -> None:
-    """Writes one request's ``params`` into row ``row`` of host ``settings``."""
+    """Writes one request's ``params`` into row ``row`` of host ``settings``. A ``top_k``
+    beyond int32 is stored as int32's largest value: any ``top_k`` >= the vocabulary keeps
+    every token."""
     settings["temperature"][row] = params.temperature
-    settings["top_k"][row] = params.top_k
+    settings["top_k"][row] = min(params.top_k, np.iinfo(np.int32).max)
     settings["top_p"][row] = params.top_p
     settings["seed"][row] = params.seed
     settings["sample_index"][row] = sample_index

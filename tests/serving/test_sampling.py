@@ -123,3 +123,13 @@ def test_sampling_params_from_dict_names_unknown_fields():
     assert SamplingParams.from_dict({"max_tokens": 3, "stop": "x"}) == SamplingParams(max_tokens=3, stop=("x",))
     with pytest.raises(ValueError, match="temprature"):
         SamplingParams.from_dict({"temprature": 1.0})
+
+
+def test_a_top_k_beyond_int32_keeps_every_token_like_top_k_off(rng):
+    logits = jax.random.normal(rng, (8, 40)) * 2
+    huge = [SamplingParams(temperature=1.0, top_k=3_000_000_000, seed=s) for s in range(8)]
+    settings = settings_for(huge, range(8))
+    assert settings["top_k"].tolist() == [2**31 - 1] * 8
+    tokens, _ = sample(logits, settings)
+    expected = draw_from(jnp.arange(8), jnp.arange(8), logits)
+    np.testing.assert_array_equal(tokens, expected)  # the draw over the whole vocabulary
