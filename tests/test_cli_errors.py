@@ -102,7 +102,7 @@ SUBPROCESS_FAILURES = {
     "eval bad episodes": (["eval", "{root}/existing", "--episodes", "0"], "--episodes must be a positive integer"),
     "generate bad option": (
         ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--top-p", "0"],
-        "--top-p: top_p must be in (0, 1]",
+        "--top-p: top_p must be a number in (0, 1], got 0.0 (float)",
     ),
     "generate missing prompts": (
         ["generate", "--checkpoint", "{root}/existing", "--prompts", "{root}/nowhere.jsonl"],

@@ -10,7 +10,11 @@ keeps ``output``, so the recomputed prefix is the prompt plus what was generated
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 FINISH_STOP = "stop"
 """Finished on the end-of-sequence token or a stop sequence (neither is part of the output)."""
@@ -34,7 +38,8 @@ class SamplingParams:
     tokenizer encoding gives); ``stop_token_ids`` holds stop sequences as token ids.
     ``logprobs`` asks for the model's log-probability of each generated token (of the
     unmodified distribution, before temperature/top-k/top-p). ``adapter`` names one of the
-    engine's adapters to generate with (None: the base model).
+    engine's adapters to generate with (None: the base model). A field of the wrong value or
+    type (a bool for a number, a string for a number) raises ``ValueError`` saying what it allows.
     """
 
     max_tokens: int = 16
@@ -49,27 +54,27 @@ class SamplingParams:
     adapter: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        sequences = tuple(tuple(int(t) for t in sequence) for sequence in self.stop_token_ids)
-        if any(not sequence for sequence in sequences):
-            raise ValueError("stop_token_ids must hold non-empty token sequences")
-        object.__setattr__(self, "stop_token_ids", sequences)
+        _check("max_tokens", self.max_tokens, numbers.Integral, lambda v: v >= 1, "a positive integer")
+        _check("temperature", self.temperature, numbers.Real, lambda v: v >= 0, "a number >= 0 (0 = greedy)")
+        _check("top_k", self.top_k, numbers.Integral, lambda v: v >= 0, "an integer >= 0 (0 = off)")
+        _check("top_p", self.top_p, numbers.Real, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        _check("seed", self.seed, numbers.Integral, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
+        for name in ("logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {_shown(getattr(self, name))}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not _is_list(stop) or any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {_shown(self.stop)}")
+        object.__setattr__(self, "stop", tuple(stop))
+        sequences = self.stop_token_ids
+        if not _is_list(sequences) or not all(_is_token_sequence(sequence) for sequence in sequences):
+            raise ValueError(
+                "stop_token_ids must be a list of non-empty lists of token ids (integers >= 0), "
+                f"got {_shown(sequences)}"
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(tuple(int(t) for t in sequence) for sequence in sequences))
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
-            raise ValueError(f"adapter must be an adapter's name, got {self.adapter!r}")
+            raise ValueError(f"adapter must be an adapter's name, got {_shown(self.adapter)}")
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
@@ -79,6 +84,30 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
         return cls(**fields)
+
+
+def _check(name: str, value: Any, kind: type, valid: Callable[[Any], bool], allowed: str) -> None:
+    """Raises ``ValueError`` unless ``value`` is a ``kind`` number (never a bool) that is ``valid``."""
+    if isinstance(value, bool) or not isinstance(value, kind) or not valid(value):
+        raise ValueError(f"{name} must be {allowed}, got {_shown(value)}")
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence | np.ndarray) and not isinstance(value, str)
+
+
+def _is_token_sequence(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list of token ids (integers >= 0, not bools)."""
+    return (
+        _is_list(value)
+        and len(value) > 0
+        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, with its type (``'0.5' (str)``, ``True (bool)``)."""
+    return f"{value!r} ({type(value).__name__})"
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: the scheduler's queues hold these

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.serving.batch_io import parse_lines
 from ember.serving.requests import SamplingParams
 from ember.serving.sampling import fill_settings, sample_tokens, settings_array
 from tests.tolerances import assert_allclose
@@ -112,11 +113,41 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch_position(rng):
         (dict(top_p=0.0), "top_p"),
         (dict(seed=-1), "seed"),
         (dict(stop=[""]), "stop"),
+        # Wrong types: the message says what is allowed, never a Python-internal error.
+        (dict(temperature="hot"), r"temperature must be a number >= 0 \(0 = greedy\), got 'hot' \(str\)"),
+        (dict(top_p="0.5"), r"top_p must be a number in \(0, 1\], got '0.5' \(str\)"),
+        (dict(temperature=True), r"temperature must be a number .*, got True \(bool\)"),
+        (dict(max_tokens=True), r"max_tokens must be a positive integer, got True \(bool\)"),
+        (dict(top_k=2.0), r"top_k must be an integer >= 0 \(0 = off\), got 2.0 \(float\)"),
+        (dict(seed=False), r"seed must be an integer in \[0, 2147483647\], got False \(bool\)"),
+        (dict(stop_token_ids=[5]), r"stop_token_ids must be a list of non-empty lists of token ids .*, got \[5\]"),
+        (dict(stop_token_ids=[[1.7]]), r"stop_token_ids must be .*, got \[\[1.7\]\]"),
+        (dict(stop_token_ids=[[True]]), "stop_token_ids must be"),
+        (dict(stop_token_ids=[[]]), "stop_token_ids must be"),
+        (dict(stop=5), r"stop must be a string or a list of non-empty strings, got 5 \(int\)"),
+        (dict(logprobs="yes"), r"logprobs must be true or false, got 'yes' \(str\)"),
     ],
 )
 def test_sampling_params_reject_bad_values(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
+
+
+def test_a_wrongly_typed_field_rejects_its_jsonl_line_only():
+    lines = [
+        '{"prompt": "a", "temperature": "hot"}',
+        '{"prompt": "b", "stop_token_ids": [5]}',
+        '{"prompt": "c", "max_tokens": true}',
+        '{"prompt": "d", "max_tokens": 3, "stop_token_ids": [[1, 2]], "top_p": 0.5}',
+    ]
+    parsed = parse_lines(lines)
+    assert [line.error for line in parsed[:3]] == [
+        "line 1: temperature must be a number >= 0 (0 = greedy), got 'hot' (str)",
+        "line 2: stop_token_ids must be a list of non-empty lists of token ids (integers >= 0), got [5] (list)",
+        "line 3: max_tokens must be a positive integer, got True (bool)",
+    ]
+    assert parsed[3].error is None
+    assert parsed[3].params == SamplingParams(max_tokens=3, stop_token_ids=((1, 2),), top_p=0.5)
 
 
 def test_sampling_params_from_dict_names_unknown_fields():
