@@ -22,8 +22,10 @@ class ByteTokenizer:
     eos_id: int = BYTE_VOCAB
     vocab_size: int = BYTE_VOCAB + 1
 
-    def encode(self, text: str, *, add_eos: bool = False) -> np.ndarray:
-        """``text`` -> ``[len(utf8 bytes) (+1)]`` uint16 token ids."""
+    def encode(self, text: str, *, add_special_tokens: bool = True, add_eos: bool = False) -> np.ndarray:
+        """``text`` -> ``[len(utf8 bytes) (+1)]`` uint16 token ids. ``add_special_tokens`` is
+        accepted as ``HFTokenizer.encode`` takes it and changes nothing: this tokenizer adds no
+        BOS; ``add_eos`` appends the end-of-document id."""
         ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
         return np.append(ids, np.uint16(self.eos_id)) if add_eos else ids
 

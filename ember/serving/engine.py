@@ -27,9 +27,12 @@ from ember.serving.scheduler import Scheduler, SchedulerConfig
 
 
 class Tokenizer(Protocol):
-    eos_id: int
+    """What the engine needs of a tokenizer (``ByteTokenizer``, ``HFTokenizer``):
+    ``add_special_tokens=False`` encodes a piece of text without the BOS a prompt starts with."""
 
-    def encode(self, text: str) -> Sequence[int]: ...
+    eos_id: int | None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> Sequence[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -139,7 +142,8 @@ class Engine:
         if params.stop:
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-            stops = stops + tuple(tuple(int(t) for t in self.tokenizer.encode(s)) for s in params.stop)
+            encoded = (self.tokenizer.encode(s, add_special_tokens=False) for s in params.stop)
+            stops = stops + tuple(tuple(int(t) for t in ids) for ids in encoded)
         request = Request(self._next_id, tokens, params, stop_sequences=stops)
         self._next_id += 1
         self._requests[request.request_id] = request

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.core.hf_tokenizer import load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
@@ -17,6 +18,7 @@ from ember.serving.requests import SamplingParams
 from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
 from tests.serving.random_workload import random_prompts, run_random_arrivals
+from tests.training.finetune_setup import BOS, WORDS, write_tokenizer
 
 CONFIG = ModelConfig(
     vocab_size=257, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128, page_size=4, max_seq_len=48
@@ -133,6 +135,21 @@ def test_stop_token_sequences_and_stop_strings_end_the_output(engine, reference_
     list(engine.run_until_done([request_id]))
     engine.result(request_id)
     assert engine.scheduler.allocator.num_free == NUM_PAGES
+
+
+def test_stop_strings_match_without_the_bos_an_hf_tokenizer_adds(program, reference_greedy, rng, tmp_path):
+    """A Llama-style tokenizer prepends BOS to what it encodes; a stop string is matched without it."""
+    words = [*WORDS, *(f"w{i}" for i in range(len(WORDS), CONFIG.vocab_size))]
+    write_tokenizer(tmp_path, words)
+    tokenizer = load_hf_tokenizer(tmp_path)
+    engine = Engine(program.fresh_copy(), tokenizer=tokenizer)
+    prompt = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 1, 4, 12)[0]
+    greedy = reference_greedy([prompt], [10])[0]
+    stop = next(t for t in greedy[2:] if t not in (tokenizer.bos_id, tokenizer.eos_id, 0))  # a word's token
+    assert tokenizer.encode(words[stop]).tolist() == [BOS, stop]
+    result = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, stop=[words[stop]]))[0]
+    assert result.tokens == greedy[: greedy.index(stop)] and result.finish_reason == "stop"
+    assert result.text == tokenizer.decode(result.tokens)
 
 
 def test_updated_weights_serve_like_a_fresh_engine_without_recompiling(program, params, rng):

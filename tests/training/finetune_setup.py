@@ -11,11 +11,11 @@ WORDS = ["<unk>", "<s>", "</s>", "what", "does", "the", "say", "?", "a", "it", *
 BOS, EOS = 1, 2
 
 
-def write_tokenizer(path: Path) -> None:
-    """A word-level tokenizer that prepends ``<s>``, as Llama's does."""
+def write_tokenizer(path: Path, words: list[str] = WORDS) -> None:
+    """A word-level tokenizer of ``words`` (which start as ``WORDS`` do) that prepends ``<s>``, as Llama's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
     tokenizer.decoder = decoders.WordPiece(prefix="##")

@@ -152,11 +152,7 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
 
 def _encode(tokenizer: Any, text: str, *, first: bool) -> np.ndarray:
     """``text`` as ids: a sequence start with the tokenizer's special tokens, a continuation without."""
-    try:
-        ids = tokenizer.encode(text, add_special_tokens=first)
-    except TypeError:  # the byte tokenizer has no special tokens to add
-        ids = tokenizer.encode(text)
-    return np.asarray(ids, np.int32)
+    return np.asarray(tokenizer.encode(text, add_special_tokens=first), np.int32)
 
 
 def pack_examples(examples: Sequence[Example], seq_len: int) -> list[dict[str, np.ndarray]]:
