@@ -115,10 +115,12 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids (prompt_tokens) instead")
             tokens = [int(t) for t in self.tokenizer.encode(prompt)]
-        else:
+        elif isinstance(prompt, Sequence | np.ndarray):
             if any(isinstance(t, bool) or not isinstance(t, int | np.integer) for t in prompt):
                 raise ValueError("prompt tokens must be integers")
             tokens = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not tokens:
             raise ValueError("the prompt is empty")
         vocab = self.program.vocab_size
@@ -133,6 +135,18 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queues a request and returns its id; raises ``ValueError`` for a bad prompt."""
+        return self._enqueue(self._prepare(prompt, params))
+
+    def abort(self, request_id: int) -> None:
+        """Stops a request, waiting or running (its pages and slot are freed), and forgets it
+        with what it generated; an id the engine no longer knows is ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort(request)
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> Request:
+        """The request of ``prompt``, checked but not queued (its id is set by ``_enqueue``);
+        raises ``ValueError`` for what is wrong with it."""
         params = SamplingParams() if params is None else params
         if params.adapter is not None and params.adapter not in self.program.adapter_names:
             known = ", ".join(self.program.adapter_names) or "none (serve some with --adapter NAME=DIR)"
@@ -144,7 +158,10 @@ class Engine:
                 raise ValueError("stop strings need a tokenizer; use stop_token_ids")
             encoded = (self.tokenizer.encode(s, add_special_tokens=False) for s in params.stop)
             stops = stops + tuple(tuple(int(t) for t in ids) for ids in encoded)
-        request = Request(self._next_id, tokens, params, stop_sequences=stops)
+        return Request(-1, tokens, params, stop_sequences=stops)
+
+    def _enqueue(self, request: Request) -> int:
+        request.request_id = self._next_id
         self._next_id += 1
         self._requests[request.request_id] = request
         self.scheduler.add(request)
@@ -219,16 +236,18 @@ class Engine:
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[TokenEvent]:
         """Token events of ``prompts`` as they are generated (request ids count up from the
-        first prompt's). Every prompt is validated before any runs (``ValueError``).
-        Tokens are streamed as sampled: the tail of a stop sequence appears in the stream
-        although the final result leaves it out."""
+        first prompt's). Every request is checked before any is queued (``ValueError``: none
+        runs). Tokens are streamed as sampled: the tail of a stop sequence appears in the
+        stream although the final result leaves it out. Closing the stream early aborts its
+        unfinished requests."""
         params_list = _params_per_prompt(prompts, params)
-        for prompt in prompts:
-            self.encode_prompt(prompt)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params_list)]
-        yield from self.run_until_done(ids)
-        for request_id in ids:
-            self._requests.pop(request_id, None)
+        requests = [self._prepare(prompt, p) for prompt, p in zip(prompts, params_list)]
+        ids = [self._enqueue(request) for request in requests]
+        try:
+            yield from self.run_until_done(ids)
+        finally:
+            for request_id in ids:
+                self.abort(request_id)  # forgets the finished ones too
 
     def generate(
         self,
@@ -239,19 +258,28 @@ class Engine:
     ) -> list[GenerationResult]:
         """Generates for every prompt; results in prompt order. A bad prompt gets a result
         with ``finish_reason="error"``, ``error`` set and ``request_id`` -1 (it never became
-        a request); the others run normally.
+        a request); the others run normally. Every request is checked before any is queued;
+        an exception (an interrupt) aborts the requests still unfinished.
         ``progress``: an optional tqdm-like bar, advanced by one per generated token."""
         params_list = _params_per_prompt(prompts, params)
-        ids: list[int | str] = []
+        prepared: list[Request | str] = []
         for prompt, p in zip(prompts, params_list):
             try:
-                ids.append(self.add_request(prompt, p))
+                prepared.append(self._prepare(prompt, p))
             except ValueError as error:
-                ids.append(str(error))
-        for event in self.run_until_done([i for i in ids if isinstance(i, int)]):
-            if progress is not None and event.token is not None:
-                progress.update(1)
-        return [self.result(i) if isinstance(i, int) else GenerationResult(-1, [], FINISH_ERROR, error=i) for i in ids]
+                prepared.append(str(error))
+        queued = [self._enqueue(r) for r in prepared if isinstance(r, Request)]
+        try:
+            for event in self.run_until_done(queued):
+                if progress is not None and event.token is not None:
+                    progress.update(1)
+            return [
+                self.result(r.request_id) if isinstance(r, Request) else GenerationResult(-1, [], FINISH_ERROR, error=r)
+                for r in prepared
+            ]
+        finally:
+            for request_id in queued:
+                self.abort(request_id)  # those an exception left unfinished (result() forgot the rest)
 
 
 def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingParams]:

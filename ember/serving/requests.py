@@ -22,6 +22,8 @@ FINISH_LENGTH = "length"
 """Finished on ``max_tokens`` or on the context limit."""
 FINISH_ERROR = "error"
 """Rejected before running (see ``GenerationResult.error``)."""
+FINISH_ABORT = "abort"
+"""Stopped by its caller before it finished (``Engine.abort``, a stream closed early)."""
 
 MAX_SEED = 2**31 - 1
 
@@ -173,6 +175,7 @@ class GenerationResult:
 
 
 __all__ = [
+    "FINISH_ABORT",
     "FINISH_ERROR",
     "FINISH_LENGTH",
     "FINISH_STOP",

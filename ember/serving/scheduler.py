@@ -23,7 +23,7 @@ import dataclasses
 
 from ember.core.errors import ConfigError
 from ember.serving.pages import PageAllocator, pages_needed
-from ember.serving.requests import FINISH_LENGTH, FINISH_STOP, Request, TokenEvent
+from ember.serving.requests import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, TokenEvent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +159,17 @@ class Scheduler:
                 self.preempt(request)
                 return 0
             self.preempt(victims[-1])
+
+    def abort(self, request: Request) -> None:
+        """Drops an unfinished ``request``: out of the waiting queue, or its pages and slot freed
+        if it runs; it finishes with reason ``"abort"``. A finished request is left as it is."""
+        if request.finished:
+            return
+        if request in self.running:
+            self._release(request)
+        else:
+            self.waiting.remove(request)
+        request.finish_reason = FINISH_ABORT
 
     def preempt(self, request: Request) -> None:
         """Frees ``request``'s pages and slot and requeues it to be recomputed."""

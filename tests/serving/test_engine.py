@@ -111,6 +111,25 @@ def test_stream_yields_the_generated_tokens_then_the_finish(engine, reference_gr
         list(engine.stream([[1], []]))
 
 
+def test_a_rejected_or_abandoned_request_leaves_nothing_queued(program, engine, reference_greedy):
+    """Every request is checked before any is queued, and a stream closed early aborts its own."""
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        list(engine.stream([[1, 2], [3, 4]], [p, SamplingParams(adapter="nope")]))
+    assert not engine.has_unfinished
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        list(Engine(program.fresh_copy()).stream([[1, 2], [3, 4]], [p, SamplingParams(stop=["ab"])]))
+    results = engine.generate([[1, 2], 5], p)
+    assert results[1].error == "a prompt is a string or a list of token ids, got int"
+    assert results[0].tokens == reference_greedy([[1, 2]], [3])[0] and not engine.has_unfinished
+
+    stream = engine.stream([[1, 2], [3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not engine.has_unfinished and engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.generate([[9]], p)[0].tokens == reference_greedy([[9]], [3])[0]
+
+
 def test_a_step_moves_nothing_implicitly_between_host_and_device(engine):
     engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     with jax.transfer_guard("disallow"):

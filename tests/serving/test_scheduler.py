@@ -104,6 +104,28 @@ def test_finish_on_eos_stop_sequence_and_context():
     assert scheduler.allocator.num_free == 16 and not scheduler.has_unfinished
 
 
+def test_abort_drops_a_waiting_request_and_frees_a_running_ones_pages_and_slot():
+    scheduler = make_scheduler(num_slots=1)
+    running, waiting = request(0, 5, max_tokens=3), request(1, 3, max_tokens=2)
+    scheduler.add(running)
+    scheduler.add(waiting)
+    commit_all(scheduler, scheduler.schedule())  # the first chunk of the running one; no slot for the other
+    assert running.pages == [0, 1] and running.slot == 0 and scheduler.waiting == [waiting]
+    scheduler.abort(waiting)
+    scheduler.abort(running)
+    assert running.finish_reason == waiting.finish_reason == "abort"
+    assert running.pages == [] and running.slot is None
+    assert not scheduler.has_unfinished and scheduler.allocator.num_free == 16
+    # The freed slot and pages serve the next request; aborting a finished one changes nothing.
+    after = request(2, 2, max_tokens=1)
+    scheduler.add(after)
+    step = scheduler.schedule()
+    assert layout(step) == [(2, 0, 2)] and after.slot == 0
+    commit_all(scheduler, step)
+    scheduler.abort(after)
+    assert after.finish_reason == "length" and scheduler.allocator.num_free == 16
+
+
 def test_preemption_by_recompute_under_a_tiny_pool():
     # 4 pages of 2 tokens = one full sequence of max_context 8; two requests must share.
     scheduler = make_scheduler(num_slots=2, token_budget=8, chunk_size=4, num_pages=4, max_context=8)
