@@ -135,6 +135,14 @@ IN_PROCESS_FAILURES = {
         ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--token-budget", "0"],
         "--token-budget must be a positive integer",
     ),
+    "generate artifact with step": (
+        ["generate", "--artifact", "{root}/artifact", "--prompt", "hi", "--step", "1"],
+        "--step applies to --checkpoint, not to an exported --artifact",
+    ),
+    "generate artifact with max context": (
+        ["generate", "--artifact", "{root}/artifact", "--prompt", "hi", "--max-context", "16"],
+        "--max-context applies to --checkpoint, not to an exported --artifact",
+    ),
     "plot unknown metric": (["plot", "{root}/plotted", "--metrics", "reward"], "no values for metric(s) reward"),
     "data missing file": (["data", "prepare", "{root}/nowhere.txt", "--out", "{root}/d"], "not a file: "),
     "envs bad max steps": (

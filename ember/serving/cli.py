@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inputs.add_argument("--prompts", help="JSONL file of requests (see 'ember.serving.batch_io')")
     inputs.add_argument("--prompt", help="a single text prompt; the generated text is printed")
     parser.add_argument("--out", help="JSONL output file (with --prompts; default: standard output)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
+    parser.add_argument(
+        "--step", type=int, default=None, help="checkpoint step of a run directory (default: latest; --checkpoint)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="default max_tokens of a request")
     parser.add_argument("--temperature", type=float, default=0.0, help="default temperature (0 = greedy)")
     parser.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
@@ -50,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-budget", type=int, default=64, help="most tokens per step, decodes + prefill chunks (--checkpoint)"
     )
-    parser.add_argument("--max-context", type=int, default=None, help="longest sequence (default: the model's)")
+    parser.add_argument(
+        "--max-context", type=int, default=None, help="longest sequence (default: the model's; --checkpoint)"
+    )
     parser.add_argument(
         "--adapter",
         action="append",
@@ -77,8 +81,15 @@ def check_engine_options(args: argparse.Namespace) -> None:
 
 def check_options(args: argparse.Namespace) -> dict[str, Any]:
     """Validates the options before any model is loaded; returns the default sampling fields
-    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``)."""
+    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``; ``--step`` or
+    ``--max-context`` with ``--artifact``, whose weights and sizes ``ember export`` fixed)."""
     check_engine_options(args)
+    if args.artifact:
+        for flag, value in (("--step", args.step), ("--max-context", args.max_context)):
+            if value is not None:
+                raise ConfigError(
+                    f"{flag} applies to --checkpoint, not to an exported --artifact (fixed by 'ember export')", key=flag
+                )
     if args.out and not args.prompts:
         raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
     adapter_dirs(args)
