@@ -131,8 +131,8 @@ def build_engine(args: argparse.Namespace):
     if args.artifact:
         from ember.serving.export import load_artifact
 
-        program, tokenizer, eos_id = load_artifact(args.artifact)
-        return Engine(program, tokenizer=tokenizer, eos_id=eos_id)
+        program, tokenizer, eos_ids = load_artifact(args.artifact)
+        return Engine(program, tokenizer=tokenizer, eos_id=eos_ids)
     from ember.serving.loading import load_model
 
     loaded = load_model(args.checkpoint, step=args.step)
@@ -146,7 +146,7 @@ def build_engine(args: argparse.Namespace):
             loaded.config,
             loaded.params,
             tokenizer=loaded.tokenizer,
-            eos_id=loaded.eos_id,
+            eos_id=loaded.eos_ids,
             num_slots=args.num_slots,
             token_budget=args.token_budget,
             max_context=args.max_context,

@@ -23,7 +23,7 @@ import numpy as np
 from ember.serving.program import DeviceProgram, batch_arrays
 from ember.serving.requests import FINISH_ERROR, GenerationResult, Request, SamplingParams, TokenEvent
 from ember.serving.sampling import fill_settings, settings_array
-from ember.serving.scheduler import Scheduler, SchedulerConfig
+from ember.serving.scheduler import Scheduler, SchedulerConfig, eos_ids_of
 
 
 class Tokenizer(Protocol):
@@ -49,14 +49,16 @@ class Engine:
         *,
         token_budget: int | None = None,
         tokenizer: Tokenizer | None = None,
-        eos_id: int | None = None,
+        eos_id: int | Sequence[int] | None = None,
     ):
         """Args:
         program: the compiled steps and their cache.
         token_budget: tokens per step over all slots (decodes first, then prefill
           chunks); default and most the program's largest token bucket.
         tokenizer: turns text prompts and stop strings into tokens and outputs into text.
-        eos_id: end-of-sequence token; default the tokenizer's, else none.
+        eos_id: the end-of-sequence token, or several (any of them ends a request, as
+          Llama-3-Instruct's three do); default the tokenizer's, else none. The engine holds
+          them as ``eos_ids``.
         """
         self.program = program
         self.tokenizer = tokenizer
@@ -65,7 +67,7 @@ class Engine:
             raise ValueError(
                 f"token_budget must be in [1, {program.token_budget}] (the largest compiled bucket), got {token_budget}"
             )
-        self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
+        self.eos_ids = eos_ids_of(eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_slots=program.num_slots,
@@ -74,7 +76,7 @@ class Engine:
                 page_size=program.page_size,
                 num_pages=program.num_pages,
                 max_context=program.max_context,
-                eos_id=self.eos_id,
+                eos_ids=self.eos_ids,
             )
         )
         self._requests: dict[int, Request] = {}
@@ -88,7 +90,7 @@ class Engine:
         params: Any,
         *,
         tokenizer: Tokenizer | None = None,
-        eos_id: int | None = None,
+        eos_id: int | Sequence[int] | None = None,
         **program_options: Any,
     ) -> Engine:
         """An engine for ``DecoderLM(config)`` with ``params``; ``program_options`` go to
@@ -183,6 +185,7 @@ class Engine:
             finish_reason=request.finish_reason,
             text=self.tokenizer.decode(request.output) if self.tokenizer is not None else None,
             logprobs=list(request.logprobs) if request.params.logprobs else None,
+            eos_token=request.eos_token,
         )
 
     # Running ------------------------------------------------------------------------------

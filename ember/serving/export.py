@@ -4,7 +4,7 @@
     ember generate --artifact OUT_DIR --prompts in.jsonl --out out.jsonl
 
 ``OUT_DIR`` holds ``manifest.json`` (engine sizes, token buckets, tokenizer description, EOS
-id), ``step_t<tokens>.jaxexport`` (one serialized step per token bucket) and ``params.npz`` (the
+ids), ``step_t<tokens>.jaxexport`` (one serialized step per token bucket) and ``params.npz`` (the
 parameter leaves in the order of the exported functions' input tree, each in the dtype the
 step reads it in: ``ember.serving.model_program.read_weight_dtypes``). Loading an artifact
 (:func:`load_artifact`) imports neither ``ember.models`` nor Flax model code: the exported
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,11 @@ from ember.serving.program import (
     resolve_token_buckets,
     step_argument_specs,
 )
+from ember.serving.scheduler import eos_ids_of
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+"""Format 2 held one ``eos_id``; 3 holds ``eos_ids``, a list."""
 
 
 def export_program(
@@ -43,7 +47,7 @@ def export_program(
     out_dir: str | Path,
     *,
     tokenizer: Any = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     num_slots: int = 8,
     token_budget: int = 64,
     token_buckets: tuple[int, ...] | None = None,
@@ -51,7 +55,8 @@ def export_program(
     num_pages: int | None = None,
 ) -> Path:
     """Writes the artifact of ``DecoderLM(config)`` with ``params`` to ``out_dir``
-    (sizes as in :func:`ember.serving.model_program.build_program`)."""
+    (sizes as in :func:`ember.serving.model_program.build_program`; ``eos_id``: one
+    end-of-sequence id or several, as ``Engine`` takes them)."""
     from ember.models.cache import init_cache_layers  # model code: export side only
     from ember.serving.model_program import jitted_step, program_layout, read_weight_dtypes
 
@@ -73,24 +78,24 @@ def export_program(
         token_buckets=list(buckets),
         **layout,
         tokenizer=description,
-        eos_id=eos_id,
+        eos_ids=list(eos_ids_of(eos_id)),
     )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out
 
 
-def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None]:
-    """``(program, tokenizer or None, eos_id)`` from an artifact directory; every step is
+def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, tuple[int, ...]]:
+    """``(program, tokenizer or None, eos_ids)`` from an artifact directory; every step is
     compiled (with the cache donated) before this returns."""
     directory = Path(directory)
     manifest_file = directory / "manifest.json"
     if not manifest_file.is_file():
         raise PathNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
     manifest = json.loads(manifest_file.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise DataError(
-            f"artifact format {manifest.get('format_version')!r} of {directory} is not the supported "
-            f"{FORMAT_VERSION}: export it again with this version of Ember"
+            f"artifact format {manifest.get('format_version')!r} of {directory} is not one of the supported "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: export it again with this version of Ember"
         )
     exported = {
         size: jax.export.deserialize(bytearray((directory / f"step_t{size}.jaxexport").read_bytes()))
@@ -114,7 +119,8 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, int | None
         steps[size] = jax.jit(function.call, donate_argnums=1).lower(*specs).compile()
     program = DeviceProgram(steps=steps, params=params, kv=kv, **{name: manifest[name] for name in LAYOUT_FIELDS})
     tokenizer = tokenizer_from_description(manifest["tokenizer"]) if manifest["tokenizer"] else None
-    return program, tokenizer, manifest["eos_id"]
+    eos_ids = eos_ids_of(manifest["eos_ids"] if "eos_ids" in manifest else manifest["eos_id"])
+    return program, tokenizer, eos_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         loaded.params,
         args.out_dir,
         tokenizer=loaded.tokenizer,
-        eos_id=loaded.eos_id,
+        eos_id=loaded.eos_ids,
         num_slots=args.num_slots,
         token_budget=args.token_budget,
         max_context=args.max_context,

@@ -40,6 +40,7 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import convert_layer_layout, saved_scan_layers
 from ember.models.linearize import LinearizeConfig, linearized_config
 from ember.models.variables import serving_weights
+from ember.serving.scheduler import eos_ids_of
 
 
 @dataclasses.dataclass
@@ -48,7 +49,8 @@ class LoadedModel:
     params: Any
     """The weights serving applies: the param tree, or with model state ``{"params", <state>}``."""
     tokenizer: Any
-    eos_id: int | None
+    eos_ids: tuple[int, ...]
+    """The end-of-sequence ids (any ends a request): a Hugging Face ``config.json`` may list several."""
 
 
 def load_model(path: str | Path, *, step: int | None = None, **config_overrides: Any) -> LoadedModel:
@@ -84,11 +86,13 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
         raise ConfigError(f"{path / 'config.yaml'}, model.{error}", key=f"model.{error.key}") from None
     params, model_state = restore_weights(path, step, config)
     if kind == "quantized" and read_key(path / "config.yaml", "tokenizer") == "hf":
-        tokenizer, eos_id = _hf_tokenizer(path), read_key(path / "config.yaml", "eos_id")
+        tokenizer = _hf_tokenizer(path)
+        # "eos_id" (one id) in directories written before "eos_ids"
+        eos_ids = read_key(path / "config.yaml", "eos_ids", default=read_key(path / "config.yaml", "eos_id"))
     else:
         tokenizer = ByteTokenizer()
-        eos_id = tokenizer.eos_id
-    return LoadedModel(config, serving_weights(params, model_state), tokenizer, eos_id)
+        eos_ids = tokenizer.eos_id
+    return LoadedModel(config, serving_weights(params, model_state), tokenizer, eos_ids_of(eos_ids))
 
 
 def serving_overrides() -> dict[str, Any]:
@@ -126,7 +130,7 @@ def _load_finetune_run(
     if linearized:
         config = linearized_config(config, load_config(LinearizeConfig, read_key(path / "config.yaml", "linear") or {}))
     params, model_state = restore_weights(path, step, config)
-    return LoadedModel(config, serving_weights(params, model_state), loaded.tokenizer, loaded.eos_id)
+    return LoadedModel(config, serving_weights(params, model_state), loaded.tokenizer, loaded.eos_ids)
 
 
 def restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[Any, Any]:
@@ -151,9 +155,8 @@ def _load_hf(path: Path, config_overrides: dict[str, Any]) -> LoadedModel:
     from ember.models import hf
 
     config, params = hf.load(path, **config_overrides)
-    eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
-    eos_id = eos[0] if isinstance(eos, list) and eos else eos
-    return LoadedModel(config, jax.tree.map(jnp.asarray, params), _hf_tokenizer(path), eos_id)
+    eos_ids = eos_ids_of(json.loads((path / "config.json").read_text()).get("eos_token_id"))  # an id or a list
+    return LoadedModel(config, jax.tree.map(jnp.asarray, params), _hf_tokenizer(path), eos_ids)
 
 
 def _hf_tokenizer(path: Path) -> HFTokenizer | None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 FINISH_STOP = "stop"
-"""Finished on the end-of-sequence token or a stop sequence (neither is part of the output)."""
+"""Finished on an end-of-sequence token or a stop sequence (neither is part of the output)."""
 FINISH_LENGTH = "length"
 """Finished on ``max_tokens`` or on the context limit."""
 FINISH_ERROR = "error"
@@ -126,6 +126,7 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     finish_reason: str | None = None
+    eos_token: int | None = None
     num_preemptions: int = 0
 
     @property
@@ -159,8 +160,9 @@ class TokenEvent:
 @dataclasses.dataclass
 class GenerationResult:
     """A finished request: generated ``tokens`` (without EOS or a matched stop sequence),
-    ``text`` when the engine knows a tokenizer, ``finish_reason`` and, on request,
-    per-token ``logprobs``; or ``error`` (with ``finish_reason`` ``"error"``)."""
+    ``text`` when the engine knows a tokenizer, ``finish_reason``, ``eos_token`` (the
+    end-of-sequence id it stopped on, if it did) and, on request, per-token ``logprobs``; or
+    ``error`` (with ``finish_reason`` ``"error"``)."""
 
     request_id: int
     tokens: list[int]
@@ -168,6 +170,7 @@ class GenerationResult:
     text: str | None = None
     logprobs: list[float] | None = None
     error: str | None = None
+    eos_token: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A dict of JSON types, without the fields that do not apply."""

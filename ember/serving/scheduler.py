@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import numbers
+from collections.abc import Iterable
 
 from ember.core.errors import ConfigError
 from ember.serving.pages import PageAllocator, pages_needed
@@ -33,7 +35,8 @@ class SchedulerConfig:
     ``num_slots``: requests running at once; ``token_budget``:
     tokens per iteration over all slots; ``chunk_size``: tokens per request per iteration;
     ``page_size``/``num_pages``: the paged cache; ``max_context``: the longest sequence a
-    request may reach (prompt + generated); ``eos_id``: end-of-sequence token or None.
+    request may reach (prompt + generated); ``eos_ids``: the end-of-sequence tokens (any of
+    them ends a request; none: ``()``).
     """
 
     num_slots: int
@@ -42,7 +45,7 @@ class SchedulerConfig:
     page_size: int
     num_pages: int
     max_context: int
-    eos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("num_slots", "token_budget", "chunk_size", "page_size", "num_pages", "max_context"):
@@ -68,6 +71,14 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """Whether the chunk ends at the sequence's last token (its sampled token is kept)."""
         return self.start + len(self.tokens) == self.request.num_tokens
+
+
+def eos_ids_of(value: int | Iterable[int] | None) -> tuple[int, ...]:
+    """End-of-sequence ids as ``SchedulerConfig.eos_ids`` holds them, from none (None), one id
+    or several (a Hugging Face ``config.json``'s ``eos_token_id`` is either)."""
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, numbers.Integral) else tuple(int(v) for v in value)
 
 
 class Scheduler:
@@ -181,7 +192,8 @@ class Scheduler:
 
     def _append(self, request: Request, token: int, logprob: float) -> TokenEvent:
         params = request.params
-        if token == self.config.eos_id and not params.ignore_eos:
+        if token in self.config.eos_ids and not params.ignore_eos:
+            request.eos_token = token
             return self._finish(request, FINISH_STOP, token=None, logprob=None)
         request.output.append(token)
         request.logprobs.append(logprob)
@@ -208,4 +220,4 @@ class Scheduler:
         request.slot = None
 
 
-__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig"]
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "eos_ids_of"]

@@ -156,6 +156,20 @@ def test_stop_token_sequences_and_stop_strings_end_the_output(engine, reference_
     assert engine.scheduler.allocator.num_free == NUM_PAGES
 
 
+def test_every_eos_id_ends_a_request(program, reference_greedy, rng):
+    """Several end-of-sequence ids (Llama-3-Instruct has three): the first generated ends it."""
+    prompt = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 1, 4, 12)[0]
+    greedy = reference_greedy([prompt], [10])[0]
+    eos = greedy[3]
+    engine = Engine(program.fresh_copy(), tokenizer=ByteTokenizer(), eos_id=[ByteTokenizer.eos_id, eos])
+    assert engine.eos_ids == (ByteTokenizer.eos_id, eos)
+    result = engine.generate([prompt], SamplingParams(max_tokens=10))[0]
+    end = next(i for i, t in enumerate(greedy) if t in engine.eos_ids)
+    assert result.tokens == greedy[:end] and result.finish_reason == "stop" and result.eos_token == greedy[end]
+    # One id still works as before.
+    assert Engine(program.fresh_copy(), eos_id=eos).eos_ids == (eos,)
+
+
 def test_stop_strings_match_without_the_bos_an_hf_tokenizer_adds(program, reference_greedy, rng, tmp_path):
     """A Llama-style tokenizer prepends BOS to what it encodes; a stop string is matched without it."""
     words = [*WORDS, *(f"w{i}" for i in range(len(WORDS), CONFIG.vocab_size))]

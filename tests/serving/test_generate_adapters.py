@@ -4,11 +4,13 @@ tokens equal a full-recompute greedy loop over the ``peft`` model of its adapter
 model), an unknown adapter is that line's error, and bad ``--adapter`` values fail first."""
 
 import json
+import shutil
 
 import pytest
 
 from ember.cli import main
-from tests.training.finetune_setup import write_base_model
+from ember.serving.loading import load_model
+from tests.training.finetune_setup import EOS, write_base_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -67,6 +69,16 @@ def test_each_line_generates_with_its_adapter(served, tmp_path):
         assert record["tokens"] == greedy(models[name], prompt), name
     assert records[0]["tokens"] != greedy(models[None], prompts[0])
     assert "unknown adapter 'missing'" in records[-1]["error"]
+
+
+def test_every_eos_id_of_config_json_is_loaded(served, tmp_path):
+    """A ``config.json`` may list several ``eos_token_id``s (Llama-3-Instruct: three)."""
+    _, base_dir, _ = served
+    shutil.copytree(base_dir, tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "eos_token_id": [EOS, 7, 9]}))
+    assert load_model(tmp_path / "model").eos_ids == (EOS, 7, 9)
+    assert load_model(base_dir).eos_ids == (EOS,)
 
 
 @pytest.mark.parametrize(

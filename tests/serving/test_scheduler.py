@@ -10,7 +10,7 @@ from ember.serving.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(**overrides):
-    fields = dict(num_slots=3, token_budget=6, chunk_size=4, page_size=2, num_pages=16, max_context=16, eos_id=99)
+    fields = dict(num_slots=3, token_budget=6, chunk_size=4, page_size=2, num_pages=16, max_context=16, eos_ids=(99,))
     fields.update(overrides)
     return Scheduler(SchedulerConfig(**fields))
 
@@ -102,6 +102,21 @@ def test_finish_on_eos_stop_sequence_and_context():
     assert context.finish_reason == "length" and context.output == [3, 3, 3]
     assert stop.logprobs == [] and ignore.logprobs == [-1.0, -2.0, -1.0]
     assert scheduler.allocator.num_free == 16 and not scheduler.has_unfinished
+
+
+def test_any_of_several_eos_ids_ends_a_request_and_is_recorded():
+    scheduler = make_scheduler(eos_ids=(99, 98))
+    first, second, third = request(0, 2), request(1, 2), request(2, 2, ignore_eos=True)
+    for r in (first, second, third):
+        scheduler.add(r)
+    events = scheduler.commit(scheduler.schedule(), [98, 99, 98], [-1.0] * 3)
+    assert [(e.request_id, e.token, e.finish_reason) for e in events] == [
+        (0, None, "stop"),
+        (1, None, "stop"),
+        (2, 98, None),
+    ]
+    assert (first.output, first.eos_token) == ([], 98) and (second.output, second.eos_token) == ([], 99)
+    assert third.output == [98] and third.eos_token is None
 
 
 def test_abort_drops_a_waiting_request_and_frees_a_running_ones_pages_and_slot():

@@ -6,6 +6,8 @@ program compiled for all-float32 weights. Weights handed over later in float32
 (``fresh_copy``, ``Engine.update_params``) are converted on the way in; an artifact stores
 them converted and serves the same."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,8 +114,9 @@ def test_float32_weights_handed_over_later_are_converted(program, float32_progra
 
 
 def test_an_artifact_stores_the_weights_as_its_steps_read_them_and_serves_the_same(program, params, tmp_path):
-    out = export_program(CONFIG, params, tmp_path, **OPTIONS)
-    artifact, _, _ = load_artifact(out)
+    out = export_program(CONFIG, params, tmp_path, eos_id=[7, 9], **OPTIONS)
+    artifact, _, eos_ids = load_artifact(out)
+    assert eos_ids == (7, 9)
     stored = {path: leaf.dtype for path, leaf in param_paths(program.params).items()}
     assert {path: leaf.dtype for path, leaf in param_paths(artifact.params).items()} == stored
     with np.load(out / "params.npz") as saved:
@@ -123,3 +126,8 @@ def test_an_artifact_stores_the_weights_as_its_steps_read_them_and_serves_the_sa
     (tokens, logprobs), (program_tokens, program_logprobs) = served(artifact), served(program)
     assert tokens == program_tokens
     np.testing.assert_array_equal(logprobs, program_logprobs)
+    # A format-2 manifest (written before "eos_ids") held one "eos_id".
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["eos_ids"]
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2, "eos_id": 7}))
+    assert load_artifact(out)[2] == (7,)

@@ -114,7 +114,7 @@ def greedy_loop(loaded, prompt: str, max_tokens: int, length: int = 64) -> str:
         tokens = np.zeros((1, length), np.int32)
         tokens[0, : len(ids)] = ids
         token = int(jnp.argmax(forward(jnp.asarray(tokens))[len(ids) - 1]))
-        if token == loaded.eos_id:
+        if token in loaded.eos_ids:
             break
         ids.append(token)
         new.append(token)

@@ -212,7 +212,7 @@ def _write(out: Path, loaded: LoadedModel, quantized: Any, state: dict, config: 
         "kind": "quantized",
         "source": str(source),
         "tokenizer": "hf" if hf_tokenizer else "bytes",
-        "eos_id": loaded.eos_id,
+        "eos_ids": list(loaded.eos_ids),
         "quantize": to_dict(config),
         "model": to_dict(loaded.config),
     }

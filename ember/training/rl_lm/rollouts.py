@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from ember.serving.engine import Engine
-from ember.serving.requests import FINISH_STOP, MAX_SEED, SamplingParams
+from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.training.rl_lm.config import GRPOSection
 from ember.training.rl_lm.losses import group_advantages
 from ember.training.rl_lm.rewards import TextReward, TokenReward, score
@@ -168,14 +168,14 @@ class RolloutBatches:
         if failed:
             raise ValueError(f"a rollout prompt was rejected by the engine: {failed[0]}")
         completions = [list(r.tokens) for r in results]
-        ended = [r.finish_reason == FINISH_STOP for r in results]
+        eos_tokens = [r.eos_token for r in results]
         texts = [r.text if r.text is not None else self.tokenizer.decode(r.tokens) for r in results]
         scores = score(self.reward, prompts, texts, prompt_tokens, completions)
         rewards = scores.rewards
         advantages = np.asarray(
             group_advantages(rewards.reshape(-1, config.group_size), algorithm=config.algorithm)
         ).reshape(-1)
-        rows = self._rows(prompt_tokens, completions, ended, [r.logprobs for r in results])
+        rows = self._rows(prompt_tokens, completions, eos_tokens, [r.logprobs for r in results])
         scored = self.scorer(rows)
         view = rows.pop("engine_mask")
         engine_logprobs = rows.pop("engine_logprobs")
@@ -201,19 +201,19 @@ class RolloutBatches:
         self,
         prompt_tokens: list[list[int]],
         completions: list[list[int]],
-        ended: list[bool],
+        eos_tokens: list[int | None],
         engine_logprobs: list[list[float] | None],
     ) -> dict[str, np.ndarray]:
-        """The padded rows of ``prompt + completion (+ end-of-sequence when sampled)``, with the
-        engine's log-probs placed at their targets (``engine_mask``: where it reported one)."""
-        eos = self.engine.eos_id
+        """The padded rows of ``prompt + completion (+ the end-of-sequence token it sampled, if
+        it ended on one)``, with the engine's log-probs placed at their targets
+        (``engine_mask``: where it reported one)."""
         shape = (len(completions), self.seq_len)
         arrays = {name: np.zeros(shape, np.int32) for name in ROW_FIELDS}
         arrays |= {name: np.zeros(shape, np.float32) for name in ("loss_mask", "engine_logprobs", "engine_mask")}
-        for row, (prompt, completion, stop, logprobs) in enumerate(
-            zip(prompt_tokens, completions, ended, engine_logprobs)
+        for row, (prompt, completion, eos, logprobs) in enumerate(
+            zip(prompt_tokens, completions, eos_tokens, engine_logprobs)
         ):
-            sequence = prompt + completion + ([eos] if stop and eos is not None else [])
+            sequence = prompt + completion + ([eos] if eos is not None else [])
             length = len(sequence) - 1
             arrays["tokens"][row, :length] = sequence[:-1]
             arrays["targets"][row, :length] = sequence[1:]

@@ -164,7 +164,7 @@ class GRPOTask(Task):
             self.base.config,
             weights,
             tokenizer=self.base.tokenizer,
-            eos_id=self.base.eos_id,
+            eos_id=self.base.eos_ids,
             num_slots=grpo.num_slots,
             token_budget=grpo.token_budget,
             max_context=self.seq_len,
