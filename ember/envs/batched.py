@@ -11,8 +11,9 @@ drives the whole batch: its random words are drawn in ONE call of shape
 ``[num_envs, words]`` (``noise.draw_batch``, XLA's native threefry, from 64 environments
 on; ``jax.random.bits`` below, where its fixed cost would dominate) and the
 per-environment functions are ``jax.vmap``-ed over them, instead of splitting a key per
-environment (what ``jax.vmap(env.step)(keys, ...)`` does, which also works). Spaces are
-those of one environment.
+environment (what ``jax.vmap(env.step)(keys, ...)`` does, which also works). Under a
+``jax.vmap`` over seeds (``jax.vmap(make_train(...))(keys)``) each seed's words come from its
+own key, equal to a separate run's. Spaces are those of one environment.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ sub-environments draws all their words with ONE ``draw_batch`` call of shape
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -47,11 +48,29 @@ def _fmix32(h: jax.Array) -> jax.Array:
 def draw_batch(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``shape`` random uint32 words from ``key`` in ONE XLA ``RngBitGenerator`` call
     (threefry, seeded with the key's data): several times faster than ``jax.random.bits``
-    for large batches on CPU. Meant for a whole batch at once: under ``vmap`` JAX runs it
-    as a loop over the mapped axis (fine for a few seeds, slow for thousands of keys)."""
+    for large batches on CPU. Meant for a whole batch at once. Under ``jax.vmap`` over keys
+    (several seeds of one run) it draws key by key in a ``lax.map``, so each row equals a
+    separate call with that row's key (JAX's own batching of ``rng_bit_generator`` would
+    seed every row from the first key); fine for a few seeds, slow for thousands of keys."""
     words = jax.random.key_data(key).ravel().astype(jnp.uint32)
     seed = jnp.concatenate([words, jnp.zeros(4, jnp.uint32)])[:4]
-    _, bits = lax.rng_bit_generator(seed, shape, dtype=jnp.uint32, algorithm=lax.RandomAlgorithm.RNG_THREE_FRY)
+    return _threefry_bits(tuple(shape))(seed)
+
+
+@functools.cache
+def _threefry_bits(shape: tuple[int, ...]):
+    """``seed [4] -> shape`` words from ``RngBitGenerator``, drawn seed by seed under ``vmap``."""
+
+    @jax.custom_batching.custom_vmap
+    def bits(seed: jax.Array) -> jax.Array:
+        _, out = lax.rng_bit_generator(seed, shape, dtype=jnp.uint32, algorithm=lax.RandomAlgorithm.RNG_THREE_FRY)
+        return out
+
+    @bits.def_vmap
+    def _bits_per_seed(axis_size, in_batched, seed):
+        del axis_size, in_batched  # the only argument is the batched one
+        return lax.map(bits, seed), True
+
     return bits
 
 

@@ -100,6 +100,20 @@ def test_batched_env_draws_one_batch_of_words_and_matches_single_envs(rng):
     assert int(batch_out[4].sum()) == 16  # time 3 -> 4 == limit for envs 3, 7, ..., 63
 
 
+def test_batched_env_vmapped_over_seeds_equals_separate_runs(rng):
+    # 64 sub-environments take the one-call draw (noise.draw_batch); vmapping over seeds must
+    # still give each seed its own key's words, bit for bit (jax.vmap(make_train(...))(keys)).
+    env, params = ember.envs.make("CartPole-v1")
+    batched = ember.envs.BatchedEnv(env, num_envs=64)
+    keys = jax.random.split(rng, 2)
+    obs, _ = jax.vmap(batched.reset, in_axes=(0, None))(keys, params)
+    words = jax.vmap(lambda key: batched.draw_noise(key, batched.step_noise_shape))(keys)
+    for i in range(2):
+        np.testing.assert_array_equal(obs[i], batched.reset(keys[i], params)[0])
+        np.testing.assert_array_equal(words[i], batched.draw_noise(keys[i], batched.step_noise_shape))
+    assert not np.array_equal(obs[0], obs[1])
+
+
 def test_log_wrapper_statistics_match_hand_count(rng):
     env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=6)
     env = ember.envs.BatchedEnv(ember.envs.LogWrapper(env), num_envs=3)
