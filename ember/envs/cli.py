@@ -27,6 +27,7 @@ def record_episode(env_id: str, seed: int, max_steps: int):
     import numpy as np
 
     from ember.core.errors import ConfigError
+    from ember.envs.multi_agent import episode_over
     from ember.envs.registry import make
 
     if max_steps < 1:
@@ -43,10 +44,7 @@ def record_episode(env_id: str, seed: int, max_steps: int):
             _, next_state, _, terminated, truncated, _ = env.step(
                 step_key, state, action_space.sample(action_key), params
             )
-            done = terminated | truncated
-            if isinstance(done, dict):
-                done = done["__all__"]
-            return next_state, (env.render(state, params), done)
+            return next_state, (env.render(state, params), episode_over(terminated, truncated))
 
         _, (frames, done) = jax.lax.scan(body, state, jax.random.split(jax.random.fold_in(key, 1), max_steps))
         return frames, done

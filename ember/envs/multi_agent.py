@@ -10,6 +10,8 @@ for everyone). The episode auto-resets when ``terminated["__all__"] | truncated[
 with ``info["final_observation"]`` (a dict) as in the single-agent contract.
 ``observation_space(params)`` and ``action_space(params)`` return ``spaces.Dict`` of the
 per-agent spaces; actions are clipped into them as for single-agent environments.
+``episode_over(terminated, truncated)`` reads the end of an episode from the flags of
+either contract.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ember.envs.environment import Environment
+
+
+def episode_over(terminated, truncated):
+    """Whether a step ended the episode: ``terminated | truncated`` for a single-agent
+    environment, ``terminated["__all__"] | truncated["__all__"]`` for a multi-agent one
+    (flag dicts, whose ``|`` would merge the dicts instead)."""
+    if isinstance(terminated, dict):
+        return terminated["__all__"] | truncated["__all__"]
+    return terminated | truncated
 
 
 class MultiAgentEnvironment(Environment):
@@ -38,3 +49,6 @@ class MultiAgentEnvironment(Environment):
         """One transition: ``(obs dict, next_state, rewards dict, terminated (bool, all
         agents), info)``; ``actions`` is a dict already clipped into the action spaces."""
         raise NotImplementedError
+
+
+__all__ = ["MultiAgentEnvironment", "episode_over"]

@@ -9,6 +9,9 @@ from PIL import Image
 
 import ember.envs
 from ember.cli import main
+from ember.core.registry import Registry
+from ember.envs import registry
+from ember.envs.mpe.simple_spread import SimpleSpread
 
 
 def test_envs_list_prints_every_registered_id(capsys):
@@ -35,6 +38,24 @@ def test_envs_show_writes_the_episode_as_a_gif(tmp_path, capsys):
         np.testing.assert_array_equal(np.asarray(gif.convert("RGB")), jax.jit(env.render)(first_state, params))
     assert main(["envs", "show", "CartPol-v1", "--out", str(out)]) == 2
     assert "Did you mean 'CartPole-v1'" in capsys.readouterr().err
+
+
+class SpreadEndingAtStep3(SimpleSpread):
+    """simple_spread whose episodes terminate (not truncate) after 3 steps."""
+
+    def step_env(self, noise, state, actions, params):
+        obs, next_state, rewards, _, info = super().step_env(noise, state, actions, params)
+        return obs, next_state, rewards, state.time + 1 >= 3, info
+
+
+def test_envs_show_ends_a_multi_agent_episode_at_its_termination(tmp_path, capsys, monkeypatch):
+    environments = Registry("environment")
+    environments.register("MPE-ends-at-3", SpreadEndingAtStep3)
+    monkeypatch.setattr(registry, "ENVIRONMENTS", environments)
+    out = tmp_path / "spread.gif"
+    assert main(["envs", "show", "MPE-ends-at-3", "--out", str(out), "--max-steps", "10"]) == 0
+    # terminated["__all__"] after step 3, well before the time limit (25) and --max-steps
+    assert "wrote 3 frames" in capsys.readouterr().out
 
 
 def test_save_gif_rejects_bad_frames(tmp_path, rng):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ember.envs.environment import EnvState
+from ember.envs.multi_agent import episode_over
 from ember.envs.wrappers.base import Wrapper
 
 
@@ -74,6 +75,5 @@ def _episode_view(env, reward, terminated, truncated) -> tuple[jax.Array, jax.Ar
     mean reward over agents (float32)."""
     if isinstance(reward, dict):
         agents = getattr(env, "unwrapped", env).agents
-        rewards = jnp.stack([reward[agent].astype(jnp.float32) for agent in agents])
-        return terminated["__all__"] | truncated["__all__"], rewards.mean(axis=0)
-    return terminated | truncated, reward.astype(jnp.float32)
+        reward = jnp.stack([reward[agent].astype(jnp.float32) for agent in agents]).mean(axis=0)
+    return episode_over(terminated, truncated), reward.astype(jnp.float32)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.envs.batched import BatchedEnv
+from ember.envs.multi_agent import episode_over
 
 
 def evaluate(
@@ -59,12 +60,11 @@ def evaluate(
             obs, state, running, returns, lengths = carry
             act_key, env_key = jax.random.split(key)
             obs, state, reward, terminated, truncated, _ = envs.step(env_key, state, act(obs, act_key), env_params)
-            if isinstance(reward, dict):  # multi-agent: the return per agent; the episode ends for all
+            if isinstance(reward, dict):  # multi-agent: the mean over agents of their returns
                 reward = jnp.stack(list(reward.values())).mean(axis=0)
-                terminated, truncated = terminated["__all__"], truncated["__all__"]
             returns = returns + jnp.where(running, reward.astype(jnp.float32), 0.0)
             lengths = lengths + running.astype(jnp.int32)
-            running = running & ~(terminated | truncated)
+            running = running & ~episode_over(terminated, truncated)
             return (obs, state, running, returns, lengths), None
 
         init = (obs, state, jnp.ones(num_episodes, bool), jnp.zeros(num_episodes), jnp.zeros(num_episodes, jnp.int32))

@@ -28,6 +28,7 @@ from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, to_yaml
 from ember.core.errors import EmberError, PathNotFoundError
 from ember.envs.config import make_from_config
+from ember.envs.multi_agent import episode_over
 from ember.envs.wrappers import RunningMeanVar
 from ember.training.metrics import MetricsWriter
 from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn, sac
@@ -295,7 +296,7 @@ def record_episode(
             frame = env.render(state, env_params)
             action = jax.tree.map(lambda a: a[0], act(jax.tree.map(lambda o: o[None], obs), act_key))
             obs, state, _, terminated, truncated, _ = env.step(env_key, state, action, env_params)
-            return (obs, state, running & ~(terminated | truncated)), (frame, running)
+            return (obs, state, running & ~episode_over(terminated, truncated)), (frame, running)
 
         _, (frames, shown) = jax.lax.scan(step, (obs, state, True), jax.random.split(key, max_steps))
         return frames, shown

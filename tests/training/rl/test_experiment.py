@@ -16,6 +16,8 @@ from ember.core.errors import EmberError
 from ember.training.metrics import read_metrics
 from ember.training.rl import config as rl_config
 from ember.training.rl import experiment as runner
+from ember.training.rl import multi_agent_ppo
+from ember.training.rl.agent_view import stack_agents
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 from ember.training.rl.experiment import evaluate_params, load_run
@@ -121,3 +123,16 @@ def test_observation_statistics_are_saved_and_evaluated_frozen(tmp_path, capsys)
         manager.save(1, {"params": params})
     with pytest.raises(EmberError, match="obs_stats"):
         load_run(old)
+
+
+def test_record_episode_of_a_multi_agent_run(rng):
+    """``ember eval RUN_DIR --gif`` of an ippo/mappo run: the episode ends with ``"__all__"``."""
+    overrides = ["env.params.max_steps_in_episode=5", "ppo.policy.hidden_sizes=[8]"]
+    config = load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml", overrides)
+    env, env_params = ember.envs.make_from_config(config.env)
+    _, state = env.reset(jax.random.split(jax.random.key(7))[0], env_params)  # record_episode's reset
+    obs = stack_agents(jax.tree.map(lambda o: o[None], env.reset(rng, env_params)[0]), env.agents)
+    params = multi_agent_ppo.make_policy(config.ppo, env, env_params).init(rng, obs, obs)
+    frames = runner.record_episode(config, params, seed=7)
+    assert frames.shape[0] == 5  # one frame per step, up to the time limit
+    np.testing.assert_array_equal(frames[0], env.render(state, env_params))
