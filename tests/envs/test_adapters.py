@@ -53,6 +53,20 @@ def test_gymnax_env_steps_as_gymnax_and_splits_terminated_from_truncated(rng):
     assert bool(terminated) and not bool(truncated)
 
 
+def test_gymnax_env_terminal_on_the_last_allowed_step_is_terminated_and_truncated(rng):
+    gymnax_env, gymnax_params = gymnax.make("CartPole-v1")
+    params = gymnax_params.replace(max_steps_in_episode=5)
+    env = GymnaxEnv(gymnax_env, params)
+    _, state = env.reset(rng, params)
+    # the 5th (last) step, pole past its threshold after it: gymnax 1.0 and Ember's own
+    # CartPole report both flags, so GAE and the TD targets do not bootstrap through it
+    state = state.replace(theta=jnp.float32(0.2094), theta_dot=jnp.float32(1.0), time=jnp.int32(4))
+    _, _, _, terminated, truncated, info = env.step(rng, state, jnp.int32(1), params)
+    _, _, _, expected_terminated, expected_truncated, expected = gymnax_env.step(rng, state, jnp.int32(1), params)
+    assert (bool(terminated), bool(truncated)) == (bool(expected_terminated), bool(expected_truncated)) == (True, True)
+    assert_allclose(info["final_observation"], expected["final_observation"])
+
+
 def test_gymnax_env_runs_batched_with_log_wrapper(rng):
     env = ember.envs.BatchedEnv(ember.envs.LogWrapper(GymnaxEnv(*gymnax.make("Pendulum-v1"))), num_envs=4)
     params = env.default_params

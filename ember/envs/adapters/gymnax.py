@@ -5,10 +5,10 @@
     obs, state = env.reset(key, env.default_params)
     obs, state, reward, terminated, truncated, info = env.step(key, state, action, params)
 
-gymnax's ``step_env`` reports one ``done`` that includes its time limit; here the time
-limit (``params.max_steps_in_episode``, which every gymnax params object carries) becomes
-``truncated`` and the rest ``terminated``. (A step that is terminal AND the last allowed
-one reads as truncated only -- gymnax does not say which happened.) The gymnax key of each
+gymnax's ``step_env`` (gymnax >= 1.0.1) reports natural termination only, which becomes
+``terminated``; the time limit (``params.max_steps_in_episode``, which every gymnax params
+object carries) is ``truncated``, applied by Ember's ``step`` as for its own environments,
+so a terminal step that is also the last allowed one reads as both. The gymnax key of each
 reset/transition is built from two random words, so ``BatchedEnv`` draws a whole batch's
 randomness in one call here too.
 """
@@ -61,10 +61,11 @@ class GymnaxEnv(Environment):
         return self.gymnax_env.reset_env(noise_lib.to_key(noise), params)
 
     def step_env(self, noise, state, action, params):
-        obs, next_state, reward, done, info = self.gymnax_env.step_env(noise_lib.to_key(noise), state, action, params)
-        time_up = state.time + 1 >= params.max_steps_in_episode
+        obs, next_state, reward, terminated, info = self.gymnax_env.step_env(
+            noise_lib.to_key(noise), state, action, params
+        )
         info = {name: value for name, value in info.items() if name != "discount"}
-        return obs, next_state, reward, jnp.asarray(done, bool) & ~time_up, info
+        return obs, next_state, reward, terminated, info
 
     def observation_space(self, params):
         return from_library_space(self.gymnax_env.observation_space(params))
