@@ -51,7 +51,8 @@ def make_from_config(config: EnvConfig) -> tuple[Environment, EnvParams]:
 
     Raises:
       ConfigError: an unknown Ember ``id`` (key ``id``, with the closest ids) or parameter
-        name (key ``params.NAME``).
+        name (key ``params.NAME``); a JaxMARL ``params.max_steps_in_episode`` above the
+        environment's own ``max_steps``.
     """
     if config.source == "gymnax":
         from ember.envs.adapters import GymnaxEnv
@@ -60,7 +61,11 @@ def make_from_config(config: EnvConfig) -> tuple[Environment, EnvParams]:
     elif config.source == "jaxmarl":
         from ember.envs.adapters import JaxMARLEnv
 
-        env = JaxMARLEnv(_make_in_library(config.source, config.id))
+        library_env = _make_in_library(config.source, config.id)
+        try:  # the adapter's time limit may only shorten the environment's own
+            env = JaxMARLEnv(library_env, max_steps=config.params.get("max_steps_in_episode"))
+        except ValueError as error:
+            raise ConfigError(f"params.max_steps_in_episode: {error}", key="params.max_steps_in_episode") from None
     else:
         try:
             env, _ = make(config.id)

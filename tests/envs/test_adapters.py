@@ -1,17 +1,21 @@
 """Adapters against the real libraries: gymnax and JaxMARL environments behind Ember's
 contract, and Ember environments as a gymnasium VectorEnv checked with gymnasium's own tools."""
 
+import dataclasses
+
 import gymnasium
 import gymnax
 import jax
 import jax.numpy as jnp
 import jaxmarl
 import numpy as np
+import pytest
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.utils.passive_env_checker import check_action_space, check_obs, check_observation_space
 from gymnasium.vector import AutoresetMode
 
 import ember.envs
+from ember.core.errors import ConfigError
 from ember.envs import noise as noise_lib
 from ember.envs.adapters import GymnasiumVectorEnv, GymnaxEnv, JaxMARLEnv
 from tests.tolerances import assert_allclose
@@ -106,6 +110,19 @@ def test_jaxmarl_env_steps_as_jaxmarl(rng):
         actions = {agent: jnp.full((3,), t % 5, jnp.int32) for agent in env.agents}
         obs, state, rewards, terminated, truncated, _info = step(jax.random.fold_in(rng, t), state, actions, params)
     assert bool(truncated["__all__"].all()) and not bool(terminated["__all__"].any())
+
+
+def test_jaxmarl_time_limit_can_only_shorten_the_environments_own():
+    # Past its own max_steps (25) JaxMARL ends the episode in a `dones` that reads as a termination.
+    reference = jaxmarl.make("MPE_simple_spread_v3")
+    with pytest.raises(ValueError, match=r"exceeds the environment's own max_steps \(25\)"):
+        JaxMARLEnv(reference, max_steps=26)
+    config = ember.envs.EnvConfig(id="MPE_simple_spread_v3", source="jaxmarl", params={"max_steps_in_episode": 40})
+    with pytest.raises(ConfigError, match="can only shorten") as info:
+        ember.envs.make_from_config(config)
+    assert info.value.key == "params.max_steps_in_episode"
+    env, params = ember.envs.make_from_config(dataclasses.replace(config, params={"max_steps_in_episode": 9}))
+    assert env.max_steps == params.max_steps_in_episode == 9
 
 
 def test_gymnasium_vector_env_passes_gymnasium_checks():

@@ -6,7 +6,9 @@
 
 JaxMARL environments take no params; the adapter's params carry only the time limit
 (``max_steps_in_episode``, default the environment's ``max_steps``), which becomes
-``truncated``; JaxMARL's other ``dones["__all__"]`` become ``terminated``. The JaxMARL
+``truncated``; JaxMARL's other ``dones["__all__"]`` become ``terminated``. The limit can only
+shorten the environment's own ``max_steps``: past it JaxMARL ends the episode itself, in a
+``dones`` that does not say it was the time limit, so a longer limit is refused. The JaxMARL
 state is kept as ``state.env_state``.
 """
 
@@ -34,6 +36,8 @@ class JaxMARLEnv(MultiAgentEnvironment):
     transition_noise_words = 2
 
     def __init__(self, jaxmarl_env: Any, max_steps: int | None = None):
+        """Wraps ``jaxmarl_env`` with the time limit ``max_steps`` (default, and at most, the
+        environment's own ``max_steps``; required where it has none)."""
         for attribute in ("agents", "reset", "step_env", "observation_space", "action_space"):
             if not hasattr(jaxmarl_env, attribute):
                 raise ValueError(
@@ -41,9 +45,15 @@ class JaxMARLEnv(MultiAgentEnvironment):
                 )
         self.jaxmarl_env = jaxmarl_env
         self.agents = list(jaxmarl_env.agents)
-        limit = max_steps if max_steps is not None else getattr(jaxmarl_env, "max_steps", None)
+        own_limit = getattr(jaxmarl_env, "max_steps", None)
+        limit = max_steps if max_steps is not None else own_limit
         if limit is None:
             raise ValueError("JaxMARLEnv: the environment has no max_steps; pass max_steps")
+        if own_limit is not None and int(limit) > int(own_limit):
+            raise ValueError(
+                f"JaxMARLEnv: a time limit of {limit} steps exceeds the environment's own max_steps "
+                f"({own_limit}); the limit can only shorten episodes"
+            )
         self.max_steps = int(limit)
 
     @property
