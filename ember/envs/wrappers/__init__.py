@@ -8,7 +8,7 @@ from ember.envs.wrappers.legacy import LegacyStep
 from ember.envs.wrappers.log import LogEnvState, LogWrapper
 from ember.envs.wrappers.normalize import NormalizeObservation, NormalizeReward, RunningMeanVar
 from ember.envs.wrappers.observation import FlattenObservation, FrameStack
-from ember.envs.wrappers.time_limit import TimeLimit
+from ember.envs.wrappers.time_limit import TimeLimit, max_episode_steps
 
 __all__ = [
     "CheckActions",
@@ -24,4 +24,5 @@ __all__ = [
     "RunningMeanVar",
     "TimeLimit",
     "Wrapper",
+    "max_episode_steps",
 ]

@@ -1,4 +1,5 @@
-"""``TimeLimit``: a different episode length without touching the params you pass."""
+"""``TimeLimit``: a different episode length without touching the params you pass;
+``max_episode_steps``: how many steps an episode of a wrapper stack can last at most."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ class TimeLimit(Wrapper):
 
     def step_from_noise(self, noise, state, action, params):
         return self.env.step_from_noise(noise, state, action, self._limited(params))
+
+
+def max_episode_steps(env, params) -> int:
+    """A cap on the length of one episode of ``env`` under ``params``: the largest of
+    ``params.max_steps_in_episode`` and the ``max_steps`` of every ``TimeLimit`` in the
+    stack of wrappers (followed through ``.env``). The limit that applies is the innermost
+    ``TimeLimit``'s, or the params' without one; the largest is never shorter."""
+    limits = [int(params.max_steps_in_episode)]
+    while env is not None:
+        if isinstance(env, TimeLimit):
+            limits.append(env.max_steps)
+        env = getattr(env, "env", None)
+    return max(limits)

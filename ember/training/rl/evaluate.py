@@ -3,11 +3,13 @@
     act = lambda obs, key: policy.apply(params, obs)[0].mode()   # [N, ...] -> actions [N, ...]
     returns, lengths = evaluate(act, env, env_params, key, num_episodes=100)
 
-Each of the ``num_episodes`` environments runs exactly one episode: the scan lasts
-``env_params.max_steps_in_episode`` steps (every episode ends by then) and a sub-environment
-stops counting reward once its first episode has ended (auto-reset starts a second one,
-which is ignored). For multi-agent environments (reward dicts) the return is the mean over
-agents of their returns, and an episode ends with ``terminated/truncated["__all__"]``.
+Each of the ``num_episodes`` environments runs exactly one episode: the scan lasts as long
+as the longest time limit of ``env`` (``env_params.max_steps_in_episode``, or a longer
+``TimeLimit`` wrapper's: ``ember.envs.wrappers.max_episode_steps``), so every episode ends
+by then, and a sub-environment stops counting reward once its first episode has ended
+(auto-reset starts a second one, which is ignored). For multi-agent environments (reward
+dicts) the return is the mean over agents of their returns, and an episode ends with
+``terminated/truncated["__all__"]``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 
 from ember.envs.batched import BatchedEnv
 from ember.envs.multi_agent import episode_over
+from ember.envs.wrappers import max_episode_steps
 
 
 def evaluate(
@@ -36,7 +39,8 @@ def evaluate(
     Args:
       act: ``act(obs, key) -> env_action`` for a batch ``[num_episodes, ...]`` of observations.
       env, env_params: an Ember environment and its parameters (concrete, not traced: the
-        episode cap is read from ``env_params.max_steps_in_episode``).
+        episode cap is read from ``env_params.max_steps_in_episode`` and the ``TimeLimit``
+        wrappers of ``env``, see ``max_episode_steps``).
       key: PRNG key for resets, the environment and ``act``.
       num_episodes: how many episodes (run side by side).
       max_steps: overrides the episode cap (for environments without a time limit).
@@ -46,7 +50,7 @@ def evaluate(
     """
     if not isinstance(num_episodes, int) or num_episodes < 1:
         raise ValueError(f"num_episodes must be a positive integer, got {num_episodes!r}")
-    steps = int(env_params.max_steps_in_episode if max_steps is None else max_steps)
+    steps = max_episode_steps(env, env_params) if max_steps is None else int(max_steps)
     if steps < 1:
         raise ValueError(f"max_steps must be a positive integer, got {steps}")
     envs = BatchedEnv(env, num_episodes)

@@ -29,7 +29,7 @@ from ember.core.config import load_config, to_yaml
 from ember.core.errors import EmberError, PathNotFoundError
 from ember.envs.config import make_from_config
 from ember.envs.multi_agent import episode_over
-from ember.envs.wrappers import RunningMeanVar
+from ember.envs.wrappers import RunningMeanVar, max_episode_steps
 from ember.training.metrics import MetricsWriter
 from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn, sac
 from ember.training.rl.config import RLConfig
@@ -283,7 +283,7 @@ def record_episode(
     first observation to the last state before the episode ended."""
     env, env_params = make_from_config(config.env)
     act = _make_act(config, env, env_params, params, deterministic, obs_stats)
-    max_steps = int(env_params.max_steps_in_episode)
+    max_steps = max_episode_steps(env, env_params)
 
     @jax.jit
     def rollout(key):

@@ -13,6 +13,7 @@ from ember.cli import main
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config
 from ember.core.errors import EmberError
+from ember.envs.wrappers import TimeLimit
 from ember.training.metrics import read_metrics
 from ember.training.rl import config as rl_config
 from ember.training.rl import experiment as runner
@@ -136,3 +137,14 @@ def test_record_episode_of_a_multi_agent_run(rng):
     frames = runner.record_episode(config, params, seed=7)
     assert frames.shape[0] == 5  # one frame per step, up to the time limit
     np.testing.assert_array_equal(frames[0], env.render(state, env_params))
+
+
+def test_evaluate_runs_episodes_to_a_longer_time_limit_wrapper(rng):
+    env, params = ember.envs.make("Pendulum-v1", max_steps_in_episode=4)  # Pendulum never terminates
+
+    def act(obs, key):
+        return jax.random.uniform(key, (obs.shape[0], 1), minval=-2.0, maxval=2.0)
+
+    for limit in (9, 2):  # the wrapper's limit applies whether it is longer or shorter than the params'
+        _, lengths = evaluate(act, TimeLimit(env, limit), params, rng, num_episodes=3)
+        np.testing.assert_array_equal(lengths, [limit] * 3)
