@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from ember.cli import main
+from ember.core.errors import ConfigError
 from ember.models import hf
+from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
@@ -150,3 +152,13 @@ def test_moe_configs_that_hf_cannot_express_are_named(pair):
         hf.config_to_hf(dataclasses.replace(config, moe=dataclasses.replace(config.moe, score="sigmoid")), name)
     with pytest.raises(ValueError, match="cannot express mlp placements"):
         hf.config_to_hf(config, "qwen2" if name == "qwen2_moe" else "llama")
+
+
+@pytest.mark.parametrize("mlp_pattern,first_dense", [(("moe", "dense"), 0), (("moe",), 1)])
+def test_mixtral_refuses_dense_layers(mlp_pattern, first_dense):
+    """Mixtral has an MoE MLP in every layer: a dense one would be lost (transformers would fill it
+    with random experts); such a model exports as qwen2_moe."""
+    moe = MoEConfig(num_experts=4, expert_dim=24, first_dense_layers=first_dense)
+    config = ModelConfig(num_layers=2, mlp_pattern=mlp_pattern, moe=moe, scan_layers=False)
+    with pytest.raises(ConfigError, match=r"mixtral cannot express mlp placements.*exports as qwen2_moe"):
+        hf.config_to_hf(config, "mixtral")

@@ -103,10 +103,13 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
             f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (only qwen2 and qwen2_moe have "
             "q/k/v biases)"
         )
-    if ("moe" in config.layer_mlps) != (model_type in MOE_MODEL_TYPES) or "none" in config.layer_mlps:
+    placements = {"mixtral": {"moe"}, "qwen2_moe": {"moe", "dense"}}.get(model_type, {"dense"})
+    if not set(config.layer_mlps) <= placements or ("moe" in config.layer_mlps) != (model_type in MOE_MODEL_TYPES):
         raise ConfigError(
-            f"{model_type} cannot express mlp placements {sorted(set(config.layer_mlps))}: mixtral and qwen2_moe "
-            "have moe layers (qwen2_moe also dense ones), the others dense layers only"
+            f"{model_type} cannot express mlp placements {sorted(set(config.layer_mlps))}: mixtral has an moe MLP "
+            "in every layer, qwen2_moe moe layers and dense ones (so moe with dense layers exports as qwen2_moe), "
+            "the others dense layers only",
+            key="mlp_pattern",
         )
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type]],
