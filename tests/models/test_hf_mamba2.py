@@ -139,3 +139,5 @@ def test_unsupported_mamba2_configs_are_named(pair, tmp_path):
     hybrid = dataclasses.replace(config, block_pattern=("mamba2", "global"), mlp_pattern=("none", "dense"))
     with pytest.raises(ConfigError, match="every layer is a mamba2 block"):
         hf.save(tmp_path, hybrid, params, model_type="mamba2")
+    with pytest.raises(ConfigError, match="final_soft_cap"):
+        hf.config_to_hf(dataclasses.replace(config, final_soft_cap=30.0), "mamba2")

@@ -78,12 +78,18 @@ def mamba2_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfi
 
 
 def mamba2_config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """A Hugging Face ``mamba2`` config dict for ``config`` (every layer a ``mamba2`` block without MLP)."""
+    """A Hugging Face ``mamba2`` config dict for ``config`` (every layer a ``mamba2`` block without MLP, no
+    ``final_soft_cap``)."""
     if set(config.layer_kinds) != {"mamba2"} or set(config.layer_mlps) != {"none"} or config.norm != "rmsnorm":
         raise ConfigError(
             "only models whose every layer is a mamba2 block without an MLP, with rmsnorm, export to mamba2; "
             f"this config has layer kinds {sorted(set(config.layer_kinds))}, MLPs {sorted(set(config.layer_mlps))}, "
             f"norm={config.norm!r}"
+        )
+    if config.final_soft_cap:
+        raise ConfigError(
+            f"final_soft_cap={config.final_soft_cap} cannot be expressed as mamba2 (its logits are not capped)",
+            key="final_soft_cap",
         )
     ssm = config.ssm
     return {
