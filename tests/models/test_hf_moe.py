@@ -6,6 +6,7 @@ greedy decoding through the serving engine (Qwen2-MoE) and ``ember generate --ch
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import pytest
 
 from ember.cli import main
 from ember.core.errors import ConfigError
+from ember.core.tree import param_paths, tree_from_paths
 from ember.models import hf
 from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM
@@ -162,3 +164,18 @@ def test_mixtral_refuses_dense_layers(mlp_pattern, first_dense):
     config = ModelConfig(num_layers=2, mlp_pattern=mlp_pattern, moe=moe, scan_layers=False)
     with pytest.raises(ConfigError, match=r"mixtral cannot express mlp placements.*exports as qwen2_moe"):
         hf.config_to_hf(config, "mixtral")
+
+
+@pytest.mark.parametrize("pair", ["qwen2_moe"], indirect=True)
+def test_qwen2_moe_without_qkv_bias_round_trips(pair, tmp_path, rng):
+    """Qwen2-MoE's q/k/v biases are optional (``qkv_bias``): a model without them exports too."""
+    _, _, _, config, params = pair
+    config = dataclasses.replace(config, qkv_bias=False)
+    params = tree_from_paths({p: v for p, v in param_paths(params).items() if not re.search(r"attn/./bias$", p)})
+    hf.save(tmp_path, config, params, model_type="qwen2_moe")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens = jax.random.randint(rng, (1, 16), 0, config.vocab_size)
+    with torch.no_grad():
+        expected = reloaded(torch.as_tensor(np.array(tokens))).logits.numpy()
+    assert_allclose(DecoderLM(config).apply({"params": params}, tokens)[0], expected, scale=10)
+    assert hf.load(tmp_path, attention_impl="xla", moe_impl="xla")[0] == config

@@ -98,10 +98,11 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         )
     if config.norm != "rmsnorm" or config.mlp != "swiglu":
         raise ConfigError(f"{model_type} needs norm='rmsnorm' and mlp='swiglu'; got {config.norm!r}, {config.mlp!r}")
-    if config.qkv_bias != (model_type in _QKV_BIAS):
+    if model_type != "qwen2_moe" and config.qkv_bias != (model_type == "qwen2"):
         raise ConfigError(
-            f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (only qwen2 and qwen2_moe have "
-            "q/k/v biases)"
+            f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (qwen2 always has q/k/v biases, "
+            "qwen2_moe has them or not, the others never)",
+            key="qkv_bias",
         )
     placements = {"mixtral": {"moe"}, "qwen2_moe": {"moe", "dense"}}.get(model_type, {"dense"})
     if not set(config.layer_mlps) <= placements or ("moe" in config.layer_mlps) != (model_type in MOE_MODEL_TYPES):
@@ -206,7 +207,7 @@ def _moe_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         norm_topk_prob=moe.renormalize,
         decoder_sparse_step=1,
         mlp_only_layers=[i for i, placement in enumerate(config.layer_mlps) if placement == "dense"],
-        qkv_bias=True,
+        qkv_bias=config.qkv_bias,
     )
     return hf
 
