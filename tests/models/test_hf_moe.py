@@ -179,3 +179,13 @@ def test_qwen2_moe_without_qkv_bias_round_trips(pair, tmp_path, rng):
         expected = reloaded(torch.as_tensor(np.array(tokens))).logits.numpy()
     assert_allclose(DecoderLM(config).apply({"params": params}, tokens)[0], expected, scale=10)
     assert hf.load(tmp_path, attention_impl="xla", moe_impl="xla")[0] == config
+
+
+def test_qwen2_moe_sliding_window_needs_layer_types():
+    """Without ``layer_types`` transformers releases disagree on which Qwen2-MoE layers slide."""
+    hf_config = {**CASES["qwen2_moe"]().to_dict(), "use_sliding_window": True, "sliding_window": 4}
+    hf_config.pop("layer_types", None)
+    with pytest.raises(ConfigError, match="no layer_types"):
+        hf.config_from_hf(hf_config)
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert hf.config_from_hf({**hf_config, "layer_types": layer_types}).layer_kinds == ("local", "global", "local")

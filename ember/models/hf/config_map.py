@@ -219,8 +219,15 @@ def _layer_kinds(hf: Mapping[str, Any], model_type: str, num_layers: int) -> lis
         return ["local" if hf.get("sliding_window") else "global"] * num_layers
     layer_types = hf.get("layer_types")
     if layer_types is None:
-        # transformers 4.x Qwen2: sliding window on layers from max_window_layers on.
         sliding = bool(hf.get("use_sliding_window")) and hf.get("sliding_window")
+        if sliding and model_type == "qwen2_moe":
+            raise ConfigError(
+                "qwen2_moe config with use_sliding_window=true but no layer_types: transformers releases disagree "
+                "on which layers slide (4.x those from max_window_layers on, and in flash attention only; 5.x the "
+                "even ones below max_window_layers); write the intended layer_types into config.json",
+                key="layer_types",
+            )
+        # transformers 4.x Qwen2 (and 5.x's default): sliding window on layers from max_window_layers on.
         first_sliding = int(hf.get("max_window_layers", num_layers))
         return ["local" if sliding and i >= first_sliding else "global" for i in range(num_layers)]
     known = {"full_attention": "global", "sliding_attention": "local"}
