@@ -13,11 +13,12 @@ import pytest
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths
 from ember.kernels_pallas.quantized_formats import dequantize
-from ember.models.adapters import LoraConfig, add_lora, merge
+from ember.models.adapters import LoraConfig, MixLoraConfig, add_lora, add_mixlora, merge
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import (
     CALIBRATION,
+    DEFAULT_TARGETS,
     QuantizeConfig,
     calibration_grams,
     dequantize_params,
@@ -190,3 +191,20 @@ def test_bad_quantize_configs_name_their_key(model_and_params):
         jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="int4", group_size=64)))(params)
     with pytest.raises(ConfigError, match="matches no float weight"):
         quantize_params(params, QuantizeConfig(format="int4", targets=("experts",)))
+
+
+@pytest.mark.parametrize("adapted", ["experts", "mixlora"])
+def test_routed_experts_and_mixlora_mlps_are_not_stored_quantized(adapted):
+    """Their layers read float weights: quantizing them is refused before anything is stored."""
+    moe = adapted == "experts"
+    config = ModelConfig(d_model=32, num_layers=2, num_heads=4, mlp_dim=32, mlp_pattern=("moe" if moe else "dense",))
+    tokens = jnp.zeros((1, 4), jnp.int32)
+
+    def shapes():  # abstract: the check needs no weights
+        params = DecoderLM(config).init(jax.random.key(0), tokens)["params"]
+        return params if moe else add_mixlora(params, MixLoraConfig(num_experts=2, top_k=1, rank=2), jax.random.key(1))
+
+    quantize = QuantizeConfig(format="int8", targets=("experts",) if moe else DEFAULT_TARGETS)
+    with pytest.raises(ConfigError, match=f"a {'routed expert' if moe else 'MixLoRA MLP'}'s weight") as error:
+        jax.eval_shape(lambda p: quantize_params(p, quantize), jax.eval_shape(shapes))
+    assert error.value.key == "quantize.targets"

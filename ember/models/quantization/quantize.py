@@ -4,7 +4,8 @@
     qparams = quantize_params(params, QuantizeConfig(format="int4", method="gptq"), grams=grams)
 
 The linear maps ``targets`` names (default: every attention and MLP projection; embeddings,
-the output head, routers, norms and MoE experts stay in float) are replaced by their stored
+the output head, routers and norms stay in float, and so do routed experts and the MLPs
+MixLoRA adapted, whose layers read float weights only) are replaced by their stored
 quantized form (``ember.models.quantization.stored``); the model's code reads them as they
 are. ``grams`` (GPTQ) are the inputs' ``X^T X`` per weight path, from :func:`calibration_grams`.
 """
@@ -105,15 +106,34 @@ def quantize_params(
     """``params`` with the target weights stored quantized (see the module docstring).
 
     Raises:
-      ConfigError: a target selects nothing, a weight's input size is not a multiple of the
-        group size, or GPTQ lacks a weight's Gram matrix.
+      ConfigError: a target selects nothing or a routed expert or MixLoRA MLP weight, a
+        weight's input size is not a multiple of the group size, or GPTQ lacks a weight's
+        Gram matrix.
     """
     flat = param_paths(params)
-    for path in quantized_paths(params, config):
+    paths = quantized_paths(params, config)
+    _check_read_quantized(flat, paths)
+    for path in paths:
         flat[path] = _quantize_weight(path, flat[path], config, None if grams is None else grams.get(path))
         if config.method == "gptq" and (grams is None or path not in grams):
             raise ConfigError(f"GPTQ has no calibration statistics for {path}", key="quantize.method")
     return tree_from_paths(flat)
+
+
+def _check_read_quantized(flat: Mapping[str, Any], paths: list[str]) -> None:
+    """Routed experts and the MLPs MixLoRA adapted read their weights as floats only."""
+    from ember.models.adapters.lowrank import MIXLORA_ROUTER  # it imports the stored format: not at the top
+
+    mixlora_mlps = {p.rsplit("/", 1)[0] for p in flat if MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1])}
+    for path in paths:
+        expert = _matches(TARGETS["experts"], path)
+        if expert or path.rsplit("/", 1)[0] in mixlora_mlps:
+            raise ConfigError(
+                f"quantize.targets selects {path}, {'a routed expert' if expert else 'a MixLoRA MLP'}'s weight: "
+                "routed experts and MixLoRA MLPs are not stored quantized (their layers read float weights); "
+                "leave them out of quantize.targets",
+                key="quantize.targets",
+            )
 
 
 def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Array | None) -> Any:
