@@ -2,7 +2,8 @@
 nothing downloaded): adapters trained (perturbed) in Ember and saved load with
 ``PeftModel.from_pretrained`` and give Ember's logits; PEFT adapters with random non-zero
 weights (ranks, targets, rsLoRA, DoRA, per-module ranks and alphas) load into Ember and give
-PEFT's logits; PiSSA adapters save against the original base."""
+PEFT's logits; PiSSA adapters save against the original base; PEFT options and tensors Ember
+does not implement are refused, not dropped."""
 
 import dataclasses
 import functools
@@ -11,11 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from ember.core.errors import DataError, PathNotFoundError
 from ember.models import hf
 from ember.models.adapters import LoraConfig, add_lora
 from ember.models.adapters.lora_ga import lora_ga_init
+from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.hf.peft import load_peft_adapter, save_peft_adapter, with_adapter
 from tests.hf_peers import random_hf_model
@@ -139,3 +142,33 @@ def test_bad_adapter_directories_are_clear_errors(base, tmp_path):
         load_peft_adapter(tmp_path, config)
     with pytest.raises(DataError, match="no adapters"):
         save_peft_adapter(tmp_path, config, params)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(bias="lora_only"),
+        dict(lora_bias=True),
+        dict(modules_to_save=["lm_head"]),
+        dict(layer_replication=[[0, 2]]),
+        dict(trainable_token_indices=[3]),
+    ],
+    ids=lambda option: next(iter(option)),
+)
+def test_peft_options_ember_does_not_implement_are_named(option, tmp_path):
+    """Options that change PEFT's computation are refused from adapter_config.json alone."""
+    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **option).save_pretrained(tmp_path)
+    q_proj, draw = "base_model.model.model.layers.0.self_attn.q_proj", np.random.default_rng(1).standard_normal
+    factors = {"lora_A.weight": draw((4, 64), np.float32), "lora_B.weight": draw((64, 4), np.float32)}
+    save_file({f"{q_proj}.{name}": x for name, x in factors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(DataError, match=f"{next(iter(option))}=.*Ember does not implement"):
+        load_peft_adapter(tmp_path, ModelConfig())
+
+
+def test_adapter_tensors_ember_would_not_use_are_named(base, tmp_path):
+    """LoRA on the embedding (``lora_embedding_A`` / ``_B``) is not read: refused, not dropped."""
+    _, path, config, _ = base
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False)
+    peft.get_peft_model(fresh_hf(path), lora).save_pretrained(tmp_path)
+    with pytest.raises(DataError, match=r"tensors Ember does not use: .*embed_tokens\.lora_embedding_A"):
+        load_peft_adapter(tmp_path, config)

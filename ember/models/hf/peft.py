@@ -10,6 +10,8 @@ What ``peft.PeftModel.from_pretrained(transformers_model, dir)`` reads: per adap
 ``use_rslora`` and ``use_dora``. Modules: the attention projections (``q_proj`` ...), the
 dense MLP's and Qwen2-MoE's shared expert's ``gate_proj`` / ``up_proj`` / ``down_proj``.
 Routed experts are not exchanged (PEFT targets them as fused parameters, a different layout).
+An adapter with anything else (trained biases, ``modules_to_save``, LoRA on the embedding or
+head, the options in :data:`PLAIN_LORA`) is refused, never loaded without its extra parts.
 
 Saving writes every module's own alpha (``alpha = scale * r``, ``use_rslora`` false) so any
 Ember scale round-trips. Adapters whose initialisation changed the base weights (PiSSA,
@@ -37,6 +39,7 @@ from ember.models.adapters.leaves import adapted_paths
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list
+from ember.models.hf.weights import check_all_used
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -56,6 +59,24 @@ MODULES: dict[str, str] = {
 """Ember's per-layer weight path -> the HF module an adapter on it targets."""
 _EMBER_PATH = {module: path for path, module in MODULES.items()}
 PARTS_SAVED = ("lora_a", "lora_b", "lora_scale")
+PLAIN_LORA: dict[str, Any] = {
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "lora_bias": False,
+    "modules_to_save": None,
+    "trainable_token_indices": None,
+    "layer_replication": None,
+    "target_parameters": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "kasa_config": None,
+    "monteclora_config": None,
+}
+"""``adapter_config.json`` fields with which PEFT computes what Ember's LoRA does not (GPT-2's
+Conv1D layout, trained biases, saved whole modules or token rows, replicated layers, LoRA on
+raw parameters, aLoRA, QA-LoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA), and their plain-LoRA value."""
 
 
 def save_peft_adapter(
@@ -127,7 +148,8 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
 
     Raises:
       PathNotFoundError: no adapter_config.json or adapter_model.safetensors.
-      DataError: not a LoRA adapter, or tensors for modules Ember does not have.
+      DataError: not a LoRA adapter, a PEFT option Ember does not implement (:data:`PLAIN_LORA`),
+        or tensors Ember would not use (for modules it does not have, biases, embeddings).
     """
     path = Path(path)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -136,9 +158,22 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
     peft_config = json.loads((path / CONFIG_FILE).read_text())
     if peft_config.get("peft_type") != "LORA":
         raise DataError(f"{path} holds a {peft_config.get('peft_type')!r} adapter; Ember reads LORA adapters")
-    if peft_config.get("fan_in_fan_out"):
-        raise DataError(f"{path}: fan_in_fan_out adapters (GPT-2 Conv1D layouts) are not supported")
+    for field, plain in PLAIN_LORA.items():
+        if (peft_config.get(field) or plain) != plain:
+            raise DataError(
+                f"{path}: adapter_config.json has {field}={peft_config[field]!r}, which Ember does not implement; "
+                f"it reads LoRA (rsLoRA, DoRA, per-module ranks and alphas) on attention and MLP projections "
+                f"with {field}={plain!r}"
+            )
     tensors = load_file(str(path / WEIGHTS_FILE))
+    used: set[str] = set()
+
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise DataError(f"{path}: adapter tensor {name!r} is missing")
+        used.add(name)
+        return tensors[name]
+
     layers: list[dict[str, Any]] = [{} for _ in range(config.num_layers)]
     for key in sorted(tensors):
         if not key.endswith(".lora_A.weight"):
@@ -149,7 +184,7 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
             raise DataError(f"{path}: adapter tensor {key!r} is for a module Ember does not have")
         index, weight = int(found.group(1)), _EMBER_PATH[found.group(2)]
         stem = key[: -len(".lora_A.weight")]
-        a, b = tensors[key], tensors[stem + ".lora_B.weight"]
+        a, b = take(key), take(stem + ".lora_B.weight")
         rank = a.shape[0]
         alpha = _pattern_value(peft_config.get("alpha_pattern") or {}, module_name, peft_config["lora_alpha"])
         scale = alpha / math.sqrt(rank) if peft_config.get("use_rslora") else alpha / rank
@@ -160,8 +195,9 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
             "lora_scale": np.asarray(scale, np.float32),
         }
         if stem + ".lora_magnitude_vector" in tensors:
-            leaves["lora_magnitude"] = tensors[stem + ".lora_magnitude_vector"].reshape(out_shape).astype(np.float32)
+            leaves["lora_magnitude"] = take(stem + ".lora_magnitude_vector").reshape(out_shape).astype(np.float32)
         layers[index].update({part_name(weight, part): value for part, value in leaves.items()})
+    check_all_used(config, tensors, used, what=f"PEFT adapter {path}")
     if not any(layers):
         raise DataError(f"{path} has no LoRA tensors")
     if config.scan_layers:

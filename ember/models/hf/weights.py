@@ -50,7 +50,7 @@ def params_from_hf(
 
     if "mamba2" in config.layer_kinds:
         params = mamba2_params_from_hf(config, take)
-        _check_all_used(config, state, used)
+        check_all_used(config, state, used)
         return params
     layers = []
     for i in range(config.num_layers):
@@ -83,18 +83,21 @@ def params_from_hf(
     }
     if not config.tie_embeddings:
         params["head"] = {"kernel": take("lm_head.weight").T}
-    _check_all_used(config, state, used)
+    check_all_used(config, state, used)
     return params
 
 
-def _check_all_used(config: ModelConfig, state: Mapping[str, np.ndarray], used: set[str]) -> None:
+def check_all_used(
+    config: ModelConfig, state: Mapping[str, np.ndarray], used: set[str], what: str = "Hugging Face checkpoint"
+) -> None:
+    """Raises ``DataError`` naming the tensors of ``state`` (``what``: the file, in the message)
+    not in ``used``, which Ember would otherwise silently ignore."""
     if config.tie_embeddings and "lm_head.weight" in state:
         used.add("lm_head.weight")  # tied checkpoints may still store the (shared) head
     ignored = sorted(name for name in state if name not in used and not name.endswith("rotary_emb.inv_freq"))
     if ignored:
         raise DataError(
-            f"Hugging Face checkpoint has tensors Ember does not use: {', '.join(ignored[:8])}"
-            f"{' ...' if len(ignored) > 8 else ''}"
+            f"{what} has tensors Ember does not use: {', '.join(ignored[:8])}{' ...' if len(ignored) > 8 else ''}"
         )
 
 
