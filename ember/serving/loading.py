@@ -155,8 +155,18 @@ def _load_hf(path: Path, config_overrides: dict[str, Any]) -> LoadedModel:
     from ember.models import hf
 
     config, params = hf.load(path, **config_overrides)
-    eos_ids = eos_ids_of(json.loads((path / "config.json").read_text()).get("eos_token_id"))  # an id or a list
-    return LoadedModel(config, jax.tree.map(jnp.asarray, params), _hf_tokenizer(path), eos_ids)
+    return LoadedModel(config, jax.tree.map(jnp.asarray, params), _hf_tokenizer(path), _hf_eos_ids(path))
+
+
+def _hf_eos_ids(path: Path) -> tuple[int, ...]:
+    """The ids that end generation, as ``transformers``' ``generate`` takes them: from
+    ``generation_config.json`` where it names them (chat models often list their end-of-turn
+    tokens only there), else from ``config.json``; each file holds one id or a list."""
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file() and (eos := json.loads(file.read_text()).get("eos_token_id")) is not None:
+            return eos_ids_of(eos)
+    return ()
 
 
 def _hf_tokenizer(path: Path) -> HFTokenizer | None:

@@ -72,13 +72,21 @@ def test_each_line_generates_with_its_adapter(served, tmp_path):
 
 
 def test_every_eos_id_of_config_json_is_loaded(served, tmp_path):
-    """A ``config.json`` may list several ``eos_token_id``s (Llama-3-Instruct: three)."""
+    """A ``config.json`` may list several ``eos_token_id``s (Llama-3-Instruct: three), and a
+    ``generation_config.json``'s, where it names them, are the ones transformers' generate
+    stops on."""
     _, base_dir, _ = served
-    shutil.copytree(base_dir, tmp_path / "model")
-    config = json.loads((tmp_path / "model" / "config.json").read_text())
-    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "eos_token_id": [EOS, 7, 9]}))
-    assert load_model(tmp_path / "model").eos_ids == (EOS, 7, 9)
     assert load_model(base_dir).eos_ids == (EOS,)
+    model = tmp_path / "model"
+    shutil.copytree(base_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": [EOS, 7, 9]}))
+    (model / "generation_config.json").unlink(missing_ok=True)
+    assert load_model(model).eos_ids == (EOS, 7, 9)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    assert load_model(model).eos_ids == (EOS, 7, 9)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, 11]}))
+    assert load_model(model).eos_ids == (EOS, 11)
 
 
 @pytest.mark.parametrize(
