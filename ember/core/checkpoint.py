@@ -19,6 +19,9 @@ What it guarantees:
 - **Partial reads.** :meth:`CheckpointManager.restore_part` reads one entry of a saved
   dict (a run's ``params``, not its optimizer moments): only that entry's arrays are read.
 - **Typed PRNG keys** (``jax.random.key``) round-trip: they are saved as their key data.
+- **Zero-size arrays** (GaLore's placeholders for the parameters it does not project), which
+  orbax refuses to write, hold no data: they are saved as nothing and restored as zeros of the
+  target's shape (``None`` when restored without a target).
 """
 
 from __future__ import annotations
@@ -78,7 +81,10 @@ class CheckpointManager:
         if step in self.all_steps():
             raise ValueError(f"checkpoint step {step} already exists in {self.directory}")
         args = ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(_keys_to_data(state)), _EXTRA: ocp.args.JsonSave(dict(extra or {}))}
+            **{
+                _STATE: ocp.args.StandardSave(_without_empty(_keys_to_data(state))),
+                _EXTRA: ocp.args.JsonSave(dict(extra or {})),
+            }
         )
         self._manager.save(int(step), args=args, force=True)
 
@@ -97,13 +103,15 @@ class CheckpointManager:
         """
         step = self._resolve_step(step)
         abstract = self._abstract_target(step, target)
+        if target is not None:
+            abstract = _without_empty(abstract)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract), _EXTRA: ocp.args.JsonRestore()}),
         )
         state = restored[_STATE]
         if target is not None:
-            state = _data_to_keys(state, target)
+            state = _data_to_keys(_with_empty(state, jax.tree.map(_abstract_leaf, target)), target)
         return RestoredCheckpoint(step=step, state=state, extra=dict(restored[_EXTRA] or {}))
 
     def restore_part(self, part: str, step: int | None = None, *, target: Any = None) -> Any:
@@ -220,6 +228,26 @@ def _on_default_device(metadata: Any) -> Any:
     return jax.tree.map(
         lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m, metadata
     )
+
+
+def _is_empty(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype") and 0 in leaf.shape
+
+
+def _without_empty(tree: Any) -> Any:
+    """``tree`` with its zero-size arrays replaced by ``None`` (orbax refuses to save them)."""
+    return jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
+
+
+def _with_empty(tree: Any, like: Any) -> Any:
+    """``tree`` restored from :func:`_without_empty` with zeros where ``like`` has zero-size arrays."""
+
+    def fill(like_leaf, leaf):
+        if not _is_empty(like_leaf):
+            return leaf
+        return jax.device_put(np.zeros(like_leaf.shape, like_leaf.dtype), getattr(like_leaf, "sharding", None))
+
+    return jax.tree.map(fill, like, tree, is_leaf=lambda x: x is None)
 
 
 def abstract_with_shardings(tree: Any, shardings: Any) -> Any:

@@ -77,6 +77,17 @@ def test_keep_last_n_latest_and_given_step(tmp_path, rng):
         CheckpointManager(tmp_path / "empty").restore()
 
 
+def test_zero_size_arrays_round_trip_as_zeros_of_the_target_shape(tmp_path, rng):
+    """Orbax refuses to write zero-size arrays (GaLore keeps them for unprojected parameters)."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    state = {"w": jax.random.normal(rng, (8, 4)), "placeholder": jax.device_put(jnp.zeros((0, 0)), sharding)}
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(0, state)
+    restored = CheckpointManager(tmp_path).restore(target=state).state
+    assert_trees_equal(restored, state)
+    assert restored["placeholder"].sharding == sharding
+
+
 def test_restore_without_target_lands_on_one_device(tmp_path, rng):
     state = {"w": jax.random.normal(rng, (8, 4)), "count": jnp.int32(5)}
     with CheckpointManager(tmp_path) as manager:
