@@ -21,6 +21,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -54,13 +55,39 @@ def init_state(
     mask: Mask,
 ) -> TrainState:
     """A fresh state from ``init_variables(rng)`` (a task's). Parameters (and the optimizer
-    moments built from them) keep their ``nn.Partitioned`` logical annotations, so
-    ``nn.get_partition_spec`` of the abstract state gives the shardings; the trainer unboxes
-    after placement."""
+    moments built from them, see :func:`init_opt_state`) keep their ``nn.Partitioned`` logical
+    annotations, so ``nn.get_partition_spec`` of the abstract state gives the shardings; the
+    trainer unboxes after placement."""
     params, model_state = split_variables(init_variables(rng))
     return TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(select(params, mask)), model_state=model_state
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=init_opt_state(tx, select(params, mask)),
+        model_state=model_state,
     )
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: Any) -> Any:
+    """``tx.init(params)`` with a parameter's logical axes kept on the state leaves of its
+    shape (moments: sharded like the parameter) and dropped from the others (Adafactor's
+    factored rows and columns, GaLore's projected moments and projectors: replicated).
+
+    ``tx.init`` maps over the boxed ``params``, so every leaf it derives from a parameter
+    inherits the parameter's box, whatever its shape; the parameter's shape travels in the
+    box's names through ``init`` to tell the two apart."""
+    is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+
+    def tag(box):
+        return box.replace(names=(box.names, jnp.shape(box.value))) if is_box(box) else box
+
+    def untag(box):
+        if not is_box(box):
+            return box
+        names, shape = box.names
+        return box.replace(names=names) if getattr(box.value, "shape", None) == shape else box.value
+
+    state = tx.init(jax.tree.map(tag, params, is_leaf=is_box))
+    return jax.tree.map(untag, state, is_leaf=is_box)
 
 
 def call_loss(
@@ -209,4 +236,4 @@ def eval_step(
     return terms.loss_sum, terms.count
 
 
-__all__ = ["LossFn", "TrainState", "call_loss", "eval_step", "init_state", "train_step"]
+__all__ = ["LossFn", "TrainState", "call_loss", "eval_step", "init_opt_state", "init_state", "train_step"]
