@@ -2,10 +2,11 @@
 
     tx = make_optimizer(OptimConfig(name="adamw", lr=3e-4), total_steps=10_000)
 
-Gradients are clipped by global norm first (``clip_norm``; 0 turns it off). Weight decay
-applies to weight matrices and embeddings, never to biases or normalisation scales
-(decided by the parameter's name, so it is right for layer-stacked ``[layers, ...]``
-parameters too).
+Gradients are clipped by global norm first (``clip_norm``; 0 turns it off). Weight decay is
+decoupled and scaled by the learning rate for every optimizer (a decayed weight shrinks by
+``lr * weight_decay`` per step). It applies to weight matrices and embeddings, never to
+biases or normalisation scales (decided by the parameter's name, so it is right for
+layer-stacked ``[layers, ...]`` parameters too).
 
 ``muon`` and ``galore`` are optax's (``optax.contrib``). Both treat the model's linear maps
 (attention projections, MLP and expert matrices) as matrices from their input to their
@@ -23,6 +24,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 import optax.contrib
 
@@ -160,8 +162,43 @@ def matrix_dimensions(params: Any, *, spec: type, batch_axes: bool = True) -> An
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+def _decay_then_rate(
+    direction: optax.GradientTransformation, config: OptimConfig, lr: optax.Schedule
+) -> optax.GradientTransformation:
+    """``direction``, then decoupled weight decay, then the learning rate: how optax builds
+    adamw, lion, muon and galore, so a decayed weight shrinks by ``lr * weight_decay`` a step."""
+    return optax.chain(
+        direction, optax.add_decayed_weights(config.weight_decay, mask=decay_mask), optax.scale_by_learning_rate(lr)
+    )
+
+
+def _decoupled_decay(lr: optax.Schedule, weight_decay: float, mask: Any) -> optax.GradientTransformation:
+    """Adds ``-lr(step) * weight_decay * param`` to the updates of the ``mask``ed parameters:
+    decoupled decay after an optimizer that has applied its rate without any. Its state is a
+    schedule's step count (``optax.ScaleByScheduleState``), like the rate's."""
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params):
+        rate = -weight_decay * lr(state.count)
+        updates = jax.tree.map(lambda u, p: u + rate * p, updates, params)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.masked(optax.GradientTransformation(init, update), mask)
+
+
+def _adam_side_decay_mask(params: Any) -> Any:
+    """:func:`decay_mask` of the parameters Muon leaves to Adam (all but the linear maps)."""
+    matrices = matrix_dimensions(params, spec=optax.contrib.MuonDimensionNumbers)
+    return jax.tree.map(lambda decays, dims: decays and dims is None, decay_mask(params), matrices)
+
+
 def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Clipping, then the optimizer with its schedule (and decoupled weight decay)."""
+    """Clipping, then the optimizer with its schedule and decoupled weight decay: with zero
+    gradients every optimizer multiplies a decayed weight by ``1 - lr(step) * weight_decay``
+    (SGD's momentum and Adafactor's update scaling do not touch the decay)."""
     lr = make_schedule(config, total_steps)
     if config.name == "adamw":
         core = optax.adamw(
@@ -170,8 +207,13 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
     elif config.name == "lion":
         core = optax.lion(lr, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay, mask=decay_mask)
     elif config.name == "adafactor":
-        core = optax.adafactor(lr, weight_decay_rate=config.weight_decay or None, weight_decay_mask=decay_mask)
+        # optax.adafactor's own pieces and defaults, its decay moved before the rate (optax adds it after).
+        direction = optax.chain(
+            optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0), optax.scale_by_param_block_rms()
+        )
+        core = _decay_then_rate(direction, config, lr)
     elif config.name == "muon":
+        muon_dimensions = functools.partial(matrix_dimensions, spec=optax.contrib.MuonDimensionNumbers)
         core = optax.contrib.muon(
             lr,
             ns_steps=config.muon_ns_steps,
@@ -180,9 +222,10 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
             weight_decay_mask=decay_mask,
             adam_b1=config.b1,
             adam_b2=config.b2,
-            adam_weight_decay=config.weight_decay,
-            muon_weight_dimension_numbers=functools.partial(matrix_dimensions, spec=optax.contrib.MuonDimensionNumbers),
+            muon_weight_dimension_numbers=muon_dimensions,
         )
+        # optax's muon would decay every parameter of its Adam side (it takes no mask there).
+        core = optax.chain(core, _decoupled_decay(lr, config.weight_decay, mask=_adam_side_decay_mask))
     elif config.name == "galore":
         core = optax.contrib.galore(
             lr,
@@ -197,10 +240,8 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
             ),
         )
     else:
-        core = optax.chain(
-            optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
-            optax.sgd(lr, momentum=config.momentum or None, nesterov=config.nesterov),
-        )
+        momentum = optax.trace(config.momentum, nesterov=config.nesterov) if config.momentum else optax.identity()
+        core = _decay_then_rate(momentum, config, lr)
     if config.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(config.clip_norm), core)
     return core

@@ -65,8 +65,9 @@ def test_each_optimizer_matches_optax_directly(name, rng):
     inner = {
         "adamw": optax.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask),
         "lion": optax.lion(1e-2, b1=0.9, b2=0.95, weight_decay=0.1, mask=mask),
-        "adafactor": optax.adafactor(1e-2, weight_decay_rate=0.1, weight_decay_mask=mask),
-        "sgd": optax.chain(optax.add_decayed_weights(0.1, mask=mask), optax.sgd(1e-2, momentum=0.9)),
+        # Decay decoupled from the update and scaled by the rate (optax's adafactor adds it unscaled).
+        "adafactor": optax.chain(optax.adafactor(1e-2), optax.add_decayed_weights(-1e-2 * 0.1, mask=mask)),
+        "sgd": optax.chain(optax.sgd(1e-2, momentum=0.9), optax.add_decayed_weights(-1e-2 * 0.1, mask=mask)),
     }[name]
     reference = optax.chain(optax.clip_by_global_norm(0.5), inner)
     state_ours, state_ref = ours.init(params), reference.init(params)
@@ -75,6 +76,30 @@ def test_each_optimizer_matches_optax_directly(name, rng):
         update_ref, state_ref = reference.update(grads, state_ref, params)
         jax.tree.map(assert_allclose, update_ours, update_ref)
         params = optax.apply_updates(params, update_ours)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_weight_decay_shrinks_a_weight_by_lr_times_decay_each_step_for_every_optimizer(name):
+    """Zero gradients: a decayed weight is multiplied by ``1 - lr(t) * weight_decay`` at step
+    ``t`` (a decaying schedule, so the rate of each step is checked), a norm scale not at all."""
+    config = OptimConfig(name=name, lr=0.5, weight_decay=0.2, galore_rank=2,
+                         schedule=ScheduleConfig("linear", warmup_steps=0, min_lr_ratio=0.0))  # fmt: skip
+    tx, schedule = make_optimizer(config, 4), make_schedule(config, 4)
+    params = _matrix_params(stacked=False)
+    state, zeros = tx.init(params), jax.tree.map(jnp.zeros_like, params)
+    for step in range(3):
+        updates, state = tx.update(zeros, state, params)
+        new = optax.apply_updates(params, updates)
+        factor = 1 - float(schedule(step)) * 0.2
+        layer, new_layer = params["group_0"]["block_0"], new["group_0"]["block_0"]
+        for before, after in [
+            (params["embed"]["embedding"], new["embed"]["embedding"]),
+            (layer["mlp"]["up"], new_layer["mlp"]["up"]),
+            (layer["attn"]["q"]["kernel"], new_layer["attn"]["q"]["kernel"]),
+        ]:
+            assert_allclose(after, factor * before, dtype=np.float32)
+        np.testing.assert_array_equal(new_layer["attn_norm"]["scale"], layer["attn_norm"]["scale"])
+        params = new
 
 
 def test_config_errors_name_the_key():
