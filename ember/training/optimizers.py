@@ -5,8 +5,8 @@
 Gradients are clipped by global norm first (``clip_norm``; 0 turns it off). Weight decay is
 decoupled and scaled by the learning rate for every optimizer (a decayed weight shrinks by
 ``lr * weight_decay`` per step). It applies to weight matrices and embeddings, never to
-biases or normalisation scales (decided by the parameter's name, so it is right for
-layer-stacked ``[layers, ...]`` parameters too).
+biases, normalisation scales or Mamba-2's ``A_log`` and ``D`` (decided by the parameter's
+name, so it is right for layer-stacked ``[layers, ...]`` parameters too: :func:`decay_mask`).
 
 ``muon`` and ``galore`` are optax's (``optax.contrib``). Both treat the model's linear maps
 (attention projections, MLP and expert matrices) as matrices from their input to their
@@ -33,7 +33,10 @@ from ember.models.adapters.layout import weight_layout
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lion", "adafactor", "sgd", "muon", "galore")
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
-NO_DECAY_NAMES: frozenset[str] = frozenset({"bias", "scale", "b"})
+NO_DECAY_NAMES: frozenset[str] = frozenset({"b", "scale", "A_log", "D"})
+"""Parameter names that never decay, besides names ending in ``bias`` (``bias``, Mamba-2's
+``conv_bias`` and ``dt_bias``) or holding ``norm`` (``norm_scale``): biases, normalisation
+scales and Mamba-2's per-head decay rates ``A_log`` and skip gains ``D``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +127,14 @@ def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params: Any) -> Any:
-    """True for parameters that get weight decay (all but biases and norm scales)."""
+    """True for parameters that get weight decay: weight matrices and embeddings, not biases,
+    normalisation scales or Mamba-2's ``A_log`` and ``D`` (:data:`NO_DECAY_NAMES`). Decided by
+    the parameter's name, whatever leading axes stack it (``[layers, ...]``, ``[experts, ...]``)."""
 
     def decays(path, _leaf) -> bool:
-        name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1])))
-        return name not in NO_DECAY_NAMES and "norm" not in name
+        names = [str(key.key) for key in path if isinstance(key, jax.tree_util.DictKey)]
+        name = names[-1] if names else ""
+        return not (name in NO_DECAY_NAMES or name.endswith("bias") or "norm" in name)
 
     return jax.tree_util.tree_map_with_path(decays, params)
 

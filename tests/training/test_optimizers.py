@@ -10,6 +10,10 @@ import pytest
 
 from ember.core.config import load_config
 from ember.core.errors import ConfigError
+from ember.core.sharding import unbox
+from ember.core.tree import param_paths
+from ember.models.config import ModelConfig
+from ember.models.decoder import DecoderLM
 from ember.training.lm.trainer import make_trainer
 from ember.training.optimizers import (
     OPTIMIZERS,
@@ -20,7 +24,7 @@ from ember.training.optimizers import (
     make_schedule,
 )
 from tests.tolerances import assert_allclose
-from tests.training.lm_runs import read_metrics, small_config
+from tests.training.lm_runs import REPO, read_metrics, small_config
 
 
 def test_warmup_then_cosine_and_linear_by_hand():
@@ -52,6 +56,20 @@ def test_decay_mask_skips_biases_and_norm_scales_even_when_stacked():
         "layers": {"attn": {"kernel": True, "bias": False}, "pre_norm": {"scale": False}},
         "embed": {"embedding": True},
     }
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_decay_mask_of_a_hybrid_model_decays_its_matrices_only(scan):
+    """Mamba-2 and attention layers: the biases (conv_bias, dt_bias), norm scales and the SSM's
+    A_log and D never decay, stacked over layers or not; every matrix and the embedding do."""
+    config = load_config(ModelConfig, REPO / "configs/models/hybrid_tiny.yaml", [f"scan_layers={str(scan).lower()}"])
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    params = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.key(0), tokens, positions=jnp.arange(8)[None]))
+    decayed = param_paths(decay_mask(unbox(params["params"])))
+    never = ("bias", "scale", "/A_log", "/D")
+    matrices = ("kernel", "embedding", "conv_weight", "mlp/up", "mlp/gate", "mlp/down")
+    assert {path for path, on in decayed.items() if not on} == {p for p in decayed if p.endswith(never)}
+    assert all(p.endswith(matrices) for p in decayed if decayed[p]) and any(p.endswith("/A_log") for p in decayed)
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "adafactor", "sgd"])
