@@ -18,7 +18,8 @@ class LoopConfig:
     """The training loop.
 
     ``grad_accum``: micro-batches per step (exact, weighted by each micro-batch's loss count).
-    ``on_nan``: ``stop`` raises on a non-finite loss; ``skip`` leaves the state unchanged.
+    ``on_nan``: ``stop`` raises on a non-finite loss; ``skip`` leaves params, optimizer moments
+    and model state unchanged (the learning-rate schedule still follows the step).
     ``aux_loss_weights``: ``{name: weight}`` for every auxiliary loss the model returns or sows
     (``0`` logs it without training on it). ``freeze``: regular expressions searched in the
     ``/``-joined parameter paths (``layers/block_0/attn/q/kernel``); matching parameters are

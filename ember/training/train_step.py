@@ -155,8 +155,10 @@ def train_step(
     name, ``objective`` (loss plus weighted aux; only with aux losses), ``grad_norm``, ``lr``,
     ``count_name`` (the summed count), ``finite`` (loss and gradients finite) and each
     metric the model sowed (scalar or vector). With ``skip_nonfinite`` a non-finite step
-    leaves params, optimizer state and model state unchanged. The loss's ``rng`` is
-    ``fold_in(fold_in(key(seed), step), micro_batch)``.
+    leaves params, optimizer moments and model state unchanged; the learning-rate schedule's
+    step counts advance, so the rate follows the trainer's step (as the RNG and QAT's phases
+    do) and the logged ``lr``, ``schedule(step)``, is the rate the step applied. The loss's
+    ``rng`` is ``fold_in(fold_in(key(seed), step), micro_batch)``.
     """
     weights = dict(aux_weights or {})
     trainable = select(state.params, mask)
@@ -201,9 +203,10 @@ def train_step(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
         new_trainable, opt_state, model_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
+            lambda new, old: new if _is_schedule(new) else jnp.where(finite, new, old),
             (new_trainable, opt_state, model_state),
             (trainable, state.opt_state, state.model_state),
+            is_leaf=_is_schedule,
         )
     metrics = {
         "loss": loss,
@@ -225,6 +228,12 @@ def train_step(
         step=state.step + 1, params=merge(state.params, new_trainable), opt_state=opt_state, model_state=model_state
     )
     return new_state, metrics
+
+
+def _is_schedule(node: Any) -> bool:
+    """A schedule's step count in an optimizer state (``optax.scale_by_learning_rate``'s): it
+    counts the trainer's steps, skipped ones included, so it equals ``TrainState.step``."""
+    return isinstance(node, optax.ScaleByScheduleState)
 
 
 def eval_step(

@@ -222,6 +222,39 @@ def test_auxiliary_loss_weights_must_match_the_losses_the_model_returns(tmp_path
         make_trainer(Regression(), tmp_path / "all", freeze=(".",))
 
 
+class NanSecondBatch(RegressionBatches):
+    def next(self):
+        batch = super().next()
+        return {"x": np.full_like(batch["x"], np.nan), "y": batch["y"]} if self.position == 2 else batch
+
+
+def test_a_skipped_non_finite_step_keeps_the_schedule_on_the_trainers_step(tmp_path):
+    """Step 2 is NaN and skipped: step 3 applies (and logs) ``schedule(2)``, not the rate of the
+    second step taken; the params are those after step 1 less ``schedule(2)`` times the gradient."""
+    task = Regression()
+    task.train_data = NanSecondBatch
+    sgd = OptimConfig(name="sgd", lr=0.1, momentum=0.0, weight_decay=0.0, clip_norm=0.0,
+                      schedule=ScheduleConfig("linear", warmup_steps=4))  # fmt: skip
+    trainer = make_trainer(task, tmp_path / "skip", steps=3, optim=sgd, on_nan="skip")
+    initial = jax.tree.map(np.asarray, trainer.state.params)  # step 1 applies schedule(0) = 0
+    trainer.train()
+    schedule = [float(trainer.schedule(step)) for step in range(3)]
+    assert schedule[0] == 0 and 0 < schedule[1] < schedule[2]
+    assert_allclose(np.array([logged(tmp_path / "skip")[step]["lr"] for step in (1, 2, 3)]), np.array(schedule))
+    counts = [leaf for leaf in jax.tree.leaves(trainer.state.opt_state) if leaf.ndim == 0]
+    assert [int(count) for count in counts] == [3]
+    third = RegressionBatches()
+    third.restore({"position": 2})
+    batch = third.next()
+
+    def loss_fn(params):
+        return jnp.mean(jnp.sum((task.model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2, axis=-1))
+
+    expected = jax.tree.map(lambda p, g: p - schedule[2] * g, initial, jax.grad(loss_fn)(initial))
+    for a, b in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(expected)):
+        assert_allclose(np.asarray(a), np.asarray(b), dtype=np.float32)
+
+
 def test_non_finite_loss_error_is_an_ember_error():
     assert issubclass(NonFiniteLossError, EmberError)
 
