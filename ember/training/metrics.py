@@ -20,18 +20,32 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsWriter:
-    """Appends metrics of a run directory; safe to reopen when a run resumes."""
+    """Appends metrics of a run directory. A trainer starting from step ``resume_step`` (its
+    checkpoint's, 0 for a fresh start) opens it with that step: the records past it are dropped from
+    ``metrics.jsonl`` and hidden in TensorBoard (``purge_step``), since the run logs those
+    steps again, so every step appears once in both."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
+    def __init__(
+        self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True, resume_step: int | None = None
+    ):
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = enabled
         self._tensorboard = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                self.truncate_after(resume_step)
             if tensorboard:
                 from tensorboardX import SummaryWriter
 
-                self._tensorboard = SummaryWriter(logdir=str(Path(run_dir) / TENSORBOARD_DIR))
+                # A resume within the second of the last start would reuse its file name (time and
+                # host) and overwrite it: the start step tells them apart and keeps them in order.
+                resumed = resume_step is not None
+                self._tensorboard = SummaryWriter(
+                    logdir=str(Path(run_dir) / TENSORBOARD_DIR),
+                    purge_step=resume_step + 1 if resumed else None,
+                    filename_suffix=f".from{resume_step:09d}" if resumed else "",
+                )
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         """Logs scalar ``values`` at ``step`` (non-finite floats are written as strings)."""

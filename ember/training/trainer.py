@@ -267,8 +267,9 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Runs the remaining steps; returns (and, on the main process, writes) the summary."""
         start = int(self.state.step)
-        self.writer = MetricsWriter(self.run_dir, tensorboard=self.logging.tensorboard, enabled=self.is_main)
-        self.writer.truncate_after(start)
+        self.writer = MetricsWriter(
+            self.run_dir, tensorboard=self.logging.tensorboard, enabled=self.is_main, resume_step=start
+        )
         stop = _StopFlag()
         bar = tqdm(
             total=self.loop.steps,

@@ -1,9 +1,11 @@
-"""``ember plot``: metrics.jsonl -> PNG, several runs overlaid."""
+"""``ember plot``: metrics.jsonl -> PNG, several runs overlaid; the metrics a resumed run keeps."""
 
 import re
+import struct
 
 import numpy as np
 import pytest
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from ember.cli import main
 from ember.training.metrics import MetricsWriter, read_metrics
@@ -48,3 +50,36 @@ def test_metrics_truncate_after_a_resume_point(tmp_path):
     fake_run(tmp_path, 0)
     MetricsWriter(tmp_path, tensorboard=False).truncate_after(10)
     assert max(record["step"] for record in read_metrics(tmp_path)) == 10
+
+
+def tensorboard_scalars(run_dir, tag):
+    """``{step: value}`` of ``tag`` as TensorBoard shows it: events read in order from every
+    event file (tensorboard itself is not installed), and a session start at step ``s``
+    (a ``purge_step``) hiding the events before it at steps ``>= s``."""
+    values = {}
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):  # records: length (8 bytes), its crc (4), event, its crc (4)
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 16 + length
+            if event.session_log.status == SessionLog.START:
+                values = {step: value for step, value in values.items() if step < event.step}
+            values.update((event.step, v.simple_value) for v in event.summary.value if v.tag == tag)
+    return values
+
+
+def test_a_resumed_run_shows_each_step_once_in_tensorboard_too(tmp_path):
+    """Killed after logging step 5, resumed from its checkpoint at step 4: steps 5 and 6 are
+    logged again, and neither log keeps the abandoned step 5."""
+    first = MetricsWriter(tmp_path, resume_step=0)  # as the trainer opens it for a fresh start
+    for step in range(1, 6):
+        first.write(step, {"loss": float(step)})
+    first.close()
+    resumed = MetricsWriter(tmp_path, resume_step=4)
+    for step in (5, 6):
+        resumed.write(step, {"loss": 10.0 * step})
+    resumed.close()
+    expected = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 50.0, 6: 60.0}
+    assert tensorboard_scalars(tmp_path, "loss") == expected
+    assert {record["step"]: record["loss"] for record in read_metrics(tmp_path)} == expected
