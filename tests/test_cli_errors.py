@@ -117,6 +117,15 @@ IN_PROCESS_FAILURES = {
     "lm malformed override": (train("train.steps"), "malformed override 'train.steps'"),
     "missing config file": (["train", "{root}/nowhere.yaml"], "config file not found"),
     "missing dataset": (train("run_dir={root}/no_data", "data.dataset={root}/nowhere"), "not a prepared dataset"),
+    "sample no tokens": (train("sample.max_tokens=0"), "sample.max_tokens must be a positive integer, got 0"),
+    "sample negative temperature": (train("sample.temperature=-1"), "sample.temperature must be >= 0 (0 = greedy)"),
+    "sample top_k": (train("sample.top_k=-5"), "sample.top_k must be an integer >= 0 (0 = off), got -5"),
+    "sample top_p": (train("sample.top_p=7"), "sample.top_p must be in (0, 1], got 7.0"),
+    "sample empty prompt": (train("sample.prompts=['']"), "sample.prompts must not contain empty strings"),
+    "sample prompt too long": (
+        train("run_dir={root}/long_prompt", f"sample.prompts=['{'x' * 40}']"),
+        "sample.prompts[0] has 40 tokens, more than the model's max_seq_len=32",
+    ),
     "rl unknown env": (
         ["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "env.id=CartPol-v1"],
         "env.id: unknown environment 'CartPol-v1'. Did you mean 'CartPole-v1'?",

@@ -22,6 +22,7 @@ from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
 from ember.models.config import ModelConfig
+from ember.serving.requests import SamplingParams
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.data.arithmetic import arithmetic_corpus_dir
 from ember.training.optimizers import OptimConfig
@@ -113,7 +114,9 @@ class TrainLoopConfig(LoopConfig):
 class SampleConfig:
     """Text sampled from the model at the end of training (empty ``prompts`` skips it), through
     the serving engine's decode path and sampler: ``temperature`` 0 is greedy, ``top_k`` 0
-    and ``top_p`` 1 are off; prompt ``i`` draws with seed ``seed + i``."""
+    and ``top_p`` 1 are off; prompt ``i`` draws with seed ``seed + i``. Values are checked
+    on load by the engine's ``SamplingParams`` rules; prompts longer than the model's context
+    when the run opens its tokenizer (``LMTask``), both before anything trains."""
 
     prompts: tuple[str, ...] = ("def ", "import ", "class ")
     max_tokens: int = 64
@@ -121,6 +124,15 @@ class SampleConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "seed"):
+            try:  # the serving engine's own rules, which the samples go through
+                SamplingParams(**{name: getattr(self, name)})
+            except ValueError as error:
+                raise ConfigError(f"sample.{error}", key=f"sample.{name}") from None
+        if not all(self.prompts):
+            raise ConfigError("sample.prompts must not contain empty strings", key="sample.prompts")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from ember.core.errors import ConfigError
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
@@ -26,16 +27,8 @@ SAMPLE_TOKEN_BUDGET = 64
 def sample_text(model: DecoderLM, params: Any, tokenizer: ByteTokenizer, config: SampleConfig) -> list[str]:
     """One continuation of each prompt in ``config.prompts`` (ending at end-of-document, at
     ``config.max_tokens`` or at the model's ``max_seq_len``); prompt ``i`` samples with
-    seed ``config.seed + i``. Raises ``ValueError`` for an empty or too long prompt."""
-    prompts = [[int(t) for t in tokenizer.encode(p)] for p in config.prompts]
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("sample.prompts must not contain empty strings")
-    too_long = [row for row, p in enumerate(prompts) if len(p) > model.config.max_seq_len]
-    if too_long:
-        raise ValueError(
-            f"sample.prompts[{too_long[0]}] has {len(prompts[too_long[0]])} tokens, more than the model's "
-            f"max_seq_len={model.config.max_seq_len}"
-        )
+    seed ``config.seed + i``. Raises ``ConfigError`` (a ``ValueError``) for a too long prompt."""
+    prompts = encode_prompts(config.prompts, tokenizer, model.config.max_seq_len)
     engine = sampling_engine(model.config, params, tokenizer, len(prompts), max(map(len, prompts)) + config.max_tokens)
     settings = [
         SamplingParams(
@@ -52,6 +45,22 @@ def sample_text(model: DecoderLM, params: Any, tokenizer: ByteTokenizer, config:
     if errors:
         raise ValueError(f"cannot sample: {'; '.join(errors)}")
     return [r.text for r in results]
+
+
+def encode_prompts(prompts: tuple[str, ...], tokenizer: Any, max_seq_len: int) -> list[list[int]]:
+    """The token ids of ``sample.prompts``.
+
+    Raises:
+      ConfigError: a prompt has more tokens than ``max_seq_len`` (key ``sample.prompts``).
+    """
+    encoded = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
+    for row, tokens in enumerate(encoded):
+        if len(tokens) > max_seq_len:
+            raise ConfigError(
+                f"sample.prompts[{row}] has {len(tokens)} tokens, more than the model's max_seq_len={max_seq_len}",
+                key="sample.prompts",
+            )
+    return encoded
 
 
 def sampling_engine(config: Any, params: Any, tokenizer: ByteTokenizer, num_prompts: int, longest: int) -> Engine:
@@ -78,4 +87,4 @@ def sampling_engine(config: Any, params: Any, tokenizer: ByteTokenizer, num_prom
 _PROGRAMS: dict[Any, DeviceProgram] = {}
 
 
-__all__ = ["sample_text", "sampling_engine"]
+__all__ = ["encode_prompts", "sample_text", "sampling_engine"]

@@ -22,7 +22,7 @@ from ember.models.flops import flops_per_token
 from ember.models.variables import serving_weights
 from ember.training.data import PackedBatches, TokenDataset, stdlib_corpus_dir
 from ember.training.lm.config import LMConfig
-from ember.training.lm.sampling import sample_text
+from ember.training.lm.sampling import encode_prompts, sample_text
 from ember.training.quantization.qat import qat_params
 from ember.training.task import LossTerms, Task, apply_model, next_token_loss
 
@@ -80,6 +80,9 @@ class LMTask(Task):
                 f"vocabulary ({self.dataset.tokenizer.vocab_size})",
                 key="model.vocab_size",
             )
+        encode_prompts(
+            config.sample.prompts, self.dataset.tokenizer, config.model.max_seq_len
+        )  # fail now, not after training
         self.model = DecoderLM(config.model)
         if config.qat.format:  # targets and group sizes that do not fit the model fail now, not in the step
             abstract = jax.eval_shape(self.init_params, jax.random.key(0))
