@@ -14,7 +14,8 @@ SIGTERM/SIGINT), then the task's own (``task.add_hooks``, e.g. LM samples), then
 The run directory holds ``metrics.jsonl`` (+ TensorBoard), ``checkpoints/`` and, at the end,
 ``summary.json``. With ``resume=True`` the run continues from its last complete
 checkpoint: params, optimizer state, model state, step and data position, on whatever mesh
-this process has.
+this process has. A run resumed with no steps left (killed after its final checkpoint) trains
+nothing, runs the end-of-run hooks that follow the checkpoint and writes a complete summary.
 
 Model state (non-gradient collections the model updates in its forward pass, see
 ``ember.models.variables``) lives in ``TrainState.model_state``: placed by its logical
@@ -54,7 +55,7 @@ from ember.core.sharding import (
 )
 from ember.core.system_info import peak_flops_per_device
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
-from ember.training.metrics import MetricsWriter
+from ember.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from ember.training.optimizers import OptimConfig, make_optimizer, make_schedule
 from ember.training.task import Task
 from ember.training.train_step import TrainState, eval_step, init_state, train_step
@@ -300,6 +301,8 @@ class Trainer:
                     self._window = (time.perf_counter(), 0)
                 if info.stopping:
                     break
+            if start >= self.loop.steps:
+                self._finish_resumed(start)
             self.manager.wait()
         finally:
             bar.close()
@@ -307,6 +310,20 @@ class Trainer:
             self.writer.close()
             self.manager.close()
         return self._write_summary()
+
+    def _finish_resumed(self, step: int) -> None:
+        """A run resumed with no steps left (stopped after its final checkpoint, before its
+        summary): the summary takes the metrics logged up to ``step``, and the end-of-run hooks
+        that come after the checkpoint (samples, yours) run; evaluation too when the log has no
+        ``val_loss``. Nothing is logged or checkpointed again."""
+        if (self.run_dir / METRICS_FILE).is_file():
+            for record in read_metrics(self.run_dir):
+                self.last_metrics.update({k: v for k, v in record.items() if k in SUMMARY_METRICS})
+        done = {self._log, self._save} | ({self._evaluate_hook} if "val_loss" in self.last_metrics else set())
+        info = StepInfo(step, self.state, {}, is_last=True, stopping=False, trainer=self)
+        for hook in self._hooks:
+            if hook.on_last and hook.fn not in done:
+                hook.fn(info)
 
     def _write_summary(self) -> dict[str, Any]:
         steps = int(self.state.step)

@@ -133,6 +133,26 @@ def test_custom_task_trains_checkpoints_and_resumes_exactly(tmp_path):
         make_trainer(Regression(), tmp_path / "reference")
 
 
+class Evaluated(Regression):
+    def eval_data(self):
+        return [RegressionBatches(seed=9).next()]
+
+
+def test_a_finished_run_resumed_writes_its_complete_summary_again(tmp_path):
+    """Killed after its final checkpoint, before summary.json: the resume trains and logs
+    nothing, runs the end-of-run hooks that follow the checkpoint and writes the same summary."""
+    first = make_trainer(Evaluated(), tmp_path / "run", steps=3)
+    summary = first.train()
+    log = (tmp_path / "run" / "metrics.jsonl").read_text()
+    (tmp_path / "run" / "summary.json").unlink()
+    resumed, seen = make_trainer(Evaluated(), tmp_path / "run", steps=3, resume=True), []
+    resumed.add_hook(lambda info: seen.append((info.step, info.is_last)), every=100, on_last=True)
+    again = resumed.train()
+    assert seen == [(3, True)] and (tmp_path / "run" / "metrics.jsonl").read_text() == log
+    assert again == summary and {"loss", "val_loss"} <= set(again)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+
+
 def test_frozen_layers_have_no_optimizer_state_and_match_a_hand_written_optax_loop(tmp_path):
     # Layers 0-1 frozen by the task's mask, 2-3 and the head by config patterns: 2 of 6 layers train.
     task = Regression(frozen_layers=("layer_0", "layer_1"))
