@@ -55,8 +55,11 @@ class CheckpointConfig:
     async_save: bool = True
 
     def __post_init__(self):
-        if self.every < 1 or self.keep < 1:
-            raise ConfigError("checkpoint.every and checkpoint.keep must be positive", key="checkpoint.every")
+        for name in ("every", "keep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"checkpoint.{name} must be a positive integer, got {getattr(self, name)}", key=f"checkpoint.{name}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)

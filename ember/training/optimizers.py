@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -92,21 +93,25 @@ class OptimConfig:
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise ConfigError(f"optim.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}", key="optim.name")
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be positive, got {self.lr}", key="optim.lr")
-        if self.weight_decay < 0 or self.clip_norm < 0:
-            raise ConfigError("optim.weight_decay and optim.clip_norm must be >= 0", key="optim.weight_decay")
+        bounds = {
+            "lr": (self.lr > 0, "> 0"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "clip_norm": (self.clip_norm >= 0, ">= 0 (0 turns clipping off)"),
+            "b1": (0 <= self.b1 < 1, "in [0, 1)"),
+            "b2": (0 <= self.b2 < 1, "in [0, 1)"),
+            "eps": (self.eps >= 0, ">= 0"),
+            "muon_beta": (0 <= self.muon_beta < 1, "in [0, 1)"),
+            "galore_scale": (self.galore_scale > 0, "> 0"),
+        }
+        for name, (within, allowed) in bounds.items():
+            value = getattr(self, name)
+            if not (within and math.isfinite(value)):
+                raise ConfigError(f"optim.{name} must be a finite number {allowed}, got {value}", key=f"optim.{name}")
         for name in ("muon_ns_steps", "galore_rank", "galore_update_gap"):
             if getattr(self, name) < 1:
                 raise ConfigError(
                     f"optim.{name} must be a positive integer, got {getattr(self, name)}", key=f"optim.{name}"
                 )
-        if not 0 <= self.muon_beta < 1 or self.galore_scale <= 0:
-            raise ConfigError(
-                f"optim.muon_beta must be in [0, 1) and optim.galore_scale positive, got {self.muon_beta} and "
-                f"{self.galore_scale}",
-                key="optim.muon_beta" if not 0 <= self.muon_beta < 1 else "optim.galore_scale",
-            )
 
 
 def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:

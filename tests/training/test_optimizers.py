@@ -130,6 +130,25 @@ def test_config_errors_name_the_key():
     assert info.value.key == "optim.schedule.kind"
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lr=.nan", "optim.lr must be a finite number > 0, got nan"),
+        ("lr=.inf", "optim.lr must be a finite number > 0, got inf"),
+        ("weight_decay=.nan", "optim.weight_decay must be a finite number >= 0, got nan"),
+        ("clip_norm=-1", "optim.clip_norm must be a finite number >= 0 (0 turns clipping off), got -1.0"),
+        ("b1=1.5", "optim.b1 must be a finite number in [0, 1), got 1.5"),
+        ("b2=-3", "optim.b2 must be a finite number in [0, 1), got -3.0"),
+        ("eps=-1", "optim.eps must be a finite number >= 0, got -1.0"),
+        ("muon_beta=1", "optim.muon_beta must be a finite number in [0, 1), got 1.0"),
+    ],
+)
+def test_each_bad_value_is_named_with_its_own_key_value_and_range(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(OptimConfig, None, [override])
+    assert str(info.value) == message and info.value.key == "optim." + override.split("=")[0]
+
+
 def _matrix_params(stacked: bool):
     """A 3-D attention kernel, an MLP matrix and a norm scale, layer-stacked or not."""
     keys = iter(jax.random.split(jax.random.key(3), 4))
