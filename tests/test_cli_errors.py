@@ -121,9 +121,12 @@ IN_PROCESS_FAILURES = {
     "optim nan lr": (train("optim.lr=.nan"), "optim.lr must be a finite number > 0, got nan"),
     "checkpoint keep": (train("checkpoint.keep=0"), "checkpoint.keep must be a positive integer, got 0"),
     "sample no tokens": (train("sample.max_tokens=0"), "sample.max_tokens must be a positive integer, got 0"),
-    "sample negative temperature": (train("sample.temperature=-1"), "sample.temperature must be >= 0 (0 = greedy)"),
+    "sample negative temperature": (
+        train("sample.temperature=-1"),
+        "sample.temperature must be a number >= 0 (0 = greedy), got -1.0",
+    ),
     "sample top_k": (train("sample.top_k=-5"), "sample.top_k must be an integer >= 0 (0 = off), got -5"),
-    "sample top_p": (train("sample.top_p=7"), "sample.top_p must be in (0, 1], got 7.0"),
+    "sample top_p": (train("sample.top_p=7"), "sample.top_p must be a number in (0, 1], got 7.0"),
     "sample empty prompt": (train("sample.prompts=['']"), "sample.prompts must not contain empty strings"),
     "sample prompt too long": (
         train("run_dir={root}/long_prompt", f"sample.prompts=['{'x' * 40}']"),
