@@ -40,11 +40,11 @@ class MetricsWriter:
 
                 # A resume within the second of the last start would reuse its file name (time and
                 # host) and overwrite it: the start step tells them apart and keeps them in order.
-                resumed = resume_step is not None
+                has_start = resume_step is not None
                 self._tensorboard = SummaryWriter(
                     logdir=str(Path(run_dir) / TENSORBOARD_DIR),
-                    purge_step=resume_step + 1 if resumed else None,
-                    filename_suffix=f".from{resume_step:09d}" if resumed else "",
+                    purge_step=resume_step + 1 if has_start else None,
+                    filename_suffix=f".from{resume_step:09d}" if has_start else "",
                 )
 
     def write(self, step: int, values: dict[str, Any]) -> None:

@@ -80,9 +80,8 @@ class LMTask(Task):
                 f"vocabulary ({self.dataset.tokenizer.vocab_size})",
                 key="model.vocab_size",
             )
-        encode_prompts(
-            config.sample.prompts, self.dataset.tokenizer, config.model.max_seq_len
-        )  # fail now, not after training
+        # a sample prompt longer than the context fails now, not after training
+        encode_prompts(config.sample.prompts, self.dataset.tokenizer, config.model.max_seq_len)
         self.model = DecoderLM(config.model)
         if config.qat.format:  # targets and group sizes that do not fit the model fail now, not in the step
             abstract = jax.eval_shape(self.init_params, jax.random.key(0))
