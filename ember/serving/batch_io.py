@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from ember.serving.requests import GenerationResult, SamplingParams
+from ember.serving.requests import GenerationResult, SamplingParams, is_integer
 
 
 @dataclasses.dataclass
@@ -52,9 +52,7 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> InputLine:
             raise ValueError("give exactly one of 'prompt' (text) or 'prompt_tokens' (a list of token ids)")
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
-        if tokens is not None and (
-            not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens)
-        ):
+        if tokens is not None and (not isinstance(tokens, list) or not all(is_integer(t) for t in tokens)):
             raise ValueError("'prompt_tokens' must be a list of integers")
         params = SamplingParams.from_dict({**defaults, **record})
     except (TypeError, ValueError) as error:

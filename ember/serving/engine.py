@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from ember.serving.program import DeviceProgram, batch_arrays
-from ember.serving.requests import FINISH_ERROR, GenerationResult, Request, SamplingParams, TokenEvent
+from ember.serving.requests import FINISH_ERROR, GenerationResult, Request, SamplingParams, TokenEvent, is_integer
 from ember.serving.sampling import fill_settings, settings_array
 from ember.serving.scheduler import Scheduler, SchedulerConfig, eos_ids_of
 
@@ -118,7 +118,7 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids (prompt_tokens) instead")
             tokens = [int(t) for t in self.tokenizer.encode(prompt)]
         elif isinstance(prompt, Sequence | np.ndarray):
-            if any(isinstance(t, bool) or not isinstance(t, int | np.integer) for t in prompt):
+            if not all(is_integer(t) for t in prompt):
                 raise ValueError("prompt tokens must be integers")
             tokens = [int(t) for t in prompt]
         else:

@@ -98,13 +98,15 @@ def _is_list(value: Any) -> bool:
     return isinstance(value, Sequence | np.ndarray) and not isinstance(value, str)
 
 
+def is_integer(value: Any) -> bool:
+    """Whether ``value`` is an integer (Python's or NumPy's) and not a bool: what a token id
+    must be before its range is checked."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _is_token_sequence(value: Any) -> bool:
     """Whether ``value`` is a non-empty list of token ids (integers >= 0, not bools)."""
-    return (
-        _is_list(value)
-        and len(value) > 0
-        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in value)
-    )
+    return _is_list(value) and len(value) > 0 and all(is_integer(t) and t >= 0 for t in value)
 
 
 def _shown(value: Any) -> str:
@@ -186,4 +188,5 @@ __all__ = [
     "Request",
     "SamplingParams",
     "TokenEvent",
+    "is_integer",
 ]
