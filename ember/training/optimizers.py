@@ -5,8 +5,9 @@
 Gradients are clipped by global norm first (``clip_norm``; 0 turns it off). Weight decay is
 decoupled and scaled by the learning rate for every optimizer (a decayed weight shrinks by
 ``lr * weight_decay`` per step). It applies to weight matrices and embeddings, never to
-biases, normalisation scales or Mamba-2's ``A_log`` and ``D`` (decided by the parameter's
-name, so it is right for layer-stacked ``[layers, ...]`` parameters too: :func:`decay_mask`).
+biases, normalisation scales, Mamba-2's ``A_log`` and ``D`` or the window-linear layers'
+per-head ``window_factor`` (decided by the parameter's name, so it is right for layer-stacked
+``[layers, ...]`` parameters too: :func:`decay_mask`).
 
 ``muon`` and ``galore`` are optax's (``optax.contrib``). Both treat the model's linear maps
 (attention projections, MLP and expert matrices) as matrices from their input to their
@@ -34,10 +35,12 @@ from ember.models.adapters.layout import weight_layout
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lion", "adafactor", "sgd", "muon", "galore")
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
-NO_DECAY_NAMES: frozenset[str] = frozenset({"b", "scale", "A_log", "D"})
+NO_DECAY_NAMES: frozenset[str] = frozenset({"b", "scale", "A_log", "D", "window_factor"})
 """Parameter names that never decay, besides names ending in ``bias`` (``bias``, Mamba-2's
 ``conv_bias`` and ``dt_bias``) or holding ``norm`` (``norm_scale``): biases, normalisation
-scales and Mamba-2's per-head decay rates ``A_log`` and skip gains ``D``."""
+scales, Mamba-2's per-head decay rates ``A_log`` and skip gains ``D``, and the window-linear
+layers' per-head mix ``window_factor`` (a logit: its ``sigmoid`` weights the window against
+the linear part, and decay would pull every head's learned mix back to an even one)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +136,7 @@ def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def decay_mask(params: Any) -> Any:
     """True for parameters that get weight decay: weight matrices and embeddings, not biases,
-    normalisation scales or Mamba-2's ``A_log`` and ``D`` (:data:`NO_DECAY_NAMES`). Decided by
+    normalisation scales, Mamba-2's ``A_log`` and ``D`` or ``window_factor`` (:data:`NO_DECAY_NAMES`). Decided by
     the parameter's name, whatever leading axes stack it (``[layers, ...]``, ``[experts, ...]``)."""
 
     def decays(path, _leaf) -> bool:

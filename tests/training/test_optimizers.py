@@ -72,6 +72,21 @@ def test_decay_mask_of_a_hybrid_model_decays_its_matrices_only(scan):
     assert all(p.endswith(matrices) for p in decayed if decayed[p]) and any(p.endswith("/A_log") for p in decayed)
 
 
+def test_decay_mask_of_a_linearised_model_keeps_the_feature_maps_and_not_the_mix():
+    """A window-linear layer's Hedgehog maps decay as matrices; its per-head ``window_factor``
+    (a logit weighing window against linear part) does not."""
+    config = load_config(
+        ModelConfig, REPO / "configs/models/tiny.yaml", ["block_pattern=[window_linear]", "linear_feature_map=hedgehog"]
+    )
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    params = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.key(0), tokens, positions=jnp.arange(8)[None]))
+    decayed = param_paths(decay_mask(unbox(params["params"])))
+    mixes = [p for p in decayed if p.endswith("/window_factor")]
+    features = [p for p in decayed if "_features/" in p]
+    assert mixes and features, sorted(decayed)
+    assert not any(decayed[p] for p in mixes) and all(decayed[p] for p in features)
+
+
 @pytest.mark.parametrize("name", ["adamw", "lion", "adafactor", "sgd"])
 def test_each_optimizer_matches_optax_directly(name, rng):
     config = OptimConfig(name=name, lr=1e-2, weight_decay=0.1, clip_norm=0.5, schedule=ScheduleConfig("constant"))
