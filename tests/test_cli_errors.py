@@ -158,6 +158,10 @@ IN_PROCESS_FAILURES = {
         ["generate", "--artifact", "{root}/artifact", "--prompt", "hi", "--max-context", "16"],
         "--max-context applies to --checkpoint, not to an exported --artifact",
     ),
+    "generate artifact with num slots": (
+        ["generate", "--artifact", "{root}/artifact", "--prompt", "hi", "--num-slots", "4"],
+        "--num-slots applies to --checkpoint, not to an exported --artifact",
+    ),
     "plot unknown metric": (["plot", "{root}/plotted", "--metrics", "reward"], "no values for metric(s) reward"),
     "data missing file": (["data", "prepare", "{root}/nowhere.txt", "--out", "{root}/d"], "not a file: "),
     "envs bad max steps": (

@@ -48,9 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="default top_p (1 = off)")
     parser.add_argument("--seed", type=int, default=0, help="default per-request seed")
-    parser.add_argument("--num-slots", type=int, default=8, help="requests served at once (--checkpoint)")
+    # No argparse defaults for the engine sizes: None tells an option left out from one given, which
+    # --artifact refuses (its sizes were fixed by 'ember export'); the engine's defaults apply.
+    parser.add_argument("--num-slots", type=int, default=None, help="requests served at once (default 8; --checkpoint)")
     parser.add_argument(
-        "--token-budget", type=int, default=64, help="most tokens per step, decodes + prefill chunks (--checkpoint)"
+        "--token-budget",
+        type=int,
+        default=None,
+        help="most tokens per step, decodes + prefill chunks (default 64; --checkpoint)",
     )
     parser.add_argument(
         "--max-context", type=int, default=None, help="longest sequence (default: the model's; --checkpoint)"
@@ -81,11 +86,12 @@ def check_engine_options(args: argparse.Namespace) -> None:
 
 def check_options(args: argparse.Namespace) -> dict[str, Any]:
     """Validates the options before any model is loaded; returns the default sampling fields
-    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``; ``--step`` or
-    ``--max-context`` with ``--artifact``, whose weights and sizes ``ember export`` fixed)."""
+    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``; ``--step`` or an
+    engine size with ``--artifact``, whose weights and sizes ``ember export`` fixed)."""
     check_engine_options(args)
     if args.artifact:
-        for flag, value in (("--step", args.step), ("--max-context", args.max_context)):
+        checkpoint_only = {"--step": args.step, **{flag: getattr(args, name) for name, flag in ENGINE_OPTIONS.items()}}
+        for flag, value in checkpoint_only.items():
             if value is not None:
                 raise ConfigError(
                     f"{flag} applies to --checkpoint, not to an exported --artifact (fixed by 'ember export')", key=flag
@@ -147,10 +153,8 @@ def build_engine(args: argparse.Namespace):
             loaded.params,
             tokenizer=loaded.tokenizer,
             eos_id=loaded.eos_ids,
-            num_slots=args.num_slots,
-            token_budget=args.token_budget,
-            max_context=args.max_context,
             adapters=adapters,
+            **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
         )
     except ConfigError as error:
         flag = ENGINE_OPTIONS.get(error.key)
