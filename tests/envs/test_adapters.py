@@ -125,6 +125,36 @@ def test_jaxmarl_time_limit_can_only_shorten_the_environments_own():
     assert env.max_steps == params.max_steps_in_episode == 9
 
 
+class _EndsAfterFourSteps:
+    """MPE simple_spread whose episode truly ends (not by its time limit) on its fourth step."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step_env(self, key, state, actions):
+        obs, state, rewards, dones, info = self.env.step_env(key, state, actions)
+        return obs, state, rewards, {**dones, "__all__": state.step >= 4}, info
+
+
+@pytest.mark.parametrize("max_steps", [4, 6])
+def test_jaxmarl_termination_on_the_last_allowed_step_is_a_termination(rng, max_steps):
+    """Under a time limit shorter than the environment's own, a true end on the limit's last
+    step is still ``terminated`` (truncated too, at 4): bootstrapping must stop there."""
+    env = JaxMARLEnv(_EndsAfterFourSteps(jaxmarl.make("MPE_simple_spread_v3")), max_steps=max_steps)
+    params = env.default_params
+    _, state = env.reset(rng, params)
+    step = jax.jit(env.step)
+    actions = {agent: jnp.int32(1) for agent in env.agents}
+    flags = []
+    for t in range(4):
+        _, state, _, terminated, truncated, _ = step(jax.random.fold_in(rng, t), state, actions, params)
+        flags.append((bool(terminated["__all__"]), bool(truncated["__all__"])))
+    assert flags == [(False, False)] * 3 + [(True, max_steps == 4)]
+
+
 def test_gymnasium_vector_env_passes_gymnasium_checks():
     params = ember.envs.make("CartPole-v1", max_steps_in_episode=20)[1]
     envs = GymnasiumVectorEnv(

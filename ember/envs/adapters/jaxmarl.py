@@ -6,10 +6,12 @@
 
 JaxMARL environments take no params; the adapter's params carry only the time limit
 (``max_steps_in_episode``, default the environment's ``max_steps``), which becomes
-``truncated``; JaxMARL's other ``dones["__all__"]`` become ``terminated``. The limit can only
-shorten the environment's own ``max_steps``: past it JaxMARL ends the episode itself, in a
-``dones`` that does not say it was the time limit, so a longer limit is refused. The JaxMARL
-state is kept as ``state.env_state``.
+``truncated``; JaxMARL's ``dones["__all__"]`` become ``terminated``, except on the step where
+the environment's own ``max_steps`` ends the episode (its time limit, not a termination). The
+limit can only shorten the environment's own ``max_steps``: past it JaxMARL ends the episode
+itself, in a ``dones`` that does not say it was the time limit, so a longer limit is refused. A
+termination on the environment's own last step reads as truncation only (JaxMARL's ``dones``
+cannot tell the two apart there). The JaxMARL state is kept as ``state.env_state``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class JaxMARLEnv(MultiAgentEnvironment):
                 f"({own_limit}); the limit can only shorten episodes"
             )
         self.max_steps = int(limit)
+        self.own_max_steps = None if own_limit is None else int(own_limit)
 
     @property
     def default_params(self) -> EnvParams:
@@ -68,8 +71,9 @@ class JaxMARLEnv(MultiAgentEnvironment):
         obs, env_state, rewards, dones, info = self.jaxmarl_env.step_env(
             noise_lib.to_key(noise), state.env_state, actions
         )
-        time_up = state.time + 1 >= params.max_steps_in_episode
-        terminated = jnp.asarray(dones["__all__"], bool) & ~time_up
+        terminated = jnp.asarray(dones["__all__"], bool)
+        if self.own_max_steps is not None:  # JaxMARL's own time limit; the adapter's reads as truncated
+            terminated &= state.time + 1 < self.own_max_steps
         return obs, state.replace(env_state=env_state), rewards, terminated, info
 
     def observation_space(self, params):
