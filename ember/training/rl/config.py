@@ -26,7 +26,7 @@ from ember.training.rl import multi_agent_ppo
 from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
 from ember.training.rl.pqn import PQNConfig
-from ember.training.rl.sac import SACConfig, make_actor
+from ember.training.rl.sac import SACConfig, make_actor, warm_replay_items
 
 SECTION_OF = {"ppo": "ppo", "dqn": "dqn", "pqn": "pqn", "sac": "sac", "ippo": "ppo", "mappo": "ppo", "isac": "sac"}
 """The config section each algorithm reads."""
@@ -106,6 +106,11 @@ class RLConfig:
             except ConfigError as error:
                 message = f"algo {self.algo!r} cannot train env.id {self.env.id!r}: {error}"
                 raise ConfigError(message, key="env.id") from None
+            if self.algo == "isac":
+                try:
+                    warm_replay_items(self.sac, list(env.agents))
+                except ConfigError as error:
+                    raise ConfigError(f"sac.{error}", key=f"sac.{error.key}") from None
         space = env.action_space(env_params)
         if self.algo in ("dqn", "pqn") and not hasattr(space, "n"):
             raise ConfigError(

@@ -161,6 +161,25 @@ def make_actor(config: SACConfig, env, env_params, agents: list[str] | None = No
     return Actor(dataclasses.replace(head, log_std="state_dependent", squash="tanh"), config.policy)
 
 
+def warm_replay_items(config: SACConfig, agents: list[str] | None = None) -> int:
+    """Replay items stored before learning starts: ``learning_starts`` env steps of one item
+    per agent (one without ``agents``).
+
+    Raises:
+      ConfigError: keyed ``learning_starts``, when those items overflow ``buffer_size`` (the
+        buffer would never fill that far, and learning never start).
+    """
+    per_env_step = len(agents) if agents else 1
+    items = config.learning_starts * per_env_step
+    if items > config.buffer_size:
+        raise ConfigError(
+            f"learning_starts ({config.learning_starts} env steps of {per_env_step} replay items, one per agent) "
+            f"must fit in buffer_size ({config.buffer_size} replay items)",
+            key="learning_starts",
+        )
+    return items
+
+
 def make_train(
     config: SACConfig,
     env,
@@ -177,7 +196,9 @@ def make_train(
     with parameter sharing: one actor and one pair of critics for all agents, each agent's
     transition stored as one replay item (``num_envs * len(agents)`` per step), every agent's
     episode ending with ``"__all__"``; ``episode_return`` is the return per agent.
+    ``learning_starts`` still counts env steps (:func:`warm_replay_items`).
     """
+    warm_items = warm_replay_items(config, agents)
     envs = BatchedEnv(LogWrapper(env), config.num_envs)
     actor = make_actor(config, env, env_params, agents)
     view = multi_agent_view(agents, centralised_critic=False) if agents else AgentView()
@@ -265,7 +286,7 @@ def make_train(
             noise = correlated_noise(act_key, noise, config.noise_correlation)
             policy_action = dist.env_action(dist.mean + jnp.exp(dist.log_std) * noise)
             uniform = jax.random.uniform(random_key, policy_action.shape, minval=low, maxval=high)
-            warm = buffer.size < config.learning_starts
+            warm = buffer.size < warm_items
             action = jnp.where(warm, uniform, policy_action)
             env_action = view.env_action(action)
             next_obs, env_state, reward, terminated, truncated, info = envs.step(

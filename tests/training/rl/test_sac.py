@@ -63,6 +63,33 @@ def test_config_validation():
         load_config(RLConfig, CONFIGS / "sac_pendulum.yaml", ["env.id=MPE-simple_spread-continuous"])
     with pytest.raises(ConfigError, match="one action space"):  # a listener's and a speaker's differ
         load_config(RLConfig, isac, ["env.id=MPE-simple_speaker_listener-continuous"])
+    # ISAC stores one replay item per agent: 3 agents' learning_starts must fit the buffer 3 times.
+    with pytest.raises(ConfigError, match=r"must fit in buffer_size \(3000 replay items\)") as error:
+        load_config(RLConfig, isac, ["sac.learning_starts=1001", "sac.buffer_size=3000"])
+    assert error.value.key == "sac.learning_starts"
+
+
+def test_isac_learning_starts_after_learning_starts_env_steps_not_replay_items():
+    """Two environments of three agents, one record per iteration: learning_starts=4 env steps
+    is two iterations of uniform actions (12 replay items), then every iteration learns."""
+    config = load_config(
+        RLConfig,
+        CONFIGS / "isac_simple_spread_continuous.yaml",
+        [
+            "sac.num_envs=2",
+            "sac.total_timesteps=10",
+            "sac.log_every=1",
+            "sac.learning_starts=4",
+            "sac.buffer_size=64",
+            "sac.batch_size=4",
+            "sac.policy.hidden_sizes=[8]",
+        ],
+    )
+    env, env_params = ember.envs.make_from_config(config.env)
+    train = make_train(config.sac, env, env_params, agents=list(env.agents))
+    critic_loss = np.asarray(jax.jit(train)(jax.random.key(0))["metrics"]["critic_loss"])
+    assert critic_loss.shape == (5,)
+    assert np.isnan(critic_loss[:2]).all() and np.isfinite(critic_loss[2:]).all(), critic_loss
 
 
 @pytest.mark.xla_optimized  # 15k-30k environment and gradient steps: run time outweighs compile time
