@@ -13,6 +13,7 @@ from typing import Any
 
 from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig, MoEConfig, RopeConfig
+from ember.models.hf.defaults import with_transformers_defaults
 from ember.models.hf.mamba2 import mamba2_config_from_hf, mamba2_config_to_hf
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "mamba2")
@@ -31,7 +32,9 @@ _QKV_BIAS = ("qwen2", "qwen2_moe")
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """The ``ModelConfig`` equivalent to a Hugging Face config dict (``config.json``).
 
-    ``overrides`` replace fields of the result (``precision``, ``scan_layers``, ...).
+    A field the dict leaves out takes transformers' default for its ``model_type``
+    (:mod:`ember.models.hf.defaults`), as transformers reads it. ``overrides`` replace fields
+    of the result (``precision``, ``scan_layers``, ...).
     """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -40,7 +43,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         )
     if model_type == "mamba2":
         return mamba2_config_from_hf(hf, **overrides)
-    activation = hf.get("hidden_act", "silu")
+    hf = with_transformers_defaults(hf)
+    activation = hf["hidden_act"]
     if activation not in _ACTIVATIONS:
         raise ConfigError(
             f"unsupported hidden_act {activation!r} in {model_type} config; supported: {', '.join(_ACTIVATIONS)}"
@@ -63,14 +67,14 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         mlp_dim=int(hf["intermediate_size"]),
         mlp=_ACTIVATIONS[activation],
         norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(hf["rms_norm_eps"]),
         rope=_rope_from_hf(hf),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=int(hf["max_position_embeddings"]),
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
         qkv_bias=model_type in _QKV_BIAS and bool(hf.get("qkv_bias", True)),
         block_pattern=_shortest_period(kinds),
         sliding_window=int(hf.get("sliding_window") or 4096),
-        init_std=float(hf.get("initializer_range", 0.02)),
+        init_std=float(hf["initializer_range"]),
     )
     if model_type in MOE_MODEL_TYPES:
         fields.update(_moe_from_hf(hf, model_type, num_layers))
@@ -153,12 +157,12 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
 def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     """The MoE fields of a Mixtral (every layer sparse) or Qwen2-MoE (``decoder_sparse_step``,
     ``mlp_only_layers``, a sigmoid-gated shared expert) config."""
-    top_k = int(hf.get("num_experts_per_tok", 2))
+    top_k = int(hf["num_experts_per_tok"])
     if model_type == "mixtral":
         moe = MoEConfig(num_experts=int(hf["num_local_experts"]), top_k=top_k, expert_dim=int(hf["intermediate_size"]))
         return {"mlp_pattern": ("moe",), "moe": moe}
     num_experts = int(hf["num_experts"])
-    step, dense_layers = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
+    step, dense_layers = int(hf["decoder_sparse_step"]), set(hf.get("mlp_only_layers") or ())
     sparse = [i not in dense_layers and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
     mlps = ["moe" if is_sparse else "dense" for is_sparse in sparse]
     shared_dim = int(hf.get("shared_expert_intermediate_size") or 0)
@@ -166,7 +170,7 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dic
         num_experts=max(num_experts, 1),
         top_k=top_k,
         expert_dim=int(hf["moe_intermediate_size"]),
-        renormalize=bool(hf.get("norm_topk_prob", False)),
+        renormalize=bool(hf["norm_topk_prob"]),
         shared_experts=1 if shared_dim else 0,
         shared_expert_dim=shared_dim,
         shared_expert_gate=bool(shared_dim),
@@ -247,7 +251,7 @@ def _shortest_period(kinds: list[str]) -> tuple[str, ...]:
 def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     # transformers 5 writes "rope_parameters" (theta inside); 4.x writes "rope_theta" + "rope_scaling".
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", hf["rope_theta"]))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return RopeConfig(theta=theta)

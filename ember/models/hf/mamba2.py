@@ -22,6 +22,7 @@ import numpy as np
 from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig, SSMConfig
 from ember.models.decoder import layers_from_list, layers_to_list
+from ember.models.hf.defaults import with_transformers_defaults
 
 
 def _json_float(value: Any) -> float:
@@ -33,31 +34,33 @@ def _json_float(value: Any) -> float:
 
 
 def mamba2_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """The ``ModelConfig`` of a Hugging Face ``mamba2`` config dict."""
+    """The ``ModelConfig`` of a Hugging Face ``mamba2`` config dict, with transformers' default
+    for each field it leaves out (:func:`ember.models.hf.defaults.with_transformers_defaults`)."""
+    hf = with_transformers_defaults(hf)
     for flag, allowed in (("use_bias", False), ("hidden_act", "silu"), ("rms_norm", True)):
         if hf.get(flag, allowed) != allowed:
             raise ConfigError(
                 f"unsupported mamba2 config field {flag}={hf[flag]!r} (Ember's Mamba-2 mixer has {flag}={allowed!r})"
             )
-    d_model, expand, head_dim = int(hf["hidden_size"]), int(hf.get("expand", 2)), int(hf.get("head_dim", 64))
-    if expand * d_model != int(hf.get("num_heads", expand * d_model // head_dim)) * head_dim:
+    d_model, expand, head_dim = int(hf["hidden_size"]), int(hf["expand"]), int(hf["head_dim"])
+    if expand * d_model != int(hf["num_heads"]) * head_dim:
         raise ConfigError(
             f"mamba2 num_heads ({hf['num_heads']}) * head_dim ({head_dim}) must equal expand ({expand}) * "
             f"hidden_size ({d_model})"
         )
-    chunk = int(hf.get("chunk_size", 256))
+    chunk = int(hf["chunk_size"])
     if chunk < 8 or chunk & (chunk - 1):
         chunk = 64  # SSD's results do not depend on the chunk; Ember's kernels need a power of two
     limit = hf.get("time_step_limit") or (0.0, math.inf)
     ssm = SSMConfig(
-        state_size=int(hf.get("state_size", 128)),
-        n_groups=int(hf.get("n_groups", 1)),
+        state_size=int(hf["state_size"]),
+        n_groups=int(hf["n_groups"]),
         expand=expand,
         head_dim=head_dim,
-        conv_kernel=int(hf.get("conv_kernel", 4)),
+        conv_kernel=int(hf["conv_kernel"]),
         chunk_size=chunk,
         time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
-        use_conv_bias=bool(hf.get("use_conv_bias", True)),
+        use_conv_bias=bool(hf["use_conv_bias"]),
     )
     fields = dict(
         vocab_size=int(hf["vocab_size"]),
@@ -65,13 +68,13 @@ def mamba2_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfi
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=1,  # no attention layers: the attention fields are unused
         norm="rmsnorm",
-        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=float(hf["layer_norm_epsilon"]),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
         block_pattern=("mamba2",),
         mlp_pattern=("none",),
         ssm=ssm,
-        init_std=float(hf.get("initializer_range", 0.1)),
+        init_std=float(hf["initializer_range"]),
     )
     fields.update(overrides)
     return ModelConfig(**fields)

@@ -1,0 +1,106 @@
+"""What transformers reads for a field a ``config.json`` leaves out, per model type.
+
+``save_pretrained`` writes every field, but hand-written or trimmed configs omit some, and
+transformers then builds the model from its config class's defaults. Ember reads such a
+config the same way (:func:`with_transformers_defaults`), so that both compute the same
+model: Mixtral's ``rms_norm_eps`` is 1e-5 and its rope theta 1e6, Mistral slides a 4096-token
+window, Qwen2-MoE routes each token to 4 of 60 experts beside a shared one, Mamba-2 has 8
+groups. Only the fields Ember maps are listed; tests/models/test_hf_defaults.py checks every
+value against the installed transformers' config classes (read from transformers 5.24).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+_DECODER = {
+    "hidden_act": "silu",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "rope_theta": 10000.0,
+}
+
+TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_DECODER, "intermediate_size": 11008, "max_position_embeddings": 2048},
+    "mistral": {
+        **_DECODER,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        **_DECODER,
+        "vocab_size": 151936,
+        "num_key_value_heads": 32,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+    },
+    "mixtral": {
+        **_DECODER,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen2_moe": {
+        **_DECODER,
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 32768,
+        "qkv_bias": True,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+    },
+    "mamba2": {
+        "hidden_act": "silu",
+        "vocab_size": 32768,
+        "hidden_size": 4096,
+        "num_hidden_layers": 64,
+        "num_heads": 128,
+        "head_dim": 64,
+        "expand": 2,
+        "state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "chunk_size": 256,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.1,
+    },
+}
+"""Per ``model_type``, transformers' default of each field Ember maps (a field transformers
+derives from others when it is absent, Llama's ``num_key_value_heads`` and ``head_dim``, is
+left out: Ember derives it the same way)."""
+
+
+def with_transformers_defaults(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """``hf`` (a ``config.json`` dict of a supported ``model_type``) with every field it leaves
+    out that Ember maps set to transformers' default; fields it sets, even to null, are kept."""
+    return {**TRANSFORMERS_DEFAULTS.get(hf.get("model_type"), {}), **hf}
+
+
+__all__ = ["TRANSFORMERS_DEFAULTS", "with_transformers_defaults"]

@@ -1,0 +1,76 @@
+"""A ``config.json`` that leaves fields out reads as transformers reads it: Ember's table of
+transformers' defaults (``ember.models.hf.defaults``) against the installed config classes."""
+
+import math
+
+import pytest
+
+from ember.models import hf
+from ember.models.hf.defaults import TRANSFORMERS_DEFAULTS
+
+transformers = pytest.importorskip("transformers")
+
+# The fields a hand-written tiny config of each type does set; the rest are left to the defaults.
+TRIMMED = {
+    "llama": dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+    "mistral": dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "qwen2": dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "mixtral": dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "qwen2_moe": dict(
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=6,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "mamba2": dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16),
+}
+
+
+def transformers_default(model_type: str, field: str):
+    config = transformers.AutoConfig.for_model(model_type)
+    if field == "rope_theta" and getattr(config, "rope_parameters", None):  # transformers 5
+        return config.rope_parameters["rope_theta"]
+    return getattr(config, field)
+
+
+@pytest.mark.parametrize("model_type", sorted(TRANSFORMERS_DEFAULTS))
+def test_every_default_is_the_installed_transformers_one(model_type):
+    assert model_type in hf.SUPPORTED_MODEL_TYPES
+    for field, value in TRANSFORMERS_DEFAULTS[model_type].items():
+        expected = transformers_default(model_type, field)
+        assert value == expected or (isinstance(value, float) and math.isclose(value, expected)), (field, value)
+
+
+@pytest.mark.parametrize("model_type", sorted(TRIMMED))
+def test_a_trimmed_config_json_reads_as_the_transformers_config_it_builds(model_type):
+    """Ember reads the trimmed dict as it reads the full one transformers writes for it:
+    Mixtral's eps 1e-5 and theta 1e6, Mistral's 4096-token window, Qwen2-MoE's top-4 routing,
+    Mamba-2's 8 groups (each differed from Ember's own fallbacks before)."""
+    trimmed = {"model_type": model_type, **TRIMMED[model_type]}
+    full = transformers.AutoConfig.for_model(model_type, **TRIMMED[model_type]).to_dict()
+    assert hf.config_from_hf(trimmed) == hf.config_from_hf(full)
