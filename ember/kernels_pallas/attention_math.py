@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ember.core.integers import is_integer
+
 
 def default_sigmoid_bias(kv_len: int) -> float:
     """The FlashSigmoid default bias ``b = -log(kv_len)`` of ``score="sigmoid"``: it keeps
@@ -75,11 +77,7 @@ def check_window(window) -> tuple[int, int] | None:
     """``window`` validated as a pair ``(left, right)`` of non-negative ints, or ``None``."""
     if window is None:
         return None
-    if (
-        not isinstance(window, (tuple, list))
-        or len(window) != 2
-        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window)
-    ):
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(is_integer(w) and w >= 0 for w in window):
         raise ValueError(f"window must be a pair (left, right) of non-negative ints, got {window!r}")
     return int(window[0]), int(window[1])
 

@@ -15,7 +15,8 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from ember.serving.requests import GenerationResult, SamplingParams, is_integer
+from ember.core.integers import is_integer
+from ember.serving.requests import GenerationResult, SamplingParams
 
 
 @dataclasses.dataclass

@@ -20,8 +20,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from ember.core.integers import is_integer
 from ember.serving.program import DeviceProgram, batch_arrays
-from ember.serving.requests import FINISH_ERROR, GenerationResult, Request, SamplingParams, TokenEvent, is_integer
+from ember.serving.requests import FINISH_ERROR, GenerationResult, Request, SamplingParams, TokenEvent
 from ember.serving.sampling import fill_settings, settings_array
 from ember.serving.scheduler import Scheduler, SchedulerConfig, eos_ids_of
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ember.core.integers import is_integer
+
 FINISH_STOP = "stop"
 """Finished on an end-of-sequence token or a stop sequence (neither is part of the output)."""
 FINISH_LENGTH = "length"
@@ -96,12 +98,6 @@ def _check(name: str, value: Any, kind: type, valid: Callable[[Any], bool], allo
 
 def _is_list(value: Any) -> bool:
     return isinstance(value, Sequence | np.ndarray) and not isinstance(value, str)
-
-
-def is_integer(value: Any) -> bool:
-    """Whether ``value`` is an integer (Python's or NumPy's) and not a bool: what a token id
-    must be before its range is checked."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_token_sequence(value: Any) -> bool:
@@ -188,5 +184,4 @@ __all__ = [
     "Request",
     "SamplingParams",
     "TokenEvent",
-    "is_integer",
 ]
