@@ -1,16 +1,19 @@
 """Every failure a user can cause prints one line naming the problem, exits with code 2 and
 shows no traceback, whichever ``ember`` command it is; flags stand anywhere among arguments.
 
-The failures run as ``ember`` subprocesses (what a user sees), more of them in this process
-through ``main``, from fixtures built once: a prepared dataset, an LM config and run
-directories that conflict with it. Most fail before anything compiles.
+One failure of each command runs as an ``ember`` subprocess (what a user sees: the process's
+exit status and all it writes to stderr); the others run in this process through ``main``, held
+to what a subprocess would show. All from fixtures built once: a prepared dataset, an LM config
+and run directories that conflict with it. Most fail before anything compiles.
 """
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -80,15 +83,10 @@ def train(*args):
     return ["train", "{root}/lm.yaml", *args]
 
 
-# (command line, a piece of the one-line message); "{root}" is the workspace. Each runs as a
-# subprocess, as a user would run it.
+# (command line, a piece of the one-line message); "{root}" is the workspace. One failure of each
+# command (train's LM and RL configs apart) runs as a subprocess, as a user would run it: its
+# import, JAX's start-up and the exit status of ``python -m ember`` are part of what is checked.
 SUBPROCESS_FAILURES = {
-    "lm unknown key": (train("train.stpes=3"), "unknown config key 'train.stpes'"),
-    "lm wrong type": (train("optim.lr=fast"), "config key 'optim.lr' (from command-line overrides) expects float"),
-    "lm bad model value": (train("model.num_layers=0"), "model.num_layers must be a positive integer, got 0"),
-    "mesh does not fit": (train("mesh.data=3"), "mesh mesh.data=3 x mesh.fsdp=1"),
-    "existing run without --resume": (train("run_dir={root}/existing"), "already holds checkpoints; pass --resume"),
-    "resume with another architecture": (train("run_dir={root}/wider", "--resume"), "changed keys: model.d_model."),
     "non-finite loss": (
         train(
             "run_dir={root}/nan", "train.steps=3", "optim.lr=1e30", "optim.clip_norm=0", "optim.schedule.kind=constant"
@@ -104,16 +102,22 @@ SUBPROCESS_FAILURES = {
         ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--top-p", "0"],
         "--top-p: top_p must be a number in (0, 1], got 0.0 (float)",
     ),
-    "generate missing prompts": (
-        ["generate", "--checkpoint", "{root}/existing", "--prompts", "{root}/nowhere.jsonl"],
-        "--prompts: no such file",
-    ),
     "export no checkpoint": (["export", "{root}/untrained", "{root}/artifact"], "no complete checkpoint"),
     "plot no metrics": (["plot", "{root}/existing"], "has no metrics.jsonl"),
 }
 
-# More of the same, run in this process (each subprocess pays JAX's import again).
+# More of the same, run in this process (each subprocess pays JAX's import again: 1-3 s).
 IN_PROCESS_FAILURES = {
+    "lm unknown key": (train("train.stpes=3"), "unknown config key 'train.stpes'"),
+    "lm wrong type": (train("optim.lr=fast"), "config key 'optim.lr' (from command-line overrides) expects float"),
+    "lm bad model value": (train("model.num_layers=0"), "model.num_layers must be a positive integer, got 0"),
+    "mesh does not fit": (train("mesh.data=3"), "mesh mesh.data=3 x mesh.fsdp=1"),
+    "existing run without --resume": (train("run_dir={root}/existing"), "already holds checkpoints; pass --resume"),
+    "resume with another architecture": (train("run_dir={root}/wider", "--resume"), "changed keys: model.d_model."),
+    "generate missing prompts": (
+        ["generate", "--checkpoint", "{root}/existing", "--prompts", "{root}/nowhere.jsonl"],
+        "--prompts: no such file",
+    ),
     "lm malformed override": (train("train.steps"), "malformed override 'train.steps'"),
     "missing config file": (["train", "{root}/nowhere.yaml"], "config file not found"),
     "missing dataset": (train("run_dir={root}/no_data", "data.dataset={root}/nowhere"), "not a prepared dataset"),
@@ -195,13 +199,30 @@ def test_user_error_prints_one_line_and_exits_2(case, workspace):
     assert lines[0].startswith(f"ember {argv[0]}: ") and expected in lines[0], lines[0]
 
 
+# The warnings a Python process hides by default (DeprecationWarning is shown only when raised
+# by ``__main__``: in ``python -m ember`` that is the one line calling ``main``).
+HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
 @pytest.mark.parametrize("case", sorted(IN_PROCESS_FAILURES))
-def test_user_error_in_process_prints_one_line_and_returns_2(case, workspace, capsys):
+def test_user_error_in_process_prints_one_line_and_returns_2(case, workspace, capfd, caplog, monkeypatch):
+    """What a subprocess would print on stderr is checked here too: all this process writes to
+    file descriptor 2 (XLA's C++ messages included), the warnings Python shows by default (pytest
+    records them instead) and log records at WARNING and up (which logging's last-resort handler
+    would print; pytest's handlers take them)."""
     argv, expected = IN_PROCESS_FAILURES[case]
     argv = expand(argv, workspace)
-    assert main(argv) == 2  # an exception other than an EmberError would propagate out of main
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"ember {argv[0]}: ") and expected in lines[0], lines
+    monkeypatch.chdir(workspace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(argv)  # an exception other than an EmberError would propagate out of main
+    stderr = capfd.readouterr().err
+    assert code == 2, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[0].startswith(f"ember {argv[0]}: ") and expected in lines[0], lines[0]
+    assert [str(w.message) for w in caught if not issubclass(w.category, HIDDEN_WARNINGS)] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_usage_errors_are_one_line_too(capsys):
