@@ -11,42 +11,14 @@ from ember.models.hf.defaults import TRANSFORMERS_DEFAULTS
 transformers = pytest.importorskip("transformers")
 
 # The fields a hand-written tiny config of each type does set; the rest are left to the defaults.
+DENSE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+GROUPED = dict(DENSE, num_key_value_heads=2)  # where transformers' default kv heads (8, 16, 32) exceed 4
 TRIMMED = {
-    "llama": dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
-    "mistral": dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "qwen2": dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "mixtral": dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "qwen2_moe": dict(
-        vocab_size=97,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=6,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-    ),
+    "llama": DENSE,
+    "mistral": GROUPED,
+    "qwen2": GROUPED,
+    "mixtral": GROUPED,
+    "qwen2_moe": dict(GROUPED, num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "mamba2": dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16),
 }
 
