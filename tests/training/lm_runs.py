@@ -41,6 +41,10 @@ SMALL = [
 ]
 
 
+KILLED_RUN_STEPS = 8
+"""The length of the run that tests/training/conftest.py's ``killed_run`` kills and the tests resume."""
+
+
 def small_config(tmp_path, dataset, *overrides):
     return load_config(LMConfig, None, [*SMALL, f"data.dataset={dataset}", f"run_dir={tmp_path / 'run'}", *overrides])
 

@@ -1,24 +1,20 @@
 """Runtime settings are not a run's identity: a run killed with kill -9 resumes with any one of
 them changed (kernel implementation, remat, scan, page size, mesh, logging) and continues
-its trajectory; changing the architecture is refused, naming the key. The multi-process
-case (another rank, a new coordinator port) is in test_lm_trainer.py."""
+its trajectory; changing the architecture is refused, naming the key. The killed run is
+tests/training/conftest.py's ``killed_run``. The multi-process case (another rank, a new
+coordinator port) is in test_lm_trainer.py."""
 
 import shutil
-import signal
 
 import numpy as np
 import pytest
 
-from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, to_yaml
 from ember.core.errors import ConfigError
 from ember.training.lm.config import LMConfig
 from ember.training.lm.trainer import check_resumable, train
-from tests.once_per_session import build_once
 from tests.tolerances import assert_allclose
-from tests.training.lm_runs import ember_train, read_metrics, small_config, wait_for_logged_steps, write_config
-
-STEPS = 8
+from tests.training.lm_runs import KILLED_RUN_STEPS, read_metrics, small_config
 
 # change -> whether the resumed trajectory must equal the uninterrupted one bit for bit. Where
 # the arithmetic legitimately differs (Pallas kernel vs XLA, sharded reductions, scan vs
@@ -31,36 +27,6 @@ RUNTIME_CHANGES = {
     "mesh data 8 -> data 2 x fsdp 4": (["mesh.data=2", "mesh.fsdp=4"], False),
     "logging": (["logging.tensorboard=true", "logging.progress=true"], True),
 }
-
-
-@pytest.fixture(scope="module")
-def killed_run(tmp_path_factory, dataset):
-    """``(config path, metrics of the uninterrupted run, run directory killed mid-run)``,
-    both run by ``ember train`` on 8 host devices (the mesh this process has too); built once
-    per session and only read by the tests (each resumes a copy)."""
-
-    def run_and_kill(root):
-        config_path = write_config(
-            root,
-            dataset,
-            f"train.steps={STEPS}",
-            "checkpoint.every=3",
-            "mesh.data=8",
-            "checkpoint.async_save=false",
-            "optim.schedule.kind=cosine",  # the resumed steps must continue the decay, not restart it
-        )
-        reference_dir, killed_dir = root / "reference", root / "killed"
-        reference = ember_train(config_path, f"run_dir={reference_dir}", devices=8)
-        killed = ember_train(config_path, f"run_dir={killed_dir}", devices=8)
-        wait_for_logged_steps(killed_dir, 4)
-        killed.send_signal(signal.SIGKILL)
-        killed.wait(timeout=60)
-        assert reference.wait(timeout=300) == 0, reference.stdout.read()
-        saved = CheckpointManager(killed_dir / "checkpoints").all_steps()
-        assert saved and max(saved) < STEPS, f"the kill should leave a partial run, found checkpoints {saved}"
-
-    root = build_once(tmp_path_factory, "lm-resume-killed-run", run_and_kill)
-    return root / "config.yaml", read_metrics(root / "reference"), root / "killed"
 
 
 def resume_copy(killed_run, tmp_path, *changes):
@@ -76,9 +42,9 @@ def test_resume_with_a_runtime_setting_changed_continues_the_trajectory(killed_r
     changes, exact = RUNTIME_CHANGES[name]
     summary, run_dir = resume_copy(killed_run, tmp_path, *changes)
     expected, got = killed_run[1], read_metrics(run_dir)
-    assert summary["steps"] == STEPS and sorted(got) == list(range(1, STEPS + 1))
-    expected_losses = np.array([expected[step]["loss"] for step in range(1, STEPS + 1)])
-    got_losses = np.array([got[step]["loss"] for step in range(1, STEPS + 1)])
+    assert summary["steps"] == KILLED_RUN_STEPS and sorted(got) == list(range(1, KILLED_RUN_STEPS + 1))
+    expected_losses = np.array([expected[step]["loss"] for step in range(1, KILLED_RUN_STEPS + 1)])
+    got_losses = np.array([got[step]["loss"] for step in range(1, KILLED_RUN_STEPS + 1)])
     if exact:
         np.testing.assert_array_equal(got_losses, expected_losses)
     else:
