@@ -42,7 +42,8 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def model_and_params():
     model = DecoderLM(CONFIG)
-    params = model.init(jax.random.key(7), jnp.zeros((1, 8), jnp.int32))["params"]
+    # Jitted: one program, where run op by op the initialisation compiled each op (11 s of CPU).
+    params = jax.jit(model.init)(jax.random.key(7), jnp.zeros((1, 8), jnp.int32))["params"]
     return model, perturbed(params, jax.random.key(8), scale=0.2)
 
 
