@@ -104,9 +104,10 @@ def test_each_optimizer_matches_optax_directly(name, rng):
     }[name]
     reference = optax.chain(optax.clip_by_global_norm(0.5), inner)
     state_ours, state_ref = ours.init(params), reference.init(params)
+    update_ours_fn, update_ref_fn = jax.jit(ours.update), jax.jit(reference.update)  # (op by op: each op compiled)
     for _ in range(3):
-        update_ours, state_ours = ours.update(grads, state_ours, params)
-        update_ref, state_ref = reference.update(grads, state_ref, params)
+        update_ours, state_ours = update_ours_fn(grads, state_ours, params)
+        update_ref, state_ref = update_ref_fn(grads, state_ref, params)
         jax.tree.map(assert_allclose, update_ours, update_ref)
         params = optax.apply_updates(params, update_ours)
 
@@ -120,8 +121,9 @@ def test_weight_decay_shrinks_a_weight_by_lr_times_decay_each_step_for_every_opt
     tx, schedule = make_optimizer(config, 4), make_schedule(config, 4)
     params = _matrix_params(stacked=False)
     state, zeros = tx.init(params), jax.tree.map(jnp.zeros_like, params)
+    update = jax.jit(tx.update)  # one program (op by op: each op compiled)
     for step in range(3):
-        updates, state = tx.update(zeros, state, params)
+        updates, state = update(zeros, state, params)
         new = optax.apply_updates(params, updates)
         factor = 1 - float(schedule(step)) * 0.2
         layer, new_layer = params["group_0"]["block_0"], new["group_0"]["block_0"]
@@ -181,11 +183,17 @@ def _matrix_params(stacked: bool):
 
 def _quadratic_steps(tx, params, steps=3):
     """Params after ``steps`` updates on ``sum(p**2)`` and the loss at each step."""
-    state, losses = tx.init(params), []
-    for _ in range(steps):
+
+    @jax.jit  # one program (op by op: each op compiled)
+    def step(params, state):
         loss, grads = jax.value_and_grad(lambda p: sum(jnp.sum(x**2) for x in jax.tree.leaves(p)))(params)
         updates, state = tx.update(grads, state, params)
-        params, losses = optax.apply_updates(params, updates), [*losses, float(loss)]
+        return optax.apply_updates(params, updates), state, loss
+
+    state, losses = tx.init(params), []
+    for _ in range(steps):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
     return params, losses
 
 
