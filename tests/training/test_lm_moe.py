@@ -27,7 +27,9 @@ MOE = [
     "model.moe.expert_dim=16",
     "train.aux_loss_weights={load_balance: 0.01, router_z: 0.001}",
 ]
-STEPS = 20
+# Ten steps (twenty took 6.5 s more CPU for the four meshes): the loss falls from 5.76 to 3.87 and
+# the median parameter leaf moves by 58% of its norm (measured on expert 2), far from the start.
+STEPS = 10
 
 
 def router_bias(state):
@@ -49,7 +51,7 @@ def test_loss_curve_is_the_same_on_every_expert_parallel_mesh(tmp_path, dataset)
         assert all(f"expert_load/{e}" in metrics[STEPS] for e in range(EXPERTS))
     assert curves[1][-1] < curves[1][0] - 0.5  # it learns
     for expert, curve in curves.items():
-        # Sharding reorders float32 reductions; 20 Adam steps amplify that a little.
+        # Sharding reorders float32 reductions; 10 Adam steps amplify that a little.
         assert_allclose(curve, curves[1], dtype=np.float32, scale=20, err_msg=f"expert={expert}")
 
     # The model under an expert mesh sends tokens to their experts' devices all-to-all.

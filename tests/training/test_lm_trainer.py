@@ -29,6 +29,10 @@ from tests.training.lm_runs import (
 )
 from tests.training.tiny_stdlib_run import tiny_stdlib_run
 
+# Ten steps (twenty took 8 s more CPU for the four runs): the loss falls from 5.76 to 3.85 and the
+# median parameter leaf moves by 63% of its norm (measured on data 8x1x1), far from the start.
+MESH_STEPS = 10
+
 
 @pytest.mark.slow
 def test_loss_is_the_same_on_every_mesh_and_with_grad_accumulation(tmp_path, dataset):
@@ -40,14 +44,14 @@ def test_loss_is_the_same_on_every_mesh_and_with_grad_accumulation(tmp_path, dat
     }
     losses = {}
     for name, overrides in variants.items():
-        config = small_config(tmp_path / name.replace(" ", "_"), dataset, "train.steps=20", *overrides)
+        config = small_config(tmp_path / name.replace(" ", "_"), dataset, f"train.steps={MESH_STEPS}", *overrides)
         summary = train(config)
         metrics = read_metrics(config.run_dir)
-        assert sorted(metrics) == list(range(1, 21)) and summary["steps"] == 20
-        losses[name] = np.array([metrics[step]["loss"] for step in range(1, 21)])
+        assert sorted(metrics) == list(range(1, MESH_STEPS + 1)) and summary["steps"] == MESH_STEPS
+        losses[name] = np.array([metrics[step]["loss"] for step in range(1, MESH_STEPS + 1)])
     assert losses["data 8x1x1"][-1] < losses["data 8x1x1"][0]  # it learns
     for name, curve in losses.items():
-        # Sharding changes the order of float32 reductions; 20 Adam steps amplify that a little.
+        # Sharding changes the order of float32 reductions; 10 Adam steps amplify that a little.
         assert_allclose(curve, losses["data 8x1x1"], dtype=np.float32, scale=20, err_msg=name)
 
 
