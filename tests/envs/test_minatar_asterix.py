@@ -15,18 +15,18 @@ from tests.envs.minatar_replay import FALSE_WORD, bernoulli_word, replay_against
 def state_from_minatar(game, template):
     entities = [e if e is not None else [0, i + 1, False, False] for i, e in enumerate(game.entities)]
     return template.replace(
-        player_x=jnp.int32(game.player_x),
-        player_y=jnp.int32(game.player_y),
-        active=jnp.asarray([e is not None for e in game.entities]),
-        entity_x=jnp.asarray([e[0] for e in entities], jnp.int32),
-        moving_right=jnp.asarray([bool(e[2]) for e in entities]),
-        gold=jnp.asarray([bool(e[3]) for e in entities]),
-        spawn_timer=jnp.int32(game.spawn_timer),
-        spawn_interval=jnp.int32(game.spawn_speed),
-        move_timer=jnp.int32(game.move_timer),
-        move_interval=jnp.int32(game.move_speed),
-        ramp_timer=jnp.int32(game.ramp_timer),
-        ramp_index=jnp.int32(game.ramp_index),
+        player_x=np.int32(game.player_x),
+        player_y=np.int32(game.player_y),
+        active=np.asarray([e is not None for e in game.entities]),
+        entity_x=np.asarray([e[0] for e in entities], np.int32),
+        moving_right=np.asarray([bool(e[2]) for e in entities]),
+        gold=np.asarray([bool(e[3]) for e in entities]),
+        spawn_timer=np.int32(game.spawn_timer),
+        spawn_interval=np.int32(game.spawn_speed),
+        move_timer=np.int32(game.move_timer),
+        move_interval=np.int32(game.move_speed),
+        ramp_timer=np.int32(game.ramp_timer),
+        ramp_index=np.int32(game.ramp_index),
     )
 
 

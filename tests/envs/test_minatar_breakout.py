@@ -14,14 +14,14 @@ MINATAR_ACTIONS = [0, 1, 3]  # our 0/1/2 (no-op, left, right) in MinAtar's full 
 
 def state_from_minatar(game, template):
     return template.replace(
-        ball_x=jnp.int32(game.ball_x),
-        ball_y=jnp.int32(game.ball_y),
-        ball_dir=jnp.int32(game.ball_dir),
-        paddle_x=jnp.int32(game.pos),
-        bricks=jnp.asarray(game.brick_map == 1),
-        strike=jnp.asarray(game.strike),
-        last_x=jnp.int32(game.last_x),
-        last_y=jnp.int32(game.last_y),
+        ball_x=np.int32(game.ball_x),
+        ball_y=np.int32(game.ball_y),
+        ball_dir=np.int32(game.ball_dir),
+        paddle_x=np.int32(game.pos),
+        bricks=np.asarray(game.brick_map == 1),
+        strike=np.asarray(game.strike),
+        last_x=np.int32(game.last_x),
+        last_y=np.int32(game.last_y),
     )
 
 

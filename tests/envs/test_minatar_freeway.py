@@ -14,12 +14,12 @@ MINATAR_ACTIONS = [0, 2, 4]  # our 0/1/2 (no-op, up, down) in MinAtar's full act
 def state_from_minatar(game, template):
     cars = np.asarray(game.cars)
     return template.replace(
-        position=jnp.int32(game.pos),
-        move_timer=jnp.int32(game.move_timer),
-        terminate_timer=jnp.int32(game.terminate_timer),
-        car_x=jnp.asarray(cars[:, 0], jnp.int32),
-        car_timer=jnp.asarray(cars[:, 2], jnp.int32),
-        car_speed=jnp.asarray(cars[:, 3], jnp.int32),
+        position=np.int32(game.pos),
+        move_timer=np.int32(game.move_timer),
+        terminate_timer=np.int32(game.terminate_timer),
+        car_x=np.asarray(cars[:, 0], np.int32),
+        car_timer=np.asarray(cars[:, 2], np.int32),
+        car_speed=np.asarray(cars[:, 3], np.int32),
     )
 
 
@@ -54,7 +54,7 @@ def test_matches_minatar_freeway_step_by_step(rng):
 
 def scripted(env, params, **fields):
     _, state = env.reset(jax.random.key(0), params)
-    return state.replace(**{name: jnp.asarray(value, jnp.int32) for name, value in fields.items()})
+    return state.replace(**{name: jnp.asarray(value, np.int32) for name, value in fields.items()})
 
 
 def test_scripted_crossing_hit_and_time_limit():

@@ -20,9 +20,7 @@ def entities_from_list(items, slots, *, timer=3, shot=None):
         fields["timer"][index] = item[timer] if timer is not None else 0
         fields["shot"][index] = item[shot] if shot is not None else 0
         fields["order"][index], active[index] = index, True
-    return Entities(
-        right=jnp.asarray(right), active=jnp.asarray(active), **{k: jnp.asarray(v) for k, v in fields.items()}
-    )
+    return Entities(right=right, active=active, **fields)
 
 
 def state_from_minatar(game, template):
@@ -34,19 +32,19 @@ def state_from_minatar(game, template):
         "divers": entities_from_list(game.divers, SLOTS["divers"]),
     }
     return template.replace(
-        sub_x=jnp.int32(game.sub_x),
-        sub_y=jnp.int32(game.sub_y),
-        sub_right=jnp.bool_(game.sub_or),
-        oxygen=jnp.int32(game.oxygen),
-        divers_held=jnp.int32(game.diver_count),
-        surfaced=jnp.bool_(game.surface),
-        shot_timer=jnp.int32(game.shot_timer),
-        spawn_interval=jnp.int32(game.e_spawn_speed),
-        spawn_timer=jnp.int32(game.e_spawn_timer),
-        diver_timer=jnp.int32(game.d_spawn_timer),
-        move_interval=jnp.int32(game.move_speed),
-        ramp_index=jnp.int32(game.ramp_index),
-        counter=jnp.int32(64),
+        sub_x=np.int32(game.sub_x),
+        sub_y=np.int32(game.sub_y),
+        sub_right=np.bool_(game.sub_or),
+        oxygen=np.int32(game.oxygen),
+        divers_held=np.int32(game.diver_count),
+        surfaced=np.bool_(game.surface),
+        shot_timer=np.int32(game.shot_timer),
+        spawn_interval=np.int32(game.e_spawn_speed),
+        spawn_timer=np.int32(game.e_spawn_timer),
+        diver_timer=np.int32(game.d_spawn_timer),
+        move_interval=np.int32(game.move_speed),
+        ramp_index=np.int32(game.ramp_index),
+        counter=np.int32(64),
         **lists,
     )
 
