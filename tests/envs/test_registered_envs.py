@@ -131,8 +131,8 @@ REFUSAL_IDS = [env_id for env_id in ENV_IDS if not env_id.endswith("-continuous"
 
 @pytest.mark.parametrize("env_id", REFUSAL_IDS)
 def test_an_action_of_the_wrong_shape_or_dtype_is_refused_naming_the_argument(env_id, rng):
-    env, params = ember.envs.make(env_id)
-    _, state = env.reset(rng, params)
+    env, params, reset, _ = compiled(env_id)  # the shared jitted reset: an eager one compiles op by op
+    _, state = reset(noise_lib.draw(rng, env.reset_noise_shape), params)
     for action, named in misshapen_actions(env.action_space(params), "action"):
         with pytest.raises(ValueError, match=rf"\w+\.step: {re.escape(named)}"):
             env.step(rng, state, action, params)
