@@ -70,3 +70,9 @@ def test_a_marked_test_compiles_with_xla_optimizations_and_fusion_emitters():
     assert xla_settings.ONE_CODEGEN_PART in os.environ["XLA_FLAGS"].split()
     assert xla_settings.subprocess_xla_flags("--xla_dump_to=x") == f"--xla_dump_to=x {xla_settings.ONE_CODEGEN_PART}"
     assert fusion_emitters_in_compile_options() is True
+    # ... and its short programs (evaluations) can compile fast again, in this process only
+    with xla_settings.fast_compiles():
+        assert jax.config.read("jax_disable_most_optimizations")
+        assert fusion_emitters_in_compile_options() is False
+    assert not jax.config.read("jax_disable_most_optimizations")
+    assert fusion_emitters_in_compile_options() is True

@@ -16,6 +16,7 @@ from ember.training.rl.agent_view import global_state
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 from ember.training.rl.experiment import ALGORITHMS
+from tests import xla_settings
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 
@@ -83,7 +84,6 @@ def test_shipped_multi_agent_config_beats_random_on_mpe(config_name, min_margin,
     env, env_params = make_from_config(config.env)
     result = jax.jit(algorithm.make_train(section, env, env_params, None))(jax.random.key(config.seed))
     act = algorithm.make_act(section, env, env_params, result["params"], True, None)
-    trained, _ = evaluate(act, env, env_params, jax.random.key(1), 100)
 
     spaces = env.action_space(env_params).spaces
 
@@ -91,7 +91,9 @@ def test_shipped_multi_agent_config_beats_random_on_mpe(config_name, min_margin,
         keys = jax.random.split(key, len(env.agents))
         return {agent: jax.vmap(spaces[agent].sample)(jax.random.split(k, 100)) for agent, k in zip(env.agents, keys)}
 
-    random, _ = evaluate(random_actions, env, env_params, jax.random.key(1), 100)
+    with xla_settings.fast_compiles():  # 25-step evaluations: compiling them optimized cost seconds
+        trained, _ = evaluate(act, env, env_params, jax.random.key(1), 100)
+        random, _ = evaluate(random_actions, env, env_params, jax.random.key(1), 100)
     margin = float(trained.mean()) - float(random.mean())
     assert margin > min_margin, f"{config.algo} {float(trained.mean()):.2f} vs random {float(random.mean()):.2f}"
     losses = [np.asarray(v) for k, v in result["metrics"].items() if k.endswith("loss")]  # PPO's; SAC's two

@@ -15,6 +15,7 @@ from ember.models.policies import PolicyConfig
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 from ember.training.rl.ppo import PPOConfig, PPOHyperparams, make_act, make_policy, make_train
+from tests import xla_settings
 from tests.tolerances import assert_allclose
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
@@ -148,7 +149,8 @@ def test_shipped_cartpole_config_solves_cartpole():
     env, env_params = ember.envs.make(config.env.id)
     result = jax.jit(make_train(config.ppo, env, env_params))(jax.random.key(config.seed))
     act = make_act(make_policy(config.ppo, env, env_params), result["params"], obs_stats=result["obs_stats"])
-    returns, lengths = evaluate(act, env, env_params, jax.random.key(1), num_episodes=100)
+    with xla_settings.fast_compiles():  # compiling the evaluation optimized cost seconds
+        returns, lengths = evaluate(act, env, env_params, jax.random.key(1), num_episodes=100)
     assert float(returns.mean()) >= 475.0, f"mean return {float(returns.mean())} over 100 episodes"
     assert_allclose(returns, lengths.astype(np.float32))  # CartPole pays 1 per step
 
@@ -161,9 +163,11 @@ def test_shipped_pendulum_config_improves_past_threshold():
     policy = make_policy(config.ppo, env, env_params)
     result = jax.jit(make_train(config.ppo, env, env_params))(jax.random.key(config.seed))
     act = make_act(policy, result["params"], obs_stats=result["obs_stats"])
-    trained, _ = evaluate(act, env, env_params, jax.random.key(1), num_episodes=100)
     untrained_params = policy.init(jax.random.key(0), jnp.zeros((1, 3)))
-    untrained, _ = evaluate(make_act(policy, untrained_params), env, env_params, jax.random.key(1), num_episodes=100)
+    with xla_settings.fast_compiles():  # compiling the evaluations optimized cost seconds
+        trained, _ = evaluate(act, env, env_params, jax.random.key(1), num_episodes=100)
+        untrained_act = make_act(policy, untrained_params)
+        untrained, _ = evaluate(untrained_act, env, env_params, jax.random.key(1), num_episodes=100)
     # measured on CPU: untrained ~-1200, trained ~-170 (a swing-up-and-balance policy)
     assert float(untrained.mean()) < -800.0
     assert float(trained.mean()) > -400.0, f"Pendulum mean return {float(trained.mean())}"

@@ -16,6 +16,7 @@ from ember.training.rl.config import RLConfig
 from ember.training.rl.dqn import make_act, make_q_network
 from ember.training.rl.evaluate import evaluate
 from ember.training.rl.pqn import PQNConfig, make_train, q_lambda_returns
+from tests import xla_settings
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 
@@ -76,7 +77,8 @@ def test_shipped_pqn_config_solves_cartpole():
     env, env_params = ember.envs.make(config.env.id)
     network = make_q_network(section, env, env_params)
     result = jax.jit(make_train(section, env, env_params))(jax.random.key(config.seed))
-    returns, _ = evaluate(make_act(network, result["params"]), env, env_params, jax.random.key(1), num_episodes=50)
+    with xla_settings.fast_compiles():  # compiling the evaluation optimized cost seconds
+        returns, _ = evaluate(make_act(network, result["params"]), env, env_params, jax.random.key(1), num_episodes=50)
     # CartPole-v1 counts as solved at a mean return of 475; measured 500 (every episode) on CPU.
     assert float(returns.mean()) >= 475.0, f"PQN mean greedy return {float(returns.mean())}"
     assert np.all(np.isfinite(np.asarray(result["metrics"]["loss"])))
@@ -99,8 +101,9 @@ def test_shipped_pqn_minatar_config_beats_random_on_two_games(game, factor):
     network = make_q_network(config.pqn, env, env_params)
     result = jax.jit(make_train(config.pqn, env, env_params))(jax.random.key(config.seed))
     key = jax.random.key(1)
-    greedy, _ = evaluate(make_act(network, result["params"]), env, env_params, key, num_episodes=50)
-    uniform, _ = evaluate(make_act(network, result["params"], epsilon=1.0), env, env_params, key, num_episodes=50)
+    with xla_settings.fast_compiles():  # compiling the evaluations optimized cost seconds
+        greedy, _ = evaluate(make_act(network, result["params"]), env, env_params, key, num_episodes=50)
+        uniform, _ = evaluate(make_act(network, result["params"], epsilon=1.0), env, env_params, key, num_episodes=50)
     assert float(uniform.mean()) > 0.0
     assert float(greedy.mean()) > factor * float(uniform.mean()), (float(greedy.mean()), float(uniform.mean()))
     assert np.all(np.isfinite(np.asarray(result["metrics"]["loss"])))

@@ -24,6 +24,7 @@ from ember.training.rl.sac import (
     soft_targets,
     temperature_loss,
 )
+from tests import xla_settings
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 
@@ -108,7 +109,8 @@ def test_shipped_sac_configs_solve_their_environments(name, overrides, solved):
     env, env_params = ember.envs.make(config.env.id)
     result = jax.jit(make_train(config.sac, env, env_params))(jax.random.key(config.seed))
     actor = make_actor(config.sac, env, env_params)
-    returns, _ = evaluate(make_act(actor, result["params"]), env, env_params, jax.random.key(1), num_episodes=20)
+    with xla_settings.fast_compiles():  # compiling the evaluation optimized cost seconds
+        returns, _ = evaluate(make_act(actor, result["params"]), env, env_params, jax.random.key(1), num_episodes=20)
     assert float(returns.mean()) > solved, f"SAC mean greedy return {float(returns.mean())} on {config.env.id}"
     temperatures = np.asarray(result["metrics"]["temperature"])
     assert temperatures[-1] < temperatures[0]  # tuned down from 1 as the policy's entropy drops
