@@ -77,17 +77,20 @@ def matmul_rows(size: int, dtype, batches=BATCHES, impl: str = "auto", copies: i
     weight from HBM, as a decode step does, and the call is long enough that dispatch does not
     dominate. ms per product, the weight's GB/s and the float product's time over each form's."""
     w = jax.random.normal(jax.random.key(0), (size, size), jnp.float32) * 0.02
-    weights = {fmt: quantize_matrix(w, fmt, None if fmt == "int8" else 128 if fmt == "int4" else 64) for fmt in FORMATS}
+    # Jitted: op by op, quantizing compiled each of its ops (about 40, a second and a half of a toy-sized run).
+    quantize = jax.jit(quantize_matrix, static_argnums=(1, 2))
+    weights = {fmt: quantize(w, fmt, None if fmt == "int8" else 128 if fmt == "int4" else 64) for fmt in FORMATS}
     forms = {impl: {"impl": impl}} | ({} if impl == "xla" else {"xla": {"impl": "xla"}})
     forms |= {f"tile {i}": {"impl": impl, "block_sizes": tile} for i, tile in enumerate(tiles)}
 
     def products(product):
         return jax.jit(lambda x, ws: [product(x, w) for w in ws])
 
+    @jax.jit  # one program, not one compiled per op
     def relative_difference(got, want):
         """max |form - XLA path| / max |XLA path|: a fast wrong kernel shows here."""
         got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-        return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+        return jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))
 
     def row(batch, fmt, form, seconds, stored, float_s, **extra):
         per_product = seconds / copies
@@ -114,7 +117,7 @@ def matmul_rows(size: int, dtype, batches=BATCHES, impl: str = "auto", copies: i
                 timed = products(functools.partial(quantized_matmul, **options))
                 try:
                     seconds = time_fn(timed, x, ws, repeats=20)
-                    difference = relative_difference(timed(x, ws)[0], want)
+                    difference = float(relative_difference(timed(x, ws)[0], want))
                 except Exception as error:  # a tile the compiler rejects costs its row only
                     if not tile:
                         raise
