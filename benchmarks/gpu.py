@@ -349,7 +349,7 @@ def _train_step(sizes: PerfSizes, context: dict) -> list[dict]:
     preset, batch, seq_len = sizes.train
     config = load_config(ModelConfig, PRESETS / f"{preset}.yaml")
     config = dataclasses.replace(config, **sizes.train_overrides)
-    row = train_step.measure(preset, config, batch, seq_len, compare_plain=False)
+    row = train_step.measure(preset, config, batch, seq_len, repeats=sizes.repeats, compare_plain=False)
     return [dict(section="train_step", preset=preset, remat=config.remat, scan_layers=config.scan_layers, **row)]
 
 
