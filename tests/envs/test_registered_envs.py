@@ -27,6 +27,10 @@ def compiled(env_id):
     return env, params, jax.jit(env.reset_from_noise), jax.jit(env.step_from_noise)
 
 
+# Jitted once per shape: an eager draw compiles each of its dozen ops for every new shape.
+draw = jax.jit(noise_lib.draw, static_argnums=1)
+
+
 def test_registry_lists_ids_suggests_close_ones_and_rejects_unknown_params():
     assert {"CartPole-v1", "Pendulum-v1", "MountainCar-v0", "MountainCarContinuous-v0", "Acrobot-v1"} <= set(ENV_IDS)
     assert {"Breakout-MinAtar", "KeyDoorMaze-v0", "MPE-simple_spread", "MPE-simple_tag"} <= set(ENV_IDS)
@@ -39,7 +43,7 @@ def test_registry_lists_ids_suggests_close_ones_and_rejects_unknown_params():
 
 
 def assert_same(actual, expected):
-    if jnp.issubdtype(jnp.asarray(actual).dtype, jnp.floating):
+    if jnp.issubdtype(np.asarray(actual).dtype, jnp.floating):  # np: jnp.asarray of a host array compiles
         assert_allclose(actual, expected)
     else:
         np.testing.assert_array_equal(actual, expected)
@@ -70,9 +74,10 @@ def test_reset_and_step_under_jit_and_vmap(env_id, num_envs, rng):
         )
         return reset_words, obs, state, actions, step_words, out, contained
 
-    reset_words, obs, state, actions, step_words, out, contained = run(rng)
+    # Rows are cut on the host: indexing a jax array eagerly compiles a slice for each leaf shape.
+    reset_words, obs, state, actions, step_words, out, contained = jax.device_get(run(rng))
     for name, flags in zip(("reset observation", "sampled action", "step observation"), contained):
-        assert bool(flags.all()), f"{env_id}: a {name} lies outside its space"
+        assert flags.all(), f"{env_id}: a {name} lies outside its space"
     for i in {0, num_envs - 1}:
         row = lambda tree, i=i: jax.tree.map(lambda leaf: leaf[i], tree)  # noqa: E731
         jax.tree.map(assert_same, row((obs, state)), single_reset(reset_words[i], params))
@@ -80,15 +85,15 @@ def test_reset_and_step_under_jit_and_vmap(env_id, num_envs, rng):
 
 
 def invalid_and_clipped(space, key):
-    """(an invalid action, the valid action it must behave as) for ``space``."""
+    """(an invalid action, the valid action it must behave as) for ``space``, built in NumPy
+    (eager jnp ops would compile one by one)."""
     if isinstance(space, spaces.Discrete):
-        return jnp.int32(space.n + 3), jnp.int32(space.n - 1)
+        return np.int32(space.n + 3), np.int32(space.n - 1)
     if isinstance(space, spaces.Box):
-        nan_and_large = jnp.where(jnp.arange(np.prod(space.shape)).reshape(space.shape) % 2 == 0, jnp.nan, 1e6)
+        nan_and_large = np.where(np.arange(np.prod(space.shape)).reshape(space.shape) % 2 == 0, np.nan, 1e6)
         middle = (space.low + space.high) / 2
-        return nan_and_large.astype(space.dtype), jnp.where(jnp.isnan(nan_and_large), middle, space.high).astype(
-            space.dtype
-        )
+        clipped = np.where(np.isnan(nan_and_large), middle, space.high)
+        return nan_and_large.astype(space.dtype), clipped.astype(space.dtype)
     if isinstance(space, spaces.Dict):
         pairs = {name: invalid_and_clipped(sub, key) for name, sub in space.spaces.items()}
         return {n: p[0] for n, p in pairs.items()}, {n: p[1] for n, p in pairs.items()}
@@ -98,13 +103,13 @@ def invalid_and_clipped(space, key):
 @pytest.mark.parametrize("env_id", ENV_IDS)
 def test_invalid_actions_are_clipped_and_render_gives_rgb(env_id, rng):
     env, params, reset, step = compiled(env_id)
-    _, state = reset(noise_lib.draw(rng, env.reset_noise_shape), params)
+    _, state = reset(draw(rng, env.reset_noise_shape), params)
     invalid, clipped = invalid_and_clipped(env.action_space(params), rng)
-    words = noise_lib.draw(rng, env.step_noise_shape)
-    got, expected = step(words, state, invalid, params), step(words, state, clipped, params)
+    words = draw(rng, env.step_noise_shape)
+    got, expected = jax.device_get((step(words, state, invalid, params), step(words, state, clipped, params)))
     jax.tree.map(assert_same, got, expected)
     for leaf in jax.tree.leaves(got[0]):
-        assert not bool(jnp.isnan(leaf).any())
+        assert not np.isnan(leaf).any()
     frame = np.asarray(jax.jit(env.render)(state, params))
     assert frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3
     assert len(np.unique(frame.reshape(-1, 3), axis=0)) >= 2, "the picture shows something"
@@ -132,7 +137,7 @@ REFUSAL_IDS = [env_id for env_id in ENV_IDS if not env_id.endswith("-continuous"
 @pytest.mark.parametrize("env_id", REFUSAL_IDS)
 def test_an_action_of_the_wrong_shape_or_dtype_is_refused_naming_the_argument(env_id, rng):
     env, params, reset, _ = compiled(env_id)  # the shared jitted reset: an eager one compiles op by op
-    _, state = reset(noise_lib.draw(rng, env.reset_noise_shape), params)
+    _, state = reset(draw(rng, env.reset_noise_shape), params)
     for action, named in misshapen_actions(env.action_space(params), "action"):
         with pytest.raises(ValueError, match=rf"\w+\.step: {re.escape(named)}"):
             env.step(rng, state, action, params)
