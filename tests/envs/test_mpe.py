@@ -68,13 +68,16 @@ def test_matches_jaxmarl_physics_observations_and_rewards(env_id, rng):
     ours_step = jax.jit(env.step)
     ours_obs, ours_rewards = jax.jit(env.observation), jax.jit(lambda s: env.rewards(s, params))
     reference_step = jax.jit(reference.step_env)
-    _, reference_state = reference.reset(rng)
+    _, reference_state = jax.jit(reference.reset)(rng)  # one compile, where an eager reset compiles op by op
     # Crowd the agents so that contact forces and collision rewards are exercised.
     n = env.num_agents
     crowded = np.asarray(reference_state.p_pos).copy()
     spread = 1.5 * env.bodies.radius[:n].max()
     crowded[:n] = np.random.default_rng(n).uniform(-spread, spread, size=(n, 2))
-    reference_state = reference_state.replace(p_pos=jnp.asarray(crowded))
+    # ``done`` computed as step_env computes it (False here): weakly typed like step_env's, where
+    # reset's jnp.array(False) is not, so reference_step compiles once rather than twice.
+    done = reference_state.step >= reference.max_steps
+    reference_state = reference_state.replace(p_pos=jnp.asarray(crowded), done=done)
     _, state = jax.jit(env.reset)(rng, params)
     for agent, space in env.observation_space(params).spaces.items():
         assert space.shape == reference.observation_space(agent).shape, agent
