@@ -131,12 +131,13 @@ def test_record_episode_of_a_multi_agent_run(rng):
     overrides = ["env.params.max_steps_in_episode=5", "ppo.policy.hidden_sizes=[8]"]
     config = load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml", overrides)
     env, env_params = ember.envs.make_from_config(config.env)
-    _, state = env.reset(jax.random.split(jax.random.key(7))[0], env_params)  # record_episode's reset
-    obs = stack_agents(jax.tree.map(lambda o: o[None], env.reset(rng, env_params)[0]), env.agents)
+    reset = jax.jit(env.reset)  # one compile for both resets: eager ones compile op by op
+    _, state = reset(jax.random.split(jax.random.key(7))[0], env_params)  # record_episode's reset
+    obs = stack_agents(jax.tree.map(lambda o: o[None], reset(rng, env_params)[0]), env.agents)
     params = multi_agent_ppo.make_policy(config.ppo, env, env_params).init(rng, obs, obs)
     frames = runner.record_episode(config, params, seed=7)
     assert frames.shape[0] == 5  # one frame per step, up to the time limit
-    np.testing.assert_array_equal(frames[0], env.render(state, env_params))
+    np.testing.assert_array_equal(frames[0], jax.jit(env.render)(state, env_params))
 
 
 def test_evaluate_runs_episodes_to_a_longer_time_limit_wrapper(rng):
