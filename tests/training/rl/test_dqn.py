@@ -18,20 +18,23 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 
 
 def test_replay_buffer_wraps_around_and_samples_stored_items(rng):
-    buffer = replay_buffer_init({"x": jnp.zeros(2), "a": jnp.int32(0)}, capacity=5)
-    values = jax.random.normal(rng, (7, 2))
-    buffer = replay_buffer_add(buffer, {"x": values[:3], "a": jnp.arange(3)})
+    # Jitted, as training uses them (eager, every op compiles on its own); the capacity check
+    # runs at trace time either way.
+    add, sample = jax.jit(replay_buffer_add), jax.jit(replay_buffer_sample, static_argnums=2)
+    buffer = replay_buffer_init({"x": np.zeros(2, np.float32), "a": np.int32(0)}, capacity=5)
+    values = np.asarray(jax.random.normal(rng, (7, 2)))
+    buffer = add(buffer, {"x": values[:3], "a": np.arange(3, dtype=np.int32)})
     assert int(buffer.size) == 3 and int(buffer.position) == 3
-    buffer = replay_buffer_add(buffer, {"x": values[3:], "a": jnp.arange(3, 7)})
+    buffer = add(buffer, {"x": values[3:], "a": np.arange(3, 7, dtype=np.int32)})
     assert int(buffer.size) == 5 and int(buffer.position) == 2
     # items 5 and 6 overwrote slots 0 and 1; slots 2..4 still hold items 2..4
     np.testing.assert_array_equal(buffer.data["a"], [5, 6, 2, 3, 4])
     np.testing.assert_array_equal(buffer.data["x"], np.asarray(values)[[5, 6, 2, 3, 4]])
-    batch = replay_buffer_sample(buffer, rng, 200)
+    batch = sample(buffer, rng, 200)
     assert set(np.asarray(batch["a"]).tolist()) == {2, 3, 4, 5, 6}  # all stored, nothing else
     np.testing.assert_array_equal(batch["x"], np.asarray(values)[np.asarray(batch["a"])])  # rows stay together
     with pytest.raises(ValueError, match="capacity"):
-        replay_buffer_add(buffer, {"x": jnp.ones((6, 2)), "a": jnp.arange(6)})
+        add(buffer, {"x": np.ones((6, 2), np.float32), "a": np.arange(6, dtype=np.int32)})
 
 
 def test_epsilon_greedy_explores_at_the_given_rate(rng):
