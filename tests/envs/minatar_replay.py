@@ -2,6 +2,8 @@
 replayed: before every step our state is set from MinAtar's and our noise words are made to
 choose what MinAtar's next ``act`` will draw; observation, reward and termination must match."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,13 @@ def bernoulli_word(outcome: bool) -> int:
     return TRUE_WORD if outcome else FALSE_WORD
 
 
+@functools.cache
+def jitted_reset(env):
+    """``jax.jit(env.reset)``, one per environment: an eager reset compiles op by op, and a
+    second ``jax.jit`` of the same method would compile again."""
+    return jax.jit(env.reset)
+
+
 def replay_against_minatar(env_id, game, actions, rng, *, state_from_minatar, replayed_noise, each_step=None):
     """Plays ``actions`` in both; returns ``(total reward, terminations)``. ``each_step(game)``
     sees MinAtar's game before every step (to count what the episode went through).
@@ -27,7 +36,7 @@ def replay_against_minatar(env_id, game, actions, rng, *, state_from_minatar, re
     reference = MinAtarEnvironment(game, sticky_action_prob=0.0)
     reference.seed(int(jax.random.randint(rng, (), 0, 2**30)))
     reference.reset()
-    _, state = env.reset(rng, params)
+    _, state = jitted_reset(env)(rng, params)
     total = terminations = 0
     for t, action in enumerate(actions):
         if each_step is not None:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ember.envs
-from tests.envs.minatar_replay import FALSE_WORD, bernoulli_word, replay_against_minatar
+from tests.envs.minatar_replay import FALSE_WORD, bernoulli_word, jitted_reset, replay_against_minatar
 
 # Actions 0-4 (no-op, left, up, right, down) are MinAtar's first five.
 
@@ -56,7 +56,7 @@ def test_matches_minatar_asterix_step_by_step(rng):
 def test_scripted_gold_enemy_and_ramp():
     env, params = ember.envs.make("Asterix-MinAtar", sticky_action_prob=0.0)
     step = jax.jit(env.step)
-    _, state = env.reset(jax.random.key(0), params)
+    _, state = jitted_reset(env)(jax.random.key(0), params)
     lanes = jnp.zeros(8, bool)
     # Gold one cell right of the player in its lane: moving right collects it.
     state = state.replace(active=lanes.at[4].set(True), entity_x=jnp.full(8, 6, jnp.int32), gold=lanes.at[4].set(True),
@@ -69,7 +69,7 @@ def test_scripted_gold_enemy_and_ramp():
     _, _, reward, terminated, _, _ = step(jax.random.key(1), state, jnp.int32(0), params)
     assert bool(terminated) and float(reward) == 0.0
     # The ramp: past its timer, the spawn interval shortens (the move interval on odd ramps only).
-    _, state = env.reset(jax.random.key(0), params)
+    _, state = jitted_reset(env)(jax.random.key(0), params)
     state = state.replace(ramp_timer=jnp.int32(-1), ramp_index=jnp.int32(1))
     _, state, _, _, _, _ = step(jax.random.key(1), state, jnp.int32(0), params)
     assert (int(state.spawn_interval), int(state.move_interval), int(state.ramp_index)) == (9, 4, 2)

@@ -7,6 +7,7 @@ import numpy as np
 from minatar import Environment as MinAtarEnvironment
 
 import ember.envs
+from tests.envs.minatar_replay import jitted_reset
 from tests.tolerances import assert_allclose
 
 MINATAR_ACTIONS = [0, 1, 3]  # our 0/1/2 (no-op, left, right) in MinAtar's full action set
@@ -33,7 +34,7 @@ def test_matches_minatar_breakout_step_by_step(rng):
     reference.seed(seed)
     reference.reset()
     actions = np.random.default_rng(seed).integers(0, 3, size=400)
-    _, state = env.reset(rng, params)
+    _, state = jitted_reset(env)(rng, params)
     rewards = terminations = 0
     for t, action in enumerate(actions):
         state = state_from_minatar(reference.env, state)
@@ -52,7 +53,7 @@ def test_matches_minatar_breakout_step_by_step(rng):
 
 
 def scripted(env, params, **fields):
-    _, state = env.reset(jax.random.key(0), params)
+    _, state = jitted_reset(env)(jax.random.key(0), params)
     return state.replace(**{name: jnp.asarray(value) for name, value in fields.items()})
 
 
@@ -90,12 +91,12 @@ def test_scripted_wall_brick_paddle_and_loss():
 
 def test_sticky_actions_repeat_the_previous_action(rng):
     env, params = ember.envs.make("Breakout-MinAtar", sticky_action_prob=1.0)
-    _, state = env.reset(rng, params)
+    _, state = jitted_reset(env)(rng, params)
     for t in range(3):  # always sticky: the first action (no-op) repeats, the paddle never moves
         _, state, *_ = env.step(jax.random.fold_in(rng, t), state, jnp.int32(2), params)
     assert int(state.paddle_x) == 4
     env, params = ember.envs.make("Breakout-MinAtar", sticky_action_prob=0.0)
-    _, state = env.reset(rng, params)
+    _, state = jitted_reset(env)(rng, params)
     for t in range(3):
         _, state, *_ = env.step(jax.random.fold_in(rng, t), state, jnp.int32(2), params)
     assert int(state.paddle_x) == 7

@@ -7,6 +7,7 @@ import numpy as np
 from minatar import Environment as MinAtarEnvironment
 
 import ember.envs
+from tests.envs.minatar_replay import jitted_reset
 
 MINATAR_ACTIONS = [0, 2, 4]  # our 0/1/2 (no-op, up, down) in MinAtar's full action set
 
@@ -32,7 +33,7 @@ def test_matches_minatar_freeway_step_by_step(rng):
     reference.reset()
     # Mostly up, so the chicken crosses (and new speeds are drawn) as well as gets hit.
     actions = np.random.default_rng(seed).choice(3, size=600, p=[0.2, 0.7, 0.1])
-    _, state = env.reset(rng, params)
+    _, state = jitted_reset(env)(rng, params)
     crossings = hits = 0
     for t, action in enumerate(actions):
         state = state_from_minatar(reference.env, state)
@@ -53,7 +54,7 @@ def test_matches_minatar_freeway_step_by_step(rng):
 
 
 def scripted(env, params, **fields):
-    _, state = env.reset(jax.random.key(0), params)
+    _, state = jitted_reset(env)(jax.random.key(0), params)
     return state.replace(**{name: jnp.asarray(value, np.int32) for name, value in fields.items()})
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 import ember.envs
 from ember.envs.minatar.seaquest import SLOTS, Entities
-from tests.envs.minatar_replay import FALSE_WORD, bernoulli_word, replay_against_minatar
+from tests.envs.minatar_replay import FALSE_WORD, bernoulli_word, jitted_reset, replay_against_minatar
 
 
 def entities_from_list(items, slots, *, timer=3, shot=None):
@@ -82,7 +82,7 @@ def test_matches_minatar_seaquest_step_by_step(rng):
 def test_surfacing_with_six_divers_pays_for_oxygen_and_ramps():
     env, params = ember.envs.make("Seaquest-MinAtar", sticky_action_prob=0.0)
     step = jax.jit(env.step)
-    _, state = env.reset(jax.random.key(0), params)
+    _, state = jitted_reset(env)(jax.random.key(0), params)
     state = state.replace(sub_y=jnp.int32(1), surfaced=jnp.bool_(False), divers_held=jnp.int32(6),
                           oxygen=jnp.int32(150), ramp_index=jnp.int32(1))  # fmt: skip
     _, state, reward, terminated, _, _ = step(jax.random.key(1), state, jnp.int32(2), params)  # up
@@ -91,7 +91,7 @@ def test_surfacing_with_six_divers_pays_for_oxygen_and_ramps():
     assert (int(state.divers_held), int(state.oxygen), bool(state.surfaced)) == (-1, 200, True)
     assert (int(state.spawn_interval), int(state.move_interval), int(state.ramp_index)) == (19, 4, 2)
     # Surfacing with no diver ends the episode.
-    _, state = env.reset(jax.random.key(0), params)
+    _, state = jitted_reset(env)(jax.random.key(0), params)
     state = state.replace(sub_y=jnp.int32(1), surfaced=jnp.bool_(False))
     _, _, _, terminated, _, _ = step(jax.random.key(1), state, jnp.int32(2), params)
     assert bool(terminated)

@@ -7,6 +7,7 @@ import numpy as np
 from minatar import Environment as MinAtarEnvironment
 
 import ember.envs
+from tests.envs.minatar_replay import jitted_reset
 
 MINATAR_ACTIONS = [0, 1, 3, 5]  # our 0/1/2/3 (no-op, left, right, fire) in MinAtar's full action set
 
@@ -20,7 +21,7 @@ def test_matches_minatar_space_invaders_step_by_step(rng):
     reference.reset()
     # Mostly fire, so blocks are cleared and the march speeds up.
     actions = np.random.default_rng(seed).choice(4, size=1500, p=[0.1, 0.2, 0.2, 0.5])
-    obs, state = env.reset(rng, params)
+    obs, state = jitted_reset(env)(rng, params)
     np.testing.assert_array_equal(obs, reference.state().astype(np.float32))
     kills = terminations = 0
     for t, action in enumerate(actions):
@@ -42,7 +43,7 @@ def test_matches_minatar_space_invaders_step_by_step(rng):
 def test_scripted_shot_kills_an_alien():
     env, params = ember.envs.make("SpaceInvaders-MinAtar", sticky_action_prob=0.0)
     step = jax.jit(env.step)
-    _, state = env.reset(jax.random.key(0), params)
+    _, state = jitted_reset(env)(jax.random.key(0), params)
     aliens = jnp.zeros((10, 10), bool).at[5, 3].set(True)
     state = state.replace(position=jnp.int32(3), aliens=aliens, alien_move_timer=jnp.int32(50),
                           alien_shot_timer=jnp.int32(50))  # fmt: skip
