@@ -117,11 +117,12 @@ def test_batched_env_vmapped_over_seeds_equals_separate_runs(rng):
 def test_log_wrapper_statistics_match_hand_count(rng):
     env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=6)
     env = ember.envs.BatchedEnv(ember.envs.LogWrapper(env), num_envs=3)
-    _obs, state = env.reset(rng, params)
+    _obs, state = jax.jit(env.reset)(rng, params)
+    step = jax.jit(env.step)  # one compile; eager, the 20 steps dispatch every op one by one
     lengths = []
     for t in range(20):
-        actions = jnp.array([t % 2, 1, 0])
-        _obs, state, _reward, terminated, truncated, info = env.step(jax.random.fold_in(rng, t), state, actions, params)
+        actions = np.array([t % 2, 1, 0], np.int32)
+        _obs, state, _reward, terminated, truncated, info = step(jax.random.fold_in(rng, t), state, actions, params)
         lengths.append((terminated | truncated, info))
     # Recompute returned lengths by hand: CartPole's reward is 1 per step, so return == length.
     count = np.zeros(3, int)
