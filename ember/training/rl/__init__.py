@@ -7,7 +7,8 @@ for each algorithm a ``make_train`` that wires it into one jittable, vmappable `
 - :mod:`.ppo`: PPO for discrete and continuous actions, and the update loop IPPO/MAPPO share.
 - :mod:`.multi_agent_ppo`: IPPO and MAPPO with parameter sharing (multi-agent dict API).
 - :mod:`.dqn`, :mod:`.replay_buffer`: DQN with a target network and an on-device replay buffer.
-- :mod:`.evaluate`: N whole episodes of a policy, jitted.
+- :mod:`.evaluate`: N whole episodes of a policy, one compiled program per policy architecture;
+  :mod:`.policy_act`: the ``act`` of a trained actor that every ``make_act`` but DQN's builds.
 - :mod:`.config`, :mod:`.experiment`, :mod:`.entry`: the ``rl`` kind of ``ember train``
   (the environment comes from ``ember.envs.make_from_config``)
   (run directory with config, metrics, checkpoint, ``eval.json``); :mod:`.eval_command`:

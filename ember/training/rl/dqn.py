@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 from flax.training.train_state import TrainState
 
 from ember.core.errors import ConfigError
@@ -209,13 +210,33 @@ def make_train(
     return train
 
 
-def make_act(network: QNetwork, params: Any, *, epsilon: float = 0.0) -> Callable[[Any, jax.Array], jax.Array]:
+@struct.dataclass
+class EpsilonGreedyAct:
+    """``act(obs, key) -> actions`` of a Q-network, a pytree for
+    :func:`ember.training.rl.evaluate.evaluate` (``network`` static; ``params`` and
+    ``epsilon``, a float32 scalar, its leaves: one compiled evaluation for every value of them).
+    Observations ``[N, *obs_shape]`` -> int32 actions ``[N]`` (:func:`epsilon_greedy`)."""
+
+    network: QNetwork = struct.field(pytree_node=False)
+    params: Any
+    epsilon: jax.Array
+
+    def __call__(self, obs: jax.Array, key: jax.Array) -> jax.Array:
+        """Int32 actions ``[N]`` for observations ``[N, *obs_shape]``."""
+        return epsilon_greedy(key, self.network.apply(self.params, obs), self.epsilon)
+
+
+def make_act(network: QNetwork, params: Any, *, epsilon: float = 0.0) -> EpsilonGreedyAct:
     """``act(obs, key) -> actions``: greedy, or epsilon-greedy with ``epsilon > 0``."""
-
-    def act(obs, key):
-        return epsilon_greedy(key, network.apply(params, obs), jnp.float32(epsilon))
-
-    return act
+    return EpsilonGreedyAct(network, params, jnp.float32(epsilon))
 
 
-__all__ = ["DQNConfig", "epsilon_greedy", "epsilon_schedule", "make_act", "make_q_network", "make_train"]
+__all__ = [
+    "DQNConfig",
+    "EpsilonGreedyAct",
+    "epsilon_greedy",
+    "epsilon_schedule",
+    "make_act",
+    "make_q_network",
+    "make_train",
+]

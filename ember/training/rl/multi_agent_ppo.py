@@ -26,7 +26,8 @@ from typing import Any
 
 from ember.core.errors import ConfigError
 from ember.models.policies import CentralisedActorCritic
-from ember.training.rl.agent_view import multi_agent_view, shared_action_head, stack_agents
+from ember.training.rl.agent_view import multi_agent_view, shared_action_head
+from ember.training.rl.policy_act import PolicyAct
 from ember.training.rl.ppo import PPOConfig, make_ppo_train
 
 UNSUPPORTED_OPTIONS = ("normalize_rewards", "normalize_observations")
@@ -65,18 +66,12 @@ def make_train(
     return make_ppo_train(config, env, env_params, policy, view, on_update=on_update)
 
 
-def make_act(policy: CentralisedActorCritic, params: Any, agents: list[str], *, deterministic: bool = True):
+def make_act(
+    policy: CentralisedActorCritic, params: Any, agents: list[str], *, deterministic: bool = True
+) -> PolicyAct:
     """``act(obs_dict, key) -> actions_dict`` for a batch of environments (``obs_dict`` values
-    ``[batch, obs_dim]``): the shared actor's mode, or a sample."""
-
-    def act(obs_dict, key):
-        obs = stack_agents(obs_dict, agents)
-        dist = policy.apply(params, obs, method=lambda module, x: module.actor(x))
-        raw = dist.mode() if deterministic else dist.sample(key)
-        env_action = dist.env_action(raw)
-        return {agent: env_action[:, i] for i, agent in enumerate(agents)}
-
-    return act
+    ``[batch, obs_dim]``): the shared actor's mode, or a sample (a :class:`.PolicyAct`)."""
+    return PolicyAct(policy, params, deterministic=deterministic, agents=tuple(agents))
 
 
 __all__ = ["check_config", "make_act", "make_policy", "make_train"]

@@ -45,6 +45,7 @@ from ember.training.rl.episode_stats import episode_statistics
 from ember.training.rl.gae import gae_advantages
 from ember.training.rl.losses import ppo_loss
 from ember.training.rl.optimization import make_optimizer, minibatch_epochs
+from ember.training.rl.policy_act import PolicyAct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,20 +313,13 @@ def make_ppo_train(
 
 def make_act(
     policy: ActorCritic, params: Any, *, deterministic: bool = True, obs_stats: RunningMeanVar | None = None
-) -> Callable[[Any, jax.Array], jax.Array]:
+) -> PolicyAct:
     """``act(obs, key) -> env_action`` of a trained policy: the distribution's mode when
-    ``deterministic``, otherwise a sample (for :func:`ember.training.rl.evaluate.evaluate`).
+    ``deterministic``, otherwise a sample (for :func:`ember.training.rl.evaluate.evaluate`,
+    compiled once for all ``params`` of one ``policy``: a :class:`.PolicyAct`).
     A policy trained with ``normalize_observations`` needs the run's ``obs_stats``: raw
     observations ``[batch, *obs_shape]`` are normalised with them, frozen (never updated)."""
-
-    def act(obs, key):
-        if obs_stats is not None:
-            obs = obs_stats.normalize(obs)
-        dist = policy.apply(params, obs, method=lambda module, x: module.actor(x))
-        raw = dist.mode() if deterministic else dist.sample(key)
-        return dist.env_action(raw)
-
-    return act
+    return PolicyAct(policy, params, obs_stats, deterministic=deterministic)
 
 
 __all__ = [

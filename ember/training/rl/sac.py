@@ -30,6 +30,7 @@ from ember.envs.wrappers import LogWrapper
 from ember.models.policies import ActionValue, Actor, BoxActions, PolicyConfig, action_head
 from ember.training.rl.agent_view import AgentView, multi_agent_view, shared_action_head
 from ember.training.rl.episode_stats import episode_statistics
+from ember.training.rl.policy_act import PolicyAct
 from ember.training.rl.replay_buffer import replay_buffer_add, replay_buffer_init, replay_buffer_sample
 
 
@@ -342,18 +343,10 @@ def make_train(
     return train
 
 
-def make_act(
-    actor: Actor, params: Any, *, deterministic: bool = True, agents: list[str] | None = None
-) -> Callable[[Any, jax.Array], Any]:
+def make_act(actor: Actor, params: Any, *, deterministic: bool = True, agents: list[str] | None = None) -> PolicyAct:
     """``act(obs, key) -> environment actions``: the squashed mean, or a squashed sample; with
-    ``agents``, from and to per-agent dicts through the shared actor."""
-    view = multi_agent_view(agents, centralised_critic=False) if agents else AgentView()
-
-    def act(obs, key):
-        dist = actor.apply(params, view.observe(obs))
-        return view.env_action(dist.env_action(dist.mode() if deterministic else dist.sample(key)))
-
-    return act
+    ``agents``, from and to per-agent dicts through the shared actor (a :class:`.PolicyAct`)."""
+    return PolicyAct(actor, params, deterministic=deterministic, agents=tuple(agents) if agents else None)
 
 
 __all__ = [
