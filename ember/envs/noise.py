@@ -19,9 +19,12 @@ import jax.numpy as jnp
 from jax import lax
 
 
+@functools.partial(jax.jit, static_argnames="shape")
 def draw(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``shape`` random uint32 words from ``key``: word ``j`` is a counter-based hash of the
     key's two data words and ``j`` (MurmurHash3's 32-bit finaliser over a Weyl sequence).
+    Jitted, ``shape`` (a tuple) static: an eager ``reset``/``step`` outside ``jax.jit`` runs
+    it as one compiled program per shape, not op by op.
 
     A few integer multiplies per word, so a ``jax.vmap`` over thousands of per-environment
     keys (how gymnax users step environments) costs little, where ``jax.random.bits`` runs the

@@ -138,6 +138,31 @@ def test_log_wrapper_statistics_match_hand_count(rng):
     assert int(last[0]) == 6, "alternating actions survive to the time limit"
 
 
+def words_by_hand(key, size: int) -> np.ndarray:
+    """``noise.draw``'s words in NumPy: MurmurHash3's 32-bit finaliser over a Weyl sequence
+    (uint64 arithmetic, reduced mod 2**32 after every multiply)."""
+    low32 = np.uint64(0xFFFFFFFF)
+
+    def fmix32(h):
+        h = h ^ (h >> np.uint64(16))
+        h = (h * np.uint64(0x85EBCA6B)) & low32
+        h = h ^ (h >> np.uint64(13))
+        h = (h * np.uint64(0xC2B2AE35)) & low32
+        return h ^ (h >> np.uint64(16))
+
+    data = np.asarray(jax.random.key_data(key)).reshape(-1).astype(np.uint64)
+    counters = (np.arange(size, dtype=np.uint64) * np.uint64(0x9E3779B9)) & low32
+    return fmix32(data[0] ^ fmix32((data[-1] + counters) & low32)).astype(np.uint32)
+
+
+def test_noise_draw_gives_the_hashed_words_eagerly_jitted_and_vmapped(rng):
+    keys = jax.random.split(rng, 3)
+    expected = np.stack([words_by_hand(key, 6) for key in keys]).reshape(3, 2, 3)
+    np.testing.assert_array_equal(noise_lib.draw(keys[0], (2, 3)), expected[0])
+    np.testing.assert_array_equal(jax.jit(noise_lib.draw, static_argnums=1)(keys[1], (2, 3)), expected[1])
+    np.testing.assert_array_equal(jax.vmap(noise_lib.draw, in_axes=(0, None))(keys, (2, 3)), expected)
+
+
 def test_noise_words_give_uniform_values(rng):
     for words in (noise_lib.draw(rng, (20000,)), noise_lib.draw_batch(rng, (20000,))):
         u = np.asarray(noise_lib.uniform(words, dtype=jnp.float32))

@@ -27,10 +27,6 @@ def compiled(env_id):
     return env, params, jax.jit(env.reset_from_noise), jax.jit(env.step_from_noise)
 
 
-# Jitted once per shape: an eager draw compiles each of its dozen ops for every new shape.
-draw = jax.jit(noise_lib.draw, static_argnums=1)
-
-
 def test_registry_lists_ids_suggests_close_ones_and_rejects_unknown_params():
     assert {"CartPole-v1", "Pendulum-v1", "MountainCar-v0", "MountainCarContinuous-v0", "Acrobot-v1"} <= set(ENV_IDS)
     assert {"Breakout-MinAtar", "KeyDoorMaze-v0", "MPE-simple_spread", "MPE-simple_tag"} <= set(ENV_IDS)
@@ -103,9 +99,9 @@ def invalid_and_clipped(space, key):
 @pytest.mark.parametrize("env_id", ENV_IDS)
 def test_invalid_actions_are_clipped_and_render_gives_rgb(env_id, rng):
     env, params, reset, step = compiled(env_id)
-    _, state = reset(draw(rng, env.reset_noise_shape), params)
+    _, state = reset(noise_lib.draw(rng, env.reset_noise_shape), params)
     invalid, clipped = invalid_and_clipped(env.action_space(params), rng)
-    words = draw(rng, env.step_noise_shape)
+    words = noise_lib.draw(rng, env.step_noise_shape)
     got, expected = jax.device_get((step(words, state, invalid, params), step(words, state, clipped, params)))
     jax.tree.map(assert_same, got, expected)
     for leaf in jax.tree.leaves(got[0]):
@@ -137,7 +133,7 @@ REFUSAL_IDS = [env_id for env_id in ENV_IDS if not env_id.endswith("-continuous"
 @pytest.mark.parametrize("env_id", REFUSAL_IDS)
 def test_an_action_of_the_wrong_shape_or_dtype_is_refused_naming_the_argument(env_id, rng):
     env, params, reset, _ = compiled(env_id)  # the shared jitted reset: an eager one compiles op by op
-    _, state = reset(draw(rng, env.reset_noise_shape), params)
+    _, state = reset(noise_lib.draw(rng, env.reset_noise_shape), params)
     for action, named in misshapen_actions(env.action_space(params), "action"):
         with pytest.raises(ValueError, match=rf"\w+\.step: {re.escape(named)}"):
             env.step(rng, state, action, params)
