@@ -49,6 +49,11 @@ def stack_agents(per_agent: dict[str, Any], agents: list[str]) -> Any:
     return jnp.stack([per_agent[agent] for agent in agents], axis=1)
 
 
+def unstack_agents(stacked: Any, agents: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """The inverse of :func:`stack_agents`: ``[batch, agents, ...]`` as ``{agent: [batch, ...]}``."""
+    return {agent: stacked[:, i] for i, agent in enumerate(agents)}
+
+
 def global_state(obs: jax.Array) -> jax.Array:
     """MAPPO's critic input ``[..., agents, agents * obs_dim + agents]`` from stacked
     observations ``[..., agents, obs_dim]``: all observations plus a one-hot agent id."""
@@ -72,7 +77,7 @@ def multi_agent_view(agents: list[str], *, centralised_critic: bool) -> AgentVie
 
     return AgentView(
         observe=lambda obs: stack_agents(obs, agents),
-        env_action=lambda action: {agent: action[:, i] for i, agent in enumerate(agents)},
+        env_action=lambda action: unstack_agents(action, agents),
         step_arrays=step_arrays,
         policy_inputs=lambda obs: (obs, critic_input(obs)),
         value_inputs=lambda obs: (critic_input(obs),),
@@ -95,4 +100,4 @@ def shared_action_head(env, env_params, policy: PolicyConfig) -> Any:
     return heads.pop()
 
 
-__all__ = ["AgentView", "global_state", "multi_agent_view", "shared_action_head", "stack_agents"]
+__all__ = ["AgentView", "global_state", "multi_agent_view", "shared_action_head", "stack_agents", "unstack_agents"]

@@ -17,7 +17,7 @@ from flax import struct
 
 from ember.envs.wrappers import RunningMeanVar
 from ember.models.policies import Actor
-from ember.training.rl.agent_view import stack_agents
+from ember.training.rl.agent_view import stack_agents, unstack_agents
 
 
 def _actor_of(module: nn.Module, obs: jax.Array) -> Any:
@@ -57,7 +57,7 @@ class PolicyAct:
         dist = self.network.apply(self.params, obs, method=method)
         action = dist.env_action(dist.mode() if self.deterministic else dist.sample(key))
         if self.agents:
-            return {agent: action[:, i] for i, agent in enumerate(self.agents)}
+            return unstack_agents(action, self.agents)
         return action
 
 
