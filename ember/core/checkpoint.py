@@ -74,6 +74,12 @@ class CheckpointManager:
         # Naming the handlers lets a fresh manager read metadata of existing steps.
         handlers = {_STATE: ocp.StandardCheckpointHandler(), _EXTRA: ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        # Orbax cleans leftover temporary directories in a thread it awaits only before a save or
+        # in close(); a manager opened to read (``CheckpointManager(d).restore()``, as above) and
+        # dropped, or whose restore raised, left the thread running at exit, which then printed
+        # "cannot schedule new futures after shutdown" with a traceback. Awaiting it here costs
+        # one directory listing.
+        self._await_cleanup()
 
     def save(self, step: int, state: Any, *, extra: dict[str, Any] | None = None) -> None:
         """Starts saving ``state`` (and JSON ``extra``) as ``step``; returns before the write ends
@@ -169,13 +175,15 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager's resources."""
-        # Orbax's close() does not wait for the clean-up of unfinished temporary directories that
-        # its constructor starts in a thread; a process exiting right after (a refused run) then
-        # printed that thread's "cannot schedule new futures after shutdown" traceback.
+        self._await_cleanup()
+        self._manager.close()
+
+    def _await_cleanup(self) -> None:
+        """Waits for the clean-up of unfinished temporary directories that orbax's constructor
+        starts in a thread (its close() does not wait for it either)."""
         await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
         if await_cleanup is not None:
             await_cleanup()
-        self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -176,6 +176,18 @@ def test_kill_during_save_keeps_previous_step(tmp_path):
     manager.close()
 
 
+def test_leftover_temporary_directories_are_gone_when_the_manager_is_open(tmp_path):
+    # Orbax removes a killed save's temporary directory in a background thread; a manager opened
+    # only to read (or whose restore raised) left that thread running at exit, and it printed a
+    # "cannot schedule new futures after shutdown" traceback after `ember eval`'s one-line error.
+    leftover = tmp_path / "3.orbax-checkpoint-tmp-1234" / "state"
+    leftover.mkdir(parents=True)
+    manager = CheckpointManager(tmp_path)
+    assert not leftover.parent.exists()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        manager.restore()
+
+
 def test_restore_part_reads_one_entry_onto_a_target_sharding(tmp_path, rng):
     state = make_state(rng)
     with CheckpointManager(tmp_path / "ckpt") as manager:
