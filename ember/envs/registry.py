@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import numbers
 from collections.abc import Callable
 
+import numpy as np
+
 from ember.core.errors import ConfigError
+from ember.core.integers import is_integer
 from ember.core.registry import Registry
 from ember.envs.environment import Environment, EnvParams
 
@@ -65,7 +69,8 @@ def make(env_id: str, **overrides) -> tuple[Environment, EnvParams]:
 
     Raises:
       UnknownNameError: unknown ``env_id`` (the message lists the closest ids).
-      ConfigError: an override names no field of the environment's params (``key``: its name).
+      ConfigError: an override names no field of the environment's params, or gives one a value
+        of the wrong kind or range (``key``: its name; see ``with_overrides``).
     """
     entry_point = ENVIRONMENTS.get(env_id)
     if isinstance(entry_point, str):
@@ -77,14 +82,44 @@ def make(env_id: str, **overrides) -> tuple[Environment, EnvParams]:
 
 def with_overrides(params: EnvParams, overrides: dict, env_id: str) -> EnvParams:
     """``params`` with the fields named in ``overrides`` replaced; ``ConfigError`` (``key``:
-    the first unknown name) for a name that is not a field."""
+    the field's name) for a name that is not a field (the first unknown one), a value of the
+    wrong kind for its field (a string, or a float where the default is an int) and a
+    ``max_steps_in_episode`` below 1. A field whose default is a Python bool, int or float takes
+    a value of that kind (an int where a float is due becomes a float) or an array of a matching
+    dtype (parameters vmapped over); other fields take any value."""
     fields = sorted(field.name for field in dataclasses.fields(params))
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
         raise ConfigError(
             f"{env_id}: unknown parameter(s) {unknown}; {type(params).__name__} has {fields}", key=unknown[0]
         )
-    return params.replace(**overrides)
+    checked = {name: _checked_value(env_id, name, value, getattr(params, name)) for name, value in overrides.items()}
+    return params.replace(**checked)
+
+
+def _checked_value(env_id: str, name: str, value, default):
+    """``value`` for the field ``name`` whose default is ``default`` (see ``with_overrides``)."""
+    if isinstance(default, bool):
+        kind, fits = "bool", isinstance(value, (bool, np.bool_))
+    elif is_integer(default):
+        kind, fits = "int", is_integer(value)
+    elif isinstance(default, float):
+        kind, fits = "float", isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+        if fits and not isinstance(value, np.floating):
+            value = float(value)
+    else:
+        return value
+    if not fits and hasattr(value, "dtype"):  # an array: its dtype must match the field's kind
+        wanted = {"bool": np.bool_, "int": np.integer, "float": np.number}[kind]
+        fits = np.issubdtype(value.dtype, wanted)
+    if not fits:
+        raise ConfigError(
+            f"{env_id}: parameter {name} expects {kind} (default {default!r}), got {value!r} ({type(value).__name__})",
+            key=name,
+        )
+    if name == "max_steps_in_episode" and is_integer(value) and value < 1:
+        raise ConfigError(f"{env_id}: parameter {name} must be a positive integer, got {value}", key=name)
+    return value
 
 
 for _env_id, _entry_point in _BUILTIN.items():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import ember.envs
+from ember.core.errors import ConfigError
 from ember.envs import noise as noise_lib
 from ember.envs import spaces
 from ember.envs.multi_agent import MultiAgentEnvironment
@@ -36,6 +37,29 @@ def test_registry_lists_ids_suggests_close_ones_and_rejects_unknown_params():
         ember.envs.make("CartPole-v1", gravityy=3.0)
     _env, params = ember.envs.make("CartPole-v1", gravity=3.0)
     assert params.gravity == 3.0
+
+
+def test_parameter_values_of_the_wrong_kind_or_range_are_refused_naming_the_key():
+    # Before, `ember train ... env.params.max_steps_in_episode=abc` started training and failed
+    # deep inside a traced comparison; `=0` trained to the end and failed in evaluation.
+    cases = [
+        ({"max_steps_in_episode": "abc"}, "max_steps_in_episode", "expects int"),
+        ({"max_steps_in_episode": 200.5}, "max_steps_in_episode", "expects int"),
+        ({"max_steps_in_episode": 0}, "max_steps_in_episode", "positive integer"),
+        ({"gravity": "abc"}, "gravity", "expects float"),
+        ({"gravity": True}, "gravity", "expects float"),
+    ]
+    for overrides, key, message in cases:
+        with pytest.raises(ConfigError, match=message) as raised:
+            ember.envs.make("CartPole-v1", **overrides)
+        assert raised.value.key == key
+        with pytest.raises(ConfigError, match=message) as raised:
+            ember.envs.EnvConfig(id="CartPole-v1", params=overrides)
+        assert raised.value.key == f"params.{key}"
+    _, params = ember.envs.make("CartPole-v1", gravity=10, max_steps_in_episode=np.int64(7))
+    assert isinstance(params.gravity, float) and params.gravity == 10.0 and params.max_steps_in_episode == 7
+    masses = np.array([0.1, 0.2], np.float32)  # arrays pass (parameters vmapped over)
+    assert ember.envs.make("CartPole-v1", masspole=masses)[1].masspole is masses
 
 
 def assert_same(actual, expected):
