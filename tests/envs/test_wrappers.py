@@ -62,6 +62,18 @@ def test_normalize_observation_and_reward_match_gymnasium_formulas(rng):
         assert_allclose(info["raw_reward"], raw_reward)
 
 
+def test_normalized_observations_lie_in_the_advertised_space(rng):
+    # Before, the wrapper advertised the inner space: CartPole's pole angle is bounded by
+    # +-0.42 rad, but a normalised angle is about +-1 (and MinAtar's 0/1 planes go negative).
+    env, params = ember.envs.make("CartPole-v1")
+    batch = wrappers.NormalizeObservation(ember.envs.BatchedEnv(env, 2))
+    obs, _ = jax.jit(batch.reset)(rng, params)
+    space = batch.observation_space(params)
+    assert (space.shape, space.dtype) == ((4,), jnp.float32) and not space.bounded
+    assert all(bool(space.contains(row)) for row in obs)
+    assert not all(bool(env.observation_space(params).contains(row)) for row in obs)  # outside the inner space
+
+
 def test_frame_stack_keeps_last_frames_and_restarts_with_reset_frame(rng):
     env, params = ember.envs.make("CartPole-v1", max_steps_in_episode=4)
     ours, plain = paired_rollout(wrappers.FrameStack(env, 3), env, params, rng, 9)

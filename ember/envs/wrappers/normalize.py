@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from ember.envs.environment import EnvState
+from ember.envs.spaces import Box
 from ember.envs.wrappers.base import Wrapper
 
 #: Added to the variance before the square root (gymnasium's default).
@@ -85,6 +87,17 @@ class NormalizeObservation(Wrapper):
         super().__init__(env)
         self.epsilon = epsilon
         self.batch_axes = _batch_axes(env)
+
+    def observation_space(self, params):
+        """An unbounded float32 ``Box`` of the inner space's shape (gymnasium's): normalised
+        values lie anywhere, whatever the inner bounds and dtype."""
+        inner = self.env.observation_space(params)
+        if inner.shape is None:  # a Dict or Tuple space
+            raise ValueError(
+                f"NormalizeObservation: the observation must be one array, got {inner!r}; "
+                "wrap a pytree-observation env in FlattenObservation first"
+            )
+        return Box(-np.inf, np.inf, inner.shape, jnp.float32)
 
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
