@@ -86,7 +86,11 @@ def save_gif(frames, path: str | Path, fps: int = 30) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     images = [Image.fromarray(frame) for frame in array]
-    images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0)
+    # GIF whatever the name ends with: Pillow would pick the format from the suffix (an animated
+    # PNG for ".png") or refuse a name without one.
+    images[0].save(
+        path, format="GIF", save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0
+    )
     return path
 
 

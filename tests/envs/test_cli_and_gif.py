@@ -67,3 +67,8 @@ def test_save_gif_rejects_bad_frames(tmp_path, rng):
         ember.envs.save_gif(frames.astype(np.float32), tmp_path / "x.gif")
     with pytest.raises(ValueError, match="time, height, width, 3"):
         ember.envs.save_gif(frames[0], tmp_path / "x.gif")
+    # A GIF whatever the path's suffix: before, "episode" (no suffix) raised Pillow's "unknown file
+    # extension" and "episode.png" wrote an animated PNG.
+    for name in ("episode", "episode.png"):
+        written = ember.envs.save_gif(frames, tmp_path / name)
+        assert written.read_bytes()[:6] == b"GIF89a"
