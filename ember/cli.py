@@ -7,7 +7,8 @@ Each subcommand lives in the package that owns it and is imported only when run,
 Options may stand anywhere among a command's positional arguments (``ember train CONFIG
 k=v --resume k=v``). Every failure a user can cause raises an ``EmberError``; it is printed
 here as one line, ``ember COMMAND: what is wrong``, with exit code 2 and no traceback (as
-are argparse's own usage errors).
+are argparse's own usage errors, and the ``OSError`` of a path the system refuses: an output
+path that is a file, a directory without write permission, a full disk).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(parser, rest)
     try:
         return int(module.run(args) or 0)
-    except EmberError as error:
+    # OSError: a path the system refuses (a file where a directory is due, no permission, a full disk).
+    except (EmberError, OSError) as error:
         print(f"ember {name}: {error}", file=sys.stderr)
         return USAGE_ERROR
 

@@ -171,6 +171,12 @@ IN_PROCESS_FAILURES = {
     ),
     "plot unknown metric": (["plot", "{root}/plotted", "--metrics", "reward"], "no values for metric(s) reward"),
     "data missing file": (["data", "prepare", "{root}/nowhere.txt", "--out", "{root}/d"], "not a file: "),
+    "data out is a file": (["data", "prepare", "{root}/lm.yaml", "--out", "{root}/lm.yaml"], "File exists"),
+    "train kind not a name": (train("kind=[lm]"), "unknown config kind ['lm']; known kinds:"),
+    "rl env param of the wrong type": (
+        ["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "env.params.max_steps_in_episode=abc"],
+        "env.params.max_steps_in_episode: CartPole-v1: parameter max_steps_in_episode expects int",
+    ),
     "envs bad max steps": (
         ["envs", "show", "CartPole-v1", "--out", "{root}/x.gif", "--max-steps", "0"],
         "--max-steps must be >= 1",

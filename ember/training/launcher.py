@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config is None:
         raise ConfigError("a CONFIG.yaml is required (see 'ember train --list')")
     kind = read_key(args.config, "kind", args.overrides, default=DEFAULT_KIND)
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise ConfigError(f"unknown config kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}", key="kind")
     module = importlib.import_module(KINDS[kind])
     config = load_config(module.CONFIG_SCHEMA, args.config, args.overrides)
