@@ -268,7 +268,7 @@ def _in_section(error: ValueError, prefix: str) -> ConfigError:
 
 
 def _translate_error(error: Exception, schema: type, layer: DictConfig, origin: str) -> ConfigError:
-    key = getattr(error, "full_key", None) or ""
+    key = getattr(error, "full_key", None) or _failing_key(schema, layer) or ""
     expected = _expected_type_at(schema, key)
     value = _value_at(layer, key)
     if isinstance(error, omegaconf_errors.ValidationError) and expected is not None:
@@ -291,6 +291,29 @@ def _expected_type_at(schema: type, key: str) -> str | None:
         if hint is None:
             return None
     return None if hint is None else _type_name(hint)
+
+
+def _failing_key(schema: type, layer: DictConfig) -> str | None:
+    """The dotted key of the first value of ``layer`` that does not merge into ``schema`` on its
+    own, for the errors in which OmegaConf names no key (an element of a tuple field that does
+    not convert: ``policy.hidden_sizes=[64,abc]``)."""
+
+    def leaves(node: Any, prefix: str = ""):
+        for name, value in node.items():
+            if isinstance(value, Mapping) and value:
+                yield from leaves(value, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", value
+
+    for key, value in leaves(OmegaConf.to_container(layer, resolve=False)):
+        single: Any = value
+        for part in reversed(key.split(".")):
+            single = {part: single}
+        try:
+            OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(single))
+        except omegaconf_errors.OmegaConfBaseException:
+            return key
+    return None
 
 
 def _value_at(layer: DictConfig, key: str) -> Any:

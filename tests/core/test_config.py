@@ -98,6 +98,15 @@ def test_wrong_type_names_the_key_and_expected_type(tmp_path):
     with pytest.raises(ConfigError, match=r"config key 'optim.lr' \(from .*typed.yaml\) expects float, got 'fast'"):
         load_config(ExperimentConfig, config_file)
 
+    # An element of a tuple field: OmegaConf's own error names no key (before, the message was
+    # "config key '' (from command-line overrides): None").
+    with pytest.raises(ConfigError) as info:
+        load_config(ExperimentConfig, None, ["train.steps=3", "optim.betas=[0.9,fast]"])
+    assert info.value.key == "optim.betas"
+    assert str(info.value) == (
+        "config key 'optim.betas' (from command-line overrides) expects tuple[float], got [0.9, 'fast'] (list)"
+    )
+
 
 @pytest.mark.parametrize("override", ["train.steps", "=3", "train..steps=3", "train steps=3", "1train=3"])
 def test_malformed_override_shows_the_expected_form(override):
