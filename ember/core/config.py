@@ -107,15 +107,29 @@ def from_yaml(schema: type[T], text: str) -> T:
 
 
 def to_yaml(config: Any) -> str:
-    """Serialises a config dataclass instance to YAML; ``from_yaml`` gives it back exactly."""
+    """Serialises a config dataclass instance to YAML; ``from_yaml`` gives it back exactly (a
+    string holding ``${`` is written escaped, so it is read back as itself, not interpolated)."""
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"to_yaml expects a config dataclass instance, got {type(config).__name__}")
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    return OmegaConf.to_yaml(OmegaConf.create(_escape_interpolations(to_dict(config))))
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """A config dataclass instance as nested plain dicts (for JSON and logging)."""
-    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+    """A config dataclass instance as nested plain dicts (for JSON and logging); its strings
+    as they are (a config instance holds values, never interpolations)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=False)
+
+
+def _escape_interpolations(value: Any) -> Any:
+    """``value`` with every ``${`` in its strings escaped as OmegaConf reads it back literally:
+    ``\\${`` (the backslashes just before it doubled, as OmegaConf unescapes those too)."""
+    if isinstance(value, str):
+        return re.sub(r"(\\*)\$\{", lambda match: match.group(1) * 2 + "\\${", value)
+    if isinstance(value, Mapping):
+        return {key: _escape_interpolations(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escape_interpolations(item) for item in value]
+    return value
 
 
 def parse_overrides(overrides: Sequence[str]) -> DictConfig:

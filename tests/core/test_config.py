@@ -251,6 +251,11 @@ def test_yaml_round_trip_is_exact():
     assert from_yaml(ExperimentConfig, text) == config
     assert to_yaml(from_yaml(ExperimentConfig, text)) == text
     assert to_dict(config)["optim"] == {"name": "adamw", "lr": 1.5e-4, "betas": (0.5, 0.25)}
+    # Strings holding "${" are values, not interpolations: before, from_yaml failed with
+    # "Interpolation key 'HOME' not found" (a run's config.yaml could not be read back).
+    literal = dataclasses.replace(config, notes="echo ${HOME} \\${x}", tags={"js": "`${a}`"})
+    assert from_yaml(ExperimentConfig, to_yaml(literal)) == literal
+    assert to_dict(literal)["tags"] == {"js": "`${a}`"}
 
 
 def test_mapping_source_is_validated_like_a_file():
