@@ -89,6 +89,18 @@ def test_frame_stack_keeps_last_frames_and_restarts_with_reset_frame(rng):
     assert bool(ours[4][3]), "time limit 4 truncates at step 4"
 
 
+def test_one_environment_wrappers_refuse_a_batch():
+    # Before, FrameStack(BatchedEnv(CartPole, 4), 2) returned [2, 4, 4] stacks whose reset
+    # mask broadcast over the observation axis, FlattenObservation ravelled the whole batch into
+    # one [16] vector (its space said [4]), and CheckActions failed every valid batched action.
+    env, _ = ember.envs.make("CartPole-v1")
+    batch = wrappers.TimeLimit(ember.envs.BatchedEnv(env, 4), 10)  # found through other wrappers
+    for wrap in (lambda e: wrappers.FrameStack(e, 2), wrappers.FlattenObservation, wrappers.CheckActions):
+        with pytest.raises(ValueError, match=r"wraps one environment, not a batch of 4 .* BatchedEnv\("):
+            wrap(batch)
+        assert ember.envs.BatchedEnv(wrap(env), 4).num_envs == 4
+
+
 def test_flatten_observation_and_time_limit(rng):
     env, params = ember.envs.make("Acrobot-v1")
     wrapped = wrappers.FlattenObservation(wrappers.TimeLimit(env, 5))

@@ -1,6 +1,7 @@
 """Wrappers: each takes an ``Environment`` and is one (except the ``LegacyStep`` adapter),
 so they stack and vectorise. Wrap single environments first, then ``BatchedEnv``; the
-normalisation wrappers may also wrap a ``BatchedEnv`` to share statistics over the batch."""
+normalisation wrappers may also wrap a ``BatchedEnv`` to share statistics over the batch, and
+``FrameStack``, ``FlattenObservation`` and ``CheckActions`` refuse to (``ValueError``)."""
 
 from ember.envs.wrappers.action import CheckActions, ClipAction, RescaleAction
 from ember.envs.wrappers.base import Wrapper

@@ -58,6 +58,8 @@ class CheckActions(Wrapper):
         error, out = step(key, state, action, params); error.throw()
     """
 
+    one_environment = True
+
     def step_from_noise(self, noise, state, action, params):
         space = self.env.action_space(params)
         checkify.check(space.contains(action), f"action outside the action space {space!r}")

@@ -13,10 +13,20 @@ from ember.envs.environment import Environment
 class Wrapper(Environment):
     #: True when this wrapper's state is a dataclass holding the inner state as ``env_state``.
     wraps_state: bool = False
+    #: True when this wrapper reads one environment's values (an observation's shape, an
+    #: action's space): it refuses to wrap a batch (``BatchedEnv``), whose values have a leading
+    #: ``[num_envs]`` axis, and goes inside it instead.
+    one_environment: bool = False
 
     def __init__(self, env: Environment):
         if not isinstance(env, Environment):
             raise ValueError(f"{type(self).__name__}: env must be an ember Environment, got {type(env).__name__}")
+        if self.one_environment and num_envs(env) is not None:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name}: wraps one environment, not a batch of {num_envs(env)} ({env!r}); wrap each environment "
+                f"first and batch the result: BatchedEnv({name}(env, ...), num_envs)"
+            )
         self.env = env
 
     @property
@@ -59,3 +69,11 @@ class Wrapper(Environment):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.env!r})"
+
+
+def num_envs(env) -> int | None:
+    """``num_envs`` of the nearest ``BatchedEnv`` inside ``env`` through other wrappers, or
+    ``None`` for a single environment."""
+    while getattr(env, "num_envs", None) is None and isinstance(env, Wrapper):
+        env = env.env
+    return getattr(env, "num_envs", None)

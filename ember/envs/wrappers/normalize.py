@@ -18,7 +18,7 @@ from flax import struct
 
 from ember.envs.environment import EnvState
 from ember.envs.spaces import Box
-from ember.envs.wrappers.base import Wrapper
+from ember.envs.wrappers.base import Wrapper, num_envs
 
 #: Added to the variance before the square root (gymnasium's default).
 EPSILON = 1e-8
@@ -57,17 +57,10 @@ class RunningMeanVar:
         return ((values - self.mean) / jnp.sqrt(self.var + epsilon)).astype(jnp.float32)
 
 
-def _num_envs(env) -> int | None:
-    """``num_envs`` of the nearest ``BatchedEnv`` inside ``env`` through other wrappers (so
-    ``NormalizeObservation(NormalizeReward(BatchedEnv(...)))`` shares statistics too), or
-    ``None`` for a single environment."""
-    while getattr(env, "num_envs", None) is None and isinstance(env, Wrapper):
-        env = env.env
-    return getattr(env, "num_envs", None)
-
-
 def _batch_axes(env) -> tuple[int, ...]:
-    return (0,) if _num_envs(env) is not None else ()
+    """``(0,)`` around a batch, also through other wrappers (so
+    ``NormalizeObservation(NormalizeReward(BatchedEnv(...)))`` shares statistics too)."""
+    return (0,) if num_envs(env) is not None else ()
 
 
 @struct.dataclass
@@ -149,7 +142,7 @@ class NormalizeReward(Wrapper):
 
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
-        batch_shape = (_num_envs(self.env),) if self.batch_axes else ()
+        batch_shape = (num_envs(self.env),) if self.batch_axes else ()
         returns = jnp.zeros(batch_shape, jnp.float32)
         return obs, NormalizeRewardState(env_state, returns, RunningMeanVar.create(()))
 

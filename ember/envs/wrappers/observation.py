@@ -39,6 +39,8 @@ def flatten(obs) -> jax.Array:
 class FlattenObservation(Wrapper):
     """Observations (any pytree of arrays) become one float32 vector ``[size]``."""
 
+    one_environment = True
+
     def observation_space(self, params):
         bounds = [_bounds(leaf) for leaf in _space_leaves(self.env.observation_space(params))]
         low = np.concatenate([low for low, _ in bounds])
@@ -67,6 +69,7 @@ class FrameStack(Wrapper):
     observation repeated; ``final_observation`` is the stack the episode ended on."""
 
     wraps_state = True
+    one_environment = True
 
     def __init__(self, env, num_frames: int):
         super().__init__(env)
