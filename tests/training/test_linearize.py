@@ -20,6 +20,7 @@ from ember.models.cache import layer_state_shapes
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables
 from ember.serving.loading import load_model
+from ember.training.linearize import entry
 from ember.training.linearize.config import TRANSFER_DIR
 from tests.host_random import perturbed
 from tests.once_per_session import build_once
@@ -136,6 +137,17 @@ def test_config_mistakes_are_named_before_anything_runs(tmp_path, capsys):
         assert key in capsys.readouterr().err, overrides
     assert main(["linearize", str(tmp_path / "missing"), str(tmp_path / "out"), "--config", str(CONFIG)]) == 2
     assert "neither an Ember run directory" in capsys.readouterr().err
+
+
+def test_the_source_and_out_paths_are_taken_as_written(tmp_path, monkeypatch):
+    # An override's value is YAML: before, a directory named 007 became the path "7" (1e3 became
+    # "1000.0", true "True"), so `ember linearize 007 0123` read and wrote the wrong directories.
+    seen = []
+    monkeypatch.setattr(entry, "run", lambda config, resume: seen.append(config) or {})
+    monkeypatch.chdir(tmp_path)
+    for source, out in (("007", "1e3"), ("true", "a b: c")):
+        assert main(["linearize", source, out, "--config", str(CONFIG)]) == 0
+        assert (seen[-1].base_model.path, seen[-1].run_dir) == (source, out)
 
 
 def test_stage_two_adds_the_teachers_kl_in_training_steps_only(tmp_path_factory, monkeypatch, rng):

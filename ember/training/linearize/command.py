@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     path = args.config or shipped_configs_dir() / "linearize" / "lolcats.yaml"
-    overrides = [f"base_model.path={args.source}", f"run_dir={args.out}", *args.overrides]
+    # Quoted: an override's value is read as YAML, where a directory named 007 is the int 7.
+    overrides = [f"base_model.path={json.dumps(args.source)}", f"run_dir={json.dumps(args.out)}", *args.overrides]
     summary = entry.run(load_config(LinearizeRunConfig, path, overrides), resume=args.resume)
     print(json.dumps({key: summary[key] for key in SUMMARY_KEYS if key in summary}, indent=2))
     return 0
