@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from ember.cli import main
+from ember.core.errors import DataError
+from ember.core.hf_tokenizer import load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 from ember.training.data import PackedBatches, TokenDataset, pack_window, prepare_token_files, stdlib_documents
 from ember.training.data.token_files import validation_split
@@ -74,6 +76,22 @@ def test_open_errors(tmp_path):
         TokenDataset.open(tmp_path / "ds")
     with pytest.raises(ValueError, match="no text to prepare"):
         prepare_token_files([("a", "")], tmp_path / "empty")
+
+
+def test_a_tokenizer_without_an_end_of_document_id_is_refused(tmp_path):
+    # Before, an HF tokenizer whose directory names no eos_token wrote the documents back to back
+    # ("hello world" + "world" -> [1, 2, 2]): no boundary for packing's segments to split at.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "tokenizer.json"))
+    documents = [("a", "hello world"), ("b", "world")]
+    with pytest.raises(DataError, match="no end-of-document id"):
+        prepare_token_files(documents, tmp_path / "ds", val_fraction=0.0, tokenizer=load_hf_tokenizer(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    prepare_token_files(documents, tmp_path / "ds", val_fraction=0.0, tokenizer=load_hf_tokenizer(tmp_path))
+    np.testing.assert_array_equal(np.asarray(TokenDataset.open(tmp_path / "ds").train), [1, 2, 3, 2, 3])
 
 
 def stream_of(n_tokens, seed=1):

@@ -48,12 +48,18 @@ def prepare_token_files(
     ``describe``, ``vocab_size``; default Ember's byte tokenizer); returns the metadata written.
 
     Raises:
-      ConfigError: ``val_fraction`` is outside [0, 1). DataError: no document has any text, or
-        the vocabulary does not fit the token files' ids.
+      ConfigError: ``val_fraction`` is outside [0, 1). DataError: no document has any text, the
+        vocabulary does not fit the token files' ids, or the tokenizer has no end-of-document id
+        (documents would run together, and training would attend across them).
     """
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}", key="val_fraction")
     tokenizer = tokenizer or ByteTokenizer()
+    if getattr(tokenizer, "eos_id", None) is None:
+        raise DataError(
+            "the tokenizer has no end-of-document id (eos_token), which the token files put after every "
+            "document; name one as eos_token in the model directory's tokenizer_config.json"
+        )
     if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
         raise DataError(
             f"token files hold {np.dtype(TOKEN_DTYPE).name} ids (vocabularies up to "
