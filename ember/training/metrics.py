@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from ember.core.errors import PathNotFoundError
+from ember.core.errors import DataError, PathNotFoundError
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -68,8 +69,10 @@ class MetricsWriter:
         so every step appears exactly once."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [line for line, record in _parsed_lines(self.path) if record["step"] <= step]
+        partial = self.path.with_name(f".{self.path.name}.partial")  # replaced whole: a crash keeps the old file
+        partial.write_text("".join(line + "\n" for line in kept))
+        os.replace(partial, self.path)
 
     def close(self) -> None:
         if self._tensorboard is not None:
@@ -86,7 +89,26 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise PathNotFoundError(f"{run_dir} has no {METRICS_FILE}; is it an Ember run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _parsed_lines(path)]
+
+
+def _parsed_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` of a ``metrics.jsonl``'s records; a last line without its newline that
+    does not parse is one a killed run was writing, and is left out (``DataError`` for any other
+    bad line)."""
+    text = path.read_text()
+    lines = text.splitlines()
+    parsed = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            parsed.append((line, json.loads(line)))
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise DataError(f"{path} line {number} is not a JSON record: {error}") from None
+    return parsed
 
 
 def _jsonable(value: Any) -> Any:

@@ -8,6 +8,7 @@ import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from ember.cli import main
+from ember.core.errors import DataError
 from ember.training.metrics import MetricsWriter, read_metrics
 from ember.training.plot import metric_series
 
@@ -50,6 +51,20 @@ def test_metrics_truncate_after_a_resume_point(tmp_path):
     fake_run(tmp_path, 0)
     MetricsWriter(tmp_path, tensorboard=False).truncate_after(10)
     assert max(record["step"] for record in read_metrics(tmp_path)) == 10
+
+
+def test_a_record_torn_by_a_killed_run_is_left_out_when_plotting_and_resuming(tmp_path):
+    # Before, a last line cut short by a kill made read_metrics ('ember plot') and the resumed
+    # run's truncate_after fail with a JSONDecodeError traceback.
+    lines = [f'{{"step": {step}, "loss": {3.0 - step / 10}}}\n' for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "lo')
+    assert [record["step"] for record in read_metrics(tmp_path)] == [1, 2, 3]
+    assert main(["plot", str(tmp_path)]) == 0
+    MetricsWriter(tmp_path, tensorboard=False, resume_step=2)
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:2])
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # not a killed write
+    with pytest.raises(DataError, match=re.escape("metrics.jsonl line 2 is not a JSON record")):
+        read_metrics(tmp_path)
 
 
 def tensorboard_scalars(run_dir, tag):
