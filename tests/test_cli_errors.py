@@ -153,6 +153,7 @@ IN_PROCESS_FAILURES = {
     ),
     "rl resume": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "run_dir={root}/rl", "--resume"], "cannot --resume"),
     "eval no run dir": (["eval", "{root}/nowhere"], "is not a run directory"),
+    "eval an lm run": (["eval", "{root}/existing"], "is a 'lm' run, not an RL one (kind: rl)"),
     "generate bad budget": (
         ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--token-budget", "0"],
         "--token-budget must be a positive integer",

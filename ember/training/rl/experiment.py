@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import load_config, to_yaml
+from ember.core.config import load_config, read_key, to_yaml
 from ember.core.errors import EmberError, PathNotFoundError
 from ember.envs.config import make_from_config
 from ember.envs.multi_agent import episode_over
@@ -224,6 +224,12 @@ def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise PathNotFoundError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}")
+    kind = read_key(run_dir / CONFIG_FILE, "kind", default="lm")  # the launcher's default kind
+    if kind != "rl":
+        raise EmberError(
+            f"{run_dir} is a {kind!r} run, not an RL one (kind: rl); 'ember eval' runs RL policies, "
+            f"'ember generate --checkpoint {run_dir} --prompt TEXT' samples a language model"
+        )
     config = load_config(RLConfig, run_dir / CONFIG_FILE)
     state = CheckpointManager(run_dir / CHECKPOINT_DIR).restore().state
     saved_stats = state.get("obs_stats")
