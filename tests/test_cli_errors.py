@@ -151,6 +151,10 @@ IN_PROCESS_FAILURES = {
         ["train", str(RL_CONFIGS / "ippo_simple_spread.yaml"), "ppo.normalize_rewards=true"],
         "ppo.normalize_rewards is not supported for multi-agent training",
     ),
+    "rl flatten a multi-agent env": (
+        ["train", str(RL_CONFIGS / "ippo_simple_spread.yaml"), "env.flatten_observation=true"],
+        "env.flatten_observation: FlattenObservation: SimpleSpread() is a multi-agent environment",
+    ),
     "rl resume": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "run_dir={root}/rl", "--resume"], "cannot --resume"),
     "eval no run dir": (["eval", "{root}/nowhere"], "is not a run directory"),
     "eval an lm run": (["eval", "{root}/existing"], "is a 'lm' run, not an RL one (kind: rl)"),

@@ -52,7 +52,7 @@ def make_from_config(config: EnvConfig) -> tuple[Environment, EnvParams]:
     Raises:
       ConfigError: an unknown Ember ``id`` (key ``id``, with the closest ids) or parameter
         name (key ``params.NAME``); a JaxMARL ``params.max_steps_in_episode`` above the
-        environment's own ``max_steps``.
+        environment's own ``max_steps``; ``flatten_observation`` for a multi-agent environment.
     """
     if config.source == "gymnax":
         from ember.envs.adapters import GymnaxEnv
@@ -76,7 +76,10 @@ def make_from_config(config: EnvConfig) -> tuple[Environment, EnvParams]:
     except ConfigError as error:
         raise ConfigError(f"params.{error.key}: {error}", key=f"params.{error.key}") from None
     if config.flatten_observation:
-        env = FlattenObservation(env)
+        try:
+            env = FlattenObservation(env)
+        except ValueError as error:  # a multi-agent environment
+            raise ConfigError(f"flatten_observation: {error}", key="flatten_observation") from None
     return env, env_params
 
 

@@ -9,6 +9,7 @@ from flax import struct
 
 from ember.envs import spaces
 from ember.envs.environment import EnvState
+from ember.envs.multi_agent import MultiAgentEnvironment
 from ember.envs.wrappers.base import Wrapper
 
 
@@ -37,9 +38,18 @@ def flatten(obs) -> jax.Array:
 
 
 class FlattenObservation(Wrapper):
-    """Observations (any pytree of arrays) become one float32 vector ``[size]``."""
+    """Observations (any pytree of arrays) become one float32 vector ``[size]``. Single-agent
+    environments only: a multi-agent one's observation is a dict of every agent's."""
 
     one_environment = True
+
+    def __init__(self, env):
+        super().__init__(env)
+        if isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment):
+            raise ValueError(
+                f"FlattenObservation: {env!r} is a multi-agent environment, whose observations are one per "
+                "agent (a dict); flattening would join them into one vector"
+            )
 
     def observation_space(self, params):
         bounds = [_bounds(leaf) for leaf in _space_leaves(self.env.observation_space(params))]
