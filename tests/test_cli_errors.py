@@ -155,6 +155,10 @@ IN_PROCESS_FAILURES = {
         ["train", str(RL_CONFIGS / "ippo_simple_spread.yaml"), "env.flatten_observation=true"],
         "env.flatten_observation: FlattenObservation: SimpleSpread() is a multi-agent environment",
     ),
+    "rl dict observations": (
+        ["train", str(RL_CONFIGS / "dqn_cartpole.yaml"), "env.id=KeyDoorMaze-v0"],
+        "algo 'dqn' needs observations that are one array; env.id 'KeyDoorMaze-v0' gives Dict(",
+    ),
     "rl resume": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "run_dir={root}/rl", "--resume"], "cannot --resume"),
     "eval no run dir": (["eval", "{root}/nowhere"], "is not a run directory"),
     "eval an lm run": (["eval", "{root}/existing"], "is a 'lm' run, not an RL one (kind: rl)"),

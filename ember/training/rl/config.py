@@ -86,7 +86,8 @@ class RLConfig:
 
     def _check_env_fits_algo(self) -> None:
         """The algorithm can drive the (Ember) environment: one agent or many (homogeneous
-        ones, for a shared policy), discrete actions for DQN and PQN, continuous ones for SAC and ISAC.
+        ones, for a shared policy), one observation array for a single agent (a dict of them
+        needs env.flatten_observation), discrete actions for DQN and PQN, continuous ones for SAC and ISAC.
         Other sources are checked when their library makes the env."""
         env, env_params = make_from_config(self.env)
         multi_agent = isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
@@ -111,6 +112,13 @@ class RLConfig:
                     warm_replay_items(self.sac, list(env.agents))
                 except ConfigError as error:
                     raise ConfigError(f"sac.{error}", key=f"sac.{error.key}") from None
+        observations = env.observation_space(env_params)
+        if not multi_agent and observations.shape is None:  # a Dict or Tuple of arrays
+            raise ConfigError(
+                f"algo {self.algo!r} needs observations that are one array; env.id {self.env.id!r} gives "
+                f"{observations!r}: set env.flatten_observation: true",
+                key="env.flatten_observation",
+            )
         space = env.action_space(env_params)
         if self.algo in ("dqn", "pqn") and not hasattr(space, "n"):
             raise ConfigError(
