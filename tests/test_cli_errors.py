@@ -159,6 +159,10 @@ IN_PROCESS_FAILURES = {
         ["train", str(RL_CONFIGS / "dqn_cartpole.yaml"), "env.id=KeyDoorMaze-v0"],
         "algo 'dqn' needs observations that are one array; env.id 'KeyDoorMaze-v0' gives Dict(",
     ),
+    "rl torso does not fit the observations": (
+        ["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "env.id=Breakout-MinAtar"],
+        "ppo.policy.torso 'mlp' takes observations of 1 dimension(s) ([obs_dim]); env.id 'Breakout-MinAtar' gives",
+    ),
     "rl resume": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "run_dir={root}/rl", "--resume"], "cannot --resume"),
     "eval no run dir": (["eval", "{root}/nowhere"], "is not a run directory"),
     "eval an lm run": (["eval", "{root}/existing"], "is a 'lm' run, not an RL one (kind: rl)"),
