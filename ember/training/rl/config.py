@@ -119,10 +119,10 @@ class RLConfig:
                 f"{observations!r}: set env.flatten_observation: true",
                 key="env.flatten_observation",
             )
-        torso = getattr(getattr(self, SECTION_OF[self.algo]).policy, "torso", None)
+        section = SECTION_OF[self.algo]
+        torso = getattr(getattr(self, section).policy, "torso", None)
         wanted = {"mlp": 1, "cnn": 3}.get(torso)
         if not multi_agent and wanted is not None and len(observations.shape) != wanted:
-            section = SECTION_OF[self.algo]
             raise ConfigError(
                 f"{section}.policy.torso {torso!r} takes observations of {wanted} dimension(s) ("
                 f"{'[obs_dim]' if torso == 'mlp' else '[height, width, channels]'}); env.id {self.env.id!r} gives "

@@ -30,6 +30,7 @@ from ember.core.errors import EmberError, PathNotFoundError
 from ember.envs.config import make_from_config
 from ember.envs.multi_agent import episode_over
 from ember.envs.wrappers import RunningMeanVar, max_episode_steps
+from ember.training.launcher import DEFAULT_KIND
 from ember.training.metrics import MetricsWriter
 from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn, sac
 from ember.training.rl.config import RLConfig
@@ -224,7 +225,7 @@ def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise PathNotFoundError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}")
-    kind = read_key(run_dir / CONFIG_FILE, "kind", default="lm")  # the launcher's default kind
+    kind = read_key(run_dir / CONFIG_FILE, "kind", default=DEFAULT_KIND)
     if kind != "rl":
         raise EmberError(
             f"{run_dir} is a {kind!r} run, not an RL one (kind: rl); 'ember eval' runs RL policies, "
