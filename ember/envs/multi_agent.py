@@ -51,4 +51,9 @@ class MultiAgentEnvironment(Environment):
         raise NotImplementedError
 
 
-__all__ = ["MultiAgentEnvironment", "episode_over"]
+def is_multi_agent(env: Environment) -> bool:
+    """Whether ``env``, under any wrappers, is a :class:`MultiAgentEnvironment`."""
+    return isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
+
+
+__all__ = ["MultiAgentEnvironment", "episode_over", "is_multi_agent"]

@@ -9,7 +9,7 @@ from flax import struct
 
 from ember.envs import spaces
 from ember.envs.environment import EnvState
-from ember.envs.multi_agent import MultiAgentEnvironment
+from ember.envs.multi_agent import is_multi_agent
 from ember.envs.wrappers.base import Wrapper
 
 
@@ -45,7 +45,7 @@ class FlattenObservation(Wrapper):
 
     def __init__(self, env):
         super().__init__(env)
-        if isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment):
+        if is_multi_agent(env):
             raise ValueError(
                 f"FlattenObservation: {env!r} is a multi-agent environment, whose observations are one per "
                 "agent (a dict); flattening would join them into one vector"

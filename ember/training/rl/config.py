@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from ember.core.errors import ConfigError
-from ember.envs import MultiAgentEnvironment
 from ember.envs.config import ENV_SOURCES, EnvConfig, make_from_config
+from ember.envs.multi_agent import is_multi_agent
 from ember.training.rl import multi_agent_ppo
 from ember.training.rl.dqn import DQNConfig
 from ember.training.rl.ppo import PPOConfig
@@ -90,7 +90,7 @@ class RLConfig:
         needs env.flatten_observation), discrete actions for DQN and PQN, continuous ones for SAC and ISAC.
         Other sources are checked when their library makes the env."""
         env, env_params = make_from_config(self.env)
-        multi_agent = isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
+        multi_agent = is_multi_agent(env)
         if multi_agent != (self.algo in MULTI_AGENT_ALGORITHMS):
             wanted = ", ".join(MULTI_AGENT_ALGORITHMS) if multi_agent else "ppo, dqn, pqn, sac"
             raise ConfigError(
