@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -e ".[test,hf]"
-	@# pip byte-compiles what it installs on one core; compileall uses every core (this recipe took
-	@# 106 s, now 85 s, on a 2-core machine like CI's). Its exit status is 1 for a file that pip
-	@# skips as well: a torch test helper in Python 3.12 syntax.
+	@# pip byte-compiles what it installs on one core; compileall uses every core (fresh clones on a
+	@# 2-core machine like CI's, two paired runs: 96 -> 76 s and 129 -> 83 s). Its exit status is 1
+	@# for a file that pip skips as well: a torch test helper in Python 3.12 syntax.
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
