@@ -12,6 +12,8 @@ from ember.core.hf_tokenizer import load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 from ember.training.data import PackedBatches, TokenDataset, pack_window, prepare_token_files, stdlib_documents
 from ember.training.data.token_files import validation_split
+from ember.training.lm.task import LMTask
+from tests.training.lm_runs import small_config
 
 EOS = ByteTokenizer.eos_id
 
@@ -130,6 +132,37 @@ def test_iterator_resume_is_exact():
             np.testing.assert_array_equal(got[key], expected[step][key])
     with pytest.raises(ValueError, match="saved seq_len=16 but now 32"):
         PackedBatches(stream, seq_len=32, global_batch=8, seed=7).restore(saved)
+
+
+def test_evaluation_pass_counts_every_window_once():
+    stream = stream_of(1 + 8 * 11)  # 11 windows: two global batches of 8, the second padded
+    whole = PackedBatches(stream, seq_len=8, global_batch=8, shuffle=False)
+    batches = list(whole.epoch(max_batches=5))
+    assert len(batches) == 2
+    rows = {key: np.concatenate([b[key] for b in batches]) for key in batches[0]}
+    for i in range(11):  # each window once, in order
+        for key, value in pack_window(stream[8 * i : 8 * i + 9], EOS).items():
+            np.testing.assert_array_equal(rows[key][i], value)
+    assert not rows["loss_mask"][11:].any()  # then padding, which has no loss
+    assert len(list(whole.epoch(max_batches=1))) == 1
+    parts = [
+        PackedBatches(stream, seq_len=8, global_batch=8, shuffle=False, process_index=i, process_count=2)
+        for i in range(2)
+    ]
+    for got in zip(*(list(p.epoch()) for p in parts), batches):
+        for key in got[-1]:
+            np.testing.assert_array_equal(np.concatenate([g[key] for g in got[:-1]]), got[-1][key])
+
+
+def test_lm_validation_reads_a_small_validation_split_once(tmp_path):
+    prepare_token_files(make_documents(60), tmp_path / "ds", val_fraction=0.2)
+    task = LMTask(small_config(tmp_path, tmp_path / "ds", "train.eval_batches=50"))  # 8 rows x 32 tokens
+    windows = (len(task.dataset.val) - 1) // 32
+    assert 8 < windows < 50 * 8
+    rows = np.concatenate([batch["tokens"] for batch in task.eval_data()])
+    assert len(rows) == -(-windows // 8) * 8
+    expected = PackedBatches(task.dataset.val, seq_len=32, global_batch=windows, shuffle=False).next()["tokens"]
+    np.testing.assert_array_equal(rows[:windows], expected)
 
 
 def test_processes_read_disjoint_rows_of_the_same_global_batch():

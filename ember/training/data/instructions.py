@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.training.data.packing import empty_row
 
 ROLES = ("system", "user", "assistant")
 
@@ -159,7 +160,7 @@ def pack_examples(examples: Sequence[Example], seq_len: int) -> list[dict[str, n
     """Rows of ``seq_len`` (see the module docstring): ``tokens``, ``targets``, ``segment_ids``,
     ``positions`` (int32) and ``loss_mask`` (float32), each ``[seq_len]``."""
     rows: list[dict[str, np.ndarray]] = []
-    row, used, segment = _empty_row(seq_len), 0, 0
+    row, used, segment = empty_row(seq_len), 0, 0
     for example in examples:
         tokens, trained = example.tokens[: seq_len + 1], example.trained[: seq_len + 1]
         length = tokens.size - 1
@@ -167,7 +168,7 @@ def pack_examples(examples: Sequence[Example], seq_len: int) -> list[dict[str, n
             continue
         if used + length > seq_len:
             rows.append(row)
-            row, used, segment = _empty_row(seq_len), 0, 0
+            row, used, segment = empty_row(seq_len), 0, 0
         segment += 1
         span = slice(used, used + length)
         row["tokens"][span], row["targets"][span] = tokens[:-1], tokens[1:]
@@ -178,11 +179,6 @@ def pack_examples(examples: Sequence[Example], seq_len: int) -> list[dict[str, n
     if used:
         rows.append(row)
     return rows
-
-
-def _empty_row(seq_len: int) -> dict[str, np.ndarray]:
-    ints = {name: np.zeros(seq_len, np.int32) for name in ("tokens", "targets", "segment_ids", "positions")}
-    return {**ints, "loss_mask": np.zeros(seq_len, np.float32)}
 
 
 class InstructionBatches:
@@ -241,7 +237,7 @@ class InstructionBatches:
         count = -(-len(rows) // self.global_batch)
         for start in range(0, min(count, max_batches or count) * self.global_batch, self.global_batch):
             batch = rows[start : start + self.global_batch]
-            batch = batch + [_empty_row(self.seq_len)] * (self.global_batch - len(batch))
+            batch = batch + [empty_row(self.seq_len)] * (self.global_batch - len(batch))
             mine = batch[self.first_row : self.first_row + self.local_batch]
             yield {name: np.stack([row[name] for row in mine]) for name in mine[0]}
 

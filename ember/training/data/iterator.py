@@ -10,13 +10,14 @@ reads only its own rows of every global batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ember.core.errors import ConfigError, DataError
 from ember.core.tokenizer import ByteTokenizer
-from ember.training.data.packing import pack_window
+from ember.training.data.packing import empty_row, pack_window
 
 
 class PackedBatches:
@@ -82,6 +83,20 @@ class PackedBatches:
         rows = [pack_window(self._window(first + i), self.eos_id) for i in range(self.local_batch)]
         self.examples_seen += self.global_batch
         return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
+
+    def epoch(self, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """One pass over the windows in order, at most ``max_batches`` global batches, the last
+        one padded with empty rows (no loss): each window counts once, however few there are
+        (``next`` wraps around into the next epoch). For evaluation: ``shuffle=False``."""
+        count = -(-self.num_windows // self.global_batch)
+        for first in range(0, min(count, max_batches or count) * self.global_batch, self.global_batch):
+            rows = [
+                pack_window(self._window(example), self.eos_id)
+                if example < self.num_windows
+                else empty_row(self.seq_len)
+                for example in range(first + self.row_offset, first + self.row_offset + self.local_batch)
+            ]
+            yield {key: np.stack([row[key] for row in rows]) for key in rows[0]}
 
     def _window(self, example: int) -> np.ndarray:
         epoch, index = divmod(example, self.num_windows)

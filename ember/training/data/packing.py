@@ -39,3 +39,10 @@ def pack_window(window: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
         "positions": positions,
         "loss_mask": loss_mask,
     }
+
+
+def empty_row(seq_len: int) -> dict[str, np.ndarray]:
+    """A row of padding, as :func:`pack_window`'s rows are laid out: every id 0 and no loss,
+    for filling the last batch of an evaluation pass."""
+    ints = {name: np.zeros(seq_len, np.int32) for name in ("tokens", "targets", "segment_ids", "positions")}
+    return {**ints, "loss_mask": np.zeros(seq_len, np.float32)}

@@ -88,7 +88,8 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainLoopConfig(LoopConfig):
     """The loop (see ``LoopConfig``) and the batch: ``batch_size`` is global (all processes)
-    and split into ``grad_accum`` micro-batches; ``eval_batches`` validation batches per eval."""
+    and split into ``grad_accum`` micro-batches; up to ``eval_batches`` validation batches per eval
+    (one pass over the validation set at most)."""
 
     batch_size: int = 16
     seq_len: int = 256

@@ -127,11 +127,11 @@ class LMTask(Task):
         return self._batches(self.dataset.train, seed=self.config.data.seed)
 
     def eval_data(self) -> Iterator[dict] | None:
-        """The first ``train.eval_batches`` validation batches, fixed and in order."""
+        """Up to ``train.eval_batches`` validation batches, fixed and in order: one pass over
+        the validation windows at most, so each counts once in the loss."""
         if self.config.train.eval_batches == 0 or len(self.dataset.val) <= self.config.train.seq_len:
             return None
-        batches = self._batches(self.dataset.val, shuffle=False)
-        return (batches.next() for _ in range(self.config.train.eval_batches))
+        return self._batches(self.dataset.val, shuffle=False).epoch(max_batches=self.config.train.eval_batches)
 
     def work_per_step(self) -> dict[str, float]:
         tokens = self.config.train.batch_size * self.config.train.seq_len
