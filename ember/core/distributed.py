@@ -26,11 +26,32 @@ class DistributedConfig:
     process_id: int = -1
 
     def resolved(self) -> tuple[str, int, int]:
-        """``(address, num_processes, process_id)`` after applying the environment."""
+        """``(address, num_processes, process_id)`` after applying the environment.
+
+        Raises:
+          ConfigError: ``JAX_NUM_PROCESSES`` or ``JAX_PROCESS_ID`` is consulted and is not an integer.
+        """
         address = self.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
-        num = self.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
-        pid = self.process_id if self.process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "-1") or -1)
+        num = self.num_processes or _environment_integer("JAX_NUM_PROCESSES", 0, "distributed.num_processes")
+        pid = (
+            self.process_id
+            if self.process_id >= 0
+            else _environment_integer("JAX_PROCESS_ID", -1, "distributed.process_id")
+        )
         return address, num, pid
+
+
+def _environment_integer(name: str, default: int, key: str) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset or empty)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {name}={text!r} is not an integer (it stands in for {key})", key=key
+        ) from None
 
 
 def initialize_distributed(config: DistributedConfig) -> int:
