@@ -130,6 +130,10 @@ def test_rewards_resolve_by_name_or_import_path():
         (["grpo.group_size=1"], "grpo.group_size must be >= 2"),
         (["grpo.algorithm=ppo"], "grpo.algorithm must be one of grpo, reinforce"),
         (["grpo.updates_per_rollout=3"], "must divide the rollout's prompts_per_step"),
+        # the engine's SamplingParams refuse these too, but only once the model is loaded and compiled
+        (["grpo.top_p=0"], r"grpo.top_p must be in \(0, 1\]"),
+        (["grpo.top_p=1.5"], r"grpo.top_p must be in \(0, 1\]"),
+        (["grpo.top_k=-1"], "grpo.top_k must be >= 0"),
         (["method=mixlora"], "method must be one of lora, full"),
         (["adapter.init=pissa"], "adapter.init must be lora or gaussian"),
         (["base_model.quantize=nf4"], "GRPO trains a float policy"),

@@ -121,6 +121,10 @@ class GRPOSection:
             raise ConfigError(
                 f"grpo.temperature must be > 0 (rollouts sample), got {self.temperature}", key="grpo.temperature"
             )
+        if self.top_k < 0:
+            raise ConfigError(f"grpo.top_k must be >= 0 (0 = off), got {self.top_k}", key="grpo.top_k")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"grpo.top_p must be in (0, 1] (1 = off), got {self.top_p}", key="grpo.top_p")
         if self.rows % self.updates_per_rollout:
             raise ConfigError(
                 f"grpo.updates_per_rollout ({self.updates_per_rollout}) must divide the rollout's "
