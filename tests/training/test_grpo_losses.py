@@ -138,6 +138,12 @@ def test_rewards_resolve_by_name_or_import_path():
         (["adapter.init=pissa"], "adapter.init must be lora or gaussian"),
         (["base_model.quantize=nf4"], "GRPO trains a float policy"),
         (["prompts.operators=x"], "prompts.operators must be a string of"),
+        # a key of the other prompt source would do nothing
+        (["prompts.eval=held_out.jsonl"], "prompts.eval .* needs a JSONL prompts.source"),
+        (
+            ["prompts.source=train.jsonl", "prompts.max_operand=30"],
+            "prompts.max_operand only applies to source: arithmetic",
+        ),
     ],
 )
 def test_config_errors_name_the_key(tmp_path, overrides, message):

@@ -44,7 +44,8 @@ class PromptsConfig:
     (``ember.training.data.arithmetic``: ``max_operand``, ``operators``, and the
     ``held_out_fraction`` kept for evaluation, the same split the arithmetic pretraining corpus
     leaves out). Otherwise ``source`` is a JSONL file of ``{"prompt": "..."}`` lines and
-    ``eval`` an optional second file of held-out prompts."""
+    ``eval`` an optional second file of held-out prompts. Setting a key of the other source is
+    a ``ConfigError``."""
 
     source: str = "arithmetic"
     eval: str = ""
@@ -59,6 +60,22 @@ class PromptsConfig:
     def __post_init__(self):
         if not self.source:
             raise ConfigError("prompts.source must be 'arithmetic' or a JSONL file of prompts", key="prompts.source")
+        # Keys of the other source would do nothing: refuse them rather than ignore them.
+        if self.source == "arithmetic" and self.eval:
+            raise ConfigError(
+                "prompts.eval (a JSONL file of held-out prompts) needs a JSONL prompts.source; source: arithmetic "
+                "holds out held_out_fraction of its own problems",
+                key="prompts.eval",
+            )
+        if self.source != "arithmetic":
+            defaults = {field.name: field.default for field in dataclasses.fields(self)}
+            for name in ("max_operand", "operators", "held_out_fraction"):
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(
+                        f"prompts.{name} only applies to source: arithmetic; prompts.source is the file "
+                        f"{self.source!r} (held-out prompts come from prompts.eval)",
+                        key=f"prompts.{name}",
+                    )
         if self.source == "arithmetic":
             if self.max_operand < 2:
                 raise ConfigError(
