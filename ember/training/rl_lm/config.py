@@ -104,7 +104,8 @@ class GRPOSection:
     the serving engine (``num_slots`` sequences at once, ``token_budget`` tokens per engine
     step), and is trained on in ``updates_per_rollout`` optimizer steps of equal shares.
     ``clip_eps`` bounds the policy ratio; ``kl_coef`` weighs the KL to the reference (0:
-    no reference pass)."""
+    no reference pass). The loss's log-probabilities ignore ``top_k`` / ``top_p`` (see
+    ``ember.training.rl_lm.losses`` for what that means)."""
 
     algorithm: str = "grpo"
     group_size: int = 8

@@ -12,6 +12,20 @@ every token of completion ``i``. Each completion token ``t`` contributes
 and the objective is the mean over a completion's tokens, then over completions. REINFORCE
 with a baseline uses ``A_i = r_i - mean(r)`` and ``logp_t * A`` (no ratio, no clipping). A
 group whose rewards are all equal has advantage 0 (never NaN): it teaches nothing.
+
+``logp``, ``old_logp`` and ``ref_logp`` are all the training forward's
+``log_softmax(logits / temperature)`` over the whole vocabulary (:func:`token_logprobs`), as
+TRL's and verl's GRPO compute them; rollouts sample from that distribution truncated to
+``grpo.top_k`` / ``grpo.top_p`` and renormalised. Since ``old_logp`` is recomputed by the
+same forward (not taken from the engine), the ratio compares one distribution at two
+parameter values: it is 1 (up to rounding) on the first pass over a rollout and carries no factor of
+the kept probability mass (the bias of a ratio against a sampler's truncated log-probs).
+What truncation does change is the estimand: the gradient is ``E_q[A grad log p]`` for the
+full-vocabulary policy ``p``, not the sampling policy's ``E_q[A grad log q] = E_q[A (grad
+log p - grad log Z)]``, ``Z`` each position's kept mass -- a bias of order ``1 - Z``, none
+at ``top_k=0, top_p=1`` (the defaults). Replaying the truncation in the training forward
+(NeMo-RL, prime-rl) removes it, at the cost of a sort over the vocabulary at every position
+and a rule for sampled tokens that fall outside the recomputed set; it is not done here.
 """
 
 from __future__ import annotations
