@@ -69,6 +69,7 @@ def test_reinforce_uses_the_group_mean_as_baseline_and_no_ratio():
                         algorithm="reinforce")  # fmt: skip
     assert_allclose(terms.loss_sum, -np.sum(logp.mean(axis=1) * (rewards - rewards.mean())))
     assert float(terms.clip_fraction) == 0.0
+    assert terms.kl is None  # no reference log-probs (kl_coef 0): no KL to report, rather than a logged 0
 
 
 def test_shipped_rewards():

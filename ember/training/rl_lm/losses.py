@@ -60,11 +60,11 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1
 
 class PolicyLoss(NamedTuple):
     """``loss_sum / count`` is the loss (count: completions with at least one token);
-    the rest are means over completion tokens."""
+    the rest are means over completion tokens (``kl``: ``None`` without reference log-probs)."""
 
     loss_sum: jax.Array
     count: jax.Array
-    kl: jax.Array
+    kl: jax.Array | None
     clip_fraction: jax.Array
     ratio: jax.Array
 
@@ -108,7 +108,7 @@ def policy_loss(
     return PolicyLoss(
         loss_sum=jnp.sum(per_completion),
         count=jnp.sum(lengths > 0).astype(jnp.float32),
-        kl=jnp.sum(kl * mask) / tokens,
+        kl=None if ref_logprobs is None else jnp.sum(kl * mask) / tokens,
         clip_fraction=jnp.sum(clip_active * mask) / tokens,
         ratio=jnp.sum(ratio * mask) / tokens,
     )

@@ -12,8 +12,8 @@ the adapters move). The reference policy is the base model as loaded (LoRA: the 
 without its adapters), kept on the engine's device beside it; the KL term is computed
 against it.
 
-Logged beside the loss: ``reward_mean``, ``reward_std``, ``kl``, ``clip_fraction``, ``ratio`` and
-``completion_tokens`` (per step), and per logging interval the rollouts'
+Logged beside the loss: ``reward_mean``, ``reward_std``, ``kl`` (when ``grpo.kl_coef`` > 0),
+``clip_fraction``, ``ratio`` and ``completion_tokens`` (per step), and per logging interval the rollouts'
 ``rollout_tokens_per_second``, ``train_tokens_per_second``, ``rollout_time_fraction``,
 ``logprob_mismatch_mean/max`` (engine vs training forward), ``zero_advantage_groups``
 and ``reward_failures``. ``eval_reward`` (held-out prompts, greedy) is logged every
@@ -138,11 +138,12 @@ class GRPOTask(Task):
         metrics = {
             "reward_mean": jnp.mean(batch["rewards"]),
             "reward_std": jnp.std(batch["rewards"]),
-            "kl": terms.kl,
             "clip_fraction": terms.clip_fraction,
             "ratio": terms.ratio,
             "completion_tokens": jnp.mean(jnp.sum(batch["loss_mask"], axis=-1)),
         }
+        if terms.kl is not None:  # kl_coef 0 computes no reference log-probs, so no KL
+            metrics["kl"] = terms.kl
         return LossTerms(terms.loss_sum, terms.count, outputs.aux, {**outputs.metrics, **metrics}, outputs.model_state)
 
     def train_data(self) -> RolloutBatches:
