@@ -4,6 +4,7 @@ engine's log-probabilities agree with the training forward's. Both runs are the 
 notebook's (tests/notebooks.py), which trains them with the shipped configs."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,9 +18,11 @@ from ember.serving.loading import load_model
 from ember.serving.requests import SamplingParams
 from ember.training.launcher import shipped_configs_dir
 from ember.training.rl_lm import entry
+from ember.training.rl_lm import task as task_module
 from ember.training.rl_lm.config import GRPOConfig
 from ember.training.rl_lm.losses import token_logprobs
 from ember.training.rl_lm.rewards import arithmetic_exact_match
+from ember.training.rl_lm.rollouts import RolloutStats
 from tests.notebooks import executed_notebook
 from tests.tolerances import assert_allclose
 
@@ -118,3 +121,33 @@ def test_a_resumed_grpo_run_continues_the_same_trajectory(pretrained, tmp_path):
         assert_allclose(b, a, err_msg=path_a)
     moved = [p for p, v in param_paths(final_a).items() if p.endswith("_lora_b") and np.abs(np.asarray(v)).max() > 0]
     assert moved, "four GRPO steps should have moved the adapters"
+
+
+def test_train_throughput_counts_the_steps_of_its_logging_window(monkeypatch):
+    """With updates_per_rollout=2 and log_every=5, the first window (steps 1-5) holds three
+    rollouts (before steps 1, 3 and 5) but five training steps, the second (6-10) two and five."""
+    clock = iter([0.0, 10.0, 20.0])  # the monitor's start, then its two logs
+    monkeypatch.setattr(task_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    history = []
+    task = SimpleNamespace(
+        data=SimpleNamespace(history=history),
+        config=SimpleNamespace(grpo=SimpleNamespace(updates_per_rollout=2)),
+        work_per_step=lambda: {"tokens": 100},
+    )
+    written = []
+    writer = SimpleNamespace(write=lambda step, values: written.append((step, values)), event=lambda *_: None)
+    trainer = SimpleNamespace(state=SimpleNamespace(step=0), writer=writer, last_metrics={})
+    monitor = task_module._RolloutMonitor(task, trainer)
+
+    def rollouts(count):
+        history.extend(RolloutStats(len(history), 1.0, 50, 0.5, 0.5, 4.0, 0.0, 0.0, 0.0, []) for _ in range(count))
+
+    rollouts(3)
+    monitor.log(SimpleNamespace(step=5))
+    rollouts(2)
+    monitor.log(SimpleNamespace(step=10))
+    # 5 steps of 100 tokens in the 10 s of each window less its rollouts' 3 s, then 2 s
+    assert [step for step, _ in written] == [5, 10]
+    assert_allclose(written[0][1]["train_tokens_per_second"], 500 / 7)
+    assert_allclose(written[1][1]["train_tokens_per_second"], 500 / 8)
+    assert_allclose(written[0][1]["rollout_time_fraction"], 0.3)

@@ -238,6 +238,7 @@ class _RolloutMonitor:
     def __init__(self, task: GRPOTask, trainer):
         self.task, self.trainer = task, trainer
         self.logged_rollouts = 0
+        self.logged_step = int(trainer.state.step)  # a resumed run starts from its restored step
         self.since = time.perf_counter()
         self.eval_seconds = 0.0
         self.start: tuple[int, dict[str, float]] | None = None
@@ -250,12 +251,12 @@ class _RolloutMonitor:
         self.logged_rollouts = len(self.task.data.history)
         now = time.perf_counter()
         wall, self.since = now - self.since - self.eval_seconds, now
+        steps, self.logged_step = info.step - self.logged_step, info.step  # trained since the last log
         self.eval_seconds = 0.0
         if not history:
             return
         rollout_seconds = sum(s.seconds for s in history)
         update_seconds = max(wall - rollout_seconds, 1e-9)
-        steps = len(history) * self.task.config.grpo.updates_per_rollout
         values = {
             "rollout_tokens_per_second": sum(s.tokens for s in history) / max(rollout_seconds, 1e-9),
             "train_tokens_per_second": self.task.work_per_step()["tokens"] * steps / update_seconds,
