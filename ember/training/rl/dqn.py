@@ -89,6 +89,10 @@ class DQNConfig:
         for name in ("gamma", "tau", "epsilon_start", "epsilon_end", "exploration_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
+        for name in ("learning_rate", "max_grad_norm", "huber_delta"):  # huber_delta may be None
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value}", key=name)
 
     @property
     def num_updates(self) -> int:

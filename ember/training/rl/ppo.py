@@ -91,6 +91,10 @@ class PPOConfig:
         for name in ("gamma", "gae_lambda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
+        for name in ("learning_rate", "clip_eps", "value_clip_eps", "max_grad_norm"):  # value_clip_eps may be None
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value}", key=name)
 
     @property
     def num_updates(self) -> int:

@@ -81,8 +81,9 @@ class PQNConfig:
         for name in ("gamma", "lam", "epsilon_start", "epsilon_end", "exploration_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
-        if self.learning_rate <= 0:
-            raise ConfigError(f"learning_rate must be positive, got {self.learning_rate}", key="learning_rate")
+        for name in ("learning_rate", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}", key=name)
 
     @property
     def num_updates(self) -> int:

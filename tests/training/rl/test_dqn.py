@@ -51,6 +51,9 @@ def test_config_validation():
         DQNConfig(buffer_size=100, learning_starts=500, num_envs=4)
     with pytest.raises(ValueError, match="total_timesteps"):
         DQNConfig(total_timesteps=10)
+    for name in ("learning_rate", "max_grad_norm", "huber_delta"):
+        with pytest.raises(ValueError, match=f"{name} must be positive"):
+            DQNConfig(**{name: 0.0})
 
 
 @pytest.mark.slow

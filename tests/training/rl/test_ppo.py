@@ -10,6 +10,7 @@ import pytest
 
 import ember.envs
 from ember.core.config import load_config
+from ember.core.errors import ConfigError
 from ember.envs.wrappers import Wrapper
 from ember.models.policies import PolicyConfig
 from ember.training.rl.config import RLConfig
@@ -88,6 +89,13 @@ def test_config_rejects_inconsistent_sizes():
         PPOConfig(num_envs=3, num_steps=5, num_minibatches=4)
     with pytest.raises(ValueError, match="total_timesteps"):
         PPOConfig(num_envs=4, num_steps=128, total_timesteps=100)
+    # a sign slip would train silently: gradient ascent, no step at all (a zero gradient-norm
+    # clip), or a clip range upside down
+    for name in ("learning_rate", "max_grad_norm", "clip_eps", "value_clip_eps"):
+        with pytest.raises(ConfigError, match=f"{name} must be positive") as error:
+            PPOConfig(**{name: -0.1})
+        assert error.value.key == name
+    PPOConfig(value_clip_eps=None)  # an unclipped value loss
 
 
 class RecordObservations(Wrapper):

@@ -62,6 +62,8 @@ def test_config_validation():
         PQNConfig(total_timesteps=10)
     with pytest.raises(ConfigError, match="lam"):
         PQNConfig(lam=1.5)
+    with pytest.raises(ConfigError, match="max_grad_norm must be positive"):
+        PQNConfig(max_grad_norm=0.0)
     with pytest.raises(ConfigError) as error:
         load_config(RLConfig, CONFIGS / "pqn_cartpole.yaml", ["dqn.num_envs=4"])
     assert error.value.key == "dqn"
