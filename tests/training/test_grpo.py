@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ember.core.config import load_config
+from ember.core.errors import ConfigError
 from ember.core.tree import param_paths
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables
@@ -19,10 +20,10 @@ from ember.serving.requests import SamplingParams
 from ember.training.launcher import shipped_configs_dir
 from ember.training.rl_lm import entry
 from ember.training.rl_lm import task as task_module
-from ember.training.rl_lm.config import GRPOConfig
+from ember.training.rl_lm.config import GRPOConfig, GRPOSection
 from ember.training.rl_lm.losses import token_logprobs
 from ember.training.rl_lm.rewards import arithmetic_exact_match
-from ember.training.rl_lm.rollouts import RolloutStats
+from ember.training.rl_lm.rollouts import RolloutBatches, RolloutStats
 from tests.notebooks import executed_notebook
 from tests.tolerances import assert_allclose
 
@@ -151,3 +152,14 @@ def test_train_throughput_counts_the_steps_of_its_logging_window(monkeypatch):
     assert_allclose(written[0][1]["train_tokens_per_second"], 500 / 7)
     assert_allclose(written[1][1]["train_tokens_per_second"], 500 / 8)
     assert_allclose(written[0][1]["rollout_time_fraction"], 0.3)
+
+
+def test_each_process_share_of_a_rollout_must_split_into_its_updates():
+    """8 completions in 8 updates is one per update; split between two processes, each holds 4
+    and its batches would be empty (4 // 8 rows), so the config is refused."""
+    config = GRPOSection(group_size=2, prompts_per_step=4, updates_per_rollout=8)
+    alone = RolloutBatches(["1+1="], arithmetic_exact_match, config, seq_len=8, tokenizer=None)
+    assert alone.batch_spec()["advantages"].shape == (1,)
+    with pytest.raises(ConfigError, match="must divide each of the 2 processes' 4 completions") as error:
+        RolloutBatches(["1+1="], arithmetic_exact_match, config, seq_len=8, tokenizer=None, process_count=2)
+    assert error.value.key == "grpo.updates_per_rollout"

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ember.core.errors import ConfigError
 from ember.serving.engine import Engine
 from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.training.rl_lm.config import GRPOSection
@@ -88,8 +89,16 @@ class RolloutBatches:
         process_count: int = 1,
     ):
         if config.prompts_per_step % process_count:
-            raise ValueError(
-                f"grpo.prompts_per_step ({config.prompts_per_step}) must divide among {process_count} processes"
+            raise ConfigError(
+                f"grpo.prompts_per_step ({config.prompts_per_step}) must divide among {process_count} processes",
+                key="grpo.prompts_per_step",
+            )
+        local_rows = config.rows // process_count
+        if local_rows % config.updates_per_rollout:
+            raise ConfigError(
+                f"grpo.updates_per_rollout ({config.updates_per_rollout}) must divide each of the {process_count} "
+                f"processes' {local_rows} completions per rollout",
+                key="grpo.updates_per_rollout",
             )
         self.prompts, self.reward, self.config = prompts, reward, config
         self.seq_len, self.tokenizer, self.seed = seq_len, tokenizer, seed
