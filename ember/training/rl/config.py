@@ -119,14 +119,16 @@ class RLConfig:
                 f"{observations!r}: set env.flatten_observation: true",
                 key="env.flatten_observation",
             )
+        # Agents share one network, so (checked above) one observation shape: the first agent's.
+        shape = observations[env.agents[0]].shape if multi_agent else observations.shape
         section = SECTION_OF[self.algo]
         torso = getattr(getattr(self, section).policy, "torso", None)
         wanted = {"mlp": 1, "cnn": 3}.get(torso)
-        if not multi_agent and wanted is not None and len(observations.shape) != wanted:
+        if wanted is not None and shape is not None and len(shape) != wanted:
             raise ConfigError(
                 f"{section}.policy.torso {torso!r} takes observations of {wanted} dimension(s) ("
                 f"{'[obs_dim]' if torso == 'mlp' else '[height, width, channels]'}); env.id {self.env.id!r} gives "
-                f"{observations.shape}: use {section}.policy.torso: {'cnn' if len(observations.shape) == 3 else 'mlp'}",
+                f"{shape}: use {section}.policy.torso: {'cnn' if len(shape) == 3 else 'mlp'}",
                 key=f"{section}.policy.torso",
             )
         space = env.action_space(env_params)

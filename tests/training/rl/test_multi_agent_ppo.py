@@ -54,6 +54,17 @@ def test_normalisation_options_are_refused_for_multi_agent_training(option):
         multi_agent_ppo.make_train(dataclasses.replace(config.ppo, **{option: True}), env, env_params)
 
 
+@pytest.mark.parametrize(("name", "section"), [("ippo_simple_spread.yaml", "ppo"), ("mappo_simple_spread.yaml", "ppo"),
+                                             ("isac_simple_spread_continuous.yaml", "sac")])  # fmt: skip
+def test_a_cnn_torso_for_flat_agent_observations_is_a_config_error(name, section):
+    """As for one agent: refused when the config loads, not an IndexError when training traces."""
+    with pytest.raises(
+        ConfigError, match=r"torso 'cnn' takes observations of 3 dimension\(s\).* gives \(18,\)"
+    ) as info:
+        load_config(RLConfig, CONFIGS / name, [f"{section}.policy.torso=cnn"])
+    assert info.value.key == f"{section}.policy.torso"
+
+
 @pytest.mark.slow
 @pytest.mark.xla_optimized  # whole training runs: run time outweighs compile time
 @pytest.mark.parametrize(
