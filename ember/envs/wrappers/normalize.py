@@ -133,9 +133,9 @@ class NormalizeReward(Wrapper):
 
     wraps_state = True
 
-    def __init__(self, env, gamma: float = 0.99, epsilon: float = EPSILON):
+    def __init__(self, env, gamma: float | jax.Array = 0.99, epsilon: float = EPSILON):
         super().__init__(env)
-        if not 0.0 <= gamma <= 1.0:
+        if not isinstance(gamma, jax.core.Tracer) and not 0.0 <= gamma <= 1.0:  # a traced gamma is the caller's
             raise ValueError(f"NormalizeReward: gamma must be in [0, 1], got {gamma}")
         self.gamma, self.epsilon = gamma, epsilon
         self.batch_axes = _batch_axes(env)

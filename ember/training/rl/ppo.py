@@ -206,6 +206,19 @@ def make_train(
     return make_ppo_train(config, env, env_params, policy, AgentView(), on_update=on_update)
 
 
+def learner_envs(config: PPOConfig, env, gamma: jax.Array | float):
+    """``env`` batched ``config.num_envs`` times as the learner sees it: ``LogWrapper`` inside
+    (episode statistics on raw rewards), then ``NormalizeReward`` with the run's ``gamma`` (a
+    traced hyperparameter: a swept gamma discounts the normalising return too) and, outermost,
+    ``NormalizeObservation`` (so the statistics are ``env_state.stats``), as the config asks."""
+    envs = BatchedEnv(LogWrapper(env), config.num_envs)
+    if config.normalize_rewards:
+        envs = NormalizeReward(envs, gamma=gamma)
+    if config.normalize_observations:
+        envs = NormalizeObservation(envs)
+    return envs
+
+
 def make_ppo_train(
     config: PPOConfig,
     env,
@@ -220,15 +233,11 @@ def make_ppo_train(
     :func:`.multi_agent_ppo.make_train` for many. Each update: a rollout of ``num_steps`` in
     ``num_envs`` environments -> values of ``info["final_observation"]`` -> GAE ->
     ``update_epochs`` passes of ``num_minibatches`` minibatches of the PPO loss."""
-    envs = BatchedEnv(LogWrapper(env), config.num_envs)  # episode statistics on raw rewards
-    if config.normalize_rewards:
-        envs = NormalizeReward(envs, gamma=config.gamma)
-    if config.normalize_observations:  # outermost, so the statistics are env_state.stats
-        envs = NormalizeObservation(envs)
     num_updates = config.num_updates
 
     def train(rng: jax.Array, hyperparams: PPOHyperparams | None = None) -> dict[str, Any]:
         hp = PPOHyperparams.from_config(config) if hyperparams is None else hyperparams
+        envs = learner_envs(config, env, hp.gamma)
         rng, init_key, reset_key = jax.random.split(rng, 3)
         env_obs, env_state = envs.reset(reset_key, env_params)
         obs = view.observe(env_obs)

@@ -62,6 +62,17 @@ def test_vmap_over_seeds_and_hyperparameters_equals_separate_runs(rng):
     assert np.isfinite(np.asarray(batched["metrics"]["loss"])).all()
 
 
+def test_a_gamma_given_to_train_also_discounts_the_reward_normalisation(rng):
+    """``train(rng, hyperparams)`` with gamma 0.9 runs as a config with gamma 0.9 does, reward
+    normalisation included (its running return is discounted by the swept gamma too)."""
+    env, env_params = ember.envs.make("CartPole-v1")
+    config = dataclasses.replace(SMALL, normalize_rewards=True)
+    swept = jax.jit(make_train(config, env, env_params))(rng, PPOHyperparams.from_config(config).replace(gamma=0.9))
+    configured = jax.jit(make_train(dataclasses.replace(config, gamma=0.9), env, env_params))(rng)
+    for name in ("episode_return", "value_loss", "loss"):
+        assert_allclose(swept["metrics"][name], configured["metrics"][name], scale=100, err_msg=name)
+
+
 def test_one_update_changes_only_with_nonzero_learning_rate(rng):
     env, env_params = ember.envs.make("CartPole-v1")
     config = PPOConfig(
