@@ -10,7 +10,9 @@ import pytest
 
 from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
+from ember.core.tree import param_paths
 from ember.models.adapters import LoraConfig, adapter_leaves, add_lora, merged_weights
+from ember.models.adapters.lowrank import LowRank, low_rank_product
 from ember.models.adapters.stacking import stack_adapters
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
@@ -19,6 +21,7 @@ from ember.serving.engine import Engine
 from ember.serving.model_program import build_program
 from ember.serving.requests import FINISH_ERROR, SamplingParams
 from tests.moved_adapters import moved
+from tests.tolerances import assert_allclose
 
 CONFIG = ModelConfig(
     vocab_size=97,
@@ -45,9 +48,13 @@ def trained_adapter(base, config, seed):
 
 
 @pytest.fixture(scope="module")
-def setup():
+def base():
     # Jitted: op by op, initialising and moving the weights compiled ~90 programs.
-    base = unbox(jax.jit(DecoderLM(CONFIG).init)(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))["params"])
+    return unbox(jax.jit(DecoderLM(CONFIG).init)(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))["params"])
+
+
+@pytest.fixture(scope="module")
+def setup(base):
     adapters = {
         name: jax.jit(lambda base, config=config, seed=seed: trained_adapter(base, config, seed))(base)
         for seed, (name, config) in enumerate(ADAPTERS.items())
@@ -95,3 +102,18 @@ def test_adapters_that_cannot_be_stacked_are_refused(setup):
     wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim > 1 else x, adapters["qv"])
     with pytest.raises(ConfigError, match="do not fit the weight"):
         stack_adapters(base, {"bad": wrong})
+
+
+def test_a_pissa_adapter_is_stacked_against_the_original_base(base):
+    """PiSSA trains its factors on the residual ``W - scale A0 B0``: stacked on the original
+    ``W`` beside a plain LoRA adapter, each slot's weight is the one its own run trained."""
+    configs = {"pissa": LoraConfig(rank=2, alpha=4, targets=("q", "up"), init="pissa"), "lora": ADAPTERS["qv"]}
+    runs = {name: moved(add_lora(base, config, jax.random.key(7)), 7, 0.3) for name, config in configs.items()}
+    stacked, names = stack_adapters(base, {name: adapter_leaves(params) for name, params in runs.items()})
+    flat = param_paths(stacked)
+    for slot, name in enumerate(names):
+        trained = param_paths(merged_weights(runs[name]))
+        for path in ("layers/block_0/attn/q/kernel", "layers/block_0/mlp/up"):
+            a, b = flat[path + "_lora_a"][:, slot], flat[path + "_lora_b"][:, slot]  # [layers, adapters, ...]
+            served = flat[path] + low_rank_product(LowRank(a, b, jnp.ones(())), lead_dims=1)
+            assert_allclose(served, trained[path], err_msg=f"{name} {path}")

@@ -10,9 +10,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.lowrank import MIXLORA_ROUTER, TRAINED_PARTS
+from ember.models.adapters.lowrank import MIXLORA_ROUTER, TRAINED_PARTS, part_name
 
 
 def adapter_mask(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -38,6 +41,19 @@ def adapted_paths(params: Mapping[str, Any]) -> list[str]:
     return [p[: -len("_lora_a")] for p in param_paths(params) if p.endswith("_lora_a")]
 
 
+def factors_on_original_base(flat: Mapping[str, Any], weight: str, lead_dims: int = 0) -> tuple[jax.Array, jax.Array]:
+    """``(A, B)`` of the adapter on ``weight`` in the flat unboxed tree ``flat``, expressed against
+    the weight the model had before the adapter was added. PiSSA and LoRA-GA replaced it by
+    ``W - scale A0 B0`` (they keep ``lora_a0`` / ``lora_b0``): their factors become rank ``2r``,
+    ``A' = [A, A0]``, ``B' = [B; -B0]``, so that ``W + scale A' B' = W - scale A0 B0 + scale A B``
+    (PEFT's PiSSA conversion). Other adapters' factors are returned as they are."""
+    a, b = flat[part_name(weight, "lora_a")], flat[part_name(weight, "lora_b")]
+    if part_name(weight, "lora_a0") not in flat:
+        return a, b
+    a0, b0 = flat[part_name(weight, "lora_a0")], flat[part_name(weight, "lora_b0")]
+    return jnp.concatenate([a, a0], axis=-1), jnp.concatenate([b, -b0], axis=lead_dims)
+
+
 def adapter_part(path: str) -> str | None:
     """``"attn/q/kernel_lora_a"`` -> ``"lora_a"`` (a MixLoRA router: ``"mixlora_router"``);
     None for a path that is not an adapter leaf."""
@@ -51,4 +67,11 @@ def _is_adapter_leaf(path: str) -> bool:
     return adapter_part(path) is not None
 
 
-__all__ = ["adapted_paths", "adapter_leaves", "adapter_mask", "adapter_part", "without_adapters"]
+__all__ = [
+    "adapted_paths",
+    "adapter_leaves",
+    "adapter_mask",
+    "adapter_part",
+    "factors_on_original_base",
+    "without_adapters",
+]

@@ -6,9 +6,11 @@
 For every weight any adapter adapts, the stacked tree holds ``<w>_lora_a [*lead, n, *in,
 rank]`` and ``<w>_lora_b [*lead, n, rank, *out]`` (``lead``: the stacked-layer axis of a
 scanned model): adapter ``i`` in slot ``i``, ranks padded with zeros to the largest, the
-scale folded into ``B``, zeros where adapter ``i`` leaves the weight alone; with DoRA,
-``<w>_lora_magnitude [*lead, n, *out]`` holds each adapter's factor ``m / ||W + scale A B||``
-(1 where it has none), computed once since the base weight is fixed. Layers apply them with
+scale folded into ``B``, zeros where adapter ``i`` leaves the weight alone (a PiSSA or
+LoRA-GA adapter, trained on the residual ``W - scale A0 B0``, at rank ``2r`` against ``W``:
+``leaves.factors_on_original_base``); with DoRA, ``<w>_lora_magnitude [*lead, n, *out]``
+holds each adapter's factor ``m / ||W + scale A B||`` (1 where it has none), computed once
+since the base weight is fixed. Layers apply them with
 ``lowrank.adapted_matmul(..., adapter_ids=...)``: tokens grouped by adapter, two grouped
 matmuls, no merged weights.
 """
@@ -24,7 +26,7 @@ from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.layout import weight_layout
-from ember.models.adapters.leaves import adapted_paths, without_adapters
+from ember.models.adapters.leaves import adapted_paths, factors_on_original_base, without_adapters
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, LowRank, dora_factor, part_name
 
 
@@ -66,9 +68,12 @@ def _stack_weight(weight: str, kernel: Any, flats: Mapping[str, Mapping[str, Any
     kernel = jnp.asarray(kernel)
     lead, in_shape, out_shape = layout.split(kernel.shape)
     names = list(flats)
-    rank = max(
-        flat[part_name(weight, "lora_a")].shape[-1] for flat in flats.values() if part_name(weight, "lora_a") in flat
-    )
+    factors = {
+        name: factors_on_original_base(flat, weight, len(lead))
+        for name, flat in flats.items()
+        if part_name(weight, "lora_a") in flat
+    }
+    rank = max(a.shape[-1] for a, _ in factors.values())
     dora = any(part_name(weight, "lora_magnitude") in flat for flat in flats.values())
     a_slots, b_slots, factor_slots = [], [], []
     for name in names:
@@ -78,8 +83,7 @@ def _stack_weight(weight: str, kernel: Any, flats: Mapping[str, Mapping[str, Any
             b_slots.append(jnp.zeros((*lead, rank, *out_shape), jnp.float32))
             factor_slots.append(jnp.ones((*lead, *out_shape), jnp.float32))
             continue
-        a = jnp.asarray(flat[part_name(weight, "lora_a")], jnp.float32)
-        b = jnp.asarray(flat[part_name(weight, "lora_b")], jnp.float32)
+        a, b = (jnp.asarray(factor, jnp.float32) for factor in factors[name])
         scale = jnp.asarray(flat[part_name(weight, "lora_scale")], jnp.float32)
         if a.shape[:-1] != (*lead, *in_shape) or b.shape[: len(lead)] + b.shape[len(lead) + 1 :] != (*lead, *out_shape):
             raise ConfigError(

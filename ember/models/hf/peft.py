@@ -35,7 +35,7 @@ from safetensors.numpy import load_file, save_file
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.leaves import adapted_paths
+from ember.models.adapters.leaves import adapted_paths, factors_on_original_base
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list
@@ -58,7 +58,6 @@ MODULES: dict[str, str] = {
 }
 """Ember's per-layer weight path -> the HF module an adapter on it targets."""
 _EMBER_PATH = {module: path for path, module in MODULES.items()}
-PARTS_SAVED = ("lora_a", "lora_b", "lora_scale")
 PLAIN_LORA: dict[str, Any] = {
     "fan_in_fan_out": False,
     "bias": "none",
@@ -96,10 +95,8 @@ def save_peft_adapter(
         flat = param_paths(layer)
         for weight in adapted_paths(layer):
             module = _module_of(weight)
-            a, b, scale = (np.asarray(flat[part_name(weight, p)], np.float32) for p in PARTS_SAVED)
-            if part_name(weight, "lora_a0") in flat:
-                a = np.concatenate([a, np.asarray(flat[part_name(weight, "lora_a0")], np.float32)], axis=-1)
-                b = np.concatenate([b, -np.asarray(flat[part_name(weight, "lora_b0")], np.float32)], axis=0)
+            a, b = (np.asarray(factor, np.float32) for factor in factors_on_original_base(flat, weight))
+            scale = np.asarray(flat[part_name(weight, "lora_scale")], np.float32)
             rank = a.shape[-1]
             name = f"{PREFIX}{index}.{module}"
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, rank).T)
