@@ -227,7 +227,8 @@ class Engine:
 
     def run_until_done(self, request_ids: Iterable[int]) -> Iterator[TokenEvent]:
         """Steps until every request of ``request_ids`` finished, yielding their events
-        (other queued requests run too; their events are not yielded)."""
+        (other queued requests run too; their events are not yielded). A request aborted
+        meanwhile (:meth:`abort`, e.g. by the consumer of these events) is no longer waited for."""
         pending = {i for i in request_ids if not self._requests[i].finished}
         while pending:
             for event in self.step():
@@ -235,6 +236,7 @@ class Engine:
                     yield event
                     if event.finish_reason is not None:
                         pending.discard(event.request_id)
+            pending.intersection_update(self._requests)  # abort() forgets a request: nothing more comes
 
     def stream(
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None

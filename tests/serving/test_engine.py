@@ -130,6 +130,29 @@ def test_a_rejected_or_abandoned_request_leaves_nothing_queued(program, engine, 
     assert engine.generate([[9]], p)[0].tokens == reference_greedy([[9]], [3])[0]
 
 
+def test_a_request_aborted_mid_stream_ends_the_stream_for_it(engine, reference_greedy):
+    """A consumer that aborts one of its stream's requests gets the others' events, and the
+    stream ends once they finish (it does not wait on the aborted one)."""
+    step = engine.step
+
+    def checked_step(*args, **kwargs):
+        assert engine.has_unfinished, "the stream stepped an engine with nothing left to run (forever)"
+        return step(*args, **kwargs)
+
+    engine.step = checked_step
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    events = []
+    for event in engine.stream(prompts, SamplingParams(max_tokens=4, ignore_eos=True)):
+        events.append(event)
+        if len(events) == 1:
+            engine.abort(event.request_id)
+    aborted = events[0].request_id
+    rest = [e for e in events[1:] if e.request_id != aborted]
+    assert [e.token for e in rest] == reference_greedy(prompts[1:], [4])[0]
+    assert rest[-1].finish_reason == "length" and len(rest) == len(events) - 1
+    assert engine.scheduler.allocator.num_free == NUM_PAGES
+
+
 def test_a_step_moves_nothing_implicitly_between_host_and_device(engine):
     engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     with jax.transfer_guard("disallow"):
