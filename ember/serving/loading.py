@@ -59,11 +59,18 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
 
     Raises:
       PathNotFoundError: ``path`` holds no model, or not checkpoint ``step``.
-      ConfigError: its config is invalid (or names an architecture Ember does not support).
+      ConfigError: its config is invalid (or names an architecture Ember does not support), or
+        ``step`` is given for a Hugging Face directory (which has no checkpoint steps).
     """
     path = Path(path)
     config_overrides = {**serving_overrides(), **config_overrides}
     if (path / "config.json").is_file():
+        if step is not None:
+            raise ConfigError(
+                f"{path} is a Hugging Face model directory, which has no checkpoint steps: step {step} "
+                "(--step, base_model.step) applies to an Ember run directory's checkpoints",
+                key="step",
+            )
         return _load_hf(path, config_overrides)
     if (path / "config.yaml").is_file():
         return _load_run(path, step, config_overrides)

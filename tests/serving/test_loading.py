@@ -14,6 +14,8 @@ import pytest
 
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import to_yaml
+from ember.core.errors import ConfigError
+from ember.models import hf
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.loading import load_model
@@ -90,3 +92,13 @@ def test_a_gpu_loads_the_layers_unrolled_unless_told(run_dir, monkeypatch):
         unrolled, kept = load_model(path), load_model(path, scan_layers=True)
     assert unrolled.config.scan_layers is False and "group_3" in unrolled.params and "layers" not in unrolled.params
     assert kept.config.scan_layers and "layers" in kept.params
+
+
+def test_a_checkpoint_step_for_a_hugging_face_directory_is_an_error(run_dir, tmp_path):
+    """A Hugging Face directory holds one set of weights: a step asked of it is refused, not
+    ignored (``ember generate --checkpoint HF_DIR --step 5`` served the only weights there)."""
+    _, params = run_dir
+    hf.save(tmp_path / "hf", CONFIG, params)
+    assert load_model(tmp_path / "hf").config.num_layers == CONFIG.num_layers
+    with pytest.raises(ConfigError, match=r"Hugging Face model directory.* no checkpoint steps.*step 5"):
+        load_model(tmp_path / "hf", step=5)
