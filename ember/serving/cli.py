@@ -170,7 +170,9 @@ def read_prompts(args: argparse.Namespace, defaults: dict[str, Any]) -> list[Inp
     path = Path(args.prompts)
     if not path.is_file():
         raise PathNotFoundError(f"--prompts: no such file: {path}")
-    return parse_lines(path.read_text().splitlines(), defaults)
+    # JSONL lines end at "\n" only: str.splitlines() would also split inside a JSON string at the
+    # line and paragraph separators (U+2028, U+2029, U+0085) that JSON allows unescaped there.
+    return parse_lines(path.read_text().split("\n"), defaults)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """``ember generate`` on an Ember run directory, an exported artifact (in a subprocess that
 cannot import ``ember.models``) and a Hugging Face directory (against ``transformers``)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from ember.core.config import to_yaml
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.serving.cli import read_prompts
 from tests.hf_peers import random_hf_model
 from tests.serving.greedy_reference import greedy_reference
 
@@ -175,6 +177,17 @@ def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
             ]
         assert record["tokens"] == expected.tolist() and record["finish_reason"] == "length"
         assert "text" not in record  # no tokenizer in the directory
+
+
+def test_prompt_lines_split_at_newlines_only(tmp_path):
+    """JSON allows U+2028, U+2029 and U+0085 unescaped in a string (``json.dumps(...,
+    ensure_ascii=False)`` writes them so): they are text of the prompt, not line ends."""
+    text = "one\u2028two\u2029three\x85four"
+    lines = [json.dumps({"prompt": text, "max_tokens": 2}, ensure_ascii=False), json.dumps({"prompt_tokens": [1]})]
+    args = argparse.Namespace(prompt=None, prompts=str(write_lines(tmp_path / "in.jsonl", lines)))
+    parsed = read_prompts(args, {})
+    assert [(line.request_id, line.prompt, line.error) for line in parsed] == [(1, text, None), (2, [1], None)]
+    assert parsed[0].params.max_tokens == 2
 
 
 def test_a_path_that_is_no_model_is_a_clear_error(tmp_path, capsys):
