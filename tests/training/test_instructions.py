@@ -131,6 +131,15 @@ def test_bad_lines_name_the_file_and_line(tmp_path, line, message):
     assert f"{path}:2" in str(error.value)
 
 
+def test_lines_split_at_newlines_only(tmp_path):
+    """JSON allows U+2028, U+2029 and U+0085 unescaped in a string: they are the example's text."""
+    completion = "one\u2028two\u2029three\x85four"
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "completion": completion}, ensure_ascii=False) + "\n")
+    (example,), _ = read_instructions(path, BYTES)
+    assert example.tokens.tolist() == [*ids("q"), *ids(completion), 256]
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(PathNotFoundError):
         read_instructions(tmp_path / "none.jsonl", BYTES)

@@ -88,7 +88,9 @@ def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any], str]]:
     if not path.is_file():
         raise PathNotFoundError(f"no JSONL file {path}")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    # Lines end at "\n" only: str.splitlines() would also split inside a JSON string at the line
+    # and paragraph separators (U+2028, U+2029, U+0085) that JSON allows unescaped there.
+    for number, line in enumerate(path.read_text().split("\n"), start=1):
         if not line.strip():
             continue
         try:
