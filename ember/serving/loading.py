@@ -13,7 +13,7 @@
   ``LoadedModel.params`` are the weights serving applies (``serving_weights``).
 - Quantized model (``kind: quantized``, written by ``ember quantize``): a run directory whose
   checkpointed params hold packed quantized weights (they stay packed on the device), with
-  the source's tokenizer files when it came from Hugging Face.
+  the source's Hugging Face tokenizer's files when it read text with one.
 - Hugging Face directory: ``config.json`` + safetensors, read by ``ember.models.hf``; its
   tokenizer is its ``tokenizer.json`` (``ember.core.hf_tokenizer``), when it has one.
 

@@ -6,6 +6,7 @@ int4 values that quantizing the QAT run stores; bad inputs fail with one line.""
 
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,3 +198,34 @@ def test_a_hugging_face_model_quantizes_with_its_tokenizer(tmp_path):
     assert main(["generate", "--checkpoint", str(out), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
                  "--max-tokens", "4", "--no-progress"]) == 0  # fmt: skip
     assert len(json.loads((tmp_path / "o.jsonl").read_text())["tokens"]) >= 1
+
+
+def test_a_fine_tuned_run_of_a_hugging_face_base_keeps_the_base_s_tokenizer(tmp_path):
+    """A fine-tuning run directory holds no tokenizer files (its tokenizer is its base's): the
+    quantized output serves with that tokenizer and its EOS, not with Ember's byte tokenizer."""
+    from ember.core.checkpoint import CheckpointManager
+    from ember.core.hf_tokenizer import load_hf_tokenizer
+    from ember.models import hf
+    from ember.models.config import ModelConfig
+    from tests.training.finetune_setup import ANIMALS, EOS, WORDS, write_tokenizer
+
+    config = ModelConfig(vocab_size=len(WORDS), d_model=32, num_layers=1, num_heads=2, mlp_dim=32, max_seq_len=16)
+    params = jax.jit(DecoderLM(config).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.tree.map(np.asarray, nn.unbox(params))
+    hf.save(tmp_path / "base", config, params)
+    hf_config = json.loads((tmp_path / "base" / "config.json").read_text())
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**hf_config, "eos_token_id": EOS}))
+    write_tokenizer(tmp_path / "base")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"kind: finetune\nbase_model:\n  path: {tmp_path / 'base'}\n")
+    with CheckpointManager(run / "checkpoints", async_save=False) as manager:
+        manager.save(0, {"params": params})
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"what does the {a} say ? {s} ." for a, s in ANIMALS.items()) * 4)
+    windows = EvalConfig(seq_len=8, calibration_windows=2, eval_windows=2, batch_size=2)
+    quantize_model(run, tmp_path / "int8", QuantizeConfig(format="int8"), text=text, windows=windows)
+    loaded = load_model(tmp_path / "int8")
+    prompt = "what does the cow say ?"
+    assert loaded.tokenizer.encode(prompt).tolist() == load_hf_tokenizer(tmp_path / "base").encode(prompt).tolist()
+    assert loaded.eos_ids == (EOS,)

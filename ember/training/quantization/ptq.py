@@ -8,7 +8,9 @@ for other models from the Python standard library's sources. OUT is a directory 
 exports like a run (``ember generate --checkpoint OUT``, ``ember export OUT DIR``):
 
 - ``config.yaml``: ``kind: quantized``, the ``model:`` section, the ``quantize:`` settings,
-  the source and, for a HF source, its tokenizer files copied beside it;
+  the source and, when the source reads text with a Hugging Face tokenizer (a HF directory, or
+  a run fine-tuned from one), that tokenizer's ``tokenizer.json`` and ``tokenizer_config.json``
+  written beside it;
 - ``checkpoints/``: step 0 holds the quantized ``params`` (packed, as the device keeps them);
 - ``summary.json``: the float and quantized validation losses, the quantized model's mean
   per-token KL divergence from the float one (``kl_to_float``), and weight bytes.
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from omegaconf import OmegaConf
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import read_key, to_dict
 from ember.core.errors import ConfigError, DataError
+from ember.core.hf_tokenizer import HFTokenizer
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import (
@@ -45,8 +47,6 @@ from ember.serving.loading import LoadedModel, load_model
 from ember.training.data import TokenDataset, stdlib_corpus_dir
 from ember.training.data.corpus import stdlib_documents
 from ember.training.task import next_token_kl, next_token_loss
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,15 +202,15 @@ def quantize_model(
 
 def _write(out: Path, loaded: LoadedModel, quantized: Any, state: dict, config: QuantizeConfig, summary: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    source = Path(summary["source"])
-    hf_tokenizer = not isinstance(loaded.tokenizer, ByteTokenizer) and (source / "tokenizer.json").is_file()
+    # From the tokenizer itself: a fine-tuning run's directory holds no tokenizer files (its base does).
+    hf_tokenizer = isinstance(loaded.tokenizer, HFTokenizer)
     if hf_tokenizer:
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy(source / name, out / name)
+        description = loaded.tokenizer.describe()
+        (out / "tokenizer.json").write_text(description["tokenizer_json"])
+        (out / "tokenizer_config.json").write_text(json.dumps(description["config"], indent=2) + "\n")
     document = {
         "kind": "quantized",
-        "source": str(source),
+        "source": summary["source"],
         "tokenizer": "hf" if hf_tokenizer else "bytes",
         "eos_ids": list(loaded.eos_ids),
         "quantize": to_dict(config),
