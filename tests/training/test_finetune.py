@@ -204,6 +204,25 @@ def serve_run(run_dir, prompts, tmp_path):
     return [json.loads(line)["tokens"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
 
 
+def test_adapter_dropout_applies_in_training_steps_not_in_evaluation(problem):
+    """``adapter.dropout`` drops the adapter's input in a training step only: the trainer's
+    evaluation (``eval_step``, which passes no ``step``) sees the model PEFT's ``eval()`` would."""
+    from ember.core.sharding import unbox
+    from ember.training.train_step import call_loss, eval_step
+    from tests.moved_adapters import moved
+
+    config = config_for(problem, "dropout", adapter={"rank": 2, "targets": ["q", "v"], "dropout": 0.5})
+    task = FinetuneTask(config)
+    params = unbox(task.init_variables(jax.random.key(0), task.pretrained())["params"])
+    params = moved(params, 0, 0.5)  # B away from zero, so dropping the adapter's input changes the loss
+    batch = next(iter(task.eval_data()))
+    without_dropout = jax.jit(lambda p, b: lm_loss(p, b, model=task.model))(params, batch)
+    evaluated = jax.jit(lambda p, b: eval_step(p, {}, b, None, loss_fn=task.loss))(params, batch)
+    assert_allclose(evaluated[0], without_dropout.loss_sum)
+    trained = jax.jit(lambda p, b: call_loss(task.loss, p, b, {}, rng=jax.random.key(1), teacher=None, step=3))
+    assert abs(float(trained(params, batch).loss_sum) - float(without_dropout.loss_sum)) > 1e-3
+
+
 def test_a_lora_run_serves_from_its_directory_as_peft_does(lora_run, problem, tmp_path):
     _, _, trainer, summary = lora_run
     prompts = [[1, 3, 4, 5, 10, 6, 7], [1, 3, 4, 5, 13, 6, 7]]

@@ -139,9 +139,18 @@ class FinetuneTask(Task):
 
     # ---------------------------------------------------------------- loss and data
     def loss(
-        self, params: Any, batch: dict[str, jax.Array], *, rng: jax.Array, teacher: Any, model_state: Any = None
+        self,
+        params: Any,
+        batch: dict[str, jax.Array],
+        *,
+        rng: jax.Array,
+        teacher: Any,
+        model_state: Any = None,
+        step: Any = None,
     ) -> Any:
-        dropout = self.config.method != "full" and self.config.adapter.dropout > 0
+        """The completion tokens' next-token loss. Adapter dropout (``adapter.dropout``) applies
+        in training steps only (``step`` given, as the train step does; evaluation passes none)."""
+        dropout = step is not None and self.config.method != "full" and self.config.adapter.dropout > 0
         return lm_loss(params, batch, model=self.model, model_state=model_state, dropout_rng=rng if dropout else None)
 
     def _batches(self, examples, *, shuffle: bool) -> InstructionBatches:
