@@ -17,6 +17,7 @@ from ember.models.adapters.stacking import stack_adapters
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.hf.peft import with_adapter
+from ember.models.quantization import QuantizeConfig, quantize_params
 from ember.serving.engine import Engine
 from ember.serving.model_program import build_program
 from ember.serving.requests import FINISH_ERROR, SamplingParams
@@ -102,6 +103,9 @@ def test_adapters_that_cannot_be_stacked_are_refused(setup):
     wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim > 1 else x, adapters["qv"])
     with pytest.raises(ConfigError, match="do not fit the weight"):
         stack_adapters(base, {"bad": wrong})
+    quantized = quantize_params(base, QuantizeConfig(targets=("q",)))
+    with pytest.raises(ConfigError, match=r"attn/q/kernel, which this base model stores quantized"):
+        stack_adapters(quantized, {"qv": adapters["qv"]})
 
 
 def test_a_pissa_adapter_is_stacked_against_the_original_base(base):

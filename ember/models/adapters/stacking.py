@@ -39,8 +39,8 @@ def stack_adapters(
     (``adapter_leaves(params)`` or ``ember.models.hf.load_peft_adapter``), for the same layout.
 
     Raises:
-      ConfigError: no adapters, an adapter on a weight the base lacks or of the wrong shape,
-        or on routed experts (their adapters merge per expert and cannot be stacked).
+      ConfigError: no adapters, an adapter on a weight the base lacks, stores quantized or of
+        the wrong shape, or on routed experts (their adapters merge per expert and cannot be stacked).
     """
     if not adapters:
         raise ConfigError("stack_adapters needs at least one adapter", key="adapters")
@@ -52,6 +52,12 @@ def stack_adapters(
     stacked = {}
     for weight in weights:
         if weight not in flat_base:
+            if any(path.startswith(f"{weight}/") for path in flat_base):  # a quantized weight's parts
+                raise ConfigError(
+                    f"an adapter targets {weight}, which this base model stores quantized: adapters are served "
+                    "several at once on a float base only (serve them on the float model)",
+                    key="adapters",
+                )
             raise ConfigError(f"an adapter targets {weight}, which the base model does not have", key="adapters")
         if "/experts/" in f"/{weight}":
             raise ConfigError(
