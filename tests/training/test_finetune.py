@@ -35,6 +35,8 @@ COMMON = {
     "checkpoint": {"every": 1000},
     "base_model": {"attention_impl": "xla"},
 }
+ROUTER = {"load_balance": 0.01, "router_z": 0.0}
+"""The router loss weights method mixlora requires."""
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +170,7 @@ def test_full_finetuning_with_muon_learns(problem):
         ({"base_model": {"quantize": "nf4", "quantize_group_size": 24}}, "base_model.quantize_group_size"),
         ({"base_model": {"quantize": "nf4"}, "method": "full"}, "base_model.quantize"),
         ({"base_model": {"quantize": "nf4"}, "export": {"merged": True}}, "export.merged"),
+        ({"method": "mixlora", "adapter": {"init": "lora_ga"}, "train": {"aux_loss_weights": ROUTER}}, "adapter.init"),
     ],
 )
 def test_bad_finetune_configs_name_their_key(problem, sections, key):
@@ -244,7 +247,7 @@ def test_mixlora_finetune_learns_logs_its_router_and_serves(problem, tmp_path):
         mixlora={"num_experts": 4, "top_k": 2, "rank": 2},
         adapter={"rank": 2, "targets": ["q", "v"]},
         optim={"lr": 2e-2},
-        train={"steps": 12, "aux_loss_weights": {"load_balance": 0.01, "router_z": 0.0}},
+        train={"steps": 12, "aux_loss_weights": ROUTER},
         export={"peft": False},
     )
     task = FinetuneTask(config)

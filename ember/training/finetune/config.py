@@ -165,6 +165,12 @@ class FinetuneConfig:
                     key="export.merged",
                 )
         if self.method == "mixlora":
+            if self.adapter.init == "lora_ga":
+                raise ConfigError(
+                    "adapter.init lora_ga initialises the adapters of method lora only; method mixlora's attention "
+                    "adapters take lora, gaussian or pissa",
+                    key="adapter.init",
+                )
             if self.export.merged:
                 raise ConfigError(
                     "export.merged: MixLoRA's routed experts do not merge into one model", key="export.merged"
