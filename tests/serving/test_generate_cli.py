@@ -190,6 +190,13 @@ def test_prompt_lines_split_at_newlines_only(tmp_path):
     assert parsed[0].params.max_tokens == 2
 
 
+def test_a_prompts_file_that_is_not_utf8_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')  # Latin-1
+    args = ["generate", "--checkpoint", str(tmp_path), "--prompts", str(tmp_path / "in.jsonl"), "--no-progress"]
+    assert main(args) == 2
+    assert "in.jsonl is not UTF-8 text (byte 15: invalid continuation byte)" in capsys.readouterr().err
+
+
 def test_a_path_that_is_no_model_is_a_clear_error(tmp_path, capsys):
     prompts = write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "hi"})])
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompts", str(prompts), "--no-progress"]) == 2
