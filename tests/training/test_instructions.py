@@ -140,6 +140,13 @@ def test_lines_split_at_newlines_only(tmp_path):
     assert example.tokens.tolist() == [*ids("q"), *ids(completion), 256]
 
 
+def test_a_file_that_is_not_utf8_is_a_data_error(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "caf\xe9", "completion": "b"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text \(byte 15: invalid continuation byte\)"):
+        read_instructions(path, BYTES)
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(PathNotFoundError):
         read_instructions(tmp_path / "none.jsonl", BYTES)

@@ -87,10 +87,14 @@ def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any], str]]:
     path = Path(path)
     if not path.is_file():
         raise PathNotFoundError(f"no JSONL file {path}")
+    try:
+        text = path.read_text(encoding="utf-8")  # JSON's encoding (RFC 8259)
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
     records = []
     # Lines end at "\n" only: str.splitlines() would also split inside a JSON string at the line
     # and paragraph separators (U+2028, U+2029, U+0085) that JSON allows unescaped there.
-    for number, line in enumerate(path.read_text().split("\n"), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
