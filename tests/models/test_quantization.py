@@ -171,8 +171,9 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_float_values(model_and_para
     with pytest.raises(ConfigError, match="does not merge into a quantized base"):
         merge(quantized)
     dora = jax.jit(lambda p: add_lora(p, LoraConfig(rank=4, targets=("q",), dora=True), jax.random.key(5)))(params)
-    with pytest.raises(ValueError, match="DoRA needs a float base"):
-        forward(jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="int8")))(dora))
+    with pytest.raises(ConfigError, match=r"attn/q/kernel, which has a DoRA adapter: DoRA needs a float base") as error:
+        jax.eval_shape(lambda p: quantize_params(p, QuantizeConfig(format="int8")), dora)  # before any work
+    assert error.value.key == "quantize.targets"
 
 
 def test_bad_quantize_configs_name_their_key(model_and_params):

@@ -106,8 +106,8 @@ def quantize_params(
     """``params`` with the target weights stored quantized (see the module docstring).
 
     Raises:
-      ConfigError: a target selects nothing or a routed expert or MixLoRA MLP weight, a
-        weight's input size is not a multiple of the group size, or GPTQ lacks a weight's
+      ConfigError: a target selects nothing or a routed expert, MixLoRA MLP or DoRA-adapted
+        weight, a weight's input size is not a multiple of the group size, or GPTQ lacks a weight's
         Gram matrix.
     """
     flat = param_paths(params)
@@ -121,11 +121,19 @@ def quantize_params(
 
 
 def _check_read_quantized(flat: Mapping[str, Any], paths: list[str]) -> None:
-    """Routed experts and the MLPs MixLoRA adapted read their weights as floats only."""
-    from ember.models.adapters.lowrank import MIXLORA_ROUTER  # it imports the stored format: not at the top
+    """Routed experts, the MLPs MixLoRA adapted and weights with a DoRA adapter (whose norm
+    ``||W + scale A B||`` needs ``W``) read their weights as floats only."""
+    from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name  # they import the stored format
 
     mixlora_mlps = {p.rsplit("/", 1)[0] for p in flat if MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1])}
     for path in paths:
+        if part_name(path, "lora_magnitude") in flat:
+            raise ConfigError(
+                f"quantize.targets selects {path}, which has a DoRA adapter: DoRA needs a float base weight "
+                "(its norm is taken of W + scale A B); merge the adapter first "
+                "(ember.models.adapters.merged_weights) or leave the weight out of quantize.targets",
+                key="quantize.targets",
+            )
         expert = _matches(TARGETS["experts"], path)
         if expert or path.rsplit("/", 1)[0] in mixlora_mlps:
             raise ConfigError(
