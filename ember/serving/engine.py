@@ -117,7 +117,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids (prompt_tokens) instead")
-            tokens = [int(t) for t in self.tokenizer.encode(prompt)]
+            tokens = [int(t) for t in self.tokenizer.encode(_unicode_text(prompt, "the prompt"))]
         elif isinstance(prompt, Sequence | np.ndarray):
             if not all(is_integer(t) for t in prompt):
                 raise ValueError("prompt tokens must be integers")
@@ -159,7 +159,9 @@ class Engine:
         if params.stop:
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-            encoded = (self.tokenizer.encode(s, add_special_tokens=False) for s in params.stop)
+            encoded = (
+                self.tokenizer.encode(_unicode_text(s, "a stop string"), add_special_tokens=False) for s in params.stop
+            )
             stops = stops + tuple(tuple(int(t) for t in ids) for ids in encoded)
         return Request(-1, tokens, params, stop_sequences=stops)
 
@@ -286,6 +288,20 @@ class Engine:
         finally:
             for request_id in queued:
                 self.abort(request_id)  # those an exception left unfinished (result() forgot the rest)
+
+
+def _unicode_text(text: str, what: str) -> str:
+    """``text``, or ``ValueError`` naming ``what`` when it is not Unicode text a tokenizer can
+    encode: a lone surrogate (JSON's ``"\\ud800"`` decodes to one) fails the byte tokenizer with
+    a codec error and a Hugging Face one with a ``TypeError``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{what} is not valid Unicode text: it holds a lone surrogate U+{ord(text[error.start]):04X} at index "
+            f"{error.start}"
+        ) from None
+    return text
 
 
 def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingParams]:

@@ -208,6 +208,21 @@ def test_stop_strings_match_without_the_bos_an_hf_tokenizer_adds(program, refere
     assert result.text == tokenizer.decode(result.tokens)
 
 
+def test_text_that_is_not_unicode_is_one_request_s_error(program, reference_greedy, tmp_path):
+    """A lone surrogate (what JSON's ``"\\ud800"`` decodes to) in a prompt or a stop string is
+    that request's error; a Hugging Face tokenizer raises ``TypeError`` on it, which took the
+    whole batch down."""
+    write_tokenizer(tmp_path, [*WORDS, *(f"w{i}" for i in range(len(WORDS), CONFIG.vocab_size))])
+    engine = Engine(program.fresh_copy(), tokenizer=load_hf_tokenizer(tmp_path))
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    results = engine.generate(
+        ["what \ud800", [5, 6, 7], [5, 6]], [p, p, SamplingParams(**{**p.__dict__, "stop": ("a\udfff",)})]
+    )
+    assert results[0].error == "the prompt is not valid Unicode text: it holds a lone surrogate U+D800 at index 5"
+    assert results[2].error == "a stop string is not valid Unicode text: it holds a lone surrogate U+DFFF at index 1"
+    assert results[1].tokens == reference_greedy([[5, 6, 7]], [3])[0]
+
+
 def test_updated_weights_serve_like_a_fresh_engine_without_recompiling(program, params, rng):
     """``Engine.update_params`` (GRPO's weight sync): after replacing part of the weights, greedy
     output equals a fresh engine built on the new weights, and nothing compiles."""
