@@ -121,6 +121,7 @@ def test_resumed_iterator_repeats_and_processes_split_rows(tmp_path):
         ('{"messages": [{"role": "bot", "content": "x"}]}', "roles: system, user, assistant"),
         ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
         ("not json", "is not JSON"),
+        ('{"prompt": "a", "completion": "b \\ud800"}', r"holds a lone surrogate U\+D800 \(an unpaired"),
     ],
 )
 def test_bad_lines_name_the_file_and_line(tmp_path, line, message):

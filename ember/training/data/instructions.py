@@ -101,6 +101,13 @@ def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any], str]]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise DataError(f"{path}:{number} is not JSON ({error.msg})") from None
+        try:  # JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer encodes
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise DataError(
+                f"{path}:{number} holds a lone surrogate U+{ord(error.object[error.start]):04X} (an unpaired "
+                "\\ud800-\\udfff escape): not Unicode text"
+            ) from None
         records.append((record, f"{path}:{number}"))
     if not records:
         raise DataError(f"{path} has no examples")
