@@ -165,6 +165,20 @@ def test_peft_options_ember_does_not_implement_are_named(option, tmp_path):
         load_peft_adapter(tmp_path, ModelConfig())
 
 
+def test_an_adapter_of_another_model_size_is_named(tmp_path):
+    """Factors that do not fit the model (an adapter trained on another base) are refused by
+    name, not failed on in a reshape."""
+    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]).save_pretrained(tmp_path)
+    q_proj, draw = "base_model.model.model.layers.0.self_attn.q_proj", np.random.default_rng(1).standard_normal
+    factors = {"lora_A.weight": draw((4, 48), np.float32), "lora_B.weight": draw((48, 4), np.float32)}
+    save_file({f"{q_proj}.{name}": x for name, x in factors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    config = ModelConfig(d_model=32, num_heads=4, num_layers=1)
+    with pytest.raises(
+        DataError, match=r"q_proj has lora_A \[4, 48\] and lora_B \[48, 4\]; .* takes \[r, 32\] and \[32, r\]"
+    ):
+        load_peft_adapter(tmp_path, config)
+
+
 def test_adapter_tensors_ember_would_not_use_are_named(base, tmp_path):
     """LoRA on the embedding (``lora_embedding_A`` / ``_B``) is not read: refused, not dropped."""
     _, path, config, _ = base

@@ -186,6 +186,13 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
         alpha = _pattern_value(peft_config.get("alpha_pattern") or {}, module_name, peft_config["lora_alpha"])
         scale = alpha / math.sqrt(rank) if peft_config.get("use_rslora") else alpha / rank
         in_shape, out_shape = _weight_shapes(config, weight)
+        expected = ((rank, math.prod(in_shape)), (math.prod(out_shape), rank))
+        if (a.shape, b.shape) != expected:
+            raise DataError(
+                f"{path}: {module_name} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; this model's "
+                f"{module_name} takes [r, {expected[0][1]}] and [{expected[1][0]}, r] (an adapter of another base "
+                "model?)"
+            )
         leaves = {
             "lora_a": a.T.reshape(*in_shape, rank).astype(dtype),
             "lora_b": b.T.reshape(rank, *out_shape).astype(dtype),
