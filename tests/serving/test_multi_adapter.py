@@ -103,6 +103,10 @@ def test_adapters_that_cannot_be_stacked_are_refused(setup):
     wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim > 1 else x, adapters["qv"])
     with pytest.raises(ConfigError, match="do not fit the weight"):
         stack_adapters(base, {"bad": wrong})
+    with pytest.raises(
+        ConfigError, match=r"carries adapters of its own \(2 weights, e\.g\. layers/block_0/attn/q/kernel"
+    ):
+        stack_adapters(with_adapter(base, adapters["qv"]), {"mlp": adapters["mlp"]})
     quantized = quantize_params(base, QuantizeConfig(targets=("q",)))
     with pytest.raises(ConfigError, match=r"attn/q/kernel, which this base model stores quantized"):
         stack_adapters(quantized, {"qv": adapters["qv"]})

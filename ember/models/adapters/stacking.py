@@ -35,17 +35,27 @@ def stack_adapters(
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``(params with every adapter stacked, adapter names in slot order)``.
 
-    ``base``: the base model's params (no adapters); ``adapters``: name -> adapter leaves
-    (``adapter_leaves(params)`` or ``ember.models.hf.load_peft_adapter``), for the same layout.
+    ``base``: the base model's params (without adapters of its own); ``adapters``: name ->
+    adapter leaves (``adapter_leaves(params)`` or ``ember.models.hf.load_peft_adapter``), for the
+    same layout.
 
     Raises:
-      ConfigError: no adapters, an adapter on a weight the base lacks, stores quantized or of
-        the wrong shape, or on routed experts (their adapters merge per expert and cannot be stacked).
+      ConfigError: no adapters, a base with adapters of its own, an adapter on a weight the base
+        lacks, stores quantized or of the wrong shape, or on routed experts (their adapters
+        merge per expert and cannot be stacked).
     """
     if not adapters:
         raise ConfigError("stack_adapters needs at least one adapter", key="adapters")
     if any(MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1]) for p in param_paths(base)):
         raise ConfigError("a MixLoRA model serves its own experts and cannot take stacked adapters", key="adapters")
+    own = adapted_paths(base)
+    if own:  # dropping them would serve a different model than the checkpoint is
+        raise ConfigError(
+            f"the base model carries adapters of its own ({len(own)} weights, e.g. {own[0]}: a LoRA fine-tuning "
+            "run); stacked adapters go on a base without any: serve the run's merged export (export.merged) with "
+            "them, or the run alone",
+            key="adapters",
+        )
     flat_base = param_paths(without_adapters(unbox(base)))
     flats = {name: param_paths(unbox(tree)) for name, tree in adapters.items()}
     weights = sorted({w for flat in flats.values() for w in adapted_paths(tree_from_paths(flat))})
