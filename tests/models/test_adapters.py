@@ -182,6 +182,14 @@ def test_targets_that_select_nothing_or_no_matrix_are_errors():
     adapted = add_lora(params, LoraConfig(targets=("q",)), jax.random.key(0))
     with pytest.raises(ConfigError, match="already has an adapter"):
         add_lora(adapted, LoraConfig(targets=("q",)), jax.random.key(0))
+    # The k projection maps 16 -> 2 * 4: PiSSA's rank (LoRA-GA's 2 * rank) singular directions must fit in 8.
+    for method, rank in (("pissa", 9), ("lora_ga", 5)):
+        lora = LoraConfig(rank=rank, targets=("k",), init=method)
+        with pytest.raises(
+            ConfigError, match=rf"rank {rank} is too large for init {method} on .*attn/k/kernel"
+        ) as error:
+            jax.eval_shape(lambda p, lora=lora: add_lora(p, lora, jax.random.key(0)), params)
+        assert error.value.key == "adapter.rank"
 
 
 def test_lora_ga_first_step_follows_the_gradient_s_top_directions(tokens):

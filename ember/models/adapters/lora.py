@@ -133,7 +133,8 @@ def add_lora(params: Mapping[str, Any], config: LoraConfig, rng: jax.Array) -> d
     """``params`` with an adapter on every target weight (see the module docstring).
 
     PiSSA replaces each target weight by its residual. Raises ``ConfigError`` for a target that
-    selects nothing or a weight that already has an adapter.
+    selects nothing, a weight that already has an adapter, or (PiSSA, LoRA-GA) a rank the
+    weight's smaller side cannot hold.
     """
     flat = param_paths(params)
     updates = {}
@@ -149,6 +150,7 @@ def _new_adapter(path: str, leaf: Any, config: LoraConfig, rng: jax.Array) -> di
     layout = weight_layout(path, leaf)
     kernel = jnp.asarray(leaf_value(leaf))
     rank, _ = config.rank_and_alpha(path)
+    _check_rank_fits(path, kernel.shape, layout, config.init, rank)
     scale = config.scale(path)
     a, b, residual = _initial_factors(kernel, layout, config.init, rank, scale, rng)
     lead = layout.split(kernel.shape)[0]
@@ -169,6 +171,21 @@ def _new_adapter(path: str, leaf: Any, config: LoraConfig, rng: jax.Array) -> di
     if residual is not None:
         result[path] = rebox(leaf, residual.astype(kernel.dtype))
     return result
+
+
+def _check_rank_fits(path: str, shape: tuple[int, ...], layout: WeightLayout, init: str, rank: int) -> None:
+    """PiSSA takes a weight's top ``rank`` singular directions and LoRA-GA ``2 rank`` of its
+    gradient's: raises ``ConfigError`` when the weight has fewer (its smaller side)."""
+    needed = {"pissa": rank, "lora_ga": 2 * rank}.get(init)
+    _, in_shape, out_shape = layout.split(shape)
+    smaller = min(math.prod(in_shape), math.prod(out_shape))
+    if needed is not None and needed > smaller:
+        raise ConfigError(
+            f"adapter.rank {rank} is too large for init {init} on {path} {list(shape)}: it takes "
+            f"{'2 * rank' if init == 'lora_ga' else 'rank'} = {needed} singular directions and the weight has "
+            f"{smaller}; lower adapter.rank or set one for this weight in adapter.rank_pattern",
+            key="adapter.rank",
+        )
 
 
 def _initial_factors(kernel, layout: WeightLayout, init: str, rank: int, scale: float, rng):
