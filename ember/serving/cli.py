@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ember.core.errors import ConfigError, DataError, EmberError, PathNotFoundError
+from ember.core.errors import ConfigError, EmberError, PathNotFoundError
+from ember.core.jsonl import jsonl_lines
 from ember.serving.batch_io import InputLine, output_record, parse_lines
 from ember.serving.requests import SamplingParams
 
@@ -170,13 +171,7 @@ def read_prompts(args: argparse.Namespace, defaults: dict[str, Any]) -> list[Inp
     path = Path(args.prompts)
     if not path.is_file():
         raise PathNotFoundError(f"--prompts: no such file: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")  # JSON's encoding (RFC 8259)
-    except UnicodeDecodeError as error:
-        raise DataError(f"--prompts: {path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
-    # JSONL lines end at "\n" only: str.splitlines() would also split inside a JSON string at the
-    # line and paragraph separators (U+2028, U+2029, U+0085) that JSON allows unescaped there.
-    return parse_lines(text.split("\n"), defaults)
+    return parse_lines(jsonl_lines(path, "--prompts: "), defaults)
 
 
 def run(args: argparse.Namespace) -> int:

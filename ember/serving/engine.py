@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from ember.core.integers import is_integer
+from ember.core.jsonl import lone_surrogate
 from ember.serving.program import DeviceProgram, batch_arrays
 from ember.serving.requests import FINISH_ERROR, GenerationResult, Request, SamplingParams, TokenEvent
 from ember.serving.sampling import fill_settings, settings_array
@@ -294,13 +295,10 @@ def _unicode_text(text: str, what: str) -> str:
     """``text``, or ``ValueError`` naming ``what`` when it is not Unicode text a tokenizer can
     encode: a lone surrogate (JSON's ``"\\ud800"`` decodes to one) fails the byte tokenizer with
     a codec error and a Hugging Face one with a ``TypeError``."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"{what} is not valid Unicode text: it holds a lone surrogate U+{ord(text[error.start]):04X} at index "
-            f"{error.start}"
-        ) from None
+    surrogate = lone_surrogate(text)
+    if surrogate:
+        index, code_point = surrogate
+        raise ValueError(f"{what} is not valid Unicode text: it holds a lone surrogate {code_point} at index {index}")
     return text
 
 

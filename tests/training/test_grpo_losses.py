@@ -1,14 +1,17 @@
 """GRPO's math against a hand-written NumPy computation, the rewards (shipped, user, failing,
 jitted) and the config's errors."""
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ember.core.config import load_config
-from ember.core.errors import ConfigError
+from ember.core.errors import ConfigError, DataError
 from ember.training.rl_lm.config import GRPOConfig, GRPOSection
 from ember.training.rl_lm.losses import group_advantages, policy_loss
+from ember.training.rl_lm.prompts import read_prompts
 from ember.training.rl_lm.rewards import arithmetic_exact_match, python_parses, resolve_reward, score, token_reward
 from tests.tolerances import assert_allclose
 
@@ -153,3 +156,16 @@ def test_config_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(GRPOConfig, path, overrides)
     assert GRPOSection(group_size=4, prompts_per_step=2, updates_per_rollout=2).rows_per_update == 4
+
+
+def test_prompt_files_split_at_newlines_only_and_refuse_what_is_not_text(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    text = "a\u2028b\x85c"  # JSON allows these unescaped inside a string
+    path.write_text(json.dumps({"prompt": text}, ensure_ascii=False) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
+    assert read_prompts(path) == [text, "2+2="]
+    path.write_text('{"prompt": "1+1="}\n{"prompt": "x\\ud800"}\n')
+    with pytest.raises(DataError, match=r"prompts.jsonl:2: the prompt holds a lone surrogate U\+D800"):
+        read_prompts(path)
+    path.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="is not UTF-8 text"):
+        read_prompts(path)

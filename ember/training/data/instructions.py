@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.core.jsonl import jsonl_lines, lone_surrogate
 from ember.training.data.packing import empty_row
 
 ROLES = ("system", "user", "assistant")
@@ -87,27 +88,20 @@ def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any], str]]:
     path = Path(path)
     if not path.is_file():
         raise PathNotFoundError(f"no JSONL file {path}")
-    try:
-        text = path.read_text(encoding="utf-8")  # JSON's encoding (RFC 8259)
-    except UnicodeDecodeError as error:
-        raise DataError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
     records = []
-    # Lines end at "\n" only: str.splitlines() would also split inside a JSON string at the line
-    # and paragraph separators (U+2028, U+2029, U+0085) that JSON allows unescaped there.
-    for number, line in enumerate(text.split("\n"), start=1):
+    for number, line in enumerate(jsonl_lines(path), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise DataError(f"{path}:{number} is not JSON ({error.msg})") from None
-        try:  # JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer encodes
-            json.dumps(record, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as error:
+        surrogate = lone_surrogate(json.dumps(record, ensure_ascii=False))
+        if surrogate:
             raise DataError(
-                f"{path}:{number} holds a lone surrogate U+{ord(error.object[error.start]):04X} (an unpaired "
-                "\\ud800-\\udfff escape): not Unicode text"
-            ) from None
+                f"{path}:{number} holds a lone surrogate {surrogate[1]} (an unpaired \\ud800-\\udfff escape): "
+                "not Unicode text"
+            )
         records.append((record, f"{path}:{number}"))
     if not records:
         raise DataError(f"{path} has no examples")

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.core.jsonl import jsonl_lines, lone_surrogate
 from ember.training.data.arithmetic import arithmetic_problems, split_problems
 from ember.training.rl_lm.config import PromptsConfig
 
@@ -16,7 +17,8 @@ def load_prompts(config: PromptsConfig) -> tuple[list[str], list[str]]:
 
     Raises:
       PathNotFoundError: a prompts file does not exist.
-      DataError: a line is not a JSON object with a non-empty string ``"prompt"``, or a file has none.
+      DataError: a file is not UTF-8 text, a line is not a JSON object with a non-empty string
+        ``"prompt"`` of Unicode text, or a file has none.
     """
     if config.source == "arithmetic":
         train, held_out = split_problems(
@@ -34,7 +36,7 @@ def read_prompts(path: str | Path) -> list[str]:
     if not path.is_file():
         raise PathNotFoundError(f'prompts file {path} does not exist (JSONL lines of {{"prompt": "..."}})')
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(path), start=1):
         if not line.strip():
             continue
         try:
@@ -44,6 +46,9 @@ def read_prompts(path: str | Path) -> list[str]:
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(prompt, str) or not prompt:
             raise DataError(f'{path}:{number}: expected an object with a non-empty string "prompt"')
+        surrogate = lone_surrogate(prompt)
+        if surrogate:
+            raise DataError(f"{path}:{number}: the prompt holds a lone surrogate {surrogate[1]}: not Unicode text")
         prompts.append(prompt)
     if not prompts:
         raise DataError(f"{path} holds no prompts")

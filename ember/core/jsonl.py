@@ -1,0 +1,40 @@
+"""JSON Lines input: the lines of a file, and the text check its strings need.
+
+A JSONL file is UTF-8 text (JSON's encoding, RFC 8259) of one JSON value per line. Lines end at
+``"\\n"`` only: ``str.splitlines`` would also split inside a JSON string at U+2028, U+2029 and
+U+0085, which JSON allows unescaped there. JSON's ``"\\ud800"`` escapes decode to lone
+surrogates, which are not Unicode text: no tokenizer encodes them (:func:`lone_surrogate`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ember.core.errors import DataError
+
+
+def jsonl_lines(path: str | Path, label: str = "") -> list[str]:
+    """Every line of the JSONL file at ``path`` (line ``n`` at index ``n - 1``; blank ones
+    included, for the callers' line numbers).
+
+    Raises:
+      DataError: the file is not UTF-8 text (the message starts with ``label``, e.g. ``"--prompts: "``).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{label}{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+    return text.split("\n")
+
+
+def lone_surrogate(text: str) -> tuple[int, str] | None:
+    """``(index, "U+D800")`` of the first lone surrogate in ``text``, or None for Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start, f"U+{ord(text[error.start]):04X}"
+    return None
+
+
+__all__ = ["jsonl_lines", "lone_surrogate"]

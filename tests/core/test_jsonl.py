@@ -1,0 +1,29 @@
+"""JSONL input: lines split at "\n" only, UTF-8 required, lone surrogates found."""
+
+import json
+
+import pytest
+
+from ember.core.errors import DataError
+from ember.core.jsonl import jsonl_lines, lone_surrogate
+
+
+def test_lines_end_at_newlines_only_and_blank_lines_keep_their_numbers(tmp_path):
+    text = "one\u2028two\u2029three\x85four"  # JSON allows these unescaped inside a string
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": text}, ensure_ascii=False) + "\n\n" + json.dumps({"prompt": "b"}) + "\n")
+    lines = jsonl_lines(path)
+    assert len(lines) == 4 and lines[1] == lines[3] == ""
+    assert json.loads(lines[0])["prompt"] == text and json.loads(lines[2])["prompt"] == "b"
+
+
+def test_a_file_that_is_not_utf8_is_a_data_error_naming_the_byte(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"^--prompts: .*latin1.jsonl is not UTF-8 text \(byte 15: "):
+        jsonl_lines(path, "--prompts: ")
+
+
+def test_lone_surrogate_finds_the_first_unpaired_one():
+    assert lone_surrogate("plain \U0001f600 text") is None
+    assert lone_surrogate(json.loads('"ab\\ud800c\\udfff"')) == (2, "U+D800")
