@@ -141,6 +141,7 @@ def test_rewards_resolve_by_name_or_import_path():
         (["method=mixlora"], "method must be one of lora, full"),
         (["adapter.init=pissa"], "adapter.init must be lora or gaussian"),
         (["base_model.quantize=nf4"], "GRPO trains a float policy"),
+        (["adapter.dropout=0.1"], "adapter.dropout must be 0 for GRPO"),
         (["prompts.operators=x"], "prompts.operators must be a string of"),
         # a key of the other prompt source would do nothing
         (["prompts.eval=held_out.jsonl"], "prompts.eval .* needs a JSONL prompts.source"),

@@ -189,3 +189,34 @@ def test_stage_two_adds_the_teachers_kl_in_training_steps_only(tmp_path_factory,
     assert expected_kl > 0
     assert_allclose(float(trained.loss_sum - validated.loss_sum), 0.5 * expected_kl, dtype=np.float32, scale=100)
     assert_allclose(float(trained.metrics["distill_kl"]), expected_kl / float(validated.count), scale=100)
+
+
+def test_stage_two_applies_adapter_dropout_in_training_steps_only(tmp_path_factory, monkeypatch, rng):
+    """``adapter.dropout`` drops the adapters' inputs in stage 2's training steps (it was
+    accepted and ignored); validation (no ``step``) sees the whole adapters."""
+    from ember.core.config import load_config
+    from ember.training.finetune.base import load_base
+    from ember.training.linearize.config import LinearizeRunConfig
+    from ember.training.linearize.entry import _dataset
+    from ember.training.linearize.tasks import AttentionTransferTask, LowRankTask
+    from ember.training.task import next_token_loss
+
+    work = tiny_stdlib_run(tmp_path_factory)
+    monkeypatch.setenv("EMBER_CACHE", str(work / "cache"))
+    overrides = [f"base_model.path={work / 'teacher'}", "adapter.dropout=0.5", "train.batch_size=2",
+                 "train.seq_len=16"]  # fmt: skip
+    config = load_config(LinearizeRunConfig, CONFIG, overrides)
+    base = load_base(config.base_model)
+    dataset = _dataset(config.data, base)
+    transfer = AttentionTransferTask(config, base, dataset)
+    transferred = jax.jit(transfer.init_variables)(rng, transfer.pretrained())
+    task = LowRankTask(config, base, dataset, transferred=unbox(transferred["params"]))
+    variables = jax.jit(task.init_variables)(rng, task.pretrained())
+    params = perturbed(unbox(variables["params"]), rng, scale=0.05)  # adapters away from zero
+    batch = {k: jnp.asarray(v) for k, v in task.train_data().next().items()}
+    loss = jax.jit(lambda params, step: task.loss(params, batch, rng=rng, teacher=None, step=step).loss_sum)
+    inputs = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
+    logits = task.model.apply({"params": params}, batch["tokens"], **inputs)[0]
+    plain = next_token_loss(logits, batch["targets"], batch["loss_mask"])[0]
+    assert_allclose(float(loss(params, None)), float(plain))
+    assert abs(float(loss(params, jnp.int32(0))) - float(plain)) > 1e-3 * float(plain)

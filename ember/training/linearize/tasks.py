@@ -109,10 +109,11 @@ class LowRankTask(_LinearizeStage):
         return boxed_variables(self.teacher_model, self.config.train.seq_len, teacher)
 
     def loss(self, params, batch, *, rng, teacher, model_state=None, step=None) -> LossTerms:
-        """The next-token loss; in training steps (``step`` given) plus the distillation term, so
-        validation reports the plain next-token loss."""
+        """The next-token loss; in training steps (``step`` given) plus the distillation term and
+        with ``adapter.dropout``, so validation reports the plain next-token loss."""
         inputs = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
-        outputs = apply_model(self.model, params, batch["tokens"], model_state=model_state, **inputs)
+        dropout = {"rngs": {"dropout": rng}} if step is not None and self.run_config.adapter.dropout else {}
+        outputs = apply_model(self.model, params, batch["tokens"], model_state=model_state, **inputs, **dropout)
         logits, _ = outputs.output
         loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])
         metrics = dict(outputs.metrics)

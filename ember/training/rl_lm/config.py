@@ -204,6 +204,13 @@ class GRPOConfig:
                 f"its adapters, so they must start at zero), got {self.adapter.init!r}",
                 key="adapter.init",
             )
+        if self.method == "lora" and self.adapter.dropout:
+            raise ConfigError(
+                f"adapter.dropout must be 0 for GRPO, got {self.adapter.dropout}: the policy ratio compares the "
+                "training forward's log-probabilities with those the rollout was scored with, and dropout in one "
+                "would make them differ (TRL turns dropout off for RL too)",
+                key="adapter.dropout",
+            )
         if self.grpo.rows_per_update % self.train.grad_accum:
             raise ConfigError(
                 f"train.grad_accum ({self.train.grad_accum}) must divide the completions per update "
