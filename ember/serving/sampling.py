@@ -44,6 +44,15 @@ def sample_tokens(logits: jax.Array, settings: dict[str, jax.Array]) -> tuple[ja
 def _draw(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
     """A random draw per row from ``logits [rows, vocab]`` at the row's temperature, within
     its top-k and top-p (meaningless for rows with temperature 0)."""
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.PRNGKey(seed), index))(
+        settings["seed"], settings["sample_index"]
+    )
+    return jax.vmap(jax.random.categorical)(keys, candidate_logits(logits, settings)).astype(jnp.int32)
+
+
+def candidate_logits(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
+    """``logits [rows, vocab]`` at each row's temperature (rows at 0 as they are), every token
+    outside the row's top-k and top-p at ``-inf``: what a sampled row draws from."""
     vocab = logits.shape[-1]
     temperature = settings["temperature"]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -52,17 +61,14 @@ def _draw(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
     top_k = jnp.where(settings["top_k"] > 0, jnp.minimum(settings["top_k"], vocab), vocab)
     in_top_k = rank < top_k[:, None]
     probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
-    # Nucleus: keep a token while the mass of the tokens ranked above it is below top_p.
+    # Nucleus: keep a token while the mass of the tokens ranked above it is below top_p. At
+    # top_p 1 every token stays: the float32 sum reaches 1 before the far tail does.
     mass_above = jnp.cumsum(probs, axis=-1) - probs
-    kept = in_top_k & (mass_above < settings["top_p"][:, None])
+    top_p = settings["top_p"][:, None]
+    kept = in_top_k & ((mass_above < top_p) | (top_p >= 1))
     num_kept = jnp.maximum(jnp.sum(kept, axis=-1), 1)
     threshold = jnp.take_along_axis(ordered, (num_kept - 1)[:, None], axis=-1)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-
-    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.PRNGKey(seed), index))(
-        settings["seed"], settings["sample_index"]
-    )
-    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
 def settings_array(rows: int) -> dict[str, np.ndarray]:

@@ -7,7 +7,7 @@ import pytest
 
 from ember.serving.batch_io import parse_lines
 from ember.serving.requests import SamplingParams
-from ember.serving.sampling import fill_settings, sample_tokens, settings_array
+from ember.serving.sampling import candidate_logits, fill_settings, sample_tokens, settings_array
 from tests.tolerances import assert_allclose
 
 sample = jax.jit(sample_tokens)
@@ -164,3 +164,13 @@ def test_a_top_k_beyond_int32_keeps_every_token_like_top_k_off(rng):
     tokens, _ = sample(logits, settings)
     expected = draw_from(jnp.arange(8), jnp.arange(8), logits)
     np.testing.assert_array_equal(tokens, expected)  # the draw over the whole vocabulary
+
+
+def test_top_p_one_keeps_the_far_tail():
+    """top_p=1 is "off": a token of probability 1e-8, past where the float32 sum of the
+    probabilities above it reaches 1, stays a candidate (it was cut); top_p 0.5 keeps the top one."""
+    logits = jnp.array([[0.0, -18.4, -30.0]] * 2)  # probabilities ~1, 1e-8, 1e-13
+    settings = settings_for([SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)], [0, 0])
+    candidates = np.asarray(jax.jit(candidate_logits)(logits, settings))
+    assert np.isfinite(candidates[0]).all()
+    assert np.isfinite(candidates[1]).tolist() == [True, False, False]
