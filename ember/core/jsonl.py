@@ -1,6 +1,7 @@
 """JSON Lines input: the lines of a file, and the text check its strings need.
 
-A JSONL file is UTF-8 text (JSON's encoding, RFC 8259) of one JSON value per line. Lines end at
+A JSONL file is UTF-8 text (JSON's encoding, RFC 8259; a leading byte-order mark, which some
+editors write, is ignored as the RFC allows) of one JSON value per line. Lines end at
 ``"\\n"`` only: ``str.splitlines`` would also split inside a JSON string at U+2028, U+2029 and
 U+0085, which JSON allows unescaped there. JSON's ``"\\ud800"`` escapes decode to lone
 surrogates, which are not Unicode text: no tokenizer encodes them (:func:`lone_surrogate`).
@@ -22,7 +23,7 @@ def jsonl_lines(path: str | Path, label: str = "") -> list[str]:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise DataError(f"{label}{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
     return text.split("\n")

@@ -17,6 +17,12 @@ def test_lines_end_at_newlines_only_and_blank_lines_keep_their_numbers(tmp_path)
     assert json.loads(lines[0])["prompt"] == text and json.loads(lines[2])["prompt"] == "b"
 
 
+def test_a_leading_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    path = tmp_path / "notepad.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a"}\n')
+    assert json.loads(jsonl_lines(path)[0]) == {"prompt": "a"}
+
+
 def test_a_file_that_is_not_utf8_is_a_data_error_naming_the_byte(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
