@@ -7,6 +7,7 @@ does not implement are refused, not dropped."""
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.core.tree import param_paths
 from ember.models import hf
 from ember.models.adapters import LoraConfig, add_lora
 from ember.models.adapters.lora_ga import lora_ga_init
@@ -162,6 +164,22 @@ def test_peft_options_ember_does_not_implement_are_named(option, tmp_path):
     factors = {"lora_A.weight": draw((4, 64), np.float32), "lora_B.weight": draw((64, 4), np.float32)}
     save_file({f"{q_proj}.{name}": x for name, x in factors.items()}, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(DataError, match=f"{next(iter(option))}=.*Ember does not implement"):
+        load_peft_adapter(tmp_path, ModelConfig())
+
+
+def test_a_config_without_lora_alpha_takes_peft_s_default_and_bad_json_is_named(tmp_path):
+    peft.LoraConfig(r=4, lora_alpha=2, target_modules=["q_proj"]).save_pretrained(tmp_path)
+    settings = json.loads((tmp_path / "adapter_config.json").read_text())
+    del settings["lora_alpha"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(settings))
+    q_proj, draw = "base_model.model.model.layers.0.self_attn.q_proj", np.random.default_rng(1).standard_normal
+    factors = {"lora_A.weight": draw((4, 64), np.float32), "lora_B.weight": draw((64, 4), np.float32)}
+    save_file({f"{q_proj}.{name}": x for name, x in factors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    alpha = peft.LoraConfig.from_pretrained(tmp_path).lora_alpha
+    (scale,) = [v for p, v in param_paths(load_peft_adapter(tmp_path, ModelConfig())).items() if p.endswith("scale")]
+    assert alpha == 8 and float(np.asarray(scale).reshape(-1)[0]) == alpha / 4
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"adapter_config\.json is not a JSON file"):
         load_peft_adapter(tmp_path, ModelConfig())
 
 

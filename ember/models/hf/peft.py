@@ -137,6 +137,10 @@ def save_peft_adapter(
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
+PEFT_DEFAULT_ALPHA = 8
+"""``peft.LoraConfig``'s ``lora_alpha`` for an adapter_config.json that leaves it out."""
+
+
 def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.float32) -> dict[str, Any]:
     """The adapter leaves (Ember layout for ``config``) of the PEFT LoRA directory ``path``.
 
@@ -152,7 +156,10 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (path / name).is_file():
             raise PathNotFoundError(f"no {name} in {path} (a PEFT LoRA adapter directory has both)")
-    peft_config = json.loads((path / CONFIG_FILE).read_text())
+    try:
+        peft_config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DataError(f"{path / CONFIG_FILE} is not a JSON file ({error})") from None
     if peft_config.get("peft_type") != "LORA":
         raise DataError(f"{path} holds a {peft_config.get('peft_type')!r} adapter; Ember reads LORA adapters")
     for field, plain in PLAIN_LORA.items():
@@ -183,7 +190,8 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
         stem = key[: -len(".lora_A.weight")]
         a, b = take(key), take(stem + ".lora_B.weight")
         rank = a.shape[0]
-        alpha = _pattern_value(peft_config.get("alpha_pattern") or {}, module_name, peft_config["lora_alpha"])
+        default_alpha = peft_config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+        alpha = _pattern_value(peft_config.get("alpha_pattern") or {}, module_name, default_alpha)
         scale = alpha / math.sqrt(rank) if peft_config.get("use_rslora") else alpha / rank
         in_shape, out_shape = _weight_shapes(config, weight)
         expected = ((rank, math.prod(in_shape)), (math.prod(out_shape), rank))
