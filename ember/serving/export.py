@@ -9,8 +9,9 @@ parameter leaves in the order of the exported functions' input tree, each in the
 step reads it in: ``ember.serving.model_program.read_weight_dtypes``). Loading an artifact
 (:func:`load_artifact`) imports neither ``ember.models`` nor Flax model code: the exported
 functions carry their input trees, from which the parameters and the empty cache are rebuilt.
-Only tokenizers with a ``describe()`` (Ember's byte tokenizer) travel with the artifact; an
-artifact of a Hugging Face model takes ``prompt_tokens`` only.
+The tokenizer travels in the manifest (its ``describe()``: Ember's byte tokenizer, or a Hugging
+Face model's ``tokenizer.json`` and configuration), so an artifact takes text prompts; one
+exported without a tokenizer takes ``prompt_tokens`` only.
 """
 
 from __future__ import annotations
