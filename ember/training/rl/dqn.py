@@ -86,6 +86,20 @@ class DQNConfig:
                 f"= {self.log_every * self.num_envs} env steps",
                 key="total_timesteps",
             )
+        iterations = self.num_updates * self.log_every
+        if self.learning_starts >= iterations * self.num_envs:
+            raise ConfigError(
+                f"learning_starts ({self.learning_starts}) must be below the run's {iterations * self.num_envs} env "
+                "steps (total_timesteps rounded down to whole log_every * num_envs records): the run would take no "
+                "gradient step",
+                key="learning_starts",
+            )
+        if self.target_update_every > iterations:
+            raise ConfigError(
+                f"target_update_every ({self.target_update_every}) must be at most the run's {iterations} iterations: "
+                "the target network would never be updated",
+                key="target_update_every",
+            )
         for name in ("gamma", "tau", "epsilon_start", "epsilon_end", "exploration_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)

@@ -51,6 +51,13 @@ def test_config_validation():
         DQNConfig(buffer_size=100, learning_starts=500, num_envs=4)
     with pytest.raises(ValueError, match="total_timesteps"):
         DQNConfig(total_timesteps=10)
+    # 2 records of 5 iterations of 4 envs: 40 env steps, 10 iterations
+    short = dict(num_envs=4, log_every=5, total_timesteps=40, buffer_size=100)
+    with pytest.raises(ValueError, match=r"learning_starts \(40\) must be below the run's 40 env steps"):
+        DQNConfig(**short, learning_starts=40)
+    with pytest.raises(ValueError, match=r"target_update_every \(11\) must be at most the run's 10 iterations"):
+        DQNConfig(**short, learning_starts=0, target_update_every=11)
+    DQNConfig(**short, learning_starts=36, target_update_every=10)
     for name in ("learning_rate", "max_grad_norm", "huber_delta"):
         with pytest.raises(ValueError, match=f"{name} must be positive"):
             DQNConfig(**{name: 0.0})
