@@ -60,6 +60,7 @@ def test_the_model_reads_quantized_weights_as_their_float_values(model_and_param
     # One program each: op by op, quantizing and dequantizing the tree compiled up to ~60 programs.
     quantized = jax.jit(lambda p: quantize_params(p, QuantizeConfig(format=fmt, group_size=group)))(params)
     float_of_quantized = jax.jit(dequantize_params)(quantized, params)
+    assert jax.tree.structure(float_of_quantized) == jax.tree.structure(params)  # every weight a float again
     assert_allclose(forward(quantized), forward(float_of_quantized), scale=10)
     reference = forward(params)
     error = float(jnp.max(jnp.abs(forward(quantized) - reference)) / jnp.max(jnp.abs(reference)))
@@ -167,7 +168,9 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_float_values(model_and_para
     adapted = adapted_params(params)
     quantized = jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="nf4", group_size=16)))(adapted)
     forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
-    assert_allclose(forward(quantized), forward(jax.jit(dequantize_params)(quantized, adapted)), scale=10)
+    float_of_quantized = jax.jit(dequantize_params)(quantized, adapted)
+    assert jax.tree.structure(float_of_quantized) == jax.tree.structure(adapted)
+    assert_allclose(forward(quantized), forward(float_of_quantized), scale=10)
     with pytest.raises(ConfigError, match="does not merge into a quantized base"):
         merge(quantized)
     dora = jax.jit(lambda p: add_lora(p, LoraConfig(rank=4, targets=("q",), dora=True), jax.random.key(5)))(params)

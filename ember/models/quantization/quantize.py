@@ -193,21 +193,29 @@ def dequantize_params(params: Mapping[str, Any], like: Mapping[str, Any]) -> dic
     """``params`` with every quantized weight replaced by the float weight it stands for, in
     the shape and dtype of the same weight in ``like`` (the float tree's structure, e.g. from
     ``jax.eval_shape`` of the model's init)."""
-    flat, shapes = param_paths(params), param_paths(like)
-    for path, leaf in flat.items():
-        if stored_format(leaf):
-            parts = {key: leaf_value(part) for key, part in leaf.items()}
-            target = leaf_value(shapes[path])
-            layout = weight_layout(path, shapes[path])
-            lead, in_shape, _ = layout.split(target.shape)
-            per_layer = {key: part.reshape(-1, *part.shape[len(lead) :]) for key, part in parts.items()}
-            count = math.prod(lead)
-            floats = [
-                dequantized({key: part[i] for key, part in per_layer.items()}, in_shape, target.dtype)
-                for i in range(count)
-            ]
-            flat[path] = jnp.stack(floats).reshape(target.shape)
-    return tree_from_paths(flat)
+    shapes = param_paths(like)
+
+    def walk(node: Any, path: str) -> Any:
+        if stored_format(node):  # a stored weight is a dict of parts: dequantize it whole
+            return _dequantized_weight(path, node, shapes[path])
+        if isinstance(node, Mapping):
+            return {key: walk(value, f"{path}/{key}" if path else key) for key, value in node.items()}
+        return node
+
+    return walk(params, "")
+
+
+def _dequantized_weight(path: str, stored: Mapping[str, Any], like: Any) -> jax.Array:
+    """The float weight (``like``'s shape and dtype) of one stored weight, layer by layer."""
+    parts = {key: leaf_value(part) for key, part in stored.items()}
+    target = leaf_value(like)
+    lead, in_shape, _ = weight_layout(path, like).split(target.shape)
+    per_layer = {key: part.reshape(-1, *part.shape[len(lead) :]) for key, part in parts.items()}
+    floats = [
+        dequantized({key: part[i] for key, part in per_layer.items()}, in_shape, target.dtype)
+        for i in range(math.prod(lead))
+    ]
+    return jnp.stack(floats).reshape(target.shape)
 
 
 def weight_bytes(params: Any) -> int:
