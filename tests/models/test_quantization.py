@@ -195,6 +195,15 @@ def test_bad_quantize_configs_name_their_key(model_and_params):
         jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="int4", group_size=64)))(params)
     with pytest.raises(ConfigError, match="matches no float weight"):
         quantize_params(params, QuantizeConfig(format="int4", targets=("experts",)))
+    # A path regex selects float weights only: the parts of weights stored already are not weights.
+    attention = {"attn": {name: {"kernel": jnp.ones((64, 4, 16))} for name in ("q", "k")}}
+    half_quantized = quantize_params(attention, QuantizeConfig(format="int8", targets=("q",)))
+    quantized = quantize_params(half_quantized, QuantizeConfig(format="int8", targets=("attn/",)))
+    assert sorted(param_paths(quantized)) == [
+        f"attn/{name}/kernel/{part}" for name in "kq" for part in ("int8", "scales")
+    ]
+    with pytest.raises(ConfigError, match="'attn/' matches no float weight"):
+        quantize_params(quantized, QuantizeConfig(format="int8", targets=("attn/",)))
 
 
 @pytest.mark.parametrize("adapted", ["experts", "mixlora"])

@@ -82,11 +82,11 @@ def target_weights(params: Mapping[str, Any], targets: Iterable[str], *, key: st
     Raises:
       ConfigError: a target selects nothing (``key`` names the config entry).
     """
-    flat = param_paths(params)
+    flat = _float_leaves(params)
     chosen = []
     for target in targets:
         pattern = TARGETS.get(target, target)
-        found = [p for p, leaf in flat.items() if _matches(pattern, p) and not stored_format(leaf)]
+        found = [p for p in flat if _matches(pattern, p)]
         if not found:
             raise ConfigError(
                 f"{key} entry {target!r} matches no float weight; paths look like {', '.join(list(flat)[:4])}",
@@ -94,6 +94,14 @@ def target_weights(params: Mapping[str, Any], targets: Iterable[str], *, key: st
             )
         chosen += [p for p in found if p not in chosen]
     return [p for p in flat if p in chosen]
+
+
+def _float_leaves(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``param_paths(params)`` without the parts of stored quantized weights (``.../int8``,
+    ``.../scales``, ...): those are not weights to select."""
+    flat = param_paths(params)
+    stored = {path.rsplit("/", 1)[0] for path in flat if path.rsplit("/", 1)[-1] in FORMATS}
+    return {path: leaf for path, leaf in flat.items() if path.rsplit("/", 1)[0] not in stored}
 
 
 def _matches(pattern: str, path: str) -> bool:
