@@ -11,11 +11,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from ember.core.errors import ConfigError, UnknownNameError
 from ember.envs.environment import Environment, EnvParams
-from ember.envs.registry import make, with_overrides
+from ember.envs.registry import ENVIRONMENTS, make, with_overrides
 from ember.envs.wrappers import FlattenObservation
 
 ENV_SOURCES = ("ember", "gymnax", "jaxmarl")
@@ -47,40 +48,62 @@ class EnvConfig:
 
 
 def make_from_config(config: EnvConfig) -> tuple[Environment, EnvParams]:
-    """``(env, env_params)`` of an :class:`EnvConfig`.
+    """``(env, env_params)`` of an :class:`EnvConfig`. Equal configs get the same ``env``
+    object: programs compiled for an environment (``ember.training.rl.evaluate``'s, keyed by
+    the object) are then reused by later calls, e.g. a second ``evaluate_params`` in a notebook.
 
     Raises:
       ConfigError: an unknown Ember ``id`` (key ``id``, with the closest ids) or parameter
         name (key ``params.NAME``); a JaxMARL ``params.max_steps_in_episode`` above the
         environment's own ``max_steps``; ``flatten_observation`` for a multi-agent environment.
     """
-    if config.source == "gymnax":
-        from ember.envs.adapters import GymnaxEnv
-
-        env = GymnaxEnv(*_make_in_library(config.source, config.id))
-    elif config.source == "jaxmarl":
-        from ember.envs.adapters import JaxMARLEnv
-
-        library_env = _make_in_library(config.source, config.id)
-        try:  # the adapter's time limit may only shorten the environment's own
-            env = JaxMARLEnv(library_env, max_steps=config.params.get("max_steps_in_episode"))
-        except ValueError as error:
-            raise ConfigError(f"params.max_steps_in_episode: {error}", key="params.max_steps_in_episode") from None
-    else:
+    # JaxMARL's time limit is the adapter's (an argument, not a parameter), so part of the object.
+    time_limit = config.params.get("max_steps_in_episode") if config.source == "jaxmarl" else None
+    if not isinstance(time_limit, (int, type(None))):
+        raise ConfigError(
+            f"params.max_steps_in_episode must be an integer, got {time_limit!r}", key="params.max_steps_in_episode"
+        )
+    # An Ember id's entry point is part of the key: register(..., overwrite=True) makes a new object.
+    entry_point = None
+    if config.source == "ember":
         try:
-            env, _ = make(config.id)
+            entry_point = ENVIRONMENTS.get(config.id)
         except UnknownNameError as error:
             raise ConfigError(f"id: {error}", key="id") from None
+    env = _environment(config.source, config.id, entry_point, time_limit, config.flatten_observation)
     try:
         env_params = with_overrides(env.default_params, dict(config.params), config.id)
     except ConfigError as error:
         raise ConfigError(f"params.{error.key}: {error}", key=f"params.{error.key}") from None
-    if config.flatten_observation:
+    return env, env_params
+
+
+@functools.cache
+def _environment(
+    source: str, env_id: str, entry_point: Any, time_limit: int | None, flatten_observation: bool
+) -> Environment:
+    """The environment object of a config (made once per distinct arguments; environments hold
+    no state, everything they change is in the ``state`` pytree)."""
+    if source == "gymnax":
+        from ember.envs.adapters import GymnaxEnv
+
+        env = GymnaxEnv(*_make_in_library(source, env_id))
+    elif source == "jaxmarl":
+        from ember.envs.adapters import JaxMARLEnv
+
+        library_env = _make_in_library(source, env_id)
+        try:  # the adapter's time limit may only shorten the environment's own
+            env = JaxMARLEnv(library_env, max_steps=time_limit)
+        except ValueError as error:
+            raise ConfigError(f"params.max_steps_in_episode: {error}", key="params.max_steps_in_episode") from None
+    else:
+        env, _ = make(env_id)
+    if flatten_observation:
         try:
             env = FlattenObservation(env)
         except ValueError as error:  # a multi-agent environment
             raise ConfigError(f"flatten_observation: {error}", key="flatten_observation") from None
-    return env, env_params
+    return env
 
 
 def _make_in_library(source: str, env_id: str) -> Any:

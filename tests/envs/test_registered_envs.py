@@ -39,6 +39,26 @@ def test_registry_lists_ids_suggests_close_ones_and_rejects_unknown_params():
     assert params.gravity == 3.0
 
 
+def test_equal_env_configs_make_one_environment_object(monkeypatch):
+    """Programs compiled for an environment are keyed by the object (evaluation's), so equal
+    configs share one; other settings, and an id registered again, make another."""
+    config = ember.envs.EnvConfig(id="CartPole-v1", params={"max_steps_in_episode": 50})
+    env, params = ember.envs.make_from_config(config)
+    again, _ = ember.envs.make_from_config(ember.envs.EnvConfig(id="CartPole-v1"))
+    assert again is env and params.max_steps_in_episode == 50
+    flat = ember.envs.EnvConfig(id="KeyDoorMaze-v0", flatten_observation=True)
+    assert (
+        ember.envs.make_from_config(flat)[0]
+        is not ember.envs.make_from_config(ember.envs.EnvConfig(id="KeyDoorMaze-v0"))[0]
+    )
+    registry = ember.envs.registry.ENVIRONMENTS
+    monkeypatch.setattr(registry, "_entries", dict(registry._entries))  # the test's ids go afterwards
+    ember.envs.register("TestCartPole-v0", "ember.envs.classic_control.cartpole:CartPole")
+    first, _ = ember.envs.make_from_config(ember.envs.EnvConfig(id="TestCartPole-v0"))
+    ember.envs.register("TestCartPole-v0", lambda: ember.envs.make("CartPole-v1")[0], overwrite=True)
+    assert ember.envs.make_from_config(ember.envs.EnvConfig(id="TestCartPole-v0"))[0] is not first
+
+
 def test_parameter_values_of_the_wrong_kind_or_range_are_refused_naming_the_key():
     # Before, `ember train ... env.params.max_steps_in_episode=abc` started training and failed
     # deep inside a traced comparison; `=0` trained to the end and failed in evaluation.

@@ -16,6 +16,7 @@ from ember.core.errors import EmberError
 from ember.envs.wrappers import TimeLimit
 from ember.training.metrics import read_metrics
 from ember.training.rl import config as rl_config
+from ember.training.rl import evaluate as evaluate_module
 from ember.training.rl import experiment as runner
 from ember.training.rl import multi_agent_ppo
 from ember.training.rl.agent_view import stack_agents
@@ -115,6 +116,12 @@ def test_observation_statistics_are_saved_and_evaluated_frozen(tmp_path, capsys)
     assert not np.isclose(unnormalised["mean_return"], saved["mean_return"])
     # evaluating wrote nothing back
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), load_run(run_dir)[2], stats)
+
+    # a second evaluation of the restored policy reuses the program 'ember eval' compiled (equal
+    # configs give one environment object; parameters are traced)
+    compiled = evaluate_module._run._cache_size()
+    evaluate_params(config, params, 4, seed=config.seed + 2, obs_stats=stats)
+    assert evaluate_module._run._cache_size() == compiled
 
     # a checkpoint without statistics (saved before they existed) under a config asking for them
     old = tmp_path / "old"
