@@ -36,6 +36,8 @@ CASES = {
         num_constant_experts=2, gating_residual=True,
     ),
     "capacity": MoEConfig(num_experts=4, top_k=2, expert_dim=8, capacity_factor=0.6),
+    # A dropped slot must output nothing, not become the copy expert that follows the FFN ones.
+    "capacity_copy": MoEConfig(num_experts=4, top_k=2, expert_dim=8, capacity_factor=0.6, num_copy_experts=1),
 }  # fmt: skip
 TOKENS = 14
 

@@ -114,7 +114,9 @@ class MoeMlp(nn.Module):
             expert_ids = jnp.where(mask[:, None], expert_ids, moe.total_experts)
         if moe.capacity_factor:
             capacity = slot_capacity(moe.capacity_factor, batch * seq, moe.top_k, moe.num_experts)
-            expert_ids, dropped = apply_capacity(expert_ids, moe.num_experts, capacity)
+            _, dropped = apply_capacity(expert_ids, moe.num_experts, capacity)
+            # Out of every routed range: id num_experts would be the first zero/copy/constant expert.
+            expert_ids = jnp.where(dropped, moe.total_experts, expert_ids)
         gate, up, down = ExpertWeights(config, name="experts")()
         # Experts sharded over a current mesh's expert axis exchange tokens with all_to_all.
         dispatch = expert_parallel_routed_mlp if expert_parallel_ranks() > 1 else routed_expert_mlp
