@@ -14,7 +14,15 @@ import pytest
 from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths
-from ember.models.adapters import MixLoraConfig, adapter_mask, add_mixlora, merge, without_adapters
+from ember.models.adapters import (
+    LoraConfig,
+    MixLoraConfig,
+    adapter_mask,
+    add_lora,
+    add_mixlora,
+    merge,
+    without_adapters,
+)
 from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM, layers_to_list
 from ember.models.layers.mlp import mlp
@@ -174,6 +182,12 @@ def test_what_cannot_take_mixlora_says_so():
         add_mixlora(params, MIX, jax.random.key(0))
     with pytest.raises(ConfigError, match="cannot be merged"):
         merge(params)
+    # A plain LoRA already on an MLP matrix would be overwritten by the experts' A, B and scale.
+    lora = add_lora(base_params(CONFIG), LoraConfig(rank=2, targets=("q", "up")), jax.random.key(1))
+    with pytest.raises(ConfigError, match="already has an adapter") as error:
+        add_mixlora(lora, MIX, jax.random.key(0))
+    assert error.value.key == "mixlora.targets"
+    add_mixlora(lora, dataclasses.replace(MIX, targets=("gate", "down")), jax.random.key(0))  # the others take it
     with pytest.raises(ConfigError) as error:
         MixLoraConfig(num_experts=4, top_k=5)
     assert error.value.key == "mixlora.top_k"

@@ -69,7 +69,8 @@ def add_mixlora(params: Mapping[str, Any], config: MixLoraConfig, rng: jax.Array
     """``params`` with MixLoRA experts in every dense MLP (see the module docstring).
 
     Raises:
-      ConfigError: the model has no dense MLP, has MoE layers, or already has MixLoRA.
+      ConfigError: the model has no dense MLP, has MoE layers, already has MixLoRA, or a target
+        matrix already has an adapter.
     """
     flat = param_paths(params)
     if any("/moe/" in f"/{p}" for p in flat):
@@ -81,6 +82,13 @@ def add_mixlora(params: Mapping[str, Any], config: MixLoraConfig, rng: jax.Array
     for index, mlp in enumerate(mlps):
         if any(p.startswith(f"{mlp}/mixlora_router") for p in flat):
             raise ConfigError(f"{mlp} already has MixLoRA experts", key="mixlora")
+        adapted = [f"{mlp}/{name}" for name in config.targets if part_name(f"{mlp}/{name}", "lora_a") in flat]
+        if adapted:  # its experts' leaves would overwrite that adapter's A, B and scale
+            raise ConfigError(
+                f"{adapted[0]} already has an adapter; MixLoRA's experts go on MLP matrices without one "
+                "(leave it out of mixlora.targets, or put the plain LoRA on other weights)",
+                key="mixlora.targets",
+            )
         key = jax.random.fold_in(rng, index)
         updates.update(_router(mlp, flat[f"{mlp}/up"], config, key))
         for j, name in enumerate(config.targets):
