@@ -167,6 +167,22 @@ def test_peft_options_ember_does_not_implement_are_named(option, tmp_path):
         load_peft_adapter(tmp_path, ModelConfig())
 
 
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+def test_adapters_whose_init_rewrites_the_base_are_named(init, tmp_path):
+    """PEFT loads these by first rewriting the base (PiSSA: ``W - scale A0 B0``); Ember reading
+    their factors onto the original base gave another model (0.45 off PEFT's logits for PiSSA)."""
+    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]).save_pretrained(tmp_path)
+    config_file = tmp_path / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "init_lora_weights": init}))
+    q_proj, draw = "base_model.model.model.layers.0.self_attn.q_proj", np.random.default_rng(1).standard_normal
+    factors = {"lora_A.weight": draw((4, 64), np.float32), "lora_B.weight": draw((64, 4), np.float32)}
+    save_file({f"{q_proj}.{name}": x for name, x in factors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(DataError, match=f"init_lora_weights='{init}'.*path_initial_model_for_weight_conversion"):
+        load_peft_adapter(tmp_path, ModelConfig())
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "init_lora_weights": "gaussian"}))
+    assert load_peft_adapter(tmp_path, ModelConfig())  # an init that leaves the base alone loads
+
+
 def test_a_config_without_lora_alpha_takes_peft_s_default_and_bad_json_is_named(tmp_path):
     peft.LoraConfig(r=4, lora_alpha=2, target_modules=["q_proj"]).save_pretrained(tmp_path)
     settings = json.loads((tmp_path / "adapter_config.json").read_text())

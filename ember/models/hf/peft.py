@@ -76,6 +76,10 @@ PLAIN_LORA: dict[str, Any] = {
 """``adapter_config.json`` fields with which PEFT computes what Ember's LoRA does not (GPT-2's
 Conv1D layout, trained biases, saved whole modules or token rows, replicated layers, LoRA on
 raw parameters, aLoRA, QA-LoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA), and their plain-LoRA value."""
+BASE_CHANGING_INITS: tuple[str, ...] = ("pissa", "olora", "corda", "loftq")
+"""``init_lora_weights`` values (``pissa_niter_<n>`` included) with which PEFT, loading the
+adapter, first rewrites the base weights (PiSSA, OLoRA, CorDA: ``W - scale A0 B0``; LoftQ: a
+quantized ``W``) and then adds the saved factors; on the original base they are another model."""
 
 
 def save_peft_adapter(
@@ -149,7 +153,8 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
 
     Raises:
       PathNotFoundError: no adapter_config.json or adapter_model.safetensors.
-      DataError: not a LoRA adapter, a PEFT option Ember does not implement (:data:`PLAIN_LORA`),
+      DataError: not a LoRA adapter, a PEFT option Ember does not implement (:data:`PLAIN_LORA`,
+        :data:`BASE_CHANGING_INITS`),
         or tensors Ember would not use (for modules it does not have, biases, embeddings).
     """
     path = Path(path)
@@ -169,6 +174,14 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
                 f"it reads LoRA (rsLoRA, DoRA, per-module ranks and alphas) on attention and MLP projections "
                 f"with {field}={plain!r}"
             )
+    init = peft_config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise DataError(
+            f"{path}: adapter_config.json has init_lora_weights={init!r}: PEFT rebuilds such an adapter's base by "
+            "rewriting the original weights when it loads it, and its factors are relative to that base; save it "
+            "with PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...) for a plain LoRA on "
+            "the original weights, which Ember reads"
+        )
     tensors = load_file(str(path / WEIGHTS_FILE))
     used: set[str] = set()
 
