@@ -9,8 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.core.errors import DataError
+from ember.core.sharding import unbox
 from ember.models import hf
+from ember.models.adapters import LoraConfig, add_lora, merged_weights
+from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.models.quantization import QuantizeConfig, quantize_params
 from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
 from tests.hf_peers import random_hf_model
@@ -112,6 +117,22 @@ def test_save_round_trips_through_transformers(pair, tmp_path, rng):
     config_again, params_again = hf.load(tmp_path, attention_impl="xla")
     assert config_again == config
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params_again, params)
+
+
+def test_save_refuses_adapters_and_quantized_weights(tmp_path):
+    """Adapter leaves were dropped without a word (the base written as the fine-tuned model) and
+    a quantized weight failed in a numpy reshape."""
+    config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32, tie_embeddings=False)
+    params = unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    adapted = add_lora(params, LoraConfig(rank=2, targets=("q",)), jax.random.key(1))
+    with pytest.raises(DataError, match=r"carry adapters.*merged_weights"):
+        hf.save(tmp_path, config, adapted)
+    with pytest.raises(DataError, match=r"stored quantized.*dequantize_params"):
+        hf.save(tmp_path, config, quantize_params(params, QuantizeConfig(format="int8")))
+    merged = merged_weights(adapted)  # plain weights again
+    hf.save(tmp_path, config, merged)
+    q = [tree["layers"]["block_0"]["attn"]["q"]["kernel"] for tree in (hf.load(tmp_path)[1], merged)]
+    np.testing.assert_array_equal(*q)
 
 
 def test_unsupported_architectures_and_fields_are_named(tmp_path):

@@ -18,6 +18,9 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import DataError
+from ember.core.tree import param_paths
+from ember.kernels_pallas.quantized_formats import FORMATS
+from ember.models.adapters.leaves import adapter_part
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list
 from ember.models.hf.mamba2 import mamba2_params_from_hf, mamba2_params_to_hf
@@ -146,10 +149,33 @@ def _moe_to_hf(layer: Mapping[str, Any], prefix: str, model_type: str, out) -> d
     return state
 
 
+def _check_plain_weights(params: Mapping[str, Any]) -> None:
+    """Raises ``DataError`` for adapter leaves (they would be dropped) or quantized weights."""
+    flat = param_paths(params)
+    adapted = [path for path in flat if adapter_part(path) is not None]
+    if adapted:
+        raise DataError(
+            f"the parameters carry adapters ({adapted[0]}, ...), which a Hugging Face checkpoint of plain weights "
+            "would drop: merge them in first (ember.models.adapters.merged_weights) or save them as a PEFT adapter "
+            "(ember.models.hf.save_peft_adapter)"
+        )
+    quantized = [path.rsplit("/", 1)[0] for path in flat if path.rsplit("/", 1)[-1] in FORMATS]
+    if quantized:
+        raise DataError(
+            f"{quantized[0]} is stored quantized; a Hugging Face checkpoint holds float weights: save the float "
+            "params (ember.models.quantization.dequantize_params gives them back)"
+        )
+
+
 def params_to_hf(
     config: ModelConfig, params: Mapping[str, Any], dtype: Any = None, *, model_type: str = "llama"
 ) -> dict[str, np.ndarray]:
-    """The HF state dict (``name -> numpy array``) of Ember ``params`` as a ``model_type`` model."""
+    """The HF state dict (``name -> numpy array``) of Ember ``params`` as a ``model_type`` model.
+
+    Raises:
+      DataError: ``params`` carry adapters or quantized weights (a checkpoint holds plain weights).
+    """
+    _check_plain_weights(params)
     d_model = config.d_model
 
     def out(x) -> np.ndarray:
