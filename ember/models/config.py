@@ -89,6 +89,12 @@ class RopeConfig:
             raise ConfigError(f"rope.theta must be positive, got {self.theta}", key="rope.theta")
         if self.scaling != "none" and self.factor <= 0:
             raise ConfigError(f"rope.factor must be positive, got {self.factor}", key="rope.factor")
+        if self.scaling == "llama3" and self.original_max_len < 1:
+            raise ConfigError(
+                f"rope.original_max_len must be a positive number of positions for llama3 scaling, got "
+                f"{self.original_max_len}",
+                key="rope.original_max_len",
+            )
         if self.scaling == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
             raise ConfigError(
                 f"rope.high_freq_factor ({self.high_freq_factor}) must exceed rope.low_freq_factor "
@@ -306,6 +312,8 @@ class ModelConfig:
                 "lengths); set scan_layers=false or change the patterns",
                 key="num_layers",
             )
+        if not self.norm_eps >= 0:  # a negative epsilon takes the square root of a negative variance: NaN
+            raise ConfigError(f"norm_eps must be >= 0, got {self.norm_eps}", key="norm_eps")
         if self.attn_soft_cap < 0 or self.final_soft_cap < 0:
             raise ConfigError("attn_soft_cap and final_soft_cap must be >= 0 (0 = off)", key="attn_soft_cap")
         if self.sliding_window < 1:

@@ -96,12 +96,16 @@ def test_config_validation_names_the_field():
         "num_layers": dict(num_layers=3, block_pattern=("global", "local")),
         "cca_compression": dict(block_pattern=("cca",), cca_compression=3),
         "precision": dict(precision="int8"),
+        "norm_eps": dict(norm_eps=-1e-6),  # NaN logits
     }
     for key, fields in cases.items():
-        with pytest.raises(ConfigError, match=key.split(".")[-1]):
+        with pytest.raises(ConfigError, match=key.split(".")[-1]) as error:
             ModelConfig(**fields)
+        assert error.value.key == key
     with pytest.raises(ConfigError, match=re.escape("rope.scaling")):
         RopeConfig(scaling="yarn")
+    with pytest.raises(ConfigError, match=re.escape("rope.original_max_len")):  # was linear scaling in disguise
+        RopeConfig(scaling="llama3", factor=8.0, original_max_len=0)
     # Lists from YAML become the tuple block pattern; unscanned depth need not be a multiple.
     config = load_config(ModelConfig, {"block_pattern": ["local", "global"], "num_layers": 3, "scan_layers": False})
     assert config.layer_kinds == ("local", "global", "local")
