@@ -137,6 +137,12 @@ class BoxActions:
             raise ValueError(f"log_std must be one of {LOG_STD_KINDS}, got {self.log_std!r}")
         if self.squash not in SQUASH_KINDS:
             raise ValueError(f"squash must be one of {SQUASH_KINDS}, got {self.squash!r}")
+        if self.squash == "tanh" and not all(math.isfinite(v) for v in (*self.low, *self.high)):
+            raise ConfigError(  # low + (tanh(u) + 1) / 2 * (high - low) would be NaN
+                f"policy.squash 'tanh' maps actions into a bounded box; this one has low={self.low} "
+                f"high={self.high}: use squash 'clip' for unbounded actions",
+                key="policy.squash",
+            )
 
     @property
     def action_dim(self) -> int:

@@ -115,3 +115,11 @@ def test_action_head_from_spaces_and_bad_input():
         BoxActions((1.0,), (0.0,))
     with pytest.raises(ValueError, match="action_space"):
         action_head(object())
+
+    class UnboundedSpace:  # a tanh-squashed action in it was NaN
+        low, high, shape = np.array([-np.inf]), np.array([np.inf]), (1,)
+
+    with pytest.raises(ValueError, match=re.escape("policy.squash 'tanh'")) as error:
+        action_head(UnboundedSpace(), PolicyConfig(squash="tanh"))
+    assert error.value.key == "policy.squash"
+    assert action_head(UnboundedSpace()).squash == "clip"  # clipping to an unbounded box is fine
