@@ -219,7 +219,10 @@ def run_history(
     offsets = ends[:, None] - length + jnp.arange(length)[None, :]  # [items, length]
     in_run = offsets >= 0
     token = jnp.clip(paging.query_starts[seqs][:, None] + offsets, 0, flat.shape[0] - 1)
-    from_slot = slots[seqs[:, None], jnp.clip(held + offsets, 0, held - 1)]
+    if held:
+        from_slot = slots[seqs[:, None], jnp.clip(held + offsets, 0, held - 1)]
+    else:  # an empty slot (a width-1 convolution keeps no inputs): a gather from it cannot be traced
+        from_slot = jnp.zeros((*offsets.shape, *flat.shape[1:]), flat.dtype)
     mask = in_run.reshape(*in_run.shape, *(1,) * (flat.ndim - 1))
     return jnp.where(mask, flat[token], from_slot)
 

@@ -44,6 +44,14 @@ KINDS = {
         num_layers=4,
         ssm=SSMConfig(state_size=8, head_dim=32, conv_kernel=3, chunk_size=8),
     ),
+    # Width-1 convolutions keep no inputs in their slots (empty q_tail/k_tail, conv_state).
+    "width_one": dict(
+        block_pattern=("cca", "mamba2"),
+        mlp_pattern=("dense", "none"),
+        cca_heads=2,
+        cca_conv_width=1,
+        ssm=SSMConfig(state_size=8, head_dim=32, conv_kernel=1, chunk_size=8),
+    ),
     # Elu linear layers and a partial last group are covered here, next to the others.
     "mixed_unscanned": dict(block_pattern=("global", "local", "cca", "linear"), num_layers=5, scan_layers=False),
 }
