@@ -204,6 +204,10 @@ def test_bad_quantize_configs_name_their_key(model_and_params):
     ]
     with pytest.raises(ConfigError, match="'attn/' matches no float weight"):
         quantize_params(quantized, QuantizeConfig(format="int8", targets=("attn/",)))
+    # A selected weight that is no linear map was refused as an "adapter target" keyed adapter.targets.
+    with pytest.raises(ConfigError, match=r"quantize\.targets entry 'attn_norm' selects .*attn_norm/scale") as error:
+        quantize_params(params, QuantizeConfig(targets=("attn_norm",)))
+    assert error.value.key == "quantize.targets"
 
 
 @pytest.mark.parametrize("adapted", ["experts", "mixlora"])

@@ -80,7 +80,8 @@ def target_weights(params: Mapping[str, Any], targets: Iterable[str], *, key: st
     select, in tree order.
 
     Raises:
-      ConfigError: a target selects nothing (``key`` names the config entry).
+      ConfigError: a target selects nothing or a weight that is not such a map (``key`` names
+        the config entry).
     """
     flat = _float_leaves(params)
     chosen = []
@@ -92,6 +93,16 @@ def target_weights(params: Mapping[str, Any], targets: Iterable[str], *, key: st
                 f"{key} entry {target!r} matches no float weight; paths look like {', '.join(list(flat)[:4])}",
                 key=key,
             )
+        for path in found:
+            try:
+                weight_layout(path, flat[path])
+            except ConfigError:  # its message speaks of adapters and names adapter.targets
+                raise ConfigError(
+                    f"{key} entry {target!r} selects {path} (shape {list(np.shape(leaf_value(flat[path])))}), which "
+                    "is not a linear map into or out of the model width (embed); names: "
+                    f"{', '.join(DEFAULT_TARGETS)}",
+                    key=key,
+                ) from None
         chosen += [p for p in found if p not in chosen]
     return [p for p in flat if p in chosen]
 
