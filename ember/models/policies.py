@@ -185,6 +185,11 @@ class PolicyConfig:
             raise ConfigError(
                 f"policy.hidden_sizes must be positive widths, got {self.hidden_sizes}", key="policy.hidden_sizes"
             )
+        if any(int(c) < 1 for c in self.cnn_channels):  # 0 channels: a policy blind to its observation
+            raise ConfigError(
+                f"policy.cnn_channels must be positive channel counts, got {self.cnn_channels}",
+                key="policy.cnn_channels",
+            )
         if self.log_std not in LOG_STD_KINDS:
             raise ConfigError(
                 f"policy.log_std must be one of {LOG_STD_KINDS}, got {self.log_std!r}", key="policy.log_std"

@@ -111,6 +111,10 @@ def test_action_head_from_spaces_and_bad_input():
     assert head.low == (-1.0, 0.0) and head.high == (1.0, 5.0) and head.squash == "tanh"
     with pytest.raises(ValueError, match=re.escape("policy.torso")):
         PolicyConfig(torso="transformer")
+    for channels in ((0,), (16, -4)):  # 0 ignored the image, a negative size failed inside MLIR
+        with pytest.raises(ValueError, match=re.escape("policy.cnn_channels")) as error:
+            PolicyConfig(torso="cnn", cnn_channels=channels)
+        assert error.value.key == "policy.cnn_channels"
     with pytest.raises(ValueError, match="every low must be below"):
         BoxActions((1.0,), (0.0,))
     with pytest.raises(ValueError, match="action_space"):
