@@ -14,6 +14,7 @@ import pytest
 
 from ember.core.errors import EmberError
 from ember.core.sharding import MeshConfig, make_mesh, use_sharding
+from ember.models.layers import expert_parallel
 from ember.models.layers.expert_parallel import expert_parallel_routed_mlp
 from ember.models.layers.mlp import mlp
 from tests.tolerances import assert_allclose
@@ -110,6 +111,27 @@ def test_ungated_activation_and_errors(cases):
             expert_parallel_routed_mlp(x, expert_ids, combine_weights, None, up[:6], down[:6], activation="gelu")
         with pytest.raises(EmberError, match="needs gate weights"):
             expert_parallel_routed_mlp(x, expert_ids, combine_weights, None, up, down, activation="swiglu")
+
+
+def test_out_of_range_slots_add_nothing_whatever_rows_past_the_groups_hold(cases, monkeypatch):
+    """Padding, dropped and MoE++ slots (ids outside [0, E)) read rows past the groups, which
+    grouped_matmul's contract leaves unspecified: with NaN there the output was NaN."""
+    inputs, _, _ = cases["random"]
+    x, expert_ids, combine_weights, gate, up, down = inputs
+    expert_ids = expert_ids.at[::3, 1].set(EXPERTS).at[::5, 0].set(EXPERTS + 3)
+    expected = loop_reference(x, expert_ids, combine_weights, gate, up, down, "swiglu")
+    grouped = expert_parallel.grouped_expert_mlp
+
+    def unspecified_past_the_groups(rows, *args, **kwargs):
+        out = grouped(rows, *args, **kwargs)
+        return jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(args[-1]))[:, None], out, jnp.nan)
+
+    monkeypatch.setattr(expert_parallel, "grouped_expert_mlp", unspecified_past_the_groups)
+    with use_sharding(make_mesh(MESHES["expert4"])):  # a fresh partial: no compiled program is reused
+        out = jax.jit(functools.partial(expert_parallel_routed_mlp, activation="swiglu", impl="xla"))(
+            x, expert_ids, combine_weights, gate, up, down
+        )
+    assert_allclose(out, expected)
 
 
 def tiny_moe_loss(params, x, y):

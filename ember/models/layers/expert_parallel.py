@@ -165,9 +165,11 @@ def _dispatch_on_device(x, expert_ids, combine_weights, gate, up, down, *, activ
     rank_of_sorted = jnp.minimum(rank_of_sorted, ranks - 1)
     sorted_out = back[rank_of_sorted, index - starts[rank_of_sorted]]
     slot_out = jnp.zeros_like(sorted_out).at[order].set(sorted_out).reshape(tokens, top_k, -1)
-    in_range = (flat_ids < local_experts * ranks).reshape(tokens, top_k)
-    weights = jnp.where(in_range, combine_weights.astype(jnp.float32), 0.0)[..., None]
-    return jnp.sum(slot_out.astype(jnp.float32) * weights, axis=1).astype(x.dtype)
+    in_range = (flat_ids < local_experts * ranks).reshape(tokens, top_k, 1)
+    # An out-of-range slot reads a row past the groups, unspecified in grouped_matmul's
+    # contract (NaN * 0 is NaN): select, never multiply, as the local dispatch does.
+    weighted = slot_out.astype(jnp.float32) * combine_weights.astype(jnp.float32)[..., None]
+    return jnp.sum(jnp.where(in_range, weighted, 0.0), axis=1).astype(x.dtype)
 
 
 def _local_expert_of_rows(counts_in: jax.Array, slots: int) -> jax.Array:
