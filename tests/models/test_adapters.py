@@ -6,6 +6,7 @@ applies only with a dropout RNG, and bad configs name their key."""
 
 import dataclasses
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -16,6 +17,7 @@ import pytest
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths
 from ember.models.adapters import LoraConfig, adapter_mask, add_lora, merge, merged_weights, unmerge, without_adapters
+from ember.models.adapters.layout import TARGETS, weight_layout
 from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM
 from tests.moved_adapters import moved
@@ -190,6 +192,28 @@ def test_targets_that_select_nothing_or_no_matrix_are_errors():
         ) as error:
             jax.eval_shape(lambda p, lora=lora: add_lora(p, lora, jax.random.key(0)), params)
         assert error.value.key == "adapter.rank"
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_unboxed_trees_have_the_layouts_their_logical_axes_give(scan_layers):
+    """Unboxed trees (hf.load, restored checkpoints) read layouts from names: CCA's 2-D q/k/v
+    ([embed, latent]) were taken for [embed, heads, head_dim] (scanned: the layer axis as the
+    input, so quantizing or adding LoRA failed; unscanned: refused as no matrix)."""
+    config = ModelConfig(
+        vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=24, block_pattern=("cca", "global"),
+        mlp_pattern=("moe", "dense"), moe=MoEConfig(num_experts=2, top_k=1, expert_dim=8), cca_heads=2,
+        scan_layers=scan_layers,
+    )  # fmt: skip
+    boxed = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    checked = 0
+    for path, leaf in param_paths(boxed).items():
+        if not any(re.search(pattern, path) for pattern in TARGETS.values()):
+            continue
+        expected = weight_layout(path, leaf)
+        layout = weight_layout(path, jnp.zeros(leaf.value.shape))
+        assert (layout.lead, layout.in_dims, layout.out_dims) == (expected.lead, expected.in_dims, expected.out_dims)
+        checked += 1
+    assert checked == 2 * 4 + 3 + 3  # q k v o of both layers, the dense MLP, the MoE layer's experts
 
 
 def test_lora_ga_first_step_follows_the_gradient_s_top_directions(tokens):

@@ -31,8 +31,16 @@ TARGETS: dict[str, str] = {
     "experts": r"(^|/)experts/(gate|up|down)$",
 }
 """The linear maps by name and the parameter paths they select (adapter targets, quantized weights)."""
-_LAYOUTS = ((r"attn/o/kernel$", 2, 1), (r"attn/(q|k|v)/kernel$", 1, 2), (r"(mlp|shared|experts)/(gate|up|down)$", 1, 1))
-"""``(path pattern, input dims, output dims)`` of weights whose tree carries no logical axes."""
+_LAYOUTS = (
+    (r"attn/o/kernel$", None, 1),
+    (r"attn/(q|k|v)/kernel$", 1, None),
+    (r"(mlp|shared|experts)/(gate|up|down)$", 1, 1),
+)
+"""``(path pattern, input dims, output dims)`` of weights whose tree carries no logical axes
+(None: the dimensions left after the stacking axes and the other side; attention's q/k/v are
+``[embed, heads, head_dim]``, CCA's ``[embed, latent]``)."""
+_STACKED = (r"(^|/)layers/", r"(^|/)experts/")
+"""Path parts that put a stacking axis in front of an unboxed weight (scanned layers, experts)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +61,8 @@ class WeightLayout:
 def weight_layout(path: str, leaf: Any) -> WeightLayout:
     """How ``leaf`` at ``path`` maps inputs to outputs: from its logical axes when boxed (the
     residual-stream axis ``embed`` is its input when first, its output when last), else from
-    the weight's name.
+    the weight's name and its place in the tree (a ``layers/`` or ``experts/`` path stacks one
+    leading axis each), as ``/``-joined from the root of the parameter tree.
 
     Raises:
       ConfigError: the weight's layout cannot be told (not a matrix into or out of ``embed``).
@@ -70,9 +79,13 @@ def weight_layout(path: str, leaf: Any) -> WeightLayout:
         if len(rest) >= 2 and rest[-1] == "embed":
             return WeightLayout(lead, len(rest) - 1, 1, names)
     else:
+        lead = sum(1 for stacked in _STACKED if re.search(stacked, path))
         for pattern, in_dims, out_dims in _LAYOUTS:
-            if re.search(pattern, path) and len(shape) >= in_dims + out_dims:
-                return WeightLayout(len(shape) - in_dims - out_dims, in_dims, out_dims)
+            if re.search(pattern, path):
+                rest = len(shape) - lead
+                in_dims, out_dims = in_dims or rest - out_dims, out_dims or rest - (in_dims or 0)
+                if in_dims >= 1 and out_dims >= 1 and in_dims + out_dims == rest:
+                    return WeightLayout(lead, in_dims, out_dims)
     raise ConfigError(
         f"adapter target {path!r} (shape {shape}) is not a weight an adapter can attach to: "
         "a matrix into or out of the model width (embed)",
