@@ -16,6 +16,7 @@ critics shared by every agent (``make_train(..., agents=...)``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -156,9 +157,16 @@ def make_actor(config: SACConfig, env, env_params, agents: list[str] | None = No
     """The tanh-squashed Gaussian actor for ``env``'s Box actions; with ``agents``, one actor
     shared by all of them (which must have one observation shape and one action space)."""
     spaces = env.action_space(env_params)
-    head = shared_action_head(env, env_params, config.policy) if agents else action_head(spaces, config.policy)
+    policy = dataclasses.replace(config.policy, squash="clip")  # SAC's squash is tanh, set below once bounds are known
+    head = shared_action_head(env, env_params, policy) if agents else action_head(spaces, policy)
     if not isinstance(head, BoxActions):
         raise ConfigError(f"SAC needs a continuous (Box) action space, got {spaces!r}", key="algo")
+    if not all(math.isfinite(bound) for bound in (*head.low, *head.high)):
+        raise ConfigError(
+            f"SAC squashes its actions with tanh into the action box, which needs finite bounds; got "
+            f"low={head.low} high={head.high} (wrap the environment to rescale its actions from a bounded box)",
+            key="algo",
+        )
     return Actor(dataclasses.replace(head, log_std="state_dependent", squash="tanh"), config.policy)
 
 

@@ -64,6 +64,14 @@ def test_config_validation():
         load_config(RLConfig, CONFIGS / "sac_pendulum.yaml", ["env.id=MPE-simple_spread-continuous"])
     with pytest.raises(ConfigError, match="one action space"):  # a listener's and a speaker's differ
         load_config(RLConfig, isac, ["env.id=MPE-simple_speaker_listener-continuous"])
+    # tanh squashes into the action box: unbounded actions are refused as SAC's (policy.squash is not SAC's to set)
+    pendulum = load_config(RLConfig, CONFIGS / "sac_pendulum.yaml")
+    env, env_params = ember.envs.make_from_config(pendulum.env)
+    unbounded = ember.envs.wrappers.Wrapper(env)
+    unbounded.action_space = lambda params: ember.envs.spaces.Box(-np.inf, np.inf, (1,))
+    with pytest.raises(ConfigError, match=r"SAC squashes its actions with tanh.*finite bounds") as error:
+        make_actor(pendulum.sac, unbounded, env_params)
+    assert error.value.key == "algo"
     # ISAC stores one replay item per agent: 3 agents' learning_starts must fit the buffer 3 times.
     with pytest.raises(ConfigError, match=r"must fit in buffer_size \(3000 replay items\)") as error:
         load_config(RLConfig, isac, ["sac.learning_starts=1001", "sac.buffer_size=3000"])
