@@ -7,7 +7,8 @@
 
 Nothing is downloaded and ``transformers`` is not needed: ``tokenizer.json`` carries the
 model, normaliser, pre-tokeniser and post-processor (which adds BOS where the model's tokenizer
-does); ``tokenizer_config.json`` names the special tokens and holds the ``chat_template``.
+does); ``tokenizer_config.json`` names the special tokens and holds the ``chat_template`` (or, as
+``transformers`` saves it since 4.50, ``chat_template.jinja`` beside it, which wins).
 ``describe()`` carries the whole ``tokenizer.json`` so an exported artifact needs no directory.
 """
 
@@ -21,6 +22,10 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import DataError, PathNotFoundError
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""The file ``transformers`` (4.50 on) saves a tokenizer's single chat template in, instead of
+``tokenizer_config.json``'s ``chat_template``."""
 
 
 class HFTokenizer:
@@ -93,6 +98,12 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         if (path / name).is_file():
             config.update(json.loads((path / name).read_text()))
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates, [{"name", "template"}, ...]: transformers uses "default"
+        template = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        config["chat_template"] = template.get("default")
+    if (path / CHAT_TEMPLATE_FILE).is_file():  # where transformers saves it now; it wins, as there
+        config["chat_template"] = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     return HFTokenizer((path / "tokenizer.json").read_text(), config)
 
 

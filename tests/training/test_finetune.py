@@ -35,6 +35,7 @@ COMMON = {
     "checkpoint": {"every": 1000},
     "base_model": {"attention_impl": "xla"},
 }
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
 ROUTER = {"load_balance": 0.01, "router_z": 0.0}
 """The router loss weights method mixlora requires."""
 
@@ -42,7 +43,9 @@ ROUTER = {"load_balance": 0.01, "router_z": 0.0}
 @pytest.fixture(scope="module")
 def problem(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
-    return write_base_model(root / "base"), write_examples(root / "train.jsonl"), root
+    base = write_base_model(root / "base")
+    (base / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # where transformers saves one now
+    return base, write_examples(root / "train.jsonl"), root
 
 
 def config_for(problem, name, **sections):
@@ -110,6 +113,7 @@ def test_exports_load_in_peft_and_transformers_with_ember_logits(lora_run, probl
     adapter_config = json.loads((trainer.run_dir / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(problem[0])
     assert (trainer.run_dir / "merged" / "tokenizer.json").is_file()
+    assert (trainer.run_dir / "merged" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
 
 
 def test_qlora_keeps_the_base_nf4_and_learns(problem):

@@ -86,6 +86,32 @@ def test_hf_chat_template_matches_transformers(tmp_path):
     assert trained == [*ours.encode("moo", add_special_tokens=False).tolist(), ours.eos_id]
 
 
+def test_a_chat_template_saved_by_transformers_is_the_one_used(tmp_path):
+    """transformers (4.50 on) saves a single template as chat_template.jinja, not in
+    tokenizer_config.json, and reads it back over the config's; a list of named templates
+    means its "default". Both were missed: the conversation fell back to plain_chat."""
+    transformers = pytest.importorskip("transformers")
+    write_tokenizer(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    theirs.chat_template = CHAT_TEMPLATE
+    theirs.save_pretrained(tmp_path / "saved")
+    (tmp_path / "saved" / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # whatever this version saved
+    config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ 'stale' }}"  # the file wins, as in transformers
+    (tmp_path / "saved" / "tokenizer_config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    messages = [{"role": "user", "content": "what does the cow say ?"}, {"role": "assistant", "content": "moo"}]
+    expected = theirs.apply_chat_template(messages, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    ours = load_hf_tokenizer(tmp_path / "saved")
+    assert ours.chat_template == CHAT_TEMPLATE
+    assert tokenize_example({"messages": messages}, ours).tokens.tolist() == expected
+    (tmp_path / "saved" / "chat_template.jinja").unlink()
+    named = [{"name": "tool_use", "template": "{{ 'tools' }}"}, {"name": "default", "template": CHAT_TEMPLATE}]
+    (tmp_path / "saved" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    assert load_hf_tokenizer(tmp_path / "saved").chat_template == CHAT_TEMPLATE
+
+
 def test_resumed_iterator_repeats_and_processes_split_rows(tmp_path):
     lines = [{"prompt": f"p{i}", "completion": "c" * (i % 5 + 1)} for i in range(23)]
     path = tmp_path / "train.jsonl"

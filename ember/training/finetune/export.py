@@ -16,12 +16,19 @@ from typing import Any
 
 import jax
 
+from ember.core.hf_tokenizer import CHAT_TEMPLATE_FILE
 from ember.models import hf
 from ember.models.adapters import merged_weights
 from ember.models.hf.peft import save_peft_adapter
 from ember.training.finetune.config import MODEL_TYPES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    CHAT_TEMPLATE_FILE,
+)
 
 
 def export_hook(task: Any) -> Callable[[Any], None]:
