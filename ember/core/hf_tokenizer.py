@@ -70,7 +70,12 @@ class HFTokenizer:
             raise DataError("this tokenizer has no chat_template (tokenizer_config.json)")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # transformers' environment: loop controls ({% break %}) and a tojson that neither sorts
+        # keys nor escapes HTML characters or non-ASCII text (Jinja's own does all three).
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_template_error
         special = {name: self._config.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         special = {k: v.get("content") if isinstance(v, dict) else v for k, v in special.items()}
@@ -105,6 +110,13 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
     if (path / CHAT_TEMPLATE_FILE).is_file():  # where transformers saves it now; it wins, as there
         config["chat_template"] = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     return HFTokenizer((path / "tokenizer.json").read_text(), config)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+):
+    """The ``tojson`` filter of transformers' chat templates: ``json.dumps`` with these defaults."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

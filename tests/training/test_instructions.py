@@ -112,6 +112,25 @@ def test_a_chat_template_saved_by_transformers_is_the_one_used(tmp_path):
     assert load_hf_tokenizer(tmp_path / "saved").chat_template == CHAT_TEMPLATE
 
 
+def test_chat_templates_render_in_transformers_environment(tmp_path):
+    """Loop controls ({% break %}) and transformers' tojson (no key sorting, no HTML or
+    non-ASCII escapes), as apply_chat_template renders them."""
+    transformers = pytest.importorskip("transformers")
+    write_tokenizer(tmp_path)
+    template = (
+        "{% for m in messages %}{% if m['content'] == 'stop' %}{% break %}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] | tojson }} {{ {'z': 1, 'a': m['role']} | tojson }}\n{% endfor %}"
+    )
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    messages = [{"role": "user", "content": "a <b> & 'c' \u00e9"}, {"role": "assistant", "content": "stop"},
+                {"role": "user", "content": "never"}]  # fmt: skip
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    expected = theirs.apply_chat_template(messages, tokenize=False)
+    assert load_hf_tokenizer(tmp_path).render_chat(messages) == expected
+    assert expected == 'user: "a <b> & \'c\' \u00e9" {"z": 1, "a": "user"}\n'
+
+
 def test_resumed_iterator_repeats_and_processes_split_rows(tmp_path):
     lines = [{"prompt": f"p{i}", "completion": "c" * (i % 5 + 1)} for i in range(23)]
     path = tmp_path / "train.jsonl"
