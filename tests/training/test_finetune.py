@@ -170,6 +170,7 @@ def test_full_finetuning_with_muon_learns(problem):
         ({"adapter": {"targets": ["experts"]}}, "adapter.targets"),
         ({"adapter": {"rank": 0}}, "adapter.rank"),
         ({"data": {"eval_fraction": 0.5}}, "data.eval_fraction"),
+        ({"data": {"seed": -1}}, "data.seed"),
         ({"base_model": {"quantize": "int3"}}, "base_model.quantize"),
         ({"base_model": {"quantize": "nf4", "quantize_group_size": 24}}, "base_model.quantize_group_size"),
         ({"base_model": {"quantize": "nf4"}, "method": "full"}, "base_model.quantize"),

@@ -134,6 +134,18 @@ def test_iterator_resume_is_exact():
         PackedBatches(stream, seq_len=32, global_batch=8, seed=7).restore(saved)
 
 
+def test_a_negative_data_seed_is_a_config_error_not_a_crash_at_the_first_batch():
+    """NumPy's default_rng([seed, epoch]) refuses a negative seed: the iterator raised ValueError
+    ('expected non-negative integer') at the first batch, after compiling."""
+    from ember.core.config import load_config
+    from ember.core.errors import ConfigError
+    from ember.training.lm.config import LMConfig
+
+    with pytest.raises(ConfigError, match=r"data\.seed must be a non-negative integer, got -1") as error:
+        load_config(LMConfig, None, ["data.seed=-1"])
+    assert error.value.key == "data.seed"
+
+
 def test_evaluation_pass_counts_every_window_once():
     stream = stream_of(1 + 8 * 11)  # 11 windows: two global batches of 8, the second padded
     whole = PackedBatches(stream, seq_len=8, global_batch=8, shuffle=False)

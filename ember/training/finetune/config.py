@@ -30,7 +30,7 @@ from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
 from ember.models.quantization import QuantizeConfig
 from ember.training.config import CheckpointConfig, LoggingConfig
-from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, run_identity
+from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, check_data_seed, run_identity
 from ember.training.optimizers import OptimConfig
 
 METHODS: tuple[str, ...] = ("lora", "mixlora", "full")
@@ -106,6 +106,7 @@ class FinetuneDataConfig:
             )
         if self.eval and self.eval_fraction:
             raise ConfigError("set data.eval or data.eval_fraction, not both", key="data.eval_fraction")
+        check_data_seed(self.seed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,6 +84,16 @@ class DataConfig:
     seed: int = 0
     arithmetic: ArithmeticCorpusConfig = dataclasses.field(default_factory=ArithmeticCorpusConfig)
 
+    def __post_init__(self):
+        check_data_seed(self.seed)
+
+
+def check_data_seed(seed: int) -> None:
+    """``data.seed`` seeds NumPy's shuffles (``default_rng([seed, epoch])``), which take no
+    negative seed: a ``ConfigError`` keyed ``data.seed`` now, not a ``ValueError`` at the first batch."""
+    if seed < 0:
+        raise ConfigError(f"data.seed must be a non-negative integer, got {seed}", key="data.seed")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainLoopConfig(LoopConfig):
