@@ -58,7 +58,15 @@ def plot_runs(run_dirs: list[Path], out: Path, metrics: list[str] | None = None)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix and out.suffix[1:].lower() not in formats:
+        raise ConfigError(
+            f"--out {out}: matplotlib cannot write {out.suffix!r} files; use one of "
+            f"{', '.join('.' + name for name in sorted(formats))}",
+            key="--out",
+        )
     runs = {str(run_dir): metric_series(run_dir) for run_dir in run_dirs}
     names = metrics or sorted({panel_of(name) for series in runs.values() for name in series})
     missing = [name for name in names if not any(_entries(series, name) for series in runs.values())]

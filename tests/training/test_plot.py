@@ -45,6 +45,10 @@ def test_plot_command_writes_a_png(tmp_path, capsys):
     assert "no values for metric(s) reward; available: loss, val_loss" in capsys.readouterr().err  # errors: stderr
     with pytest.raises(FileNotFoundError, match=re.escape("no metrics.jsonl")):
         metric_series(tmp_path / "missing")
+    # An --out suffix matplotlib cannot write was a ValueError traceback (after drawing).
+    assert main(["plot", str(tmp_path / "a"), "--out", str(tmp_path / "curves.txt")]) == 2
+    assert "--out" in (err := capsys.readouterr().err) and "'.txt'" in err and ".png" in err
+    assert not (tmp_path / "curves.txt").exists()
 
 
 def test_metrics_truncate_after_a_resume_point(tmp_path):
