@@ -232,6 +232,7 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
             lr,
             ns_steps=config.muon_ns_steps,
             beta=config.muon_beta,
+            eps=config.eps,
             weight_decay=config.weight_decay,
             weight_decay_mask=decay_mask,
             adam_b1=config.b1,

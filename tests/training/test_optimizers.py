@@ -215,6 +215,17 @@ def test_muon_orthogonalises_the_linear_maps_and_matches_optax():
     assert losses[-1] < losses[0]
 
 
+def test_muon_takes_optim_eps_for_its_adam_part():
+    """optim.eps is documented as the Adam part's for Muon; it was not passed to optax's muon."""
+    params = {"embed": {"embedding": jax.random.normal(jax.random.key(0), (5, 8))}}  # an Adam-side parameter
+    config = OptimConfig(name="muon", lr=0.05, eps=0.5, weight_decay=0.0, clip_norm=0.0,
+                         schedule=ScheduleConfig("constant"))  # fmt: skip
+    ours, _ = _quadratic_steps(make_optimizer(config, 10), params, steps=2)
+    # optax's muon runs its Adam part with Nesterov momentum (its nesterov=True default).
+    theirs, _ = _quadratic_steps(optax.adam(0.05, b1=0.9, b2=0.95, eps=0.5, nesterov=True), params, steps=2)
+    jax.tree.map(assert_allclose, ours, theirs)
+
+
 def test_galore_projects_unstacked_matrices_and_refuses_stacked_ones():
     params = _matrix_params(stacked=False)
     config = OptimConfig(name="galore", lr=0.05, weight_decay=0.0, clip_norm=0.0, galore_rank=2,
