@@ -102,6 +102,7 @@ class OptimConfig:
             "clip_norm": (self.clip_norm >= 0, ">= 0 (0 turns clipping off)"),
             "b1": (0 <= self.b1 < 1, "in [0, 1)"),
             "b2": (0 <= self.b2 < 1, "in [0, 1)"),
+            "momentum": (0 <= self.momentum < 1, "in [0, 1) (0 turns momentum off)"),
             "eps": (self.eps >= 0, ">= 0"),
             "muon_beta": (0 <= self.muon_beta < 1, "in [0, 1)"),
             "galore_scale": (self.galore_scale > 0, "> 0"),

@@ -158,6 +158,8 @@ def test_config_errors_name_the_key():
         ("b2=-3", "optim.b2 must be a finite number in [0, 1), got -3.0"),
         ("eps=-1", "optim.eps must be a finite number >= 0, got -1.0"),
         ("muon_beta=1", "optim.muon_beta must be a finite number in [0, 1), got 1.0"),
+        ("momentum=1.5", "optim.momentum must be a finite number in [0, 1) (0 turns momentum off), got 1.5"),
+        ("momentum=-0.5", "optim.momentum must be a finite number in [0, 1) (0 turns momentum off), got -0.5"),
     ],
 )
 def test_each_bad_value_is_named_with_its_own_key_value_and_range(override, message):
