@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as omegaconf_errors
 
@@ -143,6 +144,19 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(
             f"could not parse overrides {list(overrides)}: {error.msg}; expected {_OVERRIDE_FORM}"
         ) from None
+    except yaml.YAMLError:  # a value YAML cannot read: name the override
+        for item in overrides:
+            try:
+                OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as error:
+                key, _, value = item.partition("=")
+                problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+                raise ConfigError(
+                    f"override {item!r}: the value {value!r} is not valid YAML ({problem}); a mapping needs "
+                    "a space after each colon ({a: 1}), a list its closing bracket, a quote its closing quote",
+                    key=key,
+                ) from None
+        raise
 
 
 def check_keys(schema: type, data: Any, *, origin: str = "config", prefix: str = "") -> None:

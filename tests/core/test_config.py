@@ -115,6 +115,20 @@ def test_malformed_override_shows_the_expected_form(override):
     assert f"malformed override {override!r}: expected key.sub=value" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("sharding.rules={vocab:[]}", "sharding.rules"), ("train.freeze=[a,b", "train.freeze"), ('run_dir="x', "run_dir")],
+)
+def test_an_override_whose_value_is_not_yaml_is_named(override, key):
+    # Before, YAML's own ScannerError / ParserError escaped: a traceback from 'ember train'.
+    with pytest.raises(ConfigError) as info:
+        parse_overrides(["train.steps=3", override])
+    assert info.value.key == key
+    assert str(info.value).startswith(
+        f"override {override!r}: the value {override.split('=', 1)[1]!r} is not valid YAML"
+    )
+
+
 def test_schema_validation_errors_pass_through_with_their_key():
     with pytest.raises(ConfigError) as info:
         load_config(ExperimentConfig, None, ["optim.lr=-1"])
