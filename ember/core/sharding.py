@@ -143,8 +143,8 @@ def logical_rules(overrides: Mapping[str, str | Sequence[str] | None] | None = N
     """The default rules with ``overrides`` applied (``{"vocab": []}`` replicates vocab).
 
     Raises:
-      ConfigError: for a logical name outside :data:`LOGICAL_AXES` or a mesh axis outside
-        :data:`MESH_AXES`.
+      ConfigError: for a logical name outside :data:`LOGICAL_AXES`, a mesh axis outside
+        :data:`MESH_AXES` or one named twice in a rule.
     """
     rules = dict(DEFAULT_RULES)
     for name, axes in (overrides or {}).items():
@@ -160,6 +160,10 @@ def logical_rules(overrides: Mapping[str, str | Sequence[str] | None] | None = N
                     f"sharding rule for '{name}' names mesh axis '{axis}'; valid: {', '.join(MESH_AXES)}",
                     key=f"sharding.rules.{name}",
                 )
+        if len(set(axes)) < len(axes):  # a PartitionSpec may name a mesh axis once
+            raise ConfigError(
+                f"sharding rule for '{name}' names a mesh axis twice: {list(axes)}", key=f"sharding.rules.{name}"
+            )
         rules[name] = axes
     return tuple(rules.items())
 

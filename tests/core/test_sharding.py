@@ -100,6 +100,10 @@ def test_rules_and_specs():
         logical_rules({"vocabulary": []})
     with pytest.raises(ConfigError, match="names mesh axis 'model'"):
         logical_rules({"vocab": ["model"]})
+    # Before, accepted: jit then failed with JAX's DuplicateSpecError traceback.
+    with pytest.raises(ConfigError, match=re.escape("names a mesh axis twice: ['data', 'data']")) as info:
+        logical_rules({"batch": ["data", "data"]})
+    assert info.value.key == "sharding.rules.batch"
     with pytest.raises(ValueError, match="logical axis 'hidden' has no sharding rule"):
         logical_to_spec(("hidden",))
 
