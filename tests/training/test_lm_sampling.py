@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ember.core.errors import ConfigError
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
-from ember.serving.requests import SamplingParams
+from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.training.lm.config import SampleConfig
 from ember.training.lm.sampling import sample_text
 from tests.host_random import perturbed
@@ -97,3 +98,12 @@ def test_bad_prompts_are_named(model_and_params):
         sample_text(model, params, ByteTokenizer(), SampleConfig(prompts=("a", "")))
     with pytest.raises(ValueError, match=r"sample.prompts\[1\] has 33 tokens, more than the model's max_seq_len=32"):
         sample_text(model, params, ByteTokenizer(), SampleConfig(prompts=("a", "a" * 33), max_tokens=1))
+
+
+def test_a_sample_seed_whose_last_prompt_would_overflow_is_refused_on_load():
+    """Prompt i samples with seed + i; a seed the engine accepts for prompt 0 but not for the last
+    prompt raised ValueError at the end of the run, after training, with no summary written."""
+    SampleConfig(prompts=("a", "b"), seed=MAX_SEED - 1)
+    with pytest.raises(ConfigError, match=rf"sample\.seed must be at most {MAX_SEED - 1}, got {MAX_SEED}") as info:
+        SampleConfig(prompts=("a", "b"), seed=MAX_SEED)
+    assert info.value.key == "sample.seed"

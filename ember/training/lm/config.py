@@ -22,7 +22,7 @@ from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
 from ember.models.config import ModelConfig
-from ember.serving.requests import SamplingParams
+from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.data.arithmetic import arithmetic_corpus_dir
 from ember.training.optimizers import OptimConfig
@@ -144,6 +144,12 @@ class SampleConfig:
                 raise ConfigError(f"sample.{error}", key=f"sample.{name}") from None
         if not all(self.prompts):
             raise ConfigError("sample.prompts must not contain empty strings", key="sample.prompts")
+        if self.prompts and self.seed + len(self.prompts) - 1 > MAX_SEED:  # prompt i draws with seed + i
+            raise ConfigError(
+                f"sample.seed + i seeds prompt i: with {len(self.prompts)} prompts sample.seed must be at most "
+                f"{MAX_SEED - len(self.prompts) + 1}, got {self.seed}",
+                key="sample.seed",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
