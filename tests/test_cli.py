@@ -58,3 +58,9 @@ def test_peak_flops_known_for_accelerators_and_none_on_cpu():
     assert peak_flops_per_device() is None  # CPU: no MFU is reported
     assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")) == 989e12
     assert peak_flops_per_device(SimpleNamespace(device_kind="TPU v5 lite")) == 197e12
+    # Before, "NVIDIA L40S" matched "l4" (121 TFLOP/s: MFU three times too high) and the PCIe H100
+    # the SXM part's 989.
+    assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA L40S")) == 362e12
+    assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA L40")) == 181e12
+    assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA L4")) == 121e12
+    assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA H100 PCIe")) == 756e12

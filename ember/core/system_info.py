@@ -20,12 +20,16 @@ _PALLAS_LOWERINGS: dict[str, tuple[str, str, float | None]] = {
 }
 
 
-# Dense bf16 peak FLOP/s by device kind (datasheet values; MFU is reported against these).
+# Dense bf16 peak FLOP/s by device kind (datasheet values; MFU is reported against these). The
+# first name the kind contains wins: a variant comes before the name it extends ("l40s" holds "l4").
 _PEAK_BF16_FLOPS: dict[str, float] = {
+    "h100 pcie": 756e12,
     "h100": 989e12,
     "h200": 989e12,
     "h800": 989e12,
     "a100": 312e12,
+    "l40s": 362e12,
+    "l40": 181e12,
     "l4": 121e12,
     "tpu v4": 275e12,
     "tpu v5 lite": 197e12,
