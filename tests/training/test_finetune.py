@@ -297,3 +297,31 @@ def test_a_resumed_lora_run_continues_the_same_trajectory(problem):
         return {entry["step"]: entry["loss"] for entry in lines if "loss" in entry}
 
     assert losses("parts") == losses("whole") and len(losses("whole")) == 6
+
+
+def test_a_lora_run_resumes_with_base_model_scan_layers_changed(problem):
+    """base_model.scan_layers is a runtime setting (a resume may change it), but the fine-tuning
+    task read a checkpoint only in its own layout: orbax refused the tree (params.layers
+    missing) with a traceback. Resumed unscanned, the run continues the scanned trajectory."""
+    sections = dict(adapter={"rank": 2, "targets": ["q", "v"]}, optim={"lr": 1e-2, "schedule": {"kind": "constant"}},
+                    export={"peft": False}, train={"log_every": 1, "eval_batches": 0})  # fmt: skip
+
+    def config(name, steps, *changes):
+        values = {**sections, "train": {**sections["train"], "steps": steps}}
+        return config_for(problem, name, **values, base_model={**COMMON["base_model"], **dict(changes)})
+
+    whole = config("scan_whole", 4)
+    make_trainer(whole, task=FinetuneTask(whole)).train()
+    first = config("scan_parts", 2)
+    make_trainer(first, task=FinetuneTask(first)).train()
+    rest = config("scan_parts", 4, ("scan_layers", False))
+    resumed = make_trainer(rest, resume=True, task=FinetuneTask(rest))
+    assert "group_0" in resumed.state.params and int(resumed.state.step) == 2
+    resumed.train()
+
+    def losses(run):
+        lines = [json.loads(line) for line in (problem[2] / run / "metrics.jsonl").read_text().splitlines()]
+        return [entry["loss"] for entry in lines if "loss" in entry]
+
+    assert len(losses("scan_parts")) == 4
+    assert_allclose(np.array(losses("scan_parts")), np.array(losses("scan_whole")), dtype=np.float32, scale=20)
