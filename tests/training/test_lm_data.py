@@ -68,6 +68,26 @@ def test_prepare_and_open(tmp_path):
     assert meta_subset["splits"]["val"]["documents"] == len([n for n in val_names if int(n[3:6]) < 30])
 
 
+def test_two_preparations_of_one_directory_at_once_both_finish(tmp_path):
+    """Processes of one run prepare a cold shared cache (the stdlib corpus) at the same time.
+    They wrote the same temporary names: the first renamed the second's file away, which then
+    failed with FileNotFoundError. Here the second preparation runs inside the first's."""
+    documents = [(f"doc{i}.py", f"print({i})\n" * 50) for i in range(40)]
+
+    def with_another_preparation():
+        for index, document in enumerate(documents):
+            if index == 20:
+                prepare_token_files(iter(documents), tmp_path, val_fraction=0.1)
+            yield document
+
+    prepare_token_files(with_another_preparation(), tmp_path, val_fraction=0.1)
+    dataset = TokenDataset.open(tmp_path)
+    expected = np.concatenate([ByteTokenizer().encode(t, add_eos=True) for n, t in documents
+                               if not validation_split(n, 0.1)])  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(dataset.train), expected)
+    assert not list(tmp_path.glob("*.partial"))
+
+
 def test_open_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"not a prepared dataset .* 'ember data prepare"):
         TokenDataset.open(tmp_path)

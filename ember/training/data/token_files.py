@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -69,7 +70,10 @@ def prepare_token_files(
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = hashlib.sha256()
     counts = {split: {"tokens": 0, "documents": 0} for split in SPLITS}
-    temporary = {split: out_dir / f".{split}.bin.partial" for split in SPLITS}
+    # Names of this call's own: processes of one run preparing a shared cache at once (each
+    # process opens the stdlib corpus) each write whole files and rename them into place.
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    temporary = {split: out_dir / f".{split}.bin.{tag}.partial" for split in SPLITS}
     handles = {split: open(path, "wb") for split, path in temporary.items()}
     try:
         for name, text in documents:
@@ -96,7 +100,7 @@ def prepare_token_files(
         "fingerprint": fingerprint.hexdigest(),
         "val_fraction": val_fraction,
     }
-    partial_meta = out_dir / f".{META_FILE}.partial"
+    partial_meta = out_dir / f".{META_FILE}.{tag}.partial"
     partial_meta.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(partial_meta, out_dir / META_FILE)
     return meta
