@@ -325,3 +325,17 @@ def test_a_lora_run_resumes_with_base_model_scan_layers_changed(problem):
 
     assert len(losses("scan_parts")) == 4
     assert_allclose(np.array(losses("scan_parts")), np.array(losses("scan_whole")), dtype=np.float32, scale=20)
+
+
+def test_lora_ga_gradient_batches_are_the_global_batches_on_every_process(problem, monkeypatch):
+    """LoRA-GA's batches travel into the jitted initialisation as one argument, which JAX takes as
+    the same on every process; each process passed its own rows, so in a multi-process run the
+    processes initialised the adapters from different gradients."""
+    config = config_for(problem, "ga", adapter={"init": "lora_ga", "ga_batches": 2})
+    single = FinetuneTask(config).pretrained()["ga_batches"]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    second_of_two = FinetuneTask(config).pretrained()["ga_batches"]
+    assert single["tokens"].shape == (2, 8, 32)
+    for name, value in single.items():
+        np.testing.assert_array_equal(second_of_two[name], value, err_msg=name)

@@ -70,7 +70,9 @@ class FinetuneTask(Task):
         """The base weights (and model state), plus LoRA-GA's gradient batches."""
         weights = {"params": self.base_params, "state": self.base_state}
         if self.config.method == "lora" and self.config.adapter.init == "lora_ga":
-            batches = self._batches(self.examples, shuffle=True)
+            # Whole global batches, the same on every process: the initialisation takes them as
+            # one replicated argument (a process's own rows would give each process other adapters).
+            batches = self._batches(self.examples, shuffle=True, whole=True)
             stacked = [batches.next() for _ in range(self.config.adapter.ga_batches)]
             weights["ga_batches"] = jax.tree.map(lambda *xs: np.stack(xs), *stacked)
         return weights
@@ -153,15 +155,16 @@ class FinetuneTask(Task):
         dropout = step is not None and self.config.method != "full" and self.config.adapter.dropout > 0
         return lm_loss(params, batch, model=self.model, model_state=model_state, dropout_rng=rng if dropout else None)
 
-    def _batches(self, examples, *, shuffle: bool) -> InstructionBatches:
+    def _batches(self, examples, *, shuffle: bool, whole: bool = False) -> InstructionBatches:
+        """This process's rows of each global batch (``whole``: every row)."""
         return InstructionBatches(
             examples,
             seq_len=self.config.train.seq_len,
             global_batch=self.config.train.batch_size,
             seed=self.config.data.seed,
             shuffle=shuffle,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
+            process_index=0 if whole else jax.process_index(),
+            process_count=1 if whole else jax.process_count(),
         )
 
     def train_data(self) -> InstructionBatches:
