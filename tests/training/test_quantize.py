@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ember.cli import main
-from ember.core.config import load_config
+from ember.core.config import load_config, to_yaml
 from ember.core.errors import ConfigError
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import QuantizeConfig
@@ -229,3 +229,25 @@ def test_a_fine_tuned_run_of_a_hugging_face_base_keeps_the_base_s_tokenizer(tmp_
     prompt = "what does the cow say ?"
     assert loaded.tokenizer.encode(prompt).tolist() == load_hf_tokenizer(tmp_path / "base").encode(prompt).tolist()
     assert loaded.eos_ids == (EOS,)
+
+
+def test_a_run_on_a_built_in_corpus_is_calibrated_on_that_corpus(tmp_path, monkeypatch):
+    """A run's config names its data as ``data.dataset``; for a built-in corpus other than the
+    stdlib (``arithmetic``, the GRPO demo's pretraining) that is a name, not a directory, and
+    'ember quantize RUN' failed: "arithmetic is not a prepared dataset"."""
+    from ember.core.tokenizer import ByteTokenizer
+    from ember.serving.loading import LoadedModel
+    from ember.training.data import TokenDataset
+    from ember.training.quantization.ptq import _run_dataset, token_splits
+
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
+    config = load_config(LMConfig, None, ["data.dataset=arithmetic", "data.arithmetic.max_operand=30"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(config))
+    loaded = LoadedModel(config.model, None, ByteTokenizer(), (ByteTokenizer.eos_id,))
+    calibration, validation = token_splits(loaded, None, EvalConfig(seq_len=8, calibration_windows=2, eval_windows=2),
+                                           _run_dataset(run))  # fmt: skip
+    corpus = TokenDataset.open(config.data.arithmetic.directory(config.data.seed))
+    np.testing.assert_array_equal(calibration.reshape(-1), corpus.train[:18])
+    np.testing.assert_array_equal(validation.reshape(-1), corpus.val[:18])

@@ -29,7 +29,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import read_key, to_dict
+from ember.core.config import from_yaml, read_key, to_dict
 from ember.core.errors import ConfigError, DataError
 from ember.core.hf_tokenizer import HFTokenizer
 from ember.core.tokenizer import ByteTokenizer
@@ -46,6 +46,8 @@ from ember.models.variables import as_variables
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.data import TokenDataset, stdlib_corpus_dir
 from ember.training.data.corpus import stdlib_documents
+from ember.training.lm.config import LMConfig
+from ember.training.lm.task import BUILTIN_DATASETS
 from ember.training.task import next_token_kl, next_token_loss
 
 
@@ -70,12 +72,12 @@ def token_splits(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(calibration [n_cal, seq_len + 1], validation [n_eval, seq_len + 1])`` int32 windows:
     from ``text`` (its first and second halves), else from the prepared byte-level ``dataset``
-    (its train and validation splits; default the stdlib corpus) for a byte-level model, else
-    from the stdlib sources' text."""
+    directory (its train and validation splits; default the stdlib corpus) for a byte-level
+    model, else from the stdlib sources' text."""
     need = (windows.seq_len + 1) * max(windows.calibration_windows, windows.eval_windows)
     tokenizer = loaded.tokenizer
     if text is None and isinstance(tokenizer, ByteTokenizer):
-        prepared = TokenDataset.open(stdlib_corpus_dir() if dataset in (None, "stdlib") else dataset)
+        prepared = TokenDataset.open(stdlib_corpus_dir() if dataset is None else dataset)
         train, val = np.asarray(prepared.train[:need]), np.asarray(prepared.val[:need])
     else:
         if tokenizer is None:
@@ -95,13 +97,14 @@ def token_splits(
     )
 
 
-def _run_dataset(source: Path) -> str | None:
-    """The prepared dataset an Ember LM run trained on (``data.dataset`` of its config.yaml)."""
+def _run_dataset(source: Path) -> Path | None:
+    """The directory of the prepared dataset an Ember LM run trained on (its config.yaml's
+    ``data``: a built-in corpus, such as ``arithmetic`` with its settings, or a directory)."""
     config = source / "config.yaml"
     if not config.is_file() or read_key(config, "kind") not in (None, "lm"):
         return None
-    data = read_key(config, "data") or {}
-    return data.get("dataset")
+    data = from_yaml(LMConfig, config.read_text()).data
+    return BUILTIN_DATASETS.get(data.dataset, lambda _: Path(data.dataset))(data)
 
 
 def _stdlib_text(chars: int) -> str:
