@@ -39,7 +39,11 @@ class HFTokenizer:
         self.bos_id = self._special_id("bos_token")
         self.eos_id = self._special_id("eos_token")
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.chat_template: str | None = self._config.get("chat_template")
+        template = self._config.get("chat_template")
+        if isinstance(template, list):  # named templates, [{"name", "template"}, ...]: transformers uses "default"
+            template = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+            template = template.get("default")
+        self.chat_template: str | None = template
 
     def _special_id(self, name: str) -> int | None:
         token = self._config.get(name)
@@ -103,10 +107,6 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         if (path / name).is_file():
             config.update(json.loads((path / name).read_text()))
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates, [{"name", "template"}, ...]: transformers uses "default"
-        template = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
-        config["chat_template"] = template.get("default")
     if (path / CHAT_TEMPLATE_FILE).is_file():  # where transformers saves it now; it wins, as there
         config["chat_template"] = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     return HFTokenizer((path / "tokenizer.json").read_text(), config)

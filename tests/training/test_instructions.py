@@ -9,7 +9,7 @@ import pytest
 
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.hf_tokenizer import load_hf_tokenizer
-from ember.core.tokenizer import ByteTokenizer
+from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 from ember.training.data.instructions import (
     InstructionBatches,
     pack_examples,
@@ -109,7 +109,11 @@ def test_a_chat_template_saved_by_transformers_is_the_one_used(tmp_path):
     (tmp_path / "saved" / "chat_template.jinja").unlink()
     named = [{"name": "tool_use", "template": "{{ 'tools' }}"}, {"name": "default", "template": CHAT_TEMPLATE}]
     (tmp_path / "saved" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
-    assert load_hf_tokenizer(tmp_path / "saved").chat_template == CHAT_TEMPLATE
+    named_tokenizer = load_hf_tokenizer(tmp_path / "saved")
+    assert named_tokenizer.chat_template == CHAT_TEMPLATE
+    # The description keeps the list as saved (a quantized copy writes it back to tokenizer_config.json).
+    assert named_tokenizer.describe()["config"]["chat_template"] == named
+    assert tokenizer_from_description(named_tokenizer.describe()).chat_template == CHAT_TEMPLATE
 
 
 def test_chat_templates_render_in_transformers_environment(tmp_path):
