@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.core.integers import is_integer
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -103,11 +104,14 @@ def _parsed_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
         if not line.strip():
             continue
         try:
-            parsed.append((line, json.loads(line)))
+            record = json.loads(line)
         except json.JSONDecodeError as error:
             if number == len(lines) and not text.endswith("\n"):
                 break
             raise DataError(f"{path} line {number} is not a JSON record: {error}") from None
+        if not isinstance(record, dict) or not is_integer(record.get("step")):
+            raise DataError(f"{path} line {number} is not a metrics record (a JSON object with an integer 'step')")
+        parsed.append((line, record))
     return parsed
 
 

@@ -57,6 +57,14 @@ def test_metrics_truncate_after_a_resume_point(tmp_path):
     assert max(record["step"] for record in read_metrics(tmp_path)) == 10
 
 
+@pytest.mark.parametrize("line", ['{"loss": 1.5}', "[1, 2]", '{"step": "3", "loss": 1.0}'])
+def test_a_line_that_is_not_a_metrics_record_is_named(tmp_path, capsys, line):
+    # Before, 'ember plot' (and a resume's truncation) died with KeyError: 'step' or a TypeError.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n' + line + "\n")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "metrics.jsonl line 2 is not a metrics record" in capsys.readouterr().err
+
+
 def test_a_record_torn_by_a_killed_run_is_left_out_when_plotting_and_resuming(tmp_path):
     # Before, a last line cut short by a kill made read_metrics ('ember plot') and the resumed
     # run's truncate_after fail with a JSONDecodeError traceback.
