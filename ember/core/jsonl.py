@@ -1,4 +1,5 @@
-"""JSON Lines input: the lines of a file, and the text check its strings need.
+"""JSON Lines input: the lines of a file, and the text check its strings need (and
+:func:`utf8_text`, the UTF-8 reading it rests on, for other text inputs).
 
 A JSONL file is UTF-8 text (JSON's encoding, RFC 8259; a leading byte-order mark, which some
 editors write, is ignored as the RFC allows) of one JSON value per line. Lines end at
@@ -21,12 +22,20 @@ def jsonl_lines(path: str | Path, label: str = "") -> list[str]:
     Raises:
       DataError: the file is not UTF-8 text (the message starts with ``label``, e.g. ``"--prompts: "``).
     """
+    return utf8_text(path, label).split("\n")
+
+
+def utf8_text(path: str | Path, label: str = "") -> str:
+    """The text of the UTF-8 file at ``path`` (a leading byte-order mark dropped).
+
+    Raises:
+      DataError: the file is not UTF-8 text (the message starts with ``label``).
+    """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise DataError(f"{label}{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
-    return text.split("\n")
 
 
 def lone_surrogate(text: str) -> tuple[int, str] | None:
@@ -38,4 +47,4 @@ def lone_surrogate(text: str) -> tuple[int, str] | None:
     return None
 
 
-__all__ = ["jsonl_lines", "lone_surrogate"]
+__all__ = ["jsonl_lines", "lone_surrogate", "utf8_text"]

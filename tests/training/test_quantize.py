@@ -251,3 +251,17 @@ def test_a_run_on_a_built_in_corpus_is_calibrated_on_that_corpus(tmp_path, monke
     corpus = TokenDataset.open(config.data.arithmetic.directory(config.data.seed))
     np.testing.assert_array_equal(calibration.reshape(-1), corpus.train[:18])
     np.testing.assert_array_equal(validation.reshape(-1), corpus.val[:18])
+
+
+def test_calibration_text_that_is_not_utf8_is_a_data_error(tmp_path):
+    # Before, UnicodeDecodeError: a traceback from 'ember quantize --text'.
+    from ember.core.errors import DataError
+    from ember.core.tokenizer import ByteTokenizer
+    from ember.serving.loading import LoadedModel
+    from ember.training.quantization.ptq import token_splits
+
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("caf\u00e9 ".encode("latin-1") * 100)
+    loaded = LoadedModel(LMConfig().model, None, ByteTokenizer(), (ByteTokenizer.eos_id,))
+    with pytest.raises(DataError, match=r"latin1\.txt is not UTF-8 text"):
+        token_splits(loaded, text, EvalConfig(seq_len=8, calibration_windows=2, eval_windows=2))

@@ -32,6 +32,7 @@ from ember.core.checkpoint import CheckpointManager
 from ember.core.config import from_yaml, read_key, to_dict
 from ember.core.errors import ConfigError, DataError
 from ember.core.hf_tokenizer import HFTokenizer
+from ember.core.jsonl import utf8_text
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import (
@@ -86,7 +87,7 @@ def token_splits(
             path = Path(text)
             if not path.is_file():
                 raise DataError(f"calibration text {path} does not exist")
-            source = path.read_text(encoding="utf-8")
+            source = utf8_text(path, "--text: ")
         else:
             source = _stdlib_text(chars=8 * need)
         ids = np.asarray(tokenizer.encode(source), np.int64)
