@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.core.jsonl import utf8_text
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """The file ``transformers`` (4.50 on) saves a tokenizer's single chat template in, instead of
@@ -96,6 +97,8 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
     Raises:
       PathNotFoundError: no ``tokenizer.json`` (Ember reads the fast-tokenizer file; a
         directory with only ``tokenizer.model`` needs converting with ``transformers`` once).
+      DataError: a tokenizer file that is not UTF-8 JSON, or a ``tokenizer.json`` the
+        ``tokenizers`` package cannot read.
     """
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
@@ -106,10 +109,21 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
     config = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         if (path / name).is_file():
-            config.update(json.loads((path / name).read_text()))
+            try:
+                loaded = json.loads(utf8_text(path / name))
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path / name} is not JSON ({error})") from None
+            if not isinstance(loaded, dict):
+                raise DataError(f"{path / name} is not a JSON object")
+            config.update(loaded)
     if (path / CHAT_TEMPLATE_FILE).is_file():  # where transformers saves it now; it wins, as there
-        config["chat_template"] = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-    return HFTokenizer((path / "tokenizer.json").read_text(), config)
+        config["chat_template"] = utf8_text(path / CHAT_TEMPLATE_FILE)
+    try:
+        return HFTokenizer(utf8_text(path / "tokenizer.json"), config)
+    except Exception as error:  # the tokenizers package raises a plain Exception for a file it cannot read
+        if isinstance(error, DataError):
+            raise
+        raise DataError(f"{path / 'tokenizer.json'} is not a tokenizer the tokenizers package reads: {error}") from None
 
 
 def _tojson(

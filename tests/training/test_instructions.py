@@ -135,6 +135,22 @@ def test_chat_templates_render_in_transformers_environment(tmp_path):
     assert expected == 'user: "a <b> & \'c\' \u00e9" {"z": 1, "a": "user"}\n'
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("tokenizer_config.json", '{"eos_token": "</s>",', "tokenizer_config.json is not JSON"),
+        ("tokenizer_config.json", '["</s>"]', "tokenizer_config.json is not a JSON object"),
+        ("tokenizer.json", '{"model": 3}', "tokenizer.json is not a tokenizer the tokenizers package reads"),
+    ],
+)
+def test_a_broken_tokenizer_file_is_a_data_error_naming_it(tmp_path, name, content, message):
+    # Before, JSONDecodeError, ValueError or the tokenizers package's bare Exception: tracebacks.
+    write_tokenizer(tmp_path)
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=message):
+        load_hf_tokenizer(tmp_path)
+
+
 def test_resumed_iterator_repeats_and_processes_split_rows(tmp_path):
     lines = [{"prompt": f"p{i}", "completion": "c" * (i % 5 + 1)} for i in range(23)]
     path = tmp_path / "train.jsonl"
