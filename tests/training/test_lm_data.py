@@ -98,6 +98,11 @@ def test_open_errors(tmp_path):
         TokenDataset.open(tmp_path / "ds")
     with pytest.raises(ValueError, match="no text to prepare"):
         prepare_token_files([("a", "")], tmp_path / "empty")
+    # Before, JSONDecodeError / KeyError tracebacks from 'ember train' (data.dataset=DIR).
+    for meta in ('{"splits": {"train": ', '{"splits": {"train": {"tokens": 3}}}', "[]"):
+        (tmp_path / "ds" / "meta.json").write_text(meta)
+        with pytest.raises(DataError, match="is not the metadata 'ember data prepare' writes"):
+            TokenDataset.open(tmp_path / "ds")
 
 
 def test_a_tokenizer_without_an_end_of_document_id_is_refused(tmp_path):

@@ -124,10 +124,17 @@ class TokenDataset:
                 f"{directory} is not a prepared dataset (no {META_FILE}); create one with "
                 "'ember data prepare TEXT_FILES... --out DIR'"
             )
-        meta = json.loads(meta_path.read_text())
+        try:
+            meta = json.loads(meta_path.read_text())
+            counts = {split: int(meta["splits"][split]["tokens"]) for split in SPLITS}
+        except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError is a ValueError
+            raise DataError(
+                f"{meta_path} is not the metadata 'ember data prepare' writes ({type(error).__name__}: {error}); "
+                "prepare the directory again"
+            ) from None
         arrays = {}
         for split in SPLITS:
-            expected = meta["splits"][split]["tokens"]
+            expected = counts[split]
             path = directory / f"{split}.bin"
             arrays[split] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if expected else np.zeros(0, TOKEN_DTYPE)
             if arrays[split].size != expected:
