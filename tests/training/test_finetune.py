@@ -339,3 +339,45 @@ def test_lora_ga_gradient_batches_are_the_global_batches_on_every_process(proble
     assert single["tokens"].shape == (2, 8, 32)
     for name, value in single.items():
         np.testing.assert_array_equal(second_of_two[name], value, err_msg=name)
+
+
+JOIN_FIRST = """
+import sys
+import jax
+from jax._src import xla_bridge
+from ember.core.config import load_config
+from ember.training.launcher import KINDS
+import importlib
+
+def initialize(**_):  # stands in for jax.distributed.initialize, which refuses a started backend
+    sys.exit(0 if not xla_bridge.backends_are_initialized() else 3)
+
+jax.distributed.initialize = initialize
+kind, base, data = sys.argv[1:]
+entry = importlib.import_module(KINDS[kind])
+values = {"kind": kind, "run_dir": data + "/run", "base_model": {"path": base},
+          "data": {"train": data + "/train.jsonl"},
+          "distributed": {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 0}}
+if kind == "linearize":
+    values["data"] = {"dataset": data + "/no_dataset"}
+entry.run(load_config(entry.CONFIG_SCHEMA, values))
+sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("kind", ["finetune", "linearize"])
+def test_a_multi_process_run_joins_its_processes_before_loading_the_base(problem, kind):
+    """jax.distributed.initialize must run before anything starts a JAX backend, but these kinds
+    loaded the base model (onto a device) first and joined the processes only in make_trainer:
+    every multi-process fine-tuning or linearising run died with jax's RuntimeError."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.training.lm_runs import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-c", JOIN_FIRST, kind, str(problem[0]), str(problem[2])], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]

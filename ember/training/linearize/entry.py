@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 
+from ember.core.distributed import initialize_distributed
 from ember.core.errors import ConfigError
 from ember.core.sharding import logical_rules, make_mesh, shard_variables
 from ember.core.tree import param_count
@@ -56,6 +57,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     finished = _finished(Path(config.run_dir), config.train.steps) if resume else None
     if finished is not None and "linearized_val_loss" in finished:
         return finished
+    initialize_distributed(config.distributed)  # before the base is loaded onto a device
     base = load_base(config.base_model)
     dataset = _dataset(config.data, base)
     transfer = AttentionTransferTask(config, base, dataset)
