@@ -101,10 +101,13 @@ def test_two_processes_train_like_one_and_resume_after_kill_9_on_a_new_port(tmp_
         worker.wait(timeout=60)
     saved = CheckpointManager(tmp_path / "multi" / "checkpoints").all_steps()
     assert saved and max(saved) < 6, f"the kill should leave a partial run, found checkpoints {saved}"
-    # Rank 1 resumes against rank 0's config.yaml (process_id 0) and both meet on another port.
-    resumed = workers(free_port(), "--resume")
+    # Rank 1 resumes against rank 0's config.yaml (process_id 0) and both meet on another port. The
+    # end-of-run samples (a runtime setting) read weights sharded over both processes: rank 0 died
+    # in jax.device_put before they were gathered.
+    resumed = workers(free_port(), "--resume", "sample.prompts=[def]", "sample.max_tokens=4")
     outputs = [w.communicate(timeout=300)[0] for w in resumed]
     assert all(w.returncode == 0 for w in resumed), outputs
+    assert (tmp_path / "multi" / "samples.txt").read_text().startswith("--- 'def'\ndef")
     a = CheckpointManager(tmp_path / "single" / "checkpoints").restore()
     b = CheckpointManager(tmp_path / "multi" / "checkpoints").restore()
     assert a.step == b.step == 6

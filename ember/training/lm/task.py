@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 
 from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig
@@ -138,13 +139,20 @@ class LMTask(Task):
         return {"tokens": tokens, "flops": flops_per_token(self.config.model, self.config.train.seq_len) * tokens}
 
     def add_hooks(self, trainer) -> None:
-        if self.config.sample.prompts and trainer.is_main:
+        if self.config.sample.prompts:  # on every process: gathering the weights is a collective
             trainer.add_hook(self._sample, on_last=True)
 
     def _sample(self, info) -> None:
-        """Continues ``sample.prompts`` with the final model: ``samples.txt`` and the summary."""
+        """Continues ``sample.prompts`` with the final model (on the main process): ``samples.txt``
+        and the summary. Weights sharded over several processes are gathered first (every
+        process takes part), since the sampling engine runs on one device."""
         prompts = self.config.sample.prompts
         weights = serving_weights(info.state.params, info.state.model_state)
+        weights = jax.tree.map(
+            lambda x: x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True), weights
+        )
+        if not info.trainer.is_main:
+            return
         samples = sample_text(self.model, weights, self.dataset.tokenizer, self.config.sample)
         (info.trainer.run_dir / "samples.txt").write_text(
             "".join(f"--- {p!r}\n{p}{s}\n" for p, s in zip(prompts, samples))
