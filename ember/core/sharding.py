@@ -292,6 +292,22 @@ def host_local_to_global(local: Any, mesh: Mesh, axes: Sequence[str | None], rul
     return jax.tree.map(one, local)
 
 
+def addressable_here(tree: Any) -> Any:
+    """``tree`` with each array sharded over several processes gathered whole onto every process
+    (host NumPy arrays; ``multihost_utils.process_allgather``, a collective: every process must call
+    it); fully addressable arrays (all of a single-process run's) as they are."""
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(
+        lambda x: (
+            multihost_utils.process_allgather(x, tiled=True)
+            if isinstance(x, jax.Array) and not x.is_fully_addressable
+            else x
+        ),
+        tree,
+    )
+
+
 def _dividing_axes(mesh_axes: Sequence[str], dim: int, mesh: Mesh) -> list[str]:
     kept: list[str] = []
     for axis in mesh_axes:
@@ -313,6 +329,7 @@ __all__ = [
     "MESH_AXES",
     "MeshConfig",
     "Rules",
+    "addressable_here",
     "box_like",
     "constrain",
     "drop_empty_boxes",

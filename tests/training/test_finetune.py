@@ -381,3 +381,27 @@ def test_a_multi_process_run_joins_its_processes_before_loading_the_base(problem
     done = subprocess.run([sys.executable, "-c", JOIN_FIRST, kind, str(problem[0]), str(problem[2])], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_two_processes_fine_tune_and_export_the_adapter(problem, tmp_path):
+    """The end-of-run export read the trained weights on the main process only (jax.device_get),
+    which fails for weights sharded over several processes (FSDP across them): rank 0 died after
+    training."""
+    from ember.core.config import to_yaml
+    from tests.training.lm_runs import ember_train, free_port
+
+    config = config_for(problem, "unused", train={"steps": 2, "batch_size": 4, "seq_len": 16, "eval_batches": 0},
+                        adapter={"rank": 2, "targets": ["q", "v"]}, checkpoint={"async_save": False})  # fmt: skip
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(config))
+    port = free_port()
+    workers = [
+        ember_train(path, f"run_dir={tmp_path / 'run'}", f"distributed.coordinator_address=127.0.0.1:{port}",
+                    "distributed.num_processes=2", f"distributed.process_id={rank}", "mesh.data=1",
+                    "mesh.fsdp=-1", devices=2)
+        for rank in range(2)
+    ]  # fmt: skip
+    outputs = [worker.communicate(timeout=300)[0] for worker in workers]
+    assert all(worker.returncode == 0 for worker in workers), [out[-3000:] for out in outputs]
+    adapter = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 2

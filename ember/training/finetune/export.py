@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from ember.core.hf_tokenizer import CHAT_TEMPLATE_FILE
+from ember.core.sharding import addressable_here
 from ember.models import hf
 from ember.models.adapters import merged_weights
 from ember.models.hf.peft import save_peft_adapter
@@ -37,7 +38,9 @@ def export_hook(task: Any) -> Callable[[Any], None]:
 
     def export(info) -> None:
         config, run_dir = task.config, info.trainer.run_dir
-        params = jax.device_get(info.state.params)
+        params = jax.device_get(addressable_here(info.state.params))  # sharded over processes: gathered
+        if not info.trainer.is_main:
+            return
         written = {}
         if config.method == "lora" and config.export.peft:
             save_peft_adapter(run_dir / "adapter", task.model_config, params, base_model=config.base_model.path)

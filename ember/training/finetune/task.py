@@ -181,8 +181,7 @@ class FinetuneTask(Task):
         return {"tokens": tokens, "flops": flops_per_token(self.model_config, self.config.train.seq_len) * tokens}
 
     def add_hooks(self, trainer) -> None:
-        if trainer.is_main:
-            trainer.add_hook(export_hook(self), on_last=True)
+        trainer.add_hook(export_hook(self), on_last=True)  # every process: gathering the weights is a collective
 
     def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:
         """A checkpoint written with the other ``base_model.scan_layers`` (a runtime setting) is

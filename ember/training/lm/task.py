@@ -14,9 +14,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import multihost_utils
 
 from ember.core.errors import ConfigError
+from ember.core.sharding import addressable_here
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM, convert_layer_layout, saved_scan_layers
 from ember.models.flops import flops_per_token
@@ -148,9 +148,7 @@ class LMTask(Task):
         process takes part), since the sampling engine runs on one device."""
         prompts = self.config.sample.prompts
         weights = serving_weights(info.state.params, info.state.model_state)
-        weights = jax.tree.map(
-            lambda x: x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True), weights
-        )
+        weights = addressable_here(weights)
         if not info.trainer.is_main:
             return
         samples = sample_text(self.model, weights, self.dataset.tokenizer, self.config.sample)
