@@ -202,7 +202,9 @@ class Trainer:
         def one(leaf):
             global_shape = (leaf.shape[0] * jax.process_count(), *leaf.shape[1:])
             axes = (tuple(self.task.batch_axes) + (None,) * leaf.ndim)[: leaf.ndim]
-            return named_sharding(self.mesh, axes, self.rules, global_shape)
+            sharding = named_sharding(self.mesh, axes, self.rules, global_shape)
+            _check_process_rows(sharding, global_shape, leaf.shape[0])
+            return sharding
 
         return jax.tree.map(one, self._peek_batch())
 
@@ -409,6 +411,30 @@ class Trainer:
     def trainable_params(self) -> Any:
         """The parameters this run updates (``select(params, mask)``)."""
         return select(self.state.params, self.mask)
+
+
+def _check_process_rows(sharding: Any, global_shape: tuple[int, ...], local_rows: int) -> None:
+    """Each process feeds its own ``local_rows`` of a global batch, so the devices of a process
+    must hold exactly that many rows: a batch the mesh's batch axes do not divide is replicated
+    over them (``ember.core.sharding``), which several processes cannot feed.
+
+    Raises:
+      ConfigError: keyed ``train.batch_size``.
+    """
+    if jax.process_count() == 1:
+        return
+    rows = {
+        index[0].indices(global_shape[0]) for index in sharding.addressable_devices_indices_map(global_shape).values()
+    }
+    held = sum(len(range(*row)) for row in rows)
+    if held != local_rows:
+        raise ConfigError(
+            f"the global batch of {global_shape[0]} rows does not split over the mesh's batch axes across "
+            f"{jax.process_count()} processes (this process's devices hold {held} rows, it reads {local_rows}); make "
+            "train.batch_size a multiple of the product of the mesh axes the batch is sharded over "
+            "(mesh.data x mesh.fsdp x mesh.expert by default)",
+            key="train.batch_size",
+        )
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:

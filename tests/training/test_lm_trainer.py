@@ -116,6 +116,23 @@ def test_two_processes_train_like_one_and_resume_after_kill_9_on_a_new_port(tmp_
         assert_allclose(y, x, scale=10, err_msg="parameters after 6 steps")
 
 
+def test_a_batch_the_processes_cannot_split_is_a_config_error(tmp_path, dataset):
+    """6 rows on 2 processes x 2 devices: the data axis (4) does not divide the batch, so the batch
+    is replicated over it, and each process's 3 rows cannot fill it: both ranks died in
+    make_array_from_process_local_data with a ValueError traceback at the first step."""
+    config_path = write_config(tmp_path, dataset, "train.batch_size=6", "mesh.data=-1")
+    port = free_port()
+    workers = [
+        ember_train(config_path, f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                    f"distributed.process_id={rank}", devices=2)
+        for rank in range(2)
+    ]  # fmt: skip
+    for worker in workers:
+        output = worker.communicate(timeout=300)[0]
+        assert worker.returncode == 2, output[-3000:]
+        assert "ember train: the global batch of 6 rows does not split over the mesh's batch axes" in output
+
+
 def test_bad_configs_fail_before_compiling(tmp_path, dataset, capsys):
     config_path = write_config(tmp_path, dataset)
     assert main(["train", str(config_path), "train.stpes=3"]) == 2
