@@ -151,6 +151,13 @@ def test_a_broken_tokenizer_file_is_a_data_error_naming_it(tmp_path, name, conte
         load_hf_tokenizer(tmp_path)
 
 
+def test_examples_too_short_to_train_on_are_a_data_error():
+    # Before, pack_examples gave no rows and the first next() raised IndexError.
+    empty = tokenize_example({"prompt": "", "completion": ""}, BYTES)  # the end-of-document token alone
+    with pytest.raises(DataError, match="no example has two tokens"):
+        InstructionBatches([empty, empty], seq_len=8, global_batch=2).next()
+
+
 def test_resumed_iterator_repeats_and_processes_split_rows(tmp_path):
     lines = [{"prompt": f"p{i}", "completion": "c" * (i % 5 + 1)} for i in range(23)]
     path = tmp_path / "train.jsonl"

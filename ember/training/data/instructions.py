@@ -210,6 +210,8 @@ class InstructionBatches:
     ):
         if not examples:
             raise DataError("no examples to train on")
+        if not any(example.tokens.size >= 2 for example in examples):  # packing drops shorter ones
+            raise DataError("no example has two tokens (an input and a target to predict): nothing to train on")
         if global_batch % process_count:
             raise DataError(f"global batch {global_batch} does not split over {process_count} processes")
         self.examples, self.seq_len, self.global_batch = list(examples), seq_len, global_batch
