@@ -360,12 +360,14 @@ values = {"kind": kind, "run_dir": data + "/run", "base_model": {"path": base},
           "distributed": {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 0}}
 if kind == "linearize":
     values["data"] = {"dataset": data + "/no_dataset"}
+if kind == "grpo":
+    del values["data"]
 entry.run(load_config(entry.CONFIG_SCHEMA, values))
 sys.exit(4)
 """
 
 
-@pytest.mark.parametrize("kind", ["finetune", "linearize"])
+@pytest.mark.parametrize("kind", ["finetune", "linearize", "grpo"])
 def test_a_multi_process_run_joins_its_processes_before_loading_the_base(problem, kind):
     """jax.distributed.initialize must run before anything starts a JAX backend, but these kinds
     loaded the base model (onto a device) first and joined the processes only in make_trainer:
