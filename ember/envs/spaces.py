@@ -153,7 +153,11 @@ class Box(Space):
         x = jnp.asarray(x, self.dtype)
         middle = np.where(np.isfinite(self.low + self.high), (self.low + self.high) / 2, 0.0)
         x = jnp.where(jnp.isnan(x), middle.astype(self.dtype), x)
-        return jnp.clip(x, self.low.astype(self.dtype), self.high.astype(self.dtype))
+        low, high = self.low, self.high
+        if jnp.issubdtype(self.dtype, jnp.integer):  # an infinite bound is the dtype's limit (gymnasium's)
+            limits = jnp.iinfo(self.dtype)
+            low, high = np.clip(low, limits.min, limits.max), np.clip(high, limits.min, limits.max)
+        return jnp.clip(x, low.astype(self.dtype), high.astype(self.dtype))
 
     def check(self, x, name):
         _check_array(self, x, name, integer=bool(jnp.issubdtype(self.dtype, jnp.integer)))
