@@ -128,18 +128,27 @@ class Box(Space):
     def sample(self, key):
         if jnp.issubdtype(self.dtype, jnp.integer):
             return jax.random.randint(key, self.shape, self.low, self.high + 1, dtype=self.dtype)
-        # Gymnasium's convention: uniform where bounded, a standard normal clipped to the
-        # bounds where a side is infinite.
+        # Gymnasium's convention: uniform where bounded, low + Exp(1) where bounded below only,
+        # high - Exp(1) where bounded above only, a standard normal where unbounded.
+        bounded_below, bounded_above = np.isfinite(self.low), np.isfinite(self.high)
         uniform = jax.random.uniform(
             key,
             self.shape,
             self.dtype,
-            np.where(np.isfinite(self.low), self.low, 0.0),
-            np.where(np.isfinite(self.high), self.high, 1.0),
+            np.where(bounded_below, self.low, 0.0),
+            np.where(bounded_above, self.high, 1.0),
         )
-        normal = jnp.clip(jax.random.normal(key, self.shape, self.dtype), self.low, self.high)
-        finite = np.isfinite(self.low) & np.isfinite(self.high)
-        return jnp.where(finite, uniform, normal).astype(self.dtype)
+        normal = jax.random.normal(key, self.shape, self.dtype)
+        exponential = jax.random.exponential(jax.random.fold_in(key, 1), self.shape, self.dtype)
+        one_sided = jnp.where(
+            bounded_below,
+            np.where(bounded_below, self.low, 0.0) + exponential,
+            np.where(bounded_above, self.high, 0.0) - exponential,
+        )
+        sample = jnp.where(
+            bounded_below & bounded_above, uniform, jnp.where(bounded_below | bounded_above, one_sided, normal)
+        )
+        return sample.astype(self.dtype)
 
     def contains(self, x):
         x = jnp.asarray(x)

@@ -1,5 +1,6 @@
 """Spaces: sampling, membership and clipping at the edges gymnasium's Box defines."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -11,3 +12,17 @@ def test_integer_box_with_an_infinite_bound_clips_to_the_dtype_limits():
     np.testing.assert_array_equal(box.clip(jnp.array([-4, 2, 7])), [0, 2, 7])
     box = spaces.Box(-np.inf, 5, (2,), jnp.int32)
     np.testing.assert_array_equal(box.clip(jnp.array([-9, 8])), [-9, 5])
+
+
+def test_box_sample_on_a_half_bounded_side_is_bound_plus_or_minus_an_exponential(rng):
+    # gymnasium's Box.sample: low + Exp(1) / high - Exp(1) on one-sided bounds (not a
+    # normal clipped to the bound, which puts half or all the mass on the bound itself).
+    box = spaces.Box(np.array([0.0, -np.inf, -np.inf, -1.0]), np.array([np.inf, -5.0, np.inf, 1.0]), (4,))
+    samples = np.asarray(jax.vmap(box.sample)(jax.random.split(rng, 4000)))
+    assert samples.dtype == np.float32 and bool(jax.vmap(box.contains)(samples).all())
+    above_low, below_high = samples[:, 0], -5.0 - samples[:, 1]
+    for distance in (above_low, below_high):
+        assert (distance > 0).mean() > 0.99  # no point mass at the bound
+        assert abs(distance.mean() - 1.0) < 0.1  # Exp(1)
+    assert (samples[:, 2] < 0).mean() > 0.4 and abs(samples[:, 2].std() - 1.0) < 0.1
+    assert abs(samples[:, 3].mean()) < 0.1 and samples[:, 3].min() >= -1.0
