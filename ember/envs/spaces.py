@@ -154,6 +154,8 @@ class Box(Space):
         x = jnp.asarray(x)
         if x.shape != self.shape:
             return jnp.asarray(False)
+        if jnp.issubdtype(self.dtype, jnp.integer) and not jnp.issubdtype(x.dtype, jnp.integer):
+            return jnp.asarray(False)  # an integer Box holds integers only (as Discrete, and gymnasium)
         return jnp.all((x >= self.low) & (x <= self.high))  # NaN compares False: not contained
 
     def clip(self, x):

@@ -26,3 +26,10 @@ def test_box_sample_on_a_half_bounded_side_is_bound_plus_or_minus_an_exponential
         assert abs(distance.mean() - 1.0) < 0.1  # Exp(1)
     assert (samples[:, 2] < 0).mean() > 0.4 and abs(samples[:, 2].std() - 1.0) < 0.1
     assert abs(samples[:, 3].mean()) < 0.1 and samples[:, 3].min() >= -1.0
+
+
+def test_integer_box_contains_integers_only():
+    box = spaces.Box(0, 5, (2,), jnp.int32)
+    assert bool(box.contains(jnp.array([2, 1])))
+    assert not bool(box.contains(jnp.array([2.5, 1.0])))  # gymnasium: False too
+    assert bool(spaces.Box(0.0, 5.0, (2,)).contains(jnp.array([2, 1])))  # a real Box takes integers
