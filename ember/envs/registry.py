@@ -22,6 +22,9 @@ EntryPoint = str | Callable[[], Environment]
 
 ENVIRONMENTS: Registry[EntryPoint] = Registry("environment")
 
+#: The largest ``max_steps_in_episode``: ``EnvState.time`` counts steps in int32.
+MAX_EPISODE_STEPS = np.iinfo(np.int32).max
+
 _BUILTIN = {
     "CartPole-v1": "ember.envs.classic_control.cartpole:CartPole",
     "Pendulum-v1": "ember.envs.classic_control.pendulum:Pendulum",
@@ -117,8 +120,13 @@ def _checked_value(env_id: str, name: str, value, default):
             f"{env_id}: parameter {name} expects {kind} (default {default!r}), got {value!r} ({type(value).__name__})",
             key=name,
         )
-    if name == "max_steps_in_episode" and is_integer(value) and value < 1:
-        raise ConfigError(f"{env_id}: parameter {name} must be a positive integer, got {value}", key=name)
+    if name == "max_steps_in_episode" and is_integer(value) and not 1 <= value <= MAX_EPISODE_STEPS:
+        # Compared with the int32 step counter: a larger Python int overflows at the first step.
+        raise ConfigError(
+            f"{env_id}: parameter {name} must be a positive integer of at most {MAX_EPISODE_STEPS} (int32), "
+            f"got {value}",
+            key=name,
+        )
     return value
 
 

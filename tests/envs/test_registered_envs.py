@@ -66,6 +66,8 @@ def test_parameter_values_of_the_wrong_kind_or_range_are_refused_naming_the_key(
         ({"max_steps_in_episode": "abc"}, "max_steps_in_episode", "expects int"),
         ({"max_steps_in_episode": 200.5}, "max_steps_in_episode", "expects int"),
         ({"max_steps_in_episode": 0}, "max_steps_in_episode", "positive integer"),
+        # Past int32 it was accepted, and the first step raised OverflowError from jit.
+        ({"max_steps_in_episode": 10**10}, "max_steps_in_episode", "at most 2147483647"),
         ({"gravity": "abc"}, "gravity", "expects float"),
         ({"gravity": True}, "gravity", "expects float"),
     ]
