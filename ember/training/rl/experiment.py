@@ -26,10 +26,11 @@ import numpy as np
 
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, read_key, to_yaml
-from ember.core.errors import EmberError, PathNotFoundError
+from ember.core.errors import ConfigError, EmberError, PathNotFoundError
 from ember.envs.config import make_from_config
+from ember.envs.environment import Environment
 from ember.envs.multi_agent import episode_over
-from ember.envs.wrappers import RunningMeanVar, max_episode_steps
+from ember.envs.wrappers import RunningMeanVar, Wrapper, max_episode_steps
 from ember.training.launcher import DEFAULT_KIND
 from ember.training.metrics import MetricsWriter
 from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn, sac
@@ -289,6 +290,12 @@ def record_episode(
     """Frames ``[time, height, width, 3]`` (uint8) of one episode of the policy, from the
     first observation to the last state before the episode ended."""
     env, env_params = make_from_config(config.env)
+    if type(env.unwrapped if isinstance(env, Wrapper) else env).render is Environment.render:
+        raise ConfigError(
+            f"env.source: {env.name} has no render (a {config.env.source} environment draws no frames); "
+            "only Ember's own environments can be recorded",
+            key="env.source",
+        )
     act = _make_act(config, env, env_params, params, deterministic, obs_stats)
     max_steps = max_episode_steps(env, env_params)
 

@@ -12,7 +12,7 @@ import ember.envs
 from ember.cli import main
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config
-from ember.core.errors import EmberError
+from ember.core.errors import ConfigError, EmberError
 from ember.envs.wrappers import TimeLimit
 from ember.training.metrics import read_metrics
 from ember.training.rl import config as rl_config
@@ -145,6 +145,14 @@ def test_record_episode_of_a_multi_agent_run(rng):
     frames = runner.record_episode(config, params, seed=7)
     assert frames.shape[0] == 5  # one frame per step, up to the time limit
     np.testing.assert_array_equal(frames[0], jax.jit(env.render)(state, env_params))
+
+
+def test_record_episode_of_an_environment_without_render_is_a_config_error():
+    """``ember eval RUN_DIR --gif`` of a gymnax-source run raised a bare NotImplementedError."""
+    config = load_config(RLConfig, CONFIG, ["env.source=gymnax", "ppo.policy.hidden_sizes=[8]"])
+    with pytest.raises(ConfigError, match="no render") as raised:
+        runner.record_episode(config, None, seed=0)
+    assert raised.value.key == "env.source"
 
 
 def test_evaluate_runs_episodes_to_a_longer_time_limit_wrapper(rng):
