@@ -110,6 +110,9 @@ def test_flatten_observation_and_time_limit(rng):
     np.testing.assert_array_equal([bool(r[3]) for r in ours[1:]], [t % 5 == 0 for t in range(1, 12)])
     space = wrapped.observation_space(params)
     assert space.shape == (6,) and bool(space.contains(ours[3][0]))
+    for bad in (0, 10**10, True):  # 10**10 was accepted, then the first step overflowed int32 under jit
+        with pytest.raises(ValueError, match="max_steps must be an int in"):
+            wrappers.TimeLimit(env, bad)
 
 
 def test_rescale_and_clip_action_map_onto_the_inner_box(rng):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from ember.core.integers import is_integer
+from ember.envs.registry import MAX_EPISODE_STEPS
 from ember.envs.wrappers.base import Wrapper
 
 
@@ -12,8 +14,9 @@ class TimeLimit(Wrapper):
 
     def __init__(self, env, max_steps: int):
         super().__init__(env)
-        if not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"TimeLimit: max_steps must be a positive int, got {max_steps!r}")
+        if not is_integer(max_steps) or not 1 <= max_steps <= MAX_EPISODE_STEPS:
+            # Past int32 the comparison with the int32 step counter overflows at the first step.
+            raise ValueError(f"TimeLimit: max_steps must be an int in [1, {MAX_EPISODE_STEPS}], got {max_steps!r}")
         self.max_steps = max_steps
 
     def _limited(self, params):
