@@ -156,7 +156,10 @@ class Box(Space):
             return jnp.asarray(False)
         if jnp.issubdtype(self.dtype, jnp.integer) and not jnp.issubdtype(x.dtype, jnp.integer):
             return jnp.asarray(False)  # an integer Box holds integers only (as Discrete, and gymnasium)
-        return jnp.all((x >= self.low) & (x <= self.high))  # NaN compares False: not contained
+        low, high = self.low, self.high
+        if jnp.issubdtype(self.dtype, jnp.floating):  # the bounds as this dtype holds them (as clip and gymnasium)
+            low, high = low.astype(self.dtype), high.astype(self.dtype)
+        return jnp.all((x >= low) & (x <= high))  # NaN compares False: not contained
 
     def clip(self, x):
         """Clips to the bounds; NaN entries become the midpoint of their bounds (0 if

@@ -33,3 +33,12 @@ def test_integer_box_contains_integers_only():
     assert bool(box.contains(jnp.array([2, 1])))
     assert not bool(box.contains(jnp.array([2.5, 1.0])))  # gymnasium: False too
     assert bool(spaces.Box(0.0, 5.0, (2,)).contains(jnp.array([2, 1])))  # a real Box takes integers
+
+
+def test_a_float32_box_contains_its_clipped_values_with_x64_enabled():
+    # 4 pi rounds up in float32: with x64 on, the clipped 12.566371 was compared with the
+    # float64 bound 12.5663706... and refused (so CheckActions rejected a clipped action).
+    with jax.enable_x64(True):
+        box = spaces.Box(-4 * np.pi, 4 * np.pi, (2,), jnp.float32)
+        clipped = box.clip(jnp.array([100.0, -100.0]))
+        assert clipped.dtype == jnp.float32 and bool(box.contains(clipped))
