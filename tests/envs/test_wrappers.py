@@ -159,3 +159,11 @@ def test_legacy_step_returns_five_values(rng):
     assert bool(done) and bool(info["truncated"]) and not bool(info["terminated"])
     assert_allclose(info["discount"], 1.0)
     assert_allclose(reward, 1.0)
+    # A multi-agent environment: done is a flag dict as JaxMARL's (it raised AttributeError on the dict).
+    env, params = ember.envs.make("MPE-simple_push", max_steps_in_episode=1)
+    legacy = wrappers.LegacyStep(env)
+    _, state = legacy.reset(rng, params)
+    _, _, rewards, done, info = legacy.step(rng, state, {agent: 0 for agent in env.agents}, params)
+    assert set(done) == set(env.agents) | {"__all__"} and all(bool(flag) for flag in done.values())
+    assert set(rewards) == set(env.agents) and bool(info["truncated"]["__all__"])
+    assert_allclose(info["discount"]["__all__"], 1.0)
