@@ -41,6 +41,15 @@ class Space:
         raise NotImplementedError
 
 
+def _is_whole(value: Any) -> bool:
+    """An integer (Python, NumPy or an integer scalar array), not a bool or a float."""
+    return (
+        not isinstance(value, (bool, np.bool_))
+        and np.ndim(value) == 0
+        and np.issubdtype(np.asarray(value).dtype, np.integer)
+    )
+
+
 def _check_array(space: Space, x: Any, name: str, *, integer: bool) -> None:
     """``x`` has ``space.shape`` and an integer (``integer``) or real dtype."""
     x = jnp.asarray(x)
@@ -57,8 +66,8 @@ class Discrete(Space):
     """Integers ``0 .. n - 1`` (``start`` shifts the range), scalar ``int32``."""
 
     def __init__(self, n: int, start: int = 0, dtype=jnp.int32):
-        if int(n) < 1:
-            raise ValueError(f"Discrete: n must be >= 1, got {n}")
+        if not _is_whole(n) or int(n) < 1 or not _is_whole(start):  # Discrete(2.5) was Discrete(2)
+            raise ValueError(f"Discrete: n must be an integer >= 1 and start an integer, got n={n!r}, start={start!r}")
         self.n, self.start = int(n), int(start)
         self.shape, self.dtype = (), jnp.dtype(dtype)
 
@@ -85,9 +94,10 @@ class MultiDiscrete(Space):
     """An integer array whose entry ``i`` lies in ``0 .. nvec[i] - 1``."""
 
     def __init__(self, nvec: Sequence[int] | np.ndarray, dtype=jnp.int32):
-        self.nvec = np.asarray(nvec, dtype=np.int64)
-        if self.nvec.size == 0 or (self.nvec < 1).any():
-            raise ValueError(f"MultiDiscrete: nvec must be non-empty with entries >= 1, got {nvec}")
+        given = np.asarray(nvec)
+        if given.size == 0 or not np.issubdtype(given.dtype, np.integer) or (given < 1).any():
+            raise ValueError(f"MultiDiscrete: nvec must be non-empty with integer entries >= 1, got {nvec}")
+        self.nvec = given.astype(np.int64)
         self.shape, self.dtype = self.nvec.shape, jnp.dtype(dtype)
 
     def sample(self, key):

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ember.envs import spaces
 
@@ -42,3 +43,14 @@ def test_a_float32_box_contains_its_clipped_values_with_x64_enabled():
         box = spaces.Box(-4 * np.pi, 4 * np.pi, (2,), jnp.float32)
         clipped = box.clip(jnp.array([100.0, -100.0]))
         assert clipped.dtype == jnp.float32 and bool(box.contains(clipped))
+
+
+def test_discrete_sizes_must_be_integers():
+    # Discrete(2.5) was Discrete(2) and MultiDiscrete([2.5, 3]) was MultiDiscrete([2, 3]), silently.
+    for bad in (2.5, True, 0):
+        with pytest.raises(ValueError, match="Discrete: n must be an integer"):
+            spaces.Discrete(bad)
+    with pytest.raises(ValueError, match="integer entries"):
+        spaces.MultiDiscrete([2.5, 3])
+    assert spaces.Discrete(np.int64(3)).n == 3 and spaces.Discrete(jnp.int32(3), start=-1).start == -1
+    assert spaces.MultiDiscrete(jnp.array([2, 3])).nvec.tolist() == [2, 3]
