@@ -128,8 +128,9 @@ class Box(Space):
         self.shape = shape
         self.low = np.broadcast_to(np.asarray(low, dtype=np.float64), shape)
         self.high = np.broadcast_to(np.asarray(high, dtype=np.float64), shape)
-        if (self.low > self.high).any():
-            raise ValueError(f"Box: low must be <= high everywhere, got low={low}, high={high}")
+        if np.isnan(self.low).any() or np.isnan(self.high).any() or (self.low > self.high).any():
+            # NaN compares False, so it passed the ordering test and clip then returned NaN.
+            raise ValueError(f"Box: low must be <= high everywhere (no NaN), got low={low}, high={high}")
 
     @property
     def bounded(self) -> bool:

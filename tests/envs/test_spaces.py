@@ -54,3 +54,10 @@ def test_discrete_sizes_must_be_integers():
         spaces.MultiDiscrete([2.5, 3])
     assert spaces.Discrete(np.int64(3)).n == 3 and spaces.Discrete(jnp.int32(3), start=-1).start == -1
     assert spaces.MultiDiscrete(jnp.array([2, 3])).nvec.tolist() == [2, 3]
+
+
+def test_box_bounds_must_not_be_nan():
+    # Box(nan, 1.0) was accepted, and its clip turned every action into NaN.
+    for low, high in ((np.nan, 1.0), (0.0, np.nan), ([0.0, np.nan], 1.0)):
+        with pytest.raises(ValueError, match="no NaN"):
+            spaces.Box(low, high)
