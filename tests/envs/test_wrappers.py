@@ -99,6 +99,10 @@ def test_one_environment_wrappers_refuse_a_batch():
         with pytest.raises(ValueError, match=r"wraps one environment, not a batch of 4 .* BatchedEnv\("):
             wrap(batch)
         assert ember.envs.BatchedEnv(wrap(env), 4).num_envs == 4
+    # NormalizeReward of a multi-agent batch failed at its first step with a TypeError on the flag dict.
+    mpe, _ = ember.envs.make("MPE-simple_push")
+    with pytest.raises(ValueError, match=r"NormalizeReward: .* multi-agent"):
+        wrappers.NormalizeReward(ember.envs.BatchedEnv(mpe, 2))
 
 
 def test_flatten_observation_and_time_limit(rng):

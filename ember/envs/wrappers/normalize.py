@@ -17,6 +17,7 @@ import numpy as np
 from flax import struct
 
 from ember.envs.environment import EnvState
+from ember.envs.multi_agent import is_multi_agent
 from ember.envs.spaces import Box
 from ember.envs.wrappers.base import Wrapper, num_envs
 
@@ -135,6 +136,11 @@ class NormalizeReward(Wrapper):
 
     def __init__(self, env, gamma: float | jax.Array = 0.99, epsilon: float = EPSILON):
         super().__init__(env)
+        if is_multi_agent(env):  # its rewards and flags are per-agent dicts
+            raise ValueError(
+                f"NormalizeReward: {env!r} is a multi-agent environment; this wrapper scales one reward per "
+                "environment (single-agent environments only)"
+            )
         if not isinstance(gamma, jax.core.Tracer) and not 0.0 <= gamma <= 1.0:  # a traced gamma is the caller's
             raise ValueError(f"NormalizeReward: gamma must be in [0, 1], got {gamma}")
         self.gamma, self.epsilon = gamma, epsilon
