@@ -169,7 +169,7 @@ class Box(Space):
             return jnp.asarray(False)  # an integer Box holds integers only (as Discrete, and gymnasium)
         low, high = self.low, self.high
         if jnp.issubdtype(self.dtype, jnp.floating):  # the bounds as this dtype holds them (as clip and gymnasium)
-            low, high = low.astype(self.dtype), high.astype(self.dtype)
+            low, high = self.bounds_in_dtype()
         return jnp.all((x >= low) & (x <= high))  # NaN compares False: not contained
 
     def clip(self, x):
@@ -178,11 +178,17 @@ class Box(Space):
         x = jnp.asarray(x, self.dtype)
         middle = np.where(np.isfinite(self.low + self.high), (self.low + self.high) / 2, 0.0)
         x = jnp.where(jnp.isnan(x), middle.astype(self.dtype), x)
+        low, high = self.bounds_in_dtype()
+        return jnp.clip(x, low, high)
+
+    def bounds_in_dtype(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(low, high)`` as NumPy arrays of this Box's dtype; for an integer dtype an infinite
+        bound is the dtype's limit (as gymnasium's integer Box)."""
         low, high = self.low, self.high
-        if jnp.issubdtype(self.dtype, jnp.integer):  # an infinite bound is the dtype's limit (gymnasium's)
+        if jnp.issubdtype(self.dtype, jnp.integer):
             limits = jnp.iinfo(self.dtype)
             low, high = np.clip(low, limits.min, limits.max), np.clip(high, limits.min, limits.max)
-        return jnp.clip(x, low.astype(self.dtype), high.astype(self.dtype))
+        return low.astype(self.dtype), high.astype(self.dtype)
 
     def check(self, x, name):
         _check_array(self, x, name, integer=bool(jnp.issubdtype(self.dtype, jnp.integer)))

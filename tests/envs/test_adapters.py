@@ -214,3 +214,14 @@ def test_next_step_autoreset_works_with_gymnasium_vector_wrappers():
             assert_allclose(infos["episode"]["r"][done], lengths[done].astype(np.float32))
             np.testing.assert_array_equal(infos["episode"]["l"][done], lengths[done])
     assert episodes >= 8
+
+
+def test_integer_box_with_an_infinite_bound_converts_to_gymnasium():
+    # float64 inf cast to int32 is INT_MIN: the conversion built Box(0, INT_MIN) and gymnasium refused it.
+    from ember.envs.adapters.gymnasium_vector import to_gymnasium_space
+    from ember.envs.spaces import Box
+
+    space = to_gymnasium_space(Box(0, np.inf, (2,), jnp.int32))
+    assert space.dtype == np.int32 and space.low.tolist() == [0, 0] and space.high.tolist() == [2**31 - 1] * 2
+    space = to_gymnasium_space(Box(-1.0, 1.0, (3,)))
+    assert space.dtype == np.float32 and space.high.tolist() == [1.0] * 3

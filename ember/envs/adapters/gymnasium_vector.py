@@ -37,8 +37,8 @@ def to_gymnasium_space(space: spaces.Space) -> gymnasium.Space:
     if isinstance(space, spaces.MultiDiscrete):
         return gymnasium.spaces.MultiDiscrete(space.nvec)
     if isinstance(space, spaces.Box):
-        dtype = np.dtype(space.dtype)
-        return gymnasium.spaces.Box(space.low.astype(dtype), space.high.astype(dtype), space.shape, dtype)
+        low, high = space.bounds_in_dtype()
+        return gymnasium.spaces.Box(low, high, space.shape, np.dtype(space.dtype))
     if isinstance(space, spaces.Dict):
         return gymnasium.spaces.Dict({name: to_gymnasium_space(sub) for name, sub in space.spaces.items()})
     if isinstance(space, spaces.Tuple):
