@@ -84,14 +84,16 @@ def _environment(
 ) -> Environment:
     """The environment object of a config (made once per distinct arguments; environments hold
     no state, everything they change is in the ``state`` pytree)."""
+    # The library first: its ConfigError when it is missing, before the adapters import gymnasium.
     if source == "gymnax":
+        library_env = _make_in_library(source, env_id)
         from ember.envs.adapters import GymnaxEnv
 
-        env = GymnaxEnv(*_make_in_library(source, env_id))
+        env = GymnaxEnv(*library_env)
     elif source == "jaxmarl":
+        library_env = _make_in_library(source, env_id)
         from ember.envs.adapters import JaxMARLEnv
 
-        library_env = _make_in_library(source, env_id)
         try:  # the adapter's time limit may only shorten the environment's own
             env = JaxMARLEnv(library_env, max_steps=time_limit)
         except ValueError as error:

@@ -2,6 +2,7 @@
 contract, and Ember environments as a gymnasium VectorEnv checked with gymnasium's own tools."""
 
 import dataclasses
+import sys
 
 import gymnasium
 import gymnax
@@ -225,3 +226,18 @@ def test_integer_box_with_an_infinite_bound_converts_to_gymnasium():
     assert space.dtype == np.int32 and space.low.tolist() == [0, 0] and space.high.tolist() == [2**31 - 1] * 2
     space = to_gymnasium_space(Box(-1.0, 1.0, (3,)))
     assert space.dtype == np.float32 and space.high.tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize("source", ["gymnax", "jaxmarl"])
+def test_a_missing_library_is_a_config_error_naming_the_source(source, monkeypatch):
+    # Without the library (and so without gymnasium, which gymnax requires), importing the
+    # adapters failed first with ModuleNotFoundError('gymnasium'), before the ConfigError.
+    for module in [name for name in sys.modules if name.startswith("ember.envs.adapters")]:
+        monkeypatch.delitem(sys.modules, module)
+    for library in ("gymnasium", "gymnax", "jaxmarl"):
+        monkeypatch.setitem(sys.modules, library, None)
+    ember.envs.config._environment.cache_clear()  # a fresh process: no environment made yet
+    config = ember.envs.EnvConfig(id="CartPole-v1", source=source)
+    with pytest.raises(ConfigError, match=f"{source} is not installed") as raised:
+        ember.envs.make_from_config(config)
+    assert raised.value.key == "source"
