@@ -136,6 +136,14 @@ def test_log_wrapper_statistics_match_hand_count(rng):
         np.testing.assert_array_equal(info["returned_episode"], done)
     np.testing.assert_array_equal(info["timestep"], [20, 20, 20])
     assert int(last[0]) == 6, "alternating actions survive to the time limit"
+    # LogWrapper around the batch keeps the same statistics, in a state of fixed shapes (its
+    # scalars became [3] at the first step, so a lax.scan over steps raised a carry TypeError).
+    outer = ember.envs.LogWrapper(ember.envs.BatchedEnv(env.env.env, num_envs=3))
+    _obs, outer_state = jax.jit(outer.reset)(rng, params)
+    shapes = jax.tree.map(jnp.shape, outer_state)
+    _obs, outer_state, *_, outer_info = jax.jit(outer.step)(jax.random.fold_in(rng, 0), outer_state, actions, params)
+    assert jax.tree.map(jnp.shape, outer_state) == shapes
+    np.testing.assert_array_equal(outer_info["timestep"], [1, 1, 1])
 
 
 def words_by_hand(key, size: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from flax import struct
 
 from ember.envs.environment import EnvState
 from ember.envs.multi_agent import episode_over
-from ember.envs.wrappers.base import Wrapper
+from ember.envs.wrappers.base import Wrapper, num_envs
 
 
 @struct.dataclass
@@ -42,7 +42,10 @@ class LogWrapper(Wrapper):
 
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
-        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        # Around a BatchedEnv the statistics are per environment too (scalars grew to [num_envs]
+        # at the first step, which broke a lax.scan carry).
+        shape = () if num_envs(self.env) is None else (num_envs(self.env),)
+        zero_f, zero_i = jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)
         return obs, LogEnvState(env_state, zero_f, zero_i, zero_f, zero_i, zero_i)
 
     def step_from_noise(self, noise, state, action, params):
