@@ -19,6 +19,7 @@ import ember.envs
 from ember.core.errors import ConfigError
 from ember.envs import noise as noise_lib
 from ember.envs.adapters import GymnasiumVectorEnv, GymnaxEnv, JaxMARLEnv
+from ember.envs.environment import EnvParams
 from tests.tolerances import assert_allclose
 
 
@@ -124,6 +125,15 @@ def test_jaxmarl_time_limit_can_only_shorten_the_environments_own():
     assert info.value.key == "params.max_steps_in_episode"
     env, params = ember.envs.make_from_config(dataclasses.replace(config, params={"max_steps_in_episode": 9}))
     assert env.max_steps == params.max_steps_in_episode == 9
+    # Longer params passed to step directly: the episode still ends (truncated) at the own 25
+    # steps; it went on to the params' 40, past JaxMARL's end of the episode.
+    env, params = JaxMARLEnv(reference), EnvParams(max_steps_in_episode=40)
+    step = jax.jit(env.step)
+    _, state = jax.jit(env.reset)(jax.random.key(0), params)
+    actions = {agent: jnp.int32(0) for agent in env.agents}
+    for t in range(25):
+        _, state, _, terminated, truncated, _ = step(jax.random.key(t), state, actions, params)
+        assert bool(truncated["__all__"]) == (t == 24) and not bool(terminated["__all__"])
 
 
 class _EndsAfterFourSteps:

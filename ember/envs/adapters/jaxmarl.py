@@ -63,6 +63,15 @@ class JaxMARLEnv(MultiAgentEnvironment):
     def default_params(self) -> EnvParams:
         return EnvParams(max_steps_in_episode=self.max_steps)
 
+    def step_from_noise(self, noise, state, action, params):
+        # A params limit past the environment's own (passed directly, not through the
+        # constructor or make_from_config, which refuse it) is cut to the own: beyond it
+        # JaxMARL's episode is over, and that step is a truncation here.
+        if self.own_max_steps is not None:
+            limit = jnp.minimum(params.max_steps_in_episode, self.own_max_steps)
+            params = params.replace(max_steps_in_episode=limit)
+        return super().step_from_noise(noise, state, action, params)
+
     def reset_env(self, noise, params):
         obs, env_state = self.jaxmarl_env.reset(noise_lib.to_key(noise))
         return obs, JaxMARLState(time=jnp.int32(0), env_state=env_state)
