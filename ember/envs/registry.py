@@ -11,6 +11,7 @@ import importlib
 import numbers
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from ember.core.errors import ConfigError
@@ -89,7 +90,8 @@ def with_overrides(params: EnvParams, overrides: dict, env_id: str) -> EnvParams
     wrong kind for its field (a string, or a float where the default is an int) and a
     ``max_steps_in_episode`` below 1. A field whose default is a Python bool, int or float takes
     a value of that kind (an int where a float is due becomes a float) or an array of a matching
-    dtype (parameters vmapped over); other fields take any value."""
+    dtype (parameters vmapped over), except a static field (``pytree_node=False``: it fixes
+    shapes), which takes one value; other fields take any value."""
     fields = sorted(field.name for field in dataclasses.fields(params))
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
@@ -97,6 +99,14 @@ def with_overrides(params: EnvParams, overrides: dict, env_id: str) -> EnvParams
             f"{env_id}: unknown parameter(s) {unknown}; {type(params).__name__} has {fields}", key=unknown[0]
         )
     checked = {name: _checked_value(env_id, name, value, getattr(params, name)) for name, value in overrides.items()}
+    static = {field.name for field in dataclasses.fields(params) if not field.metadata.get("pytree_node", True)}
+    for name in sorted(static & set(checked)):
+        if isinstance(checked[name], (np.ndarray, jax.Array)):  # unhashable, and it fixes shapes: one value
+            raise ConfigError(
+                f"{env_id}: parameter {name} fixes the spaces' shapes (a static field) and takes one value, "
+                f"not an array; got {checked[name]!r}",
+                key=name,
+            )
     return params.replace(**checked)
 
 

@@ -82,6 +82,12 @@ def test_parameter_values_of_the_wrong_kind_or_range_are_refused_naming_the_key(
     assert isinstance(params.gravity, float) and params.gravity == 10.0 and params.max_steps_in_episode == 7
     masses = np.array([0.1, 0.2], np.float32)  # arrays pass (parameters vmapped over)
     assert ember.envs.make("CartPole-v1", masspole=masses)[1].masspole is masses
+    # ... except for a static field (it sets the action space): accepted before, then the first
+    # step failed with a NumPy broadcasting error from Box.
+    with pytest.raises(ConfigError, match="static field") as raised:
+        ember.envs.make("Pendulum-v1", max_torque=np.array([2.0, 3.0]))
+    assert raised.value.key == "max_torque"
+    assert ember.envs.make("Pendulum-v1", max_torque=np.float32(3.0))[1].max_torque == 3.0
 
 
 def assert_same(actual, expected):
