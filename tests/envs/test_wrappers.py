@@ -134,6 +134,9 @@ def test_rescale_and_clip_action_map_onto_the_inner_box(rng):
     assert wrappers.ClipAction(env).action_space(params).bounded is False
     with pytest.raises(ValueError, match="bounded Box"):
         wrappers.RescaleAction(ember.envs.make("CartPole-v1")[0]).action_space(params)
+    for low, high in ((-np.inf, 1.0), (-1.0, np.inf), (1.0, 1.0)):  # an infinite end sent every action to 0 torque
+        with pytest.raises(ValueError, match="need finite low < high"):
+            wrappers.RescaleAction(env, low, high)
 
 
 def test_check_actions_raises_a_checkify_error_only_for_invalid_actions(rng):

@@ -35,8 +35,8 @@ class RescaleAction(Wrapper):
 
     def __init__(self, env, low: float = -1.0, high: float = 1.0):
         super().__init__(env)
-        if not low < high:
-            raise ValueError(f"RescaleAction: need low < high, got low={low}, high={high}")
+        if not (np.isfinite(low) and np.isfinite(high) and low < high):  # an infinite end maps every action to one
+            raise ValueError(f"RescaleAction: need finite low < high, got low={low}, high={high}")
         self.low, self.high = float(low), float(high)
 
     def action_space(self, params):
