@@ -87,6 +87,10 @@ def test_frame_stack_keeps_last_frames_and_restarts_with_reset_frame(rng):
         episode = [raw[t]] * 3 if bool(terminated | truncated) else final
         assert_allclose(obs, np.stack(episode), err_msg=f"step {t}")
     assert bool(ours[4][3]), "time limit 4 truncates at step 4"
+    # A dict observation (the maze's) is refused by name; reset raised a TypeError from broadcast_to.
+    maze, maze_params = ember.envs.make("KeyDoorMaze-v0")
+    with pytest.raises(ValueError, match="FrameStack: the observation must be one array"):
+        wrappers.FrameStack(maze, 2).reset(rng, maze_params)
 
 
 def test_one_environment_wrappers_refuse_a_batch():

@@ -99,6 +99,11 @@ class FrameStack(Wrapper):
 
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
+        if not hasattr(obs, "shape"):  # a dict or tuple observation (jnp.broadcast_to raised a TypeError)
+            raise ValueError(
+                f"FrameStack: the observation must be one array, got {type(obs).__name__}; "
+                "wrap a pytree-observation env in FlattenObservation first"
+            )
         frames = self._repeated(obs)
         return frames, FrameStackState(env_state, frames)
 
