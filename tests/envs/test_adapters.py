@@ -251,3 +251,9 @@ def test_a_missing_library_is_a_config_error_naming_the_source(source, monkeypat
     with pytest.raises(ConfigError, match=f"{source} is not installed") as raised:
         ember.envs.make_from_config(config)
     assert raised.value.key == "source"
+
+
+def test_gymnasium_vector_env_refuses_a_multi_agent_environment():
+    # Accepted before; its first step raised AttributeError: 'dict' object has no attribute 'reshape'.
+    with pytest.raises(ValueError, match="multi-agent environment"):
+        GymnasiumVectorEnv("MPE-simple_push", num_envs=2)

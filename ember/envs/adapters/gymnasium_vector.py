@@ -27,6 +27,7 @@ from gymnasium.vector.utils import batch_space
 from ember.envs import spaces
 from ember.envs.batched import BatchedEnv
 from ember.envs.environment import Environment
+from ember.envs.multi_agent import is_multi_agent
 from ember.envs.registry import make
 
 
@@ -58,6 +59,11 @@ class GymnasiumVectorEnv(VectorEnv):
         if isinstance(env, str):
             env, default_params = make(env)
             params = default_params if params is None else params
+        if is_multi_agent(env):  # gymnasium's VectorEnv has one reward and one pair of flags per environment
+            raise ValueError(
+                f"GymnasiumVectorEnv: {env!r} is a multi-agent environment (rewards and flags per agent); "
+                "a gymnasium VectorEnv holds single-agent environments only"
+            )
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"render_mode must be None or 'rgb_array', got {render_mode!r}")
         if autoreset_mode not in (AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP):
