@@ -83,7 +83,7 @@ def load_config(
         check_keys(schema, OmegaConf.to_container(layer, resolve=False), origin=origin)
         try:
             merged = OmegaConf.merge(merged, layer)
-        except omegaconf_errors.OmegaConfBaseException as error:
+        except (omegaconf_errors.OmegaConfBaseException, TypeError) as error:  # TypeError: a list for a dict
             raise _translate_error(error, schema, layer, origin) from None
     return _instantiate(schema, merged)
 
@@ -299,12 +299,12 @@ def _translate_error(error: Exception, schema: type, layer: DictConfig, origin: 
     key = getattr(error, "full_key", None) or _failing_key(schema, layer) or ""
     expected = _expected_type_at(schema, key)
     value = _value_at(layer, key)
-    if isinstance(error, omegaconf_errors.ValidationError) and expected is not None:
+    if isinstance(error, (omegaconf_errors.ValidationError, TypeError)) and expected is not None:
         return ConfigError(
             f"config key '{key}' (from {origin}) expects {expected}, got {value!r} ({type(value).__name__})",
             key=key,
         )
-    return ConfigError(f"config key '{key}' (from {origin}): {error.msg}", key=key or None)
+    return ConfigError(f"config key '{key}' (from {origin}): {getattr(error, 'msg', error)}", key=key or None)
 
 
 def _expected_type_at(schema: type, key: str) -> str | None:
@@ -326,20 +326,23 @@ def _failing_key(schema: type, layer: DictConfig) -> str | None:
     own, for the errors in which OmegaConf names no key (an element of a tuple field that does
     not convert: ``policy.hidden_sizes=[64,abc]``)."""
 
-    def leaves(node: Any, prefix: str = ""):
+    def leaves(node: Any, section: type | None, prefix: str = ""):
+        """The values of ``node`` by dotted key, down to the fields of the schema's sections
+        (a mapping given for a field that is no section is one value)."""
         for name, value in node.items():
-            if isinstance(value, Mapping) and value:
-                yield from leaves(value, f"{prefix}{name}.")
+            inner = None if section is None else _dataclass_type(_field_types(section).get(name))
+            if isinstance(value, Mapping) and value and inner is not None:
+                yield from leaves(value, inner, f"{prefix}{name}.")
             else:
                 yield f"{prefix}{name}", value
 
-    for key, value in leaves(OmegaConf.to_container(layer, resolve=False)):
+    for key, value in leaves(OmegaConf.to_container(layer, resolve=False), schema):
         single: Any = value
         for part in reversed(key.split(".")):
             single = {part: single}
         try:
             OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(single))
-        except omegaconf_errors.OmegaConfBaseException:
+        except (omegaconf_errors.OmegaConfBaseException, TypeError):
             return key
     return None
 

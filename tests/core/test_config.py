@@ -106,6 +106,16 @@ def test_wrong_type_names_the_key_and_expected_type(tmp_path):
     assert str(info.value) == (
         "config key 'optim.betas' (from command-line overrides) expects tuple[float], got [0.9, 'fast'] (list)"
     )
+    # A list for a dict field, a mapping for a tuple field: OmegaConf raised a bare TypeError
+    # ("Cannot merge incompatible container types"), a traceback from the CLI.
+    for override, key, expected, got in [
+        ("tags=[a,b]", "tags", "dict[str, str]", "['a', 'b'] (list)"),
+        ("optim.betas={a: 1}", "optim.betas", "tuple[float]", "{'a': 1} (dict)"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(ExperimentConfig, None, [override])
+        assert info.value.key == key
+        assert str(info.value) == f"config key '{key}' (from command-line overrides) expects {expected}, got {got}"
 
 
 @pytest.mark.parametrize("override", ["train.steps", "=3", "train..steps=3", "train steps=3", "1train=3"])
