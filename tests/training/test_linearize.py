@@ -150,10 +150,10 @@ def test_the_source_and_out_paths_are_taken_as_written(tmp_path, monkeypatch):
         assert (seen[-1].base_model.path, seen[-1].run_dir) == (source, out)
 
 
-def test_stage_two_adds_the_teachers_kl_in_training_steps_only(tmp_path_factory, monkeypatch, rng):
-    """With ``distill.weight``, a training step's loss is the next-token loss plus the weight
-    times the KL from the teacher's next-token distribution (checked in NumPy); validation
-    (no ``step``) reports the next-token loss alone."""
+def stage_two(tmp_path_factory, monkeypatch, rng, overrides):
+    """``(task, params, batch)``: stage 2's ``LowRankTask`` of the tiny teacher (batch 2 x 16
+    tokens, plus ``overrides``), its parameters perturbed (adapters away from zero) and a
+    training batch."""
     from ember.core.config import load_config
     from ember.training.finetune.base import load_base
     from ember.training.linearize.config import LinearizeRunConfig
@@ -162,8 +162,7 @@ def test_stage_two_adds_the_teachers_kl_in_training_steps_only(tmp_path_factory,
 
     work = tiny_stdlib_run(tmp_path_factory)
     monkeypatch.setenv("EMBER_CACHE", str(work / "cache"))
-    overrides = [f"base_model.path={work / 'teacher'}", "distill.weight=0.5", "distill.temperature=2.0",
-                 "train.batch_size=2", "train.seq_len=16"]  # fmt: skip
+    overrides = [f"base_model.path={work / 'teacher'}", "train.batch_size=2", "train.seq_len=16", *overrides]
     config = load_config(LinearizeRunConfig, CONFIG, overrides)
     base = load_base(config.base_model)
     dataset = _dataset(config.data, base)
@@ -171,9 +170,19 @@ def test_stage_two_adds_the_teachers_kl_in_training_steps_only(tmp_path_factory,
     transferred = jax.jit(transfer.init_variables)(rng, transfer.pretrained())
     task = LowRankTask(config, base, dataset, transferred=unbox(transferred["params"]))
     variables = jax.jit(task.init_variables)(rng, task.pretrained())
-    params = perturbed(unbox(variables["params"]), rng, scale=0.05)  # adapters away from zero
-    teacher_variables = unbox(task.teacher_params())
+    params = perturbed(unbox(variables["params"]), rng, scale=0.05)
     batch = {k: jnp.asarray(v) for k, v in task.train_data().next().items()}
+    return task, params, batch
+
+
+def test_stage_two_adds_the_teachers_kl_in_training_steps_only(tmp_path_factory, monkeypatch, rng):
+    """With ``distill.weight``, a training step's loss is the next-token loss plus the weight
+    times the KL from the teacher's next-token distribution (checked in NumPy); validation
+    (no ``step``) reports the next-token loss alone."""
+    task, params, batch = stage_two(
+        tmp_path_factory, monkeypatch, rng, ["distill.weight=0.5", "distill.temperature=2.0"]
+    )
+    teacher_variables = unbox(task.teacher_params())
     loss = jax.jit(lambda params, step: task.loss(params, batch, rng=rng, teacher=teacher_variables, step=step))
     trained, validated = loss(params, jnp.int32(0)), loss(params, None)
 
@@ -194,26 +203,9 @@ def test_stage_two_adds_the_teachers_kl_in_training_steps_only(tmp_path_factory,
 def test_stage_two_applies_adapter_dropout_in_training_steps_only(tmp_path_factory, monkeypatch, rng):
     """``adapter.dropout`` drops the adapters' inputs in stage 2's training steps (it was
     accepted and ignored); validation (no ``step``) sees the whole adapters."""
-    from ember.core.config import load_config
-    from ember.training.finetune.base import load_base
-    from ember.training.linearize.config import LinearizeRunConfig
-    from ember.training.linearize.entry import _dataset
-    from ember.training.linearize.tasks import AttentionTransferTask, LowRankTask
     from ember.training.task import next_token_loss
 
-    work = tiny_stdlib_run(tmp_path_factory)
-    monkeypatch.setenv("EMBER_CACHE", str(work / "cache"))
-    overrides = [f"base_model.path={work / 'teacher'}", "adapter.dropout=0.5", "train.batch_size=2",
-                 "train.seq_len=16"]  # fmt: skip
-    config = load_config(LinearizeRunConfig, CONFIG, overrides)
-    base = load_base(config.base_model)
-    dataset = _dataset(config.data, base)
-    transfer = AttentionTransferTask(config, base, dataset)
-    transferred = jax.jit(transfer.init_variables)(rng, transfer.pretrained())
-    task = LowRankTask(config, base, dataset, transferred=unbox(transferred["params"]))
-    variables = jax.jit(task.init_variables)(rng, task.pretrained())
-    params = perturbed(unbox(variables["params"]), rng, scale=0.05)  # adapters away from zero
-    batch = {k: jnp.asarray(v) for k, v in task.train_data().next().items()}
+    task, params, batch = stage_two(tmp_path_factory, monkeypatch, rng, ["adapter.dropout=0.5"])
     loss = jax.jit(lambda params, step: task.loss(params, batch, rng=rng, teacher=None, step=step).loss_sum)
     inputs = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
     logits = task.model.apply({"params": params}, batch["tokens"], **inputs)[0]
