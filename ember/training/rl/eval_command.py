@@ -12,7 +12,13 @@ import argparse
 import json
 
 from ember.core.errors import ConfigError
-from ember.training.rl.experiment import evaluate_params, format_summary, load_run, record_episode
+from ember.training.rl.experiment import (
+    check_recordable,
+    evaluate_params,
+    format_summary,
+    load_run,
+    record_episode,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
     if args.episodes < 1:
         raise ConfigError(f"--episodes must be a positive integer, got {args.episodes}", key="--episodes")
     config, params, obs_stats = load_run(args.run_dir)
+    if args.gif:  # before the evaluation, which may take a while
+        check_recordable(config.env)
     deterministic = False if args.stochastic else None
     summary = evaluate_params(
         config, params, args.episodes, seed=args.seed, deterministic=deterministic, obs_stats=obs_stats

@@ -2,6 +2,7 @@
 
     act = make_act(policy, params)   # ppo.make_act, dqn.make_act, ...: obs [N, ...] -> actions [N, ...]
     returns, lengths = evaluate(act, env, env_params, key, num_episodes=100)
+    frames = record(act, env, env_params, key)   # one episode's pictures [time, H, W, 3]
 
 Each of the ``num_episodes`` environments runs exactly one episode: the scan lasts as long
 as the longest time limit of ``env`` (``env_params.max_steps_in_episode``, or a longer
@@ -96,6 +97,36 @@ def _run(arrays: list, static: _Static, env, env_params, key: jax.Array, *, num_
     return returns, lengths
 
 
+def record(act: Callable[[Any, jax.Array], Any], env, env_params, key: jax.Array) -> np.ndarray:
+    """Frames ``[time, height, width, 3]`` (uint8) of one episode of ``act`` on ``env``, from
+    the first observation to the last state before the episode ended (``env.render`` of each
+    state). ``act`` takes a batch of one observation, as for :func:`evaluate`, and is compiled
+    the same way: new parameters of the same network reuse the program."""
+    steps = max_episode_steps(env, env_params)
+    arrays, static = _split_arrays(act)
+    frames, shown = _record(arrays, static, _static_leaf(env), env_params, key, steps=steps)
+    return np.asarray(frames)[np.asarray(shown)]
+
+
+@functools.partial(jax.jit, static_argnames=("static", "env", "steps"))
+def _record(arrays: list, static: _Static, env, env_params, key: jax.Array, *, steps: int):
+    """:func:`record`'s program: ``(frames [steps, H, W, 3], shown [steps])``."""
+    act, env = static.combine(arrays), _ByIdentity.unwrap(env)
+    reset_key, key = jax.random.split(key)
+    obs, state = env.reset(reset_key, env_params)
+
+    def step(carry, key):
+        obs, state, running = carry
+        act_key, env_key = jax.random.split(key)
+        frame = env.render(state, env_params)
+        action = jax.tree.map(lambda a: a[0], act(jax.tree.map(lambda o: o[None], obs), act_key))
+        obs, state, _, terminated, truncated, _ = env.step(env_key, state, action, env_params)
+        return (obs, state, running & ~episode_over(terminated, truncated)), (frame, running)
+
+    _, (frames, shown) = jax.lax.scan(step, (obs, state, True), jax.random.split(key, steps))
+    return frames, shown
+
+
 def _is_array(leaf: Any) -> bool:
     """Whether ``leaf`` is a traced argument of :func:`_run` (as Equinox's ``is_array``)."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
@@ -151,4 +182,4 @@ def _split_arrays(tree: Any) -> tuple[list, _Static]:
     return arrays, _Static(treedef, tuple(None if _is_array(leaf) else _static_leaf(leaf) for leaf in leaves))
 
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "record"]

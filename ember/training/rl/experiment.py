@@ -27,15 +27,14 @@ import numpy as np
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, read_key, to_yaml
 from ember.core.errors import ConfigError, EmberError, PathNotFoundError
-from ember.envs.config import make_from_config
+from ember.envs.config import EnvConfig, make_from_config
 from ember.envs.environment import Environment
-from ember.envs.multi_agent import episode_over
-from ember.envs.wrappers import RunningMeanVar, Wrapper, max_episode_steps
+from ember.envs.wrappers import RunningMeanVar, Wrapper
 from ember.training.launcher import DEFAULT_KIND
 from ember.training.metrics import MetricsWriter
 from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn, sac
 from ember.training.rl.config import RLConfig
-from ember.training.rl.evaluate import evaluate
+from ember.training.rl.evaluate import evaluate, record
 
 CONFIG_FILE = "config.yaml"
 EVAL_FILE = "eval.json"
@@ -288,35 +287,27 @@ def record_episode(
     obs_stats: RunningMeanVar | None = None,
 ) -> np.ndarray:
     """Frames ``[time, height, width, 3]`` (uint8) of one episode of the policy, from the
-    first observation to the last state before the episode ended."""
+    first observation to the last state before the episode ended.
+
+    Raises:
+      ConfigError: the environment draws no frames (see :func:`check_recordable`).
+    """
+    check_recordable(config.env)
     env, env_params = make_from_config(config.env)
+    act = _make_act(config, env, env_params, params, deterministic, obs_stats)
+    return record(act, env, env_params, jax.random.key(seed))
+
+
+def check_recordable(env_config: EnvConfig) -> None:
+    """Raises ``ConfigError`` (key ``env.source``) when the environment has no ``render``: the
+    gymnax and JaxMARL adapters draw no frames."""
+    env, _ = make_from_config(env_config)
     if type(env.unwrapped if isinstance(env, Wrapper) else env).render is Environment.render:
         raise ConfigError(
-            f"env.source: {env.name} has no render (a {config.env.source} environment draws no frames); "
+            f"env.source: {env.name} has no render (a {env_config.source} environment draws no frames); "
             "only Ember's own environments can be recorded",
             key="env.source",
         )
-    act = _make_act(config, env, env_params, params, deterministic, obs_stats)
-    max_steps = max_episode_steps(env, env_params)
-
-    @jax.jit
-    def rollout(key):
-        reset_key, key = jax.random.split(key)
-        obs, state = env.reset(reset_key, env_params)
-
-        def step(carry, key):
-            obs, state, running = carry
-            act_key, env_key = jax.random.split(key)
-            frame = env.render(state, env_params)
-            action = jax.tree.map(lambda a: a[0], act(jax.tree.map(lambda o: o[None], obs), act_key))
-            obs, state, _, terminated, truncated, _ = env.step(env_key, state, action, env_params)
-            return (obs, state, running & ~episode_over(terminated, truncated)), (frame, running)
-
-        _, (frames, shown) = jax.lax.scan(step, (obs, state, True), jax.random.split(key, max_steps))
-        return frames, shown
-
-    frames, shown = rollout(jax.random.key(seed))
-    return np.asarray(frames)[np.asarray(shown)]
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -330,6 +321,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
+    "check_recordable",
     "evaluate_params",
     "format_summary",
     "load_run",

@@ -11,14 +11,14 @@ from PIL import Image
 import ember.envs
 from ember.cli import main
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import load_config
+from ember.core.config import load_config, to_yaml
 from ember.core.errors import ConfigError, EmberError
 from ember.envs.wrappers import TimeLimit
 from ember.training.metrics import read_metrics
 from ember.training.rl import config as rl_config
+from ember.training.rl import eval_command, multi_agent_ppo
 from ember.training.rl import evaluate as evaluate_module
 from ember.training.rl import experiment as runner
-from ember.training.rl import multi_agent_ppo
 from ember.training.rl.agent_view import stack_agents
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
@@ -145,14 +145,26 @@ def test_record_episode_of_a_multi_agent_run(rng):
     frames = runner.record_episode(config, params, seed=7)
     assert frames.shape[0] == 5  # one frame per step, up to the time limit
     np.testing.assert_array_equal(frames[0], jax.jit(env.render)(state, env_params))
+    # another recording of the policy (another seed, the parameters perturbed) runs the same program
+    compiled = evaluate_module._record._cache_size()
+    perturbed = jax.tree.map(lambda p: p + 0.1, params)
+    assert runner.record_episode(config, perturbed, seed=8).shape == frames.shape
+    assert evaluate_module._record._cache_size() == compiled
 
 
-def test_record_episode_of_an_environment_without_render_is_a_config_error():
-    """``ember eval RUN_DIR --gif`` of a gymnax-source run raised a bare NotImplementedError."""
+def test_record_episode_of_an_environment_without_render_is_a_config_error(tmp_path, monkeypatch, capsys):
+    """``ember eval RUN_DIR --gif`` of a gymnax-source run raised a bare NotImplementedError,
+    after evaluating; the CLI now refuses before it evaluates."""
     config = load_config(RLConfig, CONFIG, ["env.source=gymnax", "ppo.policy.hidden_sizes=[8]"])
     with pytest.raises(ConfigError, match="no render") as raised:
         runner.record_episode(config, None, seed=0)
     assert raised.value.key == "env.source"
+    (tmp_path / "config.yaml").write_text(to_yaml(config))
+    with CheckpointManager(tmp_path / "checkpoints") as manager:
+        manager.save(1, {"params": {"w": np.zeros(2, np.float32)}})
+    monkeypatch.setattr(eval_command, "evaluate_params", lambda *args, **kwargs: pytest.fail("evaluated first"))
+    assert main(["eval", str(tmp_path), "--gif", str(tmp_path / "out.gif")]) == 2
+    assert "has no render" in capsys.readouterr().err
 
 
 def test_evaluate_runs_episodes_to_a_longer_time_limit_wrapper(rng):
