@@ -19,7 +19,9 @@ class LoopConfig:
 
     ``grad_accum``: micro-batches per step (exact, weighted by each micro-batch's loss count).
     ``on_nan``: ``stop`` raises on a non-finite loss; ``skip`` leaves params, optimizer moments
-    and model state unchanged (the learning-rate schedule still follows the step).
+    and model state unchanged (the learning-rate schedule still follows the step); each log
+    step then records ``skipped_steps``, the steps skipped since the previous log, and an event
+    when there were any.
     ``aux_loss_weights``: ``{name: weight}`` for every auxiliary loss the model returns or sows
     (``0`` logs it without training on it). ``freeze``: regular expressions searched in the
     ``/``-joined parameter paths (``layers/block_0/attn/q/kernel``); matching parameters are

@@ -38,6 +38,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -161,6 +162,7 @@ class Trainer:
         self.last_saved = int(self.state.step) if self.manager.latest_step() == int(self.state.step) else None
         self._hooks: list[Hook] = []
         self._window: tuple[float, int] | None = None  # (start time, steps since) of the throughput window
+        self._skipped: jax.Array | None = None  # on_nan=skip: non-finite steps since the last log, on device
         self.add_hook(self._log, every=self.loop.log_every, on_last=True, on_stop=True)
         if task.eval_data() is not None:
             self.add_hook(self._evaluate_hook, every=self.loop.eval_every, on_last=True)
@@ -292,6 +294,9 @@ class Trainer:
                 # (samples through the serving engine, user callbacks) run without an ambient mesh.
                 with use_sharding(self.mesh, self.rules):
                     self.state, metrics = self._step_fn(self.state, batch, self.teacher)
+                if self.loop.on_nan == "skip":  # counted on device: no host sync between log steps
+                    skipped = jnp.logical_not(metrics["finite"]).astype(jnp.int32)
+                    self._skipped = skipped if self._skipped is None else self._skipped + skipped
                 # One reading of the flag per step: a signal that lands later is honoured next step.
                 info = StepInfo(step + 1, self.state, metrics, step + 1 == self.loop.steps, stop.is_set, self)
                 window_start, window_steps = self._window or (None, 0)
@@ -350,10 +355,13 @@ class Trainer:
     def _log(self, info: StepInfo) -> None:
         """Pulls the step's metrics to the host, applies the NaN policy, adds throughput, writes."""
         values = scalar_metrics(jax.device_get(info.metrics))
-        if not values.pop("finite"):
-            if self.loop.on_nan == "stop":
-                raise NonFiniteLossError(self._nan_message(info.step, values))
-            self.writer.event(info.step, "skipped non-finite step")
+        if not values.pop("finite") and self.loop.on_nan == "stop":
+            raise NonFiniteLossError(self._nan_message(info.step, values))
+        if self._skipped is not None:  # on_nan=skip: every skipped step since the last log, this one included
+            skipped, self._skipped = int(self._skipped), None
+            values["skipped_steps"] = skipped
+            if skipped:
+                self.writer.event(info.step, f"skipped {skipped} non-finite step(s) since the last log")
         window_start, window_steps = self._window or (None, 0)
         if window_start is not None and window_steps:
             elapsed = time.perf_counter() - window_start

@@ -172,7 +172,9 @@ def test_nan_stops_with_pointer_to_last_checkpoint_or_is_skipped(tmp_path, datas
     summary = train(skipping)
     assert summary["steps"] == 4
     events = [json.loads(line) for line in (tmp_path / "skip" / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any("skipped non-finite step" in str(entry.get("event", "")) for entry in events)
+    assert any("non-finite step(s) since the last log" in str(entry.get("event", "")) for entry in events)
+    # step 1's loss is finite; its update at lr 1e30 is not, nor is any step after it (each skipped)
+    assert [entry["skipped_steps"] for entry in events if "loss" in entry] == [0, 1, 1, 1]
 
 
 def test_run_directory_contents_and_resume_guard(tmp_path, dataset):

@@ -89,7 +89,7 @@ class Regression(Task):
 def make_trainer(task, run_dir, *, steps=8, resume=False, optim=None, **loop):
     return Trainer(
         task,
-        loop=LoopConfig(steps=steps, log_every=1, **loop),
+        loop=LoopConfig(steps=steps, **{"log_every": 1, **loop}),
         optim=optim or OptimConfig(lr=1e-2, schedule=ScheduleConfig(kind="constant")),
         checkpoint=CheckpointConfig(every=2, async_save=False),
         logging=LoggingConfig(progress=False, tensorboard=False),
@@ -276,6 +276,19 @@ def test_a_skipped_non_finite_step_keeps_the_schedule_on_the_trainers_step(tmp_p
     expected = jax.tree.map(lambda p, g: p - schedule[2] * g, initial, jax.grad(loss_fn)(initial))
     for a, b in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(expected)):
         assert_allclose(np.asarray(a), np.asarray(b), dtype=np.float32)
+
+
+def test_skipped_steps_between_log_steps_are_counted_at_the_next_log(tmp_path):
+    """Only a log step's own finiteness was looked at: a NaN step between log steps was skipped
+    without a trace. Step 2 of 3 is NaN, the log is at step 3."""
+    task = Regression()
+    task.train_data = NanSecondBatch
+    make_trainer(task, tmp_path / "skip", steps=3, on_nan="skip", log_every=3).train()
+    records = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert logged(tmp_path / "skip")[3]["skipped_steps"] == 1
+    assert [(r["step"], r["event"]) for r in records if "event" in r] == [
+        (3, "skipped 1 non-finite step(s) since the last log")
+    ]
 
 
 def test_non_finite_loss_error_is_an_ember_error():
