@@ -71,6 +71,16 @@ class Wrapper(Environment):
         return f"{type(self).__name__}({self.env!r})"
 
 
+def require_array_observation(obs, wrapper: str) -> None:
+    """Raises ``ValueError`` when ``obs`` (what ``wrapper`` got from a reset) is a dict or
+    tuple of arrays rather than one array."""
+    if not hasattr(obs, "shape"):
+        raise ValueError(
+            f"{wrapper}: the observation must be one array, got {type(obs).__name__}; "
+            "wrap a pytree-observation env in FlattenObservation first"
+        )
+
+
 def num_envs(env) -> int | None:
     """``num_envs`` of the nearest ``BatchedEnv`` inside ``env`` through other wrappers, or
     ``None`` for a single environment."""

@@ -19,7 +19,7 @@ from flax import struct
 from ember.envs.environment import EnvState
 from ember.envs.multi_agent import is_multi_agent
 from ember.envs.spaces import Box
-from ember.envs.wrappers.base import Wrapper, num_envs
+from ember.envs.wrappers.base import Wrapper, num_envs, require_array_observation
 
 #: Added to the variance before the square root (gymnasium's default).
 EPSILON = 1e-8
@@ -95,11 +95,7 @@ class NormalizeObservation(Wrapper):
 
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
-        if not hasattr(obs, "shape"):  # a dict or tuple observation
-            raise ValueError(
-                f"NormalizeObservation: the observation must be one array, got {type(obs).__name__}; "
-                "wrap a pytree-observation env in FlattenObservation first"
-            )
+        require_array_observation(obs, "NormalizeObservation")
         value_shape = obs.shape[len(self.batch_axes) :]
         stats = RunningMeanVar.create(value_shape).update(obs, self.batch_axes)
         return stats.normalize(obs, self.epsilon), NormalizeObservationState(env_state, stats)

@@ -10,7 +10,7 @@ from flax import struct
 from ember.envs import spaces
 from ember.envs.environment import EnvState
 from ember.envs.multi_agent import is_multi_agent
-from ember.envs.wrappers.base import Wrapper
+from ember.envs.wrappers.base import Wrapper, require_array_observation
 
 
 def _space_leaves(space: spaces.Space) -> list[spaces.Space]:
@@ -99,11 +99,7 @@ class FrameStack(Wrapper):
 
     def reset_from_noise(self, noise, params):
         obs, env_state = self.env.reset_from_noise(noise, params)
-        if not hasattr(obs, "shape"):  # a dict or tuple observation (jnp.broadcast_to raised a TypeError)
-            raise ValueError(
-                f"FrameStack: the observation must be one array, got {type(obs).__name__}; "
-                "wrap a pytree-observation env in FlattenObservation first"
-            )
+        require_array_observation(obs, "FrameStack")  # jnp.broadcast_to raised a TypeError for a dict
         frames = self._repeated(obs)
         return frames, FrameStackState(env_state, frames)
 
