@@ -19,11 +19,11 @@ import numpy as np
 
 from ember.core.errors import DataError
 from ember.core.tree import param_paths
-from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.leaves import adapter_part
 from ember.models.config import ModelConfig
 from ember.models.decoder import layers_from_list, layers_to_list
 from ember.models.hf.mamba2 import mamba2_params_from_hf, mamba2_params_to_hf
+from ember.models.quantization.stored import stored_weight_paths
 
 # The MoE block's module name and its experts' (gate, up, down) names, per model type.
 _MOE_NAMES = {
@@ -159,7 +159,7 @@ def _check_plain_weights(params: Mapping[str, Any]) -> None:
             "would drop: merge them in first (ember.models.adapters.merged_weights) or save them as a PEFT adapter "
             "(ember.models.hf.save_peft_adapter)"
         )
-    quantized = [path.rsplit("/", 1)[0] for path in flat if path.rsplit("/", 1)[-1] in FORMATS]
+    quantized = stored_weight_paths(flat)
     if quantized:
         raise DataError(
             f"{quantized[0]} is stored quantized; a Hugging Face checkpoint holds float weights: save the float "

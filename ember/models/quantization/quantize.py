@@ -29,7 +29,7 @@ from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.layout import TARGETS, leaf_value, weight_layout
 from ember.models.quantization.gptq import gptq_matrix
 from ember.models.quantization.numerics import DEFAULT_GROUP_SIZES, quantize_matrix
-from ember.models.quantization.stored import dequantized, store_matrix, stored_format
+from ember.models.quantization.stored import dequantized, store_matrix, stored_format, stored_weight_paths
 
 METHODS: tuple[str, ...] = ("rtn", "gptq")
 DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
@@ -111,7 +111,7 @@ def _float_leaves(params: Mapping[str, Any]) -> dict[str, Any]:
     """``param_paths(params)`` without the parts of stored quantized weights (``.../int8``,
     ``.../scales``, ...): those are not weights to select."""
     flat = param_paths(params)
-    stored = {path.rsplit("/", 1)[0] for path in flat if path.rsplit("/", 1)[-1] in FORMATS}
+    stored = set(stored_weight_paths(flat))
     return {path: leaf for path, leaf in flat.items() if path.rsplit("/", 1)[0] not in stored}
 
 

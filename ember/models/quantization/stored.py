@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -42,6 +43,12 @@ def stored_format(value) -> str | None:
     if isinstance(value, Mapping):
         return next((fmt for fmt in FORMATS if fmt in value), None)
     return None
+
+
+def stored_weight_paths(flat: Mapping[str, Any]) -> list[str]:
+    """The paths of the stored quantized weights in ``flat``, in its order: ``flat`` is a tree's
+    ``param_paths``, which lists each stored weight's parts (``.../kernel/int8``, ``.../kernel/scales``)."""
+    return list(dict.fromkeys(path.rsplit("/", 1)[0] for path in flat if path.rsplit("/", 1)[-1] in FORMATS))
 
 
 def double_quantize(absmax: jax.Array) -> dict[str, jax.Array]:
@@ -141,4 +148,5 @@ __all__ = [
     "record_input",
     "store_matrix",
     "stored_format",
+    "stored_weight_paths",
 ]
