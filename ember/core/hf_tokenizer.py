@@ -118,11 +118,12 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
             config.update(loaded)
     if (path / CHAT_TEMPLATE_FILE).is_file():  # where transformers saves it now; it wins, as there
         config["chat_template"] = utf8_text(path / CHAT_TEMPLATE_FILE)
+    text = utf8_text(path / "tokenizer.json")
     try:
-        return HFTokenizer(utf8_text(path / "tokenizer.json"), config)
+        return HFTokenizer(text, config)
+    except DataError:
+        raise
     except Exception as error:  # the tokenizers package raises a plain Exception for a file it cannot read
-        if isinstance(error, DataError):
-            raise
         raise DataError(f"{path / 'tokenizer.json'} is not a tokenizer the tokenizers package reads: {error}") from None
 
 
