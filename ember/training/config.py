@@ -11,6 +11,7 @@ import dataclasses
 from ember.core.errors import ConfigError
 
 NAN_POLICIES = ("stop", "skip")
+LOSS_SCALE_MODES = ("auto", "dynamic", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,11 @@ class LoopConfig:
     and model state unchanged (the learning-rate schedule still follows the step); each log
     step then records ``skipped_steps``, the steps skipped since the previous log, and an event
     when there were any.
+    ``loss_scale``: dynamic loss scaling (``ember.training.loss_scaling``) for models that
+    compute in float16, whose small gradients would otherwise flush to zero: ``auto`` scales
+    when the task's compute dtype is float16, ``dynamic`` always, ``off`` never. A step whose
+    scaled gradients overflow is skipped (counted in ``skipped_steps``) and the scale halves;
+    each log step records ``loss_scale``.
     ``aux_loss_weights``: ``{name: weight}`` for every auxiliary loss the model returns or sows
     (``0`` logs it without training on it). ``freeze``: regular expressions searched in the
     ``/``-joined parameter paths (``layers/block_0/attn/q/kernel``); matching parameters are
@@ -33,6 +39,7 @@ class LoopConfig:
     log_every: int = 10
     eval_every: int = 100
     on_nan: str = "stop"
+    loss_scale: str = "auto"
     aux_loss_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     freeze: tuple[str, ...] = ()
 
@@ -45,6 +52,11 @@ class LoopConfig:
         if self.on_nan not in NAN_POLICIES:
             raise ConfigError(
                 f"train.on_nan must be one of {', '.join(NAN_POLICIES)}, got {self.on_nan!r}", key="train.on_nan"
+            )
+        if self.loss_scale not in LOSS_SCALE_MODES:
+            raise ConfigError(
+                f"train.loss_scale must be one of {', '.join(LOSS_SCALE_MODES)}, got {self.loss_scale!r}",
+                key="train.loss_scale",
             )
 
 
@@ -70,4 +82,4 @@ class LoggingConfig:
     tensorboard: bool = True
 
 
-__all__ = ["NAN_POLICIES", "CheckpointConfig", "LoggingConfig", "LoopConfig"]
+__all__ = ["LOSS_SCALE_MODES", "NAN_POLICIES", "CheckpointConfig", "LoggingConfig", "LoopConfig"]

@@ -130,6 +130,14 @@ class Task:
     def add_hooks(self, trainer: Trainer) -> None:
         """Registers the task's own periodic work (samples, ...) with ``trainer.add_hook``."""
 
+    def compute_dtype(self) -> jnp.dtype:
+        """The dtype the model computes in (float16 turns on dynamic loss scaling under
+        ``train.loss_scale=auto``): the precision policy of a model with an Ember
+        ``config`` (``DecoderLM``), else float32. Override it for a model of your own that
+        computes in float16."""
+        policy = getattr(getattr(self.model, "config", None), "policy", None)
+        return jnp.dtype(policy.compute_dtype if policy is not None else jnp.float32)
+
     def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:
         """``None`` when a checkpoint whose params look like ``saved_params`` (metadata) loads
         as is; otherwise ``(task whose params have the saved layout, convert)`` where

@@ -29,6 +29,7 @@ import optax
 
 from ember.core.errors import ConfigError, EmberError
 from ember.models.variables import split_variables
+from ember.training.loss_scaling import MINIMUM_SCALE, LossScaleState, next_loss_scale
 from ember.training.task import LossTerms
 from ember.training.trainable import Mask, merge, select
 
@@ -159,15 +160,27 @@ def train_step(
     step counts advance, so the rate follows the trainer's step (as the RNG and QAT's phases
     do) and the logged ``lr``, ``schedule(step)``, is the rate the step applied. The loss's
     ``rng`` is ``fold_in(fold_in(key(seed), step), micro_batch)``.
+
+    With a :class:`~ember.training.loss_scaling.LossScaleState` optimizer state (float16
+    training), every micro-batch's objective is multiplied by its scale before
+    differentiation and the gradients divided by it after; a step whose scaled gradients
+    overflow while its loss is finite is skipped as above and counts as finite (the scale
+    halves; at the minimum scale it is a non-finite step like any other). Metrics add
+    ``loss_scale`` (the scale this step used) and, with loss scaling or ``skip_nonfinite``,
+    ``skipped`` (1 for a skipped step).
     """
     weights = dict(aux_weights or {})
     trainable = select(state.params, mask)
     step_rng = jax.random.fold_in(jax.random.key(seed), state.step)
+    scaled = isinstance(state.opt_state, LossScaleState)
+    loss_scale = state.opt_state.scale if scaled else None
 
     def objective(subset, micro, rng, model_state):
         params = merge(state.params, subset)
         terms = call_loss(loss_fn, params, micro, model_state, rng=rng, teacher=teacher, step=state.step)
         total = terms.loss_sum + terms.count * _weighted_aux(terms.aux, weights)
+        if scaled:
+            total = total * loss_scale
         sums = (
             terms.loss_sum,
             terms.count,
@@ -194,20 +207,25 @@ def train_step(
         accumulate, (*zeros, state.model_state), (micro_batches, jnp.arange(grad_accum))
     )
     denominator = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / denominator, grads)
+    grads = jax.tree.map(lambda g: g / (denominator * loss_scale if scaled else denominator), grads)
     loss = loss_sum / denominator
     aux = {name: value / denominator for name, value in aux_sums.items()}
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, trainable)
     new_trainable = optax.apply_updates(trainable, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if skip_nonfinite:
+    grads_finite = jnp.isfinite(grad_norm)
+    overflow = jnp.isfinite(loss) & ~grads_finite & (loss_scale > MINIMUM_SCALE) if scaled else False
+    finite = jnp.isfinite(loss) & (grads_finite | overflow)
+    skipped = overflow | (~finite if skip_nonfinite else False)
+    if scaled or skip_nonfinite:
         new_trainable, opt_state, model_state = jax.tree.map(
-            lambda new, old: new if _is_schedule(new) else jnp.where(finite, new, old),
+            lambda new, old: new if _is_schedule(new) else jnp.where(skipped, old, new),
             (new_trainable, opt_state, model_state),
             (trainable, state.opt_state, state.model_state),
             is_leaf=_is_schedule,
         )
+    if scaled:
+        opt_state = next_loss_scale(opt_state._replace(scale=loss_scale), grads_finite)
     metrics = {
         "loss": loss,
         **aux,
@@ -216,6 +234,10 @@ def train_step(
         count_name: count,
         "finite": finite,
     }
+    if scaled:
+        metrics["loss_scale"] = loss_scale
+    if scaled or skip_nonfinite:
+        metrics["skipped"] = skipped.astype(jnp.int32)
     if aux:
         metrics["objective"] = loss + _weighted_aux(aux, weights)
     clashing = sorted(set(metric_sums) & (set(metrics) | {"objective"}))

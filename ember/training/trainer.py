@@ -38,7 +38,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -56,6 +55,7 @@ from ember.core.sharding import (
 )
 from ember.core.system_info import peak_flops_per_device
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
+from ember.training.loss_scaling import is_loss_scaled, uses_loss_scaling, with_dynamic_loss_scale
 from ember.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from ember.training.optimizers import OptimConfig, make_optimizer, make_schedule
 from ember.training.task import Task
@@ -135,6 +135,9 @@ class Trainer:
         self.run_dir, self.mesh, self.rules = Path(run_dir), mesh or make_mesh(), rules
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(self.optim, self.loop.steps)
+        self.loss_scaled = uses_loss_scaling(self.loop.loss_scale, task.compute_dtype())
+        if self.loss_scaled:
+            self.tx = with_dynamic_loss_scale(self.tx)
         self.schedule = make_schedule(self.optim, self.loop.steps)
         boxed, self.state_shardings, self.mask = self._abstract_state(task)
         self.data = task.train_data()
@@ -162,7 +165,7 @@ class Trainer:
         self.last_saved = int(self.state.step) if self.manager.latest_step() == int(self.state.step) else None
         self._hooks: list[Hook] = []
         self._window: tuple[float, int] | None = None  # (start time, steps since) of the throughput window
-        self._skipped: jax.Array | None = None  # on_nan=skip: non-finite steps since the last log, on device
+        self._skipped: jax.Array | None = None  # skipped steps since the last log, on device
         self.add_hook(self._log, every=self.loop.log_every, on_last=True, on_stop=True)
         if task.eval_data() is not None:
             self.add_hook(self._evaluate_hook, every=self.loop.eval_every, on_last=True)
@@ -253,7 +256,17 @@ class Trainer:
 
     def _restore(self, boxed: TrainState) -> TrainState:
         """The last checkpoint placed on this mesh (converted when its param layout differs)."""
-        layout = self.task.restore_layout(self.manager.state_metadata()["params"])
+        metadata = self.manager.state_metadata()
+        if is_loss_scaled(metadata["opt_state"]) != self.loss_scaled:
+            saved = "dynamic" if is_loss_scaled(metadata["opt_state"]) else "off"
+            self.manager.close()
+            raise ConfigError(
+                f"this run's checkpoints were saved with train.loss_scale={saved} and this run's loss scaling is "
+                f"{'on' if self.loss_scaled else 'off'} (train.loss_scale={self.loop.loss_scale}, compute dtype "
+                f"{self.task.compute_dtype().name}); resume with train.loss_scale={saved}",
+                key="train.loss_scale",
+            )
+        layout = self.task.restore_layout(metadata["params"])
         if layout is None:
             restored = self.manager.restore(target=abstract_with_shardings(unbox(boxed), self.state_shardings))
             state = restored.state
@@ -294,8 +307,8 @@ class Trainer:
                 # (samples through the serving engine, user callbacks) run without an ambient mesh.
                 with use_sharding(self.mesh, self.rules):
                     self.state, metrics = self._step_fn(self.state, batch, self.teacher)
-                if self.loop.on_nan == "skip":  # counted on device: no host sync between log steps
-                    skipped = jnp.logical_not(metrics["finite"]).astype(jnp.int32)
+                if "skipped" in metrics:  # counted on device: no host sync between log steps
+                    skipped = metrics["skipped"]
                     self._skipped = skipped if self._skipped is None else self._skipped + skipped
                 # One reading of the flag per step: a signal that lands later is honoured next step.
                 info = StepInfo(step + 1, self.state, metrics, step + 1 == self.loop.steps, stop.is_set, self)
@@ -355,13 +368,15 @@ class Trainer:
     def _log(self, info: StepInfo) -> None:
         """Pulls the step's metrics to the host, applies the NaN policy, adds throughput, writes."""
         values = scalar_metrics(jax.device_get(info.metrics))
+        values.pop("skipped", None)
         if not values.pop("finite") and self.loop.on_nan == "stop":
             raise NonFiniteLossError(self._nan_message(info.step, values))
-        if self._skipped is not None:  # on_nan=skip: every skipped step since the last log, this one included
+        if self._skipped is not None:  # every skipped step since the last log, this one included
             skipped, self._skipped = int(self._skipped), None
             values["skipped_steps"] = skipped
             if skipped:
-                self.writer.event(info.step, f"skipped {skipped} non-finite step(s) since the last log")
+                reason = "non-finite" if not self.loss_scaled else "non-finite or loss-scale overflow"
+                self.writer.event(info.step, f"skipped {skipped} {reason} step(s) since the last log")
         window_start, window_steps = self._window or (None, 0)
         if window_start is not None and window_steps:
             elapsed = time.perf_counter() - window_start

@@ -19,6 +19,7 @@ from ember.core.sharding import MeshConfig, make_mesh
 from ember.models.config import ModelConfig, SSMConfig
 from ember.models.decoder import DecoderLM
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
+from ember.training.loss_scaling import LossScaleState
 from ember.training.optimizers import OptimConfig, ScheduleConfig, make_optimizer
 from ember.training.task import LossTerms, Task, apply_with_aux
 from ember.training.trainable import map_paths, param_paths, select
@@ -134,6 +135,52 @@ def test_custom_task_trains_checkpoints_and_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         make_trainer(Regression(), tmp_path / "reference")
+
+
+class HalfPrecisionRegression(Regression):
+    """The regression computed in float16 (parameters and inputs cast), as a float16 model
+    computes: ``train.loss_scale=auto`` scales its loss."""
+
+    def compute_dtype(self):
+        return jnp.dtype(jnp.float16)
+
+    def loss(self, params, batch, *, rng, teacher):
+        half = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+        prediction = self.model.apply({"params": half}, batch["x"].astype(jnp.float16))
+        error = jnp.sum((prediction.astype(jnp.float32) - batch["y"]) ** 2)
+        return LossTerms(error, jnp.float32(batch["x"].shape[0]))
+
+
+def test_a_float16_task_trains_with_a_loss_scale_that_is_checkpointed_and_resumed(tmp_path):
+    """The scale and its count of finite steps travel in the optimizer state: a run resumed
+    from step 4 ends where the uninterrupted one does, scale included. A resume that would
+    change whether the run scales its loss is refused, naming the setting that resumes it."""
+    reference = make_trainer(HalfPrecisionRegression(), tmp_path / "reference", steps=6)
+    reference.train()
+    log = logged(tmp_path / "reference")
+    assert isinstance(reference.state.opt_state, LossScaleState)
+    assert all(log[step]["loss_scale"] >= 1 for step in range(1, 7)) and log[6]["loss"] < log[1]["loss"]
+    trained = sum(1 for step in range(1, 7) if not log[step]["skipped_steps"])
+    assert int(reference.state.opt_state.good_steps) == trained > 0
+
+    def crash(info):
+        if info.step == 5:
+            raise KeyboardInterrupt
+
+    interrupted = make_trainer(HalfPrecisionRegression(), tmp_path / "interrupted", steps=6)
+    interrupted.add_hook(crash, every=5)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    resumed = make_trainer(HalfPrecisionRegression(), tmp_path / "interrupted", steps=6, resume=True)
+    resumed.train()
+    for a, b in zip(jax.tree.leaves(reference.state), jax.tree.leaves(resumed.state)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    with pytest.raises(
+        ConfigError, match=r"saved with train.loss_scale=dynamic .* resume with train.loss_scale=dynamic"
+    ):
+        make_trainer(HalfPrecisionRegression(), tmp_path / "reference", steps=6, resume=True, loss_scale="off")
+    with pytest.raises(ConfigError, match=r"saved with train.loss_scale=dynamic"):
+        make_trainer(Regression(), tmp_path / "reference", steps=6, resume=True)
 
 
 class Evaluated(Regression):
