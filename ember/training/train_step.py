@@ -162,8 +162,8 @@ def train_step(
     ``rng`` is ``fold_in(fold_in(key(seed), step), micro_batch)``.
 
     With a :class:`~ember.training.loss_scaling.LossScaleState` optimizer state (float16
-    training), every micro-batch's objective is multiplied by its scale before
-    differentiation and the gradients divided by it after; a step whose scaled gradients
+    training), every micro-batch's mean objective is multiplied by the scale before
+    differentiation and its float32 gradients brought back to the sum's after; a step whose scaled gradients
     overflow while its loss is finite is skipped as above and counts as finite (the scale
     halves; at the minimum scale it is a non-finite step like any other). Metrics add
     ``loss_scale`` (the scale this step used) and, with loss scaling or ``skip_nonfinite``,
@@ -179,8 +179,8 @@ def train_step(
         params = merge(state.params, subset)
         terms = call_loss(loss_fn, params, micro, model_state, rng=rng, teacher=teacher, step=state.step)
         total = terms.loss_sum + terms.count * _weighted_aux(terms.aux, weights)
-        if scaled:
-            total = total * loss_scale
+        if scaled:  # the scaled *mean*: a sum over many tokens would overflow float16 weight gradients
+            total = total * (loss_scale / jnp.maximum(terms.count, 1.0))
         sums = (
             terms.loss_sum,
             terms.count,
@@ -198,6 +198,9 @@ def train_step(
         (_, (micro_sums, model_state)), micro_grads = grad_fn(
             trainable, micro, jax.random.fold_in(step_rng, index), model_state
         )
+        if scaled:  # back to the gradient of the micro-batch's sum, in float32
+            unscale = jnp.maximum(micro_sums[1], 1.0) / loss_scale
+            micro_grads = jax.tree.map(lambda g: g * unscale, micro_grads)
         return (jax.tree.map(jnp.add, grads, micro_grads), jax.tree.map(jnp.add, sums, micro_sums), model_state), None
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
@@ -207,7 +210,7 @@ def train_step(
         accumulate, (*zeros, state.model_state), (micro_batches, jnp.arange(grad_accum))
     )
     denominator = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / (denominator * loss_scale if scaled else denominator), grads)
+    grads = jax.tree.map(lambda g: g / denominator, grads)
     loss = loss_sum / denominator
     aux = {name: value / denominator for name, value in aux_sums.items()}
     grad_norm = optax.tree.norm(grads)

@@ -28,13 +28,14 @@ from tests.tolerances import assert_allclose
 X = np.linspace(0.5, 1.5, 12, dtype=np.float32).reshape(3, 4)
 
 
-def half_precision_loss(factor):
-    """``factor * sum(x @ w)`` with the product in float16, as a float16 model computes: the
-    cotangent reaching the float16 product is ``factor`` (times the loss scale) in float16."""
+def half_precision_loss(factor, count=1.0):
+    """``factor * sum(x @ w)`` over ``count`` (a token count: the mean is their quotient) with
+    the product in float16, as a float16 model computes: the cotangent reaching the float16
+    product is ``factor / count`` times the loss scale, in float16."""
 
     def loss(params, batch, *, rng, teacher):
         product = batch["x"].astype(jnp.float16) @ params["w"].astype(jnp.float16)
-        return LossTerms(factor * jnp.sum(product.astype(jnp.float32)), jnp.float32(1))
+        return LossTerms(factor * jnp.sum(product.astype(jnp.float32)), jnp.float32(count))
 
     return loss
 
@@ -48,10 +49,10 @@ def fresh_state(tx):
     )
 
 
-def one_step(factor, tx, *, state=None):
+def one_step(factor, tx, *, state=None, count=1.0):
     step = functools.partial(
         train_step,
-        loss_fn=half_precision_loss(factor),
+        loss_fn=half_precision_loss(factor, count),
         tx=tx,
         schedule=optax.constant_schedule(1.0),
         mask=trainable_mask(PARAMS),
@@ -93,6 +94,18 @@ def test_an_overflowing_step_is_skipped_and_halves_the_scale_until_the_gradients
     assert int(state.step) == 12 and int(state.opt_state.good_steps) == 1
     update = 1.0 - np.asarray(state.params["w"])
     assert_allclose(update, 1e-6 * expected_gradient(factor), dtype=np.float16)
+
+
+def test_the_scale_multiplies_the_mean_loss_not_a_sum_over_tokens():
+    """A loss summed over 1e5 tokens: its sum's weight gradient (3.4e5) overflows float16 at any
+    scale, its mean's (3.4) times the scale fits from ``2**14`` down. One skipped step, then the
+    update of the mean loss."""
+    tx = with_dynamic_loss_scale(optax.sgd(1e-3))
+    state, first = one_step(1e5, tx, count=1e5)
+    state, second = one_step(1e5, tx, state=state, count=1e5)
+    assert [int(first["skipped"]), int(second["skipped"])] == [1, 0]
+    assert float(second["loss_scale"]) == INITIAL_SCALE / 2
+    assert_allclose(1.0 - np.asarray(state.params["w"]), 1e-3 * expected_gradient(1.0), dtype=np.float16)
 
 
 def test_at_the_minimum_scale_a_non_finite_gradient_is_not_an_overflow():
