@@ -1,8 +1,11 @@
 """Multi-process start-up through JAX's own engine (``jax.distributed.initialize``).
 
 The same program runs as one process or many: with no coordinator configured (neither in
-the config nor in ``JAX_COORDINATOR_ADDRESS``) it stays single-process. On CPU, collectives
-across processes go through gloo.
+the config nor in ``JAX_COORDINATOR_ADDRESS``) it stays single-process, unless it was
+launched as one of several tasks by ``srun`` or ``mpirun`` (:func:`launcher_processes`): then
+JAX reads the coordinator, process count and id from the launcher's environment, as
+``jax.distributed.initialize()`` does on its own. On CPU, collectives across processes go
+through gloo.
 """
 
 from __future__ import annotations
@@ -54,8 +57,33 @@ def _environment_integer(name: str, default: int, key: str) -> int:
         ) from None
 
 
+_LAUNCHERS = {
+    # launcher: (the variables JAX's cluster detection requires, the one holding the task count)
+    "srun (SLURM)": (
+        ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+        "SLURM_NTASKS",
+    ),
+    "mpirun (Open MPI)": (("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE"), "OMPI_COMM_WORLD_SIZE"),
+}
+
+
+def launcher_processes() -> tuple[str, int] | None:
+    """``(launcher, task count)`` when this process is one of several tasks started by
+    ``srun`` or ``mpirun`` (the environment JAX's cluster detection reads), else None.
+
+    Without joining them, each of ``srun -n 4 ember train ...``'s tasks would train alone,
+    all four writing the same run directory."""
+    for launcher, (required, count) in _LAUNCHERS.items():
+        if all(name in os.environ for name in required):
+            tasks = _environment_integer(count, 1, "distributed.num_processes")
+            if tasks > 1:
+                return launcher, tasks
+    return None
+
+
 def initialize_distributed(config: DistributedConfig) -> int:
-    """Joins the run's processes if a coordinator is configured; returns the process count.
+    """Joins the run's processes if a coordinator is configured, or the tasks of an ``srun``
+    or ``mpirun`` launch (:func:`launcher_processes`); returns the process count.
 
     Must run before anything touches a JAX backend. Idempotent.
 
@@ -67,7 +95,11 @@ def initialize_distributed(config: DistributedConfig) -> int:
         return jax.process_count()
     address, num, pid = config.resolved()
     if not address:
-        return 1
+        if launcher_processes() is None:
+            return 1
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize()  # JAX reads the launcher's coordinator, count and id
+        return jax.process_count()
     if num < 1 or not 0 <= pid < num:
         raise ConfigError(
             f"distributed.coordinator_address is {address!r} but num_processes={num} and process_id={pid}; "
