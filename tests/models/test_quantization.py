@@ -61,6 +61,11 @@ def test_the_model_reads_quantized_weights_as_their_float_values(model_and_param
     quantized = jax.jit(lambda p: quantize_params(p, QuantizeConfig(format=fmt, group_size=group)))(params)
     float_of_quantized = jax.jit(dequantize_params)(quantized, params)
     assert jax.tree.structure(float_of_quantized) == jax.tree.structure(params)  # every weight a float again
+    # QAT trains against these values: NF4's fake quantization read its codes with the float
+    # absmax, the stored weight with its double-quantised one (0.4% of the weight's norm apart).
+    fake = jax.jit(lambda p: fake_quantize_params(p, fmt, group))(params)
+    for a, b in zip(jax.tree.leaves(fake), jax.tree.leaves(float_of_quantized)):
+        assert_allclose(a, b, dtype=jnp.float32)
     assert_allclose(forward(quantized), forward(float_of_quantized), scale=10)
     reference = forward(params)
     error = float(jnp.max(jnp.abs(forward(quantized) - reference)) / jnp.max(jnp.abs(reference)))

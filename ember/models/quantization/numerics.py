@@ -17,12 +17,8 @@ import jax
 import jax.numpy as jnp
 from qwix._src.core import qarray
 
-from ember.kernels_pallas.quantized_formats import (
-    QuantizedMatrix,
-    dequantize,
-    int4_to_nibbles,
-    pack_nibbles,
-)
+from ember.kernels_pallas.quantized_formats import QuantizedMatrix, int4_to_nibbles, pack_nibbles
+from ember.models.quantization.stored import absmax_values, double_quantize
 
 QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4", "fp8": jnp.float8_e4m3fn}
 """qwix's name for each format."""
@@ -70,17 +66,26 @@ def quantize_matrix(w: jax.Array, fmt: str, group_size: int | None) -> Quantized
     return to_matrix(encode(w, scales, fmt), scales, fmt)
 
 
-def fake_quantize(w: jax.Array, fmt: str, group_size: int | None) -> jax.Array:
-    """``w [k, n]`` rounded through ``fmt`` and back, with a straight-through gradient (the
-    forward pass sees the quantized weight, the backward pass the identity)."""
-    scales = jax.lax.stop_gradient(group_scales(w, fmt, group_size))
-    rounded = decode(encode(w, scales, fmt), scales, fmt).astype(w.dtype)
-    return w + jax.lax.stop_gradient(rounded - w)
+def served_scales(scales: jax.Array, fmt: str) -> jax.Array:
+    """f32 ``[groups, n]``: the scales a stored weight dequantises with. NF4 stores its absmax
+    values double-quantised (``stored.double_quantize``: 8-bit floats less their mean), so it
+    computes with their round trip; the other formats store their scales as they are."""
+    return absmax_values(double_quantize(scales)) if fmt == "nf4" else scales
 
 
 def round_trip(w: jax.Array, fmt: str, group_size: int | None) -> jax.Array:
-    """``dequantize(quantize_matrix(w))`` f32 ``[k, n]``: what the stored weight computes with."""
-    return dequantize(quantize_matrix(w, fmt, group_size))
+    """f32 ``[k, n]``: what the stored ``quantize_matrix(w)`` computes with (codes chosen with
+    the float scales, read with the served ones)."""
+    scales = group_scales(w, fmt, group_size)
+    return decode(encode(w, scales, fmt), served_scales(scales, fmt), fmt)
+
+
+def fake_quantize(w: jax.Array, fmt: str, group_size: int | None) -> jax.Array:
+    """``w [k, n]`` rounded through ``fmt`` and back as the stored weight computes
+    (:func:`round_trip`), with a straight-through gradient (the forward pass sees the
+    quantized weight, the backward pass the identity)."""
+    rounded = jax.lax.stop_gradient(round_trip(w, fmt, group_size)).astype(w.dtype)
+    return w + jax.lax.stop_gradient(rounded - w)
 
 
 __all__ = [
@@ -92,5 +97,6 @@ __all__ = [
     "group_scales",
     "quantize_matrix",
     "round_trip",
+    "served_scales",
     "to_matrix",
 ]
