@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as omegaconf_errors
 
 from ember.core.errors import ConfigError
+from ember.core.integers import is_integer
 
 T = TypeVar("T")
 
@@ -80,7 +81,9 @@ def load_config(
 
     merged = OmegaConf.structured(schema)
     for origin, layer in layers:
-        check_keys(schema, OmegaConf.to_container(layer, resolve=False), origin=origin)
+        data = OmegaConf.to_container(layer, resolve=False)
+        check_keys(schema, data, origin=origin)
+        _check_bools(schema, data, origin=origin)
         try:
             merged = OmegaConf.merge(merged, layer)
         except (omegaconf_errors.OmegaConfBaseException, TypeError) as error:  # TypeError: a list for a dict
@@ -182,6 +185,50 @@ def check_keys(schema: type, data: Any, *, origin: str = "config", prefix: str =
         nested = _dataclass_type(hints[key])
         if nested is not None and isinstance(value, Mapping):
             check_keys(nested, value, origin=origin, prefix=f"{path}.")
+
+
+def _check_bools(schema: type, data: Any, *, origin: str, prefix: str = "") -> None:
+    """Raises ``ConfigError`` for an integer other than 0 or 1 (or a string holding one) given
+    for a bool field: OmegaConf reads any nonzero integer as true, so ``flag=2`` or ``flag=-1``
+    would silently turn a feature on. The other spellings OmegaConf takes (true/false, yes/no,
+    on/off, y/n, 1/0) stay accepted, and those it refuses it refuses itself."""
+    if not isinstance(data, Mapping):
+        return
+    hints = _field_types(schema)
+    for key, value in data.items():
+        path, hint = f"{prefix}{key}", hints.get(key)
+        nested = _dataclass_type(hint)
+        if nested is not None and isinstance(value, Mapping):
+            _check_bools(nested, value, origin=origin, prefix=f"{path}.")
+        elif _is_bool_hint(hint) and _integer_of(value) not in (None, 0, 1):
+            raise _wrong_type(path, origin, _type_name(hint), value)
+
+
+def _is_bool_hint(hint: Any) -> bool:
+    """Whether ``hint`` is ``bool`` or ``bool | None``."""
+    return {arg for arg in typing.get_args(hint) or (hint,) if arg is not type(None)} == {bool}
+
+
+def _integer_of(value: Any) -> int | None:
+    """The integer OmegaConf reads in a value for a bool field (an int, or a string ``int()``
+    parses), or ``None``."""
+    if is_integer(value):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _wrong_type(key: str, origin: str, expected: str, value: Any) -> ConfigError:
+    """The error for a value of the wrong type at ``key``; a bool field's says what it takes."""
+    allowed = "; write true or false" if "bool" in expected.split(" or ") else ""
+    return ConfigError(
+        f"config key '{key}' (from {origin}) expects {expected}, got {value!r} ({type(value).__name__}){allowed}",
+        key=key,
+    )
 
 
 def _load_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictConfig]]:
@@ -300,10 +347,7 @@ def _translate_error(error: Exception, schema: type, layer: DictConfig, origin: 
     expected = _expected_type_at(schema, key)
     value = _value_at(layer, key)
     if isinstance(error, (omegaconf_errors.ValidationError, TypeError)) and expected is not None:
-        return ConfigError(
-            f"config key '{key}' (from {origin}) expects {expected}, got {value!r} ({type(value).__name__})",
-            key=key,
-        )
+        return _wrong_type(key, origin, expected, value)
     return ConfigError(f"config key '{key}' (from {origin}): {getattr(error, 'msg', error)}", key=key or None)
 
 

@@ -63,6 +63,40 @@ def test_values_are_typed_by_the_schema():
     assert config.train.remat is True and config.notes is None
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("true", True),
+        ("False", False),
+        ("yes", True),
+        ("no", False),
+        ("on", True),
+        ("off", False),
+        ("1", True),
+        ("0", False),
+    ],
+)
+def test_a_bool_field_takes_the_spellings_of_true_and_false(value, expected):
+    assert load_config(ExperimentConfig, None, [f"train.remat={value}"]).train.remat is expected
+
+
+@pytest.mark.parametrize(
+    ("override", "got"),
+    [("2", "2 (int)"), ("-1", "-1 (int)"), ("'2'", "'2' (str)"), ("0.5", "0.5 (float)"), ("maybe", "'maybe' (str)")],
+)
+def test_a_bool_field_refuses_other_values_and_says_what_it_takes(override, got, tmp_path):
+    # Before, OmegaConf read any nonzero integer as true: train.remat=2, -1 or '2' gave remat=True.
+    with pytest.raises(ConfigError) as info:
+        load_config(ExperimentConfig, None, [f"train.remat={override}"])
+    assert info.value.key == "train.remat"
+    assert str(info.value) == (
+        f"config key 'train.remat' (from command-line overrides) expects bool, got {got}; write true or false"
+    )
+    config_file = write(tmp_path / "flag.yaml", f"train:\n  remat: {override}\n")
+    with pytest.raises(ConfigError, match=r"config key 'train.remat' \(from .*flag.yaml\) expects bool, got"):
+        load_config(ExperimentConfig, config_file)
+
+
 def test_unknown_key_lists_valid_keys_and_closest_match(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(ExperimentConfig, None, ["train.stpes=3"])
