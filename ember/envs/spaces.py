@@ -50,6 +50,21 @@ def _is_whole(value: Any) -> bool:
     )
 
 
+def _clip_integers(x: Any, low: np.ndarray, high: np.ndarray) -> jax.Array:
+    """``x`` clipped into ``[low, high]`` (NumPy bounds of the space's integer dtype) and cast
+    to that dtype. An integer ``x`` is clipped in its own dtype first (to the bounds as far as
+    that dtype reaches), so no value wraps: casting first turned -1 into 255 for a uint8 space
+    and 128 into -128 for an int8 one before the clip."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        info = np.iinfo(x.dtype)
+        reach = lambda bound: np.asarray(np.clip(bound.astype(object), info.min, info.max)).astype(x.dtype)  # noqa: E731
+        x = jnp.clip(x, reach(low), reach(high))  # now inside the bounds, or at the end of x's range nearest them
+    else:
+        x = jnp.clip(x, low, high)
+    return jnp.clip(x.astype(low.dtype), low, high)
+
+
 def _check_array(space: Space, x: Any, name: str, *, integer: bool) -> None:
     """``x`` has ``space.shape`` and an integer (``integer``) or real dtype."""
     x = jnp.asarray(x)
@@ -81,7 +96,7 @@ class Discrete(Space):
         return (x >= self.start) & (x < self.start + self.n)
 
     def clip(self, x):
-        return jnp.clip(jnp.asarray(x).astype(self.dtype), self.start, self.start + self.n - 1)
+        return _clip_integers(x, np.asarray(self.start, self.dtype), np.asarray(self.start + self.n - 1, self.dtype))
 
     def check(self, x, name):
         _check_array(self, x, name, integer=True)
@@ -110,7 +125,7 @@ class MultiDiscrete(Space):
         return jnp.all((x >= 0) & (x < self.nvec))
 
     def clip(self, x):
-        return jnp.clip(jnp.asarray(x).astype(self.dtype), 0, jnp.asarray(self.nvec - 1, self.dtype))
+        return _clip_integers(x, np.zeros(self.shape, self.dtype), (self.nvec - 1).astype(self.dtype))
 
     def check(self, x, name):
         _check_array(self, x, name, integer=True)
@@ -175,6 +190,8 @@ class Box(Space):
     def clip(self, x):
         """Clips to the bounds; NaN entries become the midpoint of their bounds (0 if
         unbounded) so a NaN action is a neutral action, never NaN dynamics."""
+        if jnp.issubdtype(self.dtype, jnp.integer):
+            return _clip_integers(x, *self.bounds_in_dtype())
         x = jnp.asarray(x, self.dtype)
         middle = np.where(np.isfinite(self.low + self.high), (self.low + self.high) / 2, 0.0)
         x = jnp.where(jnp.isnan(x), middle.astype(self.dtype), x)

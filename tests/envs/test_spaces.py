@@ -15,6 +15,24 @@ def test_integer_box_with_an_infinite_bound_clips_to_the_dtype_limits():
     np.testing.assert_array_equal(box.clip(jnp.array([-9, 8])), [-9, 5])
 
 
+def test_integer_clip_moves_out_of_range_values_to_the_nearest_bound_without_wrapping():
+    # The value was cast to the space's dtype before the clip, so it wrapped first: a uint8
+    # Box(0, 10) gave [10, 4] for [-1, 260], an int8 Box(-5, 5) gave -5 for 200, a uint8
+    # Discrete(4) gave 3 for -1, MultiDiscrete([3, 4], uint8) [2, 1] for [-1, 257], and
+    # Discrete(4) gave 0 for the uint32 4294967295.
+    box = spaces.Box(0, 10, (3,), jnp.uint8)
+    np.testing.assert_array_equal(box.clip(jnp.array([-1, 260, 7])), np.array([0, 10, 7], np.uint8))
+    assert box.clip(jnp.array([-1, 260, 7])).dtype == jnp.uint8
+    np.testing.assert_array_equal(spaces.Box(-5, 5, (3,), jnp.int8).clip(jnp.array([200, 128, -129])), [5, 5, -5])
+    np.testing.assert_array_equal(
+        spaces.Box(300, 400, (2,), jnp.int16).clip(jnp.array([3, 255], jnp.uint8)), [300, 300]
+    )
+    assert int(spaces.Discrete(4, dtype=jnp.uint8).clip(jnp.array(-1))) == 0
+    assert int(spaces.Discrete(4).clip(np.uint32(2**32 - 1))) == 3
+    assert int(jax.jit(spaces.Discrete(4, start=-2).clip)(jnp.array(7))) == 1
+    np.testing.assert_array_equal(spaces.MultiDiscrete([3, 4], dtype=jnp.uint8).clip(jnp.array([-1, 257])), [0, 3])
+
+
 def test_box_sample_on_a_half_bounded_side_is_bound_plus_or_minus_an_exponential(rng):
     # gymnasium's Box.sample: low + Exp(1) / high - Exp(1) on one-sided bounds (not a
     # normal clipped to the bound, which puts half or all the mass on the bound itself).
