@@ -31,7 +31,8 @@ transition (see ``ember.envs.noise``). ``reset``/``step`` draw them from the key
 ``ember.envs.VectorEnv`` uses to draw a whole batch's words in one call.
 
 Subclasses implement ``default_params``, ``reset_env``, ``step_env``, the two spaces and
-``render``, and set ``reset_noise_words`` / ``transition_noise_words``.
+``render``, and set ``reset_noise_words`` / ``transition_noise_words``; ``carry_over`` (what
+an auto-reset keeps from the ended episode: nothing by default) is optional.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class Environment:
         terminated = jnp.asarray(terminated, jnp.bool_)
         truncated = next_state.time >= params.max_steps_in_episode
         reset_obs, reset_state = self.reset_env(reset_noise, params)
+        reset_state = self.carry_over(next_state, reset_state)
         done = terminated | truncated
         info = {**info, "final_observation": obs}
         reward, terminated, truncated = self.transition_outputs(reward, terminated, truncated)
@@ -155,6 +157,12 @@ class Environment:
     def reset_env(self, noise: jax.Array, params: EnvParams) -> tuple[Any, EnvState]:
         """``(obs, state)`` of a new episode from ``noise`` (uint32 ``[reset_noise_words]``)."""
         raise NotImplementedError
+
+    def carry_over(self, state: EnvState, reset_state: EnvState) -> EnvState:
+        """The state an auto-reset in ``step`` starts the next episode from, given the ended
+        episode's last ``state`` and ``reset_env``'s ``reset_state``: ``reset_state`` itself,
+        unless the environment keeps something across episodes (MinAtar's last action)."""
+        return reset_state
 
     def step_env(self, noise: jax.Array, state: EnvState, action: Any, params: EnvParams):
         """One transition without time limit or reset: ``(obs, next_state, reward,

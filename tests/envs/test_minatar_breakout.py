@@ -7,7 +7,7 @@ import numpy as np
 from minatar import Environment as MinAtarEnvironment
 
 import ember.envs
-from tests.envs.minatar_replay import jitted_reset
+from tests.envs.minatar_replay import FALSE_WORD, TRUE_WORD, jitted_reset
 from tests.tolerances import assert_allclose
 
 MINATAR_ACTIONS = [0, 1, 3]  # our 0/1/2 (no-op, left, right) in MinAtar's full action set
@@ -100,3 +100,23 @@ def test_sticky_actions_repeat_the_previous_action(rng):
     for t in range(3):
         _, state, *_ = env.step(jax.random.fold_in(rng, t), state, jnp.int32(2), params)
     assert int(state.paddle_x) == 7
+
+
+def test_the_last_action_outlives_an_episode_as_in_minatar():
+    # MinAtar's Environment.reset() keeps last_action: a sticky first step repeats the previous
+    # episode's last action. Before, the auto-reset set it to 0, so that step was a no-op.
+    reference = MinAtarEnvironment("breakout", sticky_action_prob=0.0)
+    reference.reset()
+    reference.act(MINATAR_ACTIONS[2])
+    reference.reset()
+    assert reference.last_action == MINATAR_ACTIONS[2]
+
+    env, params = ember.envs.make("Breakout-MinAtar", sticky_action_prob=0.5)
+    step = jax.jit(env.step_from_noise)
+    # The paddle moves right (not sticky) and misses the ball: the episode ends and restarts.
+    state = scripted(env, params, ball_x=3, ball_y=8, ball_dir=2, paddle_x=6)
+    _, state, _, terminated, _, _ = step(np.uint32([FALSE_WORD, 0]), state, jnp.int32(2), params)
+    assert bool(terminated) and int(state.time) == 0 and int(state.paddle_x) == 4
+    # A sticky first step repeats "right": the paddle goes 4 -> 5 although no-op was chosen.
+    _, state, *_ = step(np.uint32([TRUE_WORD, 0]), state, jnp.int32(0), params)
+    assert int(state.paddle_x) == 5 and int(state.last_action) == 2

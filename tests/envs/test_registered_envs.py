@@ -165,6 +165,19 @@ def test_invalid_actions_are_clipped_and_render_gives_rgb(env_id, rng):
         assert set(got[2]) == set(env.agents)
 
 
+@pytest.mark.parametrize("env_id", [env_id for env_id in ENV_IDS if env_id.endswith("-MinAtar")])
+def test_a_minatar_auto_reset_keeps_the_last_action_for_sticky_actions(env_id, rng):
+    # MinAtar's Environment.reset() leaves last_action as it is, so an episode's first step may
+    # repeat the previous episode's last action (tests/envs/test_minatar_breakout.py shows it on
+    # the package); the auto-reset set it to 0 (no-op) instead.
+    env, params, reset, step = compiled(env_id)
+    params = params.replace(max_steps_in_episode=1, sticky_action_prob=0.0)
+    _, state = reset(noise_lib.draw(rng, env.reset_noise_shape), params)
+    _, state, _, _, truncated, _ = step(noise_lib.draw(rng, env.step_noise_shape), state, np.int32(1), params)
+    assert bool(truncated) and int(state.time) == 0, "the episode ended and a new one began"
+    assert int(state.last_action) == 1
+
+
 def misshapen_actions(space: spaces.Space, name: str) -> list[tuple[object, str]]:
     """``(action, what the error must name)`` pairs of the wrong shape, dtype or structure."""
     if isinstance(space, spaces.Dict):

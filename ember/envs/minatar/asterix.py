@@ -22,8 +22,8 @@ from flax import struct
 
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
-from ember.envs.environment import Environment, EnvParams, EnvState, select_tree
-from ember.envs.minatar.sticky_actions import sticky_action
+from ember.envs.environment import EnvParams, EnvState, select_tree
+from ember.envs.minatar.sticky_actions import StickyActionEnvironment, sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -84,7 +84,7 @@ def touch(state: AsterixState) -> tuple[AsterixState, jax.Array, jax.Array]:
     return state.replace(active=state.active & ~collected), collected.sum(), (here & ~state.gold).any()
 
 
-class AsterixMinAtar(Environment):
+class AsterixMinAtar(StickyActionEnvironment):
     reset_noise_words = 0
     transition_noise_words = 4
 

@@ -19,8 +19,8 @@ from flax import struct
 
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
-from ember.envs.environment import Environment, EnvParams, EnvState
-from ember.envs.minatar.sticky_actions import sticky_action
+from ember.envs.environment import EnvParams, EnvState
+from ember.envs.minatar.sticky_actions import StickyActionEnvironment, sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -58,7 +58,7 @@ class BreakoutParams(EnvParams):
     sticky_action_prob: float = 0.1
 
 
-class BreakoutMinAtar(Environment):
+class BreakoutMinAtar(StickyActionEnvironment):
     reset_noise_words = 1
     transition_noise_words = 1
 

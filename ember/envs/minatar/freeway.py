@@ -21,8 +21,8 @@ from flax import struct
 
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
-from ember.envs.environment import Environment, EnvParams, EnvState
-from ember.envs.minatar.sticky_actions import sticky_action
+from ember.envs.environment import EnvParams, EnvState
+from ember.envs.minatar.sticky_actions import StickyActionEnvironment, sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -57,7 +57,7 @@ def random_speeds(noise: jax.Array) -> jax.Array:
     return (magnitude * direction).astype(jnp.int32)
 
 
-class FreewayMinAtar(Environment):
+class FreewayMinAtar(StickyActionEnvironment):
     reset_noise_words = 2 * CARS
     transition_noise_words = 1 + 2 * CARS
 

@@ -33,8 +33,8 @@ from flax import struct
 
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
-from ember.envs.environment import Environment, EnvParams, EnvState, select_tree
-from ember.envs.minatar.sticky_actions import sticky_action
+from ember.envs.environment import EnvParams, EnvState, select_tree
+from ember.envs.minatar.sticky_actions import StickyActionEnvironment, sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -296,7 +296,7 @@ def surface_and_oxygen(state: SeaquestState, reward, dead, params) -> tuple[Seaq
     return state, reward, dead
 
 
-class SeaquestMinAtar(Environment):
+class SeaquestMinAtar(StickyActionEnvironment):
     reset_noise_words = 0
     transition_noise_words = 6
 

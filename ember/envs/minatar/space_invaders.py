@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from ember.envs import rendering
-from ember.envs.environment import Environment, EnvParams, EnvState
-from ember.envs.minatar.sticky_actions import sticky_action
+from ember.envs.environment import EnvParams, EnvState
+from ember.envs.minatar.sticky_actions import StickyActionEnvironment, sticky_action
 from ember.envs.spaces import Box, Discrete
 
 GRID = 10
@@ -74,7 +74,7 @@ def nearest_shooter(aliens: jax.Array, position: jax.Array) -> tuple[jax.Array, 
     return row, column
 
 
-class SpaceInvadersMinAtar(Environment):
+class SpaceInvadersMinAtar(StickyActionEnvironment):
     reset_noise_words = 0
     transition_noise_words = 1
 
