@@ -184,7 +184,10 @@ class KeyDoorMaze(Environment):
         padded = jnp.concatenate(
             [jnp.pad(layers[..., :1], margin, constant_values=1.0), jnp.pad(layers[..., 1:], margin)], axis=-1
         )
-        view = jax.lax.dynamic_slice(padded, (state.agent[0], state.agent[1], 0), (self.view, self.view, 4))
+        # All three indices int32: a Python 0 is int64 under jax_enable_x64, and dynamic_slice
+        # refuses mixed index types.
+        start = (state.agent[0], state.agent[1], jnp.zeros_like(state.agent[0]))
+        view = jax.lax.dynamic_slice(padded, start, (self.view, self.view, 4))
         return {"view": view, "has_key": state.has_key.astype(jnp.float32)[None]}
 
     def observation_space(self, params):

@@ -111,3 +111,14 @@ def test_locked_door_blocks_and_view_is_agent_centred(rng):
             expected_wall = not (0 <= r < 11 and 0 <= c < 11) or bool(state.walls[r, c])
             assert view[2 + dr, 2 + dc, 0] == float(expected_wall)
     assert view[2 + move[0], 2 + move[1], 2] == 1.0, "the locked door is in view, next to the agent"
+
+
+def test_reset_and_observation_work_with_x64_enabled(rng):
+    # Under jax_enable_x64 the view's third slice index (a Python 0) became int64 beside the
+    # int32 agent position, and dynamic_slice raised TypeError: every reset and step crashed.
+    expected_obs, state = RESET(rng, PARAMS)
+    with jax.enable_x64(True):
+        obs, state64 = ENV.reset(rng, PARAMS)
+        step_obs = ENV.observation(state, PARAMS)
+    jax.tree.map(np.testing.assert_array_equal, (obs, state64, step_obs), (expected_obs, state, expected_obs))
+    assert obs["view"].dtype == jnp.float32 and state64.agent.dtype == jnp.int32
