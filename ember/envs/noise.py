@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ember.envs.spaces import default_float
+
 
 @functools.partial(jax.jit, static_argnames="shape")
 def draw(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -81,7 +83,7 @@ def uniform(words: jax.Array, low=0.0, high=1.0, dtype=None) -> jax.Array:
     """Uniform floats in ``[low, high)``, one per word (23 random mantissa bits each).
 
     ``dtype`` defaults to JAX's default float (float64 under ``jax.enable_x64``)."""
-    dtype = jnp.zeros(()).dtype if dtype is None else dtype
+    dtype = default_float() if dtype is None else dtype
     # Exponent of 1.0 with random mantissa gives a float in [1, 2); minus 1 is exact.
     unit = lax.bitcast_convert_type((words >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
     unit = unit.astype(dtype)

@@ -41,6 +41,13 @@ class Space:
         raise NotImplementedError
 
 
+def default_float() -> np.dtype:
+    """JAX's default float dtype when called: float32, or float64 under ``jax_enable_x64``.
+    Environments that compute in it (classic control, MPE) declare their observation spaces
+    with it, so a space's dtype is its observations' dtype in both modes."""
+    return jnp.dtype(jnp.result_type(float))
+
+
 def _is_whole(value: Any) -> bool:
     """An integer (Python, NumPy or an integer scalar array), not a bool or a float."""
     return (
@@ -279,4 +286,4 @@ class Tuple(Space):
         return f"Tuple({self.spaces})"
 
 
-__all__ = ["Box", "Dict", "Discrete", "MultiDiscrete", "Space", "Tuple"]
+__all__ = ["Box", "Dict", "Discrete", "MultiDiscrete", "Space", "Tuple", "default_float"]

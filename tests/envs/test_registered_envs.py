@@ -178,6 +178,31 @@ def test_a_minatar_auto_reset_keeps_the_last_action_for_sticky_actions(env_id, r
     assert int(state.last_action) == 1
 
 
+def space_dtypes(space: spaces.Space):
+    """The dtypes of the values ``space`` describes, as a pytree like those values."""
+    if isinstance(space, spaces.Dict):
+        return {name: space_dtypes(sub) for name, sub in space.spaces.items()}
+    return space.dtype
+
+
+@pytest.mark.parametrize("env_id", ENV_IDS)
+def test_observations_have_their_space_dtype_with_x64_enabled(env_id, rng):
+    # Classic control and MPE compute in JAX's default float: under jax_enable_x64 their
+    # observations were float64 while their spaces said float32. Shapes only (no compilation).
+    with jax.enable_x64(True):
+        env, params = ember.envs.make(env_id)
+        wanted = space_dtypes(env.observation_space(params))
+        reset_words = jax.ShapeDtypeStruct(env.reset_noise_shape, jnp.uint32)
+        obs, state = jax.eval_shape(env.reset_from_noise, reset_words, params)
+        action = jax.eval_shape(env.action_space(params).sample, rng)
+        step_words = jax.ShapeDtypeStruct(env.step_noise_shape, jnp.uint32)
+        step_obs = jax.eval_shape(env.step_from_noise, step_words, state, action, params)[0]
+    for got in (obs, step_obs):
+        assert jax.tree.map(lambda leaf: leaf.dtype, got) == wanted
+    if env_id.split("-")[0] in {"CartPole", "Pendulum", "MountainCar", "MountainCarContinuous", "Acrobot", "MPE"}:
+        assert set(jax.tree.leaves(wanted)) == {jnp.dtype(jnp.float64)}, "they compute in the default float"
+
+
 def misshapen_actions(space: spaces.Space, name: str) -> list[tuple[object, str]]:
     """``(action, what the error must name)`` pairs of the wrong shape, dtype or structure."""
     if isinstance(space, spaces.Dict):

@@ -17,7 +17,7 @@ from flax import struct
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
 from ember.envs.environment import Environment, EnvParams, EnvState
-from ember.envs.spaces import Box, Discrete
+from ember.envs.spaces import Box, Discrete, default_float
 
 
 @struct.dataclass
@@ -116,7 +116,7 @@ class Acrobot(Environment):
 
     def observation_space(self, params):
         high = np.array([1.0, 1.0, 1.0, 1.0, params.max_vel_1, params.max_vel_2])
-        return Box(-high, high, (6,), jnp.float32)
+        return Box(-high, high, (6,), default_float())
 
     def action_space(self, params):
         return Discrete(3)

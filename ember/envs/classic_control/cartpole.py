@@ -17,7 +17,7 @@ from flax import struct
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
 from ember.envs.environment import Environment, EnvParams, EnvState
-from ember.envs.spaces import Box, Discrete
+from ember.envs.spaces import Box, Discrete, default_float
 
 
 @struct.dataclass
@@ -80,7 +80,7 @@ class CartPole(Environment):
 
     def observation_space(self, params):
         high = np.array([params.x_threshold * 2, np.inf, params.theta_threshold_radians * 2, np.inf])
-        return Box(-high, high, (4,), jnp.float32)
+        return Box(-high, high, (4,), default_float())
 
     def action_space(self, params):
         return Discrete(2)

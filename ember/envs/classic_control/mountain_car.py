@@ -20,7 +20,7 @@ from flax import struct
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
 from ember.envs.environment import Environment, EnvParams, EnvState
-from ember.envs.spaces import Box, Discrete
+from ember.envs.spaces import Box, Discrete, default_float
 
 
 @struct.dataclass
@@ -84,7 +84,10 @@ class _MountainCarBase(Environment):
 
     def observation_space(self, params):
         return Box(
-            np.array([params.min_position, -params.max_speed]), np.array([params.max_position, params.max_speed]), (2,)
+            np.array([params.min_position, -params.max_speed]),
+            np.array([params.max_position, params.max_speed]),
+            (2,),
+            default_float(),
         )
 
     def render(self, state, params, height: int = 200, width: int = 300):

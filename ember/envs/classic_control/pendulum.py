@@ -15,7 +15,7 @@ from flax import struct
 from ember.envs import noise as noise_lib
 from ember.envs import rendering
 from ember.envs.environment import Environment, EnvParams, EnvState
-from ember.envs.spaces import Box
+from ember.envs.spaces import Box, default_float
 
 
 @struct.dataclass
@@ -73,7 +73,7 @@ class Pendulum(Environment):
 
     def observation_space(self, params):
         high = np.array([1.0, 1.0, params.max_speed])
-        return Box(-high, high, (3,), jnp.float32)
+        return Box(-high, high, (3,), default_float())
 
     def action_space(self, params):
         return Box(-params.max_torque, params.max_torque, (1,), jnp.float32)

@@ -21,7 +21,7 @@ from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
 from ember.envs.mpe.particle_world import AGENT_COLOUR, LANDMARK_COLOUR, GoalMPEState, ParticleWorld
 from ember.envs.mpe.simple_tag import ADVERSARY_COLOUR
-from ember.envs.spaces import Box, Dict
+from ember.envs.spaces import Box, Dict, default_float
 
 
 @struct.dataclass
@@ -80,7 +80,7 @@ class SimpleAdversary(ParticleWorld):
     def observation_space(self, params):
         size = 2 * self.num_landmarks + 2 * (self.num_agents - 1)
         return Dict({
-            agent: Box(-np.inf, np.inf, (size + (2 if i >= self.num_adversaries else 0),))
+            agent: Box(-np.inf, np.inf, (size + (2 if i >= self.num_adversaries else 0),), default_float())
             for i, agent in enumerate(self.agents)
         })  # fmt: skip
 

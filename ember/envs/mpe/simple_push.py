@@ -20,7 +20,7 @@ from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
 from ember.envs.mpe.particle_world import AGENT_COLOUR, GoalMPEState, ParticleWorld
 from ember.envs.mpe.simple_tag import ADVERSARY_COLOUR
-from ember.envs.spaces import Box, Dict
+from ember.envs.spaces import Box, Dict, default_float
 
 LANDMARK_COLOURS = np.array([[0.1, 0.9, 0.1], [0.1, 0.1, 0.9]])
 """The two landmarks' colours, which the good agent observes (its goal's as a one-hot-like code)."""
@@ -75,7 +75,8 @@ class SimplePush(ParticleWorld):
         return {"adversary_0": agent_distance - jnp.linalg.norm(goal - state.pos[0]), "agent_0": -agent_distance}
 
     def observation_space(self, params):
-        return Dict({"adversary_0": Box(-np.inf, np.inf, (8,)), "agent_0": Box(-np.inf, np.inf, (19,))})
+        dtype = default_float()
+        return Dict({"adversary_0": Box(-np.inf, np.inf, (8,), dtype), "agent_0": Box(-np.inf, np.inf, (19,), dtype)})
 
     def render(self, state, params):
         landmarks = [tuple(int(255 * c) for c in colour) for colour in LANDMARK_COLOURS]

@@ -20,7 +20,7 @@ from flax import struct
 from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
 from ember.envs.mpe.particle_world import AGENT_COLOUR, GoalMPEState, ParticleWorld
-from ember.envs.spaces import Box, Dict, Discrete
+from ember.envs.spaces import Box, Dict, Discrete, default_float
 
 WORDS = 10
 LANDMARK_COLOURS = [(191, 64, 64), (64, 191, 64), (64, 64, 191)]
@@ -98,7 +98,7 @@ class SimpleReference(ParticleWorld):
         return Dict({agent: space for agent in self.agents})
 
     def observation_space(self, params):
-        return Dict({agent: Box(-np.inf, np.inf, (21,)) for agent in self.agents})
+        return Dict({agent: Box(-np.inf, np.inf, (21,), default_float()) for agent in self.agents})
 
     def render(self, state, params):
         return physics.render_world(state.pos, self.bodies, [AGENT_COLOUR] * 2 + LANDMARK_COLOURS)

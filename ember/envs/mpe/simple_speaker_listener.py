@@ -21,7 +21,7 @@ from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
 from ember.envs.mpe.particle_world import AGENT_COLOUR, GoalMPEState, ParticleWorld
 from ember.envs.mpe.simple_tag import ADVERSARY_COLOUR
-from ember.envs.spaces import Box, Dict, Discrete
+from ember.envs.spaces import Box, Dict, Discrete, default_float
 
 WORDS = 3
 LANDMARK_COLOURS = [(166, 38, 38), (38, 166, 38), (38, 38, 166)]
@@ -91,7 +91,8 @@ class SimpleSpeakerListener(ParticleWorld):
         return Dict({"speaker_0": speaker, "listener_0": self.movement_space()})
 
     def observation_space(self, params):
-        return Dict({"speaker_0": Box(-np.inf, np.inf, (3,)), "listener_0": Box(-np.inf, np.inf, (11,))})
+        dtype = default_float()
+        return Dict({"speaker_0": Box(-np.inf, np.inf, (3,), dtype), "listener_0": Box(-np.inf, np.inf, (11,), dtype)})
 
     def render(self, state, params):
         return physics.render_world(state.pos, self.bodies, [ADVERSARY_COLOUR, AGENT_COLOUR, *LANDMARK_COLOURS])

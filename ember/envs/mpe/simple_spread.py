@@ -17,7 +17,7 @@ from ember.envs import noise as noise_lib
 from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
 from ember.envs.mpe.particle_world import AGENT_COLOUR, LANDMARK_COLOUR, MPEState, ParticleWorld
-from ember.envs.spaces import Box, Dict
+from ember.envs.spaces import Box, Dict, default_float
 
 COMMUNICATION_DIM = 2
 
@@ -83,7 +83,7 @@ class SimpleSpread(ParticleWorld):
 
     def observation_space(self, params):
         size = 4 + 2 * self.num_landmarks + (2 + COMMUNICATION_DIM) * (self.num_agents - 1)
-        return Dict({agent: Box(-np.inf, np.inf, (size,)) for agent in self.agents})
+        return Dict({agent: Box(-np.inf, np.inf, (size,), default_float()) for agent in self.agents})
 
     def render(self, state, params):
         colours = [AGENT_COLOUR] * self.num_agents + [LANDMARK_COLOUR] * self.num_landmarks

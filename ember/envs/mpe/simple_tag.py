@@ -22,7 +22,7 @@ from ember.envs import noise as noise_lib
 from ember.envs.environment import EnvParams
 from ember.envs.mpe import physics
 from ember.envs.mpe.particle_world import AGENT_COLOUR, LANDMARK_COLOUR, MPEState, ParticleWorld
-from ember.envs.spaces import Box, Dict
+from ember.envs.spaces import Box, Dict, default_float
 
 ADVERSARY_COLOUR = (243, 115, 115)
 
@@ -102,7 +102,7 @@ class SimpleTag(ParticleWorld):
             good_others = self.num_good - (0 if i < self.num_adversaries else 1)
             return 4 + 2 * self.num_obstacles + 2 * (self.num_agents - 1) + 2 * good_others
 
-        return Dict({agent: Box(-np.inf, np.inf, (size(i),)) for i, agent in enumerate(self.agents)})
+        return Dict({agent: Box(-np.inf, np.inf, (size(i),), default_float()) for i, agent in enumerate(self.agents)})
 
     def render(self, state, params):
         colours = [ADVERSARY_COLOUR] * self.num_adversaries + [AGENT_COLOUR] * self.num_good
