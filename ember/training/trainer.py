@@ -30,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import signal
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -204,14 +206,22 @@ class Trainer:
         return jax.device_put(unbox(params), shardings), shardings
 
     def _batch_shardings(self) -> Any:
+        replicated = set()
+
         def one(leaf):
             global_shape = (leaf.shape[0] * jax.process_count(), *leaf.shape[1:])
             axes = (tuple(self.task.batch_axes) + (None,) * leaf.ndim)[: leaf.ndim]
             sharding = named_sharding(self.mesh, axes, self.rules, global_shape)
             _check_process_rows(sharding, global_shape, leaf.shape[0])
+            if axes and axes[0] is not None:
+                replicated.add(_replicated_rows_message(sharding, axes[0], global_shape[0], self.rules))
             return sharding
 
-        return jax.tree.map(one, self._peek_batch())
+        shardings = jax.tree.map(one, self._peek_batch())
+        for message in sorted(replicated - {None}):
+            if self.is_main:
+                warnings.warn(message, stacklevel=4)  # at the caller of Trainer(...)
+        return shardings
 
     def _peek_batch(self) -> Any:
         """One batch's shapes, without moving the data iterator (an iterator whose batches
@@ -458,6 +468,26 @@ def _check_process_rows(sharding: Any, global_shape: tuple[int, ...], local_rows
             "(mesh.data x mesh.fsdp x mesh.expert by default)",
             key="train.batch_size",
         )
+
+
+def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any) -> str | None:
+    """What to tell the user when the rules split logical batch ``axis`` over mesh axes that
+    ``sharding`` had to drop because they do not divide ``rows`` (``ember.core.sharding``):
+    those devices then compute the same rows. ``None`` when nothing of size > 1 was dropped."""
+    mesh = sharding.mesh
+    entry = sharding.spec[0] if len(sharding.spec) else None
+    kept = set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
+    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape[name] > 1]
+    dropped = [name for name in wanted if name not in kept]
+    if not dropped:
+        return None
+    split = math.prod(mesh.shape[name] for name in wanted)
+    return (
+        f"the batch of {rows} rows is replicated, not split, over mesh axes "
+        f"{' x '.join(f'{name}={mesh.shape[name]}' for name in dropped)} (they do not divide it): those devices "
+        f"all compute the same rows; a train.batch_size that is a multiple of {split} "
+        f"({' x '.join(f'mesh.{name}' for name in wanted)}) is split over every device"
+    )
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:

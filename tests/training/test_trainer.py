@@ -5,6 +5,7 @@ their interval."""
 
 import json
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -201,6 +202,28 @@ def test_a_finished_run_resumed_writes_its_complete_summary_again(tmp_path):
     assert seen == [(3, True)] and (tmp_path / "run" / "metrics.jsonl").read_text() == log
     assert again == summary and {"loss", "val_loss"} <= set(again)
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+
+
+def test_a_batch_the_mesh_does_not_divide_is_replicated_with_a_warning(tmp_path):
+    # 8 rows on data=3: the data axis does not divide the batch, so each of the 3 devices computed
+    # all 8 rows (by design, ember.core.sharding), and nothing said so.
+    with pytest.warns(UserWarning) as caught:
+        Trainer(
+            Regression(),
+            loop=LoopConfig(steps=1),
+            logging=LoggingConfig(progress=False, tensorboard=False),
+            run_dir=tmp_path / "three",
+            mesh=make_mesh(MeshConfig(data=3), jax.devices()[:3]),
+        )
+    assert [str(w.message) for w in caught if "replicated" in str(w.message)] == [
+        "the batch of 8 rows is replicated, not split, over mesh axes data=3 (they do not divide it): those "
+        "devices all compute the same rows; a train.batch_size that is a multiple of 3 (mesh.data) is split "
+        "over every device"
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(Regression(), tmp_path / "two")  # data=2 divides 8
+    assert not [w for w in caught if "replicated" in str(w.message)]
 
 
 def test_frozen_layers_have_no_optimizer_state_and_match_a_hand_written_optax_loop(tmp_path):
