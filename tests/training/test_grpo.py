@@ -6,6 +6,7 @@ notebook's (tests/notebooks.py), which trains them with the shipped configs."""
 import json
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
@@ -163,3 +164,39 @@ def test_each_process_share_of_a_rollout_must_split_into_its_updates():
     with pytest.raises(ConfigError, match="must divide each of the 2 processes' 4 completions") as error:
         RolloutBatches(["1+1="], arithmetic_exact_match, config, seq_len=8, tokenizer=None, process_count=2)
     assert error.value.key == "grpo.updates_per_rollout"
+
+
+def test_a_grpo_checkpoint_resumes_with_base_model_scan_layers_changed(tmp_path, monkeypatch):
+    """base_model.scan_layers is a runtime setting (a resume may change it), but the GRPO task
+    read a checkpoint only in its own layout: orbax refused the scanned tree for the unrolled
+    one with a traceback. A checkpoint of the initial state (no rollouts: the task's engine
+    hooks are left out) restores unrolled, the adapters and their optimizer moments included."""
+    from ember.models.decoder import convert_layer_layout
+    from ember.training.lm.trainer import make_trainer
+    from tests.training.finetune_setup import write_base_model
+
+    base = write_base_model(tmp_path / "base")
+    monkeypatch.setattr(task_module.GRPOTask, "add_hooks", lambda self, trainer: None)
+
+    def config(scan):
+        values = {
+            "kind": "grpo", "run_dir": str(tmp_path / "run"), "adapter": {"rank": 2, "targets": ["q", "v"]},
+            "base_model": {"path": str(base), "scan_layers": scan, "attention_impl": "xla"},
+            "prompts": {"max_operand": 9, "eval_prompts": 0}, "grpo": {"group_size": 2, "prompts_per_step": 4},
+            "logging": {"progress": False, "tensorboard": False}, "checkpoint": {"async_save": False},
+        }  # fmt: skip
+        return load_config(GRPOConfig, values)
+
+    scanned = make_trainer(config(True), task=task_module.GRPOTask(config(True)))
+    assert "layers" in scanned.state.params
+    # Step 3, adapters and moments moved from a fresh start (whose moments are zeros).
+    saved = jax.tree.map(lambda x: x + (0.5 if np.issubdtype(x.dtype, np.floating) else 3), scanned.state)
+    scanned.manager.save(3, saved, extra={"data": {"rollouts": 3, "served": 3}})
+    scanned.manager.close()
+    resumed = make_trainer(config(False), resume=True, task=task_module.GRPOTask(config(False)))
+    assert "group_0" in resumed.state.params and int(resumed.state.step) == 3 and resumed.data.rollouts == 3
+    expected = convert_layer_layout(jax.device_get(saved), scanned.task.base.config, resumed.task.base.config)
+    actual = jax.device_get(resumed.state)
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, value), want in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(value, want, err_msg=jax.tree_util.keystr(path))  # moved, not computed

@@ -4,16 +4,19 @@ the logical axes of the model's own ``init`` so they shard as a fresh model woul
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from ember.core.errors import ConfigError
 from ember.core.sharding import box_like
-from ember.models.decoder import DecoderLM
+from ember.models.decoder import DecoderLM, convert_layer_layout, saved_scan_layers
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.finetune.config import BaseModelConfig
+
+T = TypeVar("T")
 
 
 def load_base(config: BaseModelConfig) -> LoadedModel:
@@ -41,4 +44,22 @@ def boxed_variables(model: DecoderLM, seq_len: int, pretrained: dict[str, Any]) 
     return {"params": box_like(pretrained["params"], abstract["params"]), **state}
 
 
-__all__ = ["boxed_variables", "load_base"]
+def restore_base_layout(
+    base: LoadedModel, saved_params: Any, task_over: Callable[[LoadedModel], T]
+) -> tuple[T, Callable[[Any], Any]] | None:
+    """``Task.restore_layout`` of a task over a loaded ``base``: ``None`` when a checkpoint whose
+    params look like ``saved_params`` (metadata) has ``base.config.scan_layers``'s layout;
+    otherwise ``(task_over(base in the saved layout), convert)``, ``convert`` mapping a
+    train-state tree (optimizer moments included) from the saved layout to ``base``'s.
+    ``base_model.scan_layers`` is a runtime setting, so a resume may change it."""
+    model = base.config
+    saved_scan = saved_scan_layers(saved_params)
+    if saved_scan == model.scan_layers:
+        return None
+    saved_model = dataclasses.replace(model, scan_layers=saved_scan)
+    saved_weights = convert_layer_layout(base.params, model, saved_model)
+    saved_task = task_over(dataclasses.replace(base, config=saved_model, params=saved_weights))
+    return saved_task, lambda state: convert_layer_layout(state, saved_model, model)
+
+
+__all__ = ["boxed_variables", "load_base", "restore_base_layout"]

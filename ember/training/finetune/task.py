@@ -28,13 +28,13 @@ from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters import adapter_mask, add_lora, add_mixlora, target_paths
 from ember.models.adapters.lora_ga import lora_ga_init
-from ember.models.decoder import DecoderLM, convert_layer_layout, saved_scan_layers
+from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
 from ember.models.quantization import quantize_params
 from ember.models.variables import as_variables, split_variables
 from ember.serving.loading import LoadedModel
 from ember.training.data.instructions import InstructionBatches, read_instructions
-from ember.training.finetune.base import boxed_variables, load_base
+from ember.training.finetune.base import boxed_variables, load_base, restore_base_layout
 from ember.training.finetune.config import FinetuneConfig
 from ember.training.finetune.export import export_hook
 from ember.training.lm.task import BATCH_AXES, lm_loss
@@ -187,13 +187,7 @@ class FinetuneTask(Task):
         """A checkpoint written with the other ``base_model.scan_layers`` (a runtime setting) is
         read in its own layout, by this task over the base converted to it, and converted back,
         optimizer moments included (as ``LMTask.restore_layout``)."""
-        saved_scan = saved_scan_layers(saved_params)
-        if saved_scan == self.model_config.scan_layers:
-            return None
-        saved_model = dataclasses.replace(self.model_config, scan_layers=saved_scan)
-        saved_weights = convert_layer_layout(self.base.params, self.model_config, saved_model)
-        saved_task = FinetuneTask(self.config, dataclasses.replace(self.base, config=saved_model, params=saved_weights))
-        return saved_task, lambda state: convert_layer_layout(state, saved_model, self.model_config)
+        return restore_base_layout(self.base, saved_params, lambda base: FinetuneTask(self.config, base))
 
 
 __all__ = ["FinetuneTask"]

@@ -38,7 +38,7 @@ from ember.serving.engine import Engine
 from ember.serving.loading import LoadedModel
 from ember.serving.program import owned_copy
 from ember.serving.requests import SamplingParams
-from ember.training.finetune.base import boxed_variables, load_base
+from ember.training.finetune.base import boxed_variables, load_base, restore_base_layout
 from ember.training.lm.task import BATCH_AXES
 from ember.training.rl_lm.config import GRPOConfig
 from ember.training.rl_lm.losses import policy_loss, token_logprobs
@@ -109,6 +109,11 @@ class GRPOTask(Task):
 
     def trainable(self, params: Any) -> Any | None:
         return adapter_mask(params) if self.config.method == "lora" else None
+
+    def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:
+        """A checkpoint written with the other ``base_model.scan_layers`` (a runtime setting) is
+        read in its own layout and converted, as ``FinetuneTask.restore_layout``."""
+        return restore_base_layout(self.base, saved_params, lambda base: GRPOTask(self.config, base))
 
     # ---------------------------------------------------------------- loss and data
     def loss(
