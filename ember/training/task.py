@@ -138,6 +138,12 @@ class Task:
         policy = getattr(getattr(self.model, "config", None), "policy", None)
         return jnp.dtype(policy.compute_dtype if policy is not None else jnp.float32)
 
+    def finish_metrics(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """The step's metrics once each of ``LossTerms.metrics`` is averaged over the step's
+        micro-batches (in the jitted step): what is not such a mean is computed here from means
+        the loss reported (a standard deviation from a mean and a mean square). Default: as given."""
+        return metrics
+
     def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:
         """``None`` when a checkpoint whose params look like ``saved_params`` (metadata) loads
         as is; otherwise ``(task whose params have the saved layout, convert)`` where

@@ -149,6 +149,7 @@ def train_step(
     skip_nonfinite: bool = False,
     seed: int = 0,
     count_name: str = "count",
+    finish_metrics: Callable[[dict], dict] | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch`` (``grad_accum`` micro-batches scanned in sequence).
 
@@ -167,7 +168,8 @@ def train_step(
     overflow while its loss is finite is skipped as above and counts as finite (the scale
     halves; at the minimum scale it is a non-finite step like any other). Metrics add
     ``loss_scale`` (the scale this step used) and, with loss scaling or ``skip_nonfinite``,
-    ``skipped`` (1 for a skipped step).
+    ``skipped`` (1 for a skipped step). ``finish_metrics`` (a task's
+    ``Task.finish_metrics``) maps the metrics last.
     """
     weights = dict(aux_weights or {})
     trainable = select(state.params, mask)
@@ -249,6 +251,8 @@ def train_step(
             f"the model sows metric(s) {', '.join(clashing)} under names the trainer's own metrics use; rename them"
         )
     metrics.update({name: value / denominator for name, value in metric_sums.items()})
+    if finish_metrics is not None:
+        metrics = finish_metrics(metrics)
     new_state = TrainState(
         step=state.step + 1, params=merge(state.params, new_trainable), opt_state=opt_state, model_state=model_state
     )

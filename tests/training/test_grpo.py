@@ -3,30 +3,36 @@ generated corpus, then GRPO through the serving engine raises its held-out accur
 engine's log-probabilities agree with the training forward's. Both runs are the rl_lm
 notebook's (tests/notebooks.py), which trains them with the shipped configs."""
 
+import functools
 import json
 from types import SimpleNamespace
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from ember.core.config import load_config
 from ember.core.errors import ConfigError
+from ember.core.sharding import unbox
 from ember.core.tree import param_paths
-from ember.models.decoder import DecoderLM
+from ember.models.decoder import DecoderLM, convert_layer_layout
 from ember.models.variables import as_variables
 from ember.serving.engine import Engine
 from ember.serving.loading import load_model
 from ember.serving.requests import SamplingParams
 from ember.training.launcher import shipped_configs_dir
+from ember.training.lm.trainer import make_trainer
 from ember.training.rl_lm import entry
 from ember.training.rl_lm import task as task_module
 from ember.training.rl_lm.config import GRPOConfig, GRPOSection
 from ember.training.rl_lm.losses import token_logprobs
 from ember.training.rl_lm.rewards import arithmetic_exact_match
 from ember.training.rl_lm.rollouts import RolloutBatches, RolloutStats
+from ember.training.train_step import init_state, train_step
 from tests.notebooks import executed_notebook
 from tests.tolerances import assert_allclose
+from tests.training.finetune_setup import write_base_model
 
 CONFIGS = shipped_configs_dir() / "rl_lm"
 
@@ -166,37 +172,71 @@ def test_each_process_share_of_a_rollout_must_split_into_its_updates():
     assert error.value.key == "grpo.updates_per_rollout"
 
 
-def test_a_grpo_checkpoint_resumes_with_base_model_scan_layers_changed(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A tiny random Llama with a word-level tokenizer (tests/training/finetune_setup.py): it
+    knows no arithmetic, so only for tests that train nothing."""
+    return write_base_model(tmp_path_factory.mktemp("grpo") / "base")
+
+
+def tiny_config(base, run_dir, *overrides) -> GRPOConfig:
+    """A GRPO run of ``base`` with 8 completions a step (4 prompts, 2 each) and no held-out prompts."""
+    values = {
+        "kind": "grpo", "run_dir": str(run_dir), "adapter": {"rank": 2, "targets": ["q", "v"]},
+        "base_model": {"path": str(base), "attention_impl": "xla"},
+        "prompts": {"max_operand": 9, "eval_prompts": 0}, "grpo": {"group_size": 2, "prompts_per_step": 4},
+        "logging": {"progress": False, "tensorboard": False}, "checkpoint": {"async_save": False},
+    }  # fmt: skip
+    return load_config(GRPOConfig, values, list(overrides))
+
+
+def test_a_grpo_checkpoint_resumes_with_base_model_scan_layers_changed(tiny_base, tmp_path, monkeypatch):
     """base_model.scan_layers is a runtime setting (a resume may change it), but the GRPO task
     read a checkpoint only in its own layout: orbax refused the scanned tree for the unrolled
     one with a traceback. A checkpoint of the initial state (no rollouts: the task's engine
     hooks are left out) restores unrolled, the adapters and their optimizer moments included."""
-    from ember.models.decoder import convert_layer_layout
-    from ember.training.lm.trainer import make_trainer
-    from tests.training.finetune_setup import write_base_model
-
-    base = write_base_model(tmp_path / "base")
     monkeypatch.setattr(task_module.GRPOTask, "add_hooks", lambda self, trainer: None)
-
-    def config(scan):
-        values = {
-            "kind": "grpo", "run_dir": str(tmp_path / "run"), "adapter": {"rank": 2, "targets": ["q", "v"]},
-            "base_model": {"path": str(base), "scan_layers": scan, "attention_impl": "xla"},
-            "prompts": {"max_operand": 9, "eval_prompts": 0}, "grpo": {"group_size": 2, "prompts_per_step": 4},
-            "logging": {"progress": False, "tensorboard": False}, "checkpoint": {"async_save": False},
-        }  # fmt: skip
-        return load_config(GRPOConfig, values)
-
-    scanned = make_trainer(config(True), task=task_module.GRPOTask(config(True)))
+    scanned_config = tiny_config(tiny_base, tmp_path / "run", "base_model.scan_layers=true")
+    scanned = make_trainer(scanned_config, task=task_module.GRPOTask(scanned_config))
     assert "layers" in scanned.state.params
     # Step 3, adapters and moments moved from a fresh start (whose moments are zeros).
     saved = jax.tree.map(lambda x: x + (0.5 if np.issubdtype(x.dtype, np.floating) else 3), scanned.state)
     scanned.manager.save(3, saved, extra={"data": {"rollouts": 3, "served": 3}})
     scanned.manager.close()
-    resumed = make_trainer(config(False), resume=True, task=task_module.GRPOTask(config(False)))
+    unrolled_config = tiny_config(tiny_base, tmp_path / "run", "base_model.scan_layers=false")
+    resumed = make_trainer(unrolled_config, resume=True, task=task_module.GRPOTask(unrolled_config))
     assert "group_0" in resumed.state.params and int(resumed.state.step) == 3 and resumed.data.rollouts == 3
     expected = convert_layer_layout(jax.device_get(saved), scanned.task.base.config, resumed.task.base.config)
     actual = jax.device_get(resumed.state)
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for (path, value), want in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(value, want, err_msg=jax.tree_util.keystr(path))  # moved, not computed
+
+
+def test_reward_statistics_are_over_the_step_whatever_grad_accum(tiny_base, tmp_path):
+    """reward_mean and reward_std are over the step's completions. Each micro-batch's metrics are
+    averaged by the trainer, so with train.grad_accum=2 the logged reward_std was the mean of
+    the two halves' standard deviations, smaller than the step's."""
+    task = task_module.GRPOTask(tiny_config(tiny_base, tmp_path))
+    spec = task.data.batch_spec()
+    rng = np.random.default_rng(0)
+    batch = {name: np.zeros(s.shape, s.dtype) for name, s in spec.items()}
+    rows, seq = spec["tokens"].shape
+    batch["tokens"] = rng.integers(3, task.base.config.vocab_size, (rows, seq)).astype(np.int32)
+    batch["targets"] = np.roll(batch["tokens"], -1, axis=1)
+    batch["positions"] = np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy()
+    batch["segment_ids"] = np.ones((rows, seq), np.int32)
+    batch["loss_mask"][:, seq // 2 :] = 1.0
+    batch["rewards"] = rng.normal(size=rows).astype(np.float32)
+    batch["advantages"] = rng.normal(size=rows).astype(np.float32)
+    variables = unbox(jax.jit(task.init_variables)(jax.random.key(0), task.pretrained()))
+    tx = optax.sgd(0.0)
+    mask = task.trainable(variables["params"])
+    state = init_state(jax.random.key(0), init_variables=lambda _: variables, tx=tx, mask=mask)
+    for accum in (1, 2):
+        step = functools.partial(train_step, loss_fn=task.loss, tx=tx, schedule=optax.constant_schedule(0.0),
+                                 mask=mask, grad_accum=accum, finish_metrics=task.finish_metrics)  # fmt: skip
+        _, metrics = jax.jit(step)(state, batch, None)
+        assert_allclose(metrics["reward_mean"], batch["rewards"].mean(), err_msg=f"grad_accum={accum}")
+        assert_allclose(metrics["reward_std"], batch["rewards"].std(), err_msg=f"grad_accum={accum}")
+        assert "reward_mean_square" not in metrics

@@ -142,7 +142,7 @@ class GRPOTask(Task):
         )
         metrics = {
             "reward_mean": jnp.mean(batch["rewards"]),
-            "reward_std": jnp.std(batch["rewards"]),
+            "reward_mean_square": jnp.mean(jnp.square(batch["rewards"])),  # reward_std: finish_metrics
             "clip_fraction": terms.clip_fraction,
             "ratio": terms.ratio,
             "completion_tokens": jnp.mean(jnp.sum(batch["loss_mask"], axis=-1)),
@@ -150,6 +150,14 @@ class GRPOTask(Task):
         if terms.kl is not None:  # kl_coef 0 computes no reference log-probs, so no KL
             metrics["kl"] = terms.kl
         return LossTerms(terms.loss_sum, terms.count, outputs.aux, {**outputs.metrics, **metrics}, outputs.model_state)
+
+    def finish_metrics(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """``reward_std`` over the step's completions, from the mean and mean square of their
+        rewards (a standard deviation per micro-batch would not average into it)."""
+        metrics = dict(metrics)
+        square = metrics.pop("reward_mean_square")
+        metrics["reward_std"] = jnp.sqrt(jnp.maximum(square - jnp.square(metrics["reward_mean"]), 0.0))
+        return metrics
 
     def train_data(self) -> RolloutBatches:
         return self.data
