@@ -212,3 +212,29 @@ def test_stage_two_applies_adapter_dropout_in_training_steps_only(tmp_path_facto
     plain = next_token_loss(logits, batch["targets"], batch["loss_mask"])[0]
     assert_allclose(float(loss(params, None)), float(plain))
     assert abs(float(loss(params, jnp.int32(0))) - float(plain)) > 1e-3 * float(plain)
+
+
+def test_stage_two_starts_from_stage_one_weights_sharded_over_processes(monkeypatch):
+    """With FSDP over several processes, stage 1's final params are not fully addressable on any
+    one process; the entry fetched them with ``jax.device_get``, which JAX refuses for such
+    arrays (a traceback). They are gathered first (``addressable_here``). A stand-in for such
+    an array: a ``jax.Array`` that says it is not fully addressable and refuses to be fetched."""
+    from jax.experimental import multihost_utils
+
+    class OtherProcessesHold(jax.Array):
+        is_fully_addressable = False
+
+        def __init__(self, whole):
+            self.whole = whole
+
+        def __array__(self, *args, **kwargs):
+            raise RuntimeError("Fetching value for jax.Array that spans non-addressable devices is not possible")
+
+    gathered = []
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x, tiled: gathered.append(x) or x.whole)
+    kernel, scale = np.arange(6.0, dtype=np.float32).reshape(2, 3), jnp.ones(3)
+    variables = {"params": {"w": {"kernel": OtherProcessesHold(kernel)}, "norm": {"scale": scale}}, "state": {}}
+    host = entry._host_params(variables)
+    np.testing.assert_array_equal(host["w"]["kernel"], kernel)
+    np.testing.assert_array_equal(host["norm"]["scale"], np.ones(3))
+    assert isinstance(host["norm"]["scale"], np.ndarray) and len(gathered) == 1

@@ -30,7 +30,7 @@ import jax
 
 from ember.core.distributed import initialize_distributed
 from ember.core.errors import ConfigError
-from ember.core.sharding import logical_rules, make_mesh, shard_variables
+from ember.core.sharding import addressable_here, logical_rules, make_mesh, shard_variables
 from ember.core.tree import param_count
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
@@ -86,7 +86,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     figures["attention_mse_after"] = evaluator.transfer_errors(transfer.model, transferred)
     figures["transfer_val_loss"] = evaluator.validation_loss(linear_model, transferred)
 
-    low_rank.transferred = jax.device_get(transferred["params"])
+    low_rank.transferred = _host_params(transferred)
     summary, final = _train(make_trainer(config, resume=resume, task=low_rank))
     if summary["stopped_early"]:
         return summary
@@ -169,6 +169,12 @@ def _train(trainer, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any]
     if trainer.is_main:
         (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary, {"params": trainer.state.params, **trainer.state.model_state}
+
+
+def _host_params(variables: dict[str, Any]) -> Any:
+    """The params of a trainer's final ``variables`` as host arrays, whole on every process
+    (sharded over several processes, e.g. by FSDP: gathered, a collective every process joins)."""
+    return jax.device_get(addressable_here(variables["params"]))
 
 
 def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
