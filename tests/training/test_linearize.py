@@ -238,3 +238,41 @@ def test_stage_two_starts_from_stage_one_weights_sharded_over_processes(monkeypa
     np.testing.assert_array_equal(host["w"]["kernel"], kernel)
     np.testing.assert_array_equal(host["norm"]["scale"], np.ones(3))
     assert isinstance(host["norm"]["scale"], np.ndarray) and len(gathered) == 1
+
+
+def test_transfer_errors_are_the_mean_over_real_tokens_whatever_the_padding(rng):
+    """The last validation batch is filled with empty rows (segment id 0). Their tokens counted
+    in each layer's mean error, and every batch weighed the same however few real rows it
+    held, so the figure moved with the padding. Three real rows evaluated as [r0, r1], [r2,
+    padding] give each layer's error over the three rows in one batch."""
+    from ember.core.sharding import MeshConfig, logical_rules, make_mesh
+    from ember.models.config import ModelConfig
+    from ember.training.data.packing import empty_row
+    from ember.training.linearize.evaluate import Evaluator, _per_layer
+
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
+                         max_seq_len=16, block_pattern=("window_linear",), sliding_window=4,
+                         linear_feature_map="hedgehog", linear_feature_dim=4, attention_transfer=True,
+                         attention_impl="xla")  # fmt: skip
+    model = DecoderLM(config)
+    generator = np.random.default_rng(0)
+    rows = [
+        {"tokens": generator.integers(1, 64, 16).astype(np.int32), "positions": np.arange(16, dtype=np.int32),
+         "segment_ids": np.ones(16, np.int32), "targets": np.zeros(16, np.int32), "loss_mask": np.ones(16, np.float32)}
+        for _ in range(3)
+    ]  # fmt: skip
+    stack = lambda *rs: {key: np.stack([r[key] for r in rs]) for key in rs[0]}  # noqa: E731
+    params = jax.jit(model.init)(rng, jnp.asarray(stack(*rows)["tokens"]))["params"]
+    variables = {"params": perturbed(unbox(params), jax.random.fold_in(rng, 1))}
+    evaluator = Evaluator(
+        [stack(rows[0], rows[1]), stack(rows[2], empty_row(16))],
+        make_mesh(MeshConfig(data=2), jax.devices()[:2]),
+        logical_rules(),
+    )
+    got = evaluator.transfer_errors(model, variables)
+    whole = stack(*rows)
+    inputs = {"positions": whole["positions"], "segment_ids": whole["segment_ids"]}
+    _, sown = jax.jit(lambda v: model.apply(v, whole["tokens"], **inputs, mutable=["losses"]))(variables)
+    expected = np.asarray(_per_layer(sown["losses"], config.layer_period))
+    assert len(got) == 2 and np.all(expected > 0)
+    assert_allclose(np.array(got, np.float32), expected, scale=10)

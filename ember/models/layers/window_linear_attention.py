@@ -10,7 +10,8 @@ and ``window_factor [heads]`` (the mix, ``sigmoid`` of it weights the window).
 With ``config.attention_transfer`` (stage 1 of linearising) the layer also computes the softmax
 attention it stands in for, sows the mean squared error between the two outputs into
 ``losses`` as ``attention_transfer``, and returns the softmax output, so every layer of one
-forward pass sees the teacher's inputs.
+forward pass sees the teacher's inputs. The mean is over the tokens of segment id >= 1: id 0
+is padding in Ember's batches (``ember.training.data``), which has no error to learn.
 """
 
 from __future__ import annotations
@@ -76,8 +77,18 @@ class WindowLinearAttention(nn.Module):
             return out, None
         softmax, _ = attend(q, k, v, config=config, kind="global", segment_ids=segment_ids, positions=positions)
         softmax = project(softmax)
-        self.sow("losses", TRANSFER_LOSS, jnp.mean(jnp.square(out.astype(jnp.float32) - softmax.astype(jnp.float32))))
+        self.sow("losses", TRANSFER_LOSS, transfer_error(out, softmax, segment_ids))
         return softmax, None
 
 
-__all__ = ["TRANSFER_LOSS", "WindowLinearAttention"]
+def transfer_error(out: jax.Array, target: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """The mean squared error of ``out`` against ``target`` (``[batch, seq, embed]``) over the
+    tokens that are not padding (segment id 0); every token without ``segment_ids``."""
+    error = jnp.square(out.astype(jnp.float32) - target.astype(jnp.float32))
+    if segment_ids is None:
+        return jnp.mean(error)
+    real = (segment_ids > 0)[..., None]
+    return jnp.sum(jnp.where(real, error, 0.0)) / jnp.maximum(jnp.sum(real) * error.shape[-1], 1)
+
+
+__all__ = ["TRANSFER_LOSS", "WindowLinearAttention", "transfer_error"]

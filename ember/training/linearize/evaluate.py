@@ -43,17 +43,19 @@ class Evaluator:
 
     def transfer_errors(self, model: DecoderLM, variables: Any) -> list[float]:
         """Each layer's attention-transfer error (``model`` in attention-transfer mode; softmax
-        layers, which have none, are left out), averaged over the batches; in layer order."""
+        layers, which have none, are left out), the mean over the batches' tokens (padding, the
+        empty rows that fill the last batch, left out); in layer order."""
 
         def errors(variables, batch):
             _, updated = model.apply(
                 variables, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                 mutable=["losses"],
             )  # fmt: skip
-            return _per_layer(updated.get("losses", {}), model.config.layer_period)
+            tokens = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)  # each batch's mean is over these
+            return _per_layer(updated.get("losses", {}), model.config.layer_period) * tokens, tokens
 
-        totals = self._sum_over_batches("transfer_errors", model, errors, variables)
-        return [float(v) / len(self.batches) for v in totals]
+        sums, tokens = self._sum_over_batches("transfer_errors", model, errors, variables)
+        return [float(v) / max(float(tokens), 1.0) for v in sums]
 
     def _sum_over_batches(self, measure: str, model: DecoderLM, fn, variables: Any) -> Any:
         key = (measure, id(model))
