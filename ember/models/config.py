@@ -60,7 +60,17 @@ SCORE_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 FEATURE_MAPS: tuple[str, ...] = ("elu", "relu", "hedgehog")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
 RUNTIME_FIELDS: frozenset[str] = frozenset(
-    {"attention_impl", "moe_impl", "remat", "scan_layers", "page_size", "precision", "attention_transfer"}
+    {
+        "attention_impl",
+        "moe_impl",
+        "remat",
+        "scan_layers",
+        "page_size",
+        "precision",
+        "attention_transfer",
+        "transfer_pattern",
+        "transfer_window",
+    }
 )
 """Fields that say how a process runs the model, not what its parameters mean: a checkpoint
 may be resumed or served with any of them changed (``precision`` only while its parameter
@@ -275,6 +285,12 @@ class ModelConfig:
     """Runtime, for linearising (stage 1): every ``window_linear`` layer sows the squared error of
     its output against the softmax attention it replaces (``losses``, ``attention_transfer``)
     and passes the softmax output on, so one forward trains every layer's feature maps."""
+    transfer_pattern: tuple[str, ...] = ()
+    """Runtime, with ``attention_transfer``: the teacher's ``block_pattern``, so each
+    ``window_linear`` layer's target is the softmax attention kind it replaced (``local`` and
+    ``block_sparse`` within ``transfer_window`` tokens); empty: ``global`` for every layer."""
+    transfer_window: int = 0
+    """Runtime, with ``attention_transfer``: the teacher's ``sliding_window`` (0: ``sliding_window``)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len", "page_size"):
@@ -327,6 +343,8 @@ class ModelConfig:
                 f"window_linear layers take softmax scores (they linearise softmax attention), got {self.score!r}",
                 key="score",
             )
+        if self.transfer_pattern:
+            self._check_transfer_pattern()
         if "mamba2" in self.block_pattern:
             self._check_ssm()
         if self.head_size % 2 and set(self.block_pattern) & set(ROTARY_KINDS):
@@ -400,6 +418,32 @@ class ModelConfig:
     @property
     def cca_head_size(self) -> int:
         return self.d_model // self.cca_compression // self.cca_query_heads
+
+    def _check_transfer_pattern(self) -> None:
+        if len(self.transfer_pattern) != len(self.block_pattern):
+            raise ConfigError(
+                f"transfer_pattern (the teacher's block_pattern) must have one kind per block_pattern entry "
+                f"({len(self.block_pattern)}), got {list(self.transfer_pattern)}",
+                key="transfer_pattern",
+            )
+        for kind, teacher in zip(self.block_pattern, self.transfer_pattern):
+            if kind == "window_linear" and teacher not in SOFTMAX_FAMILY:
+                raise ConfigError(
+                    f"transfer_pattern: a window_linear layer replaced one of {', '.join(SOFTMAX_FAMILY)}, "
+                    f"got {teacher!r}",
+                    key="transfer_pattern",
+                )
+        if self.transfer_window < 0:
+            raise ConfigError(
+                f"transfer_window must be >= 0 (0 = sliding_window), got {self.transfer_window}", key="transfer_window"
+            )
+
+    @property
+    def layer_transfer_kinds(self) -> tuple[str, ...]:
+        """The attention-transfer target kind of every layer, ``transfer_pattern`` repeated over
+        ``num_layers`` (``global`` without one)."""
+        pattern = self.transfer_pattern or ("global",)
+        return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
 
     @property
     def layer_period(self) -> int:

@@ -71,6 +71,8 @@ class Block(nn.Module):
     config: ModelConfig
     kind: str
     mlp_placement: str = "dense"
+    transfer_kind: str = "global"
+    """A ``window_linear`` mixer's attention-transfer target (``ModelConfig.layer_transfer_kinds``)."""
 
     @nn.compact
     def __call__(self, x, positions, segment_ids, state, paging, valid, router_logits=None):
@@ -84,7 +86,7 @@ class Block(nn.Module):
         elif self.kind == "mamba2":
             mixer = Mamba2Mixer(config, name="attn")
         elif self.kind == "window_linear":
-            mixer = WindowLinearAttention(config, name="attn")
+            mixer = WindowLinearAttention(config, self.transfer_kind, name="attn")
         else:
             mixer = LinearAttention(config, name="attn")
         h, state = mixer(h, positions, segment_ids, state, paging, valid)
@@ -136,7 +138,12 @@ class BlockGroup(nn.Module):
             name = f"block_{j}"
             layer = self.first_layer + j
             state = None if states is None else {**states[name], **pools[name]}
-            block = Block(self.config, self.config.layer_kinds[layer], self.config.layer_mlps[layer], name=name)
+            kinds = (
+                self.config.layer_kinds[layer],
+                self.config.layer_mlps[layer],
+                self.config.layer_transfer_kinds[layer],
+            )
+            block = Block(self.config, *kinds, name=name)
             x, state, router_logits, block_stats = block(
                 x, positions, segment_ids, state, group_paging, valid, router_logits
             )

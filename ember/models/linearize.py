@@ -43,8 +43,10 @@ class LinearizeConfig:
             )
 
 
-def linearized_config(config: ModelConfig, linear: LinearizeConfig) -> ModelConfig:
-    """``config`` with its softmax-family layers replaced by ``window_linear`` ones.
+def linearized_config(config: ModelConfig, linear: LinearizeConfig, *, attention_transfer: bool = False) -> ModelConfig:
+    """``config`` with its softmax-family layers replaced by ``window_linear`` ones;
+    ``attention_transfer``: in that mode (stage 1), each layer's target the attention it
+    replaced (``config``'s kind and ``sliding_window``).
 
     Raises:
       ConfigError: the model has no softmax attention layer, or scores that are not softmax.
@@ -64,6 +66,9 @@ def linearized_config(config: ModelConfig, linear: LinearizeConfig) -> ModelConf
         sliding_window=linear.window,
         linear_feature_map="hedgehog",
         linear_feature_dim=linear.feature_dim,
+        attention_transfer=attention_transfer,
+        transfer_pattern=config.block_pattern if attention_transfer else (),
+        transfer_window=config.sliding_window if attention_transfer else 0,
     )
 
 

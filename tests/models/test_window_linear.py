@@ -126,6 +126,30 @@ def test_attention_transfer_mode_gives_the_softmax_logits_and_sows_each_layers_e
         dataclasses.replace(LINEARISED, score="sigmoid")
 
 
+def test_attention_transfer_targets_each_teacher_layers_own_attention(rng):
+    """A teacher with local and block-sparse layers (window 4, linearised with window 8): in
+    attention-transfer mode each layer's target was the global softmax, so the stage-1 model
+    neither reproduced the teacher nor trained toward the attention its layers had."""
+    teacher_config = dataclasses.replace(
+        TEACHER, num_layers=3, block_pattern=("local", "block_sparse", "global"), sliding_window=4, global_tokens=2
+    )
+    tokens = jnp.asarray(numpy_rng(rng).integers(0, 96, (2, 24)), jnp.int32)
+    teacher = DecoderLM(teacher_config)
+    teacher_params = perturbed(jax.jit(teacher.init)(rng, tokens)["params"], rng)
+    transfer_config = linearized_config(
+        teacher_config, LinearizeConfig(window=8, feature_dim=4), attention_transfer=True
+    )
+    transfer = DecoderLM(transfer_config)
+    params = linearized_params(teacher_params, jax.jit(transfer.init)(jax.random.fold_in(rng, 1), tokens)["params"])
+    teacher_logits, _ = jax.jit(teacher.apply)({"params": teacher_params}, tokens)
+    outputs = jax.jit(lambda p: apply_model(transfer, p, tokens))(params)
+    assert transfer_config.transfer_pattern == teacher_config.block_pattern and transfer_config.sliding_window == 8
+    assert_allclose(outputs.output[0], teacher_logits, scale=10)
+    assert float(outputs.aux["attention_transfer"]) > 0
+    with pytest.raises(ConfigError, match="transfer_pattern: a window_linear layer replaced one of"):
+        dataclasses.replace(transfer_config, transfer_pattern=("local", "mamba2", "global"))
+
+
 def test_linearizing_a_config_and_its_weights_names_what_cannot_be_done():
     with pytest.raises(ConfigError, match=r"linear\.window must be a positive"):
         LinearizeConfig(window=0)

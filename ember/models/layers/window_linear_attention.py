@@ -10,11 +10,15 @@ and ``window_factor [heads]`` (the mix, ``sigmoid`` of it weights the window).
 With ``config.attention_transfer`` (stage 1 of linearising) the layer also computes the softmax
 attention it stands in for, sows the mean squared error between the two outputs into
 ``losses`` as ``attention_transfer``, and returns the softmax output, so every layer of one
-forward pass sees the teacher's inputs. The mean is over the tokens of segment id >= 1: id 0
+forward pass sees the teacher's inputs. That attention is the layer's ``transfer_kind`` (the
+teacher layer's kind: ``local`` and ``block_sparse`` within ``config.transfer_window`` tokens,
+the teacher's window). The mean is over the tokens of segment id >= 1: id 0
 is padding in Ember's batches (``ember.training.data``), which has no error to learn.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -39,6 +43,8 @@ class WindowLinearAttention(nn.Module):
     "window_k", "window_v"}`` (``ember.models.cache``), with a cache ``batch`` is 1."""
 
     config: ModelConfig
+    transfer_kind: str = "global"
+    """The softmax attention kind this layer replaced: its target with ``config.attention_transfer``."""
 
     @nn.compact
     def __call__(
@@ -75,7 +81,10 @@ class WindowLinearAttention(nn.Module):
         out = project(window_linear_attention(q, k, v, q_map(q), k_map(k), factor, segment_ids=segment_ids, **options))
         if not config.attention_transfer:
             return out, None
-        softmax, _ = attend(q, k, v, config=config, kind="global", segment_ids=segment_ids, positions=positions)
+        teacher = dataclasses.replace(config, sliding_window=config.transfer_window or config.sliding_window)
+        softmax, _ = attend(
+            q, k, v, config=teacher, kind=self.transfer_kind, segment_ids=segment_ids, positions=positions
+        )
         softmax = project(softmax)
         self.sow("losses", TRANSFER_LOSS, transfer_error(out, softmax, segment_ids))
         return softmax, None

@@ -12,7 +12,6 @@ and throughput figures are the LM's own.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -58,7 +57,7 @@ class AttentionTransferTask(_LinearizeStage):
     count_name = "batches"
 
     def __init__(self, config: LinearizeRunConfig, base: LoadedModel, dataset: TokenDataset):
-        model_config = dataclasses.replace(linearized_config(base.config, config.linear), attention_transfer=True)
+        model_config = linearized_config(base.config, config.linear, attention_transfer=True)
         super().__init__(config, config.transfer.train, model_config, base, dataset)
 
     def pretrained(self) -> dict[str, Any]:
