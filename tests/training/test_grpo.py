@@ -213,11 +213,8 @@ def test_a_grpo_checkpoint_resumes_with_base_model_scan_layers_changed(tiny_base
         np.testing.assert_array_equal(value, want, err_msg=jax.tree_util.keystr(path))  # moved, not computed
 
 
-def test_reward_statistics_are_over_the_step_whatever_grad_accum(tiny_base, tmp_path):
-    """reward_mean and reward_std are over the step's completions. Each micro-batch's metrics are
-    averaged by the trainer, so with train.grad_accum=2 the logged reward_std was the mean of
-    the two halves' standard deviations, smaller than the step's."""
-    task = task_module.GRPOTask(tiny_config(tiny_base, tmp_path))
+def random_rollout_batch(task, lengths) -> dict[str, np.ndarray]:
+    """A batch of ``task``'s shapes, random, its completions ``lengths`` tokens long."""
     spec = task.data.batch_spec()
     rng = np.random.default_rng(0)
     batch = {name: np.zeros(s.shape, s.dtype) for name, s in spec.items()}
@@ -226,17 +223,46 @@ def test_reward_statistics_are_over_the_step_whatever_grad_accum(tiny_base, tmp_
     batch["targets"] = np.roll(batch["tokens"], -1, axis=1)
     batch["positions"] = np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy()
     batch["segment_ids"] = np.ones((rows, seq), np.int32)
-    batch["loss_mask"][:, seq // 2 :] = 1.0
+    for row, length in enumerate(lengths):
+        batch["loss_mask"][row, seq - length :] = 1.0
+    for name in ("old_logprobs", "ref_logprobs"):  # about the random model's log(1 / vocab)
+        batch[name] = rng.uniform(-3.5, -2.0, (rows, seq)).astype(np.float32)
     batch["rewards"] = rng.normal(size=rows).astype(np.float32)
     batch["advantages"] = rng.normal(size=rows).astype(np.float32)
+    return batch
+
+
+def step_metrics(task, batch, grad_accum: int) -> dict[str, float]:
+    """The metrics of one train step of ``task`` on ``batch`` (learning rate 0)."""
     variables = unbox(jax.jit(task.init_variables)(jax.random.key(0), task.pretrained()))
     tx = optax.sgd(0.0)
     mask = task.trainable(variables["params"])
     state = init_state(jax.random.key(0), init_variables=lambda _: variables, tx=tx, mask=mask)
+    step = functools.partial(train_step, loss_fn=task.loss, tx=tx, schedule=optax.constant_schedule(0.0),
+                             mask=mask, grad_accum=grad_accum, finish_metrics=task.finish_metrics)  # fmt: skip
+    return jax.device_get(jax.jit(step)(state, batch, None)[1])
+
+
+def test_reward_statistics_are_over_the_step_whatever_grad_accum(tiny_base, tmp_path):
+    """reward_mean and reward_std are over the step's completions. Each micro-batch's metrics are
+    averaged by the trainer, so with train.grad_accum=2 the logged reward_std was the mean of
+    the two halves' standard deviations, smaller than the step's."""
+    task = task_module.GRPOTask(tiny_config(tiny_base, tmp_path))
+    batch = random_rollout_batch(task, [4] * 8)
     for accum in (1, 2):
-        step = functools.partial(train_step, loss_fn=task.loss, tx=tx, schedule=optax.constant_schedule(0.0),
-                                 mask=mask, grad_accum=accum, finish_metrics=task.finish_metrics)  # fmt: skip
-        _, metrics = jax.jit(step)(state, batch, None)
+        metrics = step_metrics(task, batch, accum)
         assert_allclose(metrics["reward_mean"], batch["rewards"].mean(), err_msg=f"grad_accum={accum}")
         assert_allclose(metrics["reward_std"], batch["rewards"].std(), err_msg=f"grad_accum={accum}")
         assert "reward_mean_square" not in metrics
+
+
+def test_token_means_are_over_the_step_whatever_grad_accum(tiny_base, tmp_path):
+    """kl, clip_fraction and ratio are means over the step's completion tokens. The trainer
+    averages each micro-batch's mean weighted by its completions, so with train.grad_accum=2
+    a micro-batch of 1-token completions weighed as much as one of 6-token completions."""
+    task = task_module.GRPOTask(tiny_config(tiny_base, tmp_path))
+    batch = random_rollout_batch(task, [6, 1] * 4)  # micro-batch a takes rows a, a + 2, ...: 6s, then 1s
+    whole, halves = step_metrics(task, batch, 1), step_metrics(task, batch, 2)
+    assert 0 < whole["clip_fraction"] < 1 and whole["kl"] > 0
+    for name in ("kl", "clip_fraction", "ratio", "completion_tokens"):
+        assert_allclose(halves[name], whole[name], scale=10, err_msg=name)

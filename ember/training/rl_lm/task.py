@@ -140,23 +140,32 @@ class GRPOTask(Task):
             clip_eps=grpo.clip_eps,
             kl_coef=grpo.kl_coef,
         )
+        # Means over completions average exactly over micro-batches (weighted by their completions);
+        # finish_metrics makes the token means and the reward std from such means.
+        tokens_per_completion = jnp.mean(jnp.sum(batch["loss_mask"], axis=-1))
+        token_means = {"clip_fraction": terms.clip_fraction, "ratio": terms.ratio}
+        if terms.kl is not None:  # kl_coef 0 computes no reference log-probs, so no KL
+            token_means["kl"] = terms.kl
         metrics = {
             "reward_mean": jnp.mean(batch["rewards"]),
-            "reward_mean_square": jnp.mean(jnp.square(batch["rewards"])),  # reward_std: finish_metrics
-            "clip_fraction": terms.clip_fraction,
-            "ratio": terms.ratio,
-            "completion_tokens": jnp.mean(jnp.sum(batch["loss_mask"], axis=-1)),
+            "reward_mean_square": jnp.mean(jnp.square(batch["rewards"])),
+            "completion_tokens": tokens_per_completion,
+            **{name: value * tokens_per_completion for name, value in token_means.items()},
         }
-        if terms.kl is not None:  # kl_coef 0 computes no reference log-probs, so no KL
-            metrics["kl"] = terms.kl
         return LossTerms(terms.loss_sum, terms.count, outputs.aux, {**outputs.metrics, **metrics}, outputs.model_state)
 
     def finish_metrics(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """``reward_std`` over the step's completions, from the mean and mean square of their
-        rewards (a standard deviation per micro-batch would not average into it)."""
+        """The step's statistics from the means over its completions that :meth:`loss` reports
+        (each micro-batch's own std or token mean would not average into the step's):
+        ``reward_std`` from the rewards' mean and mean square, and ``kl``, ``clip_fraction``
+        and ``ratio``, means over completion tokens, from their sums per completion."""
         metrics = dict(metrics)
         square = metrics.pop("reward_mean_square")
         metrics["reward_std"] = jnp.sqrt(jnp.maximum(square - jnp.square(metrics["reward_mean"]), 0.0))
+        tokens = metrics["completion_tokens"]
+        for name in ("kl", "clip_fraction", "ratio"):
+            if name in metrics:
+                metrics[name] = metrics[name] / jnp.where(tokens > 0, tokens, 1.0)
         return metrics
 
     def train_data(self) -> RolloutBatches:
