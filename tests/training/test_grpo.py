@@ -31,6 +31,7 @@ from ember.training.rl_lm.rewards import arithmetic_exact_match
 from ember.training.rl_lm.rollouts import RolloutBatches, RolloutStats
 from ember.training.train_step import init_state, train_step
 from tests.notebooks import executed_notebook
+from tests.other_processes import OtherProcessesHold, gather_patched
 from tests.tolerances import assert_allclose
 from tests.training.finetune_setup import write_base_model
 
@@ -266,3 +267,24 @@ def test_token_means_are_over_the_step_whatever_grad_accum(tiny_base, tmp_path):
     assert 0 < whole["clip_fraction"] < 1 and whole["kl"] > 0
     for name in ("kl", "clip_fraction", "ratio", "completion_tokens"):
         assert_allclose(halves[name], whole[name], scale=10, err_msg=name)
+
+
+def test_the_engine_takes_the_policy_whole_when_processes_share_it(monkeypatch):
+    """In a multi-process run the policy's params span every process's devices (sharded or
+    replicated), and the engine of each process is on one local device: the task moved them
+    there as they were, which JAX refuses ("the first argument must be a fully addressable
+    array"), so a multi-process GRPO run failed as the trainer started. They are gathered
+    first, at the start and after every step. A stand-in for such arrays: tests.other_processes."""
+    gathered = gather_patched(monkeypatch)
+    lora_a, kernel = np.arange(6.0, dtype=np.float32).reshape(2, 3), np.ones((3, 3), np.float32)
+    params = {"q": {"kernel": OtherProcessesHold(kernel), "lora_a": OtherProcessesHold(lora_a)}}
+    state = SimpleNamespace(params=params, model_state={})
+    received = []
+    task = SimpleNamespace(
+        mask={"q": {"kernel": False, "lora_a": True}}, engine=SimpleNamespace(update_params=received.append)
+    )
+    task_module.GRPOTask._sync(task, SimpleNamespace(state=state))
+    assert list(received[0]["q"]) == ["lora_a"] and gathered == [params["q"]["lora_a"]]
+    np.testing.assert_array_equal(received[0]["q"]["lora_a"], lora_a)
+    whole = task_module._engine_weights(state)  # what the engine starts from
+    np.testing.assert_array_equal(whole["q"]["kernel"], kernel)

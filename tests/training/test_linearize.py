@@ -24,6 +24,7 @@ from ember.training.linearize import entry
 from ember.training.linearize.config import TRANSFER_DIR
 from tests.host_random import perturbed
 from tests.once_per_session import build_once
+from tests.other_processes import OtherProcessesHold, gather_patched
 from tests.tolerances import assert_allclose
 from tests.training.lm_runs import REPO
 from tests.training.tiny_stdlib_run import tiny_stdlib_run
@@ -218,20 +219,8 @@ def test_stage_two_starts_from_stage_one_weights_sharded_over_processes(monkeypa
     """With FSDP over several processes, stage 1's final params are not fully addressable on any
     one process; the entry fetched them with ``jax.device_get``, which JAX refuses for such
     arrays (a traceback). They are gathered first (``addressable_here``). A stand-in for such
-    an array: a ``jax.Array`` that says it is not fully addressable and refuses to be fetched."""
-    from jax.experimental import multihost_utils
-
-    class OtherProcessesHold(jax.Array):
-        is_fully_addressable = False
-
-        def __init__(self, whole):
-            self.whole = whole
-
-        def __array__(self, *args, **kwargs):
-            raise RuntimeError("Fetching value for jax.Array that spans non-addressable devices is not possible")
-
-    gathered = []
-    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x, tiled: gathered.append(x) or x.whole)
+    arrays: ``tests.other_processes``."""
+    gathered = gather_patched(monkeypatch)
     kernel, scale = np.arange(6.0, dtype=np.float32).reshape(2, 3), jnp.ones(3)
     variables = {"params": {"w": {"kernel": OtherProcessesHold(kernel)}, "norm": {"scale": scale}}, "state": {}}
     host = entry._host_params(variables)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.core.errors import ConfigError
+from ember.core.sharding import addressable_here
 from ember.models.adapters import adapter_mask, add_lora
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables, serving_weights, split_variables
@@ -180,8 +181,7 @@ class GRPOTask(Task):
         syncs after every step, logs rollout statistics and evaluates on held-out prompts."""
         self.mask = trainer.mask
         device = jax.local_devices()[0]
-        weights = serving_weights(trainer.state.params, trainer.state.model_state)
-        weights = owned_copy(weights, device)  # the trainer donates its own buffers every step
+        weights = owned_copy(_engine_weights(trainer.state), device)  # the trainer donates its own buffers every step
         grpo = self.config.grpo
         self.engine = Engine.from_model(
             self.base.config,
@@ -203,8 +203,7 @@ class GRPOTask(Task):
 
     def _sync(self, info) -> None:
         """Copies the trainable leaves (and any model state) into the engine."""
-        updates = serving_weights(select(info.state.params, self.mask), info.state.model_state)
-        self.engine.update_params(updates)
+        self.engine.update_params(_engine_weights(info.state, self.mask))
 
     def evaluate(self, prompts: list[str] | None = None) -> dict[str, float]:
         """Mean rewards on ``prompts`` (default the held-out ones) under the engine's current
@@ -229,6 +228,14 @@ class GRPOTask(Task):
         if samples:
             values["eval_reward_sampled"] = float(rewards[len(prompts) :].mean())
         return values
+
+
+def _engine_weights(state: Any, mask: Any = None) -> Any:
+    """The policy's serving weights in the train ``state`` (with ``mask``: its selected params
+    only) as this process's engine takes them: whole, gathered where a mesh over several
+    processes shards or replicates them (a collective: every process runs the task's hooks)."""
+    params = state.params if mask is None else select(state.params, mask)
+    return addressable_here(serving_weights(params, state.model_state))
 
 
 def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float):
