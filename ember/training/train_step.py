@@ -164,11 +164,11 @@ def train_step(
 
     With a :class:`~ember.training.loss_scaling.LossScaleState` optimizer state (float16
     training), every micro-batch's mean objective is multiplied by the scale before
-    differentiation and its float32 gradients brought back to the sum's after; a step whose scaled gradients
-    overflow while its loss is finite is skipped as above and counts as finite (the scale
-    halves; at the minimum scale it is a non-finite step like any other). Metrics add
-    ``loss_scale`` (the scale this step used) and, with loss scaling or ``skip_nonfinite``,
-    ``skipped`` (1 for a skipped step). ``finish_metrics`` (a task's
+    differentiation and its float32 gradients brought back to the sum's after; a step whose
+    scaled gradients overflow while its loss is finite is skipped as above and counts as
+    finite (the scale halves; at the minimum scale it is a non-finite step like any other).
+    Metrics add ``loss_scale`` (the scale this step used) and, with loss scaling or
+    ``skip_nonfinite``, ``skipped`` (1 for a skipped step). ``finish_metrics`` (a task's
     ``Task.finish_metrics``) maps the metrics last.
     """
     weights = dict(aux_weights or {})
