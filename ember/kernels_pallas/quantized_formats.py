@@ -120,6 +120,11 @@ class QuantizedMatrix:
                 f"{op}: scales must be float [groups, n={n}], got {self.scales.dtype}{list(self.scales.shape)}"
             )
         groups = self.scales.shape[0]
+        if self.format == "int8" and groups != 1:
+            raise ValueError(
+                f"{op}: int8 scales are per output channel, [1, n={n}], got {groups} groups of rows "
+                "(group-wise scales are for int4 and nf4)"
+            )
         if groups < 1 or k % groups:
             raise ValueError(f"{op}: scales' {groups} groups must divide the weight's {k} rows")
 

@@ -135,6 +135,21 @@ def test_split_k_fills_the_grid_without_empty_splits(k_splits, output_tiles, k_t
     assert QuantizedMatmulBlockSizes(k_splits=k_splits).splits(output_tiles, k_tiles) == expected
 
 
+def test_int8_takes_one_scale_row():
+    """int8 is per output channel: the kernel applies one scale row to the whole product, so
+    group-wise int8 scales (which the reference and XLA path would honour) are refused
+    rather than giving the kernel a different answer (16 groups at 16-row tiles scaled row i
+    by group i) or a broadcasting error from inside the kernel."""
+    rng = np.random.default_rng(2)
+    weight = random_weight(rng, "int8", 64, 16, 4)  # 16 groups of 4 rows
+    x = jnp.ones((3, 64))
+    for op in (quantized_matmul, quantized_matmul_reference):
+        with pytest.raises(ValueError, match=r"int8 scales are per output channel, \[1, n=16\], got 16 groups"):
+            op(x, weight)
+    with pytest.raises(ValueError, match="int8 scales are per output channel"):
+        dequantize(weight)
+
+
 def test_bad_arguments_name_themselves():
     rng = np.random.default_rng(1)
     weight = random_weight(rng, "int4", 64, 16, 32)
