@@ -257,17 +257,18 @@ def _pallas(x, weight: QuantizedMatrix, out_dtype, block_sizes: QuantizedMatmulB
     return out[0, :m, :n] if splits == 1 else out[:, :m, :n].sum(axis=0).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _differentiable(x, weight, forward):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _differentiable(x, weight, forward, x_dtype):
     return forward(x, weight)
 
 
-def _forward(x, weight, forward):
+def _forward(x, weight, forward, x_dtype):
     return forward(x, weight), weight
 
 
-def _backward(forward, weight, d_out):
-    d_x = jnp.dot(d_out.astype(jnp.float32), dequantize(weight).T).astype(d_out.dtype)
+def _backward(forward, x_dtype, weight, d_out):
+    # d_x in x's dtype (as autodiff of a dot gives), not the output's preferred_element_type.
+    d_x = jnp.dot(d_out.astype(jnp.float32), dequantize(weight).T).astype(x_dtype)
     zeros = jax.tree.map(
         lambda a: jnp.zeros(a.shape, jax.dtypes.float0) if a.dtype in (jnp.int8, jnp.uint8) else jnp.zeros_like(a),
         weight,
@@ -307,7 +308,7 @@ def quantized_matmul(x, weight: QuantizedMatrix, *, preferred_element_type=None,
             block_sizes=block_sizes or default_block_sizes(x.shape[0]),
             interpret=impl == "interpret",
         )
-    return _differentiable(x, weight, forward)
+    return _differentiable(x, weight, forward, x.dtype)
 
 
 __all__ = [

@@ -135,6 +135,18 @@ def test_split_k_fills_the_grid_without_empty_splits(k_splits, output_tiles, k_t
     assert QuantizedMatmulBlockSizes(k_splits=k_splits).splits(output_tiles, k_tiles) == expected
 
 
+@pytest.mark.parametrize("impl", ["interpret", "xla"])
+def test_gradient_has_the_dtype_of_x(impl):
+    """A bf16 ``x`` with a float32 ``preferred_element_type`` gets a bf16 gradient, as
+    autodiff of ``jnp.dot`` gives; the backward cast it to the output's dtype (float32)."""
+    weight = random_weight(np.random.default_rng(3), "int4", 32, 16, 16)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 32)), jnp.bfloat16)
+    grad = jax.grad(lambda x: jnp.sum(quantized_matmul(x, weight, impl=impl, preferred_element_type=jnp.float32)))(x)
+    assert grad.dtype == jnp.bfloat16
+    expected = jnp.ones((2, 16), jnp.float32) @ dequantize(weight).T
+    assert_allclose(grad, expected, dtype=jnp.bfloat16)
+
+
 def test_int8_takes_one_scale_row():
     """int8 is per output channel: the kernel applies one scale row to the whole product, so
     group-wise int8 scales (which the reference and XLA path would honour) are refused
