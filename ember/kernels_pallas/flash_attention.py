@@ -150,6 +150,8 @@ def normalize_segment_ids(segment_ids: Any, batch: int, q_len: int, kv_len: int,
             raise ValueError(
                 f"{side} {name} must have shape [batch, len] = {(batch, length)}, got {getattr(seg, 'shape', None)}"
             )
+        if not jnp.issubdtype(seg.dtype, jnp.integer):
+            raise ValueError(f"{side} {name} must be an integer array, got dtype {seg.dtype}")
     return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
 
 
@@ -170,12 +172,16 @@ def attention_problem(
     """Checks the arguments of :func:`flash_attention` (with its defaults) and describes the call.
 
     Raises:
-      ValueError: naming the argument, for wrong ranks, mismatched shapes, ``heads`` not
-        divisible by ``kv_heads``, or invalid options.
+      ValueError: naming the argument, for wrong ranks, mismatched shapes, non-float ``q``,
+        ``k`` or ``v``, non-integer segment ids or positions, ``heads`` not divisible by
+        ``kv_heads``, or invalid options.
     """
     _check_rank("q", q, 4, "[batch, q_len, heads, head_dim]")
     _check_rank("k", k, 4, "[batch, kv_len, kv_heads, head_dim]")
     _check_rank("v", v, 4, "[batch, kv_len, kv_heads, head_dim]")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
     batch, q_len, heads, head_dim = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")

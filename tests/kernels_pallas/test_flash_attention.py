@@ -125,6 +125,26 @@ def test_bad_arguments_raise_value_error_naming_them(shapes, options, argument):
         flash_attention(q, k, v, **options)
 
 
+@pytest.mark.parametrize(
+    "dtypes, options, message",
+    [
+        ((jnp.int32, jnp.float32), {}, "q must be a floating-point array, got dtype int32"),
+        ((jnp.float32, jnp.int8), {}, "k must be a floating-point array, got dtype int8"),
+        # Float ids were cast to int32: 0.25 and 0.75 became one document.
+        ((jnp.float32,) * 2, {"segment_ids": jnp.array([[0.25] * 4 + [0.75] * 4])}, "q segment_ids must be an integer"),
+        ((jnp.float32,) * 2, {"segment_positions": jnp.zeros((1, 8))}, "q segment_positions must be an integer"),
+    ],
+)
+def test_bad_dtypes_raise_value_error_naming_them(dtypes, options, message):
+    """Integer q/k/v gave an integer (truncated) output, float segment ids were silently
+    truncated to int32; both are refused, by the op and its reference."""
+    q = jnp.ones((1, 8, 2, 16), dtypes[0])
+    k = v = jnp.ones((1, 8, 1, 16), dtypes[1])
+    for op in (flash_attention, flash_attention_reference):
+        with pytest.raises(ValueError, match=message):
+            op(q, k, v, **options)
+
+
 def test_gpu_backward_takes_keys_in_its_own_tiles(rng):
     """The Triton backward keeps the forward's query blocks but takes keys 64 at a time by
     default (``backward_block_kv`` sets it, never above ``block_kv``): 200 tokens are 2
