@@ -71,6 +71,11 @@ def check_paged_cache(k_pages, v_pages, page_table, *, num_seqs: int, heads: int
         raise ValueError(
             f"v_pages must have the shape of k_pages {k_pages.shape}, got {getattr(v_pages, 'shape', None)}"
         )
+    if not jnp.issubdtype(k_pages.dtype, jnp.floating) or not jnp.issubdtype(v_pages.dtype, jnp.floating):
+        raise ValueError(
+            f"k_pages and v_pages must be floating-point caches (no quantized KV cache here), "
+            f"got {k_pages.dtype} and {v_pages.dtype}"
+        )
     num_pages, page_size, kv_heads, page_head_dim = k_pages.shape
     if page_head_dim != head_dim:
         raise ValueError(f"k_pages head_dim {page_head_dim} != q head_dim {head_dim}")
@@ -323,7 +328,8 @@ def ragged_paged_attention(
       ``[num_tokens, heads, head_dim]`` in ``q.dtype``.
 
     Raises:
-      ValueError: naming the argument, for bad ranks, shapes or dtypes, or bad options
+      ValueError: naming the argument, for bad ranks, shapes or dtypes (``q`` and the caches
+        must be floating point, the page table and metadata integer), or bad options
         (an unknown ``score``, ``sigmoid_bias`` missing with ``"sigmoid"`` or given with
         ``"softmax"``, a negative ``global_tokens``, a ``block_q`` or ``kv_splits`` that is
         not a positive int or None); for the TPU kernel, caches that are
@@ -436,6 +442,8 @@ def _check_call(
     logits_soft_cap, window, sigmoid_bias)`` in their checked forms."""
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"q must have rank 3 [num_tokens, heads, head_dim], got shape {getattr(q, 'shape', None)}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be a floating-point array, got dtype {q.dtype}")
     if getattr(page_table, "ndim", None) != 2:
         raise ValueError(
             f"page_table must have rank 2 [num_seqs, max_pages_per_seq], got shape {getattr(page_table, 'shape', None)}"

@@ -304,6 +304,11 @@ def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options,
         (lambda a: {**a, "sigmoid_bias": -1.0}, "sigmoid_bias"),
         (lambda a: {**a, "global_tokens": -1}, "global_tokens"),
         (lambda a: {**a, "global_tokens": 2.0, "window": (4, 0)}, "global_tokens"),
+        # An int8 cache (engine kv_dtype="int8") was read as unscaled integers; an int q gave
+        # an int output.
+        (lambda a: {**a, "k_pages": a["k_pages"].astype(jnp.int8)}, "k_pages and v_pages must be floating-point"),
+        (lambda a: {**a, "v_pages": a["v_pages"].astype(jnp.int8)}, "k_pages and v_pages must be floating-point"),
+        (lambda a: {**a, "q": a["q"].astype(jnp.int32)}, "q must be a floating-point array"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(rng, change, argument):
