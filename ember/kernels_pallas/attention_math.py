@@ -103,9 +103,14 @@ def check_window(window) -> tuple[int, int] | None:
 
 
 def check_soft_cap(logits_soft_cap) -> float | None:
-    """``logits_soft_cap`` validated as a positive float, or ``None``."""
+    """``logits_soft_cap`` validated as a positive finite float, or ``None`` (no cap; an
+    infinite cap would make ``cap * tanh(logits / cap)`` ``inf * 0 = NaN``)."""
     if logits_soft_cap is None:
         return None
-    if not isinstance(logits_soft_cap, (int, float, np.integer, np.floating)) or not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be a positive number or None, got {logits_soft_cap!r}")
+    if (
+        not isinstance(logits_soft_cap, (int, float, np.integer, np.floating))
+        or not logits_soft_cap > 0
+        or not math.isfinite(logits_soft_cap)
+    ):
+        raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
     return float(logits_soft_cap)

@@ -110,6 +110,12 @@ def test_auto_on_cpu_is_the_xla_path(rng):
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"window": (3,)}, "window"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"score": "relu"}, "score"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"logits_soft_cap": -1.0}, "logits_soft_cap"),
+        # An infinite cap gave inf * tanh(0) = NaN outputs.
+        (
+            ((1, 8, 4, 16), (1, 8, 2, 16)),
+            {"logits_soft_cap": float("inf")},
+            "logits_soft_cap must be a positive finite",
+        ),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"segment_ids": jnp.zeros((1, 7), jnp.int32)}, "segment_ids"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"segment_positions": jnp.zeros((1, 7), jnp.int32)}, "segment_positions"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"block_mask": "causal"}, "block_mask"),
