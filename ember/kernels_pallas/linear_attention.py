@@ -165,6 +165,15 @@ def linear_attention_step(q, k, v, state, *, log_decay=None, normalize=False):
     Returns:
       ``(output [batch, heads, dv] in v's dtype, new_state float32)``.
     """
+    # The step's own layouts (no seq axis), checked before _validate adds one.
+    for name, x, layout in (
+        ("q", q, "[batch, qk_heads, dk]"),
+        ("k", k, "[batch, qk_heads, dk]"),
+        ("v", v, "[batch, heads, dv]"),
+        ("log_decay", log_decay, "[batch, heads]"),
+    ):
+        if x is not None and x.ndim != len(layout.split(",")):
+            raise ValueError(f"linear_attention_step: {name} must be {layout} (one token), got shape {x.shape}")
     batch, heads, _dv = v.shape
     _validate(
         "linear_attention_step",

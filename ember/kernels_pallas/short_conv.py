@@ -101,6 +101,8 @@ def short_conv_step(x, state, weight, bias=None):
     Returns:
       ``(y [batch, channels], new_state)``, the state rolled by one token.
     """
+    if x.ndim != 2:  # the step's own layout, checked before _validate adds a seq axis
+        raise ValueError(f"short_conv_step: x must be [batch, channels] (one token), got shape {x.shape}")
     _validate("short_conv_step", x[:, None], weight, bias, state, None)
     window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)
     y = jnp.einsum("bwc,wc->bc", window.astype(jnp.float32), weight.astype(jnp.float32))

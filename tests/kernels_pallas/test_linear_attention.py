@@ -234,6 +234,16 @@ def test_bad_arguments_raise_value_error_naming_them(argument, changes):
         linear_attention(**{**good, **changes})
 
 
+def test_step_names_a_token_with_a_seq_axis_left_in():
+    """linear_attention_step takes one token, [batch, heads, d]; a [batch, 1, heads, d] slice
+    of the sequence used to fail with 'too many values to unpack (expected 3)'."""
+    one = jnp.ones((2, 1, 1, 8))
+    with pytest.raises(ValueError, match=r"linear_attention_step: q must be \[batch, qk_heads, dk\] \(one token\)"):
+        linear_attention_step(one, one, one, jnp.zeros((2, 1, 8, 8)))
+    with pytest.raises(ValueError, match=r"linear_attention_step: v must be \[batch, heads, dv\]"):
+        linear_attention_step(one[:, 0], one[:, 0], one, jnp.zeros((2, 1, 8, 8)))
+
+
 def test_chunk_size_validates_itself():
     assert ChunkSize(16).chunk_size == 16
     for bad in (0, 4, 24, 16.0, True):

@@ -105,6 +105,15 @@ def test_segment_resets_equal_documents_run_separately(rng):
     assert_allclose(packed_state, state)  # the last document's history only
 
 
+def test_step_names_a_token_with_a_seq_axis_left_in():
+    """short_conv_step takes one token; a [batch, 1, channels] slice used to be refused as
+    'x must be a float array [batch, seq, channels], got float32[2, 1, 1, 6]'."""
+    with pytest.raises(
+        ValueError, match=r"short_conv_step: x must be \[batch, channels\] \(one token\), got shape \(2, 1, 6\)"
+    ):
+        short_conv_step(jnp.ones((2, 1, 6)), jnp.zeros((2, 3, 6)), jnp.ones((4, 6)))
+
+
 BAD_INPUTS = [
     ("x", dict(x=jnp.ones((2, 5)))),
     ("weight", dict(weight=jnp.ones((4, 5)))),

@@ -142,6 +142,18 @@ def test_no_softplus_and_no_optional_arguments_match_reference(rng):
     assert_allclose(ssd(**core, dt=dt, dt_softplus=False, chunk_size=8, impl="xla"), expected)
 
 
+def test_step_names_a_token_with_a_seq_axis_left_in():
+    """ssd_step takes one token; a [batch, 1, heads, head_dim] slice used to be refused as
+    'x must be [batch, seq, heads, head_dim], got shape (2, 1, 1, 4, 4)', a shape never passed."""
+    with pytest.raises(
+        ValueError, match=r"ssd_step: x must be \[batch, heads, head_dim\] \(one token\), got shape \(2, 1, 4, 4\)"
+    ):
+        ssd_step(
+            jnp.ones((2, 1, 4, 4)), jnp.ones((2, 4)), -jnp.ones((4,)), jnp.ones((2, 2, 8)), jnp.ones((2, 2, 8)),
+            jnp.zeros((2, 4, 4, 8)),
+        )  # fmt: skip
+
+
 BAD_INPUTS = [
     ("x", dict(x=jnp.ones((2, 5, 4)))),
     ("B", dict(B=jnp.ones((2, 5, 3, 8)))),  # 3 groups do not divide 4 heads
