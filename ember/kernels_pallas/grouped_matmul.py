@@ -81,14 +81,18 @@ def _validate(op, lhs, rhs, group_sizes, group_offset) -> None:
     if rhs.dtype != lhs.dtype:
         raise ValueError(f"{op}: rhs must have lhs's dtype {lhs.dtype}, got {rhs.dtype}")
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"{op}: group_sizes must be an integer array [groups], got {group_sizes.dtype}")
+        raise ValueError(
+            f"{op}: group_sizes must be an integer array [groups], got {group_sizes.dtype}{list(group_sizes.shape)}"
+        )
     if group_offset is None and group_sizes.shape[0] != rhs.shape[0]:
         raise ValueError(
             f"{op}: group_sizes must have one entry per rhs group ({rhs.shape[0]}), got {group_sizes.shape[0]}"
         )
     if group_offset is not None:
         if group_offset.shape not in ((), (1,)) or not jnp.issubdtype(group_offset.dtype, jnp.integer):
-            raise ValueError(f"{op}: group_offset must be an integer scalar, got {group_offset.dtype}")
+            raise ValueError(
+                f"{op}: group_offset must be an integer scalar, got {group_offset.dtype}{list(group_offset.shape)}"
+            )
         if group_sizes.shape[0] < rhs.shape[0]:
             raise ValueError(
                 f"{op}: with group_offset, group_sizes counts every global group and must have at least "

@@ -182,6 +182,9 @@ def test_bad_arguments_are_named():
         (dict(rhs=jnp.ones((2, 4, 3), jnp.bfloat16)), "rhs must have lhs's dtype"),
         (dict(group_sizes=jnp.asarray([2.0, 3.0])), "group_sizes must be an integer array"),
         (dict(group_sizes=jnp.asarray([2, 3, 1], jnp.int32)), "one entry per rhs group"),
+        # A 2-D int32 group_sizes (or group_offset) was refused as "..., got int32", an integer.
+        (dict(group_sizes=jnp.asarray([[2, 3]], jnp.int32)), r"integer array \[groups\], got int32\[1, 2\]"),
+        (dict(group_offset=jnp.zeros((1, 1), jnp.int32)), r"group_offset must be an integer scalar, got int32\[1, 1\]"),
         (dict(group_sizes=jnp.asarray([2], jnp.int32), group_offset=jnp.int32(0)), "at least rhs's 2 local"),
         (dict(block_sizes=(8, 8, 8)), "block_sizes must be a GroupedMatmulBlockSizes, got tuple"),
         (dict(impl="triton"), "impl must be one of"),
