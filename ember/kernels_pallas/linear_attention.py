@@ -366,7 +366,9 @@ def linear_attention(
     shape = state_shape(q.shape, v.shape, normalize=normalize)
     state = jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     doc = document_index(segment_ids, batch, seq)
-    if platform is None:
+    if batch == 0 or seq == 0:  # nothing to attend: no output rows, the state passes through
+        outputs, final_state = jnp.zeros((batch, seq, _heads, values.shape[-1]), jnp.float32), state
+    elif platform is None:
         outputs, final_state = _chunked_xla(q, k, values, log_decay, doc, state, chunk_size)
     else:
         outputs, final_state = _CHUNKED_KERNELS[platform](

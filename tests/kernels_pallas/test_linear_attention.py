@@ -244,6 +244,23 @@ def test_step_names_a_token_with_a_seq_axis_left_in():
         linear_attention_step(one[:, 0], one[:, 0], one, jnp.zeros((2, 1, 8, 8)))
 
 
+@pytest.mark.parametrize("impl", ["xla", "interpret", "interpret_tpu"])
+@pytest.mark.parametrize("batch, seq", [(2, 0), (0, 5)])
+def test_empty_inputs_give_empty_outputs_and_pass_the_state_through(impl, batch, seq):
+    """No tokens (or no rows) attend nothing: the kernels' paths used to fail inside Pallas
+    ('slice_sizes must be less than or equal to operand shape' for seq 0) and every path
+    with 'integer modulo by zero' for batch 0, where the reference returns empty outputs."""
+    q = jnp.ones((batch, seq, 1, 8))
+    v = jnp.ones((batch, seq, 2, 4))
+    state = jnp.asarray(numpy_rng(jax.random.key(0)).standard_normal((batch, 2, 8, 5)), jnp.float32)
+    options = dict(normalize=True, initial_state=state, return_final_state=True)
+    out, final = linear_attention(q, q, v, chunk_size=8, impl=impl, **options)
+    expected_out, expected_final = linear_attention_reference(q, q, v, **options)
+    assert out.shape == expected_out.shape == (batch, seq, 2, 4)
+    assert_allclose(final, expected_final)
+    assert_allclose(final, state)
+
+
 def test_chunk_size_validates_itself():
     assert ChunkSize(16).chunk_size == 16
     for bad in (0, 4, 24, 16.0, True):
