@@ -147,6 +147,18 @@ def test_gradient_has_the_dtype_of_x(impl):
     assert_allclose(grad, expected, dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("impl", ["interpret", "xla"])
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_no_rows_give_an_empty_product(fmt, impl):
+    """x with no rows: the kernel path used to die computing its split-K grid ('integer
+    division or modulo by zero'); now both paths return [0, n] like the reference."""
+    weight = random_weight(np.random.default_rng(6), fmt, 32, 8, 32 if fmt == "int8" else 16)
+    x = jnp.ones((0, 32))
+    out = quantized_matmul(x, weight, impl=impl)
+    assert out.shape == quantized_matmul_reference(x, weight).shape == (0, 8)
+    assert jax.grad(lambda x: jnp.sum(quantized_matmul(x, weight, impl=impl)))(x).shape == (0, 32)
+
+
 def test_int8_takes_one_scale_row():
     """int8 is per output channel: the kernel applies one scale row to the whole product, so
     group-wise int8 scales (which the reference and XLA path would honour) are refused
