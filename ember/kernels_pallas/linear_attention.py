@@ -72,8 +72,9 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _validate(op, q, k, v, log_decay, initial_state, segment_ids, normalize) -> None:
-    """Raises ``ValueError`` naming the first argument whose shape or dtype is wrong."""
+def _validate(op, q, k, v, log_decay, initial_state, segment_ids, normalize, state_name="initial_state") -> None:
+    """Raises ``ValueError`` naming the first argument whose shape or dtype is wrong
+    (``state_name``: what the caller calls the state argument)."""
     if q.ndim != 4:
         raise ValueError(f"{op}: q must be [batch, seq, qk_heads, dk], got shape {q.shape}")
     if k.shape != q.shape:
@@ -98,7 +99,7 @@ def _validate(op, q, k, v, log_decay, initial_state, segment_ids, normalize) -> 
         expected = state_shape(q.shape, v.shape, normalize=normalize)
         if initial_state.shape != expected or not _is_float(initial_state):
             raise ValueError(
-                f"{op}: initial_state must be a float array {expected} ([batch, heads, dk, dv"
+                f"{op}: {state_name} must be a float array {expected} ([batch, heads, dk, dv"
                 f"{' + 1' if normalize else ''}]), got {initial_state.dtype}{list(initial_state.shape)}"
             )
     if segment_ids is not None and (
@@ -184,6 +185,7 @@ def linear_attention_step(q, k, v, state, *, log_decay=None, normalize=False):
         state,
         None,
         normalize,
+        state_name="state",
     )
     f32 = jnp.float32
     values = _with_key_sum_column(v) if normalize else v

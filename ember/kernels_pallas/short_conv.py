@@ -29,8 +29,9 @@ KERNEL_BACKENDS: tuple[str, ...] = ()
 """Backends with a Pallas kernel for this op: none (see the module docstring)."""
 
 
-def _validate(op, x, weight, bias, state, segment_ids) -> None:
-    """Raises ``ValueError`` naming the first argument whose shape or dtype is wrong."""
+def _validate(op, x, weight, bias, state, segment_ids, state_name="initial_state") -> None:
+    """Raises ``ValueError`` naming the first argument whose shape or dtype is wrong
+    (``state_name``: what the caller calls the state argument)."""
     if x.ndim != 3 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{op}: x must be a float array [batch, seq, channels], got {x.dtype}{list(x.shape)}")
     batch, seq, channels = x.shape
@@ -43,7 +44,7 @@ def _validate(op, x, weight, bias, state, segment_ids) -> None:
     expected = (batch, weight.shape[0] - 1, channels)
     if state is not None and (state.shape != expected or not jnp.issubdtype(state.dtype, jnp.floating)):
         raise ValueError(
-            f"{op}: state must be a float array [batch, width - 1, channels] = {expected}, "
+            f"{op}: {state_name} must be a float array [batch, width - 1, channels] = {expected}, "
             f"got {state.dtype}{list(state.shape)}"
         )
     if segment_ids is not None and (
@@ -103,7 +104,7 @@ def short_conv_step(x, state, weight, bias=None):
     """
     if x.ndim != 2:  # the step's own layout, checked before _validate adds a seq axis
         raise ValueError(f"short_conv_step: x must be [batch, channels] (one token), got shape {x.shape}")
-    _validate("short_conv_step", x[:, None], weight, bias, state, None)
+    _validate("short_conv_step", x[:, None], weight, bias, state, None, "state")
     window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)
     y = jnp.einsum("bwc,wc->bc", window.astype(jnp.float32), weight.astype(jnp.float32))
     if bias is not None:
@@ -130,6 +131,7 @@ def short_conv(x, weight, bias=None, *, initial_state=None, return_final_state=F
     if impl in ("pallas", "interpret", "interpret_tpu"):
         raise ValueError(f"short_conv: impl must be 'auto' or 'xla' (this op has no Pallas kernel), got {impl!r}")
     resolve_impl(impl, op="short_conv", kernel_backends=KERNEL_BACKENDS)  # rejects unknown names
+    _validate("short_conv", x, weight, bias, initial_state, segment_ids)  # errors name the op called
     return short_conv_reference(
         x, weight, bias, initial_state=initial_state, return_final_state=return_final_state, segment_ids=segment_ids
     )

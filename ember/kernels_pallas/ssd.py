@@ -44,8 +44,9 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _validate(op, x, dt, A, B, C, D, dt_bias, initial_state, segment_ids) -> None:
-    """Raises ``ValueError`` naming the first argument whose shape or dtype is wrong."""
+def _validate(op, x, dt, A, B, C, D, dt_bias, initial_state, segment_ids, state_name="initial_state") -> None:
+    """Raises ``ValueError`` naming the first argument whose shape or dtype is wrong
+    (``state_name``: what the caller calls the state argument)."""
     if x.ndim != 4:
         raise ValueError(f"{op}: x must be [batch, seq, heads, head_dim], got shape {x.shape}")
     batch, seq, heads, _head_dim = x.shape
@@ -70,7 +71,7 @@ def _validate(op, x, dt, A, B, C, D, dt_bias, initial_state, segment_ids) -> Non
         expected_state = state_shape(x.shape, B.shape)
         if initial_state.shape != expected_state or not _is_float(initial_state):
             raise ValueError(
-                f"{op}: initial_state must be a float array {expected_state} ([batch, heads, head_dim, "
+                f"{op}: {state_name} must be a float array {expected_state} ([batch, heads, head_dim, "
                 f"state]), got {initial_state.dtype}{list(initial_state.shape)}"
             )
     if segment_ids is not None and (
@@ -137,7 +138,7 @@ def ssd_step(x, dt, A, B, C, state, *, D=None, dt_bias=None, dt_softplus=True):
     ):
         if value.ndim != len(layout.split(",")):
             raise ValueError(f"ssd_step: {name} must be {layout} (one token), got shape {value.shape}")
-    _validate("ssd_step", x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, state, None)
+    _validate("ssd_step", x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, state, None, "state")
     heads = x.shape[1]
     f32 = jnp.float32
     y, new_state = _ssd_update(

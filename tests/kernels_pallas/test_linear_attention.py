@@ -261,6 +261,13 @@ def test_empty_inputs_give_empty_outputs_and_pass_the_state_through(impl, batch,
     assert_allclose(final, state)
 
 
+def test_step_names_its_state_argument():
+    """linear_attention_step's argument is ``state``; its error called it initial_state."""
+    one = jnp.ones((2, 1, 8))
+    with pytest.raises(ValueError, match=r"linear_attention_step: state must be a float array \(2, 1, 8, 8\)"):
+        linear_attention_step(one, one, one, jnp.zeros((2, 1, 8, 9)))
+
+
 def test_chunk_size_validates_itself():
     assert ChunkSize(16).chunk_size == 16
     for bad in (0, 4, 24, 16.0, True):

@@ -114,6 +114,18 @@ def test_step_names_a_token_with_a_seq_axis_left_in():
         short_conv_step(jnp.ones((2, 1, 6)), jnp.zeros((2, 3, 6)), jnp.ones((4, 6)))
 
 
+def test_errors_name_the_op_and_state_argument_called():
+    """short_conv's errors named short_conv_reference and its ``initial_state`` 'state';
+    short_conv_step's ``state`` is named as such."""
+    x, weight = jnp.ones((2, 5, 6)), jnp.ones((4, 6))
+    with pytest.raises(ValueError, match=r"^short_conv: initial_state must be a float array"):
+        short_conv(x, weight, initial_state=jnp.ones((2, 4, 6)))
+    with pytest.raises(ValueError, match=r"^short_conv: x must be a float array"):
+        short_conv(x[0], weight)
+    with pytest.raises(ValueError, match=r"^short_conv_step: state must be a float array"):
+        short_conv_step(x[:, 0], jnp.ones((2, 4, 6)), weight)
+
+
 BAD_INPUTS = [
     ("x", dict(x=jnp.ones((2, 5)))),
     ("weight", dict(weight=jnp.ones((4, 5)))),

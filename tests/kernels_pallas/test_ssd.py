@@ -154,6 +154,15 @@ def test_step_names_a_token_with_a_seq_axis_left_in():
         )  # fmt: skip
 
 
+def test_step_names_its_state_argument():
+    """ssd_step's argument is ``state``; its error called it initial_state."""
+    with pytest.raises(ValueError, match=r"ssd_step: state must be a float array \(2, 4, 4, 8\)"):
+        ssd_step(
+            jnp.ones((2, 4, 4)), jnp.ones((2, 4)), -jnp.ones((4,)), jnp.ones((2, 2, 8)), jnp.ones((2, 2, 8)),
+            jnp.zeros((2, 4, 4, 7)),
+        )  # fmt: skip
+
+
 BAD_INPUTS = [
     ("x", dict(x=jnp.ones((2, 5, 4)))),
     ("B", dict(B=jnp.ones((2, 5, 3, 8)))),  # 3 groups do not divide 4 heads
