@@ -404,9 +404,10 @@ def flash_attention(
         Hopper forward runs; raises naming the reason elsewhere). Anything but ``"auto"``
         needs the GPU kernels (``impl="pallas"`` on a GPU, or ``"interpret"``).
 
-    Jitted; every argument but ``q``, ``k``, ``v`` and ``segment_ids`` is static (hashable:
-    pass ``window`` as a tuple). Lengths need not be multiples of the block sizes. A query with no visible key returns
-    zeros (never NaN), and its gradient is zero.
+    Jitted; every argument but ``q``, ``k``, ``v``, ``segment_ids`` and ``segment_positions``
+    is static (hashable: pass ``window`` as a tuple). Lengths need not be multiples of the
+    block sizes. A query with no visible key returns zeros (never NaN), and its gradient is
+    zero.
 
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``q.dtype``.
