@@ -157,8 +157,9 @@ class ExplicitBlockMask(BlockMask):
     """An arbitrary boolean grid of blocks: ``blocks[a][b]`` says whether queries
     ``[a*block_q, (a+1)*block_q)`` see keys ``[b*block_kv, (b+1)*block_kv)``.
 
-    ``blocks`` is a tuple of tuples of bools (hashable); build it from an array with
-    :meth:`from_array`. The grid must cover the sequences it is used with. The kernel's block
+    ``blocks`` is a tuple of tuples of bools (hashable); nested lists or a 2-D array are
+    converted to one (as :meth:`from_array` does). The grid must cover the sequences it is
+    used with. The kernel's block
     sizes must divide ``block_q`` and ``block_kv`` so that every kernel block lies inside one
     grid cell (then no in-block masking is needed).
     """
@@ -172,9 +173,16 @@ class ExplicitBlockMask(BlockMask):
         check_non_negative_int("block_kv", self.block_kv)
         if self.block_q == 0 or self.block_kv == 0:
             raise ValueError(f"block_q and block_kv must be positive, got {self.block_q}, {self.block_kv}")
-        widths = {len(row) for row in self.blocks}
-        if not self.blocks or len(widths) != 1 or 0 in widths:
-            raise ValueError("blocks must be a non-empty rectangular tuple of tuples of bools")
+        try:  # lists or an array would make the mask unhashable, so no static argument
+            blocks = tuple(tuple(bool(b) for b in row) for row in self.blocks)
+        except TypeError:
+            blocks = ()
+        widths = {len(row) for row in blocks}
+        if not blocks or len(widths) != 1 or 0 in widths:
+            raise ValueError(
+                f"blocks must be a non-empty rectangular tuple of tuples of bools, got {type(self.blocks).__name__}"
+            )
+        object.__setattr__(self, "blocks", blocks)
 
     @classmethod
     def from_array(cls, blocks: Any, block_q: int, block_kv: int) -> ExplicitBlockMask:

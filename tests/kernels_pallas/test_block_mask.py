@@ -1,6 +1,7 @@
 """Block-mask descriptions: token masks against hand-written loops, the live-block grid
 against a brute-force reduction, the kernels' index tables, and argument checking."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from ember.kernels_pallas.block_mask import (
     combine_masks,
     live_block_grid,
 )
+from ember.kernels_pallas.flash_attention import flash_attention
 
 
 def _loop_mask(rule, q_len, kv_len):
@@ -94,6 +96,21 @@ def test_combine_masks_flattens_and_ignores_none():
 def test_bad_descriptions_raise_value_error_naming_the_argument(build, argument):
     with pytest.raises(ValueError, match=argument):
         build()
+
+
+def test_explicit_mask_takes_lists_and_arrays_as_a_hashable_grid():
+    """ExplicitBlockMask(np.array(...)) died with 'The truth value of an array ... is
+    ambiguous', and nested lists were kept, so flash_attention refused the mask as a
+    non-hashable static argument; both now become the tuple grid."""
+    grid = ((True, False), (True, True))
+    for blocks in (np.array(grid), [list(row) for row in grid], ((1, 0), (1, 1))):
+        mask = ExplicitBlockMask(blocks, 8, 8)
+        assert mask.blocks == grid and hash(mask) == hash(ExplicitBlockMask(grid, 8, 8))
+    q = jnp.ones((1, 16, 1, 8))
+    out = flash_attention(q, q, q, block_mask=ExplicitBlockMask([[True, False], [True, True]], 8, 8), impl="xla")
+    assert out.shape == q.shape
+    with pytest.raises(ValueError, match="blocks must be a non-empty rectangular tuple of tuples of bools, got int"):
+        ExplicitBlockMask(3, 8, 8)
 
 
 def test_masks_are_hashable_static_arguments():
