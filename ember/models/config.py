@@ -330,8 +330,10 @@ class ModelConfig:
             )
         if not self.norm_eps >= 0:  # a negative epsilon takes the square root of a negative variance: NaN
             raise ConfigError(f"norm_eps must be >= 0, got {self.norm_eps}", key="norm_eps")
-        if self.attn_soft_cap < 0 or self.final_soft_cap < 0:
-            raise ConfigError("attn_soft_cap and final_soft_cap must be >= 0 (0 = off)", key="attn_soft_cap")
+        for cap in ("attn_soft_cap", "final_soft_cap"):  # cap * tanh(x / cap) is NaN for an infinite cap
+            value = getattr(self, cap)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{cap} must be a finite number >= 0 (0 = off), got {value}", key=cap)
         if self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}", key="sliding_window")
         if self.global_tokens < 0:

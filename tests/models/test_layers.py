@@ -97,6 +97,10 @@ def test_config_validation_names_the_field():
         "cca_compression": dict(block_pattern=("cca",), cca_compression=3),
         "precision": dict(precision="int8"),
         "norm_eps": dict(norm_eps=-1e-6),  # NaN logits
+        # An infinite (or NaN) cap passed the >= 0 check and made every logit NaN; a bad
+        # final_soft_cap was reported under the key attn_soft_cap.
+        "attn_soft_cap": dict(attn_soft_cap=float("inf")),
+        "final_soft_cap": dict(final_soft_cap=float("nan")),
     }
     for key, fields in cases.items():
         with pytest.raises(ConfigError, match=key.split(".")[-1]) as error:
