@@ -141,6 +141,20 @@ def _zero_log_decay(v: jax.Array) -> jax.Array:
     return jnp.zeros(v.shape[:3], jnp.float32)
 
 
+MIN_LOG_DECAY = -200.0
+"""The chunked forms clamp ``log_decay`` to at least this: ``exp(-200)`` is 0 in float32, as
+``exp(-inf)`` is (a full reset), but the differences of cumulative sums they exponentiate
+stay finite, where ``-inf - -inf`` is NaN."""
+
+
+def _chunkable_log_decay(log_decay, v: jax.Array) -> jax.Array:
+    """``log_decay`` as the chunked forms take it: float32, zeros for None, at least
+    :data:`MIN_LOG_DECAY`."""
+    if log_decay is None:
+        return _zero_log_decay(v)
+    return jnp.maximum(log_decay.astype(jnp.float32), MIN_LOG_DECAY)
+
+
 # ----------------------------------------------------------------------------- recurrence
 
 
@@ -260,8 +274,7 @@ def linear_attention_quadratic(
     _validate("linear_attention_quadratic", q, k, v, log_decay, initial_state, segment_ids, normalize)
     batch, seq, heads, _ = v.shape
     values = _with_key_sum_column(v) if normalize else v
-    log_decay = _zero_log_decay(v) if log_decay is None else log_decay
-    cum_log_decay = jnp.cumsum(_heads_major(log_decay.astype(jnp.float32)), axis=-1)
+    cum_log_decay = jnp.cumsum(_heads_major(_chunkable_log_decay(log_decay, v)), axis=-1)
     doc = document_index(segment_ids, batch, seq)[:, None, :]
     outputs, final_state = chunks.chunk_outputs_and_state(
         _heads_major(_expand_heads(q, heads, 2)),
@@ -340,7 +353,8 @@ def linear_attention(
       q, k: ``[batch, seq, qk_heads, dk]``.
       v: ``[batch, seq, heads, dv]``, ``heads`` a multiple of ``qk_heads``; same dtype as q, k.
       log_decay: ``[batch, seq, heads]`` float, ``<= 0``: the state is multiplied by
-        ``exp(log_decay[t])`` before token ``t`` is added. None: no decay.
+        ``exp(log_decay[t])`` before token ``t`` is added (``-inf``: a full reset). None: no
+        decay.
       normalize: divide each output by ``q_t . z_t + eps`` where ``z_t`` is the decayed running
         sum of keys (needs positive feature maps). The state then has ``dv + 1`` columns.
       initial_state: ``[batch, heads, dk, dv (+1)]`` state before the first token; None: zeros.
@@ -364,7 +378,7 @@ def linear_attention(
         )
     batch, seq, _heads, _ = v.shape
     values = _with_key_sum_column(v) if normalize else v
-    log_decay = _zero_log_decay(v) if log_decay is None else log_decay.astype(jnp.float32)
+    log_decay = _chunkable_log_decay(log_decay, v)
     shape = state_shape(q.shape, v.shape, normalize=normalize)
     state = jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     doc = document_index(segment_ids, batch, seq)

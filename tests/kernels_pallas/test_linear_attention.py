@@ -268,6 +268,33 @@ def test_step_names_its_state_argument():
         linear_attention_step(one, one, one, jnp.zeros((2, 1, 8, 9)))
 
 
+@pytest.mark.parametrize("impl", ["xla", "interpret", "interpret_tpu"])
+def test_infinite_log_decay_resets_the_state_like_the_reference(impl):
+    """log_decay = -inf (exp 0: a full reset, allowed by '<= 0') made the chunked forms
+    compute -inf - -inf = NaN for every output after it in its chunk; the reference resets.
+    Now values and the gradients of q, k, v and the finite log decays match it."""
+    gen = numpy_rng(jax.random.key(1))
+    q, k, v = (jnp.asarray(gen.standard_normal((1, 20, 1, 8)), jnp.float32) for _ in range(3))
+    log_decay = -jnp.asarray(gen.uniform(0.0, 0.5, (1, 20, 1)), jnp.float32)
+    log_decay = log_decay.at[0, 5, 0].set(-jnp.inf).at[0, 13, 0].set(-jnp.inf)
+
+    def loss(op, **options):
+        return lambda q, k, v, ld: jnp.sum(op(q, k, v, log_decay=ld, **options) ** 2)
+
+    grads = jax.grad(loss(linear_attention, chunk_size=8, impl=impl), argnums=(0, 1, 2, 3))(q, k, v, log_decay)
+    expected = jax.grad(loss(linear_attention_reference), argnums=(0, 1, 2, 3))(q, k, v, log_decay)
+    out = linear_attention(q, k, v, log_decay=log_decay, chunk_size=8, impl=impl)
+    assert_allclose(out, linear_attention_reference(q, k, v, log_decay=log_decay), scale=10)
+    # Relative to each gradient's largest entry: the clamped reset puts cumulative log decays
+    # near -200, where float32 spacing is 1.5e-5 (as the ~-1e4 of the test above, smaller).
+    finite = np.isfinite(np.asarray(log_decay))
+    assert not np.any(np.asarray(grads[3])[~finite])  # a reset's log decay gets no gradient (exp(-inf) = 0)
+    pairs = [*zip(grads[:3], expected[:3]), (np.asarray(grads[3])[finite], np.asarray(expected[3])[finite])]
+    for name, (got, want) in zip(("dq", "dk", "dv", "dlog_decay"), pairs):
+        size = float(np.max(np.abs(want)))
+        assert_allclose(np.asarray(got) / size, np.asarray(want) / size, err_msg=name)
+
+
 def test_chunk_size_validates_itself():
     assert ChunkSize(16).chunk_size == 16
     for bad in (0, 4, 24, 16.0, True):
