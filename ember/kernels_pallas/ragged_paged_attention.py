@@ -331,8 +331,8 @@ def ragged_paged_attention(
       ValueError: naming the argument, for bad ranks, shapes or dtypes (``q`` and the caches
         must be floating point, the page table and metadata integer), or bad options
         (an unknown ``score``, ``sigmoid_bias`` missing with ``"sigmoid"`` or given with
-        ``"softmax"``, a negative ``global_tokens``, a ``block_q`` or ``kv_splits`` that is
-        not a positive int or None); for the TPU kernel, caches that are
+        ``"softmax"``, a negative ``global_tokens``, a ``block_q``, ``pages_per_block`` or
+        ``kv_splits`` that is not a positive int or None, on every path); for the TPU kernel, caches that are
         not both float32 or both bfloat16.
     """
     cache, logits_soft_cap, window, sigmoid_bias = _check_call(
@@ -352,6 +352,7 @@ def ragged_paged_attention(
     num_tokens, _, head_dim = q.shape
     check_positive_int("block_q", block_q, none_means="chosen per backend")
     check_positive_int("kv_splits", kv_splits, none_means="chosen by the GPU kernel")
+    check_positive_int("pages_per_block", pages_per_block, none_means="enough for 128 tokens")
     resolved = resolve_impl(impl, op="ragged_paged_attention", kernel_backends=KERNEL_BACKENDS)
     platform = kernel_platform(resolved)
     if block_q is None and platform == "gpu":
