@@ -190,8 +190,10 @@ def attention_problem(
     if k.shape[3] != head_dim:
         raise ValueError(f"k head_dim {k.shape[3]} != q head_dim {head_dim}")
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"q heads ({heads}) must be divisible by k/v kv_heads ({kv_heads})")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q heads ({heads}) must be divisible by k/v kv_heads ({kv_heads}), which must be positive")
+    if head_dim == 0:
+        raise ValueError(f"head_dim must be positive, got q shape {q.shape}")
     if q_len == 0 or kv_len == 0:
         raise ValueError(f"q_len and kv_len must be positive, got {q_len}, {kv_len}")
     if score not in SCORES:

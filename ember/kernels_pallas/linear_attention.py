@@ -79,7 +79,7 @@ def _validate(op, q, k, v, log_decay, initial_state, segment_ids, normalize, sta
         raise ValueError(f"{op}: q must be [batch, seq, qk_heads, dk], got shape {q.shape}")
     if k.shape != q.shape:
         raise ValueError(f"{op}: k must have q's shape {q.shape}, got {k.shape}")
-    if v.ndim != 4 or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
+    if v.ndim != 4 or v.shape[:2] != q.shape[:2] or q.shape[2] == 0 or v.shape[2] % q.shape[2]:
         raise ValueError(
             f"{op}: v must be [batch, seq, heads, dv] with q's batch and seq {q.shape[:2]} and heads a "
             f"multiple of q's {q.shape[2]} heads, got shape {v.shape}"

@@ -79,8 +79,12 @@ def check_paged_cache(k_pages, v_pages, page_table, *, num_seqs: int, heads: int
     num_pages, page_size, kv_heads, page_head_dim = k_pages.shape
     if page_head_dim != head_dim:
         raise ValueError(f"k_pages head_dim {page_head_dim} != q head_dim {head_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"q heads ({heads}) must be divisible by k_pages kv_heads ({kv_heads})")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"q heads ({heads}) must be divisible by k_pages kv_heads ({kv_heads}), which must be positive"
+        )
+    if head_dim == 0:
+        raise ValueError(f"head_dim must be positive, got k_pages shape {k_pages.shape}")
     if getattr(page_table, "ndim", None) != 2 or page_table.shape[0] != num_seqs:
         raise ValueError(
             f"page_table must have shape [{num_seqs}, max_pages_per_seq], got {getattr(page_table, 'shape', None)}"

@@ -50,7 +50,7 @@ def _validate(op, x, dt, A, B, C, D, dt_bias, initial_state, segment_ids, state_
     if x.ndim != 4:
         raise ValueError(f"{op}: x must be [batch, seq, heads, head_dim], got shape {x.shape}")
     batch, seq, heads, _head_dim = x.shape
-    if B.ndim != 4 or B.shape[:2] != (batch, seq) or heads % B.shape[2]:
+    if B.ndim != 4 or B.shape[:2] != (batch, seq) or B.shape[2] == 0 or heads % B.shape[2]:
         raise ValueError(
             f"{op}: B must be [batch, seq, groups, state] with x's batch and seq {(batch, seq)} and "
             f"groups dividing heads={heads}, got shape {B.shape}"

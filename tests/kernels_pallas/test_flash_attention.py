@@ -103,6 +103,9 @@ def test_auto_on_cpu_is_the_xla_path(rng):
     "shapes, options, argument",
     [
         (((1, 8, 3, 16), (1, 8, 2, 16)), {}, "heads"),
+        # Zero kv_heads or head_dim: ZeroDivisionError ("integer modulo by zero", "float division").
+        (((1, 8, 2, 16), (1, 8, 0, 16)), {}, r"kv_heads \(0\), which must be positive"),
+        (((1, 8, 2, 0), (1, 8, 1, 0)), {}, "head_dim must be positive"),
         (((1, 8, 4, 16), (1, 8, 2, 32)), {}, "head_dim"),
         (((8, 4, 16), (1, 8, 2, 16)), {}, "q"),
         (((1, 8, 4, 16), (8, 2, 16)), {}, "k"),

@@ -217,6 +217,7 @@ BAD_INPUTS = [
     ("k", _bad(k=jnp.ones((2, 5, 2, 3)))),
     ("v", _bad(v=jnp.ones((2, 5, 3, 4)))),  # 3 value heads for 2 query/key heads
     ("v", _bad(v=jnp.ones((2, 6, 4, 4)))),
+    ("v", _bad(q=jnp.ones((2, 5, 0, 8)), k=jnp.ones((2, 5, 0, 8)))),  # was "integer modulo by zero"
     ("q", _bad(q=jnp.ones((2, 5, 2, 8), jnp.int32), k=jnp.ones((2, 5, 2, 8), jnp.int32))),
     ("q, k and v", _bad(v=jnp.ones((2, 5, 4, 4), jnp.bfloat16))),
     ("log_decay", _bad(log_decay=jnp.zeros((2, 5, 2)))),

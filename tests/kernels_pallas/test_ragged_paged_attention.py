@@ -290,6 +290,11 @@ def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options,
     [
         (lambda a: {**a, "q": a["q"][None]}, "q"),
         (lambda a: {**a, "q": a["q"][:, :3]}, "heads"),
+        # Zero kv_heads: "integer modulo by zero".
+        (
+            lambda a: {**a, "k_pages": a["k_pages"][:, :, :0], "v_pages": a["v_pages"][:, :, :0]},
+            "which must be positive",
+        ),
         (lambda a: {**a, "page_table": a["page_table"][0]}, "page_table"),
         (lambda a: {**a, "query_starts": a["query_starts"][:-1]}, "query_starts"),
         (lambda a: {**a, "query_lens": a["query_lens"].astype(jnp.float32)}, "query_lens"),

@@ -167,6 +167,7 @@ BAD_INPUTS = [
     ("x", dict(x=jnp.ones((2, 5, 4)))),
     ("B", dict(B=jnp.ones((2, 5, 3, 8)))),  # 3 groups do not divide 4 heads
     ("C", dict(C=jnp.ones((2, 5, 2, 7)))),
+    ("B", dict(B=jnp.ones((2, 5, 0, 8)), C=jnp.ones((2, 5, 0, 8)))),  # was "integer modulo by zero"
     ("dt", dict(dt=jnp.ones((2, 5, 2)))),
     ("A", dict(A=jnp.ones((4, 1)))),
     ("D", dict(D=jnp.ones((3,)))),
