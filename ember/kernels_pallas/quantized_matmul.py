@@ -299,7 +299,7 @@ def quantized_matmul(x, weight: QuantizedMatrix, *, preferred_element_type=None,
         )
     impl = resolve_impl(impl, op="quantized_matmul", kernel_backends=KERNEL_BACKENDS)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
-    if impl == "xla" or 0 in x.shape:  # an empty product has no tiles for the kernel's grid
+    if impl == "xla" or 0 in (*x.shape, weight.shape[1]):  # an empty product: no tiles for the kernel's grid
         forward = functools.partial(_xla, out_dtype=out_dtype)
     else:
         forward = functools.partial(

@@ -159,6 +159,15 @@ def test_no_rows_give_an_empty_product(fmt, impl):
     assert jax.grad(lambda x: jnp.sum(quantized_matmul(x, weight, impl=impl)))(x).shape == (0, 32)
 
 
+@pytest.mark.parametrize("impl", ["interpret", "xla"])
+def test_no_columns_give_an_empty_product(impl):
+    """A weight with no columns: the kernel path died like the no-rows case ('integer
+    division or modulo by zero'); both paths return [m, 0] like the reference."""
+    weight = QuantizedMatrix(jnp.zeros((32, 0), jnp.int8), jnp.ones((1, 0)), "int8")
+    x = jnp.ones((2, 32))
+    assert quantized_matmul(x, weight, impl=impl).shape == quantized_matmul_reference(x, weight).shape == (2, 0)
+
+
 def test_int8_takes_one_scale_row():
     """int8 is per output channel: the kernel applies one scale row to the whole product, so
     group-wise int8 scales (which the reference and XLA path would honour) are refused
