@@ -123,6 +123,12 @@ def test_auto_on_cpu_is_the_xla_path(rng):
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"segment_positions": jnp.zeros((1, 7), jnp.int32)}, "segment_positions"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"block_mask": "causal"}, "block_mask"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"impl": "cuda"}, "impl"),
+        # A misspelt backward_kernel on the XLA path was said to need the GPU kernels.
+        (
+            ((1, 8, 4, 16), (1, 8, 2, 16)),
+            {"backward_kernel": "trition", "impl": "xla"},
+            "backward_kernel must be one of",
+        ),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"impl": "pallas"}, "impl='pallas'"),
     ],
 )

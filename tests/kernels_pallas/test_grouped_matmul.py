@@ -188,6 +188,8 @@ def test_bad_arguments_are_named():
         (dict(group_sizes=jnp.asarray([2], jnp.int32), group_offset=jnp.int32(0)), "at least rhs's 2 local"),
         (dict(block_sizes=(8, 8, 8)), "block_sizes must be a GroupedMatmulBlockSizes, got tuple"),
         (dict(impl="triton"), "impl must be one of"),
+        # A misspelt gpu_kernel on the XLA path was said to need the GPU kernels.
+        (dict(gpu_kernel="trition", impl="xla"), "gpu_kernel must be one of"),
         (dict(impl="pallas"), "impl='pallas' needs a backend with a compiled kernel"),
     ]
     for overrides, message in cases:
