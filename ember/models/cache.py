@@ -122,7 +122,7 @@ def init_cache_layers(config: ModelConfig, num_slots: int, num_pages: int, dtype
     """
     if num_slots < 1 or num_pages < 1:
         raise ValueError(f"num_slots and num_pages must be positive, got num_slots={num_slots}, num_pages={num_pages}")
-    dtype = config.policy.compute_dtype if dtype is None else dtype
+    dtype = config.policy.compute_dtype if dtype is None else _float_dtype(dtype)
     groups = math.ceil(config.num_layers / config.layer_period)
     return {
         f"block_{j}": {
@@ -131,6 +131,18 @@ def init_cache_layers(config: ModelConfig, num_slots: int, num_pages: int, dtype
         }
         for j, kind in enumerate(config.layer_kinds[: config.layer_period])
     }
+
+
+def _float_dtype(dtype: Any) -> jnp.dtype:
+    """``dtype`` as a floating dtype, or a ``ValueError``: the attention kernels read the pages
+    as values (an int8 cache would be attended as unscaled integers)."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"kv_dtype must be a floating dtype such as bfloat16 or float32, got {dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"kv_dtype must be a floating dtype such as bfloat16 or float32, got {dtype.name}")
+    return dtype
 
 
 def layer_state_shapes(config: ModelConfig, kind: str, num_slots: int, num_pages: int) -> dict[str, tuple[int, ...]]:
