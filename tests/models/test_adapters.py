@@ -194,6 +194,23 @@ def test_targets_that_select_nothing_or_no_matrix_are_errors():
         assert error.value.key == "adapter.rank"
 
 
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+def test_rank_and_alpha_patterns_that_select_no_adapted_weight_are_errors(field):
+    """A per-weight rank or alpha whose pattern matches none of the adapted weights (a typo, or
+    a weight left out of ``targets``) was ignored: every weight got the default rank/alpha."""
+    params = jax.eval_shape(lambda: init(DENSE))
+    for entry in ("dwn", "up"):  # a typo; a weight that is not among the targets
+        lora = LoraConfig(rank=4, targets=("q", "down"), **{field: {entry: 2}})
+        with pytest.raises(ConfigError, match=rf"adapter\.{field} entry '{entry}' matches none") as error:
+            jax.eval_shape(lambda p, lora=lora: add_lora(p, lora, jax.random.key(0)), params)
+        assert error.value.key == f"adapter.{field}"
+    lora = LoraConfig(rank=4, targets=("q", "down"), **{field: {"down": 2}})
+    adapted = param_paths(jax.eval_shape(lambda p: add_lora(p, lora, jax.random.key(0)), params))
+    down = "layers/block_0/mlp/down"
+    expected = (2, 8.0) if field == "rank_pattern" else (4, 0.5)  # (rank, alpha / rank) of the matched weight
+    assert (adapted[down + "_lora_a"].value.shape[-1], lora.scale(down)) == expected
+
+
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_unboxed_trees_have_the_layouts_their_logical_axes_give(scan_layers):
     """Unboxed trees (hf.load, restored checkpoints) read layouts from names: CCA's 2-D q/k/v

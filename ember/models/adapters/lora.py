@@ -112,7 +112,8 @@ def target_paths(params: Mapping[str, Any], config: LoraConfig) -> list[str]:
     """The ``/``-joined paths of the weights ``config.targets`` selects, in tree order.
 
     Raises:
-      ConfigError: a target selects nothing (listing what paths look like).
+      ConfigError: a target, or a ``rank_pattern`` / ``alpha_pattern`` entry, selects nothing
+        (listing what paths look like).
     """
     paths = [p for p in param_paths(params) if adapter_part(p) is None]
     chosen = []
@@ -126,6 +127,14 @@ def target_paths(params: Mapping[str, Any], config: LoraConfig) -> list[str]:
                 key="adapter.targets",
             )
         chosen += [p for p in found if p not in chosen]
+    for field, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
+        for entry in patterns:
+            if not any(config.pattern(entry).search(p) for p in chosen):
+                raise ConfigError(
+                    f"adapter.{field} entry {entry!r} matches none of the adapted weights, so it would change "
+                    f"nothing; they are {', '.join(chosen[:4])}{', ...' if len(chosen) > 4 else ''}",
+                    key=f"adapter.{field}",
+                )
     return [p for p in paths if p in chosen]
 
 
