@@ -5,8 +5,10 @@ bit, lowers the completion loss far below the base model's, and exports an adapt
 both with Ember's logits; full fine-tuning with optax's Muon learns too; bad configs name
 their key."""
 
+import dataclasses
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +19,11 @@ from ember.core.config import load_config
 from ember.core.errors import ConfigError
 from ember.core.tree import param_bytes, param_paths
 from ember.models.adapters import adapter_leaves, without_adapters
+from ember.models.config import MoEConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import quantize_params
 from ember.training.finetune import FinetuneConfig, FinetuneTask
+from ember.training.finetune.base import load_base
 from ember.training.lm.task import lm_loss
 from ember.training.lm.trainer import make_trainer
 from tests.tolerances import assert_allclose
@@ -182,6 +186,25 @@ def test_bad_finetune_configs_name_their_key(problem, sections, key):
     with pytest.raises(ConfigError) as error:
         FinetuneTask(config_for(problem, "bad", **sections))
     assert error.value.key == key
+
+
+def test_adapters_peft_cannot_hold_are_refused_before_training_when_export_peft_is_on(problem):
+    """LoRA on routed experts (a Mixtral-style base) with the default ``export.peft`` trained the
+    whole run and only then failed in the export ("an adapter on moe/experts/down has no PEFT
+    equivalent"); now the task refuses it up front, and trains it with ``export.peft`` off."""
+    dense = load_base(config_for(problem, "moe_base").base_model)
+    moe = dataclasses.replace(
+        dense.config, mlp_pattern=("moe",), moe=MoEConfig(num_experts=2, top_k=1, expert_dim=8), moe_impl="xla"
+    )
+    shapes = jax.eval_shape(DecoderLM(moe).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), nn.meta.unbox(shapes))
+    base = dataclasses.replace(dense, config=moe, params=params)
+    lora = {"adapter": {"targets": ["q", "experts"]}}
+    with pytest.raises(ConfigError, match=r"export\.peft: an adapter on moe/experts/\w+ has no PEFT") as error:
+        FinetuneTask(config_for(problem, "moe_lora", **lora), base)
+    assert error.value.key == "export.peft"
+    FinetuneTask(config_for(problem, "moe_lora", export={"peft": False}, **lora), base)
+    FinetuneTask(config_for(problem, "moe_lora", adapter={"targets": ["q", "v"]}), base)
 
 
 PADDED = 16

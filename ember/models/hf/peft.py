@@ -38,7 +38,7 @@ from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.leaves import adapted_paths, factors_on_original_base
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name
 from ember.models.config import ModelConfig
-from ember.models.decoder import layers_from_list, layers_to_list
+from ember.models.decoder import layer_location, layers_from_list, layers_to_list
 from ember.models.hf.weights import check_all_used
 
 CONFIG_FILE = "adapter_config.json"
@@ -90,8 +90,7 @@ def save_peft_adapter(
     Raises:
       DataError: ``params`` carries no adapters, or one PEFT cannot express (routed experts).
     """
-    if any(MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1]) for p in param_paths(params)):
-        raise DataError("MixLoRA's routed experts have no PEFT LoRA form; keep them as an Ember run")
+    check_peft_exportable(config, params)
     layers = layers_to_list(config, unbox(params))
     tensors: dict[str, np.ndarray] = {}
     ranks, alphas, dora = {}, {}, False
@@ -139,6 +138,21 @@ def save_peft_adapter(
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def check_peft_exportable(config: ModelConfig, params: Mapping[str, Any]) -> None:
+    """Raises what :func:`save_peft_adapter` would for adapters PEFT cannot express, from the
+    tree's paths alone (``params`` may be abstract, e.g. from ``jax.eval_shape``).
+
+    Raises:
+      DataError: MixLoRA experts, or an adapter on a weight with no PEFT module (routed experts).
+    """
+    if any(MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1]) for p in param_paths(params)):
+        raise DataError("MixLoRA's routed experts have no PEFT LoRA form; keep them as an Ember run")
+    for layer in range(config.num_layers):
+        container, _, block = layer_location(config, layer)
+        for weight in adapted_paths(unbox(params)[container][block]):
+            _module_of(weight)
 
 
 PEFT_DEFAULT_ALPHA = 8
@@ -289,4 +303,4 @@ def _module_of(weight: str) -> str:
     return MODULES[weight]
 
 
-__all__ = ["MODULES", "load_peft_adapter", "save_peft_adapter", "with_adapter"]
+__all__ = ["MODULES", "check_peft_exportable", "load_peft_adapter", "save_peft_adapter", "with_adapter"]

@@ -23,13 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ember.core.errors import ConfigError
+from ember.core.errors import ConfigError, DataError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters import adapter_mask, add_lora, add_mixlora, target_paths
 from ember.models.adapters.lora_ga import lora_ga_init
 from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
+from ember.models.hf.peft import check_peft_exportable
 from ember.models.quantization import quantize_params
 from ember.models.variables import as_variables, split_variables
 from ember.serving.loading import LoadedModel
@@ -55,7 +56,16 @@ class FinetuneTask(Task):
         self.model = DecoderLM(self.model_config)
         self.base_params, self.base_state = split_variables(as_variables(self.base.params))
         if config.method != "full":  # bad targets fail now, not inside the jitted initialisation
-            self._adapted(self.base_params, jax.random.key(0), shapes_only=True)
+            adapted = self._adapted(self.base_params, jax.random.key(0), shapes_only=True)
+            if config.method == "lora" and config.export.peft:  # ...nor in the export after training
+                try:
+                    check_peft_exportable(self.model_config, adapted)
+                except DataError as error:
+                    raise ConfigError(
+                        f"export.peft: {error}; set export.peft false (export.merged still folds them in) or "
+                        "leave those weights out of adapter.targets",
+                        key="export.peft",
+                    ) from None
         self._check_quantization()
         self.examples, self.eval_examples = read_instructions(
             config.data.train,
