@@ -160,6 +160,19 @@ def test_dropout_applies_only_with_a_dropout_rng(tokens):
     np.testing.assert_array_equal(dropped, again)
 
 
+def test_dropout_on_routed_experts_is_refused():
+    """The MoE layer merges expert adapters into their weights, so ``lora_dropout`` there never
+    applied: with targets ("experts",), dropout 0.5 and a dropout RNG, the logits were those
+    without dropout (max difference 0.0), silently."""
+    params = jax.eval_shape(lambda: init(MOE))
+    lora = LoraConfig(targets=("q", "experts"), dropout=0.5)
+    with pytest.raises(ConfigError, match=r"adapter\.dropout 0\.5 cannot apply .*experts/") as error:
+        jax.eval_shape(lambda p: add_lora(p, lora, jax.random.key(0)), params)
+    assert error.value.key == "adapter.dropout"
+    for lora in (LoraConfig(targets=("q", "experts")), LoraConfig(targets=("q",), dropout=0.5)):
+        jax.eval_shape(lambda p, lora=lora: add_lora(p, lora, jax.random.key(0)), params)
+
+
 @pytest.mark.parametrize(
     "kwargs, key, message",
     [

@@ -142,8 +142,8 @@ def add_lora(params: Mapping[str, Any], config: LoraConfig, rng: jax.Array) -> d
     """``params`` with an adapter on every target weight (see the module docstring).
 
     PiSSA replaces each target weight by its residual. Raises ``ConfigError`` for a target that
-    selects nothing, a weight that already has an adapter, or (PiSSA, LoRA-GA) a rank the
-    weight's smaller side cannot hold.
+    selects nothing, a weight that already has an adapter, (PiSSA, LoRA-GA) a rank the
+    weight's smaller side cannot hold, or dropout on routed experts (merged, it cannot apply).
     """
     flat = param_paths(params)
     updates = {}
@@ -175,6 +175,13 @@ def _new_adapter(path: str, leaf: Any, config: LoraConfig, rng: jax.Array) -> di
         adapted = adapted + low_rank_product(LowRank(a, b, parts["lora_scale"]), layout.lead)
         parts["lora_magnitude"] = weight_norm(adapted, layout.in_dims, layout.lead)
     if config.dropout:
+        if re.search(TARGETS["experts"], path):  # the MoE layer merges them: no adapter input to drop
+            raise ConfigError(
+                f"adapter.dropout {config.dropout} cannot apply to the adapter on {path}: routed experts' adapters "
+                "are merged into each expert's weight (no separate adapter path to drop the input of); set "
+                "adapter.dropout 0 or leave experts out of adapter.targets",
+                key="adapter.dropout",
+            )
         parts["lora_dropout"] = jnp.full(lead, config.dropout, jnp.float32)
     result = {part_name(path, part): _boxed(value, _part_axes(part, layout)) for part, value in parts.items()}
     if residual is not None:
