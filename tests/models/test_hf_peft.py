@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.tree import param_paths
@@ -144,6 +144,27 @@ def test_bad_adapter_directories_are_clear_errors(base, tmp_path):
         load_peft_adapter(tmp_path, config)
     with pytest.raises(DataError, match="no adapters"):
         save_peft_adapter(tmp_path, config, params)
+
+
+@pytest.mark.parametrize("case", ["use_dora_false", "no_magnitudes"])
+def test_a_dora_flag_that_disagrees_with_the_tensors_is_named(base, case, tmp_path):
+    """PEFT follows ``use_dora``: magnitudes under ``use_dora: false`` are ignored (plain LoRA),
+    and ``use_dora: true`` without them takes ``||W||``. Ember followed the tensors instead and
+    gave other logits (0.16 and 0.50 off PEFT's in a probe on this base, r=4 on q and v); now it
+    refuses such a file."""
+    _, path, config, _ = base
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], use_dora=True, init_lora_weights=False)
+    peft.get_peft_model(fresh_hf(path), lora).save_pretrained(tmp_path)
+    if case == "use_dora_false":
+        settings = json.loads((tmp_path / "adapter_config.json").read_text())
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": False}))
+    else:
+        tensors = load_file(str(tmp_path / "adapter_model.safetensors"))
+        kept = {name: value for name, value in tensors.items() if not name.endswith("lora_magnitude_vector")}
+        save_file(kept, str(tmp_path / "adapter_model.safetensors"))
+    flag, has = ("False", "has") if case == "use_dora_false" else ("True", "has no")
+    with pytest.raises(DataError, match=rf"use_dora={flag} but model\.layers\.0\.self_attn\.q_proj {has} lora_magn"):
+        load_peft_adapter(tmp_path, config)
 
 
 @pytest.mark.parametrize(

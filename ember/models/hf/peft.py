@@ -233,8 +233,15 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
             "lora_b": b.T.reshape(rank, *out_shape).astype(dtype),
             "lora_scale": np.asarray(scale, np.float32),
         }
-        if stem + ".lora_magnitude_vector" in tensors:
-            leaves["lora_magnitude"] = take(stem + ".lora_magnitude_vector").reshape(out_shape).astype(np.float32)
+        magnitude = stem + ".lora_magnitude_vector"
+        if bool(peft_config.get("use_dora")) != (magnitude in tensors):  # PEFT follows the flag, not the file
+            raise DataError(
+                f"{path}: adapter_config.json has use_dora={bool(peft_config.get('use_dora'))} but {module_name} "
+                f"{'has' if magnitude in tensors else 'has no'} lora_magnitude_vector; a DoRA adapter has both, a "
+                "LoRA adapter neither"
+            )
+        if magnitude in tensors:
+            leaves["lora_magnitude"] = take(magnitude).reshape(out_shape).astype(np.float32)
         layers[index].update({part_name(weight, part): value for part, value in leaves.items()})
     check_all_used(config, tensors, used, what=f"PEFT adapter {path}")
     if not any(layers):
