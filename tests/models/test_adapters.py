@@ -180,6 +180,11 @@ def test_dropout_on_routed_experts_is_refused():
         (dict(dropout=1.0), "adapter.dropout", "[0, 1)"),
         (dict(init="svd"), "adapter.init", "pissa"),
         (dict(targets=("[",)), "adapter.targets", "neither a target name"),
+        # Each field by its own key (these were keyed adapter.rank / .alpha / .ga_batches / .targets):
+        (dict(rank_pattern={"q": 0}), "adapter.rank_pattern", "positive"),
+        (dict(alpha_pattern={"q": -1.0}), "adapter.alpha_pattern", "positive"),
+        (dict(ga_gamma=0.0), "adapter.ga_gamma", "positive"),
+        (dict(rank_pattern={"(": 2}), "adapter.rank_pattern", "neither a target name"),
     ],
 )
 def test_bad_configs_name_their_key(kwargs, key, message):

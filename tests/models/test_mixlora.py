@@ -191,3 +191,7 @@ def test_what_cannot_take_mixlora_says_so():
     with pytest.raises(ConfigError) as error:
         MixLoraConfig(num_experts=4, top_k=5)
     assert error.value.key == "mixlora.top_k"
+    for field, value in (("alpha", 0.0), ("router_init_std", -0.1)):  # were keyed mixlora.rank
+        with pytest.raises(ConfigError, match=f"mixlora.{field} must be positive") as error:
+            MixLoraConfig(**{field: value})
+        assert error.value.key == f"mixlora.{field}"

@@ -74,25 +74,32 @@ class LoraConfig:
         def fail(field, message):
             raise ConfigError(f"adapter.{field} {message}", key=f"adapter.{field}")
 
-        if self.rank < 1 or any(r < 1 for r in self.rank_pattern.values()):
-            fail("rank", f"must be a positive integer, got {self.rank} (rank_pattern {self.rank_pattern})")
-        if self.alpha <= 0 or any(a <= 0 for a in self.alpha_pattern.values()):
-            fail("alpha", f"must be positive, got {self.alpha} (alpha_pattern {self.alpha_pattern})")
+        if self.rank < 1:
+            fail("rank", f"must be a positive integer, got {self.rank}")
+        if any(r < 1 for r in self.rank_pattern.values()):
+            fail("rank_pattern", f"ranks must be positive integers, got {self.rank_pattern}")
+        if self.alpha <= 0:
+            fail("alpha", f"must be positive, got {self.alpha}")
+        if any(a <= 0 for a in self.alpha_pattern.values()):
+            fail("alpha_pattern", f"alphas must be positive, got {self.alpha_pattern}")
         if not 0 <= self.dropout < 1:
             fail("dropout", f"must be in [0, 1), got {self.dropout}")
-        if self.ga_batches < 1 or self.ga_gamma <= 0:
-            fail("ga_batches", f"and ga_gamma must be positive, got {self.ga_batches} and {self.ga_gamma}")
+        if self.ga_batches < 1:
+            fail("ga_batches", f"must be a positive integer, got {self.ga_batches}")
+        if self.ga_gamma <= 0:
+            fail("ga_gamma", f"must be positive, got {self.ga_gamma}")
         if self.init not in INITS:
             fail("init", f"must be one of {', '.join(INITS)}, got {self.init!r}")
         if not self.targets:
             fail("targets", f"must name at least one weight: {', '.join(TARGETS)} or a path regex")
-        for target in (*self.targets, *self.rank_pattern, *self.alpha_pattern):
-            if target not in TARGETS:
-                try:
-                    re.compile(target)
-                except re.error as error:
-                    names = ", ".join(TARGETS)
-                    fail("targets", f"entry {target!r} is neither a target name ({names}) nor a regex ({error})")
+        for field in ("targets", "rank_pattern", "alpha_pattern"):
+            for target in getattr(self, field):
+                if target not in TARGETS:
+                    try:
+                        re.compile(target)
+                    except re.error as error:
+                        names = ", ".join(TARGETS)
+                        fail(field, f"entry {target!r} is neither a target name ({names}) nor a regex ({error})")
 
     def pattern(self, target: str) -> re.Pattern:
         return re.compile(TARGETS.get(target, target))

@@ -54,9 +54,9 @@ class MixLoraConfig:
             fail("num_experts", f"must be at least 2, got {self.num_experts}")
         if not 1 <= self.top_k <= self.num_experts:
             fail("top_k", f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
-        if self.rank < 1 or self.alpha <= 0 or self.router_init_std <= 0:
-            fail("rank", f"rank, alpha and router_init_std must be positive, got {self.rank}, {self.alpha}, "
-                 f"{self.router_init_std}")  # fmt: skip
+        for field in ("rank", "alpha", "router_init_std"):
+            if getattr(self, field) <= 0:
+                fail(field, f"must be positive, got {getattr(self, field)}")
         if not self.targets or any(t not in MLP_WEIGHTS for t in self.targets):
             fail("targets", f"must name MLP matrices among {', '.join(MLP_WEIGHTS)}, got {list(self.targets)}")
 
