@@ -207,6 +207,25 @@ def test_adapters_peft_cannot_hold_are_refused_before_training_when_export_peft_
     FinetuneTask(config_for(problem, "moe_lora", adapter={"targets": ["q", "v"]}), base)
 
 
+def test_a_merged_export_the_model_cannot_take_is_refused_before_training(problem):
+    """``export.merged`` writes a Hugging Face checkpoint of the base's type (``llama`` for an
+    Ember run) or ``export.model_type``; one that type cannot express (an MoE model as llama, the
+    Llama base as qwen2, which has q/k/v biases) failed in the export after the last step."""
+    dense = load_base(config_for(problem, "merge_base").base_model)
+    moe = dataclasses.replace(dense.config, mlp_pattern=("moe",), moe=MoEConfig(num_experts=2, top_k=1, expert_dim=8))
+    shapes = jax.eval_shape(DecoderLM(moe).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    moe_base = dataclasses.replace(dense, config=moe, params=jax.tree.map(lambda s: np.ones(s.shape, s.dtype),
+                                                                         nn.meta.unbox(shapes)))  # fmt: skip
+    for base, export, key, message in (
+        (moe_base, {"merged": True}, "export.merged", r"llama checkpoint \(the base's type.*mlp placements"),
+        (dense, {"merged": True, "model_type": "qwen2"}, "export.model_type", r"qwen2 checkpoint: qkv_bias=False"),
+    ):
+        with pytest.raises(ConfigError, match=message) as error:
+            FinetuneTask(config_for(problem, "merge", adapter={"targets": ["q"]}, export=export), base)
+        assert error.value.key == key
+    FinetuneTask(config_for(problem, "merge", export={"merged": True, "model_type": "mistral"}), dense)
+
+
 PADDED = 16
 
 

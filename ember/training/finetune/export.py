@@ -16,12 +16,14 @@ from typing import Any
 
 import jax
 
+from ember.core.errors import ConfigError
 from ember.core.hf_tokenizer import CHAT_TEMPLATE_FILE
 from ember.core.sharding import addressable_here
 from ember.models import hf
 from ember.models.adapters import merged_weights
+from ember.models.config import ModelConfig
 from ember.models.hf.peft import save_peft_adapter
-from ember.training.finetune.config import MODEL_TYPES
+from ember.training.finetune.config import MODEL_TYPES, FinetuneConfig
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -47,8 +49,7 @@ def export_hook(task: Any) -> Callable[[Any], None]:
             written["adapter"] = str(run_dir / "adapter")
         if config.export.merged:
             weights = merged_weights(params) if config.method == "lora" else params
-            model_type = config.export.model_type or base_model_type(Path(config.base_model.path))
-            hf.save(run_dir / "merged", task.model_config, weights, model_type=model_type)
+            hf.save(run_dir / "merged", task.model_config, weights, model_type=merged_model_type(config))
             for name in TOKENIZER_FILES:
                 if (Path(config.base_model.path) / name).is_file():
                     shutil.copy(Path(config.base_model.path) / name, run_dir / "merged" / name)
@@ -56,6 +57,30 @@ def export_hook(task: Any) -> Callable[[Any], None]:
         info.trainer.results["exports"] = written
 
     return export
+
+
+def merged_model_type(config: FinetuneConfig) -> str:
+    """The ``model_type`` ``export.merged`` writes."""
+    return config.export.model_type or base_model_type(Path(config.base_model.path))
+
+
+def check_merged_export(config: FinetuneConfig, model_config: ModelConfig) -> None:
+    """Raises ``ConfigError`` (keyed ``export.model_type``, or ``export.merged`` when it was
+    chosen from the base) when ``export.merged`` cannot write ``model_config`` as its model type:
+    said before training rather than by the export after it."""
+    if not config.export.merged:
+        return
+    model_type = merged_model_type(config)
+    try:
+        hf.config_to_hf(model_config, model_type)
+    except ConfigError as error:
+        chosen = "export.model_type" if config.export.model_type else "export.merged"
+        source = "" if config.export.model_type else " (the base's type; export.model_type picks another)"
+        raise ConfigError(
+            f"{chosen}: the fine-tuned model cannot be written as a Hugging Face {model_type} checkpoint"
+            f"{source}: {error}; set export.merged false to keep the run's own checkpoint and adapter only",
+            key=chosen,
+        ) from None
 
 
 def base_model_type(path: Path) -> str:
@@ -68,4 +93,4 @@ def base_model_type(path: Path) -> str:
     return "llama"
 
 
-__all__ = ["base_model_type", "export_hook"]
+__all__ = ["base_model_type", "check_merged_export", "export_hook", "merged_model_type"]

@@ -37,7 +37,7 @@ from ember.serving.loading import LoadedModel
 from ember.training.data.instructions import InstructionBatches, read_instructions
 from ember.training.finetune.base import boxed_variables, load_base, restore_base_layout
 from ember.training.finetune.config import FinetuneConfig
-from ember.training.finetune.export import export_hook
+from ember.training.finetune.export import check_merged_export, export_hook
 from ember.training.lm.task import BATCH_AXES, lm_loss
 from ember.training.task import Task
 
@@ -67,6 +67,7 @@ class FinetuneTask(Task):
                         key="export.peft",
                     ) from None
         self._check_quantization()
+        check_merged_export(config, self.model_config)
         self.examples, self.eval_examples = read_instructions(
             config.data.train,
             self.base.tokenizer,
