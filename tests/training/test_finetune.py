@@ -180,6 +180,15 @@ def test_full_finetuning_with_muon_learns(problem):
         ({"base_model": {"quantize": "nf4"}, "method": "full"}, "base_model.quantize"),
         ({"base_model": {"quantize": "nf4"}, "export": {"merged": True}}, "export.merged"),
         ({"method": "mixlora", "adapter": {"init": "lora_ga"}, "train": {"aux_loss_weights": ROUTER}}, "adapter.init"),
+        # MixLoRA's plain LoRA is on attention only: other targets were dropped silently (a regex too).
+        (
+            {"method": "mixlora", "adapter": {"targets": ["q", "up"]}, "train": {"aux_loss_weights": ROUTER}},
+            "adapter.targets",
+        ),
+        (
+            {"method": "mixlora", "adapter": {"targets": ["attn/q/kernel$"]}, "train": {"aux_loss_weights": ROUTER}},
+            "adapter.targets",
+        ),
     ],
 )
 def test_bad_finetune_configs_name_their_key(problem, sections, key):

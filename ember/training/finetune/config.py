@@ -37,6 +37,8 @@ METHODS: tuple[str, ...] = ("lora", "mixlora", "full")
 """``lora``: train the ``adapter`` section's adapters, base frozen. ``mixlora``: MixLoRA experts
 in every dense MLP (the ``mixlora`` section) plus the ``adapter`` section's LoRA on the
 attention projections it names (the paper's setup), base frozen. ``full``: every weight."""
+MIXLORA_LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o")
+"""The ``adapter.targets`` names method ``mixlora`` puts plain LoRA on (the attention projections)."""
 BASE_MODEL_RUNTIME_KEYS: tuple[str, ...] = tuple(f"base_model.{k}" for k in ("attention_impl", "remat", "scan_layers"))
 """``base_model`` settings a run may resume with changed (how the base runs, not what it is)."""
 MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
@@ -166,6 +168,13 @@ class FinetuneConfig:
                     key="export.merged",
                 )
         if self.method == "mixlora":
+            others = [t for t in self.adapter.targets if t not in MIXLORA_LORA_TARGETS]
+            if others:  # the task keeps the attention names only: these would be dropped without a word
+                raise ConfigError(
+                    f"adapter.targets {others} with method mixlora: its plain LoRA goes on the attention projections "
+                    f"named {', '.join(MIXLORA_LORA_TARGETS)} (MLP matrices get MixLoRA experts, mixlora.targets)",
+                    key="adapter.targets",
+                )
             if self.adapter.init == "lora_ga":
                 raise ConfigError(
                     "adapter.init lora_ga initialises the adapters of method lora only; method mixlora's attention "
@@ -193,6 +202,7 @@ class FinetuneConfig:
 __all__ = [
     "BASE_MODEL_RUNTIME_KEYS",
     "METHODS",
+    "MIXLORA_LORA_TARGETS",
     "BaseModelConfig",
     "ExportConfig",
     "FinetuneConfig",

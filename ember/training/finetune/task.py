@@ -15,7 +15,6 @@ optimizer state is adapter-sized and the base is never written.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,10 +127,7 @@ class FinetuneTask(Task):
         if config.method == "lora":
             return add_lora(params, config.adapter, rng)
         params = add_mixlora(params, config.mixlora, jax.random.fold_in(rng, 1))
-        attention = tuple(t for t in config.adapter.targets if t in ("q", "k", "v", "o"))
-        if attention:
-            params = add_lora(params, dataclasses.replace(config.adapter, targets=attention), rng)
-        return params
+        return add_lora(params, config.adapter, rng)  # the attention projections (FinetuneConfig checks)
 
     def _mean_target_gradients(self, params: Any, state: Any, batches: Any) -> dict[str, Any]:
         """LoRA-GA: the mean over ``batches`` (stacked ``[n, batch, seq]``) of the loss gradient
