@@ -212,6 +212,26 @@ def test_targets_that_select_nothing_or_no_matrix_are_errors():
         assert error.value.key == "adapter.rank"
 
 
+@pytest.mark.parametrize(
+    "config, target",
+    [
+        (DENSE, "embed"),
+        (dataclasses.replace(DENSE, tie_embeddings=False), "head/kernel$"),
+        (MOE, "router"),
+        (dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, shared_expert_gate=True)), "shared_gate"),
+    ],
+)
+def test_targets_whose_layer_reads_no_adapter_are_errors(config, target):
+    """The embedding, LM head, MoE router and shared-expert gate are read as they are: adapters
+    added there (targets ``embed``, ``head/kernel$`` ... were accepted) trained and changed
+    nothing, the logits with moved adapters equal to the base's (max difference 0.0)."""
+    params = jax.eval_shape(lambda: init(config))
+    lora = LoraConfig(targets=("q", target))
+    with pytest.raises(ConfigError, match=r"adapter target \S+: its layer applies no adapter") as error:
+        jax.eval_shape(lambda p: add_lora(p, lora, jax.random.key(0)), params)
+    assert error.value.key == "adapter.targets"
+
+
 @pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
 def test_rank_and_alpha_patterns_that_select_no_adapted_weight_are_errors(field):
     """A per-weight rank or alpha whose pattern matches none of the adapted weights (a typo, or

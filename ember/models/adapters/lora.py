@@ -115,6 +115,13 @@ class LoraConfig:
         return alpha / math.sqrt(rank) if self.rslora else alpha / rank
 
 
+ADAPTED_BY_LAYERS: tuple[str, ...] = (r"(^|/)attn/[^/]+/kernel$", r"(^|/)(mlp|shared|experts)/(gate|up|down)$")
+"""The weights whose layers apply an adapter found beside them: the mixers' projections
+(attention, CCA, linear attention, Mamba-2: ``lowrank.adapted_matmul``), the dense / shared
+MLP matrices and the routed experts'. The embedding, the LM head, routers and gates are read
+as they are: an adapter there would train and change nothing."""
+
+
 def target_paths(params: Mapping[str, Any], config: LoraConfig) -> list[str]:
     """The ``/``-joined paths of the weights ``config.targets`` selects, in tree order.
 
@@ -149,8 +156,9 @@ def add_lora(params: Mapping[str, Any], config: LoraConfig, rng: jax.Array) -> d
     """``params`` with an adapter on every target weight (see the module docstring).
 
     PiSSA replaces each target weight by its residual. Raises ``ConfigError`` for a target that
-    selects nothing, a weight that already has an adapter, (PiSSA, LoRA-GA) a rank the
-    weight's smaller side cannot hold, or dropout on routed experts (merged, it cannot apply).
+    selects nothing or a weight whose layer reads no adapter (:data:`ADAPTED_BY_LAYERS`), a
+    weight that already has an adapter, (PiSSA, LoRA-GA) a rank the weight's smaller side
+    cannot hold, or dropout on routed experts (merged, it cannot apply).
     """
     flat = param_paths(params)
     updates = {}
@@ -164,6 +172,13 @@ def add_lora(params: Mapping[str, Any], config: LoraConfig, rng: jax.Array) -> d
 def _new_adapter(path: str, leaf: Any, config: LoraConfig, rng: jax.Array) -> dict[str, Any]:
     """The leaves an adapter on ``leaf`` adds (and, for PiSSA, the weight's residual at ``path``)."""
     layout = weight_layout(path, leaf)
+    if not any(re.search(layer, path) for layer in ADAPTED_BY_LAYERS):
+        raise ConfigError(
+            f"adapter target {path}: its layer applies no adapter (the embedding, LM head, routers and gates are "
+            "read as they are), so one there would train and change nothing; adapters go on attention / SSM "
+            f"projections and MLP or expert matrices ({', '.join(TARGETS)})",
+            key="adapter.targets",
+        )
     kernel = jnp.asarray(leaf_value(leaf))
     rank, _ = config.rank_and_alpha(path)
     _check_rank_fits(path, kernel.shape, layout, config.init, rank)
@@ -259,4 +274,4 @@ def pissa_factors(kernel: jax.Array, layout: WeightLayout, rank: int, scale: flo
     return a, b, residual.astype(kernel.dtype)
 
 
-__all__ = ["INITS", "TARGETS", "LoraConfig", "add_lora", "pissa_factors", "target_paths"]
+__all__ = ["ADAPTED_BY_LAYERS", "INITS", "TARGETS", "LoraConfig", "add_lora", "pissa_factors", "target_paths"]
