@@ -146,6 +146,48 @@ def test_bad_adapter_directories_are_clear_errors(base, tmp_path):
         save_peft_adapter(tmp_path, config, params)
 
 
+def test_dora_with_dropout_in_training_matches_peft():
+    """PEFT (and the DoRA authors' code) put DoRA's rescaling of the base output, ``(m / ||W +
+    s A B|| - 1) x W``, on the adapter path, so in training it sees the dropped input. Ember
+    rescaled the undropped ``x W`` instead (2.6 off PEFT's output here). PEFT's dropout module
+    is replaced by the input Ember dropped (read off a second Ember adapter with ``A = I``, the
+    same dropout RNG so the same mask)."""
+    from ember.models.layers.projection import Projection
+
+    d_in, d_out, rank, alpha = 8, 6, 2, 3.0
+    shapes = [(d_in, d_out), (d_in, rank), (rank, d_out), (3, d_in), (d_in, d_in)]
+    w, a, b, x, w2 = (np.random.default_rng(i).standard_normal(s).astype(np.float32) for i, s in enumerate(shapes))
+    magnitude = np.linalg.norm(w + alpha / rank * a @ b, axis=0) * np.linspace(0.5, 1.5, d_out, dtype=np.float32)
+    rngs = {"dropout": jax.random.key(4)}
+    dora = {"kernel": w, "kernel_lora_a": a, "kernel_lora_b": b, "kernel_lora_scale": np.float32(alpha / rank),
+            "kernel_lora_magnitude": magnitude, "kernel_lora_dropout": np.float32(0.5)}  # fmt: skip
+    ember = np.asarray(Projection((d_out,), ("embed", "mlp")).apply({"params": dora}, x, rngs=rngs))
+    eye = np.eye(d_in, dtype=np.float32)
+    reader = {"kernel": w2, "kernel_lora_a": eye, "kernel_lora_b": eye, "kernel_lora_scale": np.float32(1.0),
+              "kernel_lora_dropout": np.float32(0.5)}  # fmt: skip
+    dropped = np.asarray(Projection((d_in,), ("embed", "mlp")).apply({"params": reader}, x, rngs=rngs)) - x @ w2
+    assert 0 < np.mean(dropped == 0) < 1  # some of the input dropped, not all
+
+    class Dropped(torch.nn.Module):
+        def forward(self, _):
+            return torch.tensor(dropped)
+
+    layer = torch.nn.Sequential()
+    layer.add_module("proj", torch.nn.Linear(d_in, d_out, bias=False))
+    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=["proj"], use_dora=True, lora_dropout=0.5)
+    model = peft.get_peft_model(layer, lora)
+    proj = model.base_model.model.proj
+    with torch.no_grad():
+        proj.base_layer.weight.copy_(torch.tensor(w.T))
+        proj.lora_A["default"].weight.copy_(torch.tensor(a.T))
+        proj.lora_B["default"].weight.copy_(torch.tensor(b.T))
+        proj.lora_magnitude_vector["default"].weight.copy_(torch.tensor(magnitude))
+    proj.lora_dropout["default"] = Dropped()
+    with torch.no_grad():
+        expected = model.train()(torch.tensor(x)).numpy()
+    assert_allclose(ember, expected, scale=10)
+
+
 @pytest.mark.parametrize("case", ["use_dora_false", "no_magnitudes"])
 def test_a_dora_flag_that_disagrees_with_the_tensors_is_named(base, case, tmp_path):
     """PEFT follows ``use_dora``: magnitudes under ``use_dora: false`` are ignored (plain LoRA),

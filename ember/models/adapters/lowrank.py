@@ -11,7 +11,9 @@ An adapted weight ``W`` (a kernel ``[*in_shape, *out_shape]``, with optional lea
 The adapted map is ``x W + scale * (x A) B``; with DoRA it is ``m / ||W + scale A B|| * (x W
 + scale (x A) B)``, the norm taken over the input dimensions per output channel and treated
 as a constant in the backward pass (DoRA's section 4.3, as PEFT does). Dropout applies to
-the adapter path only and only when the caller passes a ``dropout`` RNG to ``apply``.
+the adapter path only and only when the caller passes a ``dropout`` RNG to ``apply``; with
+DoRA that path is PEFT's ``(m / ||W + scale A B|| - 1) d(x) W + m / ||W + scale A B|| *
+scale (d(x) A) B`` added to ``x W`` (``d``: dropout), which is the formula above without it.
 
 A layer reads its adapter with :func:`read_low_rank` and computes with
 :func:`adapted_matmul`; the base model's code does not fork per adapter type. The tree
@@ -147,15 +149,22 @@ def adapted_matmul(
         )
         return (factors * out.astype(jnp.float32)).astype(y.dtype)
     h = x
-    if adapter.dropout is not None and module.has_rng("dropout"):
+    dropped = adapter.dropout is not None and module.has_rng("dropout")
+    if dropped:
         rate = adapter.dropout.astype(jnp.float32)
         keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, x.shape)
         h = jnp.where(keep, x / (1.0 - rate).astype(x.dtype), jnp.zeros_like(x))
-    h = jnp.tensordot(h, adapter.a.astype(x.dtype), axes=in_dims)
-    delta = jnp.tensordot(h, adapter.b.astype(x.dtype), axes=1) * adapter.scale.astype(x.dtype)
+    low = jnp.tensordot(h, adapter.a.astype(x.dtype), axes=in_dims)
+    delta = jnp.tensordot(low, adapter.b.astype(x.dtype), axes=1) * adapter.scale.astype(x.dtype)
     if adapter.magnitude is None:
         return y + delta
-    return (dora_factor(kernel, adapter, in_dims) * (y + delta).astype(jnp.float32)).astype(y.dtype)
+    factor = dora_factor(kernel, adapter, in_dims)
+    if not dropped:
+        return (factor * (y + delta).astype(jnp.float32)).astype(y.dtype)
+    # DoRA's change of the base output, (m / ||W + scale A B|| - 1) x W, is on the adapter path and
+    # sees the dropped input too, as in PEFT and the DoRA authors' code.
+    base_dropped = jnp.tensordot(h, kernel.astype(x.dtype), axes=in_dims).astype(jnp.float32)
+    return (y.astype(jnp.float32) + (factor - 1.0) * base_dropped + factor * delta.astype(jnp.float32)).astype(y.dtype)
 
 
 def grouped_low_rank_delta(x: jax.Array, adapter: LowRank, adapter_ids: jax.Array, in_dims: int) -> jax.Array:
