@@ -188,6 +188,18 @@ def test_dora_with_dropout_in_training_matches_peft():
     assert_allclose(ember, expected, scale=10)
 
 
+def test_the_saved_config_carries_the_adapters_dropout(base, tmp_path):
+    """adapter_config.json said lora_dropout 0.0 whatever rate the adapters trained with, so
+    training on in PEFT (``is_trainable=True``) silently dropped nothing."""
+    _, _, config, params = base
+    adapted = add_lora(params, LoraConfig(rank=2, targets=("q",), dropout=0.05), jax.random.key(1))
+    save_peft_adapter(tmp_path / "one", config, adapted)
+    assert peft.LoraConfig.from_pretrained(tmp_path / "one").lora_dropout == 0.05
+    mixed = add_lora(adapted, LoraConfig(rank=2, targets=("v",), dropout=0.2), jax.random.key(2))
+    with pytest.raises(DataError, match=r"one lora_dropout for every module; these adapters use \[0.05, 0.2\]"):
+        save_peft_adapter(tmp_path / "mixed", config, mixed)
+
+
 @pytest.mark.parametrize("case", ["use_dora_false", "no_magnitudes"])
 def test_a_dora_flag_that_disagrees_with_the_tensors_is_named(base, case, tmp_path):
     """PEFT follows ``use_dora``: magnitudes under ``use_dora: false`` are ignored (plain LoRA),

@@ -14,10 +14,10 @@ An adapter with anything else (trained biases, ``modules_to_save``, LoRA on the 
 head, the options in :data:`PLAIN_LORA`) is refused, never loaded without its extra parts.
 
 Saving writes every module's own alpha (``alpha = scale * r``, ``use_rslora`` false) so any
-Ember scale round-trips. Adapters whose initialisation changed the base weights (PiSSA,
-LoRA-GA: they carry ``lora_a0`` / ``lora_b0``) are saved against the ORIGINAL base as PEFT
-does for PiSSA: rank ``2r``, ``A' = [A, A0]``, ``B' = [B; -B0]``, so that ``W_original +
-scale A' B' = W_residual + scale A B``.
+Ember scale round-trips, and the adapters' dropout rate as ``lora_dropout``. Adapters whose
+initialisation changed the base weights (PiSSA, LoRA-GA: they carry ``lora_a0`` /
+``lora_b0``) are saved against the ORIGINAL base as PEFT does for PiSSA: rank ``2r``, ``A' =
+[A, A0]``, ``B' = [B; -B0]``, so that ``W_original + scale A' B' = W_residual + scale A B``.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def save_peft_adapter(
     check_peft_exportable(config, params)
     layers = layers_to_list(config, unbox(params))
     tensors: dict[str, np.ndarray] = {}
-    ranks, alphas, dora = {}, {}, False
+    ranks, alphas, dora, dropouts = {}, {}, False, set()
     for index, layer in enumerate(layers):
         flat = param_paths(layer)
         for weight in adapted_paths(layer):
@@ -104,6 +104,8 @@ def save_peft_adapter(
             name = f"{PREFIX}{index}.{module}"
             tensors[name + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, rank).T)
             tensors[name + ".lora_B.weight"] = np.ascontiguousarray(b.reshape(rank, -1).T)
+            rate = np.float32(flat.get(part_name(weight, "lora_dropout"), 0.0))
+            dropouts.add(float(str(rate)))  # the f32 leaf's shortest decimal: 0.05, not 0.05000000074505806
             magnitude = flat.get(part_name(weight, "lora_magnitude"))
             if magnitude is not None:
                 dora = True
@@ -114,6 +116,8 @@ def save_peft_adapter(
         raise DataError("the parameters carry no adapters to save")
     if dora and sum(n.endswith(".lora_magnitude_vector") for n in tensors) != len(ranks):
         raise DataError("PEFT needs DoRA on every adapted module or none; these adapters mix the two")
+    if len(dropouts) > 1:
+        raise DataError(f"PEFT has one lora_dropout for every module; these adapters use {sorted(dropouts)}")
     rank = max(set(ranks.values()), key=list(ranks.values()).count)
     alpha = max(set(alphas.values()), key=list(alphas.values()).count)
     peft_config = {
@@ -127,7 +131,7 @@ def save_peft_adapter(
         "alpha_pattern": {m: a for m, a in alphas.items() if a != alpha},
         "use_rslora": False,
         "use_dora": dora,
-        "lora_dropout": 0.0,
+        "lora_dropout": dropouts.pop(),
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
