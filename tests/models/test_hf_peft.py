@@ -200,6 +200,21 @@ def test_the_saved_config_carries_the_adapters_dropout(base, tmp_path):
         save_peft_adapter(tmp_path / "mixed", config, mixed)
 
 
+def test_factors_whose_rank_is_not_the_config_s_r_are_named(tmp_path):
+    """PEFT refuses an adapter whose factors' rank is not its ``r`` (or ``rank_pattern``
+    entry) with a size mismatch; Ember loaded it, scaling by alpha / (the factors' rank)."""
+    peft.LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj"]).save_pretrained(tmp_path)
+    q_proj, draw = "base_model.model.model.layers.0.self_attn.q_proj", np.random.default_rng(1).standard_normal
+    factors = {"lora_A.weight": draw((4, 64), np.float32), "lora_B.weight": draw((64, 4), np.float32)}
+    save_file({f"{q_proj}.{name}": x for name, x in factors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(DataError, match=r"q_proj has rank-4 factors but adapter_config\.json gives it r=2"):
+        load_peft_adapter(tmp_path, ModelConfig())
+    settings = json.loads((tmp_path / "adapter_config.json").read_text())
+    pattern = {**settings, "rank_pattern": {"q_proj": 4}}  # the module's own rank: loads
+    (tmp_path / "adapter_config.json").write_text(json.dumps(pattern))
+    assert load_peft_adapter(tmp_path, ModelConfig())
+
+
 @pytest.mark.parametrize("case", ["use_dora_false", "no_magnitudes"])
 def test_a_dora_flag_that_disagrees_with_the_tensors_is_named(base, case, tmp_path):
     """PEFT follows ``use_dora``: magnitudes under ``use_dora: false`` are ignored (plain LoRA),

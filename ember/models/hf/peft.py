@@ -161,6 +161,8 @@ def check_peft_exportable(config: ModelConfig, params: Mapping[str, Any]) -> Non
 
 PEFT_DEFAULT_ALPHA = 8
 """``peft.LoraConfig``'s ``lora_alpha`` for an adapter_config.json that leaves it out."""
+PEFT_DEFAULT_RANK = 8
+"""``peft.LoraConfig``'s ``r`` for an adapter_config.json that leaves it out."""
 
 
 def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.float32) -> dict[str, Any]:
@@ -172,7 +174,7 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
     Raises:
       PathNotFoundError: no adapter_config.json or adapter_model.safetensors.
       DataError: not a LoRA adapter, a PEFT option Ember does not implement (:data:`PLAIN_LORA`,
-        :data:`BASE_CHANGING_INITS`),
+        :data:`BASE_CHANGING_INITS`), factors whose rank is not the config's ``r`` / ``rank_pattern``,
         or tensors Ember would not use (for modules it does not have, biases, embeddings).
     """
     path = Path(path)
@@ -231,6 +233,13 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
                 f"{path}: {module_name} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; this model's "
                 f"{module_name} takes [r, {expected[0][1]}] and [{expected[1][0]}, r] (an adapter of another base "
                 "model?)"
+            )
+        default_rank = peft_config.get("r", PEFT_DEFAULT_RANK)
+        declared = _pattern_value(peft_config.get("rank_pattern") or {}, module_name, default_rank)
+        if declared != rank:  # PEFT refuses it (size mismatch); the scale alpha / r would be a guess
+            raise DataError(
+                f"{path}: {module_name} has rank-{rank} factors but adapter_config.json gives it r={declared} "
+                "(r / rank_pattern), which PEFT refuses to load"
             )
         leaves = {
             "lora_a": a.T.reshape(*in_shape, rank).astype(dtype),
