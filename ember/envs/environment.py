@@ -28,7 +28,7 @@ apply directly.
 Randomness: an environment consumes a fixed number of uint32 words per reset and per
 transition (see ``ember.envs.noise``). ``reset``/``step`` draw them from the key;
 ``reset_from_noise``/``step_from_noise`` take them directly, which is what
-``ember.envs.VectorEnv`` uses to draw a whole batch's words in one call.
+``ember.envs.BatchedEnv`` uses to draw a whole batch's words in one call.
 
 Subclasses implement ``default_params``, ``reset_env``, ``step_env``, the two spaces and
 ``render``, and set ``reset_noise_words`` / ``transition_noise_words``; ``carry_over`` (what

@@ -1,6 +1,6 @@
 """Post-training quantization of a whole model: ``ember quantize SRC OUT --format int4 --method gptq``.
 
-SRC is an Ember run directory or a Hugging Face directory (``ember.serving.load_model``).
+SRC is an Ember run directory or a Hugging Face directory (``ember.serving.loading.load_model``).
 Calibration (GPTQ's input statistics) and validation use token windows cut from a text file
 (its two halves); by default, for an Ember LM run, from the train and validation splits of
 the prepared dataset it trained on (so the validation loss is the run's ``val_loss``), and
