@@ -15,7 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMATS, default="int8", help="weight format (default int8)")
     parser.add_argument("--method", choices=METHODS, default="rtn", help="round-to-nearest or GPTQ (default rtn)")
     parser.add_argument("--group-size", type=int, default=None, help="rows per scale (int4 128, nf4 64 by default)")
-    parser.add_argument("--text", default=None, help="calibration/validation text file (default: the stdlib corpus)")
+    parser.add_argument(
+        "--text",
+        default=None,
+        help="calibration/validation text file (default: an LM run's own dataset, else the stdlib corpus)",
+    )
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration/validation window")
     parser.add_argument("--calibration-windows", type=int, default=32, help="windows for GPTQ's statistics")
     parser.add_argument("--eval-windows", type=int, default=32, help="windows for the validation losses")
