@@ -265,3 +265,19 @@ def test_calibration_text_that_is_not_utf8_is_a_data_error(tmp_path):
     loaded = LoadedModel(LMConfig().model, None, ByteTokenizer(), (ByteTokenizer.eos_id,))
     with pytest.raises(DataError, match=r"latin1\.txt is not UTF-8 text"):
         token_splits(loaded, text, EvalConfig(seq_len=8, calibration_windows=2, eval_windows=2))
+
+
+def test_a_run_whose_dataset_has_no_validation_text_names_that_split(tmp_path):
+    # `ember data prepare` on a few files can hold none out (the split is by name hash). Before,
+    # 'ember quantize RUN' on such a run said "the text has 0 tokens, ..." with no --text given.
+    from ember.core.errors import DataError
+    from ember.core.tokenizer import ByteTokenizer
+    from ember.serving.loading import LoadedModel
+    from ember.training.data import prepare_token_files
+    from ember.training.quantization.ptq import token_splits
+
+    data = tmp_path / "data"
+    prepare_token_files([("only.txt", "def f(x):\n    return x\n" * 40)], data, val_fraction=0.0)
+    loaded = LoadedModel(LMConfig().model, None, ByteTokenizer(), (ByteTokenizer.eos_id,))
+    with pytest.raises(DataError, match=r"validation split of .*data has 0 tokens.*--text"):
+        token_splits(loaded, None, EvalConfig(seq_len=8, calibration_windows=2, eval_windows=2), data)

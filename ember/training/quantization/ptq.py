@@ -80,6 +80,7 @@ def token_splits(
     if text is None and isinstance(tokenizer, ByteTokenizer):
         prepared = TokenDataset.open(stdlib_corpus_dir() if dataset is None else dataset)
         train, val = np.asarray(prepared.train[:need]), np.asarray(prepared.val[:need])
+        sources = (f"the train split of {prepared.directory}", f"the validation split of {prepared.directory}")
     else:
         if tokenizer is None:
             raise ConfigError("the source model has no tokenizer.json to read the calibration text with", key="text")
@@ -93,8 +94,9 @@ def token_splits(
         ids = np.asarray(tokenizer.encode(source), np.int64)
         half = len(ids) // 2
         train, val = ids[:half][:need], ids[half:][:need]
-    return _windows(train, windows.calibration_windows, windows.seq_len), _windows(
-        val, windows.eval_windows, windows.seq_len
+        sources = ("the text", "the text")
+    return _windows(train, windows.calibration_windows, windows.seq_len, sources[0]), _windows(
+        val, windows.eval_windows, windows.seq_len, sources[1]
     )
 
 
@@ -118,10 +120,13 @@ def _stdlib_text(chars: int) -> str:
     return "\n".join(parts)
 
 
-def _windows(ids: np.ndarray, count: int, seq_len: int) -> np.ndarray:
+def _windows(ids: np.ndarray, count: int, seq_len: int, source: str) -> np.ndarray:
     available = len(ids) // (seq_len + 1)
     if available < 1:
-        raise DataError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len + 1}")
+        raise DataError(
+            f"{source} has {len(ids)} tokens, fewer than one window of {seq_len + 1}; "
+            "give a calibration/validation text file with --text, or a smaller --seq-len"
+        )
     count = min(count, available)
     return ids[: count * (seq_len + 1)].reshape(count, seq_len + 1).astype(np.int32)
 
