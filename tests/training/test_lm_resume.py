@@ -99,3 +99,20 @@ def test_resume_guard_compares_the_architecture_only(tmp_path, dataset):
         with pytest.raises(ConfigError, match=f"changed keys: {key}") as error:
             check_resumable(run_dir, small_config(tmp_path, dataset, "mesh.data=8", change))
         assert error.value.key == key
+
+
+def test_resume_guard_lists_the_settings_that_may_change(tmp_path):
+    # Before, every kind's message listed the LM's "model.attention_impl / remat / scan_layers /
+    # page_size" (a fine-tuning config has no model section: its keys are base_model.*) and left
+    # out settings a resume accepts, such as train.grad_accum.
+    from ember.training.finetune.config import FinetuneConfig
+    from ember.training.launcher import shipped_configs_dir
+
+    path, required = shipped_configs_dir() / "finetune" / "lora.yaml", ["base_model.path=base", "data.train=t.jsonl"]
+    (tmp_path / "config.yaml").write_text(to_yaml(load_config(FinetuneConfig, path, required)))
+    with pytest.raises(ConfigError, match=r"changed keys: adapter\.rank") as error:
+        check_resumable(tmp_path, load_config(FinetuneConfig, path, [*required, "adapter.rank=4"]))
+    allowed = str(error.value).split("runtime settings")[1]
+    for key in ("base_model.attention_impl", "base_model.remat", "train.grad_accum", "mesh", "checkpoint"):
+        assert key in allowed, (key, allowed)
+    assert " model." not in allowed, allowed

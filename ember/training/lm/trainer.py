@@ -13,6 +13,7 @@ The work itself is :class:`ember.training.trainer.Trainer` running :class:`LMTas
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import jax
 from ember.core.config import ConfigError, from_yaml, to_yaml
 from ember.core.distributed import initialize_distributed
 from ember.core.sharding import logical_rules, make_mesh
-from ember.training.lm.config import LMConfig
+from ember.training.lm.config import LMConfig, flatten_keys
 from ember.training.lm.task import LMTask
 from ember.training.task import Task
 from ember.training.trainer import NonFiniteLossError, Trainer
@@ -80,7 +81,21 @@ def check_resumable(run_dir: Path, config: Any) -> None:
     if changed:
         raise ConfigError(
             f"run_dir {run_dir} was started with a different config; changed keys: {', '.join(changed)}. "
-            "Use a new run_dir, or change only runtime settings (mesh, distributed, logging, "
-            "checkpoint, sample, train.steps, model.attention_impl / remat / scan_layers / page_size)",
+            f"Use a new run_dir, or change only runtime settings: {', '.join(runtime_settings(config))}",
             key=changed[0],
         )
+
+
+def runtime_settings(config: Any) -> list[str]:
+    """The keys of ``config`` that its ``identity()`` leaves out (what a resume may change), in
+    the config's order, but ``run_dir`` (the run itself); a section is named once when all of it is."""
+    everything = [key for key in flatten_keys(dataclasses.asdict(config)) if key != "run_dir"]
+    kept = config.identity()
+    sections: dict[str, list[str]] = {}
+    for key in everything:
+        sections.setdefault(key.split(".")[0], []).append(key)
+    settings = []
+    for name, keys in sections.items():
+        free = [key for key in keys if key not in kept]
+        settings.extend([name] if free == keys else free)
+    return settings
