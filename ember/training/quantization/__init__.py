@@ -1,2 +1,2 @@
 """Quantizing trained models (``ember quantize``, post-training) and training them
-quantization-aware (``quantize:`` in an LM config)."""
+quantization-aware (``qat:`` in an LM config)."""
