@@ -2,6 +2,7 @@
 jitted) and the config's errors."""
 
 import json
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +127,17 @@ def test_rewards_resolve_by_name_or_import_path():
         resolve_reward("nope")
     with pytest.raises(ConfigError, match="cannot be imported"):
         resolve_reward("tests.training.test_grpo_losses:missing")
+
+
+def test_a_reward_module_that_is_not_importable_says_where_python_looks(tmp_path, monkeypatch):
+    # The `ember` console script does not put the current directory on sys.path (`python -m
+    # ember` does), so a rewards.py beside the config is not found. Before, the error said only
+    # "No module named 'my_rewards'".
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text("def exact(prompt, completion):\n    return 1.0\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    with pytest.raises(ConfigError, match=r"No module named 'my_rewards'.*PYTHONPATH"):
+        resolve_reward("my_rewards:exact")
 
 
 @pytest.mark.parametrize(

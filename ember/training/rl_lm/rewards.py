@@ -91,7 +91,9 @@ def resolve_reward(name: str) -> TextReward | TokenReward:
     try:
         function = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
-        raise ConfigError(f"reward {name!r} cannot be imported: {error}", key="reward") from None
+        # The `ember` script, unlike `python -m ember`, does not look in the current directory.
+        hint = " (a module of your own must be on PYTHONPATH)" if isinstance(error, ModuleNotFoundError) else ""
+        raise ConfigError(f"reward {name!r} cannot be imported: {error}{hint}", key="reward") from None
     if not callable(function):
         raise ConfigError(f"reward {name!r} is not callable", key="reward")
     return function
