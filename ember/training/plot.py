@@ -83,7 +83,9 @@ def plot_runs(run_dirs: list[Path], out: Path, metrics: list[str] | None = None)
         lines = 0
         for label, series in runs.items():
             for suffix, data in _entries(series, name):
-                axis.plot(*data, label=Path(label).name + suffix, linewidth=1.2)
+                # A value logged once is a line of one point, which draws nothing: mark it.
+                marker = "o" if len(data[0]) == 1 else None
+                axis.plot(*data, label=Path(label).name + suffix, linewidth=1.2, marker=marker)
                 lines += 1
         axis.set_title(name)
         axis.set_xlabel("step")

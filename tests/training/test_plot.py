@@ -51,6 +51,28 @@ def test_plot_command_writes_a_png(tmp_path, capsys):
     assert not (tmp_path / "curves.txt").exists()
 
 
+def test_a_metric_logged_once_is_drawn(tmp_path, monkeypatch):
+    # A value logged at one step (val_loss of a run evaluated once, a short run's final metrics)
+    # was a line of one point: nothing visible, an empty panel.
+    import matplotlib.figure
+
+    from ember.training.plot import plot_runs
+
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.write(3, {"loss": 2.5, "val_loss": 2.4})
+    writer.write(6, {"loss": 2.0})
+    writer.close()
+    drawn = {}
+
+    def savefig(figure, *args, **kwargs):
+        drawn.update({axis.get_title(): axis.get_lines() for axis in figure.axes if axis.get_visible()})
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    plot_runs([tmp_path], tmp_path / "metrics.png")
+    (line,) = drawn["val_loss"]
+    assert len(line.get_xdata()) == 1 and line.get_marker() not in (None, "", "None", " "), line.get_marker()
+
+
 def test_metrics_truncate_after_a_resume_point(tmp_path):
     fake_run(tmp_path, 0)
     MetricsWriter(tmp_path, tensorboard=False).truncate_after(10)
