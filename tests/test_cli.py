@@ -64,3 +64,19 @@ def test_peak_flops_known_for_accelerators_and_none_on_cpu():
     assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA L40")) == 181e12
     assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA L4")) == 121e12
     assert peak_flops_per_device(SimpleNamespace(device_kind="NVIDIA H100 PCIe")) == 756e12
+
+
+def test_train_list_prints_paths_that_ember_train_accepts(tmp_path, monkeypatch, capsys):
+    # Before, the paths were relative to the checkout ("configs/lm/tiny.yaml") wherever the
+    # command ran: outside the checkout 'ember train <a listed path>' said "config file not found".
+    from pathlib import Path
+
+    from ember.training.launcher import shipped_configs_dir
+
+    for directory, relative in ((tmp_path, False), (shipped_configs_dir().parent, True)):
+        monkeypatch.chdir(directory)
+        assert main(["train", "--list"]) == 0
+        paths = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+        assert "lm/tiny.yaml" in {"/".join(Path(path).parts[-2:]) for path in paths}
+        assert all(Path(path).is_file() for path in paths), paths
+        assert all(not Path(path).is_absolute() for path in paths) == relative, paths

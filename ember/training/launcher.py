@@ -66,7 +66,10 @@ def _list_configs() -> int:
         print(f"no shipped configs found (looked in {root})")
         return 1
     runnable = [(path, read_key(path, "kind")) for path in sorted(root.rglob("*.yaml"))]
+    here = Path.cwd().resolve()
     for path, kind in runnable:
         if kind is not None:  # files without a kind are presets other configs extend
-            print(f"{path.relative_to(root.parent)!s:<40} kind={kind}")
+            # A path 'ember train' accepts from here: relative inside the checkout, else absolute.
+            shown = path.relative_to(here) if path.is_relative_to(here) else path
+            print(f"{shown!s:<40} kind={kind}")
     return 0
