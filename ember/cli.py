@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -102,6 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(parser, rest)
     try:
         return int(module.run(args) or 0)
+    except BrokenPipeError:
+        # The reader of the output left early (`ember train --list | head -1`): no mistake of the
+        # user's. Python's advice: point stdout at devnull, so the flush at exit cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     # OSError: a path the system refuses (a file where a directory is due, no permission, a full disk).
     except (EmberError, OSError) as error:
         print(f"ember {name}: {error}", file=sys.stderr)

@@ -80,3 +80,21 @@ def test_train_list_prints_paths_that_ember_train_accepts(tmp_path, monkeypatch,
         assert "lm/tiny.yaml" in {"/".join(Path(path).parts[-2:]) for path in paths}
         assert all(Path(path).is_file() for path in paths), paths
         assert all(not Path(path).is_absolute() for path in paths) == relative, paths
+
+
+def test_output_read_by_a_closed_pipe_is_not_an_error_of_the_user():
+    # 'ember train --list | head -1': the reader leaves early. Before, the command printed
+    # "ember train: [Errno 32] Broken pipe" and exited with code 2, as for a mistake of the user's.
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    result = subprocess.run(
+        [sys.executable, "-m", "ember", "train", "--list"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+    )
+    os.close(write_end)
+    assert result.stderr == "" and result.returncode == 1, (result.returncode, result.stderr)
