@@ -169,7 +169,7 @@ def read_prompts(args: argparse.Namespace, defaults: dict[str, Any]) -> list[Inp
     if args.prompt is not None:
         return parse_lines([json.dumps({"prompt": args.prompt})], defaults)
     path = Path(args.prompts)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe is welcome: --prompts /dev/stdin
         raise PathNotFoundError(f"--prompts: no such file: {path}")
     return parse_lines(jsonl_lines(path, "--prompts: "), defaults)
 

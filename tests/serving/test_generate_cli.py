@@ -190,6 +190,24 @@ def test_prompt_lines_split_at_newlines_only(tmp_path):
     assert parsed[0].params.max_tokens == 2
 
 
+def test_prompts_from_a_pipe(tmp_path):
+    # `cat in.jsonl | ember generate --prompts /dev/stdin` (or `--prompts <(...)`): before, a pipe
+    # was refused with "--prompts: no such file: /dev/stdin", as a path that is not there.
+    import threading
+
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(
+        daemon=True, target=lambda: fifo.write_text(json.dumps({"prompt": "def ", "max_tokens": 3}) + "\n")
+    )
+    writer.start()
+    parsed = read_prompts(argparse.Namespace(prompt=None, prompts=str(fifo)), {})
+    writer.join()
+    assert [(line.prompt, line.params.max_tokens, line.error) for line in parsed] == [("def ", 3, None)]
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_prompts(argparse.Namespace(prompt=None, prompts=str(tmp_path / "missing.jsonl")), {})
+
+
 def test_a_prompts_file_that_is_not_utf8_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')  # Latin-1
     args = ["generate", "--checkpoint", str(tmp_path), "--prompts", str(tmp_path / "in.jsonl"), "--no-progress"]
