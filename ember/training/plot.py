@@ -109,6 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = args.out or args.run_dirs[0] / "metrics.png"
+    if not out.suffix:  # matplotlib would add it: say the name of the file written
+        out = out.with_suffix(".png")
     metrics = [m.strip() for m in args.metrics.split(",")] if args.metrics else None
     names = plot_runs(args.run_dirs, out, metrics)
     print(f"wrote {out} ({', '.join(names)})")

@@ -2,6 +2,7 @@
 
 import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,6 +72,15 @@ def test_a_metric_logged_once_is_drawn(tmp_path, monkeypatch):
     plot_runs([tmp_path], tmp_path / "metrics.png")
     (line,) = drawn["val_loss"]
     assert len(line.get_xdata()) == 1 and line.get_marker() not in (None, "", "None", " "), line.get_marker()
+
+
+def test_the_path_printed_is_the_file_written(tmp_path, capsys):
+    # matplotlib appends ".png" to a name without a suffix: before, '--out curves' wrote
+    # curves.png and printed "wrote .../curves".
+    fake_run(tmp_path / "a", 0)
+    assert main(["plot", str(tmp_path / "a"), "--out", str(tmp_path / "curves"), "--metrics", "loss"]) == 0
+    written = capsys.readouterr().out.split()[1]
+    assert Path(written).is_file() and Path(written).read_bytes()[:4] == b"\x89PNG", written
 
 
 def test_metrics_truncate_after_a_resume_point(tmp_path):
