@@ -281,3 +281,25 @@ def test_a_run_whose_dataset_has_no_validation_text_names_that_split(tmp_path):
     loaded = LoadedModel(LMConfig().model, None, ByteTokenizer(), (ByteTokenizer.eos_id,))
     with pytest.raises(DataError, match=r"validation split of .*data has 0 tokens.*--text"):
         token_splits(loaded, None, EvalConfig(seq_len=8, calibration_windows=2, eval_windows=2), data)
+
+
+def test_the_cli_chooses_the_weights_to_quantize(tmp_path, monkeypatch, capsys):
+    # An MoE model's routed experts are not stored quantized, so the default targets (gate, up,
+    # down among them) fail with "quantize.targets entry 'gate' matches no float weight": before,
+    # 'ember quantize' had no option to choose them ("unrecognized arguments: --targets").
+    from ember.training.quantization import ptq
+
+    seen = {}
+
+    def fake_quantize_model(source, out, config, **kwargs):
+        seen["targets"] = config.targets
+        return dict.fromkeys(("quantized_weights", "float_weight_bytes", "quantized_weight_bytes"), 1) | {
+            "format": config.format,
+            "method": config.method,
+            **dict.fromkeys(("float_val_loss", "quantized_val_loss", "val_loss_delta", "kl_to_float"), 0.0),
+            "eval_tokens": 1,
+        }
+
+    monkeypatch.setattr(ptq, "quantize_model", fake_quantize_model)
+    assert main(["quantize", str(tmp_path / "run"), str(tmp_path / "out"), "--targets", "q,k,v,o"]) == 0
+    assert seen["targets"] == ("q", "k", "v", "o")

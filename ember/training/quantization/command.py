@@ -16,6 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=METHODS, default="rtn", help="round-to-nearest or GPTQ (default rtn)")
     parser.add_argument("--group-size", type=int, default=None, help="rows per scale (int4 128, nf4 64 by default)")
     parser.add_argument(
+        "--targets",
+        default=None,
+        help="comma-separated weights to quantize (quantize.targets): names or path regexes "
+        "(default: q,k,v,o,gate,up,down; an MoE model's routed experts stay float, so name its others)",
+    )
+    parser.add_argument(
         "--text",
         default=None,
         help="calibration/validation text file (default: an LM run's own dataset, else the stdlib corpus)",
@@ -29,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from ember.models.quantization import QuantizeConfig
     from ember.training.quantization.ptq import EvalConfig, quantize_model
 
-    config = QuantizeConfig(format=args.format, method=args.method, group_size=args.group_size)
+    targets = {"targets": tuple(t.strip() for t in args.targets.split(",") if t.strip())} if args.targets else {}
+    config = QuantizeConfig(format=args.format, method=args.method, group_size=args.group_size, **targets)
     windows = EvalConfig(
         seq_len=args.seq_len, calibration_windows=args.calibration_windows, eval_windows=args.eval_windows
     )
