@@ -40,3 +40,21 @@ def test_shipped_config_parses(path):
     # A runnable config parses as its kind's schema (configs/rl_lm/ holds an lm and a grpo run).
     schema = importlib.import_module(KINDS[kind]).CONFIG_SCHEMA if kind in KINDS else schema_for(section)
     load_config(schema, path, REQUIRED.get(section, []))
+
+
+def test_every_config_path_named_in_the_code_and_docs_exists():
+    """A shipped config named by a docstring, a comment, the README or a notebook exists (the
+    fine-tuning package's docstring named configs/finetune/lora_tiny.yaml long after it was gone)."""
+    import re
+
+    root = CONFIG_DIR.parent
+    sources = [*root.glob("ember/**/*.py"), *CONFIG_DIR.rglob("*.yaml"), *root.glob("examples/*.ipynb")]
+    sources += [root / "README.md", root / "benchmarks" / "README.md", root / "Makefile"]
+    named = {
+        (match, str(path.relative_to(root)))
+        for path in sources
+        for match in re.findall(r"configs/[a-z_]+/[\w.-]+\.ya?ml", path.read_text(encoding="utf-8"))
+    }
+    assert named
+    missing = sorted((name, where) for name, where in named if not (root / name).is_file())
+    assert not missing, missing
