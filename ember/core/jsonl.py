@@ -15,6 +15,13 @@ from pathlib import Path
 from ember.core.errors import DataError
 
 
+def readable(path: str | Path) -> bool:
+    """Whether ``path`` is something :func:`utf8_text` reads: a file, or a pipe
+    (``/dev/stdin``, a shell's ``<(...)``), which ``Path.is_file`` says is not a file."""
+    path = Path(path)
+    return path.exists() and not path.is_dir()
+
+
 def jsonl_lines(path: str | Path, label: str = "") -> list[str]:
     """Every line of the JSONL file at ``path`` (line ``n`` at index ``n - 1``; blank ones
     included, for the callers' line numbers).

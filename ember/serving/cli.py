@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.core.errors import ConfigError, EmberError, PathNotFoundError
-from ember.core.jsonl import jsonl_lines
+from ember.core.jsonl import jsonl_lines, readable
 from ember.serving.batch_io import InputLine, output_record, parse_lines
 from ember.serving.requests import SamplingParams
 
@@ -169,7 +169,7 @@ def read_prompts(args: argparse.Namespace, defaults: dict[str, Any]) -> list[Inp
     if args.prompt is not None:
         return parse_lines([json.dumps({"prompt": args.prompt})], defaults)
     path = Path(args.prompts)
-    if not path.exists() or path.is_dir():  # a pipe is welcome: --prompts /dev/stdin
+    if not readable(path):  # a pipe is welcome: --prompts /dev/stdin
         raise PathNotFoundError(f"--prompts: no such file: {path}")
     return parse_lines(jsonl_lines(path, "--prompts: "), defaults)
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ember.core.errors import DataError
-from ember.core.jsonl import jsonl_lines, lone_surrogate
+from ember.core.jsonl import jsonl_lines, lone_surrogate, readable
 
 
 def test_lines_end_at_newlines_only_and_blank_lines_keep_their_numbers(tmp_path):
@@ -33,3 +33,12 @@ def test_a_file_that_is_not_utf8_is_a_data_error_naming_the_byte(tmp_path):
 def test_lone_surrogate_finds_the_first_unpaired_one():
     assert lone_surrogate("plain \U0001f600 text") is None
     assert lone_surrogate(json.loads('"ab\\ud800c\\udfff"')) == (2, "U+D800")
+
+
+def test_readable_takes_files_and_pipes_not_directories_or_missing_paths(tmp_path):
+    import os
+
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    os.mkfifo(tmp_path / "in.fifo")  # what /dev/stdin or a shell's <(...) is
+    assert readable(tmp_path / "a.jsonl") and readable(str(tmp_path / "in.fifo"))
+    assert not readable(tmp_path) and not readable(tmp_path / "missing.jsonl")

@@ -2,7 +2,9 @@
 jitted) and the config's errors."""
 
 import json
+import os
 import sys
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +184,10 @@ def test_prompt_files_split_at_newlines_only_and_refuse_what_is_not_text(tmp_pat
     path.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     with pytest.raises(DataError, match="is not UTF-8 text"):
         read_prompts(path)
+    # A pipe (a shell's <(...)) was refused as a prompts file that does not exist.
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(daemon=True, target=lambda: fifo.write_text('{"prompt": "3+4="}\n'))
+    writer.start()
+    assert read_prompts(fifo) == ["3+4="]
+    writer.join()

@@ -2,6 +2,8 @@
 
 import itertools
 import json
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -235,6 +237,14 @@ def test_cli_prepare(tmp_path, capsys):
     assert data.meta["splits"]["train"]["documents"] + data.meta["splits"]["val"]["documents"] == 12
     assert "wrote" in capsys.readouterr().out
     assert main(["data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")]) == 2
+    # A pipe (`ember data prepare <(...)`) was refused as "not a file".
+    fifo = tmp_path / "notes.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(daemon=True, target=lambda: fifo.write_text("moo moo"))
+    writer.start()
+    assert main(["data", "prepare", str(fifo), "--out", str(tmp_path / "piped"), "--val-fraction", "0"]) == 0
+    writer.join()
+    assert TokenDataset.open(tmp_path / "piped").meta["splits"]["train"]["documents"] == 1
 
 
 def test_cli_prepare_with_a_hugging_face_tokenizer(tmp_path):

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from ember.core.errors import PathNotFoundError
 from ember.core.hf_tokenizer import load_hf_tokenizer
+from ember.core.jsonl import readable
 from ember.training.data.token_files import prepare_token_files
 
 
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    missing = [str(path) for path in args.files if not path.is_file()]
+    missing = [str(path) for path in args.files if not readable(path)]  # files or pipes
     if missing:
         raise PathNotFoundError(f"not a file: {', '.join(missing)}")
 

@@ -32,7 +32,7 @@ from ember.core.checkpoint import CheckpointManager
 from ember.core.config import from_yaml, read_key, to_dict
 from ember.core.errors import ConfigError, DataError
 from ember.core.hf_tokenizer import HFTokenizer
-from ember.core.jsonl import utf8_text
+from ember.core.jsonl import readable, utf8_text
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import (
@@ -86,7 +86,7 @@ def token_splits(
             raise ConfigError("the source model has no tokenizer.json to read the calibration text with", key="text")
         if text is not None:
             path = Path(text)
-            if not path.is_file():
+            if not readable(path):  # a file or a pipe
                 raise DataError(f"calibration text {path} does not exist")
             source = utf8_text(path, "--text: ")
         else:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ember.core.errors import DataError, PathNotFoundError
-from ember.core.jsonl import jsonl_lines, lone_surrogate
+from ember.core.jsonl import jsonl_lines, lone_surrogate, readable
 from ember.training.data.arithmetic import arithmetic_problems, split_problems
 from ember.training.rl_lm.config import PromptsConfig
 
@@ -33,7 +33,7 @@ def load_prompts(config: PromptsConfig) -> tuple[list[str], list[str]]:
 def read_prompts(path: str | Path) -> list[str]:
     """The ``"prompt"`` of every line of the JSONL file at ``path`` (blank lines skipped)."""
     path = Path(path)
-    if not path.is_file():
+    if not readable(path):  # a file or a pipe
         raise PathNotFoundError(f'prompts file {path} does not exist (JSONL lines of {{"prompt": "..."}})')
     prompts = []
     for number, line in enumerate(jsonl_lines(path), start=1):
