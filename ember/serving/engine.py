@@ -153,7 +153,10 @@ class Engine:
         raises ``ValueError`` for what is wrong with it."""
         params = SamplingParams() if params is None else params
         if params.adapter is not None and params.adapter not in self.program.adapter_names:
-            known = ", ".join(self.program.adapter_names) or "none (serve some with --adapter NAME=DIR)"
+            known = ", ".join(self.program.adapter_names) or (
+                "none (adapters are given when the engine is built: Engine.build(..., adapters=...), or "
+                "ember generate --adapter NAME=DIR with a run or model directory)"
+            )
             raise ValueError(f"unknown adapter {params.adapter!r}; this engine's adapters: {known}")
         tokens = self.encode_prompt(prompt)
         stops = params.stop_token_ids

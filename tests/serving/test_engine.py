@@ -114,7 +114,7 @@ def test_stream_yields_the_generated_tokens_then_the_finish(engine, reference_gr
 def test_a_rejected_or_abandoned_request_leaves_nothing_queued(program, engine, reference_greedy):
     """Every request is checked before any is queued, and a stream closed early aborts its own."""
     p = SamplingParams(max_tokens=3, ignore_eos=True)
-    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+    with pytest.raises(ValueError, match=r"unknown adapter 'nope'; this engine's adapters: none \(.*Engine.build"):
         list(engine.stream([[1, 2], [3, 4]], [p, SamplingParams(adapter="nope")]))
     assert not engine.has_unfinished
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
