@@ -11,8 +11,9 @@ import argparse
 import json
 from pathlib import Path
 
-from ember.core.config import load_config
-from ember.training.launcher import shipped_configs_dir
+from ember.core.config import load_config, read_key
+from ember.core.errors import ConfigError
+from ember.training.launcher import DEFAULT_KIND, shipped_configs_dir
 from ember.training.linearize import entry
 from ember.training.linearize.config import LinearizeRunConfig
 
@@ -33,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     path = args.config or shipped_configs_dir() / "linearize" / "lolcats.yaml"
+    kind = read_key(path, "kind", args.overrides, default=DEFAULT_KIND)
+    if kind != "linearize":  # its sections would be refused one unknown key at a time
+        raise ConfigError(
+            f"--config {path} is a kind: {kind} config; ember linearize takes a kind: linearize one "
+            f"(such as configs/linearize/lolcats.yaml); 'ember train {path}' runs this one",
+            key="kind",
+        )
     # Quoted: an override's value is read as YAML, where a directory named 007 is the int 7.
     overrides = [f"base_model.path={json.dumps(args.source)}", f"run_dir={json.dumps(args.out)}", *args.overrides]
     summary = entry.run(load_config(LinearizeRunConfig, path, overrides), resume=args.resume)
