@@ -116,6 +116,7 @@ IN_PROCESS_FAILURES = {
     "lm bad model value": (train("model.num_layers=0"), "model.num_layers must be a positive integer, got 0"),
     "mesh does not fit": (train("mesh.data=3"), "mesh mesh.data=3 x mesh.fsdp=1"),
     "existing run without --resume": (train("run_dir={root}/existing"), "already holds checkpoints; pass --resume"),
+    "train list with a config": (["train", "--list", "{root}/lm.yaml"], "--list lists the shipped configs and takes"),
     "linearize a config of another kind": (
         ["linearize", "{root}/existing", "{root}/linearized", "--config", "{root}/lm.yaml"],
         "lm.yaml is a kind: lm config; ember linearize takes a kind: linearize one",

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.list:
+        if args.config is not None:  # it would be ignored: the user meant one of the two
+            raise ConfigError(f"--list lists the shipped configs and takes no CONFIG (got {str(args.config)!r})")
         return _list_configs()
     if args.config is None:
         raise ConfigError("a CONFIG.yaml is required (see 'ember train --list')")
