@@ -99,6 +99,23 @@ def triton_compiler_params(*, interpret: bool, num_warps: int, num_stages: int):
 GPU_KERNELS: tuple[str, ...] = ("auto", "triton", "hopper")
 
 
+def refuse_gpu_kernel_choice_off_gpu(
+    option: str, choice: str, *, impl: str, platform: str | None, op: str = ""
+) -> None:
+    """Raises ``ValueError`` when ``option`` (a choice among :data:`GPU_KERNELS`) is not
+    ``"auto"`` on a call that runs no GPU kernel (``platform``, from :func:`kernel_platform`):
+    a misspelt choice is named as one, a real one says which ``impl`` runs the GPU kernels.
+    ``op``: a prefix for the messages (``"grouped_matmul: "``)."""
+    if choice == "auto" or platform == "gpu":
+        return
+    if choice not in GPU_KERNELS:
+        raise ValueError(f"{op}{option} must be one of {GPU_KERNELS}, got {choice!r}")
+    raise ValueError(
+        f"{op}{option}={choice!r} chooses among the GPU kernels (impl='pallas' on a GPU, "
+        f"or 'interpret'); impl={impl!r} runs the {platform or 'XLA'} path here"
+    )
+
+
 def choose_gpu_kernel(what: str, choice: str, hopper_reason: str | None, *, hopper_by_default: bool) -> str:
     """``"hopper"`` or ``"triton"`` for ``choice`` in :data:`GPU_KERNELS`: ``"auto"`` takes the
     Hopper kernel where ``hopper_by_default`` and ``hopper_reason`` (why it cannot run this

@@ -36,7 +36,12 @@ from ember.kernels_pallas.block_mask import (
     LocalMask,
     combine_masks,
 )
-from ember.kernels_pallas.dispatch import GPU_KERNELS, kernel_platform, pallas_interpret, resolve_impl
+from ember.kernels_pallas.dispatch import (
+    kernel_platform,
+    pallas_interpret,
+    refuse_gpu_kernel_choice_off_gpu,
+    resolve_impl,
+)
 from ember.kernels_pallas.flash_attention_kernels import flash_attention_kernel
 from ember.kernels_pallas.flash_attention_tpu import flash_attention_tpu
 from ember.kernels_pallas.int_options import check_num_warps, check_positive_int, check_power_of_two
@@ -436,13 +441,7 @@ def flash_attention(
     resolved = resolve_impl(impl, op="flash_attention", kernel_backends=KERNEL_BACKENDS)
     rows = _row_arrays(problem, segment_ids, segment_positions)
     platform = kernel_platform(resolved)
-    if backward_kernel != "auto" and platform != "gpu":
-        if backward_kernel not in GPU_KERNELS:  # a typo, named as one (the GPU path's choice does too)
-            raise ValueError(f"backward_kernel must be one of {GPU_KERNELS}, got {backward_kernel!r}")
-        raise ValueError(
-            f"backward_kernel={backward_kernel!r} chooses among the GPU kernels (impl='pallas' on a GPU, "
-            f"or 'interpret'); impl={impl!r} runs the {platform or 'XLA'} path here"
-        )
+    refuse_gpu_kernel_choice_off_gpu("backward_kernel", backward_kernel, impl=impl, platform=platform)
     if platform is None:
         return _chunked_xla_attention(q, k, v, rows, problem)
     if platform == "tpu":

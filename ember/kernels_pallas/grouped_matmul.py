@@ -36,7 +36,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ember.kernels_pallas.dispatch import GPU_KERNELS, kernel_platform, pallas_interpret, resolve_impl
+from ember.kernels_pallas.dispatch import (
+    kernel_platform,
+    pallas_interpret,
+    refuse_gpu_kernel_choice_off_gpu,
+    resolve_impl,
+)
 from ember.kernels_pallas.grouped_matmul_kernels import grouped_matmul_kernel
 from ember.kernels_pallas.grouped_matmul_tpu import grouped_matmul_tpu
 from ember.kernels_pallas.int_options import check_num_warps, check_positive_int, check_power_of_two
@@ -188,13 +193,7 @@ def grouped_matmul(
     impl = resolve_impl(impl, op="grouped_matmul", kernel_backends=KERNEL_BACKENDS)
     out_dtype = preferred_element_type or lhs.dtype
     platform = kernel_platform(impl)
-    if gpu_kernel != "auto" and platform != "gpu":
-        if gpu_kernel not in GPU_KERNELS:  # a typo, named as one (the GPU path's choice does too)
-            raise ValueError(f"grouped_matmul: gpu_kernel must be one of {GPU_KERNELS}, got {gpu_kernel!r}")
-        raise ValueError(
-            f"grouped_matmul: gpu_kernel={gpu_kernel!r} chooses among the GPU kernels (impl='pallas' on a GPU, "
-            f"or 'interpret'); impl={impl!r} runs the {platform or 'XLA'} path here"
-        )
+    refuse_gpu_kernel_choice_off_gpu("gpu_kernel", gpu_kernel, impl=impl, platform=platform, op="grouped_matmul: ")
     if platform is None:
         return _xla(lhs, rhs, group_sizes, group_offset, out_dtype)
     bounds = _local_bounds(group_sizes, rhs.shape[0], group_offset, lhs.shape[0])
