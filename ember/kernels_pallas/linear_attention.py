@@ -38,6 +38,7 @@ from ember.kernels_pallas.document_boundaries import document_index, document_st
 from ember.kernels_pallas.int_options import check_power_of_two
 from ember.kernels_pallas.linear_attention_pallas import chunked_linear_attention_pallas
 from ember.kernels_pallas.linear_attention_tpu import chunked_linear_attention_tpu
+from ember.kernels_pallas.step_inputs import check_one_token
 
 KERNEL_BACKENDS = ("gpu", "tpu")
 """Backends with a compiled Pallas kernel (GPU: the Triton lowering; TPU: Mosaic TPU);
@@ -180,15 +181,15 @@ def linear_attention_step(q, k, v, state, *, log_decay=None, normalize=False):
     Returns:
       ``(output [batch, heads, dv] in v's dtype, new_state float32)``.
     """
-    # The step's own layouts (no seq axis), checked before _validate adds one.
-    for name, x, layout in (
-        ("q", q, "[batch, qk_heads, dk]"),
-        ("k", k, "[batch, qk_heads, dk]"),
-        ("v", v, "[batch, heads, dv]"),
-        ("log_decay", log_decay, "[batch, heads]"),
-    ):
-        if x is not None and x.ndim != len(layout.split(",")):
-            raise ValueError(f"linear_attention_step: {name} must be {layout} (one token), got shape {x.shape}")
+    check_one_token(
+        "linear_attention_step",
+        (
+            ("q", q, "[batch, qk_heads, dk]"),
+            ("k", k, "[batch, qk_heads, dk]"),
+            ("v", v, "[batch, heads, dv]"),
+            ("log_decay", log_decay, "[batch, heads]"),
+        ),
+    )
     batch, heads, _dv = v.shape
     _validate(
         "linear_attention_step",

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from ember.kernels_pallas.dispatch import resolve_impl
 from ember.kernels_pallas.document_boundaries import document_index
+from ember.kernels_pallas.step_inputs import check_one_token
 
 KERNEL_BACKENDS: tuple[str, ...] = ()
 """Backends with a Pallas kernel for this op: none (see the module docstring)."""
@@ -102,8 +103,7 @@ def short_conv_step(x, state, weight, bias=None):
     Returns:
       ``(y [batch, channels], new_state)``, the state rolled by one token.
     """
-    if x.ndim != 2:  # the step's own layout, checked before _validate adds a seq axis
-        raise ValueError(f"short_conv_step: x must be [batch, channels] (one token), got shape {x.shape}")
+    check_one_token("short_conv_step", (("x", x, "[batch, channels]"),))
     _validate("short_conv_step", x[:, None], weight, bias, state, None, "state")
     window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1)
     y = jnp.einsum("bwc,wc->bc", window.astype(jnp.float32), weight.astype(jnp.float32))

@@ -38,6 +38,7 @@ from ember.kernels_pallas.linear_attention import (
     linear_attention,
     linear_attention_quadratic,
 )
+from ember.kernels_pallas.step_inputs import check_one_token
 
 
 def _is_float(x) -> bool:
@@ -129,15 +130,15 @@ def ssd_step(x, dt, A, B, C, state, *, D=None, dt_bias=None, dt_softplus=True):
     Returns:
       ``(y [batch, heads, head_dim] in x's dtype, new_state float32)``.
     """
-    # The step's own layouts (no seq axis), checked before _validate adds one.
-    for name, value, layout in (
-        ("x", x, "[batch, heads, head_dim]"),
-        ("dt", dt, "[batch, heads]"),
-        ("B", B, "[batch, groups, state]"),
-        ("C", C, "[batch, groups, state]"),
-    ):
-        if value.ndim != len(layout.split(",")):
-            raise ValueError(f"ssd_step: {name} must be {layout} (one token), got shape {value.shape}")
+    check_one_token(
+        "ssd_step",
+        (
+            ("x", x, "[batch, heads, head_dim]"),
+            ("dt", dt, "[batch, heads]"),
+            ("B", B, "[batch, groups, state]"),
+            ("C", C, "[batch, groups, state]"),
+        ),
+    )
     _validate("ssd_step", x[:, None], dt[:, None], A, B[:, None], C[:, None], D, dt_bias, state, None, "state")
     heads = x.shape[1]
     f32 = jnp.float32
