@@ -229,8 +229,8 @@ def train_step(
             (trainable, state.opt_state, state.model_state),
             is_leaf=_is_schedule,
         )
-    if scaled:
-        opt_state = next_loss_scale(opt_state._replace(scale=loss_scale), grads_finite)
+    if scaled:  # the wrapped optimizer's update left the scale as this step used it
+        opt_state = next_loss_scale(opt_state, grads_finite)
     metrics = {
         "loss": loss,
         **aux,

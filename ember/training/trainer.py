@@ -268,8 +268,9 @@ class Trainer:
     def _restore(self, boxed: TrainState) -> TrainState:
         """The last checkpoint placed on this mesh (converted when its param layout differs)."""
         metadata = self.manager.state_metadata()
-        if is_loss_scaled(metadata["opt_state"]) != self.loss_scaled:
-            saved = "dynamic" if is_loss_scaled(metadata["opt_state"]) else "off"
+        saved_scaled = is_loss_scaled(metadata["opt_state"])
+        if saved_scaled != self.loss_scaled:
+            saved = "dynamic" if saved_scaled else "off"
             self.manager.close()
             raise ConfigError(
                 f"this run's checkpoints were saved with train.loss_scale={saved} and this run's loss scaling is "
