@@ -153,9 +153,10 @@ def check_peft_exportable(config: ModelConfig, params: Mapping[str, Any]) -> Non
     """
     if any(MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1]) for p in param_paths(params)):
         raise DataError("MixLoRA's routed experts have no PEFT LoRA form; keep them as an Ember run")
+    unboxed = unbox(params)
     for layer in range(config.num_layers):
         container, _, block = layer_location(config, layer)
-        for weight in adapted_paths(unbox(params)[container][block]):
+        for weight in adapted_paths(unboxed[container][block]):
             _module_of(weight)
 
 
