@@ -164,20 +164,11 @@ class Box(Space):
         # Gymnasium's convention: uniform where bounded, low + Exp(1) where bounded below only,
         # high - Exp(1) where bounded above only, a standard normal where unbounded.
         bounded_below, bounded_above = np.isfinite(self.low), np.isfinite(self.high)
-        uniform = jax.random.uniform(
-            key,
-            self.shape,
-            self.dtype,
-            np.where(bounded_below, self.low, 0.0),
-            np.where(bounded_above, self.high, 1.0),
-        )
+        low, high = np.where(bounded_below, self.low, 0.0), np.where(bounded_above, self.high, 1.0)
+        uniform = jax.random.uniform(key, self.shape, self.dtype, low, high)
         normal = jax.random.normal(key, self.shape, self.dtype)
         exponential = jax.random.exponential(jax.random.fold_in(key, 1), self.shape, self.dtype)
-        one_sided = jnp.where(
-            bounded_below,
-            np.where(bounded_below, self.low, 0.0) + exponential,
-            np.where(bounded_above, self.high, 0.0) - exponential,
-        )
+        one_sided = jnp.where(bounded_below, low + exponential, high - exponential)
         sample = jnp.where(
             bounded_below & bounded_above, uniform, jnp.where(bounded_below | bounded_above, one_sided, normal)
         )
