@@ -159,9 +159,8 @@ class ExplicitBlockMask(BlockMask):
 
     ``blocks`` is a tuple of tuples of bools (hashable); nested lists or a 2-D array are
     converted to one (as :meth:`from_array` does). The grid must cover the sequences it is
-    used with. The kernel's block
-    sizes must divide ``block_q`` and ``block_kv`` so that every kernel block lies inside one
-    grid cell (then no in-block masking is needed).
+    used with. The kernel's block sizes must divide ``block_q`` and ``block_kv`` so that every
+    kernel block lies inside one grid cell (then no in-block masking is needed).
     """
 
     blocks: tuple[tuple[bool, ...], ...]
