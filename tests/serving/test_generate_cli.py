@@ -23,6 +23,7 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.cli import read_prompts
 from tests.hf_peers import random_hf_model
+from tests.pipes import pipe_holding
 from tests.serving.greedy_reference import greedy_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,16 +194,8 @@ def test_prompt_lines_split_at_newlines_only(tmp_path):
 def test_prompts_from_a_pipe(tmp_path):
     # `cat in.jsonl | ember generate --prompts /dev/stdin` (or `--prompts <(...)`): before, a pipe
     # was refused with "--prompts: no such file: /dev/stdin", as a path that is not there.
-    import threading
-
-    fifo = tmp_path / "in.fifo"
-    os.mkfifo(fifo)
-    writer = threading.Thread(
-        daemon=True, target=lambda: fifo.write_text(json.dumps({"prompt": "def ", "max_tokens": 3}) + "\n")
-    )
-    writer.start()
-    parsed = read_prompts(argparse.Namespace(prompt=None, prompts=str(fifo)), {})
-    writer.join()
+    with pipe_holding(tmp_path / "in.fifo", json.dumps({"prompt": "def ", "max_tokens": 3}) + "\n") as fifo:
+        parsed = read_prompts(argparse.Namespace(prompt=None, prompts=str(fifo)), {})
     assert [(line.prompt, line.params.max_tokens, line.error) for line in parsed] == [("def ", 3, None)]
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_prompts(argparse.Namespace(prompt=None, prompts=str(tmp_path / "missing.jsonl")), {})

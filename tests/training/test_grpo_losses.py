@@ -2,9 +2,7 @@
 jitted) and the config's errors."""
 
 import json
-import os
 import sys
-import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ from ember.training.rl_lm.config import GRPOConfig, GRPOSection
 from ember.training.rl_lm.losses import group_advantages, policy_loss
 from ember.training.rl_lm.prompts import read_prompts
 from ember.training.rl_lm.rewards import arithmetic_exact_match, python_parses, resolve_reward, score, token_reward
+from tests.pipes import pipe_holding
 from tests.tolerances import assert_allclose
 
 
@@ -185,9 +184,5 @@ def test_prompt_files_split_at_newlines_only_and_refuse_what_is_not_text(tmp_pat
     with pytest.raises(DataError, match="is not UTF-8 text"):
         read_prompts(path)
     # A pipe (a shell's <(...)) was refused as a prompts file that does not exist.
-    fifo = tmp_path / "prompts.fifo"
-    os.mkfifo(fifo)
-    writer = threading.Thread(daemon=True, target=lambda: fifo.write_text('{"prompt": "3+4="}\n'))
-    writer.start()
-    assert read_prompts(fifo) == ["3+4="]
-    writer.join()
+    with pipe_holding(tmp_path / "prompts.fifo", '{"prompt": "3+4="}\n') as fifo:
+        assert read_prompts(fifo) == ["3+4="]

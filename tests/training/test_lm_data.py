@@ -2,8 +2,6 @@
 
 import itertools
 import json
-import os
-import threading
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 from ember.training.data import PackedBatches, TokenDataset, pack_window, prepare_token_files, stdlib_documents
 from ember.training.data.token_files import validation_split
 from ember.training.lm.task import LMTask
+from tests.pipes import pipe_holding
 from tests.training.lm_runs import small_config
 
 EOS = ByteTokenizer.eos_id
@@ -238,12 +237,8 @@ def test_cli_prepare(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert main(["data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")]) == 2
     # A pipe (`ember data prepare <(...)`) was refused as "not a file".
-    fifo = tmp_path / "notes.fifo"
-    os.mkfifo(fifo)
-    writer = threading.Thread(daemon=True, target=lambda: fifo.write_text("moo moo"))
-    writer.start()
-    assert main(["data", "prepare", str(fifo), "--out", str(tmp_path / "piped"), "--val-fraction", "0"]) == 0
-    writer.join()
+    with pipe_holding(tmp_path / "notes.fifo", "moo moo") as fifo:
+        assert main(["data", "prepare", str(fifo), "--out", str(tmp_path / "piped"), "--val-fraction", "0"]) == 0
     assert TokenDataset.open(tmp_path / "piped").meta["splits"]["train"]["documents"] == 1
 
 
