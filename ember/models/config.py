@@ -127,7 +127,9 @@ class MoEConfig:
     - ``expert_dim``: hidden width of one expert; 0 means the model's ``mlp_dim``.
     - ``capacity_factor``: 0 is dropless; otherwise each expert takes at most
       ``ceil(capacity_factor * tokens * top_k / num_experts)`` token-slots per forward pass,
-      first choices before second ones, each in token order; the rest are dropped.
+      first choices before second ones, each in token order; the rest are dropped. ``tokens``
+      counts the real ones: padding (segment id 0, a serving step's unused budget) is routed
+      to no expert.
     - ``shared_experts`` (of ``shared_expert_dim`` each, 0 = ``expert_dim``): always-on
       experts, one MLP of ``shared_experts * shared_expert_dim`` channels, scaled by
       ``sigmoid(x @ shared_gate)`` when ``shared_expert_gate`` (Qwen2-MoE).

@@ -96,14 +96,17 @@ class Block(nn.Module):
         h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="mlp_norm")(x)
         stats = None
         adapter_ids = None if paging is None else paging.token_adapters(valid)
+        # The tokens routed to experts and counted in the balance statistics: not a ragged step's
+        # unused budget, nor a training batch's padding (segment id 0).
+        real = valid if paging is not None else None if segment_ids is None else segment_ids > 0
         if self.mlp_placement == "moe":
-            h, new_logits, stats = MoeMlp(config, name="moe")(h, router_logits, valid, adapter_ids)
+            h, new_logits, stats = MoeMlp(config, name="moe")(h, router_logits, real, adapter_ids)
             if router_logits is not None:
                 router_logits = new_logits.astype(router_logits.dtype)
         elif mixlora_router_name(self.variables.get("params", {}).get("mlp")):  # params from add_mixlora
             if adapter_ids is not None:
                 raise ValueError("a MixLoRA model serves its own experts; it cannot also serve stacked adapters")
-            h, stats = MixLoraMlp(config.mlp, config.policy.compute_dtype, name="mlp")(h)
+            h, stats = MixLoraMlp(config.mlp, config.policy.compute_dtype, name="mlp")(h, real)
         else:
             h = Mlp(config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp")(
                 h, adapter_ids
@@ -179,8 +182,10 @@ class DecoderLM(nn.Module):
             num_tokens]``; see ``ember.models.cache``: tokens outside every run are
             padding), or None (no cache returned).
           segment_ids: int ``[batch, seq]`` packed-document ids without a cache (a token
-            attends only within its document; pass positions restarting per document).
-            Not with a cache.
+            attends only within its document; pass positions restarting per document), from
+            1; 0 marks padding, which MoE and MixLoRA layers route to no expert and leave out
+            of their balance statistics and capacity (Ember's batches pad with 0). Not with a
+            cache.
           logits_at: int ``[batch, n]``: compute logits only at these sequence indices
             (the head is the largest matmul of a decode step); default every index.
 

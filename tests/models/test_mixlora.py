@@ -30,6 +30,7 @@ from ember.models.layers.router import load_balancing_loss
 from ember.training.task import apply_model
 from ember.training.trainable import merge as merge_subset
 from ember.training.trainable import select
+from tests.models.padded_batches import padded_and_compact
 from tests.moved_adapters import moved
 from tests.tolerances import assert_allclose
 
@@ -195,3 +196,16 @@ def test_what_cannot_take_mixlora_says_so():
         with pytest.raises(ConfigError, match=f"mixlora.{field} must be positive") as error:
             MixLoraConfig(**{field: value})
         assert error.value.key == f"mixlora.{field}"
+
+
+def test_training_padding_is_left_out_of_the_load_balance():
+    """A training batch's padding (segment id 0) counts in neither the load-balancing loss nor
+    the expert loads: they are those of the same documents packed without padding."""
+    config = dataclasses.replace(CONFIG, scan_layers=False)
+    params = trained(add_mixlora_jit(base_params(config), MIX, jax.random.key(1)), scale=0.1)
+    batches = padded_and_compact(config.vocab_size)
+    outputs = jax.jit(lambda t, p, s: apply_model(DecoderLM(config), params, t, positions=p, segment_ids=s))
+    padded, compact = outputs(*batches.padded), outputs(*batches.compact)
+    assert_allclose(padded.output[0][batches.real], compact.output[0][0], scale=10)
+    assert_allclose(padded.aux["load_balance"], compact.aux["load_balance"], scale=10)
+    assert_allclose(padded.metrics["expert_load"], compact.metrics["expert_load"], scale=10)

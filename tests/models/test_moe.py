@@ -18,6 +18,7 @@ from ember.models.layers.moe import MoeMlp
 from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp
 from ember.models.layers.router import balance_statistics, load_balancing_loss, router_z_loss
 from tests.host_random import numpy_rng
+from tests.models.padded_batches import padded_and_compact
 from tests.tolerances import assert_allclose
 
 BASE = ModelConfig(vocab_size=61, d_model=16, num_layers=2, num_heads=2, mlp_dim=24, moe_impl="xla")
@@ -330,3 +331,22 @@ def test_moe_flops_count_the_active_experts():
     # Two experts of 16 channels are one MLP of 32; the router adds 2 * embed * experts per layer.
     router = 2 * BASE.d_model * 6 * BASE.num_layers
     assert flops_per_token(sparse, 8, training=False) == flops_per_token(dense, 8, training=False) + router
+
+
+def test_training_padding_takes_no_capacity_and_is_left_out_of_the_losses(decoder_params):
+    """A training batch's padding (segment id 0): the real tokens' logits, the balance and z
+    losses and the expert loads are those of the same documents packed without padding, with
+    capacity dropping slots (it counts the real tokens)."""
+    config = dataclasses.replace(MODEL, moe=dataclasses.replace(MODEL.moe, capacity_factor=0.6))
+    batches = padded_and_compact(config.vocab_size)
+    model = DecoderLM(config)
+    apply = jax.jit(
+        lambda t, p, s: model.apply(
+            {"params": decoder_params}, t, positions=p, segment_ids=s, mutable=["losses", "metrics"]
+        )
+    )
+    (padded, _), padded_sown = apply(*batches.padded)
+    (compact, _), compact_sown = apply(*batches.compact)
+    assert all(float(d) > 0 for d in compact_sown["metrics"]["dropped_fraction"])
+    assert_allclose(padded[batches.real], compact[0], scale=10)
+    jax.tree.map(lambda a, b: assert_allclose(a, b, scale=10), padded_sown, compact_sown)

@@ -39,10 +39,12 @@ def mixlora_mlp(
     *,
     kind: str,
     top_k: int,
+    token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(y [tokens, embed], balance statistics)`` of ``x [tokens, embed]`` (see the module
     docstring); ``weights`` by name (``gate`` for gated kinds, ``up``, ``down``), ``adapters``
-    the stacked expert adapters of the adapted ones."""
+    the stacked expert adapters of the adapted ones; ``token_mask [tokens]``: the real tokens,
+    the only ones the statistics count (None: all)."""
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     routing = route(logits, top_k=top_k, score="softmax", renormalize=True)
     experts = routing.expert_ids.reshape(-1)  # [tokens * k]: token t's slots are rows t*k .. t*k + k - 1
@@ -67,20 +69,25 @@ def mixlora_mlp(
     out = project("down", hidden, False).reshape(x.shape[0], top_k, -1)
     y = jnp.einsum("tk,tke->te", routing.weights.astype(out.dtype), out)
     stats = balance_statistics(
-        logits, routing.expert_ids, score="softmax", dropped=jnp.zeros(routing.expert_ids.shape, bool)
+        logits,
+        routing.expert_ids,
+        score="softmax",
+        dropped=jnp.zeros(routing.expert_ids.shape, bool),
+        token_mask=token_mask,
     )
     return y, stats
 
 
 class MixLoraMlp(nn.Module):
     """``x [batch, seq, embed] -> (y [batch, seq, embed], balance statistics)`` over the
-    parameters a dense ``Mlp`` had before ``add_mixlora`` (see the module docstring)."""
+    parameters a dense ``Mlp`` had before ``add_mixlora`` (see the module docstring);
+    ``token_mask [batch, seq]``: the real tokens, the only ones the statistics count (None: all)."""
 
     kind: str = "swiglu"
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         router_name = mixlora_router_name(self.variables.get("params"))
         if router_name is None:
             raise ValueError("MixLoraMlp needs the parameters add_mixlora gives a dense MLP")
@@ -91,7 +98,13 @@ class MixLoraMlp(nn.Module):
         top_k = int(MIXLORA_ROUTER.match(router_name).group(1))
         batch, seq, embed = x.shape
         y, stats = mixlora_mlp(
-            x.astype(self.dtype).reshape(-1, embed), weights, adapters, router, kind=self.kind, top_k=top_k
+            x.astype(self.dtype).reshape(-1, embed),
+            weights,
+            adapters,
+            router,
+            kind=self.kind,
+            top_k=top_k,
+            token_mask=None if token_mask is None else token_mask.reshape(-1),
         )
         return y.reshape(batch, seq, embed), stats
 

@@ -81,7 +81,9 @@ class MoeMlp(nn.Module):
 
     ``previous_logits``: the last MoE layer's router logits (``gating_residual``; None
     otherwise); ``token_mask [batch, seq]``: the real tokens (None: all); the others (a
-    serving step's padding) take no expert rows or capacity and do not count in the statistics.
+    serving step's unused budget, a training batch's padding) take no expert rows or capacity,
+    do not count in the statistics, and do not count in the capacity either: it is computed
+    from the real tokens, so padding neither takes slots nor adds any.
     ``adapter_ids [batch, seq]``: each token's adapter for the shared experts' stacked adapters
     (serving several at once; routed experts' adapters are merged per expert, never stacked).
     """
@@ -110,10 +112,11 @@ class MoeMlp(nn.Module):
         )
         expert_ids, dropped = routing.expert_ids, jnp.zeros(routing.expert_ids.shape, bool)
         mask = None if token_mask is None else token_mask.reshape(-1)
-        if mask is not None:  # padding (a serving step's unused budget) takes no expert rows or capacity
+        if mask is not None:  # padding takes no expert rows or capacity
             expert_ids = jnp.where(mask[:, None], expert_ids, moe.total_experts)
         if moe.capacity_factor:
-            capacity = slot_capacity(moe.capacity_factor, batch * seq, moe.top_k, moe.num_experts)
+            tokens = batch * seq if mask is None else jnp.sum(mask, dtype=jnp.int32)
+            capacity = slot_capacity(moe.capacity_factor, tokens, moe.top_k, moe.num_experts)
             _, dropped = apply_capacity(expert_ids, moe.num_experts, capacity)
             # Out of every routed range: id num_experts would be the first zero/copy/constant expert.
             expert_ids = jnp.where(dropped, moe.total_experts, expert_ids)

@@ -107,14 +107,19 @@ def routed_expert_mlp(
     return jnp.sum(out, axis=1).astype(x.dtype)
 
 
-def slot_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
-    """Token-slots one expert takes: ``ceil(capacity_factor * tokens * top_k / num_experts)``."""
-    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+def slot_capacity(capacity_factor: float, tokens: int | jax.Array, top_k: int, num_experts: int) -> int | jax.Array:
+    """Token-slots one expert takes: ``ceil(capacity_factor * tokens * top_k / num_experts)``, at
+    least 1. ``tokens`` traced (a count of real tokens) gives a traced int32 capacity."""
+    if isinstance(tokens, int):
+        return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+    slots = jnp.ceil(capacity_factor * tokens.astype(jnp.float32) * top_k / num_experts)
+    return jnp.maximum(1, slots.astype(jnp.int32))
 
 
-def apply_capacity(expert_ids: jax.Array, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+def apply_capacity(expert_ids: jax.Array, num_experts: int, capacity: int | jax.Array) -> tuple[jax.Array, jax.Array]:
     """Capacity-factor routing: each expert in ``[0, num_experts)`` keeps its first ``capacity``
-    slots, first choices before second ones (``k``-major), each in token order.
+    slots (an int, or a traced int32 scalar), first choices before second ones (``k``-major),
+    each in token order.
 
     Returns:
       ``(expert_ids with dropped slots set to num_experts, dropped bool [tokens, top_k])``. Ids
