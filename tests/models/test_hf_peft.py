@@ -8,6 +8,7 @@ does not implement are refused, not dropped."""
 import dataclasses
 import functools
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -310,3 +311,63 @@ def test_adapter_tensors_ember_would_not_use_are_named(base, tmp_path):
     peft.get_peft_model(fresh_hf(path), lora).save_pretrained(tmp_path)
     with pytest.raises(DataError, match=r"tensors Ember does not use: .*embed_tokens\.lora_embedding_A"):
         load_peft_adapter(tmp_path, config)
+
+
+@pytest.mark.parametrize("layers", [{"q": 1, "v": 1}, {"q": 0, "v": 1}], ids=["q_v_on_layer_1", "q_on_0_v_on_1"])
+def test_adapters_on_some_layers_load_in_peft_on_those_layers_only(base, layers, tmp_path):
+    """adapter_config.json named the modules only (``q_proj``, ``v_proj``), so PEFT put adapters
+    on every layer's: "Found missing adapter keys" for layer 0's, and zero adapters there that
+    ``is_trainable=True`` would train. Now it says the layers (``layers_to_transform``) or, where
+    the modules' layers differ, the modules' full names; the file reads back into Ember."""
+    _, path, config, _ = base
+    layout = dataclasses.replace(config, scan_layers=False)
+    params = hf.load(path, attention_impl="xla", scan_layers=False)[1]
+    targets = tuple(rf"group_{layer}/block_0/attn/{name}/kernel$" for name, layer in layers.items())
+    adapted = trained(add_lora(params, LoraConfig(rank=2, alpha=4, targets=targets), jax.random.key(1)), seed=2)
+    expected = ember_logits(layout, adapted)
+    save_peft_adapter(tmp_path, layout, adapted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft_model = peft.PeftModel.from_pretrained(fresh_hf(path), tmp_path).eval()
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    modules = {f"model.layers.{layer}.self_attn.{name}_proj" for name, layer in layers.items()}
+    lora_a = [name for name, _ in peft_model.named_modules() if name.endswith(".lora_A")]
+    assert {name[len("base_model.model.") : -len(".lora_A")] for name in lora_a} == modules
+    settings = json.loads((tmp_path / "adapter_config.json").read_text())
+    if layers == {"q": 1, "v": 1}:
+        assert (settings["target_modules"], settings["layers_to_transform"]) == (["q_proj", "v_proj"], [1])
+    else:
+        assert settings["target_modules"] == sorted(modules) and "layers_to_transform" not in settings
+    assert_allclose(peft_logits(peft_model), expected, scale=10)
+    assert_allclose(ember_logits(layout, with_adapter(params, load_peft_adapter(tmp_path, layout))), expected, scale=10)
+
+
+def test_a_scanned_load_of_a_one_layer_adapter_saves_that_layer_only(base, tmp_path):
+    """Loaded with ``scan_layers``, the layers without an adapter get zero ones (to stack); saving
+    wrote them as adapters of every layer. Zero factors (no DoRA magnitude) are not written."""
+    _, path, config, params = base
+    one_layer = dict(target_modules=["q_proj"], layers_to_transform=[1], init_lora_weights=False)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, **one_layer)
+    peft.get_peft_model(fresh_hf(path), lora).save_pretrained(tmp_path / "peft")
+    save_peft_adapter(tmp_path / "ember", config, with_adapter(params, load_peft_adapter(tmp_path / "peft", config)))
+    settings = json.loads((tmp_path / "ember" / "adapter_config.json").read_text())
+    assert (settings["target_modules"], settings["layers_to_transform"]) == (["q_proj"], [1])
+    saved, original = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("ember", "peft"))
+    assert sorted(saved) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(saved[name], value)
+
+
+def test_tensors_for_layers_the_config_does_not_adapt_are_named(tmp_path):
+    """PEFT adapts only ``layers_to_transform`` (an index or a list) and ignores factors for
+    other layers; Ember loaded them by their names, another model than PEFT's."""
+    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], layers_to_transform=[1]).save_pretrained(tmp_path)
+    q_proj, draw = "base_model.model.model.layers.0.self_attn.q_proj", np.random.default_rng(1).standard_normal
+    factors = {"lora_A.weight": draw((4, 64), np.float32), "lora_B.weight": draw((64, 4), np.float32)}
+    save_file({f"{q_proj}.{name}": x for name, x in factors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    config = ModelConfig(num_layers=2)
+    with pytest.raises(DataError, match=r"layers\.0\.self_attn\.q_proj.*layers_to_transform=\[1\].*PEFT would ignore"):
+        load_peft_adapter(tmp_path, config)
+    settings = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**settings, "layers_to_transform": 0}))
+    assert load_peft_adapter(tmp_path, config)

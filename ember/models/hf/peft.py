@@ -14,7 +14,10 @@ An adapter with anything else (trained biases, ``modules_to_save``, LoRA on the 
 head, the options in :data:`PLAIN_LORA`) is refused, never loaded without its extra parts.
 
 Saving writes every module's own alpha (``alpha = scale * r``, ``use_rslora`` false) so any
-Ember scale round-trips, and the adapters' dropout rate as ``lora_dropout``. Adapters whose
+Ember scale round-trips, the adapters' dropout rate as ``lora_dropout``, and targets that PEFT
+adapts exactly the adapted modules by (``layers_to_transform`` for adapters on some layers; zero
+adapters, the padding of a scanned load, are not written); loading refuses factors for modules
+the config does not adapt, which PEFT would ignore. Adapters whose
 initialisation changed the base weights (PiSSA, LoRA-GA: they carry ``lora_a0`` /
 ``lora_b0``) are saved against the ORIGINAL base as PEFT does for PiSSA: rank ``2r``, ``A' =
 [A, A0]``, ``B' = [B; -B0]``, so that ``W_original + scale A' B' = W_residual + scale A B``.
@@ -99,6 +102,8 @@ def save_peft_adapter(
         for weight in adapted_paths(layer):
             module = _module_of(weight)
             a, b = (np.asarray(factor, np.float32) for factor in factors_on_original_base(flat, weight))
+            if not (a.any() or b.any() or part_name(weight, "lora_magnitude") in flat):
+                continue  # the zero padding of a scanned load: changes nothing, and its gradients are zero
             scale = np.asarray(flat[part_name(weight, "lora_scale")], np.float32)
             rank = a.shape[-1]
             name = f"{PREFIX}{index}.{module}"
@@ -126,7 +131,7 @@ def save_peft_adapter(
         "base_model_name_or_path": base_model,
         "r": rank,
         "lora_alpha": alpha,
-        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in ranks}),
+        **_target_fields(set(ranks), [{MODULES[w] for w in param_paths(layer) if w in MODULES} for layer in layers]),
         "rank_pattern": {m: r for m, r in ranks.items() if r != rank},
         "alpha_pattern": {m: a for m, a in alphas.items() if a != alpha},
         "use_rslora": False,
@@ -142,6 +147,27 @@ def save_peft_adapter(
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def _target_fields(adapted: set[str], present: list[set[str]]) -> dict[str, Any]:
+    """``target_modules`` (and ``layers_to_transform`` / ``layers_pattern``) with which PEFT puts
+    an adapter on exactly the modules ``adapted`` (``model.layers.<i>.<module>``), no others:
+    PEFT adapts every module of a listed name, on every layer unless ``layers_to_transform``
+    says which. ``present[i]``: layer ``i``'s modules of :data:`MODULES`. Where names and layers
+    cannot say it (modules adapted on different layers), the adapted modules' full names."""
+    names = {module.rsplit(".", 1)[-1] for module in adapted}
+    chosen = sorted({int(module.split(".")[2]) for module in adapted})
+    covered = {
+        f"model.layers.{index}.{module}"
+        for index in chosen
+        for module in present[index]
+        if module.rsplit(".", 1)[-1] in names
+    }
+    if covered != adapted:
+        return {"target_modules": sorted(adapted)}
+    if len(chosen) == len(present):
+        return {"target_modules": sorted(names)}
+    return {"target_modules": sorted(names), "layers_to_transform": chosen, "layers_pattern": "layers"}
 
 
 def check_peft_exportable(config: ModelConfig, params: Mapping[str, Any]) -> None:
@@ -176,7 +202,8 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
       PathNotFoundError: no adapter_config.json or adapter_model.safetensors.
       DataError: not a LoRA adapter, a PEFT option Ember does not implement (:data:`PLAIN_LORA`,
         :data:`BASE_CHANGING_INITS`), factors whose rank is not the config's ``r`` / ``rank_pattern``,
-        or tensors Ember would not use (for modules it does not have, biases, embeddings).
+        tensors Ember would not use (for modules it does not have, biases, embeddings), or for modules
+        that ``target_modules`` / ``layers_to_transform`` do not adapt (PEFT ignores them).
     """
     path = Path(path)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -221,6 +248,13 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
         if found is None or found.group(2) not in _EMBER_PATH or int(found.group(1)) >= config.num_layers:
             raise DataError(f"{path}: adapter tensor {key!r} is for a module Ember does not have")
         index, weight = int(found.group(1)), _EMBER_PATH[found.group(2)]
+        if not _peft_adapts(peft_config, module_name):  # PEFT would not load these factors: another model
+            fields = ("target_modules", "layers_to_transform", "layers_pattern", "exclude_modules")
+            settings = ", ".join(f"{field}={peft_config.get(field)!r}" for field in fields if peft_config.get(field))
+            raise DataError(
+                f"{path}: adapter tensor {key!r} is for a module that adapter_config.json ({settings}) does not "
+                "adapt, so PEFT would ignore it; the tensors must be for the modules and layers the config names"
+            )
         stem = key[: -len(".lora_A.weight")]
         a, b = take(key), take(stem + ".lora_B.weight")
         rank = a.shape[0]
@@ -308,6 +342,39 @@ def _same_shapes(layers: list[dict[str, Any]], config: ModelConfig) -> list[dict
                         f"DoRA adapters on {weight} in some layers only cannot be stacked; load with scan_layers=False"
                     )
     return layers
+
+
+def _peft_adapts(peft_config: Mapping[str, Any], module_name: str) -> bool:
+    """Whether PEFT puts an adapter on ``module_name`` (``model.layers.<i>.<module>``) under
+    ``peft_config`` (``peft.tuners.tuners_utils.check_target_module_exists``): ``target_modules``
+    a regex (full match) or names (the module's or its tail's), then ``layers_to_transform``
+    (an index or a list; the layer's index is the number after ``layers_pattern``, or after the
+    first dotted part without one) and ``exclude_modules``. Without ``target_modules`` or with
+    ``"all-linear"`` every module Ember reads is taken as adapted."""
+    excluded = peft_config.get("exclude_modules")
+    if isinstance(excluded, str) and re.fullmatch(excluded, module_name):
+        return False
+    if isinstance(excluded, list) and any(module_name == e or module_name.endswith(f".{e}") for e in excluded):
+        return False
+    targets = peft_config.get("target_modules")
+    if targets is None or targets == "all-linear":
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module_name) is not None
+    if module_name in targets:
+        return True
+    if not any(module_name.endswith(f".{target}") for target in targets):
+        return False
+    layers = peft_config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = peft_config.get("layers_pattern") or []
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    heads = [rf"(?:^|.*?\.){pattern}\." for pattern in patterns] or [r".*?\.[^.]*\."]
+    found = next(filter(None, (re.match(rf"{head}(?P<idx>\d+)\.", module_name) for head in heads)), None)
+    if found is None:
+        return False
+    return int(found["idx"]) in ([layers] if isinstance(layers, int) else layers)
 
 
 def _pattern_value(patterns: Mapping[str, Any], module_name: str, default: Any) -> Any:
