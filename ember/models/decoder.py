@@ -12,7 +12,8 @@ with a leading ``[groups]`` axis, logical name
 ``layers``), so compile time does not grow with depth; otherwise ``params["group_<g>"]
 ["block_<j>"]``. :func:`layers_to_list` / :func:`layers_from_list` convert either layout
 to a per-layer list (checkpoint conversion, LoRA surgery); :func:`convert_layer_layout`
-moves params and optimizer state between the layouts (``scan_layers`` is a runtime setting).
+moves params and optimizer state between the layouts (``scan_layers`` is a runtime setting),
+and :func:`saved_layout` says whether and how a saved tree must be moved to a config's.
 
 MoE layers (``mlp_pattern`` entry ``moe``), and dense MLPs given MixLoRA experts
 (``ember.models.adapters.mixlora``), sow, when the collections are mutable: the global
@@ -25,7 +26,9 @@ With ``moe.bias_balancing_rate`` the ``balance`` collection must be passed to ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -376,3 +379,15 @@ def convert_layer_layout(tree: Any, source: ModelConfig, target: ModelConfig) ->
         return {**rest, **layers_from_list(target, layers)}
 
     return jax.tree.map(convert, tree, is_leaf=_holds_layers)
+
+
+def saved_layout(config: ModelConfig, saved_params: Any) -> tuple[ModelConfig, Callable[[Any], Any]] | None:
+    """``None`` when ``saved_params`` (a parameter tree or its checkpoint metadata) has the layer
+    layout of ``config``; otherwise ``(saved_config, convert)``: ``config`` with the saved
+    ``scan_layers``, and ``convert(tree)`` moving a tree (params, the optimizer moments or model
+    state mirroring them) from that layout to ``config``'s (:func:`convert_layer_layout`)."""
+    saved_scan = saved_scan_layers(saved_params)
+    if saved_scan == config.scan_layers:
+        return None
+    saved_config = dataclasses.replace(config, scan_layers=saved_scan)
+    return saved_config, lambda tree: convert_layer_layout(tree, saved_config, config)

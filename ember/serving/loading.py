@@ -37,7 +37,7 @@ from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
-from ember.models.decoder import convert_layer_layout, saved_scan_layers
+from ember.models.decoder import saved_layout
 from ember.models.linearize import LinearizeConfig, linearized_config
 from ember.models.variables import serving_weights
 from ember.serving.scheduler import eos_ids_of
@@ -151,10 +151,10 @@ def restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[
             model_state = manager.restore_part("model_state", step) if has_state else {}
     except KeyError as error:
         raise DataError(error.args[0]) from None
-    saved_scan = saved_scan_layers(params)
-    if saved_scan != config.scan_layers:
-        saved_config = dataclasses.replace(config, scan_layers=saved_scan)
-        params, model_state = convert_layer_layout((params, model_state), saved_config, config)
+    layout = saved_layout(config, params)
+    if layout is not None:
+        _, convert = layout
+        params, model_state = convert((params, model_state))
     return params, model_state
 
 

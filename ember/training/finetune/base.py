@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ember.core.errors import ConfigError
 from ember.core.sharding import box_like
-from ember.models.decoder import DecoderLM, convert_layer_layout, saved_scan_layers
+from ember.models.decoder import DecoderLM, convert_layer_layout, saved_layout
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.finetune.config import BaseModelConfig
 
@@ -52,14 +52,12 @@ def restore_base_layout(
     otherwise ``(task_over(base in the saved layout), convert)``, ``convert`` mapping a
     train-state tree (optimizer moments included) from the saved layout to ``base``'s.
     ``base_model.scan_layers`` is a runtime setting, so a resume may change it."""
-    model = base.config
-    saved_scan = saved_scan_layers(saved_params)
-    if saved_scan == model.scan_layers:
+    layout = saved_layout(base.config, saved_params)
+    if layout is None:
         return None
-    saved_model = dataclasses.replace(model, scan_layers=saved_scan)
-    saved_weights = convert_layer_layout(base.params, model, saved_model)
-    saved_task = task_over(dataclasses.replace(base, config=saved_model, params=saved_weights))
-    return saved_task, lambda state: convert_layer_layout(state, saved_model, model)
+    saved_model, convert = layout
+    saved_weights = convert_layer_layout(base.params, base.config, saved_model)
+    return task_over(dataclasses.replace(base, config=saved_model, params=saved_weights)), convert
 
 
 __all__ = ["boxed_variables", "load_base", "restore_base_layout"]

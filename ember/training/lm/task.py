@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ember.core.errors import ConfigError
 from ember.core.sharding import addressable_here
 from ember.models.config import ModelConfig
-from ember.models.decoder import DecoderLM, convert_layer_layout, saved_scan_layers
+from ember.models.decoder import DecoderLM, saved_layout
 from ember.models.flops import flops_per_token
 from ember.models.variables import serving_weights
 from ember.training.data import PackedBatches, TokenDataset, stdlib_corpus_dir
@@ -160,12 +160,11 @@ class LMTask(Task):
     def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:
         """A checkpoint written with the other ``scan_layers`` (a runtime setting) is read in
         its own layout and converted, optimizer moments included."""
-        saved_scan = saved_scan_layers(saved_params)
-        if saved_scan == self.config.model.scan_layers:
+        layout = saved_layout(self.config.model, saved_params)
+        if layout is None:
             return None
-        saved_model = dataclasses.replace(self.config.model, scan_layers=saved_scan)
-        saved_task = _with_model(self, saved_model)
-        return saved_task, lambda state: convert_layer_layout(state, saved_model, self.config.model)
+        saved_model, convert = layout
+        return _with_model(self, saved_model), convert
 
 
 def _with_model(task: LMTask, model: ModelConfig) -> LMTask:
