@@ -14,10 +14,10 @@ An adapter with anything else (trained biases, ``modules_to_save``, LoRA on the 
 head, the options in :data:`PLAIN_LORA`) is refused, never loaded without its extra parts.
 
 Saving writes every module's own alpha (``alpha = scale * r``, ``use_rslora`` false) so any
-Ember scale round-trips, the adapters' dropout rate as ``lora_dropout``, and targets that PEFT
-adapts exactly the adapted modules by (``layers_to_transform`` for adapters on some layers; zero
-adapters, the padding of a scanned load, are not written); loading refuses factors for modules
-the config does not adapt, which PEFT would ignore. Adapters whose
+Ember scale round-trips, the adapters' dropout rate as ``lora_dropout``, and ``target_modules``
+(with ``layers_to_transform`` for adapters on some layers) with which PEFT adapts exactly the
+adapted modules; zero adapters (the padding of a scanned load) are not written. Loading refuses
+factors for modules the config does not adapt, which PEFT would ignore. Adapters whose
 initialisation changed the base weights (PiSSA, LoRA-GA: they carry ``lora_a0`` /
 ``lora_b0``) are saved against the ORIGINAL base as PEFT does for PiSSA: rank ``2r``, ``A' =
 [A, A0]``, ``B' = [B; -B0]``, so that ``W_original + scale A' B' = W_residual + scale A B``.
