@@ -94,6 +94,24 @@ def test_logits_and_load_balancing_loss_match_transformers(pair, rng):
     assert_allclose(sown["losses"]["load_balance"][0], float(expected), scale=10)
 
 
+def test_padding_is_left_out_of_the_load_balancing_loss_as_transformers_does(pair, rng):
+    """Right-padded rows: Ember's padding (segment id 0) against transformers' attention mask,
+    which its load_balancing_loss_func also takes."""
+    _name, model, _, config, params = pair
+    tokens = jax.random.randint(rng, (2, 12), 0, config.vocab_size)
+    real = np.arange(12)[None, :] < np.array([[12], [7]])
+    apply = jax.jit(lambda p, t, s: DecoderLM(config).apply({"params": p}, t, segment_ids=s, mutable=["losses"]))
+    (ours, _), sown = apply(params, tokens, jnp.asarray(real, jnp.int32))
+    mask = torch.as_tensor(real.astype(np.int64))
+    with torch.no_grad():
+        out = model(torch.as_tensor(np.array(tokens)), attention_mask=mask, output_router_logits=True)
+    assert_allclose(np.asarray(ours)[real], out.logits.numpy()[real], scale=10)
+    expected = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(
+        out.router_logits, config.moe.num_experts, config.moe.top_k, mask
+    )
+    assert_allclose(sown["losses"]["load_balance"][0], float(expected), scale=10)
+
+
 def test_fused_expert_layout_loads_the_same_params(pair):
     """transformers 5's modules hold ``experts.gate_up_proj`` / ``down_proj`` (what its
     ``state_dict()`` gives); ``save_pretrained`` wrote per-expert tensors."""
