@@ -58,3 +58,34 @@ def test_every_config_path_named_in_the_code_and_docs_exists():
     assert named
     missing = sorted((name, where) for name, where in named if not (root / name).is_file())
     assert not missing, missing
+
+
+def test_path_values_are_taken_from_the_current_directory_and_stored_absolute(tmp_path, monkeypatch):
+    """Relative paths in a YAML file or an override are relative to the current directory (not
+    the YAML file's, which only ``base:`` is) and become absolute on load, so a run's saved
+    config names them from anywhere; built-in dataset names and prompt sources stay names.
+    Before, they stayed relative (``data``, ``p.jsonl``) and broke from another directory."""
+    from ember.training.finetune.config import FinetuneConfig
+    from ember.training.linearize.config import LinearizeRunConfig
+    from ember.training.lm.config import LMConfig
+    from ember.training.rl_lm.config import GRPOConfig
+
+    cwd, elsewhere = tmp_path / "cwd", tmp_path / "configs"
+    cwd.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(cwd)
+    (elsewhere / "lm.yaml").write_text("kind: lm\ndata: {dataset: data}\n")
+    assert load_config(LMConfig, elsewhere / "lm.yaml").data.dataset == str(cwd / "data")
+    assert load_config(LMConfig, None, ["data.dataset=../d/./x"]).data.dataset == str(tmp_path / "d" / "x")
+    for name in ("stdlib", "arithmetic"):
+        assert load_config(LMConfig, None, [f"data.dataset={name}"]).data.dataset == name
+    finetune = load_config(FinetuneConfig, None, ["base_model.path=base", "data.train=t.jsonl", "data.eval=e.jsonl"])
+    assert (finetune.base_model.path, finetune.data.train, finetune.data.eval) == tuple(
+        str(cwd / name) for name in ("base", "t.jsonl", "e.jsonl")
+    )
+    linearize = load_config(LinearizeRunConfig, None, ["base_model.path=runs/tiny", "data.dataset=data"])
+    assert (linearize.base_model.path, linearize.data.dataset) == (str(cwd / "runs/tiny"), str(cwd / "data"))
+    grpo = load_config(GRPOConfig, None, ["base_model.path=run", "prompts.source=p.jsonl", "prompts.eval=e.jsonl"])
+    assert (grpo.base_model.path, grpo.prompts.source, grpo.prompts.eval) == tuple(
+        str(cwd / name) for name in ("run", "p.jsonl", "e.jsonl")
+    )
+    assert load_config(GRPOConfig, None, ["base_model.path=run"]).prompts.source == "arithmetic"

@@ -22,12 +22,18 @@ loaded first (recursively) and the file's keys override it. A section may do the
 itself — ``model: {base: ../models/tiny.yaml, num_layers: 4}`` fills ``model`` from that file
 (whose keys are the section's keys) and then applies ``num_layers``. Later sources override
 earlier ones: schema defaults, then the base chain, then the file, then the overrides.
+
+A path a config names as a value (a dataset directory, a base model, a prompts file), whether on
+the command line or in a YAML file, is relative to the current directory of the command that
+loads it (only ``base:`` is relative to its file); the schemas make such values absolute on load
+(:func:`absolute_path`), so the config a run saves still names them from any other directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -36,7 +42,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf import errors as omegaconf_errors
 
 from ember.core.errors import ConfigError
@@ -89,6 +95,15 @@ def load_config(
         except (omegaconf_errors.OmegaConfBaseException, TypeError) as error:  # TypeError: a list for a dict
             raise _translate_error(error, schema, layer, origin) from None
     return _instantiate(schema, merged)
+
+
+def absolute_path(path: str) -> str:
+    """``path``, a path a config field names, made absolute: ``~`` expanded and a relative path
+    taken from the current directory, then normalised (symbolic links kept). An empty value and
+    OmegaConf's ``???`` (a value still to be given) are returned as they are."""
+    if not path or path == MISSING:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def read_key(source: str | Path, key: str, overrides: Sequence[str] = (), default: Any = None) -> Any:
@@ -438,6 +453,7 @@ def _require_dataclass(schema: Any) -> None:
 
 __all__ = [
     "ConfigError",
+    "absolute_path",
     "check_keys",
     "from_yaml",
     "load_config",

@@ -148,7 +148,7 @@ def test_the_source_and_out_paths_are_taken_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for source, out in (("007", "1e3"), ("true", "a b: c")):
         assert main(["linearize", source, out, "--config", str(CONFIG)]) == 0
-        assert (seen[-1].base_model.path, seen[-1].run_dir) == (source, out)
+        assert (seen[-1].base_model.path, seen[-1].run_dir) == (str(tmp_path / source), out)  # absolute: config paths
 
 
 def stage_two(tmp_path_factory, monkeypatch, rng, overrides):

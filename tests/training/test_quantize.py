@@ -303,3 +303,25 @@ def test_the_cli_chooses_the_weights_to_quantize(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ptq, "quantize_model", fake_quantize_model)
     assert main(["quantize", str(tmp_path / "run"), str(tmp_path / "out"), "--targets", "q,k,v,o"]) == 0
     assert seen["targets"] == ("q", "k", "v", "o")
+
+
+def test_a_run_trained_on_a_relative_dataset_path_quantizes_from_another_directory(tmp_path, monkeypatch, dataset):
+    """``data.dataset`` given relative to the directory the run was started from is stored
+    absolute in the run's config.yaml. Before, the relative name was saved as it was given, and
+    'ember quantize RUN' from another directory failed: "data is not a prepared dataset"."""
+    from ember.training.lm.trainer import train
+    from ember.training.quantization.ptq import _run_dataset
+
+    monkeypatch.chdir(dataset.parent)
+    train(small_config(tmp_path, dataset.name, "train.steps=2"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = tmp_path / "run"
+    assert f"dataset: {dataset}\n" in (run / "config.yaml").read_text()
+    assert _run_dataset(run) == dataset
+    windows = EvalConfig(seq_len=16, calibration_windows=2, eval_windows=2, batch_size=2)
+    summary = quantize_model(run, "int8", QuantizeConfig(format="int8"), windows=windows)
+    assert summary["eval_tokens"] == 2 * 16 and np.isfinite(summary["float_val_loss"])
+    assert abs(summary["val_loss_delta"]) < 0.01 * summary["float_val_loss"]
+    assert (elsewhere / "int8" / "config.yaml").is_file()

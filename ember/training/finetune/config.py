@@ -12,7 +12,9 @@
 
 The sections shared with ``kind: lm`` (train, optim, mesh, sharding, checkpoint, logging,
 distributed) mean the same. Every section is a frozen dataclass, so a bad key or value
-fails at load time with its key path.
+fails at load time with its key path. Paths (``base_model.path``, ``data.train``, ``data.eval``),
+on the command line or in a YAML file, are relative to the current directory and stored
+absolute (``ember.core.config.absolute_path``), so a run's saved config works from anywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from ember.core.config import absolute_path
 from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
@@ -70,6 +73,7 @@ class BaseModelConfig:
             message = f"base_model.quantize must be empty or one of {', '.join(FORMATS)}, got {self.quantize!r}"
             raise ConfigError(message, key="base_model.quantize")
         self.quantization()
+        object.__setattr__(self, "path", absolute_path(self.path))
 
     def quantization(self) -> QuantizeConfig | None:
         """How the frozen base is stored (None: in float)."""
@@ -109,6 +113,8 @@ class FinetuneDataConfig:
         if self.eval and self.eval_fraction:
             raise ConfigError("set data.eval or data.eval_fraction, not both", key="data.eval_fraction")
         check_data_seed(self.seed)
+        for name in ("train", "eval"):
+            object.__setattr__(self, name, absolute_path(getattr(self, name)))
 
 
 @dataclasses.dataclass(frozen=True)

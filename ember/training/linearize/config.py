@@ -16,7 +16,9 @@ train``): a pretrained softmax model made linear-time in two stages (LoLCATs).
 
 ``run_dir`` is the stage-2 run (the linearised model: ``ember generate``, ``export`` and ``plot``
 take it) and holds ``attention_transfer/``, the stage-1 run, and ``summary.json`` with both
-stages' figures. The sections shared with ``kind: lm`` / ``finetune`` mean the same.
+stages' figures. The sections shared with ``kind: lm`` / ``finetune`` mean the same; so do
+their paths (``base_model.path``, a ``data.dataset`` directory): relative to the current
+directory, stored absolute.
 """
 
 from __future__ import annotations

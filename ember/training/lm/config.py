@@ -18,12 +18,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from ember.core.config import absolute_path
 from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
 from ember.models.config import ModelConfig
 from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
+from ember.training.data import stdlib_corpus_dir
 from ember.training.data.arithmetic import arithmetic_corpus_dir
 from ember.training.optimizers import OptimConfig
 from ember.training.quantization.qat import QatConfig
@@ -73,12 +75,21 @@ class ArithmeticCorpusConfig:
             raise ConfigError(f"data.arithmetic.{error}", key=f"data.arithmetic.{error.key}") from None
 
 
+BUILTIN_DATASETS = {
+    "stdlib": lambda _: stdlib_corpus_dir(),
+    "arithmetic": lambda data: data.arithmetic.directory(data.seed),
+}
+"""``data.dataset`` names of corpora prepared on first use (anything else is a directory)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """``dataset``: ``stdlib`` (the Python standard library's sources, prepared on first use),
     ``arithmetic`` (generated ``"a+b=c"`` problems, ``ember.training.data.arithmetic``, less
     the held-out ones GRPO evaluates on) or the directory of a dataset made by
-    ``ember data prepare``."""
+    ``ember data prepare``. A relative directory, on the command line or in a YAML file, is
+    taken from the current directory and stored absolute (``ember.core.config.absolute_path``),
+    so the run's saved config finds it from anywhere (``ember quantize RUN``)."""
 
     dataset: str = "stdlib"
     seed: int = 0
@@ -86,6 +97,8 @@ class DataConfig:
 
     def __post_init__(self):
         check_data_seed(self.seed)
+        if self.dataset not in BUILTIN_DATASETS:
+            object.__setattr__(self, "dataset", absolute_path(self.dataset))
 
 
 def check_data_seed(seed: int) -> None:

@@ -21,17 +21,11 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM, saved_layout
 from ember.models.flops import flops_per_token
 from ember.models.variables import serving_weights
-from ember.training.data import PackedBatches, TokenDataset, stdlib_corpus_dir
-from ember.training.lm.config import LMConfig
+from ember.training.data import PackedBatches, TokenDataset
+from ember.training.lm.config import BUILTIN_DATASETS, LMConfig
 from ember.training.lm.sampling import encode_prompts, sample_text
 from ember.training.quantization.qat import qat_params
 from ember.training.task import LossTerms, Task, apply_model, next_token_loss
-
-BUILTIN_DATASETS = {
-    "stdlib": lambda _: stdlib_corpus_dir(),
-    "arithmetic": lambda data: data.arithmetic.directory(data.seed),
-}
-"""``data.dataset`` names of corpora prepared on first use (anything else is a directory)."""
 
 BATCH_AXES = ("batch", "seq")
 """Every LM batch leaf is ``[batch, seq_len]``: ``tokens``, ``targets``, ``segment_ids``,

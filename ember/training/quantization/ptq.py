@@ -47,8 +47,7 @@ from ember.models.variables import as_variables
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.data import TokenDataset, stdlib_corpus_dir
 from ember.training.data.corpus import stdlib_documents
-from ember.training.lm.config import LMConfig
-from ember.training.lm.task import BUILTIN_DATASETS
+from ember.training.lm.config import BUILTIN_DATASETS, LMConfig
 from ember.training.task import next_token_kl, next_token_loss
 
 

@@ -14,7 +14,10 @@ pretrained language model against a reward, with the serving engine doing the ro
 
 The sections shared with ``kind: finetune`` (base_model, adapter, train, optim, mesh,
 sharding, checkpoint, logging, distributed) mean the same. Every section is a frozen
-dataclass, so a bad key or value fails at load time with its key path.
+dataclass, so a bad key or value fails at load time with its key path. Paths
+(``base_model.path``, a JSONL ``prompts.source``, ``prompts.eval``), on the command line or in a
+YAML file, are relative to the current directory and stored absolute
+(``ember.core.config.absolute_path``), so a run's saved config works from anywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ember.core.config import absolute_path
 from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
@@ -94,6 +98,9 @@ class PromptsConfig:
         for name in ("eval_prompts", "eval_samples"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"prompts.{name} must be >= 0, got {getattr(self, name)}", key=f"prompts.{name}")
+        if self.source != "arithmetic":
+            object.__setattr__(self, "source", absolute_path(self.source))
+        object.__setattr__(self, "eval", absolute_path(self.eval))
 
 
 @dataclasses.dataclass(frozen=True)
