@@ -265,3 +265,17 @@ def test_transfer_errors_are_the_mean_over_real_tokens_whatever_the_padding(rng)
     expected = np.asarray(_per_layer(sown["losses"], config.layer_period))
     assert len(got) == 2 and np.all(expected > 0)
     assert_allclose(np.array(got, np.float32), expected, scale=10)
+
+
+def test_gap_closed_is_a_share_of_a_gap_of_at_least_min_gap_nats():
+    # Before, (swap - linearized) / (swap - teacher) for any nonzero gap (0.0 for none): 545 on a
+    # random HF Llama, whose swap was within a thousandth of a nat of the teacher (first case below:
+    # the old formula gives 11).
+    assert entry.MIN_GAP == 0.05
+    assert entry.gap_closed(1.90, 2.88, 1.95) == pytest.approx(0.93 / 0.98)  # the tiny preset's figures
+    assert entry.gap_closed(2.0, 3.0, 1.5) == pytest.approx(1.5)  # better than the teacher: above 1
+    assert entry.gap_closed(2.0, 2.5, 2.75) == pytest.approx(-0.5)  # worse than the swap: below 0
+    assert entry.gap_closed(1.0, 1.05, 1.0) == pytest.approx(1.0)  # a gap of MIN_GAP is reported
+    for teacher, swap in ((10.3728, 10.3729), (3.30, 3.34), (2.0, 2.0), (2.0, 1.9), (2.0, float("nan"))):
+        assert entry.gap_closed(teacher, swap, teacher - 0.001) is None, (teacher, swap)
+    assert entry.gap_closed(2.0, 3.0, float("inf")) is None

@@ -11,7 +11,9 @@
 
 ``run_dir/summary.json`` adds to the stage-2 trainer's summary: ``teacher_val_loss``,
 ``swap_val_loss``, ``transfer_val_loss`` (after stage 1), ``linearized_val_loss``, ``gap_closed``
-(the share of the swap's excess loss over the teacher that linearising removed),
+(the share of the swap's excess loss over the teacher that linearising removed: 1 is the
+teacher's loss, above 1 better than the teacher; ``null``, with a printed line saying why, when
+the swap is less than ``MIN_GAP`` nats worse than the teacher, a gap too small to take shares of),
 ``attention_mse_before``/``_after`` (per layer), ``parameters_total`` (the teacher's),
 ``parameters_trained`` (stage 1's plus stage 2's) and ``trained_fraction``, ``tokens`` (both
 stages) and each stage's wall time. With ``resume``, a stage that ran its steps to the end is
@@ -22,6 +24,7 @@ last checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,10 @@ CONFIG_SCHEMA = LinearizeRunConfig
 
 BASELINE_KEYS = ("teacher_val_loss", "swap_val_loss", "attention_mse_before")
 """Figures measured before stage 1, kept in its summary (a resumed run does not measure them again)."""
+MIN_GAP = 0.05
+"""Nats by which the naive swap's validation loss must exceed the teacher's for ``gap_closed``
+to be reported: below it the share divides by next to nothing (a random or barely trained
+teacher, whose swap is about as good: a random Hugging Face Llama's read 545)."""
 
 
 def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
@@ -91,8 +98,13 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     if summary["stopped_early"]:
         return summary
     figures["linearized_val_loss"] = summary["val_loss"]  # the trainer's last evaluation, on the same batches
-    excess = figures["swap_val_loss"] - figures["teacher_val_loss"]
-    figures["gap_closed"] = (figures["swap_val_loss"] - figures["linearized_val_loss"]) / excess if excess else 0.0
+    figures["gap_closed"] = gap_closed(figures["teacher_val_loss"], figures["swap_val_loss"], summary["val_loss"])
+    if figures["gap_closed"] is None:
+        print(
+            f"linearize: gap_closed is null: the naive swap's validation loss ({figures['swap_val_loss']:.4f}) is "
+            f"not {MIN_GAP} nats above the teacher's ({figures['teacher_val_loss']:.4f}), no gap to take a share of",
+            flush=True,
+        )
     figures.update(
         _costs(config, transfer, low_rank, transferred["params"], final["params"], transfer_summary, summary)
     )
@@ -100,6 +112,17 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     if jax.process_index() == 0:
         (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def gap_closed(teacher_loss: float, swap_loss: float, linearized_loss: float) -> float | None:
+    """The share of the naive swap's excess validation loss over the teacher's that linearising
+    removed, ``(swap - linearized) / (swap - teacher)`` (1: the teacher's loss; above 1: better
+    than the teacher); ``None`` when the swap is less than ``MIN_GAP`` nats worse than the
+    teacher (or the losses are not finite), where the share would measure next to nothing."""
+    excess = swap_loss - teacher_loss
+    if not excess >= MIN_GAP or not math.isfinite(excess) or not math.isfinite(linearized_loss):
+        return None
+    return (swap_loss - linearized_loss) / excess
 
 
 def _baseline(config, base, transfer, linear_model, evaluator) -> dict[str, Any]:
