@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from ember.core.config import load_config, read_key
+from ember.training.data.arithmetic import arithmetic_problems
 from ember.training.launcher import KINDS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -89,3 +90,21 @@ def test_path_values_are_taken_from_the_current_directory_and_stored_absolute(tm
         str(cwd / name) for name in ("run", "p.jsonl", "e.jsonl")
     )
     assert load_config(GRPOConfig, None, ["base_model.path=run"]).prompts.source == "arithmetic"
+
+
+def test_shipped_arithmetic_sample_prompts_are_problems_of_the_corpus():
+    # Before, configs/rl_lm/arithmetic_pretrain.yaml sampled "12+34=", "7+58=" and "40+40=" from a
+    # model that had only seen operands below its max_operand, 30: every prompt outside its corpus.
+    from ember.training.lm.config import LMConfig
+
+    checked = 0
+    for path in SHIPPED:
+        config = load_config(LMConfig, path) if read_key(path, "kind") == "lm" else None
+        if config is None or config.data.dataset != "arithmetic":
+            continue
+        corpus = config.data.arithmetic
+        problems = {p.prompt for p in arithmetic_problems(corpus.max_operand, corpus.operators)}
+        outside = [prompt for prompt in config.sample.prompts if prompt not in problems]
+        assert not outside, f"{path.name}: sample prompts {outside} are not problems below {corpus.max_operand}"
+        checked += 1
+    assert checked >= 1
