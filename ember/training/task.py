@@ -138,10 +138,17 @@ class Task:
         policy = getattr(getattr(self.model, "config", None), "policy", None)
         return jnp.dtype(policy.compute_dtype if policy is not None else jnp.float32)
 
+    def batch_metrics(self, batch: Any) -> dict[str, jax.Array]:
+        """Statistics of a train step's whole batch, before it is split into ``train.grad_accum``
+        micro-batches (in the jitted step), logged with its metrics: the place for what is no
+        mean of per-micro-batch values, such as a standard deviation of the data (computed from
+        centred values, which a mean square minus a squared mean is not). Default: none."""
+        return {}
+
     def finish_metrics(self, metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """The step's metrics once each of ``LossTerms.metrics`` is averaged over the step's
         micro-batches (in the jitted step): what is not such a mean is computed here from means
-        the loss reported (a standard deviation from a mean and a mean square). Default: as given."""
+        the loss reported (a mean over tokens from sums per completion). Default: as given."""
         return metrics
 
     def restore_layout(self, saved_params: Any) -> tuple[Task, Any] | None:

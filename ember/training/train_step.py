@@ -149,6 +149,7 @@ def train_step(
     skip_nonfinite: bool = False,
     seed: int = 0,
     count_name: str = "count",
+    batch_metrics: Callable[[Any], dict] | None = None,
     finish_metrics: Callable[[dict], dict] | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch`` (``grad_accum`` micro-batches scanned in sequence).
@@ -168,7 +169,8 @@ def train_step(
     scaled gradients overflow while its loss is finite is skipped as above and counts as
     finite (the scale halves; at the minimum scale it is a non-finite step like any other).
     Metrics add ``loss_scale`` (the scale this step used) and, with loss scaling or
-    ``skip_nonfinite``, ``skipped`` (1 for a skipped step). ``finish_metrics`` (a task's
+    ``skip_nonfinite``, ``skipped`` (1 for a skipped step). ``batch_metrics`` (a task's
+    ``Task.batch_metrics``) adds statistics of the whole ``batch``; ``finish_metrics`` (a task's
     ``Task.finish_metrics``) maps the metrics last.
     """
     weights = dict(aux_weights or {})
@@ -251,6 +253,8 @@ def train_step(
             f"the model sows metric(s) {', '.join(clashing)} under names the trainer's own metrics use; rename them"
         )
     metrics.update({name: value / denominator for name, value in metric_sums.items()})
+    if batch_metrics is not None:
+        metrics.update(batch_metrics(batch))
     if finish_metrics is not None:
         metrics = finish_metrics(metrics)
     new_state = TrainState(

@@ -245,6 +245,7 @@ class Trainer:
             skip_nonfinite=self.loop.on_nan == "skip",
             seed=self.seed,
             count_name=self.task.count_name,
+            batch_metrics=self.task.batch_metrics,
             finish_metrics=self.task.finish_metrics,
         )
         return jax.jit(

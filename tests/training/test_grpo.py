@@ -240,7 +240,8 @@ def step_metrics(task, batch, grad_accum: int) -> dict[str, float]:
     mask = task.trainable(variables["params"])
     state = init_state(jax.random.key(0), init_variables=lambda _: variables, tx=tx, mask=mask)
     step = functools.partial(train_step, loss_fn=task.loss, tx=tx, schedule=optax.constant_schedule(0.0),
-                             mask=mask, grad_accum=grad_accum, finish_metrics=task.finish_metrics)  # fmt: skip
+                             mask=mask, grad_accum=grad_accum, batch_metrics=task.batch_metrics,
+                             finish_metrics=task.finish_metrics)  # fmt: skip
     return jax.device_get(jax.jit(step)(state, batch, None)[1])
 
 
@@ -255,6 +256,19 @@ def test_reward_statistics_are_over_the_step_whatever_grad_accum(tiny_base, tmp_
         assert_allclose(metrics["reward_mean"], batch["rewards"].mean(), err_msg=f"grad_accum={accum}")
         assert_allclose(metrics["reward_std"], batch["rewards"].std(), err_msg=f"grad_accum={accum}")
         assert "reward_mean_square" not in metrics
+
+
+def test_reward_std_keeps_the_spread_of_rewards_with_a_large_common_offset(tiny_base, tmp_path):
+    """Rewards near 1000 with a spread of 0.01: the std was sqrt(E[r^2] - E[r]^2) in float32,
+    where E[r^2] ~ 1e6 is rounded to 0.0625: the logged reward_std was 0 (the rewards' is 0.007)."""
+    task = task_module.GRPOTask(tiny_config(tiny_base, tmp_path))
+    batch = random_rollout_batch(task, [4] * 8)
+    batch["rewards"] = (1000.0 + 0.01 * np.random.default_rng(1).normal(size=8)).astype(np.float32)
+    expected = batch["rewards"].astype(np.float64)
+    for accum in (1, 2, 4):
+        metrics = step_metrics(task, batch, accum)
+        assert_allclose(metrics["reward_mean"], expected.mean(), err_msg=f"grad_accum={accum}")
+        assert_allclose(metrics["reward_std"], expected.std(), err_msg=f"grad_accum={accum}")
 
 
 def test_token_means_are_over_the_step_whatever_grad_accum(tiny_base, tmp_path):
