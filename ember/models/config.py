@@ -129,7 +129,10 @@ class MoEConfig:
       ``ceil(capacity_factor * tokens * top_k / num_experts)`` token-slots per forward pass,
       first choices before second ones, each in token order; the rest are dropped. ``tokens``
       counts the real ones: padding (segment id 0, a serving step's unused budget) is routed
-      to no expert.
+      to no expert, so a padded batch computes what the same documents packed without padding
+      do. A serving step's capacity comes from its own real tokens too: a decode step of a few
+      sequences has a slot or two per expert and drops what more of its tokens choose (the
+      Mixtral and Qwen2-MoE imports are dropless).
     - ``shared_experts`` (of ``shared_expert_dim`` each, 0 = ``expert_dim``): always-on
       experts, one MLP of ``shared_experts * shared_expert_dim`` channels, scaled by
       ``sigmoid(x @ shared_gate)`` when ``shared_expert_gate`` (Qwen2-MoE).
