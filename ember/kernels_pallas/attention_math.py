@@ -102,6 +102,20 @@ def check_window(window) -> tuple[int, int] | None:
     return int(window[0]), int(window[1])
 
 
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """``sm_scale`` as a float: ``1 / sqrt(head_dim)`` for None, else a finite real number (any
+    sign: 0 attends uniformly); a NaN or infinite scale would make every score NaN."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if (
+        isinstance(sm_scale, (bool, np.bool_))
+        or not isinstance(sm_scale, (int, float, np.integer, np.floating))
+        or not math.isfinite(sm_scale)
+    ):
+        raise ValueError(f"sm_scale must be a finite number, or None for 1/sqrt(head_dim), got {sm_scale!r}")
+    return float(sm_scale)
+
+
 def check_soft_cap(logits_soft_cap) -> float | None:
     """``logits_soft_cap`` validated as a positive finite float, or ``None`` (no cap; an
     infinite cap would make ``cap * tanh(logits / cap)`` ``inf * 0 = NaN``)."""

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ember.kernels_pallas.attention_math import (
+    check_sm_scale,
     check_soft_cap,
     check_window,
     default_sigmoid_bias,
@@ -220,7 +220,7 @@ def attention_problem(
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
+        sm_scale=check_sm_scale(sm_scale, head_dim),
         mask=mask,
         has_segments=segment_ids is not None,
         # Positions change nothing for a mask that does not read them: keep the static tables.

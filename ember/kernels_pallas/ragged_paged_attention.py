@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ember.kernels_pallas.attention_math import check_soft_cap, check_window, reference_attention
+from ember.kernels_pallas.attention_math import check_sm_scale, check_soft_cap, check_window, reference_attention
 from ember.kernels_pallas.dispatch import kernel_platform, pallas_interpret, resolve_impl
 from ember.kernels_pallas.flash_attention import SCORES
 from ember.kernels_pallas.int_options import check_non_negative_int, check_positive_int
@@ -143,7 +143,7 @@ def ragged_paged_attention_reference(
     ``num_tokens * max_pages_per_seq * page_size`` (the ``"xla"`` path gathers per block
     of queries instead). Returns ``[num_tokens, heads, head_dim]``
     in ``q.dtype``."""
-    _, logits_soft_cap, window, sigmoid_bias = _check_call(
+    _, sm_scale, logits_soft_cap, window, sigmoid_bias = _check_call(
         q,
         k_pages,
         v_pages,
@@ -151,6 +151,7 @@ def ragged_paged_attention_reference(
         query_starts,
         query_lens,
         kv_lens,
+        sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         window=window,
         score=score,
@@ -184,7 +185,6 @@ def _attend_rows(
     (cache position ``t`` at index ``t``), ``q_positions``/``rows_valid [n, r]`` ->
     ``[n, r, heads, d]`` (zeros for rows that are not valid)."""
     max_len = keys.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     kv_pos = jnp.arange(max_len)[None, None, :]
     position = q_positions[:, :, None]
     visible = (kv_pos <= position) & rows_valid[:, :, None]
@@ -195,7 +195,7 @@ def _attend_rows(
         keys,
         values,
         visible,
-        sm_scale=scale,
+        sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         score=score,
         sigmoid_bias=sigmoid_bias,
@@ -339,7 +339,7 @@ def ragged_paged_attention(
         ``kv_splits`` that is not a positive int or None, on every path); for the TPU kernel, caches that are
         not both float32 or both bfloat16.
     """
-    cache, logits_soft_cap, window, sigmoid_bias = _check_call(
+    cache, sm_scale, logits_soft_cap, window, sigmoid_bias = _check_call(
         q,
         k_pages,
         v_pages,
@@ -347,13 +347,14 @@ def ragged_paged_attention(
         query_starts,
         query_lens,
         kv_lens,
+        sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         window=window,
         score=score,
         sigmoid_bias=sigmoid_bias,
         global_tokens=global_tokens,
     )
-    num_tokens, _, head_dim = q.shape
+    num_tokens = q.shape[0]
     check_positive_int("block_q", block_q, none_means="chosen per backend")
     check_positive_int("kv_splits", kv_splits, none_means="chosen by the GPU kernel")
     check_positive_int("pages_per_block", pages_per_block, none_means="enough for 128 tokens")
@@ -396,7 +397,7 @@ def ragged_paged_attention(
         owner=owner,
         covered=covered,
         cache=cache,
-        sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
+        sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         window=window,
         score=score,
@@ -437,6 +438,7 @@ def _check_call(
     query_lens,
     kv_lens,
     *,
+    sm_scale,
     logits_soft_cap,
     window,
     score,
@@ -444,7 +446,8 @@ def _check_call(
     global_tokens,
 ):
     """Validates the arguments the op and its reference share; returns ``(cache shape,
-    logits_soft_cap, window, sigmoid_bias)`` in their checked forms."""
+    sm_scale, logits_soft_cap, window, sigmoid_bias)`` in their checked forms (``sm_scale``
+    with its default)."""
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"q must have rank 3 [num_tokens, heads, head_dim], got shape {getattr(q, 'shape', None)}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -460,4 +463,5 @@ def _check_call(
     _, heads, head_dim = q.shape
     cache = check_paged_cache(k_pages, v_pages, page_table, num_seqs=num_seqs, heads=heads, head_dim=head_dim)
     check_non_negative_int("global_tokens", global_tokens)
-    return cache, check_soft_cap(logits_soft_cap), check_window(window), check_score(score, sigmoid_bias)
+    checked = (check_soft_cap(logits_soft_cap), check_window(window), check_score(score, sigmoid_bias))
+    return cache, check_sm_scale(sm_scale, head_dim), *checked

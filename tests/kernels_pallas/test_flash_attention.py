@@ -119,6 +119,9 @@ def test_auto_on_cpu_is_the_xla_path(rng):
             {"logits_soft_cap": float("inf")},
             "logits_soft_cap must be a positive finite",
         ),
+        # A NaN or infinite scale gave NaN outputs; True was taken as 1.0.
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"sm_scale": float("nan")}, "sm_scale must be a finite number"),
+        (((1, 8, 4, 16), (1, 8, 2, 16)), {"sm_scale": True}, "sm_scale must be a finite number"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"segment_ids": jnp.zeros((1, 7), jnp.int32)}, "segment_ids"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"segment_positions": jnp.zeros((1, 7), jnp.int32)}, "segment_positions"),
         (((1, 8, 4, 16), (1, 8, 2, 16)), {"block_mask": "causal"}, "block_mask"),

@@ -312,6 +312,8 @@ def test_kernel_skips_pages_between_global_prefix_and_window(rng, score_options,
         (lambda a: {**a, "sigmoid_bias": -1.0}, "sigmoid_bias"),
         (lambda a: {**a, "global_tokens": -1}, "global_tokens"),
         (lambda a: {**a, "logits_soft_cap": float("inf")}, "logits_soft_cap must be a positive finite"),
+        # An infinite scale gave NaN outputs.
+        (lambda a: {**a, "sm_scale": float("inf")}, "sm_scale must be a finite number"),
         (lambda a: {**a, "global_tokens": 2.0, "window": (4, 0)}, "global_tokens"),
         # An int8 cache (engine kv_dtype="int8") was read as unscaled integers; an int q gave
         # an int output.
