@@ -92,23 +92,26 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, tuple[int,
     manifest_file = directory / "manifest.json"
     if not manifest_file.is_file():
         raise PathNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
-    manifest = json.loads(manifest_file.read_text())
+    manifest = _read_part(manifest_file, lambda path: json.loads(path.read_text()))
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise DataError(
             f"artifact format {manifest.get('format_version')!r} of {directory} is not one of the supported "
             f"{', '.join(map(str, READABLE_VERSIONS))}: export it again with this version of Ember"
         )
+    missing = [key for key in ("token_buckets", "tokenizer", *LAYOUT_FIELDS) if key not in manifest]
+    if missing:
+        raise DataError(f"{manifest_file} lacks {', '.join(missing)}: export the artifact again")
     exported = {
-        size: jax.export.deserialize(bytearray((directory / f"step_t{size}.jaxexport").read_bytes()))
+        size: _read_part(
+            directory / f"step_t{size}.jaxexport", lambda path: jax.export.deserialize(bytearray(path.read_bytes()))
+        )
         for size in manifest["token_buckets"]
     }
     first = exported[manifest["token_buckets"][0]]
     args_tree = jax.tree_util.treedef_children(first.in_tree)[0]
     params_tree, kv_tree, _, _ = jax.tree_util.treedef_children(args_tree)
-    # npz keeps dtypes numpy lacks (float8: a quantized model's scales) as raw bytes: view them back.
     param_avals = first.in_avals[: params_tree.num_leaves]
-    with np.load(directory / "params.npz") as stored:
-        leaves = [jnp.asarray(stored[f"leaf_{i:05d}"].view(aval.dtype)) for i, aval in enumerate(param_avals)]
+    leaves = _read_part(directory / "params.npz", lambda path: _read_leaves(path, param_avals))
     params = jax.tree_util.tree_unflatten(params_tree, leaves)
     kv_avals = first.in_avals[params_tree.num_leaves : params_tree.num_leaves + kv_tree.num_leaves]
     kv = jax.tree_util.tree_unflatten(kv_tree, [jnp.zeros(aval.shape, aval.dtype) for aval in kv_avals])
@@ -122,6 +125,33 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, tuple[int,
     tokenizer = tokenizer_from_description(manifest["tokenizer"]) if manifest["tokenizer"] else None
     eos_ids = eos_ids_of(manifest["eos_ids"] if "eos_ids" in manifest else manifest["eos_id"])
     return program, tokenizer, eos_ids
+
+
+def _read_part(path: Path, read: Any) -> Any:
+    """``read(path)`` for a file of an artifact; ``PathNotFoundError`` if it is missing and
+    ``DataError`` naming it if its parser fails on it (a torn copy, another export's file)."""
+    if not path.is_file():
+        raise PathNotFoundError(f"{path} is missing: the artifact is incomplete; export it again")
+    try:
+        return read(path)
+    except Exception as error:  # whatever json, numpy's zip reader or jax.export raise on bad bytes
+        raise DataError(
+            f"{path} is not a readable part of an 'ember export' artifact ({type(error).__name__}: {error}); "
+            "export it again"
+        ) from None
+
+
+def _read_leaves(path: Path, avals: Sequence[Any]) -> list[jax.Array]:
+    """The parameter leaves in ``params.npz``, checked against the shapes the steps take."""
+    leaves = []
+    with np.load(path) as stored:
+        for i, aval in enumerate(avals):
+            # npz keeps dtypes numpy lacks (float8: a quantized model's scales) as raw bytes: view them back.
+            leaf = stored[f"leaf_{i:05d}"].view(aval.dtype)
+            if leaf.shape != aval.shape:
+                raise ValueError(f"leaf_{i:05d} has shape {leaf.shape}; the exported steps take {aval.shape}")
+            leaves.append(jnp.asarray(leaf))
+    return leaves
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

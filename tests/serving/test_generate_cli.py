@@ -4,6 +4,8 @@ cannot import ``ember.models``) and a Hugging Face directory (against ``transfor
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,9 +24,11 @@ from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.cli import read_prompts
+from ember.serving.export import export_program
 from tests.hf_peers import random_hf_model
 from tests.pipes import pipe_holding
 from tests.serving.greedy_reference import greedy_reference
+from tests.serving.random_weights import random_weights
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, page_size=8, max_seq_len=40)
@@ -212,3 +216,58 @@ def test_a_path_that_is_no_model_is_a_clear_error(tmp_path, capsys):
     prompts = write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "hi"})])
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompts", str(prompts), "--no-progress"]) == 2
     assert "neither an Ember run directory" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """A one-layer model's artifact with one token bucket (exported, never compiled here)."""
+    config = ModelConfig(vocab_size=257, d_model=16, num_layers=1, num_heads=2, mlp_dim=32, page_size=4, max_seq_len=8)
+    path = tmp_path_factory.mktemp("artifact")
+    export_program(
+        config,
+        random_weights(config, seed=3, spread=0.1),
+        path,
+        tokenizer=ByteTokenizer(),
+        num_slots=2,
+        token_buckets=(2,),
+    )
+    return path
+
+
+def _torn_manifest(path):
+    (path / "manifest.json").write_text("{")
+
+
+def _torn_step(path):
+    (path / "step_t2.jaxexport").write_bytes(b"garbage")
+
+
+def _torn_params(path):
+    (path / "params.npz").write_bytes((path / "params.npz").read_bytes()[:100])
+
+
+def _params_of_another_model(path):
+    with np.load(path / "params.npz") as stored:
+        leaves = {name: np.zeros((3,), stored[name].dtype) for name in stored.files}
+    np.savez(path / "params.npz", **leaves)
+
+
+@pytest.mark.parametrize(
+    "tear, message",
+    [
+        (_torn_manifest, "manifest.json is not a readable part of an 'ember export' artifact \\(JSONDecodeError"),
+        (_torn_step, "step_t2.jaxexport is not a readable part of an 'ember export' artifact"),
+        (_torn_params, "params.npz is not a readable part of an 'ember export' artifact \\(BadZipFile"),
+        (_params_of_another_model, "params.npz is not a readable part .* leaf_00000 has shape \\(3,\\); the exported"),
+        (lambda path: (path / "params.npz").unlink(), "params.npz is missing: the artifact is incomplete"),
+    ],
+)
+def test_a_torn_artifact_is_a_one_line_error(artifact, tmp_path, capsys, tear, message):
+    # Before, each but the missing file was a traceback (JSONDecodeError, struct.error, BadZipFile)
+    # and params of another shape loaded, to fail when the step ran.
+    torn = tmp_path / "torn"
+    shutil.copytree(artifact, torn)
+    tear(torn)
+    assert main(["generate", "--artifact", str(torn), "--prompt", "hi", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
