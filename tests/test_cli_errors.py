@@ -175,6 +175,10 @@ IN_PROCESS_FAILURES = {
         ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--token-budget", "0"],
         "--token-budget must be a positive integer",
     ),
+    "generate out is a directory": (
+        ["generate", "--checkpoint", "{root}/existing", "--prompts", "{root}/in.jsonl", "--out", "{root}"],
+        " is a directory; give the path of the JSONL file to write",
+    ),
     "generate artifact with step": (
         ["generate", "--artifact", "{root}/artifact", "--prompt", "hi", "--step", "1"],
         "--step applies to --checkpoint, not to an exported --artifact",

@@ -99,6 +99,8 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
                 )
     if args.out and not args.prompts:
         raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
+    if args.out and Path(args.out).is_dir():  # found now, not after the whole batch has run
+        raise ConfigError(f"--out {args.out} is a directory; give the path of the JSONL file to write", key="--out")
     adapter_dirs(args)
     defaults = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
