@@ -23,7 +23,7 @@ import numpy as np
 from ember.core.integers import is_integer
 from ember.core.jsonl import lone_surrogate
 from ember.serving.program import DeviceProgram, batch_arrays
-from ember.serving.requests import FINISH_ERROR, GenerationResult, Request, SamplingParams, TokenEvent
+from ember.serving.requests import FINISH_ERROR, FINISH_STOP, GenerationResult, Request, SamplingParams, TokenEvent
 from ember.serving.sampling import fill_settings, settings_array
 from ember.serving.scheduler import Scheduler, SchedulerConfig, eos_ids_of
 
@@ -228,8 +228,25 @@ class Engine:
         tokens, logprobs = jax.device_get((tokens, logprobs))
         slots = [chunk.request.slot for chunk in chunks]
         events = self.scheduler.commit(chunks, tokens[slots].tolist(), logprobs[slots].tolist())
+        self._end_on_stop_strings(events)
         self.tokens_generated += sum(event.token is not None for event in events)
         return events
+
+    def _end_on_stop_strings(self, events: list[TokenEvent]) -> None:
+        """Ends each request whose output's text now holds one of its stop strings, however
+        its tokens split that text (a BPE model writes " world" as one token, which the
+        encoding of the stop string "world" does not match): its output keeps the tokens
+        before the one where the stop string starts, and its event finishes with "stop"."""
+        for event in events:
+            request = self._requests[event.request_id]
+            if event.token is None or event.finish_reason == FINISH_STOP or not request.params.stop:
+                continue
+            kept = _before_stop_string(self.tokenizer, request.output, request.params.stop)
+            if kept is not None:
+                del request.output[kept:]
+                del request.logprobs[kept:]
+                self.scheduler.finish(request, FINISH_STOP)
+                event.finish_reason = FINISH_STOP
 
     def run_until_done(self, request_ids: Iterable[int]) -> Iterator[TokenEvent]:
         """Steps until every request of ``request_ids`` finished, yielding their events
@@ -303,6 +320,20 @@ def _unicode_text(text: str, what: str) -> str:
         index, code_point = surrogate
         raise ValueError(f"{what} is not valid Unicode text: it holds a lone surrogate {code_point} at index {index}")
     return text
+
+
+def _before_stop_string(tokenizer: Tokenizer, output: list[int], stops: Sequence[str]) -> int | None:
+    """How many of ``output``'s tokens precede the first of ``stops`` in its text, or None if
+    its text holds none. Called after every token, so only the newest tokens are decoded: a
+    stop string of ``n`` UTF-8 bytes lies within the last ``n`` tokens (each decodes to a byte
+    or more), and two more keep a leading space that a tokenizer drops from a first token."""
+    tail = output[-(max(len(s.encode("utf-8")) for s in stops) + 2) :]
+    text = tokenizer.decode(tail)
+    found = [index for index in (text.find(s) for s in stops) if index >= 0]
+    if not found:
+        return None
+    kept = next(j for j in range(len(tail), -1, -1) if len(tokenizer.decode(tail[:j])) <= min(found))
+    return len(output) - len(tail) + kept
 
 
 def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingParams]:

@@ -38,8 +38,9 @@ class SamplingParams:
     0 keeps every token; ``top_p`` 1 keeps every token. Top-k is applied first, then top-p
     on the renormalised top-k distribution. The ``i``-th generated token of a request is
     drawn with ``fold_in(PRNGKey(seed), i)``, so a seed gives the same tokens whatever else
-    is in the batch. ``stop`` holds text stop sequences (matched on the token sequence their
-    tokenizer encoding gives, without special tokens such as BOS); ``stop_token_ids`` holds stop sequences as token ids.
+    is in the batch. ``stop`` holds text stop sequences: a request ends when the text of its
+    output holds one, however the tokens split it (the output keeps the tokens before the
+    one where it starts); ``stop_token_ids`` holds stop sequences as token ids.
     ``logprobs`` asks for the model's log-probability of each generated token (of the
     unmodified distribution, before temperature/top-k/top-p). ``adapter`` names one of the
     engine's adapters to generate with (None: the base model). A field of the wrong value or

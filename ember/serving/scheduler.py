@@ -182,6 +182,13 @@ class Scheduler:
             self.waiting.remove(request)
         request.finish_reason = FINISH_ABORT
 
+    def finish(self, request: Request, reason: str) -> None:
+        """Ends ``request`` with ``reason`` (its pages and slot freed if it still runs): the
+        engine's end on a stop string, found in the text of what the scheduler committed."""
+        if not request.finished:
+            self._release(request)
+        request.finish_reason = reason
+
     def preempt(self, request: Request) -> None:
         """Frees ``request``'s pages and slot and requeues it to be recomputed."""
         self._release(request)

@@ -208,6 +208,30 @@ def test_stop_strings_match_without_the_bos_an_hf_tokenizer_adds(program, refere
     assert result.text == tokenizer.decode(result.tokens)
 
 
+def test_a_stop_string_ends_the_output_however_the_tokens_split_its_text(program, reference_greedy, rng, tmp_path):
+    """Stop strings inside a word and across two: their own encodings (``<unk>``) are never
+    written by the model (as a BPE model writes " world" as one token, not the tokens of
+    "world"). Before, such requests ran to max_tokens; now each stops before the token where
+    its string starts (a stop string starting inside a token takes that token with it)."""
+    words = [*WORDS, *(f"w{i}" for i in range(len(WORDS), CONFIG.vocab_size))]
+    write_tokenizer(tmp_path, words)
+    tokenizer = load_hf_tokenizer(tmp_path)
+    engine = Engine(program.fresh_copy(), tokenizer=tokenizer)
+    prompt = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 1, 4, 12)[0]
+    greedy = reference_greedy([prompt], [10])[0]
+    first, second = (words[t] for t in greedy[3:5])
+    assert min(greedy[3:5]) > BOS + 1, "special tokens decode to nothing"
+    text = tokenizer.decode(greedy)
+    for stop in (first[1:], f" {second[:2]}"):  # "ow" of "cow"; " sa" of "cow say"
+        # the tokens whose text ends before the stop string starts
+        kept = max(j for j in range(len(greedy) + 1) if len(tokenizer.decode(greedy[:j])) <= text.index(stop))
+        params = SamplingParams(max_tokens=10, ignore_eos=True, stop=["never written", stop], logprobs=True)
+        result = engine.generate([prompt], params)[0]
+        assert (result.tokens, result.finish_reason, len(result.logprobs)) == (greedy[:kept], "stop", kept), stop
+        assert stop not in result.text
+    assert engine.scheduler.allocator.num_free == NUM_PAGES
+
+
 def test_text_that_is_not_unicode_is_one_request_s_error(program, reference_greedy, tmp_path):
     """A lone surrogate (what JSON's ``"\\ud800"`` decodes to) in a prompt or a stop string is
     that request's error; a Hugging Face tokenizer raises ``TypeError`` on it, which took the
