@@ -51,11 +51,15 @@ def _draw(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
 
 
 def candidate_logits(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
-    """``logits [rows, vocab]`` at each row's temperature (rows at 0 as they are), every token
-    outside the row's top-k and top-p at ``-inf``: what a sampled row draws from."""
+    """``logits [rows, vocab]`` at each row's temperature (rows at 0 as they are), less the
+    row's largest, every token outside the row's top-k and top-p at ``-inf``: what a sampled
+    row draws from."""
     vocab = logits.shape[-1]
     temperature = settings["temperature"]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # Shifted by the row's largest logit first (the draw is the same): a tiny temperature then
+    # sends the others to -inf, not every logit to +-inf (an overflow that drew token 0).
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     ordered = -jnp.sort(-scaled, axis=-1)  # [rows, vocab], descending
     rank = jnp.arange(vocab)[None, :]
     top_k = jnp.where(settings["top_k"] > 0, jnp.minimum(settings["top_k"], vocab), vocab)

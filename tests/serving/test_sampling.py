@@ -60,6 +60,15 @@ def test_top_k_one_and_tiny_top_p_are_greedy_at_any_temperature(rng):
     np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
 
 
+def test_a_tiny_temperature_is_greedy(rng):
+    """At temperature 2e-38 (a normal float32) logits of size 10 over it overflowed to +-inf,
+    and the draw took the first +inf: a token of no special rank, not the argmax."""
+    logits = jax.random.normal(rng, (4, 50)) * 10
+    params = [SamplingParams(temperature=t, top_p=p, seed=7) for t in (2e-38, 1.5e-38) for p in (1.0, 0.9)]
+    tokens, _ = sample(logits, settings_for(params, range(4)))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+
+
 def test_hand_computed_nucleus_of_three_tokens():
     # p = [0.5, 0.3, 0.2], top_p = 0.7: token 1 is kept (0.5 above it), token 2 is not
     # (0.8 above it); the draw is from [0.625, 0.375, 0] with the request's key.
