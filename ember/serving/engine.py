@@ -14,6 +14,7 @@ device, so a step runs under ``jax.transfer_guard("disallow")``.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -82,6 +83,7 @@ class Engine:
             )
         )
         self._requests: dict[int, Request] = {}
+        self._queues: dict[int, collections.deque[TokenEvent]] = {}  # request id -> its run_until_done's events
         self._next_id = 0
         self.tokens_generated = 0
 
@@ -229,6 +231,9 @@ class Engine:
         slots = [chunk.request.slot for chunk in chunks]
         events = self.scheduler.commit(chunks, tokens[slots].tolist(), logprobs[slots].tolist())
         self._end_on_stop_strings(events)
+        for event in events:
+            if event.request_id in self._queues:
+                self._queues[event.request_id].append(event)
         self.tokens_generated += sum(event.token is not None for event in events)
         return events
 
@@ -251,15 +256,27 @@ class Engine:
     def run_until_done(self, request_ids: Iterable[int]) -> Iterator[TokenEvent]:
         """Steps until every request of ``request_ids`` finished, yielding their events
         (other queued requests run too; their events are not yielded). A request aborted
-        meanwhile (:meth:`abort`, e.g. by the consumer of these events) is no longer waited for."""
+        meanwhile (:meth:`abort`, e.g. by the consumer of these events) is no longer waited for.
+        Several of these may be consumed in turns (two streams): the events of a step one of
+        them runs reach the one waiting for them."""
         pending = {i for i in request_ids if not self._requests[i].finished}
-        while pending:
-            for event in self.step():
-                if event.request_id in pending:
+        queue: collections.deque[TokenEvent] = collections.deque()
+        for request_id in pending:
+            self._queues[request_id] = queue
+        try:
+            while pending:
+                if not queue:
+                    self.step()  # fills the queues of the requests it ran
+                while queue:
+                    event = queue.popleft()
                     yield event
                     if event.finish_reason is not None:
                         pending.discard(event.request_id)
-            pending.intersection_update(self._requests)  # abort() forgets a request: nothing more comes
+                pending.intersection_update(self._requests)  # abort() forgets a request: nothing more comes
+        finally:
+            for request_id in request_ids:
+                if self._queues.get(request_id) is queue:
+                    del self._queues[request_id]
 
     def stream(
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None

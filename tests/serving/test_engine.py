@@ -111,6 +111,25 @@ def test_stream_yields_the_generated_tokens_then_the_finish(engine, reference_gr
         list(engine.stream([[1], []]))
 
 
+def test_two_streams_consumed_in_turns_each_get_all_their_events(engine, reference_greedy, monkeypatch):
+    """Two clients' streams, read in turns: before, a step run for one stream dropped the other's
+    events (tokens missing), and a stream whose request finished in the other's step waited
+    for its finish forever."""
+    prompts, p = [[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_tokens=4, ignore_eos=True)
+    steps, step = [], engine.step
+    monkeypatch.setattr(engine, "step", lambda *args: steps.append(1) or step(*args) if len(steps) < 30 else 1 / 0)
+    streams = [engine.stream([prompt], p) for prompt in prompts]
+    events = [[], []]
+    while any(not mine or mine[-1].finish_reason is None for mine in events):
+        for stream, mine in zip(streams, events):
+            if not mine or mine[-1].finish_reason is None:
+                mine.append(next(stream))
+    assert [[e.token for e in mine] for mine in events] == reference_greedy(prompts, [4, 4])
+    for stream in streams:
+        stream.close()
+    assert not engine.has_unfinished and engine._queues == {}
+
+
 def test_a_rejected_or_abandoned_request_leaves_nothing_queued(program, engine, reference_greedy):
     """Every request is checked before any is queued, and a stream closed early aborts its own."""
     p = SamplingParams(max_tokens=3, ignore_eos=True)
