@@ -156,7 +156,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if params.adapter is not None and params.adapter not in self.program.adapter_names:
             known = ", ".join(self.program.adapter_names) or (
-                "none (adapters are given when the engine is built: Engine.build(..., adapters=...), or "
+                "none (adapters are given when the engine is built: Engine.from_model(..., adapters=...), or "
                 "ember generate --adapter NAME=DIR with a run or model directory)"
             )
             raise ValueError(f"unknown adapter {params.adapter!r}; this engine's adapters: {known}")

@@ -84,7 +84,7 @@ def test_bad_arguments_are_named():
         init_cache_layers(BASE, num_slots=0, num_pages=4)
     with pytest.raises(ValueError, match="no cache layout"):
         layer_state_shapes(BASE, "mamba", 1, 1)
-    # An int8 cache was allocated and attended as unscaled integers (Engine.build(kv_dtype=...)).
+    # An int8 cache was allocated and attended as unscaled integers (Engine.from_model(kv_dtype=...)).
     for dtype in (jnp.int8, "int32", "not-a-dtype"):
         with pytest.raises(ValueError, match="kv_dtype must be a floating dtype"):
             init_cache_layers(BASE, num_slots=1, num_pages=2, dtype=dtype)
