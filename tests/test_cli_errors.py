@@ -179,6 +179,14 @@ IN_PROCESS_FAILURES = {
         ["generate", "--checkpoint", "{root}/existing", "--prompts", "{root}/in.jsonl", "--out", "{root}"],
         " is a directory; give the path of the JSONL file to write",
     ),
+    "generate weights that do not fit the config": (
+        ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi"],
+        'existing do not fit the model its config describes: Could not find parameter named "embedding"',
+    ),
+    "export weights that do not fit the config": (
+        ["export", "{root}/wider", "{root}/wider_artifact"],
+        'wider do not fit the model its config describes: Could not find parameter named "embedding"',
+    ),
     "generate artifact with step": (
         ["generate", "--artifact", "{root}/artifact", "--prompt", "hi", "--step", "1"],
         "--step applies to --checkpoint, not to an exported --artifact",

@@ -142,7 +142,7 @@ def build_engine(args: argparse.Namespace):
 
         program, tokenizer, eos_ids = load_artifact(args.artifact)
         return Engine(program, tokenizer=tokenizer, eos_id=eos_ids)
-    from ember.serving.loading import load_model
+    from ember.serving.loading import load_model, weights_fit_model
 
     loaded = load_model(args.checkpoint, step=args.step)
     adapters = None
@@ -151,14 +151,15 @@ def build_engine(args: argparse.Namespace):
 
         adapters = {name: load_peft_adapter(path, loaded.config) for name, path in adapter_dirs(args).items()}
     try:
-        return Engine.from_model(
-            loaded.config,
-            loaded.params,
-            tokenizer=loaded.tokenizer,
-            eos_id=loaded.eos_ids,
-            adapters=adapters,
-            **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
-        )
+        with weights_fit_model(args.checkpoint):
+            return Engine.from_model(
+                loaded.config,
+                loaded.params,
+                tokenizer=loaded.tokenizer,
+                eos_id=loaded.eos_ids,
+                adapters=adapters,
+                **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
+            )
     except ConfigError as error:
         flag = ENGINE_OPTIONS.get(error.key)
         if flag is None:  # about the model (layers the engine cannot serve), not an option

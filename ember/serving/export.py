@@ -165,20 +165,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ember.serving.cli import check_engine_options
-    from ember.serving.loading import load_model
+    from ember.serving.loading import load_model, weights_fit_model
 
     check_engine_options(args)
     loaded = load_model(args.source, step=args.step)
-    out = export_program(
-        loaded.config,
-        loaded.params,
-        args.out_dir,
-        tokenizer=loaded.tokenizer,
-        eos_id=loaded.eos_ids,
-        num_slots=args.num_slots,
-        token_budget=args.token_budget,
-        max_context=args.max_context,
-    )
+    with weights_fit_model(args.source):
+        out = export_program(
+            loaded.config,
+            loaded.params,
+            args.out_dir,
+            tokenizer=loaded.tokenizer,
+            eos_id=loaded.eos_ids,
+            num_slots=args.num_slots,
+            token_budget=args.token_budget,
+            max_context=args.max_context,
+        )
     buckets = resolve_token_buckets(args.num_slots, args.token_budget)
     print(f"wrote {out} (token buckets {', '.join(map(str, buckets))})")
     return 0

@@ -23,11 +23,14 @@ On a GPU every model is loaded with its layers unrolled unless the caller sets
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 
@@ -100,6 +103,18 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
         tokenizer = ByteTokenizer()
         eos_ids = tokenizer.eos_id
     return LoadedModel(config, serving_weights(params, model_state), tokenizer, eos_ids_of(eos_ids))
+
+
+@contextlib.contextmanager
+def weights_fit_model(path: str | Path) -> Iterator[None]:
+    """Runs the building of a model's steps; Flax's error for weights that do not fit the
+    model (a parameter missing, or of another shape: a run's config.yaml edited after its
+    checkpoint was saved) becomes a ``DataError`` naming ``path``."""
+    try:
+        yield
+    except flax.errors.FlaxError as error:
+        first_line = str(error).splitlines()[0]
+        raise DataError(f"the weights in {path} do not fit the model its config describes: {first_line}") from None
 
 
 def serving_overrides() -> dict[str, Any]:
@@ -180,4 +195,4 @@ def _hf_tokenizer(path: Path) -> HFTokenizer | None:
     return load_hf_tokenizer(path) if (path / "tokenizer.json").is_file() else None
 
 
-__all__ = ["LoadedModel", "load_model", "restore_weights", "serving_overrides"]
+__all__ = ["LoadedModel", "load_model", "restore_weights", "serving_overrides", "weights_fit_model"]
