@@ -105,6 +105,15 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
     return LoadedModel(config, serving_weights(params, model_state), tokenizer, eos_ids_of(eos_ids))
 
 
+WEIGHT_MISMATCH = (
+    flax.errors.ScopeParamNotFoundError,
+    flax.errors.ScopeParamShapeError,
+    flax.errors.ScopeCollectionNotFound,
+    flax.errors.ScopeVariableNotFoundError,
+)
+"""Flax's errors for weights that are not the ones a model reads (other Flax errors are Ember's bugs)."""
+
+
 @contextlib.contextmanager
 def weights_fit_model(path: str | Path) -> Iterator[None]:
     """Runs the building of a model's steps; Flax's error for weights that do not fit the
@@ -112,7 +121,7 @@ def weights_fit_model(path: str | Path) -> Iterator[None]:
     checkpoint was saved) becomes a ``DataError`` naming ``path``."""
     try:
         yield
-    except flax.errors.FlaxError as error:
+    except WEIGHT_MISMATCH as error:
         first_line = str(error).splitlines()[0]
         raise DataError(f"the weights in {path} do not fit the model its config describes: {first_line}") from None
 
