@@ -15,7 +15,7 @@ device, so a step runs under ``jax.transfer_guard("disallow")``.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -358,9 +358,14 @@ def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingP
         raise ValueError("prompts must be a list of prompts (text or token lists), got a single string")
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * len(prompts)
+    if isinstance(params, Mapping) or not isinstance(params, Iterable):  # a dict's keys are no SamplingParams
+        raise ValueError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    wrong = next((p for p in params if p is not None and not isinstance(p, SamplingParams)), None)
+    if wrong is not None:
+        raise ValueError(f"params must be SamplingParams (or None for the defaults), got a {type(wrong).__name__}")
     return params
 
 

@@ -141,6 +141,11 @@ def test_a_rejected_or_abandoned_request_leaves_nothing_queued(program, engine, 
     assert not engine.has_unfinished
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         list(Engine(program.fresh_copy()).stream([[1, 2], [3, 4]], [p, SamplingParams(stop=["ab"])]))
+    # A dict of fields for SamplingParams: before, its keys were taken for params ('str' object has no attribute)
+    with pytest.raises(ValueError, match="params must be a SamplingParams or a list of them, got dict"):
+        engine.generate([[1, 2]], {"max_tokens": 3})
+    with pytest.raises(ValueError, match=r"params must be SamplingParams .*, got a dict"):
+        engine.generate([[1, 2]], [{"max_tokens": 3}])
     results = engine.generate([[1, 2], 5], p)
     assert results[1].error == "a prompt is a string or a list of token ids, got int"
     assert results[0].tokens == reference_greedy([[1, 2]], [3])[0] and not engine.has_unfinished
