@@ -145,3 +145,21 @@ def test_unsupported_architectures_and_fields_are_named(tmp_path):
         hf.config_from_hf({**llama, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="hidden_act 'relu'"):
         hf.config_from_hf({**llama, "hidden_act": "relu"})
+
+
+def test_save_over_a_sharded_checkpoint_loads_the_new_weights(tmp_path):
+    """``save`` into a directory holding a sharded checkpoint writes ``model.safetensors`` beside the
+    old index, and ``transformers`` reads the single file first. ``load`` read the stale shards
+    instead: the old weights, without a word."""
+    config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32, tie_embeddings=False)
+    old, new = (
+        unbox(DecoderLM(config).init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]) for seed in (0, 1)
+    )
+    hf.save(tmp_path, config, old)
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    (tmp_path / "model.safetensors").rename(shard)
+    weight_map = {name: shard.name for name in hf.params_to_hf(config, old)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    hf.save(tmp_path, config, new)
+    _, loaded = hf.load(tmp_path)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), loaded, new)

@@ -61,7 +61,10 @@ def save(
 
 
 def read_state(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of the checkpoint in ``path`` (single file or sharded with an index)."""
+    """All tensors of the checkpoint in ``path`` (single file or sharded with an index; the
+    single file first where both are there, as ``transformers`` reads them)."""
+    if (path / SINGLE_FILE).is_file():
+        return load_file(str(path / SINGLE_FILE))
     index = path / INDEX_FILE
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -69,6 +72,4 @@ def read_state(path: Path) -> dict[str, np.ndarray]:
         for shard in shards:
             state.update(load_file(str(path / shard)))
         return state
-    if (path / SINGLE_FILE).is_file():
-        return load_file(str(path / SINGLE_FILE))
     raise PathNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
