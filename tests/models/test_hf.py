@@ -163,3 +163,29 @@ def test_save_over_a_sharded_checkpoint_loads_the_new_weights(tmp_path):
     hf.save(tmp_path, config, new)
     _, loaded = hf.load(tmp_path)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), loaded, new)
+
+
+def test_a_geglu_model_exports_with_gelu_pytorch_tanh(tmp_path, rng):
+    """``load`` reads ``hidden_act: gelu_pytorch_tanh`` as ``mlp: geglu``, but ``save`` refused to
+    write a geglu model back (ConfigError: needs mlp='swiglu')."""
+    config = ModelConfig(
+        vocab_size=31,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=48,
+        mlp="geglu",
+        qkv_bias=True,
+    )
+    params = unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    params = jax.tree.map(
+        lambda x: x + 0.1 * jax.random.normal(rng, x.shape), params
+    )  # biases and norms off their init
+    hf.save(tmp_path, config, params, model_type="qwen2")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens = jax.random.randint(rng, (1, 16), 0, config.vocab_size)
+    ours, _ = DecoderLM(config).apply({"params": params}, tokens)
+    assert_allclose(ours, hf_logits(reloaded, tokens), scale=10)  # as in test_logits_match_transformers
+    assert hf.load(tmp_path)[0] == config

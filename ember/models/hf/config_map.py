@@ -19,6 +19,7 @@ from ember.models.hf.mamba2 import mamba2_config_from_hf, mamba2_config_to_hf
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "mamba2")
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe")
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
+_HIDDEN_ACTS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}  # what each gated MLP exports as
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -100,8 +101,11 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
             f"only softmax global/local attention without QK-norm or soft-caps exports to {model_type}; "
             f"this config has layer kinds {sorted(kinds)}, score={config.score!r}, qk_norm={config.qk_norm}"
         )
-    if config.norm != "rmsnorm" or config.mlp != "swiglu":
-        raise ConfigError(f"{model_type} needs norm='rmsnorm' and mlp='swiglu'; got {config.norm!r}, {config.mlp!r}")
+    if config.norm != "rmsnorm" or config.mlp not in _HIDDEN_ACTS:
+        raise ConfigError(
+            f"{model_type} needs norm='rmsnorm' and mlp one of {', '.join(_HIDDEN_ACTS)}; "
+            f"got {config.norm!r}, {config.mlp!r}"
+        )
     if model_type != "qwen2_moe" and config.qkv_bias != (model_type == "qwen2"):
         raise ConfigError(
             f"qkv_bias={config.qkv_bias} cannot be expressed as {model_type} (qwen2 always has q/k/v biases, "
@@ -126,7 +130,7 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_size,
-        "hidden_act": "silu",
+        "hidden_act": _HIDDEN_ACTS[config.mlp],
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
