@@ -22,6 +22,7 @@ from ember.models.adapters import adapter_leaves, without_adapters
 from ember.models.config import MoEConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import quantize_params
+from ember.serving.loading import load_model
 from ember.training.finetune import FinetuneConfig, FinetuneTask
 from ember.training.finetune.base import load_base
 from ember.training.lm.task import lm_loss
@@ -118,6 +119,10 @@ def test_exports_load_in_peft_and_transformers_with_ember_logits(lora_run, probl
     assert adapter_config["base_model_name_or_path"] == str(problem[0])
     assert (trainer.run_dir / "merged" / "tokenizer.json").is_file()
     assert (trainer.run_dir / "merged" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    # The base's special token ids and generation config go with it (before: config.json had no
+    # eos_token_id, so transformers took its class default and `ember generate` no end id at all).
+    assert json.loads((trainer.run_dir / "merged" / "config.json").read_text())["eos_token_id"] == EOS
+    assert load_model(trainer.run_dir / "merged").eos_ids == (EOS,)
 
 
 def test_qlora_keeps_the_base_nf4_and_learns(problem):

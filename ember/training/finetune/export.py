@@ -32,6 +32,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     CHAT_TEMPLATE_FILE,
 )
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def export_hook(task: Any) -> Callable[[Any], None]:
@@ -50,13 +51,26 @@ def export_hook(task: Any) -> Callable[[Any], None]:
         if config.export.merged:
             weights = merged_weights(params) if config.method == "lora" else params
             hf.save(run_dir / "merged", task.model_config, weights, model_type=merged_model_type(config))
-            for name in TOKENIZER_FILES:
+            for name in (*TOKENIZER_FILES, "generation_config.json"):
                 if (Path(config.base_model.path) / name).is_file():
                     shutil.copy(Path(config.base_model.path) / name, run_dir / "merged" / name)
+            _copy_token_ids(Path(config.base_model.path), run_dir / "merged")
             written["merged"] = str(run_dir / "merged")
         info.trainer.results["exports"] = written
 
     return export
+
+
+def _copy_token_ids(base: Path, merged: Path) -> None:
+    """The special token ids (``bos/eos/pad_token_id``) of the Hugging Face base's ``config.json``
+    into the merged one's, which ``hf.save`` writes without them: ``transformers`` would take its
+    class defaults instead (Llama's ``eos_token_id`` 2) and ``ember generate`` no end-of-sequence id."""
+    if not (base / "config.json").is_file():
+        return  # an Ember base: no Hugging Face ids to carry over
+    base_config = json.loads((base / "config.json").read_text())
+    ids = {key: base_config[key] for key in TOKEN_ID_FIELDS if key in base_config}
+    merged_config = json.loads((merged / "config.json").read_text())
+    (merged / "config.json").write_text(json.dumps({**merged_config, **ids}, indent=2) + "\n")
 
 
 def merged_model_type(config: FinetuneConfig) -> str:
