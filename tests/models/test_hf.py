@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ember.core.errors import DataError
+from ember.core.errors import DataError, PathNotFoundError
 from ember.core.sharding import unbox
 from ember.models import hf
 from ember.models.adapters import LoraConfig, add_lora, merged_weights
@@ -189,3 +189,22 @@ def test_a_geglu_model_exports_with_gelu_pytorch_tanh(tmp_path, rng):
     ours, _ = DecoderLM(config).apply({"params": params}, tokens)
     assert_allclose(ours, hf_logits(reloaded, tokens), scale=10)  # as in test_logits_match_transformers
     assert hf.load(tmp_path)[0] == config
+
+
+def test_a_truncated_or_torn_checkpoint_is_a_data_error(tmp_path):
+    """An interrupted download raised safetensors' own SafetensorError (not naming the file) and an
+    index without a weight_map a KeyError: tracebacks from `ember generate`, not one-line errors."""
+    config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32)
+    hf.save(tmp_path, config, unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(DataError, match=r"model\.safetensors is not a complete safetensors file"):
+        hf.load(tmp_path)
+    weights.rename(tmp_path / "model-00001-of-00002.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(DataError, match="is not a safetensors index"):
+        hf.load(tmp_path)
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(PathNotFoundError, match=r"no model-00002-of-00002\.safetensors in"):
+        hf.load(tmp_path)

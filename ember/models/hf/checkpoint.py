@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from ember.core.errors import PathNotFoundError
+from ember.core.errors import DataError, PathNotFoundError
 from ember.models.config import ModelConfig
 from ember.models.hf.config_map import config_from_hf, config_to_hf
 from ember.models.hf.weights import params_from_hf, params_to_hf
@@ -30,8 +31,9 @@ def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) 
         ``scan_layers=False``, ``attention_impl=...``).
 
     Raises:
-      PathNotFoundError (a ``FileNotFoundError``): no config.json or no safetensors weights.
-      ConfigError, DataError (``ValueError``s): an unsupported architecture or config field; a missing tensor.
+      PathNotFoundError (a ``FileNotFoundError``): no config.json or no safetensors weights (or a shard).
+      ConfigError, DataError (``ValueError``s): an unsupported architecture or config field; a missing tensor;
+        a truncated safetensors file or an unreadable index.
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -64,12 +66,25 @@ def read_state(path: Path) -> dict[str, np.ndarray]:
     """All tensors of the checkpoint in ``path`` (single file or sharded with an index; the
     single file first where both are there, as ``transformers`` reads them)."""
     if (path / SINGLE_FILE).is_file():
-        return load_file(str(path / SINGLE_FILE))
+        return _read_safetensors(path / SINGLE_FILE)
     index = path / INDEX_FILE
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or no {"weight_map": {name: shard}}
+            raise DataError(f"{index} is not a safetensors index (a JSON object with a 'weight_map')") from None
         state: dict[str, np.ndarray] = {}
         for shard in shards:
-            state.update(load_file(str(path / shard)))
+            state.update(_read_safetensors(path / shard))
         return state
     raise PathNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+
+def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    if not file.is_file():
+        raise PathNotFoundError(f"no {file.name} in {file.parent} (the checkpoint's index names it)")
+    try:
+        return load_file(str(file))
+    except SafetensorError as error:  # a truncated or corrupt file (an interrupted download)
+        raise DataError(f"{file} is not a complete safetensors file: {error}") from None
