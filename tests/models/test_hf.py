@@ -208,3 +208,18 @@ def test_a_truncated_or_torn_checkpoint_is_a_data_error(tmp_path):
     index.write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(PathNotFoundError, match=r"no model-00002-of-00002\.safetensors in"):
         hf.load(tmp_path)
+
+
+def test_weights_of_another_config_are_a_data_error_naming_the_tensor(tmp_path):
+    """A config.json that does not describe its weights failed in a numpy reshape ("cannot reshape
+    array of size 512 into shape (32,4,8)") or loaded and failed in the first forward."""
+    config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48)
+    hf.save(tmp_path, config, unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for field, value, tensor, shapes in (
+        ("num_key_value_heads", 4, "model.layers.0.self_attn.k_proj.weight", r"\(16, 32\).*\(32, 32\)"),
+        ("intermediate_size", 64, "model.layers.0.mlp.gate_proj.weight", r"\(48, 32\).*\(64, 32\)"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**saved, field: value}))
+        with pytest.raises(DataError, match=rf"tensor '{tensor}' has shape {shapes}"):
+            hf.load(tmp_path)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ember.cli import main
-from ember.core.errors import ConfigError
+from ember.core.errors import ConfigError, DataError
 from ember.models import hf
 from ember.models.decoder import DecoderLM
 from tests.hf_peers import random_hf_model
@@ -141,3 +141,15 @@ def test_unsupported_mamba2_configs_are_named(pair, tmp_path):
         hf.save(tmp_path, hybrid, params, model_type="mamba2")
     with pytest.raises(ConfigError, match="final_soft_cap"):
         hf.config_to_hf(dataclasses.replace(config, final_soft_cap=30.0), "mamba2")
+
+
+def test_weights_of_another_config_are_a_data_error_naming_the_tensor(pair):
+    """Before, np.split cut in_proj at the wrong rows and a numpy reshape failed ("cannot reshape
+    array of size 640 into shape (32,4)")."""
+    _, path, config, _ = pair
+    state = hf.read_state(path)
+    other = dataclasses.replace(config, ssm=dataclasses.replace(config.ssm, n_groups=1))
+    with pytest.raises(
+        DataError, match=r"'backbone\.layers\.0\.mixer\.in_proj\.weight' has shape \(164, 32\).*\(148, 32\)"
+    ):
+        hf.params_from_hf(other, state)

@@ -119,39 +119,45 @@ def mamba2_config_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def mamba2_params_from_hf(config: ModelConfig, take: Callable[[str], np.ndarray]) -> dict[str, Any]:
-    """Ember ``params`` from a HF Mamba-2 state dict read through ``take(name)``."""
+def mamba2_params_from_hf(config: ModelConfig, take: Callable[..., np.ndarray]) -> dict[str, Any]:
+    """Ember ``params`` from a HF Mamba-2 state dict read through ``take(name, shape=...)``."""
     ssm, d_model = config.ssm, config.d_model
     heads, head_dim, groups, state = ssm.heads(d_model), ssm.head_dim, ssm.n_groups, ssm.state_size
     inner = heads * head_dim
     sizes = {"z": inner, "x": inner, "B": groups * state, "C": groups * state, "dt": heads}
     shapes = {"z": (heads, head_dim), "x": (heads, head_dim), "B": (groups, state), "C": (groups, state)}
+    conv_dim, width = inner + 2 * groups * state, config.ssm.conv_kernel
     layers = []
     for i in range(config.num_layers):
         prefix = f"backbone.layers.{i}."
-        in_proj = take(prefix + "mixer.in_proj.weight").T  # [embed, projection]
+        in_proj = take(prefix + "mixer.in_proj.weight", shape=(sum(sizes.values()), d_model)).T  # [embed, projection]
         parts = np.split(in_proj, np.cumsum(list(sizes.values()))[:-1], axis=1)
         mixer = {
             name: {"kernel": part.reshape(d_model, *shapes.get(name, (heads,)))} for name, part in zip(sizes, parts)
         }
         mixer.update(
-            conv_weight=take(prefix + "mixer.conv1d.weight")[:, 0, :].T,
-            dt_bias=take(prefix + "mixer.dt_bias"),
-            A_log=take(prefix + "mixer.A_log"),
-            D=take(prefix + "mixer.D"),
-            norm_scale=take(prefix + "mixer.norm.weight").reshape(heads, head_dim),
-            o={"kernel": take(prefix + "mixer.out_proj.weight").T.reshape(heads, head_dim, d_model)},
+            conv_weight=take(prefix + "mixer.conv1d.weight", shape=(conv_dim, 1, width))[:, 0, :].T,
+            dt_bias=take(prefix + "mixer.dt_bias", shape=(heads,)),
+            A_log=take(prefix + "mixer.A_log", shape=(heads,)),
+            D=take(prefix + "mixer.D", shape=(heads,)),
+            norm_scale=take(prefix + "mixer.norm.weight", shape=(inner,)).reshape(heads, head_dim),
+            o={
+                "kernel": take(prefix + "mixer.out_proj.weight", shape=(d_model, inner)).T.reshape(
+                    heads, head_dim, d_model
+                )
+            },
         )
         if ssm.use_conv_bias:
-            mixer["conv_bias"] = take(prefix + "mixer.conv1d.bias")
-        layers.append({"attn_norm": {"scale": take(prefix + "norm.weight")}, "attn": mixer})
+            mixer["conv_bias"] = take(prefix + "mixer.conv1d.bias", shape=(conv_dim,))
+        layers.append({"attn_norm": {"scale": take(prefix + "norm.weight", shape=(d_model,))}, "attn": mixer})
+    vocab = (config.vocab_size, d_model)
     params: dict[str, Any] = {
-        "embed": {"embedding": take("backbone.embeddings.weight")},
-        "final_norm": {"scale": take("backbone.norm_f.weight")},
+        "embed": {"embedding": take("backbone.embeddings.weight", shape=vocab)},
+        "final_norm": {"scale": take("backbone.norm_f.weight", shape=(d_model,))},
         **layers_from_list(config, layers),
     }
     if not config.tie_embeddings:
-        params["head"] = {"kernel": take("lm_head.weight").T}
+        params["head"] = {"kernel": take("lm_head.weight", shape=vocab).T}
     return params
 
 

@@ -38,17 +38,25 @@ def params_from_hf(
     """Ember ``params`` from a HF state dict (``name -> array``) for ``config``.
 
     Raises:
-      DataError (a ``ValueError``): naming the tensors that are missing or that Ember would ignore.
+      DataError (a ``ValueError``): naming the tensors that are missing, of another shape than the
+        config implies, or that Ember would ignore.
     """
     heads, kv_heads, head_dim, d_model = config.num_heads, config.kv_heads, config.head_size, config.d_model
     used: set[str] = set()
 
-    def take(*names: str) -> np.ndarray:
-        """The first of ``names`` (alternative spellings of one tensor) the checkpoint has."""
+    def take(*names: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The first of ``names`` (alternative spellings of one tensor) the checkpoint has, which
+        must have the ``shape`` the config implies."""
         for name in names:
             if name in state:
                 used.add(name)
-                return np.asarray(state[name]).astype(dtype)
+                array = np.asarray(state[name])
+                if array.shape != tuple(shape):
+                    raise DataError(
+                        f"Hugging Face tensor {name!r} has shape {array.shape}, but config.json implies "
+                        f"{tuple(shape)}: the weights are not of this config"
+                    )
+                return array.astype(dtype)
         raise DataError(f"Hugging Face checkpoint is missing tensor {names[0]!r}")
 
     if "mamba2" in config.layer_kinds:
@@ -58,34 +66,33 @@ def params_from_hf(
     layers = []
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
-        attn = {
-            "q": {"kernel": take(prefix + "self_attn.q_proj.weight").T.reshape(d_model, heads, head_dim)},
-            "k": {"kernel": take(prefix + "self_attn.k_proj.weight").T.reshape(d_model, kv_heads, head_dim)},
-            "v": {"kernel": take(prefix + "self_attn.v_proj.weight").T.reshape(d_model, kv_heads, head_dim)},
-            "o": {"kernel": take(prefix + "self_attn.o_proj.weight").T.reshape(heads, head_dim, d_model)},
-        }
-        if config.qkv_bias:
-            attn["q"]["bias"] = take(prefix + "self_attn.q_proj.bias").reshape(heads, head_dim)
-            attn["k"]["bias"] = take(prefix + "self_attn.k_proj.bias").reshape(kv_heads, head_dim)
-            attn["v"]["bias"] = take(prefix + "self_attn.v_proj.bias").reshape(kv_heads, head_dim)
+        attn = {}
+        for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            weight = take(prefix + f"self_attn.{name}_proj.weight", shape=(n * head_dim, d_model))
+            attn[name] = {"kernel": weight.T.reshape(d_model, n, head_dim)}
+            if config.qkv_bias:
+                bias = take(prefix + f"self_attn.{name}_proj.bias", shape=(n * head_dim,))
+                attn[name]["bias"] = bias.reshape(n, head_dim)
+        o = take(prefix + "self_attn.o_proj.weight", shape=(d_model, heads * head_dim))
+        attn["o"] = {"kernel": o.T.reshape(heads, head_dim, d_model)}
         layers.append(
             {
-                "attn_norm": {"scale": take(prefix + "input_layernorm.weight")},
+                "attn_norm": {"scale": take(prefix + "input_layernorm.weight", shape=(d_model,))},
                 "attn": attn,
-                "mlp_norm": {"scale": take(prefix + "post_attention_layernorm.weight")},
+                "mlp_norm": {"scale": take(prefix + "post_attention_layernorm.weight", shape=(d_model,))},
             }
         )
         if config.layer_mlps[i] == "moe":
-            layers[-1]["moe"] = _moe_from_hf(take, prefix, config, model_type)
+            layers[-1]["moe"] = _moe_from_hf(take, state, prefix, config, model_type)
         else:
-            layers[-1]["mlp"] = {name: take(prefix + f"mlp.{name}_proj.weight").T for name in ("gate", "up", "down")}
+            layers[-1]["mlp"] = _mlp_from_hf(take, prefix + "mlp.", d_model, config.mlp_dim)
     params: dict[str, Any] = {
-        "embed": {"embedding": take("model.embed_tokens.weight")},
-        "final_norm": {"scale": take("model.norm.weight")},
+        "embed": {"embedding": take("model.embed_tokens.weight", shape=(config.vocab_size, d_model))},
+        "final_norm": {"scale": take("model.norm.weight", shape=(d_model,))},
         **layers_from_list(config, layers),
     }
     if not config.tie_embeddings:
-        params["head"] = {"kernel": take("lm_head.weight").T}
+        params["head"] = {"kernel": take("lm_head.weight", shape=(config.vocab_size, d_model)).T}
     check_all_used(config, state, used)
     return params
 
@@ -104,21 +111,31 @@ def check_all_used(
         )
 
 
-def _moe_from_hf(take, prefix: str, config: ModelConfig, model_type: str) -> dict[str, Any]:
-    """One MoE layer's params (``router``, ``experts``, ``shared``, ``shared_gate``)."""
+def _mlp_from_hf(take, prefix: str, d_model: int, width: int) -> dict[str, np.ndarray]:
+    """A gated MLP's ``gate``/``up``/``down`` kernels from ``<prefix>{gate,up,down}_proj.weight``."""
+    shapes = {"gate": (width, d_model), "up": (width, d_model), "down": (d_model, width)}
+    return {name: take(prefix + f"{name}_proj.weight", shape=shape).T for name, shape in shapes.items()}
+
+
+def _moe_from_hf(take, state: Mapping[str, Any], prefix: str, config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """One MoE layer's params (``router``, ``experts``, ``shared``, ``shared_gate``); ``state``: the
+    checkpoint's tensors, to tell the fused expert layout from the per-expert one."""
     block, (gate_name, up_name, down_name) = _MOE_NAMES[model_type]
-    router = take(prefix + f"{block}.gate.weight", prefix + "mlp.gate.weight").T
+    d_model, num_experts, width = config.d_model, config.moe.num_experts, config.expert_dim
+    router = take(prefix + f"{block}.gate.weight", prefix + "mlp.gate.weight", shape=(num_experts, d_model)).T
     fused = prefix + "mlp.experts.gate_up_proj", prefix + f"{block}.experts.gate_up_proj"
-    try:
-        gate_up = take(*fused)  # [E, 2f, embed]: gate rows then up rows
-    except DataError:
-        expert = [prefix + f"{block}.experts.{e}." for e in range(config.moe.num_experts)]
+    if not any(name in state for name in fused):
+        expert = [prefix + f"{block}.experts.{e}." for e in range(num_experts)]
+        shapes = {"gate": (width, d_model), "up": (width, d_model), "down": (d_model, width)}
         experts = {
-            key: np.stack([take(p + f"{name}.weight").T for p in expert])
+            key: np.stack([take(p + f"{name}.weight", shape=shapes[key]).T for p in expert])
             for key, name in (("gate", gate_name), ("up", up_name), ("down", down_name))
         }
     else:
-        down = take(prefix + "mlp.experts.down_proj", prefix + f"{block}.experts.down_proj")
+        gate_up = take(*fused, shape=(num_experts, 2 * width, d_model))  # gate rows then up rows
+        down = take(
+            prefix + "mlp.experts.down_proj", prefix + f"{block}.experts.down_proj", shape=(num_experts, d_model, width)
+        )
         half = gate_up.shape[1] // 2
         experts = {
             "gate": gate_up[:, :half].transpose(0, 2, 1),
@@ -127,10 +144,9 @@ def _moe_from_hf(take, prefix: str, config: ModelConfig, model_type: str) -> dic
         }
     params: dict[str, Any] = {"router": {"kernel": router}, "experts": experts}
     if config.moe.shared_experts:
-        params["shared"] = {
-            name: take(prefix + f"mlp.shared_expert.{name}_proj.weight").T for name in ("gate", "up", "down")
-        }
-        params["shared_gate"] = take(prefix + "mlp.shared_expert_gate.weight").T
+        shared_width = config.moe.shared_experts * (config.moe.shared_expert_dim or width)
+        params["shared"] = _mlp_from_hf(take, prefix + "mlp.shared_expert.", d_model, shared_width)
+        params["shared_gate"] = take(prefix + "mlp.shared_expert_gate.weight", shape=(1, d_model)).T
     return params
 
 
