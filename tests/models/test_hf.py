@@ -223,3 +223,12 @@ def test_weights_of_another_config_are_a_data_error_naming_the_tensor(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**saved, field: value}))
         with pytest.raises(DataError, match=rf"tensor '{tensor}' has shape {shapes}"):
             hf.load(tmp_path)
+
+
+def test_save_takes_the_boxed_params_init_returns(tmp_path):
+    """``model.init(...)["params"]`` (``nn.Partitioned`` leaves) failed in a numpy reshape ("cannot
+    reshape array of size 1 into shape (32,newaxis)"), as ``save_peft_adapter`` takes them."""
+    config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32)
+    boxed = DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    hf.save(tmp_path, config, boxed)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), hf.load(tmp_path)[1], unbox(boxed))

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import DataError
+from ember.core.sharding import unbox
 from ember.core.tree import param_paths
 from ember.models.adapters.leaves import adapter_part
 from ember.models.config import ModelConfig
@@ -188,9 +189,12 @@ def params_to_hf(
 ) -> dict[str, np.ndarray]:
     """The HF state dict (``name -> numpy array``) of Ember ``params`` as a ``model_type`` model.
 
+    ``params`` may be boxed (``nn.Partitioned`` leaves, as ``init`` returns them) or not.
+
     Raises:
       DataError: ``params`` carry adapters or quantized weights (a checkpoint holds plain weights).
     """
+    params = unbox(params)
     _check_plain_weights(params)
     d_model = config.d_model
 
