@@ -232,3 +232,11 @@ def test_save_takes_the_boxed_params_init_returns(tmp_path):
     boxed = DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     hf.save(tmp_path, config, boxed)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), hf.load(tmp_path)[1], unbox(boxed))
+
+
+def test_a_config_json_that_is_not_a_json_object_is_a_data_error(tmp_path):
+    """Before, json's JSONDecodeError (or, for a list, an AttributeError in config_from_hf): a traceback."""
+    for text, match in (('{"model_type": "llama",', "is not JSON"), ("[]", "is not a JSON object")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(DataError, match=rf"config\.json {match}"):
+            hf.load(tmp_path)

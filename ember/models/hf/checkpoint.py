@@ -33,13 +33,18 @@ def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) 
     Raises:
       PathNotFoundError (a ``FileNotFoundError``): no config.json or no safetensors weights (or a shard).
       ConfigError, DataError (``ValueError``s): an unsupported architecture or config field; a missing tensor;
-        a truncated safetensors file or an unreadable index.
+        a truncated safetensors file, an unreadable index or config.json.
     """
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise PathNotFoundError(f"no config.json in {path}")
-    hf_config = json.loads(config_file.read_text())
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except ValueError as error:  # not UTF-8, or not JSON
+        raise DataError(f"{config_file} is not JSON ({error})") from None
+    if not isinstance(hf_config, dict):
+        raise DataError(f"{config_file} is not a JSON object")
     config = config_from_hf(hf_config, **config_overrides)
     return config, params_from_hf(config, read_state(path), dtype=dtype, model_type=hf_config["model_type"])
 
