@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ember.core.errors import DataError, PathNotFoundError
+from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.sharding import unbox
 from ember.models import hf
 from ember.models.adapters import LoraConfig, add_lora, merged_weights
@@ -145,6 +145,10 @@ def test_unsupported_architectures_and_fields_are_named(tmp_path):
         hf.config_from_hf({**llama, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="hidden_act 'relu'"):
         hf.config_from_hf({**llama, "hidden_act": "relu"})
+    # Before, a KeyError traceback.
+    scaling = {k: v for k, v in llama["rope_parameters"].items() if k != "original_max_position_embeddings"}
+    with pytest.raises(ConfigError, match="llama3 rope scaling needs 'original_max_position_embeddings'"):
+        hf.config_from_hf({**llama, "rope_parameters": scaling})
 
 
 def test_save_over_a_sharded_checkpoint_loads_the_new_weights(tmp_path):

@@ -257,18 +257,24 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf["rope_theta"]))
     rope_type = params.get("rope_type", params.get("type", "default"))
+
+    def need(field: str) -> float:
+        if params.get(field) is None:
+            raise ConfigError(f"{rope_type} rope scaling needs {field!r} (rope_scaling / rope_parameters)", key=field)
+        return float(params[field])
+
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if rope_type == "linear":
-        return RopeConfig(theta=theta, scaling="linear", factor=float(params["factor"]))
+        return RopeConfig(theta=theta, scaling="linear", factor=need("factor"))
     if rope_type == "llama3":
         return RopeConfig(
             theta=theta,
             scaling="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_len=int(params["original_max_position_embeddings"]),
+            factor=need("factor"),
+            low_freq_factor=need("low_freq_factor"),
+            high_freq_factor=need("high_freq_factor"),
+            original_max_len=int(need("original_max_position_embeddings")),
         )
     raise ConfigError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
 
