@@ -208,8 +208,7 @@ def test_stop_token_sequences_and_stop_strings_end_the_output(engine, reference_
 
 def test_every_eos_id_ends_a_request(program, reference_greedy, rng):
     """Several end-of-sequence ids (Llama-3-Instruct has three): the first generated ends it."""
-    prompt = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 1, 4, 12)[0]
-    greedy = reference_greedy([prompt], [10])[0]
+    prompt, greedy = random_prompt_and_greedy(reference_greedy, rng)
     eos = greedy[3]
     engine = Engine(program.fresh_copy(), tokenizer=ByteTokenizer(), eos_id=[ByteTokenizer.eos_id, eos])
     assert engine.eos_ids == (ByteTokenizer.eos_id, eos)
@@ -220,14 +219,25 @@ def test_every_eos_id_ends_a_request(program, reference_greedy, rng):
     assert Engine(program.fresh_copy(), eos_id=eos).eos_ids == (eos,)
 
 
+def word_tokenizer(directory):
+    """``(words, tokenizer)``: a Llama-style Hugging Face tokenizer (it prepends BOS) of one word
+    per id of the tiny model's vocabulary, written to ``directory``."""
+    words = [*WORDS, *(f"w{i}" for i in range(len(WORDS), CONFIG.vocab_size))]
+    write_tokenizer(directory, words)
+    return words, load_hf_tokenizer(directory)
+
+
+def random_prompt_and_greedy(reference_greedy, rng, max_tokens=10):
+    """A random prompt and its ``max_tokens`` greedy continuation."""
+    prompt = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 1, 4, 12)[0]
+    return prompt, reference_greedy([prompt], [max_tokens])[0]
+
+
 def test_stop_strings_match_without_the_bos_an_hf_tokenizer_adds(program, reference_greedy, rng, tmp_path):
     """A Llama-style tokenizer prepends BOS to what it encodes; a stop string is matched without it."""
-    words = [*WORDS, *(f"w{i}" for i in range(len(WORDS), CONFIG.vocab_size))]
-    write_tokenizer(tmp_path, words)
-    tokenizer = load_hf_tokenizer(tmp_path)
+    words, tokenizer = word_tokenizer(tmp_path)
     engine = Engine(program.fresh_copy(), tokenizer=tokenizer)
-    prompt = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 1, 4, 12)[0]
-    greedy = reference_greedy([prompt], [10])[0]
+    prompt, greedy = random_prompt_and_greedy(reference_greedy, rng)
     stop = next(t for t in greedy[2:] if t not in (tokenizer.bos_id, tokenizer.eos_id, 0))  # a word's token
     assert tokenizer.encode(words[stop]).tolist() == [BOS, stop]
     result = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, stop=[words[stop]]))[0]
@@ -240,12 +250,9 @@ def test_a_stop_string_ends_the_output_however_the_tokens_split_its_text(program
     written by the model (as a BPE model writes " world" as one token, not the tokens of
     "world"). Before, such requests ran to max_tokens; now each stops before the token where
     its string starts (a stop string starting inside a token takes that token with it)."""
-    words = [*WORDS, *(f"w{i}" for i in range(len(WORDS), CONFIG.vocab_size))]
-    write_tokenizer(tmp_path, words)
-    tokenizer = load_hf_tokenizer(tmp_path)
+    words, tokenizer = word_tokenizer(tmp_path)
     engine = Engine(program.fresh_copy(), tokenizer=tokenizer)
-    prompt = random_prompts(np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))), 1, 4, 12)[0]
-    greedy = reference_greedy([prompt], [10])[0]
+    prompt, greedy = random_prompt_and_greedy(reference_greedy, rng)
     first, second = (words[t] for t in greedy[3:5])
     assert min(greedy[3:5]) > BOS + 1, "special tokens decode to nothing"
     text = tokenizer.decode(greedy)
@@ -263,8 +270,7 @@ def test_text_that_is_not_unicode_is_one_request_s_error(program, reference_gree
     """A lone surrogate (what JSON's ``"\\ud800"`` decodes to) in a prompt or a stop string is
     that request's error; a Hugging Face tokenizer raises ``TypeError`` on it, which took the
     whole batch down."""
-    write_tokenizer(tmp_path, [*WORDS, *(f"w{i}" for i in range(len(WORDS), CONFIG.vocab_size))])
-    engine = Engine(program.fresh_copy(), tokenizer=load_hf_tokenizer(tmp_path))
+    engine = Engine(program.fresh_copy(), tokenizer=word_tokenizer(tmp_path)[1])
     p = SamplingParams(max_tokens=3, ignore_eos=True)
     results = engine.generate(
         ["what \ud800", [5, 6, 7], [5, 6]], [p, p, SamplingParams(**{**p.__dict__, "stop": ("a\udfff",)})]
