@@ -5,7 +5,8 @@ an optional ``id`` and optional sampling fields (``max_tokens``, ``temperature``
 ``top_k``, ``top_p``, ``seed``, ``stop``, ``adapter``, ...: :class:`~ember.serving.requests.SamplingParams`).
 Blank lines are skipped. Output: one object per request, in input order, with ``id`` (the
 input's, else its 1-based line number), ``tokens``, ``text`` when a tokenizer is known and
-``finish_reason`` — or ``id`` and ``error``.
+``finish_reason`` — or ``id`` and ``error``; each written as soon as it and every line before
+it are done (:class:`InOrderRecords`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TextIO
 
 from ember.core.integers import is_integer
 from ember.serving.requests import GenerationResult, SamplingParams
@@ -76,4 +77,30 @@ def output_record(line: InputLine, result: GenerationResult | None) -> dict[str,
     return record
 
 
-__all__ = ["InputLine", "output_record", "parse_line", "parse_lines"]
+class InOrderRecords:
+    """Writes the output records of ``lines`` to ``stream`` in input order, each as soon as it
+    and every line before it are done (flushed), so an interrupted batch leaves the records
+    it finished: :meth:`done` takes a valid line's result, rejected lines need nothing."""
+
+    def __init__(self, lines: list[InputLine], stream: TextIO):
+        self._lines = lines
+        self._stream = stream
+        self._records: dict[int, dict[str, Any]] = {
+            i: output_record(line, None) for i, line in enumerate(lines) if line.error is not None
+        }
+        self._next = 0
+        self._write_ready()
+
+    def done(self, index: int, result: GenerationResult) -> None:
+        """``result`` of ``lines[index]``."""
+        self._records[index] = output_record(self._lines[index], result)
+        self._write_ready()
+
+    def _write_ready(self) -> None:
+        while self._next in self._records:
+            self._stream.write(json.dumps(self._records.pop(self._next)) + "\n")
+            self._next += 1
+        self._stream.flush()
+
+
+__all__ = ["InOrderRecords", "InputLine", "output_record", "parse_line", "parse_lines"]

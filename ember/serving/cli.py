@@ -9,7 +9,8 @@
 a request line picks one with ``"adapter": "NAME"`` (see ``ember.serving.batch_io``), and
 one naming an unknown adapter gets an ``error`` record while the rest complete.
 
-See :mod:`ember.serving.batch_io` for the JSONL contract. With ``--artifact`` the model
+See :mod:`ember.serving.batch_io` for the JSONL contract: records are written in input order
+as they finish, so an interrupted batch keeps those it finished. With ``--artifact`` the model
 runs from a ``jax.export`` artifact (``ember export``) without Ember's model code. Bad
 options fail before any model loads (``ConfigError`` naming the option); a rejected request
 line is an ``error`` record in the output, except for ``--prompt``, whose rejection is the
@@ -19,6 +20,7 @@ command's error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any
 
 from ember.core.errors import ConfigError, EmberError, PathNotFoundError
 from ember.core.jsonl import jsonl_lines, readable
-from ember.serving.batch_io import InputLine, output_record, parse_lines
+from ember.serving.batch_io import InOrderRecords, InputLine, output_record, parse_lines
 from ember.serving.requests import SamplingParams
 
 # Engine.from_model's arguments that the options set (their ConfigErrors are keyed by these)
@@ -182,24 +184,25 @@ def run(args: argparse.Namespace) -> int:
 
     lines = read_prompts(args, check_options(args))
     engine = build_engine(args)
-    valid = [line for line in lines if line.error is None]
-    total = sum(line.params.max_tokens for line in valid)
-    with tqdm(total=total, unit="tok", desc="generate", disable=args.no_progress, file=sys.stderr) as bar:
-        results = engine.generate([line.prompt for line in valid], [line.params for line in valid], progress=bar)
-    by_line = dict(zip((line.line_number for line in valid), results))
-    records = [output_record(line, by_line.get(line.line_number)) for line in lines]
+    valid = [i for i, line in enumerate(lines) if line.error is None]
+    total = sum(lines[i].params.max_tokens for i in valid)
+    prompts, params = [lines[i].prompt for i in valid], [lines[i].params for i in valid]
+
+    def generate(on_result=None):
+        with tqdm(total=total, unit="tok", desc="generate", disable=args.no_progress, file=sys.stderr) as bar:
+            return engine.generate(prompts, params, progress=bar, on_result=on_result)
+
     if args.prompt is not None:
-        record = records[0]
+        record = output_record(lines[0], generate()[0] if valid else None)
         if "error" in record:  # the one request was rejected (a prompt too long, say): the user's input
             raise EmberError(record["error"])
         print(record.get("text", record["tokens"]))
         return 0
-    out = "".join(json.dumps(record) + "\n" for record in records)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(out)
-    else:
-        sys.stdout.write(out)
+    with open(args.out, "w") if args.out else contextlib.nullcontext(sys.stdout) as stream:
+        records = InOrderRecords(lines, stream)
+        generate(lambda index, result: records.done(valid[index], result))
     return 0
 
 

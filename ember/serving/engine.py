@@ -15,7 +15,7 @@ device, so a step runs under ``jax.transfer_guard("disallow")``.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -301,12 +301,15 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: Any = None,
+        on_result: Callable[[int, GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
         """Generates for every prompt; results in prompt order. A bad prompt gets a result
         with ``finish_reason="error"``, ``error`` set and ``request_id`` -1 (it never became
         a request); the others run normally. Every request is checked before any is queued;
         an exception (an interrupt) aborts the requests still unfinished.
-        ``progress``: an optional tqdm-like bar, advanced by one per generated token."""
+        ``progress``: an optional tqdm-like bar, advanced by one per generated token.
+        ``on_result(index, result)``: called with each prompt's result as soon as it is known
+        (a bad prompt's first, the others as they finish), so a caller can keep what is done."""
         params_list = _params_per_prompt(prompts, params)
         prepared: list[Request | str] = []
         for prompt, p in zip(prompts, params_list):
@@ -314,17 +317,30 @@ class Engine:
                 prepared.append(self._prepare(prompt, p))
             except ValueError as error:
                 prepared.append(str(error))
-        queued = [self._enqueue(r) for r in prepared if isinstance(r, Request)]
+        results: list[GenerationResult | None] = [
+            None if isinstance(r, Request) else GenerationResult(-1, [], FINISH_ERROR, error=r) for r in prepared
+        ]
+        if on_result is not None:
+            for index, result in enumerate(results):
+                if result is not None:
+                    on_result(index, result)
+        index_of = {self._enqueue(r): i for i, r in enumerate(prepared) if isinstance(r, Request)}
+
+        def finished(request_id: int) -> None:
+            index = index_of[request_id]
+            results[index] = self.result(request_id)
+            if on_result is not None:
+                on_result(index, results[index])
+
         try:
-            for event in self.run_until_done(queued):
+            for event in self.run_until_done(index_of):
                 if progress is not None and event.token is not None:
                     progress.update(1)
-            return [
-                self.result(r.request_id) if isinstance(r, Request) else GenerationResult(-1, [], FINISH_ERROR, error=r)
-                for r in prepared
-            ]
+                if event.finish_reason is not None:
+                    finished(event.request_id)
+            return results
         finally:
-            for request_id in queued:
+            for request_id in index_of:
                 self.abort(request_id)  # those an exception left unfinished (result() forgot the rest)
 
 

@@ -24,6 +24,7 @@ from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.cli import read_prompts
+from ember.serving.engine import Engine
 from ember.serving.export import export_program
 from tests.hf_peers import random_hf_model
 from tests.pipes import pipe_holding
@@ -54,6 +55,28 @@ def write_lines(path, lines):
 
 def read_records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_an_interrupted_batch_keeps_the_records_it_finished(run_dir, tmp_path, monkeypatch):
+    """Records are written in input order as they finish: an interrupt while the last request
+    runs leaves the first line's record and the rejected line's in --out. Before, --out was
+    written once at the end, and an interrupted batch lost every result."""
+    path, _ = run_dir
+    lines = [json.dumps({"prompt": "Hi", "max_tokens": 1}), "{not json", json.dumps({"prompt": "Hello"})]
+    prompts, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    taken = Engine.result
+
+    def result(engine, request_id):  # the second request's result is taken as an interrupt comes
+        if request_id > 0:
+            raise KeyboardInterrupt
+        return taken(engine, request_id)
+
+    monkeypatch.setattr(Engine, "result", result)
+    with pytest.raises(KeyboardInterrupt):
+        main(["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *ENGINE_FLAGS])
+    first, rejected = read_records(out)
+    assert first["id"] == 1 and len(first["tokens"]) <= 1 and first["finish_reason"] in ("length", "stop")
+    assert rejected["id"] == 2 and "malformed JSON" in rejected["error"]
 
 
 @pytest.mark.slow  # two engines, an export and a subprocess that recompiles
