@@ -81,9 +81,9 @@ class MoeMlp(nn.Module):
 
     ``previous_logits``: the last MoE layer's router logits (``gating_residual``; None
     otherwise); ``token_mask [batch, seq]``: the real tokens (None: all); the others (a
-    serving step's unused budget, a training batch's padding) take no expert rows or capacity,
-    do not count in the statistics, and do not count in the capacity either: it is computed
-    from the real tokens, so padding neither takes slots nor adds any.
+    serving step's unused budget, a training batch's padding) take no expert rows, do not
+    count in the statistics, and neither take capacity slots nor add any (the capacity is
+    computed from the real tokens).
     ``adapter_ids [batch, seq]``: each token's adapter for the shared experts' stacked adapters
     (serving several at once; routed experts' adapters are merged per expert, never stacked).
     """
