@@ -2,7 +2,9 @@
 
 Input: one JSON object per line with ``prompt`` (text) or ``prompt_tokens`` (token ids),
 an optional ``id`` and optional sampling fields (``max_tokens``, ``temperature``,
-``top_k``, ``top_p``, ``seed``, ``stop``, ``adapter``, ...: :class:`~ember.serving.requests.SamplingParams`).
+``top_k``, ``top_p``, ``seed``, ``stop``, ``adapter``, ...: :class:`~ember.serving.requests.SamplingParams`);
+a line without a ``seed`` samples with ``--seed`` plus its line number less one, so repeated
+prompts give different samples and a rerun the same ones.
 Blank lines are skipped. Output: one object per request, in input order, with ``id`` (the
 input's, else its 1-based line number), ``tokens``, ``text`` when a tokenizer is known and
 ``finish_reason`` — or ``id`` and ``error``; each written as soon as it and every line before
@@ -17,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 from ember.core.integers import is_integer
-from ember.serving.requests import GenerationResult, SamplingParams
+from ember.serving.requests import MAX_SEED, GenerationResult, SamplingParams
 
 
 @dataclasses.dataclass
@@ -32,7 +34,9 @@ class InputLine:
 
 
 def parse_lines(lines: Iterable[str], defaults: dict[str, Any] | None = None) -> list[InputLine]:
-    """Parses JSONL ``lines``; ``defaults`` are sampling fields a line may override."""
+    """Parses JSONL ``lines``; ``defaults`` are sampling fields a line may override. A default
+    ``seed`` is a base: line ``n`` without its own samples with ``seed + n - 1``, so repeated
+    prompts sample differently and the same file gives the same tokens again."""
     parsed = []
     for number, text in enumerate(lines, start=1):
         if text.strip():
@@ -56,6 +60,8 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> InputLine:
             raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
         if tokens is not None and (not isinstance(tokens, list) or not all(is_integer(t) for t in tokens)):
             raise ValueError("'prompt_tokens' must be a list of integers")
+        if "seed" in defaults:
+            defaults = {**defaults, "seed": (defaults["seed"] + number - 1) % (MAX_SEED + 1)}
         params = SamplingParams.from_dict({**defaults, **record})
     except (TypeError, ValueError) as error:
         return InputLine(number, request_id, error=f"line {number}: {error}")

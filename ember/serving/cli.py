@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="default temperature (0 = greedy)")
     parser.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="default top_p (1 = off)")
-    parser.add_argument("--seed", type=int, default=0, help="default per-request seed")
+    parser.add_argument("--seed", type=int, default=0, help="base seed (line n without a seed uses seed + n - 1)")
     # No argparse defaults for the engine sizes: None tells an option left out from one given, which
     # --artifact refuses (its sizes were fixed by 'ember export'); the engine's defaults apply.
     parser.add_argument("--num-slots", type=int, default=None, help="requests served at once (default 8; --checkpoint)")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ember.serving.batch_io import parse_lines
-from ember.serving.requests import SamplingParams
+from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.serving.sampling import candidate_logits, fill_settings, sample_tokens, settings_array
 from tests.tolerances import assert_allclose
 
@@ -157,6 +157,16 @@ def test_a_wrongly_typed_field_rejects_its_jsonl_line_only():
     ]
     assert parsed[3].error is None
     assert parsed[3].params == SamplingParams(max_tokens=3, stop_token_ids=((1, 2),), top_p=0.5)
+
+
+def test_a_line_without_a_seed_samples_with_the_base_seed_plus_its_line_number():
+    """Repeated prompt lines at a temperature sample differently, and the same file again gives
+    the same seeds; before, every such line had --seed itself, so its samples were identical."""
+    lines = ['{"prompt": "a", "temperature": 0.8}'] * 2 + ["", '{"prompt": "a", "seed": 9}']
+    lines.append('{"prompt": "a"}')
+    assert [line.params.seed for line in parse_lines(lines, {"seed": 4})] == [4, 5, 9, 8]
+    assert parse_lines(lines[:1], {"seed": MAX_SEED})[0].params.seed == MAX_SEED
+    assert parse_lines(lines[:2], {"seed": MAX_SEED})[1].params.seed == 0  # wraps within the seeds allowed
 
 
 def test_sampling_params_from_dict_names_unknown_fields():
