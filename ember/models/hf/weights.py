@@ -112,10 +112,16 @@ def check_all_used(
         )
 
 
+def _mlp_shapes(d_model: int, width: int) -> dict[str, tuple[int, int]]:
+    """The HF (``[out, in]``) shapes of a gated MLP's ``gate``/``up``/``down`` weights."""
+    return {"gate": (width, d_model), "up": (width, d_model), "down": (d_model, width)}
+
+
 def _mlp_from_hf(take, prefix: str, d_model: int, width: int) -> dict[str, np.ndarray]:
     """A gated MLP's ``gate``/``up``/``down`` kernels from ``<prefix>{gate,up,down}_proj.weight``."""
-    shapes = {"gate": (width, d_model), "up": (width, d_model), "down": (d_model, width)}
-    return {name: take(prefix + f"{name}_proj.weight", shape=shape).T for name, shape in shapes.items()}
+    return {
+        name: take(prefix + f"{name}_proj.weight", shape=shape).T for name, shape in _mlp_shapes(d_model, width).items()
+    }
 
 
 def _moe_from_hf(take, state: Mapping[str, Any], prefix: str, config: ModelConfig, model_type: str) -> dict[str, Any]:
@@ -127,7 +133,7 @@ def _moe_from_hf(take, state: Mapping[str, Any], prefix: str, config: ModelConfi
     fused = prefix + "mlp.experts.gate_up_proj", prefix + f"{block}.experts.gate_up_proj"
     if not any(name in state for name in fused):
         expert = [prefix + f"{block}.experts.{e}." for e in range(num_experts)]
-        shapes = {"gate": (width, d_model), "up": (width, d_model), "down": (d_model, width)}
+        shapes = _mlp_shapes(d_model, width)
         experts = {
             key: np.stack([take(p + f"{name}.weight", shape=shapes[key]).T for p in expert])
             for key, name in (("gate", gate_name), ("up", up_name), ("down", down_name))
