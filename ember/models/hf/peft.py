@@ -97,8 +97,10 @@ def save_peft_adapter(
     layers = layers_to_list(config, unbox(params))
     tensors: dict[str, np.ndarray] = {}
     ranks, alphas, dora, dropouts = {}, {}, False, set()
+    present = []  # each layer's modules of MODULES
     for index, layer in enumerate(layers):
         flat = param_paths(layer)
+        present.append({MODULES[w] for w in flat if w in MODULES})
         for weight in adapted_paths(layer):
             module = _module_of(weight)
             a, b = (np.asarray(factor, np.float32) for factor in factors_on_original_base(flat, weight))
@@ -131,7 +133,7 @@ def save_peft_adapter(
         "base_model_name_or_path": base_model,
         "r": rank,
         "lora_alpha": alpha,
-        **_target_fields(set(ranks), [{MODULES[w] for w in param_paths(layer) if w in MODULES} for layer in layers]),
+        **_target_fields(set(ranks), present),
         "rank_pattern": {m: r for m, r in ranks.items() if r != rank},
         "alpha_pattern": {m: a for m, a in alphas.items() if a != alpha},
         "use_rslora": False,
