@@ -135,7 +135,7 @@ IN_PROCESS_FAILURES = {
     "sample no tokens": (train("sample.max_tokens=0"), "sample.max_tokens must be a positive integer, got 0"),
     "sample negative temperature": (
         train("sample.temperature=-1"),
-        "sample.temperature must be a number >= 0 (0 = greedy), got -1.0",
+        "sample.temperature must be a finite number >= 0 (0 = greedy), got -1.0",
     ),
     "sample top_k": (train("sample.top_k=-5"), "sample.top_k must be an integer >= 0 (0 = off), got -5"),
     "sample top_p": (train("sample.top_p=7"), "sample.top_p must be a number in (0, 1], got 7.0"),

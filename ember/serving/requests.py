@@ -10,6 +10,7 @@ keeps ``output``, so the recomputed prefix is the prompt plus what was generated
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,7 +61,13 @@ class SamplingParams:
 
     def __post_init__(self):
         _check("max_tokens", self.max_tokens, numbers.Integral, lambda v: v >= 1, "a positive integer")
-        _check("temperature", self.temperature, numbers.Real, lambda v: v >= 0, "a number >= 0 (0 = greedy)")
+        _check(
+            "temperature",
+            self.temperature,
+            numbers.Real,
+            lambda v: math.isfinite(v) and v >= 0,
+            "a finite number >= 0 (0 = greedy)",
+        )
         _check("top_k", self.top_k, numbers.Integral, lambda v: v >= 0, "an integer >= 0 (0 = off)")
         _check("top_p", self.top_p, numbers.Real, lambda v: 0 < v <= 1, "a number in (0, 1]")
         _check("seed", self.seed, numbers.Integral, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")

@@ -118,14 +118,16 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch_position(rng):
     [
         (dict(max_tokens=0), "max_tokens"),
         (dict(temperature=-1.0), "temperature"),
+        # Infinity would sample uniformly whatever the model says.
+        (dict(temperature=float("inf")), r"temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
         (dict(top_k=-2), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(seed=-1), "seed"),
         (dict(stop=[""]), "stop"),
         # Wrong types: the message says what is allowed, never a Python-internal error.
-        (dict(temperature="hot"), r"temperature must be a number >= 0 \(0 = greedy\), got 'hot' \(str\)"),
+        (dict(temperature="hot"), r"temperature must be a finite number >= 0 \(0 = greedy\), got 'hot' \(str\)"),
         (dict(top_p="0.5"), r"top_p must be a number in \(0, 1\], got '0.5' \(str\)"),
-        (dict(temperature=True), r"temperature must be a number .*, got True \(bool\)"),
+        (dict(temperature=True), r"temperature must be a finite number .*, got True \(bool\)"),
         (dict(max_tokens=True), r"max_tokens must be a positive integer, got True \(bool\)"),
         (dict(top_k=2.0), r"top_k must be an integer >= 0 \(0 = off\), got 2.0 \(float\)"),
         (dict(seed=False), r"seed must be an integer in \[0, 2147483647\], got False \(bool\)"),
@@ -151,7 +153,7 @@ def test_a_wrongly_typed_field_rejects_its_jsonl_line_only():
     ]
     parsed = parse_lines(lines)
     assert [line.error for line in parsed[:3]] == [
-        "line 1: temperature must be a number >= 0 (0 = greedy), got 'hot' (str)",
+        "line 1: temperature must be a finite number >= 0 (0 = greedy), got 'hot' (str)",
         "line 2: stop_token_ids must be a list of non-empty lists of token ids (integers >= 0), got [5] (list)",
         "line 3: max_tokens must be a positive integer, got True (bool)",
     ]
