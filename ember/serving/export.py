@@ -93,12 +93,15 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, tuple[int,
     if not manifest_file.is_file():
         raise PathNotFoundError(f"no manifest.json in {directory}: not an 'ember export' artifact")
     manifest = _read_part(manifest_file, lambda path: json.loads(path.read_text()))
+    if not isinstance(manifest, dict):
+        raise DataError(f"{manifest_file} holds a JSON {type(manifest).__name__}, not the object 'ember export' writes")
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise DataError(
             f"artifact format {manifest.get('format_version')!r} of {directory} is not one of the supported "
             f"{', '.join(map(str, READABLE_VERSIONS))}: export it again with this version of Ember"
         )
-    missing = [key for key in ("token_buckets", "tokenizer", *LAYOUT_FIELDS) if key not in manifest]
+    eos_key = "eos_id" if manifest["format_version"] == 2 else "eos_ids"
+    missing = [key for key in ("token_buckets", "tokenizer", eos_key, *LAYOUT_FIELDS) if key not in manifest]
     if missing:
         raise DataError(f"{manifest_file} lacks {', '.join(missing)}: export the artifact again")
     exported = {
@@ -123,7 +126,7 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, tuple[int,
         steps[size] = jax.jit(function.call, donate_argnums=1).lower(*specs).compile()
     program = DeviceProgram(steps=steps, params=params, kv=kv, **{name: manifest[name] for name in LAYOUT_FIELDS})
     tokenizer = tokenizer_from_description(manifest["tokenizer"]) if manifest["tokenizer"] else None
-    eos_ids = eos_ids_of(manifest["eos_ids"] if "eos_ids" in manifest else manifest["eos_id"])
+    eos_ids = eos_ids_of(manifest[eos_key])
     return program, tokenizer, eos_ids
 
 

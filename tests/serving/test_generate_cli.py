@@ -269,6 +269,15 @@ def _torn_params(path):
     (path / "params.npz").write_bytes((path / "params.npz").read_bytes()[:100])
 
 
+def _manifest_without(key):
+    def tear(path):
+        manifest = json.loads((path / "manifest.json").read_text())
+        del manifest[key]
+        (path / "manifest.json").write_text(json.dumps(manifest))
+
+    return tear
+
+
 def _params_of_another_model(path):
     with np.load(path / "params.npz") as stored:
         leaves = {name: np.zeros((3,), stored[name].dtype) for name in stored.files}
@@ -283,6 +292,8 @@ def _params_of_another_model(path):
         (_torn_params, "params.npz is not a readable part of an 'ember export' artifact \\(BadZipFile"),
         (_params_of_another_model, "params.npz is not a readable part .* leaf_00000 has shape \\(3,\\); the exported"),
         (lambda path: (path / "params.npz").unlink(), "params.npz is missing: the artifact is incomplete"),
+        (_manifest_without("eos_ids"), "manifest.json lacks eos_ids: export the artifact again"),
+        (lambda path: (path / "manifest.json").write_text("[]"), "manifest.json holds a JSON list, not the object"),
     ],
 )
 def test_a_torn_artifact_is_a_one_line_error(artifact, tmp_path, capsys, tear, message):
