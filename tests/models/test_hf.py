@@ -193,6 +193,13 @@ def test_a_geglu_model_exports_with_gelu_pytorch_tanh(tmp_path, rng):
     ours, _ = DecoderLM(config).apply({"params": params}, tokens)
     assert_allclose(ours, hf_logits(reloaded, tokens), scale=10)  # as in test_logits_match_transformers
     assert hf.load(tmp_path)[0] == config
+    # transformers' gelu_new and gelu_fast are the same tanh GELU; Ember refused them.
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    for name in ("gelu_new", "gelu_fast"):
+        (tmp_path / "config.json").write_text(json.dumps({**hf_config, "hidden_act": name}))
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+        assert_allclose(ours, hf_logits(reloaded, tokens), scale=10)
+        assert hf.load(tmp_path)[0] == config
 
 
 def test_a_truncated_or_torn_checkpoint_is_a_data_error(tmp_path):

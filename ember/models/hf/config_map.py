@@ -18,7 +18,14 @@ from ember.models.hf.mamba2 import mamba2_config_from_hf, mamba2_config_to_hf
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "mamba2")
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe")
-_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
+# gelu_new and gelu_fast are the tanh approximation of GELU too, written out differently.
+_ACTIVATIONS = {
+    "silu": "swiglu",
+    "swish": "swiglu",
+    "gelu_pytorch_tanh": "geglu",
+    "gelu_new": "geglu",
+    "gelu_fast": "geglu",
+}
 _HIDDEN_ACTS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}  # what each gated MLP exports as
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
