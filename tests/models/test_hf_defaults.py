@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from ember.core.errors import ConfigError
 from ember.models import hf
 from ember.models.hf.defaults import TRANSFORMERS_DEFAULTS
 
@@ -46,3 +47,22 @@ def test_a_trimmed_config_json_reads_as_the_transformers_config_it_builds(model_
     trimmed = {"model_type": model_type, **TRIMMED[model_type]}
     full = transformers.AutoConfig.for_model(model_type, **TRIMMED[model_type]).to_dict()
     assert hf.config_from_hf(trimmed) == hf.config_from_hf(full)
+
+
+@pytest.mark.parametrize("model_type", sorted(TRIMMED))
+def test_a_null_or_non_numeric_field_is_a_config_error_naming_it(model_type):
+    """``int(None)`` was a TypeError traceback from ``ember generate --checkpoint``."""
+    trimmed = {"model_type": model_type, **TRIMMED[model_type]}
+    for bad in (None, "wide", True):
+        with pytest.raises(ConfigError, match=f"{model_type} config field hidden_size must be a number, got"):
+            hf.config_from_hf({**trimmed, "hidden_size": bad})
+
+
+def test_null_kv_heads_and_window_read_as_transformers_reads_them():
+    """Null ``num_key_value_heads`` is one KV head per head and null ``sliding_window`` no window."""
+    fields = dict(DENSE, num_key_value_heads=None)
+    config = hf.config_from_hf({"model_type": "llama", **fields})
+    assert config.num_kv_heads == transformers.AutoConfig.for_model("llama", **fields).num_key_value_heads == 4
+    fields = dict(GROUPED, sliding_window=None)
+    assert transformers.AutoConfig.for_model("mistral", **fields).sliding_window is None
+    assert set(hf.config_from_hf({"model_type": "mistral", **fields}).layer_kinds) == {"global"}

@@ -11,8 +11,11 @@ value against the installed transformers' config classes (read from transformers
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
+
+from ember.core.errors import ConfigError
 
 _DECODER = {
     "hidden_act": "silu",
@@ -97,10 +100,25 @@ derives from others when it is absent, Llama's ``num_key_value_heads`` and ``hea
 left out: Ember derives it the same way)."""
 
 
+_NULLABLE = ("sliding_window", "num_key_value_heads")
+"""Numeric fields transformers reads null as something else: no window, as many KV heads as heads."""
+
+
 def with_transformers_defaults(hf: Mapping[str, Any]) -> dict[str, Any]:
     """``hf`` (a ``config.json`` dict of a supported ``model_type``) with every field it leaves
-    out that Ember maps set to transformers' default; fields it sets, even to null, are kept."""
-    return {**TRANSFORMERS_DEFAULTS.get(hf.get("model_type"), {}), **hf}
+    out that Ember maps set to transformers' default; fields it sets, even to null, are kept.
+    ``ConfigError`` if a numeric field is null (other than those in ``_NULLABLE``) or not a number."""
+    defaults = TRANSFORMERS_DEFAULTS.get(hf.get("model_type"), {})
+    merged = {**defaults, **hf}
+    for key, default in defaults.items():
+        value = merged[key]
+        if _is_number(default) and not _is_number(value) and not (value is None and key in _NULLABLE):
+            raise ConfigError(f"{hf['model_type']} config field {key} must be a number, got {value!r}", key=key)
+    return merged
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 __all__ = ["TRANSFORMERS_DEFAULTS", "with_transformers_defaults"]
