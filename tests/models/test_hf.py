@@ -251,3 +251,21 @@ def test_a_config_json_that_is_not_a_json_object_is_a_data_error(tmp_path):
         (tmp_path / "config.json").write_text(text)
         with pytest.raises(DataError, match=rf"config\.json {match}"):
             hf.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kinds, max_window_layers",
+    [(("global", "local", "local"), 1), (("local",) * 3, 0), (("global",) * 3, 3), (("local", "global", "local"), 3)],
+)
+def test_qwen2_export_sets_max_window_layers_for_readers_without_layer_types(kinds, max_window_layers):
+    """transformers 4.x slides the layers from ``max_window_layers`` on; export wrote the layer
+    count, so such a reader saw a model whose last layers slide as all global."""
+    config = ModelConfig(
+        vocab_size=31, d_model=32, num_layers=3, num_heads=2, mlp_dim=32, qkv_bias=True, block_pattern=kinds
+    )
+    exported = hf.config_to_hf(config, "qwen2")
+    assert exported["max_window_layers"] == max_window_layers
+    if max_window_layers < 3 or "local" not in kinds:  # expressible without layer_types
+        del exported["layer_types"]
+        assert hf.config_from_hf(exported).layer_kinds == config.layer_kinds
+        assert transformers.Qwen2Config(**exported).layer_types == hf.config_to_hf(config, "qwen2")["layer_types"]

@@ -8,7 +8,7 @@ naming it, rather than loading a model that silently computes something else.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ember.core.errors import ConfigError
@@ -157,12 +157,22 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         hf["use_sliding_window"] = "local" in kinds
         hf["sliding_window"] = config.sliding_window if "local" in kinds else None
         hf["layer_types"] = ["sliding_attention" if k == "local" else "full_attention" for k in config.layer_kinds]
-        hf["max_window_layers"] = config.num_layers
+        hf["max_window_layers"] = _first_of_sliding_suffix(config.layer_kinds)
     if model_type in MOE_MODEL_TYPES:
         hf.update(_moe_to_hf(config, model_type))
     if hf["rope_scaling"] is None:
         del hf["rope_scaling"]
     return hf
+
+
+def _first_of_sliding_suffix(kinds: Sequence[str]) -> int:
+    """``max_window_layers`` for readers without ``layer_types`` (transformers 4.x), which slide
+    the layers from it on: the first of the trailing local layers when no local layer comes
+    before them (else the layer count, all global; such a pattern needs ``layer_types``)."""
+    first = len(kinds)
+    while first and kinds[first - 1] == "local":
+        first -= 1
+    return len(kinds) if "local" in kinds[:first] else first
 
 
 def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
