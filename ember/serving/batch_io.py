@@ -24,7 +24,8 @@ from ember.serving.requests import MAX_SEED, GenerationResult, SamplingParams
 
 @dataclasses.dataclass
 class InputLine:
-    """One parsed request line: a prompt and its params, or the error that rejects it."""
+    """One parsed request line: a prompt and its params, or the error that rejects it (without
+    the line number, which :func:`output_record` puts before it)."""
 
     line_number: int
     request_id: Any
@@ -48,9 +49,9 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> InputLine:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as error:
-        return InputLine(number, number, error=f"line {number}: malformed JSON ({error.msg} at column {error.colno})")
+        return InputLine(number, number, error=f"malformed JSON ({error.msg} at column {error.colno})")
     if not isinstance(record, dict):
-        return InputLine(number, number, error=f"line {number}: expected a JSON object, got {type(record).__name__}")
+        return InputLine(number, number, error=f"expected a JSON object, got {type(record).__name__}")
     request_id = record.pop("id", number)
     prompt, tokens = record.pop("prompt", None), record.pop("prompt_tokens", None)
     try:
@@ -64,16 +65,15 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> InputLine:
             defaults = {**defaults, "seed": (defaults["seed"] + number - 1) % (MAX_SEED + 1)}
         params = SamplingParams.from_dict({**defaults, **record})
     except (TypeError, ValueError) as error:
-        return InputLine(number, request_id, error=f"line {number}: {error}")
+        return InputLine(number, request_id, error=str(error))
     return InputLine(number, request_id, prompt if prompt is not None else tokens, params)
 
 
 def output_record(line: InputLine, result: GenerationResult | None) -> dict[str, Any]:
     """The output object of ``line`` (``result`` is None when the line was rejected)."""
-    if line.error is not None:
-        return {"id": line.request_id, "error": line.error}
-    if result.error is not None:
-        return {"id": line.request_id, "error": f"line {line.line_number}: {result.error}"}
+    error = line.error if line.error is not None else result.error
+    if error is not None:
+        return {"id": line.request_id, "error": f"line {line.line_number}: {error}"}
     record = {"id": line.request_id, "tokens": result.tokens}
     if result.text is not None:
         record["text"] = result.text

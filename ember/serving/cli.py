@@ -28,7 +28,7 @@ from typing import Any
 
 from ember.core.errors import ConfigError, EmberError, PathNotFoundError
 from ember.core.jsonl import jsonl_lines, readable
-from ember.serving.batch_io import InOrderRecords, InputLine, output_record, parse_lines
+from ember.serving.batch_io import InOrderRecords, InputLine, parse_lines
 from ember.serving.requests import SamplingParams
 
 # Engine.from_model's arguments that the options set (their ConfigErrors are keyed by these)
@@ -193,10 +193,11 @@ def run(args: argparse.Namespace) -> int:
             return engine.generate(prompts, params, progress=bar, on_result=on_result)
 
     if args.prompt is not None:
-        record = output_record(lines[0], generate()[0] if valid else None)
-        if "error" in record:  # the one request was rejected (a prompt too long, say): the user's input
-            raise EmberError(record["error"])
-        print(record.get("text", record["tokens"]))
+        result = generate()[0] if valid else None
+        error = lines[0].error if lines[0].error is not None else result.error
+        if error is not None:  # the one request was rejected (a prompt too long, say): the user's input
+            raise EmberError(f"--prompt: {error}")
+        print(result.text if result.text is not None else result.tokens)
         return 0
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -158,6 +158,10 @@ def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
     # EOS (256) would end generation early without being printed.
     expected = expected[: expected.index(256)] if 256 in expected else expected
     assert capsys.readouterr().out == ByteTokenizer().decode(expected) + "\n"
+    # A rejected --prompt is the command's error, named by the option (it said "line 1:").
+    too_long = ["--prompt", "x" * 50, "--max-context", "40"]
+    assert main(["generate", "--checkpoint", str(path), *too_long, "--token-budget", "1", "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--prompt: the prompt has 50 tokens, more than the context of 40")
 
 
 @pytest.mark.slow  # imports torch + transformers and compiles an engine

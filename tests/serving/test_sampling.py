@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ember.serving.batch_io import parse_lines
+from ember.serving.batch_io import output_record, parse_lines
 from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.serving.sampling import candidate_logits, fill_settings, sample_tokens, settings_array
 from tests.tolerances import assert_allclose
@@ -152,7 +152,7 @@ def test_a_wrongly_typed_field_rejects_its_jsonl_line_only():
         '{"prompt": "d", "max_tokens": 3, "stop_token_ids": [[1, 2]], "top_p": 0.5}',
     ]
     parsed = parse_lines(lines)
-    assert [line.error for line in parsed[:3]] == [
+    assert [output_record(line, None)["error"] for line in parsed[:3]] == [
         "line 1: temperature must be a finite number >= 0 (0 = greedy), got 'hot' (str)",
         "line 2: stop_token_ids must be a list of non-empty lists of token ids (integers >= 0), got [5] (list)",
         "line 3: max_tokens must be a positive integer, got True (bool)",
