@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,19 +153,27 @@ def build_engine(args: argparse.Namespace):
         from ember.models.hf.peft import load_peft_adapter
 
         adapters = {name: load_peft_adapter(path, loaded.config) for name, path in adapter_dirs(args).items()}
+    with engine_options_named(), weights_fit_model(args.checkpoint):
+        return Engine.from_model(
+            loaded.config,
+            loaded.params,
+            tokenizer=loaded.tokenizer,
+            eos_id=loaded.eos_ids,
+            adapters=adapters,
+            **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
+        )
+
+
+@contextlib.contextmanager
+def engine_options_named() -> Iterator[None]:
+    """Re-raises a ``ConfigError`` about an engine size (keyed ``max_context``, say) keyed by
+    and naming its option (``--max-context``); one about the model (layers the engine cannot
+    serve) passes as it is."""
     try:
-        with weights_fit_model(args.checkpoint):
-            return Engine.from_model(
-                loaded.config,
-                loaded.params,
-                tokenizer=loaded.tokenizer,
-                eos_id=loaded.eos_ids,
-                adapters=adapters,
-                **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
-            )
+        yield
     except ConfigError as error:
         flag = ENGINE_OPTIONS.get(error.key)
-        if flag is None:  # about the model (layers the engine cannot serve), not an option
+        if flag is None:
             raise
         raise ConfigError(f"{flag}: {error}", key=flag) from None
 

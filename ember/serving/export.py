@@ -167,12 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ember.serving.cli import check_engine_options
+    from ember.serving.cli import check_engine_options, engine_options_named
     from ember.serving.loading import load_model, weights_fit_model
 
     check_engine_options(args)
     loaded = load_model(args.source, step=args.step)
-    with weights_fit_model(args.source):
+    with engine_options_named(), weights_fit_model(args.source):
         out = export_program(
             loaded.config,
             loaded.params,

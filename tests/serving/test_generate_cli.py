@@ -211,6 +211,13 @@ def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
         assert "text" not in record  # no tokenizer in the directory
 
 
+def test_export_names_the_engine_size_option_it_rejects(run_dir, tmp_path, capsys):
+    """``ember generate`` named the option; ``ember export`` said only "max_context must be ..."."""
+    path, _ = run_dir
+    assert main(["export", str(path), str(tmp_path / "artifact"), "--max-context", "1000"]) == 2
+    assert "--max-context: max_context must be in [1, max_seq_len=" in capsys.readouterr().err
+
+
 def test_prompt_lines_split_at_newlines_only(tmp_path):
     """JSON allows U+2028, U+2029 and U+0085 unescaped in a string (``json.dumps(...,
     ensure_ascii=False)`` writes them so): they are text of the prompt, not line ends."""
