@@ -15,6 +15,7 @@ device, so a step runs under ``jax.transfer_guard("disallow")``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -24,7 +25,15 @@ import numpy as np
 from ember.core.integers import is_integer
 from ember.core.jsonl import lone_surrogate
 from ember.serving.program import DeviceProgram, batch_arrays
-from ember.serving.requests import FINISH_ERROR, FINISH_STOP, GenerationResult, Request, SamplingParams, TokenEvent
+from ember.serving.requests import (
+    FINISH_ERROR,
+    FINISH_STOP,
+    MAX_SEED,
+    GenerationResult,
+    Request,
+    SamplingParams,
+    TokenEvent,
+)
 from ember.serving.sampling import fill_settings, settings_array
 from ember.serving.scheduler import Scheduler, SchedulerConfig, eos_ids_of
 
@@ -174,6 +183,8 @@ class Engine:
     def _enqueue(self, request: Request) -> int:
         request.request_id = self._next_id
         self._next_id += 1
+        if request.params.seed is None:
+            request.params = dataclasses.replace(request.params, seed=request.request_id % (MAX_SEED + 1))
         self._requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id

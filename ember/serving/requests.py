@@ -39,7 +39,9 @@ class SamplingParams:
     0 keeps every token; ``top_p`` 1 keeps every token. Top-k is applied first, then top-p
     on the renormalised top-k distribution. The ``i``-th generated token of a request is
     drawn with ``fold_in(PRNGKey(seed), i)``, so a seed gives the same tokens whatever else
-    is in the batch. ``stop`` holds text stop sequences: a request ends when the text of its
+    is in the batch. ``seed`` None (the default) is the request's id in its engine, so
+    repeated prompts sample differently and a fresh engine given the same requests in the
+    same order samples the same tokens again. ``stop`` holds text stop sequences: a request ends when the text of its
     output holds one, however the tokens split it (the output keeps the tokens before the
     one where it starts); ``stop_token_ids`` holds stop sequences as token ids.
     ``logprobs`` asks for the model's log-probability of each generated token (of the
@@ -52,7 +54,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
     logprobs: bool = False
@@ -70,7 +72,8 @@ class SamplingParams:
         )
         _check("top_k", self.top_k, numbers.Integral, lambda v: v >= 0, "an integer >= 0 (0 = off)")
         _check("top_p", self.top_p, numbers.Real, lambda v: 0 < v <= 1, "a number in (0, 1]")
-        _check("seed", self.seed, numbers.Integral, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
+        if self.seed is not None:
+            _check("seed", self.seed, numbers.Integral, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
         for name in ("logprobs", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {_shown(getattr(self, name))}")

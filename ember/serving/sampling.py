@@ -87,7 +87,8 @@ def settings_array(rows: int) -> dict[str, np.ndarray]:
 
 
 def fill_settings(settings: dict[str, np.ndarray], row: int, params: SamplingParams, sample_index: int) -> None:
-    """Writes one request's ``params`` into row ``row`` of host ``settings``. A ``top_k``
+    """Writes one request's ``params`` (its seed set: the engine gives a request without one its
+    id) into row ``row`` of host ``settings``. A ``top_k``
     beyond int32 is stored as int32's largest value: any ``top_k`` >= the vocabulary keeps
     every token."""
     settings["temperature"][row] = params.temperature

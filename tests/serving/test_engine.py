@@ -98,6 +98,18 @@ def test_seeded_sampling_is_the_same_alone_or_in_a_batch(engine, rng):
     assert other_seed != alone
 
 
+def test_without_a_seed_repeated_prompts_sample_differently_and_reproducibly(program, engine, rng):
+    """The default seed was 0 for every request: four copies of a prompt at a temperature
+    gave four identical samples."""
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    prompt = random_prompts(generator, 1, 5, 20)[0]
+    unseeded = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    samples = [r.tokens for r in engine.generate([prompt] * 4, unseeded)]
+    assert len({tuple(tokens) for tokens in samples}) > 1
+    again = Engine(program.fresh_copy(), tokenizer=ByteTokenizer())
+    assert [r.tokens for r in again.generate([prompt] * 4, unseeded)] == samples
+
+
 def test_stream_yields_the_generated_tokens_then_the_finish(engine, reference_greedy):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     events = list(engine.stream(prompts, SamplingParams(max_tokens=4, ignore_eos=True)))

@@ -46,7 +46,7 @@ def hand_masked(logits_row, params):
 
 def test_greedy_rows_take_the_argmax_and_report_model_logprobs(rng):
     logits = jax.random.normal(rng, (5, 37)) * 3
-    tokens, logprobs = sample(logits, settings_for([SamplingParams()] * 5, range(5)))
+    tokens, logprobs = sample(logits, settings_for([SamplingParams(seed=0)] * 5, range(5)))
     np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
     expected = jax.nn.log_softmax(logits)[np.arange(5), np.argmax(logits, axis=-1)]
     assert_allclose(logprobs, expected)
@@ -191,7 +191,9 @@ def test_top_p_one_keeps_the_far_tail():
     """top_p=1 is "off": a token of probability 1e-8, past where the float32 sum of the
     probabilities above it reaches 1, stays a candidate (it was cut); top_p 0.5 keeps the top one."""
     logits = jnp.array([[0.0, -18.4, -30.0]] * 2)  # probabilities ~1, 1e-8, 1e-13
-    settings = settings_for([SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)], [0, 0])
+    settings = settings_for(
+        [SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, top_p=0.5, seed=0)], [0, 0]
+    )
     candidates = np.asarray(jax.jit(candidate_logits)(logits, settings))
     assert np.isfinite(candidates[0]).all()
     assert np.isfinite(candidates[1]).tolist() == [True, False, False]
