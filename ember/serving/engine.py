@@ -171,6 +171,9 @@ class Engine:
             raise ValueError(f"unknown adapter {params.adapter!r}; this engine's adapters: {known}")
         tokens = self.encode_prompt(prompt)
         stops = params.stop_token_ids
+        # Stop strings are matched in the output's text (_end_on_stop_strings) and also as their
+        # encodings here: decoding drops special tokens, so a stop string that names one
+        # ("<|im_end|>") is never found in the text, only as its token.
         if params.stop:
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; use stop_token_ids")
