@@ -106,6 +106,17 @@ def test_open_errors(tmp_path):
             TokenDataset.open(tmp_path / "ds")
 
 
+def test_a_truncated_token_file_is_a_data_error_naming_it(tmp_path):
+    # Before, np.memmap's bare ValueError ("cannot mmap an empty file", "Size of available data
+    # is not a multiple of the data-type size") escaped as a traceback from 'ember train'.
+    prepare_token_files(make_documents(10), tmp_path, val_fraction=0.0)
+    whole = (tmp_path / "train.bin").read_bytes()
+    for damaged, held in ((b"", "0 tokens"), (whole[:-1], f"{len(whole) // 2 - 1} tokens and 1 byte")):
+        (tmp_path / "train.bin").write_bytes(damaged)
+        with pytest.raises(DataError, match=f"train.bin holds {held}.* but meta.json says {len(whole) // 2}"):
+            TokenDataset.open(tmp_path)
+
+
 def test_a_tokenizer_without_an_end_of_document_id_is_refused(tmp_path):
     # Before, an HF tokenizer whose directory names no eos_token wrote the documents back to back
     # ("hello world" + "world" -> [1, 2, 2]): no boundary for packing's segments to split at.

@@ -25,6 +25,7 @@ from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 
 TOKEN_DTYPE = np.uint16
+TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 
@@ -136,9 +137,13 @@ class TokenDataset:
         for split in SPLITS:
             expected = counts[split]
             path = directory / f"{split}.bin"
+            # The size is checked before mapping: np.memmap refuses an empty file, or one that ends
+            # in part of an id, with a bare ValueError.
+            tokens, extra = divmod(path.stat().st_size if expected or path.exists() else 0, TOKEN_BYTES)
+            if (tokens, extra) != (expected, 0):
+                held = f"{tokens} tokens" + (f" and {extra} byte(s) of another" if extra else "")
+                raise DataError(f"{path} holds {held} but {META_FILE} says {expected}; prepare the directory again")
             arrays[split] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if expected else np.zeros(0, TOKEN_DTYPE)
-            if arrays[split].size != expected:
-                raise DataError(f"{path} holds {arrays[split].size} tokens but {META_FILE} says {expected}")
         return cls(directory, arrays["train"], arrays["val"], meta)
 
     @property
