@@ -49,7 +49,9 @@ def linearized_config(config: ModelConfig, linear: LinearizeConfig, *, attention
     replaced (``config``'s kind and ``sliding_window``).
 
     Raises:
-      ConfigError: the model has no softmax attention layer, or scores that are not softmax.
+      ConfigError: the model has no softmax attention layer, scores that are not softmax, or
+        ``linear`` layers whose feature maps are not Hedgehog maps of ``linear.feature_dim``
+        (the two kinds share the config's feature map).
     """
     if not set(config.block_pattern) & set(SOFTMAX_FAMILY):
         raise ConfigError(
@@ -59,6 +61,17 @@ def linearized_config(config: ModelConfig, linear: LinearizeConfig, *, attention
         )
     if config.score != "softmax":
         raise ConfigError(f"a model with {config.score} attention scores cannot be linearised", key="base_model.path")
+    # linear and window_linear layers read one linear_feature_map / linear_feature_dim: set to
+    # Hedgehog's below, they would change the model's own linear layers (not "stay as they are").
+    shared = (config.linear_feature_map, config.linear_feature_dim)
+    if "linear" in config.block_pattern and shared != ("hedgehog", linear.feature_dim):
+        raise ConfigError(
+            f"the model's linear layers use the {config.linear_feature_map} feature map (linear_feature_dim "
+            f"{config.linear_feature_dim}), which the window_linear layers would share as hedgehog with "
+            f"linear.feature_dim {linear.feature_dim}: a model with linear layers is linearised only when they "
+            "use hedgehog maps, with linear.feature_dim set to their linear_feature_dim",
+            key="linear.feature_dim",
+        )
     pattern = tuple("window_linear" if kind in SOFTMAX_FAMILY else kind for kind in config.block_pattern)
     return dataclasses.replace(
         config,

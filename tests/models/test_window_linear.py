@@ -170,3 +170,23 @@ def test_linearizing_a_config_and_its_weights_names_what_cannot_be_done():
     assert set(linearized_params(teacher, fresh)["layers"]["block_0"]["attn"]) == {
         "q", "k", "v", "o", "q_norm", "k_norm", "q_features", "k_features", "window_factor",
     }  # fmt: skip
+
+
+def test_a_models_own_linear_layers_are_not_changed_by_linearising(rng):
+    """Linear and window_linear layers share the config's feature map: linearising a softmax +
+    linear hybrid (elu maps, the default) silently gave its linear layers fresh Hedgehog maps,
+    so even the attention-transfer forward was no longer the teacher's (logits off by ~5e-3);
+    with Hedgehog maps of another width, a bare ValueError from linearized_params."""
+    hybrid = dataclasses.replace(TEACHER, block_pattern=("global", "linear"), linear_feature_dim=4)
+    for feature_map, dim in (("elu", 4), ("hedgehog", 2)):
+        with pytest.raises(ConfigError, match=f"linear layers use the {feature_map} feature map") as error:
+            linearized_config(dataclasses.replace(hybrid, linear_feature_map=feature_map), LinearizeConfig(8, dim))
+        assert error.value.key == "linear.feature_dim"
+    teacher_config = dataclasses.replace(hybrid, linear_feature_map="hedgehog")  # the same maps: linearised
+    tokens = jnp.asarray(numpy_rng(rng).integers(0, 96, (2, 24)), jnp.int32)
+    teacher = DecoderLM(teacher_config)
+    teacher_params = perturbed(jax.jit(teacher.init)(rng, tokens)["params"], rng)
+    transfer = DecoderLM(linearized_config(teacher_config, LinearizeConfig(8, 4), attention_transfer=True))
+    params = linearized_params(teacher_params, jax.jit(transfer.init)(jax.random.fold_in(rng, 1), tokens)["params"])
+    teacher_logits, _ = jax.jit(teacher.apply)({"params": teacher_params}, tokens)
+    assert_allclose(jax.jit(lambda p: apply_model(transfer, p, tokens))(params).output[0], teacher_logits, scale=10)
