@@ -279,3 +279,31 @@ def test_gap_closed_is_a_share_of_a_gap_of_at_least_min_gap_nats():
     for teacher, swap in ((10.3728, 10.3729), (3.30, 3.34), (2.0, 2.0), (2.0, 1.9), (2.0, float("nan"))):
         assert entry.gap_closed(teacher, swap, teacher - 0.001) is None, (teacher, swap)
     assert entry.gap_closed(2.0, 3.0, float("inf")) is None
+
+
+def test_stage_one_trains_only_the_parameters_linearising_adds(tmp_path):
+    """A teacher with linear layers of its own (Hedgehog maps of linear.feature_dim, so it can
+    be linearised): stage 1 also trained their q_features/k_features, picked by name as if
+    linearising had added them, so the teacher whose attention is the target moved."""
+    from ember.core.tokenizer import ByteTokenizer
+    from ember.core.tree import param_paths
+    from ember.models.config import ModelConfig
+    from ember.models.linearize import LinearizeConfig
+    from ember.serving.loading import LoadedModel
+    from ember.training.data import TokenDataset, prepare_token_files
+    from ember.training.linearize.config import LinearizeRunConfig
+    from ember.training.linearize.tasks import AttentionTransferTask
+
+    teacher = ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
+                          max_seq_len=1024, block_pattern=("global", "linear"), linear_feature_map="hedgehog",
+                          linear_feature_dim=4)  # fmt: skip
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    shapes = lambda config: jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)["params"]  # noqa: E731
+    prepare_token_files([("a", "some text " * 20)], tmp_path, val_fraction=0.0)
+    base = LoadedModel(teacher, unbox(shapes(teacher)), ByteTokenizer(), (ByteTokenizer.eos_id,))
+    config = LinearizeRunConfig(linear=LinearizeConfig(window=8, feature_dim=4))
+    task = AttentionTransferTask(config, base, TokenDataset.open(tmp_path))
+    trained = sorted(path for path, on in param_paths(task.trainable(shapes(task.config.model))).items() if on)
+    assert trained == [
+        f"layers/block_0/attn/{name}" for name in ("k_features/weight", "q_features/weight", "window_factor")
+    ]

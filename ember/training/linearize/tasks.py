@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ember.core.sharding import box_like
-from ember.core.tree import map_paths
+from ember.core.sharding import box_like, unbox
+from ember.core.tree import map_paths, param_paths
 from ember.models.adapters import adapter_mask, add_lora
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
@@ -70,7 +70,10 @@ class AttentionTransferTask(_LinearizeStage):
         return {"params": linearized_params(pretrained["params"], fresh["params"]), **state}
 
     def trainable(self, params: Any) -> Any:
-        return map_paths(lambda path, _: is_new_parameter(path), params)
+        """The parameters linearising adds: those the teacher lacks (a ``linear`` layer's own
+        feature maps, also named ``q_features``/``k_features``, are the teacher's and stay frozen)."""
+        teacher = param_paths(unbox(self.base_params))
+        return map_paths(lambda path, _: is_new_parameter(path) and path not in teacher, params)
 
     def loss(self, params, batch, *, rng, teacher, model_state=None, **_: Any) -> LossTerms:
         outputs = apply_model(
