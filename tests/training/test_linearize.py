@@ -307,3 +307,17 @@ def test_stage_one_trains_only_the_parameters_linearising_adds(tmp_path):
     assert trained == [
         f"layers/block_0/attn/{name}" for name in ("k_features/weight", "q_features/weight", "window_factor")
     ]
+
+
+def test_a_validation_split_shorter_than_a_row_is_named_not_eval_batches(tmp_path_factory, tmp_path, capsys):
+    # Before: "train.eval_batches must be >= 1" with eval_batches at 4, the split too short for a row.
+    from ember.training.data import prepare_token_files
+
+    work = tiny_stdlib_run(tmp_path_factory)
+    documents = [(f"doc{i}", "def f(x):\n    return x\n" * 2) for i in range(40)]
+    meta = prepare_token_files(documents, tmp_path / "data", val_fraction=0.05)
+    assert 0 < meta["splits"]["val"]["tokens"] < 129
+    command = ["linearize", str(work / "teacher"), str(tmp_path / "out"), "--config", str(CONFIG)]
+    assert main([*command, f"data.dataset={tmp_path / 'data'}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.dataset: the validation split holds" in err and "eval_batches" not in err
