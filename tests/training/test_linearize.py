@@ -281,32 +281,63 @@ def test_gap_closed_is_a_share_of_a_gap_of_at_least_min_gap_nats():
     assert entry.gap_closed(2.0, 3.0, float("inf")) is None
 
 
+def in_memory_base(tmp_path, **model):
+    """``(LoadedModel, TokenDataset)``: a base of the tiny ``ModelConfig`` (``model`` overrides;
+    byte vocabulary, weights as shapes only) and a small byte-tokenized dataset in ``tmp_path``."""
+    from ember.core.tokenizer import ByteTokenizer
+    from ember.models.config import ModelConfig
+    from ember.serving.loading import LoadedModel
+    from ember.training.data import TokenDataset, prepare_token_files
+
+    tiny = dict(vocab_size=320, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64, max_seq_len=1024)
+    config = ModelConfig(**{**tiny, **model})
+    prepare_token_files([("a", "some text " * 20)], tmp_path, val_fraction=0.0)
+    base = LoadedModel(config, unbox(param_shapes(config)), ByteTokenizer(), (ByteTokenizer.eos_id,))
+    return base, TokenDataset.open(tmp_path)
+
+
+def param_shapes(config):
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    return jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)["params"]
+
+
 def test_stage_one_trains_only_the_parameters_linearising_adds(tmp_path):
     """A teacher with linear layers of its own (Hedgehog maps of linear.feature_dim, so it can
     be linearised): stage 1 also trained their q_features/k_features, picked by name as if
     linearising had added them, so the teacher whose attention is the target moved."""
-    from ember.core.tokenizer import ByteTokenizer
     from ember.core.tree import param_paths
-    from ember.models.config import ModelConfig
     from ember.models.linearize import LinearizeConfig
-    from ember.serving.loading import LoadedModel
-    from ember.training.data import TokenDataset, prepare_token_files
     from ember.training.linearize.config import LinearizeRunConfig
     from ember.training.linearize.tasks import AttentionTransferTask
 
-    teacher = ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
-                          max_seq_len=1024, block_pattern=("global", "linear"), linear_feature_map="hedgehog",
-                          linear_feature_dim=4)  # fmt: skip
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    shapes = lambda config: jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)["params"]  # noqa: E731
-    prepare_token_files([("a", "some text " * 20)], tmp_path, val_fraction=0.0)
-    base = LoadedModel(teacher, unbox(shapes(teacher)), ByteTokenizer(), (ByteTokenizer.eos_id,))
-    config = LinearizeRunConfig(linear=LinearizeConfig(window=8, feature_dim=4))
-    task = AttentionTransferTask(config, base, TokenDataset.open(tmp_path))
-    trained = sorted(path for path, on in param_paths(task.trainable(shapes(task.config.model))).items() if on)
+    base, dataset = in_memory_base(
+        tmp_path, block_pattern=("global", "linear"), linear_feature_map="hedgehog", linear_feature_dim=4
+    )
+    task = AttentionTransferTask(LinearizeRunConfig(linear=LinearizeConfig(window=8, feature_dim=4)), base, dataset)
+    trained = sorted(path for path, on in param_paths(task.trainable(param_shapes(task.config.model))).items() if on)
     assert trained == [
         f"layers/block_0/attn/{name}" for name in ("k_features/weight", "q_features/weight", "window_factor")
     ]
+
+
+def test_each_stages_sequence_length_is_checked_under_its_own_key(tmp_path):
+    # Before, both stages' LM configs raised "train.seq_len (...) exceeds model.max_seq_len", also for
+    # transfer.train.seq_len, and model.max_seq_len is no key of a linearize config.
+    from ember.core.errors import ConfigError
+    from ember.training.linearize.config import LinearizeRunConfig, TransferConfig
+    from ember.training.linearize.tasks import AttentionTransferTask, LowRankTask
+    from ember.training.lm.config import TrainLoopConfig
+
+    base, dataset = in_memory_base(tmp_path, max_seq_len=64)
+    short, long = TrainLoopConfig(seq_len=32), TrainLoopConfig(seq_len=128)
+    for config, task, key in (
+        (LinearizeRunConfig(transfer=TransferConfig(train=long), train=short), AttentionTransferTask, "transfer.train"),
+        (LinearizeRunConfig(transfer=TransferConfig(train=short), train=long), LowRankTask, "train"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^{key}\.seq_len \(128\) exceeds the base model's max_seq_len \(64\)"):
+            task(config, base, dataset)
+    AttentionTransferTask(LinearizeRunConfig(transfer=TransferConfig(train=short), train=long), base, dataset)
+    LowRankTask(LinearizeRunConfig(transfer=TransferConfig(train=long), train=short), base, dataset)
 
 
 def test_a_validation_split_shorter_than_a_row_is_named_not_eval_batches(tmp_path_factory, tmp_path, capsys):

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ember.core.errors import ConfigError
 from ember.core.sharding import box_like, unbox
 from ember.core.tree import map_paths, param_paths
 from ember.models.adapters import adapter_mask, add_lora
@@ -29,18 +30,30 @@ from ember.serving.loading import LoadedModel
 from ember.training.data import TokenDataset
 from ember.training.finetune.base import boxed_variables
 from ember.training.linearize.config import LinearizeRunConfig
-from ember.training.lm.config import LMConfig, SampleConfig, TrainLoopConfig
+from ember.training.lm.config import LMConfig, SampleConfig
 from ember.training.lm.task import LMTask
 from ember.training.task import LossTerms, apply_model, next_token_kl, next_token_loss
 
 
 class _LinearizeStage(LMTask):
-    """An ``LMTask`` over ``model_config`` with the stage's loop; the teacher is ``base``."""
+    """An ``LMTask`` over ``model_config`` with the stage's loop (the config's ``section``,
+    ``transfer.train`` or ``train``); the teacher is ``base``.
+
+    Raises:
+      ConfigError: the loop's ``seq_len`` exceeds the base model's ``max_seq_len`` (keyed in
+        ``section``: the LM config's own check would name ``train.seq_len`` for either stage).
+    """
 
     def __init__(
-        self, config: LinearizeRunConfig, loop: TrainLoopConfig, model_config: ModelConfig, base: LoadedModel,
+        self, config: LinearizeRunConfig, section: str, model_config: ModelConfig, base: LoadedModel,
         dataset: TokenDataset,
     ):  # fmt: skip
+        loop = config.transfer.train if section == "transfer.train" else config.train
+        if loop.seq_len > model_config.max_seq_len:
+            raise ConfigError(
+                f"{section}.seq_len ({loop.seq_len}) exceeds the base model's max_seq_len ({model_config.max_seq_len})",
+                key=f"{section}.seq_len",
+            )
         lm = LMConfig(run_dir=config.run_dir, seed=config.seed, model=model_config, data=config.data, train=loop,
                       sample=SampleConfig(prompts=()))  # fmt: skip
         super().__init__(lm, dataset)
@@ -58,7 +71,7 @@ class AttentionTransferTask(_LinearizeStage):
 
     def __init__(self, config: LinearizeRunConfig, base: LoadedModel, dataset: TokenDataset):
         model_config = linearized_config(base.config, config.linear, attention_transfer=True)
-        super().__init__(config, config.transfer.train, model_config, base, dataset)
+        super().__init__(config, "transfer.train", model_config, base, dataset)
 
     def pretrained(self) -> dict[str, Any]:
         return {"params": self.base_params, "state": self.base_state}
@@ -89,7 +102,7 @@ class LowRankTask(_LinearizeStage):
     set once stage 1 has run (before training)."""
 
     def __init__(self, config: LinearizeRunConfig, base: LoadedModel, dataset: TokenDataset, transferred: Any = None):
-        super().__init__(config, config.train, linearized_config(base.config, config.linear), base, dataset)
+        super().__init__(config, "train", linearized_config(base.config, config.linear), base, dataset)
         self.transferred = transferred
         self.teacher_model = DecoderLM(base.config) if config.distill.weight else None
 
