@@ -115,6 +115,9 @@ def test_a_truncated_token_file_is_a_data_error_naming_it(tmp_path):
         (tmp_path / "train.bin").write_bytes(damaged)
         with pytest.raises(DataError, match=f"train.bin holds {held}.* but meta.json says {len(whole) // 2}"):
             TokenDataset.open(tmp_path)
+    (tmp_path / "train.bin").unlink()  # a FileNotFoundError traceback before
+    with pytest.raises(DataError, match=f"train.bin holds 0 tokens but meta.json says {len(whole) // 2}"):
+        TokenDataset.open(tmp_path)
 
 
 def test_a_tokenizer_without_an_end_of_document_id_is_refused(tmp_path):

@@ -139,7 +139,7 @@ class TokenDataset:
             path = directory / f"{split}.bin"
             # The size is checked before mapping: np.memmap refuses an empty file, or one that ends
             # in part of an id, with a bare ValueError.
-            tokens, extra = divmod(path.stat().st_size if expected or path.exists() else 0, TOKEN_BYTES)
+            tokens, extra = divmod(path.stat().st_size if path.is_file() else 0, TOKEN_BYTES)
             if (tokens, extra) != (expected, 0):
                 held = f"{tokens} tokens" + (f" and {extra} byte(s) of another" if extra else "")
                 raise DataError(f"{path} holds {held} but {META_FILE} says {expected}; prepare the directory again")
