@@ -54,13 +54,19 @@ def test_long_examples_keep_their_start():
     assert row["loss_mask"].tolist() == [0, 0, 0, 0]
 
 
-def test_plain_chat_trains_assistant_content_not_headers():
+def test_plain_chat_trains_assistant_content_and_an_eos_not_headers():
+    """plain_chat writes no end of turn: without a trained EOS after each answer, a model fine-tuned
+    on it ran on into the next "<|user|>" turn. A first assistant turn's header was trained."""
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "?"}, {"role": "assistant", "content": "ok"}]  # fmt: skip
     example = tokenize_example({"messages": messages}, BYTES)
-    assert example.tokens.tolist() == ids(plain_chat(messages))
-    trained = bytes(t for t, on in zip(example.tokens.tolist(), example.trained) if on)
-    assert trained == b"yo\nok\n"
+    first, second = plain_chat(messages[:2]), plain_chat(messages)[len(plain_chat(messages[:2])) :]
+    assert example.tokens.tolist() == [*ids(first), 256, *ids(second), 256]
+    trained = [t for t, on in zip(example.tokens.tolist(), example.trained) if on]
+    assert trained == [*ids("yo\n"), 256, *ids("ok\n"), 256]
+    opening = tokenize_example({"messages": [{"role": "assistant", "content": "hi"}]}, BYTES)
+    assert opening.tokens.tolist() == [*ids("<|assistant|>\nhi\n"), 256]
+    assert [t for t, on in zip(opening.tokens.tolist(), opening.trained) if on] == [*ids("hi\n"), 256]
 
 
 def test_hf_chat_template_matches_transformers(tmp_path):

@@ -14,7 +14,9 @@ Each JSONL line is one example, either form:
   ``transformers``' ``apply_chat_template``), else by :func:`plain_chat`; the loss is on each
   assistant turn's tokens, found by rendering the conversation up to and including each turn
   (the new text is that turn's) and up to its generation prompt (the turn's header, not
-  trained), as ``return_assistant_tokens_mask`` would.
+  trained), as ``return_assistant_tokens_mask`` would. :func:`plain_chat` writes no end of
+  turn, so there the tokenizer's EOS follows each assistant turn, trained (as it follows a
+  completion): a model fine-tuned on such conversations learns to stop after its answer.
 
 Packing: examples are taken in a seeded order (a new permutation each epoch) and placed into
 rows of ``seq_len`` input tokens one after another, an example that does not fit the row's
@@ -144,7 +146,8 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
         if not text.startswith(rendered):
             raise DataError(f"{where}: the chat template does not render turns as a growing prefix")
         if message["role"] == "assistant":  # the turn's header (the generation prompt) is not trained
-            header = render(messages[:index], add_generation_prompt=True) if index else ""
+            # (a chat template may fail on an empty conversation: a first turn's header is then trained)
+            header = render(messages[:index], add_generation_prompt=True) if index or chat is None else ""
             if header.startswith(rendered) and text.startswith(header):
                 piece = _encode(tokenizer, header[len(rendered) :], first=not tokens and chat is None)
                 tokens.append(piece)
@@ -155,6 +158,9 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
         tokens.append(piece)
         trained.append(np.full(piece.size, message["role"] == "assistant"))
         rendered = text
+        if message["role"] == "assistant" and chat is None and tokenizer.eos_id is not None:
+            tokens.append(np.array([tokenizer.eos_id], np.int32))
+            trained.append(np.ones(1, bool))
     return Example(np.concatenate(tokens).astype(np.int32), np.concatenate(trained))
 
 
