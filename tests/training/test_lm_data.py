@@ -69,6 +69,38 @@ def test_prepare_and_open(tmp_path):
     assert meta_subset["splits"]["val"]["documents"] == len([n for n in val_names if int(n[3:6]) < 30])
 
 
+class WideTokenizer:
+    """A vocabulary of 152,000 ids (Qwen2's size): ids past uint16."""
+
+    vocab_size = 152_000
+    eos_id = vocab_size - 1
+
+    def encode(self, text, *, add_eos=False):
+        return np.array([100_000 + ord(c) for c in text] + [self.eos_id] * add_eos, np.int64)
+
+    def describe(self):
+        return {"type": "wide"}
+
+
+def test_a_vocabulary_past_uint16_is_stored_as_uint32(tmp_path):
+    """Token files held uint16 only: a Llama-3 or Qwen2 tokenizer's text could not be prepared."""
+    documents = make_documents(6)
+    meta = prepare_token_files(documents, tmp_path / "wide", val_fraction=0.0, tokenizer=WideTokenizer())
+    assert meta["token_dtype"] == "uint32"
+    data = TokenDataset.open(tmp_path / "wide")
+    expected = np.concatenate([WideTokenizer().encode(text, add_eos=True) for _, text in documents])
+    np.testing.assert_array_equal(np.asarray(data.train), expected)
+    # A byte dataset keeps uint16; one written before token_dtype was recorded reads as uint16.
+    prepare_token_files(documents, tmp_path / "bytes", val_fraction=0.0)
+    meta_file = tmp_path / "bytes" / "meta.json"
+    old = {key: value for key, value in json.loads(meta_file.read_text()).items() if key != "token_dtype"}
+    meta_file.write_text(json.dumps(old))
+    assert TokenDataset.open(tmp_path / "bytes").train.dtype == np.uint16
+    meta_file.write_text(json.dumps({**old, "token_dtype": "float32"}))
+    with pytest.raises(DataError, match="token_dtype float32 is not one of uint16, uint32"):
+        TokenDataset.open(tmp_path / "bytes")
+
+
 def test_two_preparations_of_one_directory_at_once_both_finish(tmp_path):
     """Processes of one run prepare a cold shared cache (the stdlib corpus) at the same time.
     They wrote the same temporary names: the first renamed the second's file away, which then

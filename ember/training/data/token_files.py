@@ -1,8 +1,9 @@
 """Documents -> memory-mapped token files on disk, and reading them back.
 
-A prepared dataset directory holds ``train.bin`` and ``val.bin`` (uint16 token ids, each
-document followed by the tokenizer's end-of-document id) and ``meta.json`` (tokenizer
-description, token and document counts, and a fingerprint of the sources). Files are written
+A prepared dataset directory holds ``train.bin`` and ``val.bin`` (token ids, each document
+followed by the tokenizer's end-of-document id: uint16 for vocabularies of up to 65,536 ids,
+uint32 for larger ones such as Llama-3's or Qwen2's) and ``meta.json`` (tokenizer description,
+id dtype, token and document counts, and a fingerprint of the sources). Files are written
 under a temporary name and renamed, so an interrupted preparation never leaves a dataset
 that looks complete.
 """
@@ -24,8 +25,9 @@ import numpy as np
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 
-TOKEN_DTYPE = np.uint16
-TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
+TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
+"""The id dtypes of token files, narrowest first; directories without ``token_dtype`` in
+their metadata (written before uint32) hold uint16."""
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 
@@ -51,7 +53,7 @@ def prepare_token_files(
 
     Raises:
       ConfigError: ``val_fraction`` is outside [0, 1). DataError: no document has any text, the
-        vocabulary does not fit the token files' ids, or the tokenizer has no end-of-document id
+        vocabulary does not fit uint32 ids, or the tokenizer has no end-of-document id
         (documents would run together, and training would attend across them).
     """
     if not 0 <= val_fraction < 1:
@@ -62,10 +64,11 @@ def prepare_token_files(
             "the tokenizer has no end-of-document id (eos_token), which the token files put after every "
             "document; name one as eos_token in the model directory's tokenizer_config.json"
         )
-    if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+    dtype = next((d for d in TOKEN_DTYPES if tokenizer.vocab_size <= np.iinfo(d).max + 1), None)
+    if dtype is None:
         raise DataError(
-            f"token files hold {np.dtype(TOKEN_DTYPE).name} ids (vocabularies up to "
-            f"{np.iinfo(TOKEN_DTYPE).max + 1}); this tokenizer has {tokenizer.vocab_size}"
+            f"token files hold ids of at most {np.iinfo(TOKEN_DTYPES[-1]).bits} bits; this tokenizer has "
+            f"{tokenizer.vocab_size} ids"
         )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +85,7 @@ def prepare_token_files(
                 continue
             split = "val" if validation_split(name, val_fraction) else "train"
             ids = tokenizer.encode(text, add_eos=True)
-            handles[split].write(ids.astype(TOKEN_DTYPE).tobytes())
+            handles[split].write(ids.astype(dtype).tobytes())
             counts[split]["tokens"] += int(ids.size)
             counts[split]["documents"] += 1
             fingerprint.update(name.encode("utf-8") + b"\0" + hashlib.sha256(ids.tobytes()).digest())
@@ -97,6 +100,7 @@ def prepare_token_files(
         os.replace(path, out_dir / f"{split}.bin")
     meta = {
         "tokenizer": tokenizer.describe(),
+        "token_dtype": dtype.name,
         "splits": counts,
         "fingerprint": fingerprint.hexdigest(),
         "val_fraction": val_fraction,
@@ -128,6 +132,9 @@ class TokenDataset:
         try:
             meta = json.loads(meta_path.read_text())
             counts = {split: int(meta["splits"][split]["tokens"]) for split in SPLITS}
+            dtype = np.dtype(meta.get("token_dtype", "uint16"))
+            if dtype not in TOKEN_DTYPES:
+                raise ValueError(f"token_dtype {dtype.name} is not one of uint16, uint32")
         except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError is a ValueError
             raise DataError(
                 f"{meta_path} is not the metadata 'ember data prepare' writes ({type(error).__name__}: {error}); "
@@ -139,11 +146,11 @@ class TokenDataset:
             path = directory / f"{split}.bin"
             # The size is checked before mapping: np.memmap refuses an empty file, or one that ends
             # in part of an id, with a bare ValueError.
-            tokens, extra = divmod(path.stat().st_size if path.is_file() else 0, TOKEN_BYTES)
+            tokens, extra = divmod(path.stat().st_size if path.is_file() else 0, dtype.itemsize)
             if (tokens, extra) != (expected, 0):
                 held = f"{tokens} tokens" + (f" and {extra} byte(s) of another" if extra else "")
                 raise DataError(f"{path} holds {held} but {META_FILE} says {expected}; prepare the directory again")
-            arrays[split] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if expected else np.zeros(0, TOKEN_DTYPE)
+            arrays[split] = np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
         return cls(directory, arrays["train"], arrays["val"], meta)
 
     @property
