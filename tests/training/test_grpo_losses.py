@@ -151,6 +151,10 @@ def test_a_reward_module_that_is_not_importable_says_where_python_looks(tmp_path
         (["grpo.top_p=0"], r"grpo.top_p must be in \(0, 1\]"),
         (["grpo.top_p=1.5"], r"grpo.top_p must be in \(0, 1\]"),
         (["grpo.top_k=-1"], "grpo.top_k must be >= 0"),
+        # NaN passed `kl_coef < 0` and made every loss NaN (0 * NaN); an infinite temperature sampled uniformly
+        (["grpo.kl_coef=nan"], "grpo.kl_coef must be a finite number >= 0"),
+        (["grpo.kl_coef=inf"], "grpo.kl_coef must be a finite number >= 0"),
+        (["grpo.temperature=inf"], "grpo.temperature must be a finite number > 0"),
         (["method=mixlora"], "method must be one of lora, full"),
         (["adapter.init=pissa"], "adapter.init must be lora or gaussian"),
         (["base_model.quantize=nf4"], "GRPO trains a float policy"),

@@ -23,6 +23,7 @@ YAML file, are relative to the current directory and stored absolute
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ember.core.config import absolute_path
@@ -142,9 +143,10 @@ class GRPOSection:
                 f"grpo.group_size must be >= 2 (advantages compare completions of one prompt), got {self.group_size}",
                 key="grpo.group_size",
             )
-        if not self.temperature > 0:
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ConfigError(
-                f"grpo.temperature must be > 0 (rollouts sample), got {self.temperature}", key="grpo.temperature"
+                f"grpo.temperature must be a finite number > 0 (rollouts sample), got {self.temperature}",
+                key="grpo.temperature",
             )
         if self.top_k < 0:
             raise ConfigError(f"grpo.top_k must be >= 0 (0 = off), got {self.top_k}", key="grpo.top_k")
@@ -158,8 +160,8 @@ class GRPOSection:
             )
         if not 0 < self.clip_eps < 1:
             raise ConfigError(f"grpo.clip_eps must be in (0, 1), got {self.clip_eps}", key="grpo.clip_eps")
-        if self.kl_coef < 0:
-            raise ConfigError(f"grpo.kl_coef must be >= 0, got {self.kl_coef}", key="grpo.kl_coef")
+        if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
+            raise ConfigError(f"grpo.kl_coef must be a finite number >= 0, got {self.kl_coef}", key="grpo.kl_coef")
         if self.token_budget < self.num_slots:
             raise ConfigError(
                 f"grpo.token_budget ({self.token_budget}) must be at least grpo.num_slots ({self.num_slots})",
