@@ -128,6 +128,10 @@ def test_rewards_resolve_by_name_or_import_path():
         resolve_reward("nope")
     with pytest.raises(ConfigError, match="cannot be imported"):
         resolve_reward("tests.training.test_grpo_losses:missing")
+    # importlib raised ValueError ("Empty module name") and TypeError (a relative import): tracebacks
+    for name in (":numpy_grpo", ".test_grpo_losses:numpy_grpo", "tests.training.test_grpo_losses:"):
+        with pytest.raises(ConfigError, match=r"is not 'package\.module:function'"):
+            resolve_reward(name)
 
 
 def test_a_reward_module_that_is_not_importable_says_where_python_looks(tmp_path, monkeypatch):

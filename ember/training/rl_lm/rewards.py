@@ -88,6 +88,11 @@ def resolve_reward(name: str) -> TextReward | TokenReward:
             key="reward",
         )
     module_name, _, attribute = name.partition(":")
+    if not module_name or module_name.startswith(".") or not attribute:
+        raise ConfigError(
+            f"reward {name!r} is not 'package.module:function' (an absolute module name, then a function name)",
+            key="reward",
+        )
     try:
         function = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
