@@ -162,6 +162,28 @@ def test_train_throughput_counts_the_steps_of_its_logging_window(monkeypatch):
     assert_allclose(written[0][1]["rollout_time_fraction"], 0.3)
 
 
+def test_a_resumed_run_keeps_the_held_out_rewards_of_its_start(tmp_path):
+    """A resumed run evaluated the held-out prompts again as it started and took that for the
+    run's start: the summary's eval_reward_start was the resumed policy's reward (a run resumed
+    at step 2 of a length reward: 19.0 where the run that never stopped had 0.0), and
+    metrics.jsonl held a second eval record at the resumed step. The start's come from the log."""
+    records = [{"step": 0, "eval_reward": 0.25, "eval_reward_sampled": 0.5}, {"step": 1, "loss": 0.1},
+               {"step": 2, "eval_reward": 0.75, "eval_reward_sampled": 0.625}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    evaluated = []
+    task = SimpleNamespace(evaluate=lambda: evaluated.append(1) or {"eval_reward": 1.0})
+    trainer = SimpleNamespace(state=SimpleNamespace(step=2), run_dir=tmp_path, results={}, last_metrics={})
+    monitor = task_module._RolloutMonitor(task, trainer)
+    monitor.start_values()
+    assert trainer.results == {"eval_reward_start": 0.25, "eval_reward_sampled_start": 0.5}
+    assert not evaluated and monitor.start is None  # nothing evaluated, nothing to write again
+    fresh = SimpleNamespace(state=SimpleNamespace(step=0), run_dir=tmp_path / "new", results={}, last_metrics={})
+    monitor = task_module._RolloutMonitor(task, fresh)
+    monitor.start_values()
+    assert fresh.results == {"eval_reward": 1.0, "eval_reward_start": 1.0}
+    assert monitor.start == (0, {"eval_reward": 1.0})
+
+
 def test_each_process_share_of_a_rollout_must_split_into_its_updates():
     """8 completions in 8 updates is one per update; split between two processes, each holds 4
     and its batches would be empty (4 // 8 rows), so the config is refused."""

@@ -41,6 +41,7 @@ from ember.serving.program import owned_copy
 from ember.serving.requests import SamplingParams
 from ember.training.finetune.base import boxed_variables, load_base, restore_base_layout
 from ember.training.lm.task import BATCH_AXES
+from ember.training.metrics import METRICS_FILE, read_metrics
 from ember.training.rl_lm.config import GRPOConfig
 from ember.training.rl_lm.losses import policy_loss, token_logprobs
 from ember.training.rl_lm.prompts import load_prompts
@@ -202,7 +203,7 @@ class GRPOTask(Task):
         trainer.add_hook(monitor.log, every=trainer.loop.log_every, on_last=True)
         if self.held_out:
             trainer.add_hook(monitor.evaluate, every=trainer.loop.eval_every, on_last=True)
-            monitor.evaluate(None)
+            monitor.start_values()
 
     def _sync(self, info) -> None:
         """Copies the trainable leaves (and any model state) into the engine."""
@@ -303,6 +304,16 @@ class _RolloutMonitor:
         for stats in history:
             for failure in stats.failures[:3]:
                 self.trainer.writer.event(info.step, f"reward failed in rollout {stats.rollout}, {failure}")
+
+    def start_values(self) -> None:
+        """The held-out rewards before training (the summary's ``*_start``): evaluated now on a
+        fresh start; a resumed run takes them from its log (its policy is no longer the start's)."""
+        if int(self.trainer.state.step) == 0:
+            self.evaluate(None)
+            return
+        records = read_metrics(self.trainer.run_dir) if (self.trainer.run_dir / METRICS_FILE).is_file() else []
+        start = next((r for r in records if r["step"] == 0 and "eval_reward" in r), {})
+        self.trainer.results.update({f"{name}_start": v for name, v in start.items() if name.startswith("eval_reward")})
 
     def evaluate(self, info) -> None:
         """The held-out rewards now (``info`` None: before training, written with the first log)."""
