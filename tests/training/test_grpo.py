@@ -305,6 +305,32 @@ def test_token_means_are_over_the_step_whatever_grad_accum(tiny_base, tmp_path):
         assert_allclose(halves[name], whole[name], scale=10, err_msg=name)
 
 
+def test_the_scorer_runs_the_forward_on_micro_batches_of_a_rollout(tiny_base, tmp_path):
+    """The rollout's log-probs (policy and reference) were computed in one forward over all of
+    its rows: logits [rows, seq, vocab] in float32 for prompts_per_step * group_size rows, however
+    small train.grad_accum made the training forward's (128 rows of a 150k vocabulary and 768
+    tokens: 60 GB). The scorer now takes rows_per_call rows at a time, with the same values."""
+    task = task_module.GRPOTask(tiny_config(tiny_base, tmp_path, "grpo.kl_coef=0.1"))
+    params = unbox(jax.jit(task.init_variables)(jax.random.key(0), task.pretrained()))["params"]
+    params = jax.tree.map(lambda x: x + 0.01 * np.float32(np.random.default_rng(0).normal()), params)  # adapters != 0
+    batch = random_rollout_batch(task, [4, 2] * 4)
+    seen = []
+
+    class Recorded:
+        def apply(self, variables, tokens, **kwargs):
+            seen.append(tokens.shape[0])
+            return task.model.apply(variables, tokens, **kwargs)
+
+    engine = SimpleNamespace(program=SimpleNamespace(params=params))
+    scored = task_module._scorer(Recorded(), engine, task.base_params, 0.7, 4)(batch)
+    assert seen and max(seen) == 4
+    for name, weights, temperature in (("old_logprobs", params, 0.7), ("engine_view", params, 1.0),
+                                       ("ref_logprobs", task.base_params, 0.7)):  # fmt: skip
+        logits, _ = task.model.apply(as_variables(weights), batch["tokens"], positions=batch["positions"],
+                                     segment_ids=batch["segment_ids"])  # fmt: skip
+        assert_allclose(scored[name], token_logprobs(logits, batch["targets"], temperature), err_msg=name)
+
+
 def test_the_engine_takes_the_policy_whole_when_processes_share_it(monkeypatch):
     """In a multi-process run the policy's params span every process's devices (sharded or
     replicated), and the engine of each process is on one local device: the task moved them

@@ -197,7 +197,10 @@ class GRPOTask(Task):
             max_context=self.seq_len,
         )
         reference = jax.device_put(self.base.params, device) if grpo.kl_coef > 0 else None
-        self.data.attach(self.engine, _scorer(self.model, self.engine, reference, grpo.temperature))
+        # The scorer's forward takes at most a training micro-batch's rows (what train.grad_accum sizes to fit).
+        rows = self.data.batch_spec()["advantages"].shape[0]
+        micro = rows // trainer.loop.grad_accum if rows % trainer.loop.grad_accum == 0 else rows
+        self.data.attach(self.engine, _scorer(self.model, self.engine, reference, grpo.temperature, micro))
         monitor = _RolloutMonitor(self, trainer)
         trainer.add_hook(self._sync, every=1)
         trainer.add_hook(monitor.log, every=trainer.loop.log_every, on_last=True)
@@ -242,10 +245,11 @@ def _engine_weights(state: Any, mask: Any = None) -> Any:
     return addressable_here(serving_weights(params, state.model_state))
 
 
-def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float):
+def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float, rows_per_call: int):
     """``rows -> {"old_logprobs", "engine_view", ("ref_logprobs")}``: the training forward's
     log-probs of the rows' targets under the engine's current weights (at ``temperature``,
-    and untempered as the engine reports them) and under ``reference`` (if given)."""
+    and untempered as the engine reports them) and under ``reference`` (if given), computed
+    ``rows_per_call`` rows at a time (a whole rollout's logits at once need not fit)."""
 
     @jax.jit
     def logprobs(weights, rows):
@@ -255,12 +259,16 @@ def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float
         return token_logprobs(logits, rows["targets"], temperature), token_logprobs(logits, rows["targets"])
 
     def scorer(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        inputs = {name: rows[name] for name in ROW_FIELDS}
-        old, untempered = logprobs(engine.program.params, inputs)
-        scored = {"old_logprobs": old, "engine_view": untempered}
-        if reference is not None:
-            scored["ref_logprobs"] = logprobs(reference, inputs)[0]
-        return jax.device_get(scored)
+        parts = []
+        for start in range(0, len(rows["tokens"]), rows_per_call):
+            inputs = {name: rows[name][start : start + rows_per_call] for name in ROW_FIELDS}
+            old, untempered = logprobs(engine.program.params, inputs)
+            scored = {"old_logprobs": old, "engine_view": untempered}
+            if reference is not None:
+                scored["ref_logprobs"] = logprobs(reference, inputs)[0]
+            parts.append(scored)
+        parts = jax.device_get(parts)
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
     return scorer
 
