@@ -32,7 +32,6 @@ import functools
 import json
 import math
 import signal
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +60,7 @@ from ember.training.loss_scaling import is_loss_scaled, uses_loss_scaling, with_
 from ember.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from ember.training.optimizers import OptimConfig, make_optimizer, make_schedule
 from ember.training.task import Task
+from ember.training.throughput import ThroughputWindow
 from ember.training.train_step import TrainState, eval_step, init_state, train_step
 from ember.training.trainable import select, trainable_mask
 
@@ -166,7 +166,7 @@ class Trainer:
         self.results: dict[str, Any] = {}
         self.last_saved = int(self.state.step) if self.manager.latest_step() == int(self.state.step) else None
         self._hooks: list[Hook] = []
-        self._window: tuple[float, int] | None = None  # (start time, steps since) of the throughput window
+        self._window = ThroughputWindow()
         self._skipped: jax.Array | None = None  # skipped steps since the last log, on device
         self.add_hook(self._log, every=self.loop.log_every, on_last=True, on_stop=True)
         if task.eval_data() is not None:
@@ -325,17 +325,24 @@ class Trainer:
                     self._skipped = skipped if self._skipped is None else self._skipped + skipped
                 # One reading of the flag per step: a signal that lands later is honoured next step.
                 info = StepInfo(step + 1, self.state, metrics, step + 1 == self.loop.steps, stop.is_set, self)
-                window_start, window_steps = self._window or (None, 0)
-                self._window = (window_start, window_steps + 1)
+                self._window.count_step()
                 due = [hook for hook in self._hooks if hook.due(info)]
+                # Throughput counts training steps only: the first step's compile and the
+                # hooks' time are left out (waiting for the device first, so a step still
+                # running is not counted as the hooks').
+                if due and self._window.is_open:
+                    jax.block_until_ready(self.state.step)
+                    self._window.hooks_start()
                 for hook in due:
                     hook.fn(info)
                 bar.update(1)
                 bar.set_postfix(_postfix(self.last_metrics), refresh=False)
-                # Throughput windows count training steps only: compilation and hooks restart them.
-                if due or window_start is None:
+                if due or not self._window.is_open:
                     jax.block_until_ready(self.state.step)
-                    self._window = (time.perf_counter(), 0)
+                    if self._window.measured or not self._window.is_open:
+                        self._window.open()  # a log measured the last window: the next one starts
+                    else:
+                        self._window.hooks_end()
                 if info.stopping:
                     break
             if start >= self.loop.steps:
@@ -390,9 +397,8 @@ class Trainer:
             if skipped:
                 reason = "non-finite" if not self.loss_scaled else "non-finite or loss-scale overflow"
                 self.writer.event(info.step, f"skipped {skipped} {reason} step(s) since the last log")
-        window_start, window_steps = self._window or (None, 0)
-        if window_start is not None and window_steps:
-            elapsed = time.perf_counter() - window_start
+        window_steps, elapsed = self._window.measure()
+        if window_steps and elapsed > 0:
             values["steps_per_second"] = window_steps / elapsed
             work = self.task.work_per_step()
             if "tokens" in work:

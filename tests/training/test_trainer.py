@@ -23,6 +23,7 @@ from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.loss_scaling import LossScaleState
 from ember.training.optimizers import OptimConfig, ScheduleConfig, make_optimizer
 from ember.training.task import LossTerms, Task, apply_with_aux
+from ember.training.throughput import ThroughputWindow
 from ember.training.trainable import map_paths, param_paths, select
 from ember.training.trainer import NonFiniteLossError, Trainer, initialisation_compiler_options
 from tests.tolerances import assert_allclose
@@ -359,6 +360,46 @@ def test_skipped_steps_between_log_steps_are_counted_at_the_next_log(tmp_path):
     assert [(r["step"], r["event"]) for r in records if "event" in r] == [
         (3, "skipped 1 non-finite step(s) since the last log")
     ]
+
+
+def test_throughput_leaves_out_hooks_that_run_every_step(tmp_path):
+    """The window restarted after every step with a hook due: with a hook every step (GRPO's
+    engine sync) each log's steps_per_second measured one step. On a clock that the data
+    advances by the step's number of seconds and a hook by 100: steps 2-5 took 14 s."""
+    clock = [0.0]
+
+    class TimedBatches(RegressionBatches):
+        def next(self):
+            clock[0] += self.position + 1
+            return super().next()
+
+    task = Regression()
+    task.train_data = TimedBatches
+    trainer = make_trainer(task, tmp_path / "timed", steps=5, log_every=5)
+    trainer._window = ThroughputWindow(lambda: clock[0])
+    trainer.add_hook(lambda info: clock.__setitem__(0, clock[0] + 100), every=1)
+    trainer.train()
+    assert logged(tmp_path / "timed")[5]["steps_per_second"] == pytest.approx(4 / 14)
+
+
+def test_a_throughput_window_counts_steps_and_their_time_less_the_hooks():
+    now = [10.0]
+    window = ThroughputWindow(lambda: now[0])
+    window.count_step()  # before open(): the compiling first step is not counted
+    window.open()
+    for seconds in (1.0, 2.0):
+        now[0] += seconds
+        window.count_step()
+        window.hooks_start()
+        now[0] += 50.0
+        window.hooks_end()
+    now[0] += 3.0
+    window.count_step()
+    window.hooks_start()
+    now[0] += 7.0  # a hook that runs before the log
+    assert window.measure() == (3, 6.0) and window.measured
+    window.open()
+    assert window.measure() == (0, 0.0)
 
 
 def test_non_finite_loss_error_is_an_ember_error():
