@@ -3,6 +3,7 @@ generated corpus, then GRPO through the serving engine raises its held-out accur
 engine's log-probabilities agree with the training forward's. Both runs are the rl_lm
 notebook's (tests/notebooks.py), which trains them with the shipped configs."""
 
+import dataclasses
 import functools
 import json
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ import optax
 import pytest
 
 from ember.core.config import load_config
-from ember.core.errors import ConfigError
+from ember.core.errors import ConfigError, DataError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths
 from ember.models.decoder import DecoderLM, convert_layer_layout
@@ -265,6 +266,18 @@ def step_metrics(task, batch, grad_accum: int) -> dict[str, float]:
                              mask=mask, grad_accum=grad_accum, batch_metrics=task.batch_metrics,
                              finish_metrics=task.finish_metrics)  # fmt: skip
     return jax.device_get(jax.jit(step)(state, batch, None)[1])
+
+
+def test_a_prompt_the_engine_would_refuse_is_a_data_error_before_anything_compiles(tiny_base, tmp_path):
+    """A prompt that encodes to no tokens (a tokenizer without BOS, a blank prompt) or to ids
+    past the model's vocabulary was a ValueError traceback from the engine at the first rollout."""
+    config = tiny_config(tiny_base, tmp_path)
+    base = load_model(config.base_model.path)
+    vocab = base.config.vocab_size
+    for ids, problem in (([], "encodes to no tokens"), ([3, vocab], f"holds token {vocab}")):
+        tokenizer = SimpleNamespace(encode=lambda text, ids=ids: np.array(ids, np.int32), eos_id=None)
+        with pytest.raises(DataError, match=f"prompt 0 .* {problem}; the model takes prompts of one or more"):
+            task_module.GRPOTask(config, base=dataclasses.replace(base, tokenizer=tokenizer))
 
 
 def test_reward_statistics_are_over_the_step_whatever_grad_accum(tiny_base, tmp_path):

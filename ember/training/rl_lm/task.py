@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ember.core.errors import ConfigError
+from ember.core.errors import ConfigError, DataError
 from ember.core.sharding import addressable_here
 from ember.models.adapters import adapter_mask, add_lora
 from ember.models.decoder import DecoderLM
@@ -83,9 +83,22 @@ class GRPOTask(Task):
         self.mask: Any = None
 
     def _seq_len(self) -> int:
-        """Rows hold the longest prompt plus ``grpo.max_tokens``; that must fit the model."""
-        encode = self.base.tokenizer.encode
-        longest = max(len(encode(p)) for p in (*self.prompts, *self.held_out))
+        """Rows hold the longest prompt plus ``grpo.max_tokens``; that must fit the model.
+        A prompt the engine would refuse (no tokens, or ids past the model's vocabulary) is a
+        ``DataError`` now, not a traceback at the first rollout."""
+        vocab = self.base.config.vocab_size
+        lengths = []
+        for source, prompts in (("prompt", self.prompts), ("held-out prompt", self.held_out)):
+            for index, prompt in enumerate(prompts):
+                ids = np.asarray(self.base.tokenizer.encode(prompt))
+                if ids.size == 0 or ids.max() >= vocab:
+                    problem = "encodes to no tokens" if ids.size == 0 else f"holds token {ids.max()}"
+                    raise DataError(
+                        f"{source} {index} ({prompt[:40]!r}) {problem}; the model takes prompts of one or more "
+                        f"tokens in [0, {vocab})"
+                    )
+                lengths.append(ids.size)
+        longest = max(lengths)
         seq_len = longest + self.config.grpo.max_tokens
         limit = self.base.config.max_seq_len
         if seq_len > limit:
