@@ -325,3 +325,28 @@ def test_a_run_trained_on_a_relative_dataset_path_quantizes_from_another_directo
     assert summary["eval_tokens"] == 2 * 16 and np.isfinite(summary["float_val_loss"])
     assert abs(summary["val_loss_delta"]) < 0.01 * summary["float_val_loss"]
     assert (elsewhere / "int8" / "config.yaml").is_file()
+
+
+def test_windows_longer_than_the_model_s_context_are_a_config_error(tmp_path):
+    # Before, quantize_model (ember quantize --seq-len 32) on a model with max_seq_len 16
+    # calibrated and validated on positions the model was never trained on and wrote the output
+    # without a word; train.seq_len, GRPO and serving refuse a context beyond max_seq_len.
+    from ember.core.checkpoint import CheckpointManager
+
+    config = small_config(tmp_path, tmp_path / "data", "model.max_seq_len=16", "train.seq_len=16")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(config))
+    params = jax.jit(DecoderLM(config.model).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    with CheckpointManager(run / "checkpoints", async_save=False) as manager:
+        manager.save(0, {"params": nn.unbox(params)})
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    windows = EvalConfig(seq_len=32, calibration_windows=2, eval_windows=2, batch_size=2)
+    with pytest.raises(ConfigError, match=r"seq_len \(32\) exceeds the model's max_seq_len \(16\)") as error:
+        quantize_model(run, tmp_path / "int8", QuantizeConfig(format="int8"), text=text, windows=windows)
+    assert error.value.key == "seq_len"
+    assert not (tmp_path / "int8").exists()
+    fits = EvalConfig(seq_len=16, calibration_windows=2, eval_windows=2, batch_size=2)
+    summary = quantize_model(run, tmp_path / "int8", QuantizeConfig(format="int8"), text=text, windows=fits)
+    assert summary["eval_tokens"] == 2 * 16

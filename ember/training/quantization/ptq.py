@@ -177,6 +177,12 @@ def quantize_model(
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; choose a new output directory", key="out")
     loaded = load_model(source)
+    if windows.seq_len > loaded.config.max_seq_len:  # as train.seq_len: positions the model never saw
+        raise ConfigError(
+            f"seq_len ({windows.seq_len}) exceeds the model's max_seq_len ({loaded.config.max_seq_len}); "
+            f"give --seq-len {loaded.config.max_seq_len} or less",
+            key="seq_len",
+        )
     model = DecoderLM(loaded.config)
     variables = as_variables(loaded.params)
     params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
