@@ -161,6 +161,23 @@ def test_fake_quantization_is_the_round_trip_with_a_straight_through_gradient(mo
     assert_allclose(param_paths(grads)[path], jnp.cos(fp8[path]))  # d/dw sin(q(w)) = cos(q(w)) with STE
 
 
+def test_fake_quantization_refuses_the_groups_ember_quantize_cannot_store(model_and_params):
+    # mlp/down has 96 input rows: fewer than int4's default group of 128 and not a power of two,
+    # a layout the quantized matmul cannot tile, so quantize_params refuses it. Before, QAT
+    # fake-quantized it per output channel without a word: a run trained for weights that
+    # 'ember quantize' of it then refused to store.
+    _, params, _ = model_and_params
+    for quantize, key in [
+        (lambda p: quantize_params(p, QuantizeConfig(format="int4")), "quantize.group_size"),
+        (lambda p: fake_quantize_params(p, "int4"), "qat.group_size"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"mlp/down: its 96 input rows are not a multiple of {key} 128") as error:
+            jax.eval_shape(quantize, params)
+        assert error.value.key == key
+    # 64 rows (the attention projections): one group of all rows, as they are stored.
+    jax.eval_shape(lambda p: fake_quantize_params(p, "int4", targets=("q", "k", "v")), params)
+
+
 def test_lora_on_a_quantized_base_equals_lora_on_its_float_values(model_and_params):
     model, params, tokens = model_and_params
 

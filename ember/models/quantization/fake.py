@@ -14,11 +14,10 @@ from typing import Any
 
 import jax
 
-from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.layout import leaf_value, rebox, weight_layout
 from ember.models.quantization.numerics import DEFAULT_GROUP_SIZES, fake_quantize
-from ember.models.quantization.quantize import DEFAULT_TARGETS, target_weights
+from ember.models.quantization.quantize import DEFAULT_TARGETS, target_weights, weight_group
 
 QAT_FORMATS: tuple[str, ...] = ("int8", "int4", "nf4", "fp8")
 """Formats QAT can train for (fp8: float8_e4m3fn per output channel, for QAT only)."""
@@ -37,8 +36,9 @@ def fake_quantize_params(
     input dimensions flattened, groups of ``group_size`` input rows; default: the format's).
 
     Raises:
-      ConfigError: a target selects nothing (``key``), or a weight's input rows are not a
-        multiple of the group size (``group_key``).
+      ConfigError: a target selects nothing (``key``), or a weight's input rows are neither a
+        multiple of the group size nor, for the 4-bit formats, one group of a power of two >= 16
+        rows: a layout ``ember quantize`` could not store (``group_key``).
     """
     group = group_size or DEFAULT_GROUP_SIZES[fmt]
     flat = param_paths(params)
@@ -47,9 +47,7 @@ def fake_quantize_params(
         value = leaf_value(leaf)
         _, in_shape, out_shape = weight_layout(path, leaf).split(value.shape)
         k, n = math.prod(in_shape), math.prod(out_shape)
-        rows = group if group and group < k else None
-        if rows and k % rows:
-            raise ConfigError(f"{path}: its {k} input rows are not a multiple of the group size {rows}", key=group_key)
+        rows = weight_group(path, k, fmt, group, key=group_key)  # as ember quantize will store it
         matrices = value.reshape(-1, k, n)
         rounded = jax.vmap(functools.partial(fake_quantize, fmt=fmt, group_size=rows))(matrices)
         flat[path] = rebox(leaf, rounded.reshape(value.shape))

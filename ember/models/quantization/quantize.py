@@ -168,7 +168,7 @@ def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Arr
     value = jnp.asarray(leaf_value(leaf), jnp.float32)
     lead, in_shape, out_shape = layout.split(value.shape)
     k, n = math.prod(in_shape), math.prod(out_shape)
-    group = _rows_per_scale(path, k, config)
+    group = weight_group(path, k, config.format, config.rows_per_scale, key="quantize.group_size")
     matrices = value.reshape(-1, k, n)
     if config.method == "gptq" and gram is not None:
         grams = jnp.broadcast_to(gram.astype(jnp.float32), (matrices.shape[0], k, k))
@@ -185,18 +185,20 @@ def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Arr
     return parts
 
 
-def _rows_per_scale(path: str, k: int, config: QuantizeConfig) -> int | None:
-    """The weight's group: the config's, or all ``k`` rows when it has no more than a group
-    (for the 4-bit formats, ``k`` must then be a power of two >= 16, what the kernel tiles)."""
-    group = config.rows_per_scale
+def weight_group(path: str, k: int, fmt: str, group: int | None, *, key: str) -> int | None:
+    """The rows per scale of the weight at ``path`` with ``k`` input rows: ``group``, or all
+    ``k`` rows when it has no more than a group (for the 4-bit formats, ``k`` must then be a
+    power of two >= 16, what the kernel tiles); None (per output channel) when ``group`` is.
+
+    Raises:
+      ConfigError: ``k`` is not a multiple of ``group`` nor such a single group (``key``).
+    """
     if group is None:
         return None
-    if k <= group and (config.format == "int8" or (k >= 16 and not k & (k - 1))):
+    if k <= group and (fmt == "int8" or (k >= 16 and not k & (k - 1))):
         return k
     if k % group or k <= group:
-        raise ConfigError(
-            f"{path}: its {k} input rows are not a multiple of quantize.group_size {group}", key="quantize.group_size"
-        )
+        raise ConfigError(f"{path}: its {k} input rows are not a multiple of {key} {group}", key=key)
     return group
 
 
@@ -266,4 +268,5 @@ __all__ = [
     "quantized_paths",
     "target_weights",
     "weight_bytes",
+    "weight_group",
 ]
