@@ -350,3 +350,13 @@ def test_windows_longer_than_the_model_s_context_are_a_config_error(tmp_path):
     fits = EvalConfig(seq_len=16, calibration_windows=2, eval_windows=2, batch_size=2)
     summary = quantize_model(run, tmp_path / "int8", QuantizeConfig(format="int8"), text=text, windows=fits)
     assert summary["eval_tokens"] == 2 * 16
+
+
+@pytest.mark.parametrize("override", ["qat.fraction=0.5", "qat.group_size=32", "qat.targets=[q,v]"])
+def test_qat_settings_without_a_qat_format_are_refused(tmp_path, override):
+    # qat.format empty means no QAT. Before, 'qat.fraction=0.5' (or a group size, or targets)
+    # without a format was accepted and the run trained in float throughout, without a word.
+    with pytest.raises(ConfigError, match=r"qat\.format is empty, so the run would train without QAT") as error:
+        small_config(tmp_path, tmp_path / "data", override)
+    assert error.value.key == override.split("=")[0]
+    assert small_config(tmp_path, tmp_path / "data", override, "qat.format=int4").qat.format == "int4"

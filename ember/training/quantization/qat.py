@@ -36,6 +36,14 @@ class QatConfig:
                 f"qat.format must be empty (no QAT) or one of {', '.join(QAT_FORMATS)}, got {self.format!r}",
                 key="qat.format",
             )
+        if not self.format:  # the other keys would do nothing: refuse them rather than ignore them
+            for field in dataclasses.fields(self):
+                if field.name != "format" and getattr(self, field.name) != field.default:
+                    raise ConfigError(
+                        f"qat.{field.name} is set but qat.format is empty, so the run would train without QAT; "
+                        f"set qat.format to one of {', '.join(QAT_FORMATS)}",
+                        key=f"qat.{field.name}",
+                    )
         if not 0 < self.fraction <= 1:
             raise ConfigError(f"qat.fraction must be in (0, 1], got {self.fraction}", key="qat.fraction")
         if self.group_size and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
