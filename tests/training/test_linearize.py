@@ -128,6 +128,8 @@ def test_config_mistakes_are_named_before_anything_runs(tmp_path, capsys):
         (["data.dataset=arithmetic"], "data.dataset"),
         (["adapter.init=pissa"], "adapter.init"),
         (["distill.weight=-1"], "distill.weight"),
+        # Nothing read it: the run linearised the float base without a word.
+        (["base_model.quantize=nf4"], "base_model.quantize: linearising trains a float model"),
         (["linear.window=0"], "linear.window"),
         (["transfer.optim.lr_typo=1"], "lr_typo"),
     ):

@@ -92,6 +92,11 @@ class LinearizeRunConfig:
             raise ConfigError(f"kind must be 'linearize' for a linearising config, got {self.kind!r}", key="kind")
         if self.data.dataset == "arithmetic":
             raise ConfigError("data.dataset: linearise on text (stdlib or a prepared directory)", key="data.dataset")
+        if self.base_model.quantize:  # nothing here reads it: the base was linearised in float
+            raise ConfigError(
+                "base_model.quantize: linearising trains a float model; quantize the result with 'ember quantize'",
+                key="base_model.quantize",
+            )
         if self.adapter.init not in ("lora", "gaussian"):
             raise ConfigError(
                 f"adapter.init must be lora or gaussian for linearising (the adapters start at zero), "
