@@ -182,6 +182,8 @@ def test_full_finetuning_with_muon_learns(problem):
         ({"data": {"seed": -1}}, "data.seed"),
         ({"base_model": {"quantize": "int3"}}, "base_model.quantize"),
         ({"base_model": {"quantize": "nf4", "quantize_group_size": 24}}, "base_model.quantize_group_size"),
+        # A group size for a float base did nothing: the run fine-tuned in float without a word.
+        ({"base_model": {"quantize_group_size": 32}}, "base_model.quantize_group_size"),
         ({"base_model": {"quantize": "nf4"}, "method": "full"}, "base_model.quantize"),
         ({"base_model": {"quantize": "nf4"}, "export": {"merged": True}}, "export.merged"),
         ({"method": "mixlora", "adapter": {"init": "lora_ga"}, "train": {"aux_loss_weights": ROUTER}}, "adapter.init"),

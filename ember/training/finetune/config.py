@@ -72,6 +72,12 @@ class BaseModelConfig:
         if self.quantize and self.quantize not in FORMATS:
             message = f"base_model.quantize must be empty or one of {', '.join(FORMATS)}, got {self.quantize!r}"
             raise ConfigError(message, key="base_model.quantize")
+        if self.quantize_group_size and not self.quantize:  # it would do nothing: refuse it rather than ignore it
+            raise ConfigError(
+                f"base_model.quantize_group_size is {self.quantize_group_size} but base_model.quantize is empty "
+                f"(a float base); set base_model.quantize to one of {', '.join(FORMATS)}",
+                key="base_model.quantize_group_size",
+            )
         self.quantization()
         object.__setattr__(self, "path", absolute_path(self.path))
 
