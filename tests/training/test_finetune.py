@@ -223,6 +223,22 @@ def test_adapters_peft_cannot_hold_are_refused_before_training_when_export_peft_
     FinetuneTask(config_for(problem, "moe_lora", adapter={"targets": ["q", "v"]}), base)
 
 
+def test_a_quantized_base_without_the_weights_to_store_names_base_model_quantize(problem):
+    """QLoRA on an MoE base whose MLPs are all routed experts (Mixtral's layout): there is no
+    dense or shared-expert gate/up/down to store quantized. Before, the error was keyed
+    base_model.quantize_group_size, which has nothing to do with it, and spoke of a
+    quantize.targets key a fine-tuning config does not have."""
+    dense = load_base(config_for(problem, "qlora_moe_base").base_model)
+    moe = dataclasses.replace(dense.config, mlp_pattern=("moe",), moe=MoEConfig(num_experts=2, top_k=1, expert_dim=8))
+    shapes = jax.eval_shape(DecoderLM(moe).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), nn.meta.unbox(shapes))
+    base = dataclasses.replace(dense, config=moe, params=params)
+    config = config_for(problem, "qlora_moe", base_model={"quantize": "nf4"}, adapter={"targets": ["q", "v"]})
+    with pytest.raises(ConfigError, match=r"base_model\.quantize nf4 stores .* entry 'gate' matches no float") as error:
+        FinetuneTask(config, base)
+    assert error.value.key == "base_model.quantize"
+
+
 def test_a_merged_export_the_model_cannot_take_is_refused_before_training(problem):
     """``export.merged`` writes a Hugging Face checkpoint of the base's type (``llama`` for an
     Ember run) or ``export.model_type``; one that type cannot express (an MoE model as llama, the

@@ -112,9 +112,17 @@ class FinetuneTask(Task):
         try:
             jax.eval_shape(lambda p: quantize_params(p, quantization), shapes)
         except ConfigError as error:
-            message = f"base_model.quantize {self.config.base_model.quantize}: {error}"
-            raise ConfigError(message.replace("quantize.group_size", "quantize_group_size"),
-                              key="base_model.quantize_group_size") from None  # fmt: skip
+            fmt = self.config.base_model.quantize
+            if error.key == "quantize.group_size":
+                message = f"base_model.quantize {fmt}: {error}".replace("quantize.group_size", "quantize_group_size")
+                raise ConfigError(message, key="base_model.quantize_group_size") from None
+            # A weight to store that this base lacks (an MoE base with no dense or shared-expert MLP).
+            raise ConfigError(
+                f"base_model.quantize {fmt} stores the base's {', '.join(quantization.targets)} weights quantized, "
+                f"routed experts excepted (they stay float), and this base has not all of them: {error}; "
+                "leave base_model.quantize empty for this base",
+                key="base_model.quantize",
+            ) from None
 
     def _adapted(self, params: Any, rng: jax.Array, *, shapes_only: bool = False) -> Any:
         """``params`` with the method's adapters: LoRA, or MixLoRA experts plus LoRA on the
