@@ -327,13 +327,12 @@ def test_a_run_trained_on_a_relative_dataset_path_quantizes_from_another_directo
     assert (elsewhere / "int8" / "config.yaml").is_file()
 
 
-def test_windows_longer_than_the_model_s_context_are_a_config_error(tmp_path):
-    # Before, quantize_model (ember quantize --seq-len 32) on a model with max_seq_len 16
-    # calibrated and validated on positions the model was never trained on and wrote the output
-    # without a word; train.seq_len, GRPO and serving refuse a context beyond max_seq_len.
+def untrained_run(tmp_path, *overrides):
+    """``(run directory, calibration text)``: the small LM config with ``overrides`` and its
+    initial weights as checkpoint 0 (nothing trained, nothing compiled but the init)."""
     from ember.core.checkpoint import CheckpointManager
 
-    config = small_config(tmp_path, tmp_path / "data", "model.max_seq_len=16", "train.seq_len=16")
+    config = small_config(tmp_path, tmp_path / "data", *overrides)
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(to_yaml(config))
@@ -342,6 +341,14 @@ def test_windows_longer_than_the_model_s_context_are_a_config_error(tmp_path):
         manager.save(0, {"params": nn.unbox(params)})
     text = tmp_path / "text.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 40)
+    return run, text
+
+
+def test_windows_longer_than_the_model_s_context_are_a_config_error(tmp_path):
+    # Before, quantize_model (ember quantize --seq-len 32) on a model with max_seq_len 16
+    # calibrated and validated on positions the model was never trained on and wrote the output
+    # without a word; train.seq_len, GRPO and serving refuse a context beyond max_seq_len.
+    run, text = untrained_run(tmp_path, "model.max_seq_len=16", "train.seq_len=16")
     windows = EvalConfig(seq_len=32, calibration_windows=2, eval_windows=2, batch_size=2)
     with pytest.raises(ConfigError, match=r"seq_len \(32\) exceeds the model's max_seq_len \(16\)") as error:
         quantize_model(run, tmp_path / "int8", QuantizeConfig(format="int8"), text=text, windows=windows)
@@ -360,3 +367,21 @@ def test_qat_settings_without_a_qat_format_are_refused(tmp_path, override):
         small_config(tmp_path, tmp_path / "data", override)
     assert error.value.key == override.split("=")[0]
     assert small_config(tmp_path, tmp_path / "data", override, "qat.format=int4").qat.format == "int4"
+
+
+def test_a_qat_run_is_stored_in_the_groups_and_weights_it_trained_for(tmp_path, capsys):
+    # configs/lm/tiny_qat.yaml and qat.py say 'ember quantize RUN OUT --format int4' stores a QAT
+    # run. Before, it stored it in int4's default groups of 128 rows and every default target
+    # whatever the run's qat.group_size (32 here) and qat.targets, not the values QAT trained on.
+    run, text = untrained_run(tmp_path, "qat.format=int4", "qat.group_size=32", "qat.targets=[q,k,v,o]")
+    flags = ["--text", str(text), "--seq-len", "16", "--calibration-windows", "2", "--eval-windows", "2"]
+
+    def stored(name, *more):
+        assert main(["quantize", str(run), str(tmp_path / name), *flags, *more]) == 0, capsys.readouterr().err
+        summary = summary_of(tmp_path / name)
+        scales = load_model(tmp_path / name).params["layers"]["block_0"]["attn"]["q"]["kernel"]
+        return summary["group_size"], summary["quantized_weights"], scales.get("scales", scales.get("absmax")).shape[1]
+
+    assert stored("int4", "--format", "int4") == (32, 4, 64 // 32)  # q, k, v, o; 64 input rows in groups of 32
+    assert stored("int4-64", "--format", "int4", "--group-size", "64", "--targets", "q,k,v,o,up") == (64, 5, 1)
+    assert stored("nf4", "--format", "nf4") == (64, 7, 1)  # not the format it trained for: the defaults

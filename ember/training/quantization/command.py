@@ -14,12 +14,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="a new directory for the quantized model")
     parser.add_argument("--format", choices=FORMATS, default="int8", help="weight format (default int8)")
     parser.add_argument("--method", choices=METHODS, default="rtn", help="round-to-nearest or GPTQ (default rtn)")
-    parser.add_argument("--group-size", type=int, default=None, help="rows per scale (int4 128, nf4 64 by default)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="rows per scale (default: a QAT run's qat.group_size for this format, else int4 128, nf4 64)",
+    )
     parser.add_argument(
         "--targets",
         default=None,
         help="comma-separated weights to quantize (quantize.targets): names or path regexes "
-        "(default: q,k,v,o,gate,up,down; an MoE model's routed experts stay float, so name its others)",
+        "(default: a QAT run's qat.targets for this format, else q,k,v,o,gate,up,down; an MoE model's "
+        "routed experts stay float, so name its others)",
     )
     parser.add_argument(
         "--text",
@@ -33,10 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ember.models.quantization import QuantizeConfig
-    from ember.training.quantization.ptq import EvalConfig, quantize_model
+    from ember.training.quantization.ptq import EvalConfig, qat_settings, quantize_model
 
-    targets = {"targets": tuple(t.strip() for t in args.targets.split(",") if t.strip())} if args.targets else {}
-    config = QuantizeConfig(format=args.format, method=args.method, group_size=args.group_size, **targets)
+    settings = qat_settings(args.source, args.format)  # a QAT run's weights are stored as its QAT steps saw them
+    if args.group_size is not None:
+        settings["group_size"] = args.group_size
+    if args.targets:
+        settings["targets"] = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    config = QuantizeConfig(format=args.format, method=args.method, **settings)
     windows = EvalConfig(
         seq_len=args.seq_len, calibration_windows=args.calibration_windows, eval_windows=args.eval_windows
     )

@@ -109,6 +109,20 @@ def _run_dataset(source: Path) -> Path | None:
     return BUILTIN_DATASETS.get(data.dataset, lambda _: Path(data.dataset))(data)
 
 
+def qat_settings(source: str | Path, fmt: str) -> dict[str, Any]:
+    """The ``QuantizeConfig`` fields an Ember LM run that trained QAT for ``fmt`` trained with
+    (``group_size`` when its ``qat.group_size`` is set, ``targets``), so that quantizing it
+    stores the weights its QAT steps saw; empty for any other source or format."""
+    config = Path(source) / "config.yaml"
+    if not config.is_file() or read_key(config, "kind") not in (None, "lm"):
+        return {}
+    qat = read_key(config, "qat") or {}
+    if qat.get("format") != fmt:
+        return {}
+    settings = {"targets": tuple(qat["targets"])} if qat.get("targets") else {}
+    return {**settings, "group_size": qat["group_size"]} if qat.get("group_size") else settings
+
+
 def _stdlib_text(chars: int) -> str:
     parts, total = [], 0
     for _, source in stdlib_documents():
@@ -236,4 +250,4 @@ def _write(out: Path, loaded: LoadedModel, quantized: Any, state: dict, config: 
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-__all__ = ["EvalConfig", "quantize_model", "token_splits", "validation_figures"]
+__all__ = ["EvalConfig", "qat_settings", "quantize_model", "token_splits", "validation_figures"]

@@ -4,7 +4,8 @@ Following "Compute-Optimal Quantization-Aware Training", a run trains in full pr
 first and switches to QAT for the last ``fraction`` of its steps: from step
 ``round((1 - fraction) * train.steps)`` on, the loss sees the target weights fake-quantized
 (``ember.models.quantization.fake``; straight-through gradients), so the same compiled step
-serves both phases. After training, ``ember quantize RUN OUT --format <format>`` stores them.
+serves both phases. After training, ``ember quantize RUN OUT --format <format>`` stores them (in
+the run's ``qat.group_size`` and ``qat.targets`` unless its flags say otherwise).
 """
 
 from __future__ import annotations
