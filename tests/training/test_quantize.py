@@ -385,3 +385,13 @@ def test_a_qat_run_is_stored_in_the_groups_and_weights_it_trained_for(tmp_path, 
     assert stored("int4", "--format", "int4") == (32, 4, 64 // 32)  # q, k, v, o; 64 input rows in groups of 32
     assert stored("int4-64", "--format", "int4", "--group-size", "64", "--targets", "q,k,v,o,up") == (64, 5, 1)
     assert stored("nf4", "--format", "nf4") == (64, 7, 1)  # not the format it trained for: the defaults
+
+
+def test_a_qat_fraction_that_rounds_to_no_qat_step_is_refused(tmp_path):
+    # Steps run 0 .. train.steps - 1 and QAT from round((1 - fraction) * train.steps) on: with
+    # the default fraction 0.2 and train.steps 2 (a quick try of configs/lm/tiny_qat.yaml) that is
+    # step 2. Before, such a run trained in float throughout without a word.
+    with pytest.raises(ConfigError, match=r"qat\.fraction 0\.2 of train\.steps 2 leaves no step trained with QAT"):
+        small_config(tmp_path, tmp_path / "data", "qat.format=int4", "train.steps=2")
+    config = small_config(tmp_path, tmp_path / "data", "qat.format=int4", "train.steps=3")
+    assert config.qat.start_step(config.train.steps) == 2  # the last step trains with QAT

@@ -197,6 +197,13 @@ class LMConfig:
                 f"train.seq_len ({self.train.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})",
                 key="train.seq_len",
             )
+        start = self.qat.start_step(self.train.steps)
+        if self.qat.format and start >= self.train.steps:  # steps run 0 .. train.steps - 1
+            raise ConfigError(
+                f"qat.fraction {self.qat.fraction} of train.steps {self.train.steps} leaves no step trained with QAT "
+                f"(its phase would start at step {start}); raise qat.fraction or train.steps",
+                key="qat.fraction",
+            )
 
     def identity(self) -> dict[str, Any]:
         """The flattened ``key: value`` pairs that define the run (what must not change on
