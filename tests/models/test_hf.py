@@ -145,6 +145,11 @@ def test_unsupported_architectures_and_fields_are_named(tmp_path):
         hf.config_from_hf({**llama, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="hidden_act 'relu'"):
         hf.config_from_hf({**llama, "hidden_act": "relu"})
+    # A GPTQ / AWQ / bitsandbytes checkpoint: before, "missing tensor '...q_proj.weight'" (GPTQ
+    # stores qweight/qzeros/scales) or "has shape (512, 1) ...: the weights are not of this config".
+    for method in ("gptq", "bitsandbytes"):
+        with pytest.raises(ConfigError, match=rf"quantization_config \(quant_method '{method}'\).*ember quantize"):
+            hf.config_from_hf({**llama, "quantization_config": {"quant_method": method, "bits": 4}})
     # Before, a KeyError traceback.
     scaling = {k: v for k, v in llama["rope_parameters"].items() if k != "original_max_position_embeddings"}
     with pytest.raises(ConfigError, match="llama3 rope scaling needs 'original_max_position_embeddings'"):

@@ -49,6 +49,14 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         raise ConfigError(
             f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    quantization = hf.get("quantization_config")
+    if quantization:  # its weights are packed integers (GPTQ, AWQ, bitsandbytes, ...), not the float tensors read here
+        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
+        raise ConfigError(
+            f"unsupported {model_type} config field quantization_config (quant_method {method!r}): a quantized "
+            "checkpoint; Ember reads float Hugging Face weights: load the float model and quantize it with "
+            "'ember quantize' (int8, int4, nf4; rtn or gptq)"
+        )
     if model_type == "mamba2":
         return mamba2_config_from_hf(hf, **overrides)
     hf = with_transformers_defaults(hf)
