@@ -239,6 +239,25 @@ def test_a_quantized_base_without_the_weights_to_store_names_base_model_quantize
     assert error.value.key == "base_model.quantize"
 
 
+def test_a_base_stored_quantized_is_refused_by_name(problem, monkeypatch):
+    """An 'ember quantize' output (or a QLoRA run) as base_model.path: its linear maps are packed
+    codes. Before, method full built the task and crashed in the trainer's sharding
+    (IndexError: tuple index out of range), and method lora said adapter.targets 'q' matched no
+    parameter; fine-tuning, GRPO and linearising all load the base through load_base."""
+    import ember.training.finetune.base as base_module
+    from ember.models.quantization import QuantizeConfig
+
+    dense = load_base(config_for(problem, "quantized_base").base_model)
+    quantized = jax.jit(quantize_params, static_argnums=1)(dense.params, QuantizeConfig(format="int8"))
+    monkeypatch.setattr(base_module, "load_model", lambda *args, **kwargs: dataclasses.replace(dense, params=quantized))
+    refused = r"base model .* stores its weights quantized \(layers/block_0/attn/\w/kernel and 6 more"
+    for method in ("full", "lora"):
+        config = config_for(problem, f"quantized_base_{method}", method=method, export={"peft": method == "lora"})
+        with pytest.raises(ConfigError, match=refused) as error:
+            FinetuneTask(config)
+        assert error.value.key == "base_model.path"
+
+
 def test_a_merged_export_the_model_cannot_take_is_refused_before_training(problem):
     """``export.merged`` writes a Hugging Face checkpoint of the base's type (``llama`` for an
     Ember run) or ``export.model_type``; one that type cannot express (an MoE model as llama, the

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 
 from ember.core.errors import ConfigError
 from ember.core.sharding import box_like
+from ember.core.tree import param_paths
 from ember.models.decoder import DecoderLM, convert_layer_layout, saved_layout
+from ember.models.quantization.stored import stored_weight_paths
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.finetune.config import BaseModelConfig
 
@@ -25,12 +27,21 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
     their mesh).
 
     Raises:
-      ConfigError: the model has no tokenizer (keyed ``base_model.path``); see ``load_model``.
+      ConfigError: the model has no tokenizer, or its weights are stored quantized (keyed
+        ``base_model.path``); see ``load_model``.
     """
     step = None if config.step < 0 else config.step
     base = load_model(config.path, step=step, **config.overrides())
     if base.tokenizer is None:
         raise ConfigError(f"base model {config.path} has no tokenizer (tokenizer.json)", key="base_model.path")
+    quantized = stored_weight_paths(param_paths(base.params))
+    if quantized:  # the runs train float weights (QLoRA quantizes its float base itself)
+        raise ConfigError(
+            f"base model {config.path} stores its weights quantized ({quantized[0]} and {len(quantized) - 1} more: "
+            "an 'ember quantize' output or a QLoRA run); train from the float model instead (for QLoRA, with "
+            "base_model.quantize)",
+            key="base_model.path",
+        )
     return dataclasses.replace(base, params=jax.device_get(base.params))
 
 
