@@ -226,6 +226,10 @@ def test_bad_quantize_configs_name_their_key(model_and_params):
     ]
     with pytest.raises(ConfigError, match="'attn/' matches no float weight"):
         quantize_params(quantized, QuantizeConfig(format="int8", targets=("attn/",)))
+    # Quantizing a quantized model ('ember quantize' of its own output or of a QLoRA run): before,
+    # only "matches no float weight; paths look like ..." with no word of why.
+    with pytest.raises(ConfigError, match=r"'q' matches no float weight \(it selects attn/q/kernel, stored quantized"):
+        quantize_params(quantized, QuantizeConfig(format="int8", targets=("q", "k")))
     # A selected weight that is no linear map was refused as an "adapter target" keyed adapter.targets.
     with pytest.raises(ConfigError, match=r"quantize\.targets entry 'attn_norm' selects .*attn_norm/scale") as error:
         quantize_params(params, QuantizeConfig(targets=("attn_norm",)))

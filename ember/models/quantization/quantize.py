@@ -89,8 +89,11 @@ def target_weights(params: Mapping[str, Any], targets: Iterable[str], *, key: st
         pattern = TARGETS.get(target, target)
         found = [p for p in flat if _matches(pattern, p)]
         if not found:
+            stored = [p for p in stored_weight_paths(param_paths(params)) if _matches(pattern, p)]
+            more = f" and {len(stored) - 1} more" if len(stored) > 1 else ""
+            already = f" (it selects {stored[0]}{more}, stored quantized already)" if stored else ""
             raise ConfigError(
-                f"{key} entry {target!r} matches no float weight; paths look like {', '.join(list(flat)[:4])}",
+                f"{key} entry {target!r} matches no float weight{already}; paths look like {', '.join(list(flat)[:4])}",
                 key=key,
             )
         for path in found:
