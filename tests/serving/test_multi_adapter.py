@@ -107,9 +107,33 @@ def test_adapters_that_cannot_be_stacked_are_refused(setup):
         ConfigError, match=r"carries adapters of its own \(2 weights, e\.g\. layers/block_0/attn/q/kernel"
     ):
         stack_adapters(with_adapter(base, adapters["qv"]), {"mlp": adapters["mlp"]})
-    quantized = quantize_params(base, QuantizeConfig(targets=("q",)))
-    with pytest.raises(ConfigError, match=r"attn/q/kernel, which this base model stores quantized"):
-        stack_adapters(quantized, {"qv": adapters["qv"]})
+    quantized = quantize_params(base, QuantizeConfig(targets=("k",)))
+    with pytest.raises(ConfigError, match=r"a DoRA adapter targets layers/block_0/attn/k/kernel, which this base"):
+        stack_adapters(quantized, {"dora": adapters["dora"]})
+
+
+def test_adapters_are_served_together_on_a_quantized_base(setup):
+    """DESIGN section 7: many adapters at once, the base weights staying quantized on the device.
+    Stacking on a quantized weight was refused; now each request gets the tokens it gets from
+    an engine serving the quantized base with its one adapter (as a QLoRA run is served)."""
+    base, adapters, _ = setup
+    quantized = quantize_params(base, QuantizeConfig(format="int8"))
+    chosen = {name: adapters[name] for name in ("qv", "mlp")}
+    options = dict(OPTIONS, token_buckets=(16,))
+    engine = Engine.from_model(CONFIG, quantized, adapters=chosen, **options)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (5, 9, 3, 7)]
+    names = [None, "qv", "mlp", "qv"]
+    results = engine.generate(prompts, [SamplingParams(max_tokens=8, adapter=name) for name in names])
+    alone = {
+        name: Engine.from_model(CONFIG, quantized if name is None else with_adapter(quantized, chosen[name]), **options)
+        for name in (None, *chosen)
+    }
+    for prompt, name, result in zip(prompts, names, results):
+        expected = alone[name].generate([prompt], SamplingParams(max_tokens=8))[0].tokens
+        assert result.tokens == expected, name
+        if name is not None:
+            assert expected != alone[None].generate([prompt], SamplingParams(max_tokens=8))[0].tokens, name
 
 
 def test_a_pissa_adapter_is_stacked_against_the_original_base(base):

@@ -79,7 +79,7 @@ def weight_layout(path: str, leaf: Any) -> WeightLayout:
         if len(rest) >= 2 and rest[-1] == "embed":
             return WeightLayout(lead, len(rest) - 1, 1, names)
     else:
-        lead = sum(1 for stacked in _STACKED if re.search(stacked, path))
+        lead = stacked_axes(path)
         for pattern, in_dims, out_dims in _LAYOUTS:
             if re.search(pattern, path):
                 rest = len(shape) - lead
@@ -93,6 +93,12 @@ def weight_layout(path: str, leaf: Any) -> WeightLayout:
     )
 
 
+def stacked_axes(path: str) -> int:
+    """How many leading axes stack the weight at ``path`` (a ``layers/`` or ``experts/`` path
+    stacks one each), as ``/``-joined from the root of the parameter tree."""
+    return sum(1 for stacked in _STACKED if re.search(stacked, path))
+
+
 def leaf_value(leaf: Any) -> Any:
     """A parameter's array, unboxed when it is an ``nn.Partitioned``."""
     return leaf.value if isinstance(leaf, nn.Partitioned) else leaf
@@ -103,4 +109,4 @@ def rebox(like: Any, value: Any) -> Any:
     return like.replace_boxed(value) if isinstance(like, nn.Partitioned) else value
 
 
-__all__ = ["LEAD_AXES", "TARGETS", "WeightLayout", "leaf_value", "rebox", "weight_layout"]
+__all__ = ["LEAD_AXES", "TARGETS", "WeightLayout", "leaf_value", "rebox", "stacked_axes", "weight_layout"]

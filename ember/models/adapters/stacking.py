@@ -12,22 +12,28 @@ LoRA-GA adapter, trained on the residual ``W - scale A0 B0``, at rank ``2r`` aga
 holds each adapter's factor ``m / ||W + scale A B||`` (1 where it has none), computed once
 since the base weight is fixed. Layers apply them with
 ``lowrank.adapted_matmul(..., adapter_ids=...)``: tokens grouped by adapter, two grouped
-matmuls, no merged weights.
+matmuls, no merged weights. A base weight stored quantized (``ember quantize``, QLoRA's NF4
+base) stays quantized: the adapters' deltas are added to its quantized product, as one
+QLoRA adapter's are; DoRA, whose factor needs the float weight's norms, is refused there.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
-from ember.models.adapters.layout import weight_layout
+from ember.kernels_pallas.quantized_formats import PACKED_FORMATS
+from ember.models.adapters.layout import stacked_axes, weight_layout
 from ember.models.adapters.leaves import adapted_paths, factors_on_original_base, without_adapters
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, LowRank, dora_factor, part_name
+from ember.models.quantization.stored import QuantizedWeight, stored_format
 
 
 def stack_adapters(
@@ -41,8 +47,8 @@ def stack_adapters(
 
     Raises:
       ConfigError: no adapters, a base with adapters of its own, an adapter on a weight the base
-        lacks, stores quantized or of the wrong shape, or on routed experts (their adapters
-        merge per expert and cannot be stacked).
+        lacks or of the wrong shape, a DoRA adapter on a weight the base stores quantized, or
+        an adapter on routed experts (their adapters merge per expert and cannot be stacked).
     """
     if not adapters:
         raise ConfigError("stack_adapters needs at least one adapter", key="adapters")
@@ -61,36 +67,55 @@ def stack_adapters(
     weights = sorted({w for flat in flats.values() for w in adapted_paths(tree_from_paths(flat))})
     stacked = {}
     for weight in weights:
-        if weight not in flat_base:
-            if any(path.startswith(f"{weight}/") for path in flat_base):  # a quantized weight's parts
-                raise ConfigError(
-                    f"an adapter targets {weight}, which this base model stores quantized: adapters are served "
-                    "several at once on a float base only (serve them on the float model)",
-                    key="adapters",
-                )
-            raise ConfigError(f"an adapter targets {weight}, which the base model does not have", key="adapters")
+        kernel = flat_base.get(weight)
+        if kernel is None:  # a weight stored quantized is its parts (.../kernel/int8, .../kernel/scales)
+            parts = {path[len(weight) + 1 :]: v for path, v in flat_base.items() if path.startswith(f"{weight}/")}
+            if stored_format(parts) is None:
+                raise ConfigError(f"an adapter targets {weight}, which the base model does not have", key="adapters")
+            kernel = QuantizedWeight(parts)
         if "/experts/" in f"/{weight}":
             raise ConfigError(
                 f"adapters on routed experts ({weight}) merge into each expert and cannot be served several at "
                 "once; merge one adapter into the model instead",
                 key="adapters",
             )
-        stacked.update(_stack_weight(weight, flat_base[weight], flats))
+        stacked.update(_stack_weight(weight, kernel, flats))
     return tree_from_paths({**flat_base, **stacked}), tuple(adapters)
 
 
 def _stack_weight(weight: str, kernel: Any, flats: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    layout = weight_layout(weight, kernel)
-    kernel = jnp.asarray(kernel)
-    lead, in_shape, out_shape = layout.split(kernel.shape)
-    names = list(flats)
+    """The stacked factors (and DoRA factors) of ``weight``: ``kernel`` float or a ``QuantizedWeight``."""
+    quantized = isinstance(kernel, QuantizedWeight)
+    leading = stacked_axes(weight) if quantized else weight_layout(weight, kernel).lead
     factors = {
-        name: factors_on_original_base(flat, weight, len(lead))
+        name: factors_on_original_base(flat, weight, leading)
         for name, flat in flats.items()
         if part_name(weight, "lora_a") in flat
     }
-    rank = max(a.shape[-1] for a, _ in factors.values())
     dora = any(part_name(weight, "lora_magnitude") in flat for flat in flats.values())
+    if quantized:
+        if dora:
+            raise ConfigError(
+                f"a DoRA adapter targets {weight}, which this base model stores quantized: DoRA's factor needs the "
+                "float weight's norms (serve DoRA adapters on the float model)",
+                key="adapters",
+            )
+        values = kernel.parts[kernel.format]  # [*lead, K (or K / 2 packed), *out_shape]
+        lead, out_shape = values.shape[:leading], values.shape[leading + 1 :]
+        in_shape = next(iter(factors.values()))[0].shape[leading:-1]  # A [*lead, *in_shape, rank]
+        rows = values.shape[leading] * (2 if kernel.format in PACKED_FORMATS else 1)
+        if math.prod(in_shape) != rows:
+            raise ConfigError(
+                f"an adapter on {weight} takes inputs of shape {in_shape}; the quantized weight has {rows} input rows",
+                key="adapters",
+            )
+        dtype = jnp.float32
+    else:
+        lead, in_shape, out_shape = weight_layout(weight, kernel).split(np.shape(kernel))
+        kernel = jnp.asarray(kernel)
+        dtype = kernel.dtype
+    names = list(flats)
+    rank = max(a.shape[-1] for a, _ in factors.values())
     a_slots, b_slots, factor_slots = [], [], []
     for name in names:
         flat = flats[name]
@@ -104,13 +129,13 @@ def _stack_weight(weight: str, kernel: Any, flats: Mapping[str, Mapping[str, Any
         if a.shape[:-1] != (*lead, *in_shape) or b.shape[: len(lead)] + b.shape[len(lead) + 1 :] != (*lead, *out_shape):
             raise ConfigError(
                 f"adapter {name!r} on {weight} has A {a.shape} and B {b.shape}, which do not fit the weight "
-                f"{kernel.shape}",
+                f"{(*lead, *in_shape, *out_shape)}",
                 key="adapters",
             )
         magnitude = flat.get(part_name(weight, "lora_magnitude"))
         adapter = LowRank(a, b, scale, None if magnitude is None else jnp.asarray(magnitude, jnp.float32))
         factor_slots.append(
-            dora_factor(kernel, adapter, layout.in_dims, layout.lead)
+            dora_factor(kernel, adapter, len(in_shape), len(lead))
             if magnitude is not None
             else jnp.ones((*lead, *out_shape), jnp.float32)
         )
@@ -120,8 +145,8 @@ def _stack_weight(weight: str, kernel: Any, flats: Mapping[str, Mapping[str, Any
         b_slots.append(jnp.pad(b * scale_b, [(0, 0)] * len(lead) + [(0, pad)] + [(0, 0)] * len(out_shape)))
     axis = len(lead)  # the adapter axis goes after the stacked-layer axis, so a scan slices layers first
     result = {
-        part_name(weight, "lora_a"): jnp.stack(a_slots, axis).astype(kernel.dtype),
-        part_name(weight, "lora_b"): jnp.stack(b_slots, axis).astype(kernel.dtype),
+        part_name(weight, "lora_a"): jnp.stack(a_slots, axis).astype(dtype),
+        part_name(weight, "lora_b"): jnp.stack(b_slots, axis).astype(dtype),
     }
     if dora:
         result[part_name(weight, "lora_magnitude")] = jnp.stack(factor_slots, axis)
