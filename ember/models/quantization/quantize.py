@@ -250,7 +250,9 @@ def weight_bytes(params: Any) -> int:
 def calibration_grams(apply_fn, params: Any, batches: Iterable[Any]) -> dict[str, jax.Array]:
     """``{weight path: X^T X [K, K]}`` summed over ``batches``: ``apply_fn(variables, batch)``
     applies the model with the ``calibration`` collection mutable (the layers sow each target
-    weight's input Gram matrix there; stacked layers give ``[layers, K, K]``)."""
+    weight's input Gram matrix there; stacked layers give ``[layers, K, K]``). One pass of
+    ``params`` as given: with float params, every layer sees the float model's inputs (the
+    GPTQ paper's code calibrates each layer on the outputs of the layers quantized before it)."""
     step = jax.jit(lambda p, b: apply_fn({"params": p}, b))
     total = None
     for batch in batches:

@@ -4,7 +4,10 @@ SRC is an Ember run directory or a Hugging Face directory (``ember.serving.loadi
 Calibration (GPTQ's input statistics) and validation use token windows cut from a text file
 (its two halves); by default, for an Ember LM run, from the train and validation splits of
 the prepared dataset it trained on (so the validation loss is the run's ``val_loss``), and
-for other models from the Python standard library's sources. OUT is a directory that serves and
+for other models from the Python standard library's sources. GPTQ's statistics come from one
+pass of the float model: each weight's Gram matrix is of its inputs as the float model computes
+them, where the paper's code quantizes layer by layer, each calibrated on the outputs of the
+layers already quantized (one pass instead of one per layer). OUT is a directory that serves and
 exports like a run (``ember generate --checkpoint OUT``, ``ember export OUT DIR``):
 
 - ``config.yaml``: ``kind: quantized``, the ``model:`` section, the ``quantize:`` settings,
