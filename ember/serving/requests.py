@@ -41,9 +41,10 @@ class SamplingParams:
     drawn with ``fold_in(PRNGKey(seed), i)``, so a seed gives the same tokens whatever else
     is in the batch. ``seed`` None (the default) is the request's id in its engine, so
     repeated prompts sample differently and a fresh engine given the same requests in the
-    same order samples the same tokens again. ``stop`` holds text stop sequences: a request ends when the text of its
-    output holds one, however the tokens split it (the output keeps the tokens before the
-    one where it starts); ``stop_token_ids`` holds stop sequences as token ids.
+    same order samples the same tokens again. ``stop`` holds text stop sequences: a request
+    ends when the text of its output holds one, however the tokens split it (the output
+    keeps the tokens before the one where it starts); ``stop_token_ids`` holds stop
+    sequences as token ids.
     ``logprobs`` asks for the model's log-probability of each generated token (of the
     unmodified distribution, before temperature/top-k/top-p). ``adapter`` names one of the
     engine's adapters to generate with (None: the base model). A field of the wrong value or
