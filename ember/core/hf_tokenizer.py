@@ -14,7 +14,9 @@ does); ``tokenizer_config.json`` names the special tokens and holds the ``chat_t
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ import numpy as np
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.jsonl import utf8_text
 
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A chat template's ``{% generation %}`` block (transformers' marker of the assistant's tokens)."""
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """The file ``transformers`` (4.50 on) saves a tokenizer's single chat template in, instead of
 ``tokenizer_config.json``'s ``chat_template``."""
@@ -64,28 +68,50 @@ class HFTokenizer:
         """Ids -> text, special tokens dropped."""
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, offsets)`` of ``text`` without special tokens: int32 ``[n]`` and each token's
+        ``[start, end)`` characters in ``text``, int64 ``[n, 2]``."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, np.int32), np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+
     def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
         """``messages`` as the model's ``chat_template`` writes them (what ``transformers``'
         ``apply_chat_template(tokenize=False)`` gives).
 
         Raises:
-          DataError: the tokenizer has no chat template.
+          DataError: the tokenizer has no chat template, or the template fails on ``messages``.
         """
+        return self.render_chat_spans(messages, add_generation_prompt=add_generation_prompt)[0]
+
+    def render_chat_spans(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, spans)``: :meth:`render_chat`'s text and the ``[start, end)`` characters of
+        each ``{% generation %}`` block in it (what ``return_assistant_tokens_mask`` marks)."""
         if not self.chat_template:
             raise DataError("this tokenizer has no chat_template (tokenizer_config.json)")
+        import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        # transformers' environment: loop controls ({% break %}) and a tojson that neither sorts
-        # keys nor escapes HTML characters or non-ASCII text (Jinja's own does all three).
+        # transformers' environment: loop controls ({% break %}), {% generation %} blocks and a
+        # tojson that neither sorts keys nor escapes HTML characters or non-ASCII text (Jinja's does).
         environment = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_blocks()]
         )
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_template_error
         special = {name: self._config.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         special = {k: v.get("content") if isinstance(v, dict) else v for k, v in special.items()}
-        template = environment.from_string(self.chat_template)
-        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+        blocks: list[str] = []
+        environment.generation_tracking = (blocks, spans := [])
+        try:
+            template = environment.from_string(self.chat_template)
+            values = {"messages": list(messages), "add_generation_prompt": add_generation_prompt, **special}
+            for block in template.generate(**values):
+                blocks.append(block)
+        except jinja2.TemplateError as error:
+            raise DataError(f"chat template: {type(error).__name__}: {error}") from None
+        return "".join(blocks), spans
 
     def describe(self) -> dict[str, Any]:
         return {"type": "hf", "tokenizer_json": self._json, "config": self._config}
@@ -132,6 +158,33 @@ def _tojson(
 ):
     """The ``tojson`` filter of transformers' chat templates: ``json.dumps`` with these defaults."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.cache
+def _generation_blocks() -> type:
+    """The jinja2 extension class of ``{% generation %}`` (made on first use: jinja2 is imported lazily)."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class GenerationBlocks(Extension):
+        """transformers' ``{% generation %}...{% endgeneration %}``: renders its body and records
+        the body's ``[start, end)`` in the output in ``environment.generation_tracking``."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_track", []), [], [], body).set_lineno(lineno)
+
+        def _track(self, caller):
+            text = caller()
+            blocks, spans = self.environment.generation_tracking
+            start = sum(map(len, blocks))
+            spans.append((start, start + len(text)))
+            return text
+
+    return GenerationBlocks
 
 
 def _raise_template_error(message: str) -> None:

@@ -234,3 +234,39 @@ def test_missing_and_empty_files(tmp_path):
         read_instructions(tmp_path / "empty.jsonl", BYTES)
     with pytest.raises(PathNotFoundError, match=r"tokenizer\.json"):
         load_hf_tokenizer(tmp_path)
+
+
+GENERATION_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }} {{ eos_token }}{% endgeneration %} {% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+    "{% if not add_generation_prompt %}the end{% endif %}"  # not a growing prefix: the blocks say what trains
+)
+
+
+def test_generation_blocks_give_transformers_assistant_mask(tmp_path):
+    """A template with {% generation %} blocks (transformers' assistant-token marker) failed with
+    jinja2's TemplateSyntaxError (unknown tag 'generation'): a traceback, no training."""
+    transformers = pytest.importorskip("transformers")
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": GENERATION_TEMPLATE}))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "a cow"}, {"role": "user", "content": "what does the cow say ?"},
+                {"role": "assistant", "content": "moo"}, {"role": "user", "content": "the dog ?"},
+                {"role": "assistant", "content": "woof woof"}]  # fmt: skip
+    expected = theirs.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
+    example = tokenize_example({"messages": messages}, load_hf_tokenizer(tmp_path))
+    assert example.tokens.tolist() == list(expected["input_ids"])
+    assert example.trained.astype(int).tolist() == list(expected["assistant_masks"])
+    assert example.trained.sum() == 5  # moo </s> woof woof </s>
+
+
+def test_a_chat_template_that_fails_is_a_data_error_naming_the_example(tmp_path):
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}{{ m['content'] | nofilter }}{% endfor %}"  # before: TemplateAssertionError
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    with pytest.raises(DataError, match=rf"{path}:1: chat template: .*nofilter"):
+        read_instructions(path, load_hf_tokenizer(tmp_path))

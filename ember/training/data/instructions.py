@@ -14,7 +14,10 @@ Each JSONL line is one example, either form:
   ``transformers``' ``apply_chat_template``), else by :func:`plain_chat`; the loss is on each
   assistant turn's tokens, found by rendering the conversation up to and including each turn
   (the new text is that turn's) and up to its generation prompt (the turn's header, not
-  trained), as ``return_assistant_tokens_mask`` would. :func:`plain_chat` writes no end of
+  trained), as ``return_assistant_tokens_mask`` would. A template with ``{% generation %}``
+  blocks says itself which text is the assistant's: the conversation is rendered once and
+  the tokens overlapping a block are trained, exactly ``return_assistant_tokens_mask``'s
+  mask. :func:`plain_chat` writes no end of
   turn, so there the tokenizer's EOS follows each assistant turn, trained (as it follows a
   completion): a model fine-tuned on such conversations learns to stop after its answer.
 
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.core.hf_tokenizer import GENERATION_TAG
 from ember.core.jsonl import jsonl_lines, lone_surrogate
 from ember.training.data.packing import empty_row
 
@@ -137,8 +141,11 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
             raise DataError(f"{where}: messages[{index}] has role {message.get('role')!r}; roles: {', '.join(ROLES)}")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
-    chat = getattr(tokenizer, "render_chat", None) if getattr(tokenizer, "chat_template", None) else None
-    render = chat or plain_chat
+    template = getattr(tokenizer, "chat_template", None)
+    if template and GENERATION_TAG.search(template):
+        return _generation_blocks_example(messages, tokenizer, where)
+    chat = getattr(tokenizer, "render_chat", None) if template else None
+    render = _where(chat, where) if chat else plain_chat
     tokens, trained = [], []
     rendered = ""
     for index, message in enumerate(messages):
@@ -162,6 +169,30 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
             tokens.append(np.array([tokenizer.eos_id], np.int32))
             trained.append(np.ones(1, bool))
     return Example(np.concatenate(tokens).astype(np.int32), np.concatenate(trained))
+
+
+def _where(render: Any, where: str) -> Any:
+    """``render`` with its ``DataError`` (a chat template that fails) naming the example."""
+
+    def named(*args, **kwargs):
+        try:
+            return render(*args, **kwargs)
+        except DataError as error:
+            raise DataError(f"{where}: {error}") from None
+
+    return named
+
+
+def _generation_blocks_example(messages: list[dict[str, str]], tokenizer: Any, where: str) -> Example:
+    """A conversation whose chat template marks the assistant's text with ``{% generation %}``
+    blocks: rendered once and tokenized whole, the tokens overlapping a block trained (as
+    ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks them)."""
+    text, spans = _where(tokenizer.render_chat_spans, where)(messages)
+    tokens, offsets = tokenizer.encode_offsets(text)
+    trained = np.zeros(tokens.size, bool)
+    for start, end in spans:
+        trained |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+    return Example(tokens, trained)
 
 
 def _encode(tokenizer: Any, text: str, *, first: bool) -> np.ndarray:
