@@ -7,6 +7,7 @@ their key."""
 
 import dataclasses
 import json
+import re
 
 import flax.linen as nn
 import jax
@@ -500,3 +501,22 @@ def test_two_processes_fine_tune_and_export_the_adapter(problem, tmp_path):
     assert all(worker.returncode == 0 for worker in workers), [out[-3000:] for out in outputs]
     adapter = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 2
+
+
+def test_examples_cut_before_their_completion_are_counted_or_refused(problem, tmp_path):
+    """An example longer than train.seq_len + 1 tokens is cut to its start: one whose completion
+    lay past the cut trained nothing, and a file of only such examples trained a zero loss for
+    the whole run, without a word."""
+    long = {"prompt": "what does the cow say ? what does the dog say ?", "completion": " moo"}  # 12 + 2 tokens
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps(long) + "\n" + json.dumps({**long, "prompt": "cow"}) + "\n")  # 2 + 2 tokens
+    data = {"train": str(path), "eval": str(path)}
+    with pytest.warns(UserWarning) as warned:
+        FinetuneTask(config_for(problem, "cut", data=data, train={"seq_len": 8}))
+    for name in ("train", "eval"):
+        message = rf"data\.{name}: 1 of 2 examples are longer than train\.seq_len \+ 1 = 9 tokens .* 1 of them keep no"
+        assert any(re.search(message, str(w.message)) for w in warned), [str(w.message) for w in warned]
+    path.write_text(json.dumps(long) + "\n")
+    with pytest.raises(ConfigError, match=r"cut to its first 9 tokens before any completion") as error:
+        FinetuneTask(config_for(problem, "cut", data=data, train={"seq_len": 8}))
+    assert error.value.key == "train.seq_len"

@@ -26,7 +26,8 @@ rows of ``seq_len`` input tokens one after another, an example that does not fit
 rest starting the next row. Each example gets its own segment id (1, 2, ... in the row; 0
 for padding) and positions from 0, so attention never crosses examples; a target is trained
 only when it is a completion token of the same example. An example longer than ``seq_len +
-1`` tokens is cut to its first ``seq_len + 1`` (the prompt's start kept).
+1`` tokens is cut to its first ``seq_len + 1`` (the prompt's start kept; :func:`cut_counts` counts
+the cut examples and those left with no trained token, which a fine-tuning run reports).
 """
 
 from __future__ import annotations
@@ -200,6 +201,13 @@ def _encode(tokenizer: Any, text: str, *, first: bool) -> np.ndarray:
     return np.asarray(tokenizer.encode(text, add_special_tokens=first), np.int32)
 
 
+def cut_counts(examples: Sequence[Example], seq_len: int) -> tuple[int, int]:
+    """``(cut, emptied)``: how many ``examples`` :func:`pack_examples` cuts to ``seq_len + 1``
+    tokens, and how many of those keep no trained target (they add nothing to the loss)."""
+    long = [e for e in examples if e.tokens.size > seq_len + 1]
+    return len(long), sum(not e.trained[1 : seq_len + 1].any() for e in long)
+
+
 def pack_examples(examples: Sequence[Example], seq_len: int) -> list[dict[str, np.ndarray]]:
     """Rows of ``seq_len`` (see the module docstring): ``tokens``, ``targets``, ``segment_ids``,
     ``positions`` (int32) and ``loss_mask`` (float32), each ``[seq_len]``."""
@@ -294,4 +302,12 @@ class InstructionBatches:
         self._epoch, self._row = int(state["epoch"]), int(state["row"])
 
 
-__all__ = ["Example", "InstructionBatches", "pack_examples", "plain_chat", "read_instructions", "tokenize_example"]
+__all__ = [
+    "Example",
+    "InstructionBatches",
+    "cut_counts",
+    "pack_examples",
+    "plain_chat",
+    "read_instructions",
+    "tokenize_example",
+]

@@ -15,6 +15,7 @@ optimizer state is adapter-sized and the base is never written.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,7 @@ from ember.models.hf.peft import check_peft_exportable
 from ember.models.quantization import quantize_params
 from ember.models.variables import as_variables, split_variables
 from ember.serving.loading import LoadedModel
-from ember.training.data.instructions import InstructionBatches, read_instructions
+from ember.training.data.instructions import InstructionBatches, cut_counts, read_instructions
 from ember.training.finetune.base import boxed_variables, load_base, restore_base_layout
 from ember.training.finetune.config import FinetuneConfig
 from ember.training.finetune.export import check_merged_export, export_hook
@@ -74,6 +75,27 @@ class FinetuneTask(Task):
             eval_fraction=config.data.eval_fraction,
             seed=config.data.seed,
         )
+        self._check_lengths()
+
+    def _check_lengths(self) -> None:
+        """Examples longer than ``train.seq_len + 1`` tokens are cut to their start: said with a
+        count (a warning), and a ``ConfigError`` when no training example keeps a trained token."""
+        seq_len = self.config.train.seq_len
+        for name, examples in (("data.train", self.examples), ("data.eval", self.eval_examples)):
+            cut, emptied = cut_counts(examples, seq_len)
+            if name == "data.train" and emptied and not any(e.trained[1 : seq_len + 1].any() for e in examples):
+                raise ConfigError(
+                    f"train.seq_len {seq_len}: every example of data.train is cut to its first {seq_len + 1} tokens "
+                    "before any completion token, so nothing would train; raise train.seq_len",
+                    key="train.seq_len",
+                )
+            if cut:
+                warnings.warn(
+                    f"{name}: {cut} of {len(examples)} examples are longer than train.seq_len + 1 = {seq_len + 1} "
+                    f"tokens and are cut to their start; {emptied} of them keep no completion token and add "
+                    "nothing to the loss",
+                    stacklevel=3,
+                )
 
     # ---------------------------------------------------------------- variables and masks
     def pretrained(self) -> dict[str, Any]:
