@@ -520,3 +520,18 @@ def test_examples_cut_before_their_completion_are_counted_or_refused(problem, tm
     with pytest.raises(ConfigError, match=r"cut to its first 9 tokens before any completion") as error:
         FinetuneTask(config_for(problem, "cut", data=data, train={"seq_len": 8}))
     assert error.value.key == "train.seq_len"
+
+
+@pytest.mark.parametrize(
+    "sections, unused",
+    [
+        ({"method": "full", "adapter": {"rank": 4, "dropout": 0.1}}, "adapter.rank, adapter.dropout"),
+        ({"mixlora": {"top_k": 1}}, "mixlora.top_k"),
+        ({"adapter": {"ga_gamma": 4.0}}, r"adapter.ga_gamma \(read by adapter.init lora_ga only\)"),
+    ],
+)
+def test_settings_the_method_never_reads_are_named_in_a_warning(problem, sections, unused):
+    """method full trained every weight with the adapter section's dropout and rank silently
+    dropped (likewise a mixlora section under method lora, LoRA-GA's keys under another init)."""
+    with pytest.warns(UserWarning, match=rf"does not use {unused}: ignored"):
+        config_for(problem, "unused", **sections)

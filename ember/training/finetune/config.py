@@ -20,6 +20,7 @@ absolute (``ember.core.config.absolute_path``), so a run's saved config works fr
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from omegaconf import MISSING
@@ -205,10 +206,31 @@ class FinetuneConfig:
                     key="train.aux_loss_weights",
                 )
 
+        self._warn_unused_keys()
+
+    def _warn_unused_keys(self) -> None:
+        """Warns, naming the keys, of settings the method never reads (a warning, not an error:
+        ``method=full`` over a LoRA config's file is a reasonable command line)."""
+        unused = []
+        if self.method == "full":
+            unused += [f"adapter.{name}" for name in _changed(self.adapter, LoraConfig())]
+        if self.method != "mixlora":
+            unused += [f"mixlora.{name}" for name in _changed(self.mixlora, MixLoraConfig())]
+        if self.method != "full" and self.adapter.init != "lora_ga":
+            ga = {"ga_batches", "ga_gamma"} & set(_changed(self.adapter, LoraConfig()))
+            unused += [f"adapter.{name} (read by adapter.init lora_ga only)" for name in sorted(ga)]
+        if unused:
+            warnings.warn(f"method {self.method} does not use {', '.join(unused)}: ignored", stacklevel=2)
+
     def identity(self) -> dict[str, Any]:
         """The flattened keys that define the run (what must not change on resume)."""
         runtime = (*RUNTIME_KEYS, "export", *BASE_MODEL_RUNTIME_KEYS)
         return run_identity({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, runtime)
+
+
+def _changed(section: Any, default: Any) -> list[str]:
+    """The fields of the dataclass ``section`` that differ from ``default``'s."""
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
 
 
 __all__ = [
