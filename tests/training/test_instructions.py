@@ -270,3 +270,43 @@ def test_a_chat_template_that_fails_is_a_data_error_naming_the_example(tmp_path)
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
     with pytest.raises(DataError, match=rf"{path}:1: chat template: .*nofilter"):
         read_instructions(path, load_hf_tokenizer(tmp_path))
+
+
+def test_a_conversation_is_tokenized_whole_as_apply_chat_template_does(tmp_path):
+    """A SentencePiece-style tokenizer (Metaspace: a word start is '▁') marks where an encode
+    call starts: the turns encoded one by one gave '▁moo' for the 'moo' right after '[/INST]' and
+    a stray '▁' before the next '[INST]' (tokens the model never sees from transformers)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", "\u2581", "[", "/", "]", "INST", "\u2581hi", "\u2581cow", "\u2581moo", "moo"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Metaspace(prepend_scheme="first"), pre_tokenizers.Punctuation()]
+    )
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    template = (  # Mistral's
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+    )
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "chat_template": template}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "moo"},
+                {"role": "user", "content": "cow"}, {"role": "assistant", "content": "moo"}]  # fmt: skip
+    example = tokenize_example({"messages": messages}, load_hf_tokenizer(tmp_path))
+    assert example.tokens.tolist() == list(theirs.apply_chat_template(messages, return_dict=True)["input_ids"])
+    assert [words[t] for t, on in zip(example.tokens, example.trained) if on] == ["moo", "</s>", "moo", "</s>"]
+
+
+def test_a_first_assistant_turn_header_is_not_trained_with_a_chat_template(tmp_path):
+    # Before, a conversation opening with the assistant trained its "[assistant]" header too.
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    ours = load_hf_tokenizer(tmp_path)
+    example = tokenize_example({"messages": [{"role": "assistant", "content": "moo"}]}, ours)
+    assert example.tokens.tolist() == [ours.bos_id, *ours.encode("[assistant] moo", add_special_tokens=False), 2]
+    assert [t for t, on in zip(example.tokens.tolist(), example.trained) if on] == [*ours.encode("moo")[1:], 2]

@@ -10,14 +10,14 @@ Each JSONL line is one example, either form:
   special tokens, BOS where the model has one), then the completion encoded as a
   continuation, then EOS; the loss is on the completion and the EOS.
 - ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``: the
-  conversation rendered by the tokenizer's ``chat_template`` when it has one (as
-  ``transformers``' ``apply_chat_template``), else by :func:`plain_chat`; the loss is on each
-  assistant turn's tokens, found by rendering the conversation up to and including each turn
-  (the new text is that turn's) and up to its generation prompt (the turn's header, not
-  trained), as ``return_assistant_tokens_mask`` would. A template with ``{% generation %}``
-  blocks says itself which text is the assistant's: the conversation is rendered once and
-  the tokens overlapping a block are trained, exactly ``return_assistant_tokens_mask``'s
-  mask. :func:`plain_chat` writes no end of
+  conversation rendered by the tokenizer's ``chat_template`` when it has one and tokenized
+  whole without added special tokens (the template writes them), as ``transformers``'
+  ``apply_chat_template`` tokenizes it; the loss is on the tokens overlapping an assistant
+  turn's text, found by rendering the conversation up to and including each turn (the new
+  text is that turn's) and up to its generation prompt (the turn's header, not trained), as
+  ``return_assistant_tokens_mask`` would. A template with ``{% generation %}`` blocks says
+  itself which text is the assistant's: exactly ``return_assistant_tokens_mask``'s mask.
+  Without a template, turns are written by :func:`plain_chat`, which writes no end of
   turn, so there the tokenizer's EOS follows each assistant turn, trained (as it follows a
   completion): a model fine-tuned on such conversations learns to stop after its answer.
 
@@ -142,34 +142,64 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
             raise DataError(f"{where}: messages[{index}] has role {message.get('role')!r}; roles: {', '.join(ROLES)}")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
-    template = getattr(tokenizer, "chat_template", None)
-    if template and GENERATION_TAG.search(template):
-        return _generation_blocks_example(messages, tokenizer, where)
-    chat = getattr(tokenizer, "render_chat", None) if template else None
-    render = _where(chat, where) if chat else plain_chat
+    if getattr(tokenizer, "chat_template", None):
+        return _chat_template_example(messages, tokenizer, where)
     tokens, trained = [], []
     rendered = ""
+    for index, message in enumerate(messages):
+        text = plain_chat(messages[: index + 1])
+        if message["role"] == "assistant":  # the turn's header (the generation prompt) is not trained
+            header = plain_chat(messages[:index], add_generation_prompt=True)
+            piece = _encode(tokenizer, header[len(rendered) :], first=not tokens)
+            tokens.append(piece)
+            trained.append(np.zeros(piece.size, bool))
+            rendered = header
+        piece = _encode(tokenizer, text[len(rendered) :], first=not tokens)
+        tokens.append(piece)
+        trained.append(np.full(piece.size, message["role"] == "assistant"))
+        rendered = text
+        if message["role"] == "assistant" and tokenizer.eos_id is not None:
+            tokens.append(np.array([tokenizer.eos_id], np.int32))
+            trained.append(np.ones(1, bool))
+    return Example(np.concatenate(tokens).astype(np.int32), np.concatenate(trained))
+
+
+def _chat_template_example(messages: list[dict[str, str]], tokenizer: Any, where: str) -> Example:
+    """A conversation rendered by the tokenizer's chat template and tokenized whole, with no
+    special tokens added (the template writes them), as ``apply_chat_template`` tokenizes it;
+    the tokens overlapping an assistant span (:func:`_assistant_spans`) are trained."""
+    render = _where(tokenizer.render_chat_spans, where)
+    if GENERATION_TAG.search(tokenizer.chat_template):
+        text, spans = render(messages)
+    else:
+        text, spans = _assistant_spans(messages, lambda m, **kw: render(m, **kw)[0], where)
+    tokens, offsets = tokenizer.encode_offsets(text)
+    trained = np.zeros(tokens.size, bool)
+    for start, end in spans:
+        trained |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+    return Example(tokens, trained)
+
+
+def _assistant_spans(messages: list[dict[str, str]], render: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """``(text, spans)``: the conversation as ``render`` writes it and the ``[start, end)``
+    characters of each assistant turn: the text rendering up to and including the turn adds,
+    less the turn's header (what rendering up to its generation prompt adds)."""
+    rendered, spans = "", []
     for index, message in enumerate(messages):
         text = render(messages[: index + 1])
         if not text.startswith(rendered):
             raise DataError(f"{where}: the chat template does not render turns as a growing prefix")
-        if message["role"] == "assistant":  # the turn's header (the generation prompt) is not trained
-            # (a chat template may fail on an empty conversation: a first turn's header is then trained)
-            header = render(messages[:index], add_generation_prompt=True) if index or chat is None else ""
+        if message["role"] == "assistant":
+            start = len(rendered)
+            try:
+                header = render(messages[:index], add_generation_prompt=True)
+            except DataError:  # a template may refuse an empty conversation: a first turn's header then trains
+                header = rendered
             if header.startswith(rendered) and text.startswith(header):
-                piece = _encode(tokenizer, header[len(rendered) :], first=not tokens and chat is None)
-                tokens.append(piece)
-                trained.append(np.zeros(piece.size, bool))
-                rendered = header
-        # A chat template writes the special tokens itself (apply_chat_template adds none).
-        piece = _encode(tokenizer, text[len(rendered) :], first=not tokens and chat is None)
-        tokens.append(piece)
-        trained.append(np.full(piece.size, message["role"] == "assistant"))
+                start = len(header)
+            spans.append((start, len(text)))
         rendered = text
-        if message["role"] == "assistant" and chat is None and tokenizer.eos_id is not None:
-            tokens.append(np.array([tokenizer.eos_id], np.int32))
-            trained.append(np.ones(1, bool))
-    return Example(np.concatenate(tokens).astype(np.int32), np.concatenate(trained))
+    return rendered, spans
 
 
 def _where(render: Any, where: str) -> Any:
@@ -182,18 +212,6 @@ def _where(render: Any, where: str) -> Any:
             raise DataError(f"{where}: {error}") from None
 
     return named
-
-
-def _generation_blocks_example(messages: list[dict[str, str]], tokenizer: Any, where: str) -> Example:
-    """A conversation whose chat template marks the assistant's text with ``{% generation %}``
-    blocks: rendered once and tokenized whole, the tokens overlapping a block trained (as
-    ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks them)."""
-    text, spans = _where(tokenizer.render_chat_spans, where)(messages)
-    tokens, offsets = tokenizer.encode_offsets(text)
-    trained = np.zeros(tokens.size, bool)
-    for start, end in spans:
-        trained |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
-    return Example(tokens, trained)
 
 
 def _encode(tokenizer: Any, text: str, *, first: bool) -> np.ndarray:
