@@ -535,3 +535,15 @@ def test_settings_the_method_never_reads_are_named_in_a_warning(problem, section
     dropped (likewise a mixlora section under method lora, LoRA-GA's keys under another init)."""
     with pytest.warns(UserWarning, match=rf"does not use {unused}: ignored"):
         config_for(problem, "unused", **sections)
+
+
+def test_a_lora_run_as_base_model_is_a_config_error(lora_run, problem):
+    """base_model.path may name an Ember run; a LoRA run's weights carry its adapters, which
+    the fresh model's init does not have: a ValueError traceback (pytree structure) from box_like."""
+    config = config_for(problem, "on_lora", method="full", export={"peft": False})  # lora: "q already has an adapter"
+    config = dataclasses.replace(
+        config, base_model=dataclasses.replace(config.base_model, path=str(lora_run[2].run_dir))
+    )
+    with pytest.raises(ConfigError, match=r"is a fine-tuning run with adapters.*run_dir/merged") as error:
+        make_trainer(config, task=FinetuneTask(config))
+    assert error.value.key == "base_model.path"

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 from ember.core.errors import ConfigError
 from ember.core.sharding import box_like
 from ember.core.tree import param_paths
+from ember.models.adapters import adapter_leaves
 from ember.models.decoder import DecoderLM, convert_layer_layout, saved_layout
 from ember.models.quantization.stored import stored_weight_paths
+from ember.models.variables import as_variables
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.finetune.config import BaseModelConfig
 
@@ -27,8 +29,9 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
     their mesh).
 
     Raises:
-      ConfigError: the model has no tokenizer, or its weights are stored quantized (keyed
-        ``base_model.path``); see ``load_model``.
+      ConfigError: the model has no tokenizer, its weights are stored quantized, or it carries
+        adapters (a LoRA fine-tuning run: its weights are not a base model's); keyed
+        ``base_model.path``; see ``load_model``.
     """
     step = None if config.step < 0 else config.step
     base = load_model(config.path, step=step, **config.overrides())
@@ -40,6 +43,12 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
             f"base model {config.path} stores its weights quantized ({quantized[0]} and {len(quantized) - 1} more: "
             "an 'ember quantize' output or a QLoRA run); train from the float model instead (for QLoRA, with "
             "base_model.quantize)",
+            key="base_model.path",
+        )
+    if adapter_leaves(as_variables(base.params)["params"]):
+        raise ConfigError(
+            f"base_model.path {config.path} is a fine-tuning run with adapters, not a base model: fine-tune its "
+            "merged export (a run with export.merged true writes it to run_dir/merged) instead",
             key="base_model.path",
         )
     return dataclasses.replace(base, params=jax.device_get(base.params))
