@@ -547,3 +547,28 @@ def test_a_lora_run_as_base_model_is_a_config_error(lora_run, problem):
     with pytest.raises(ConfigError, match=r"is a fine-tuning run with adapters.*run_dir/merged") as error:
         make_trainer(config, task=FinetuneTask(config))
     assert error.value.key == "base_model.path"
+
+
+def test_a_merged_export_from_a_fine_tuned_run_carries_its_tokenizer(problem, tmp_path):
+    """A run fine-tuned from another (full) run, an Ember directory without tokenizer files or config.json,
+    wrote merged/ with neither tokenizer nor eos_token_id: load_model gave tokenizer None and no
+    end-of-sequence id, transformers its class default eos 2."""
+    import types
+
+    from ember.training.finetune.export import export_hook
+
+    first = config_for(problem, "first", method="full", train={"steps": 1}, export={"peft": False})
+    make_trainer(first, task=FinetuneTask(first)).train()
+    config = config_for(problem, "again", export={"peft": False, "merged": True}, adapter={"targets": ["q"]})
+    config = dataclasses.replace(config, base_model=dataclasses.replace(config.base_model, path=first.run_dir))
+    task = FinetuneTask(config)
+    params = nn.meta.unbox(task.init_variables(jax.random.key(0), task.pretrained())["params"])
+    trainer = types.SimpleNamespace(run_dir=tmp_path, is_main=True, results={})
+    export_hook(task)(types.SimpleNamespace(state=types.SimpleNamespace(params=params), trainer=trainer))
+    merged = load_model(tmp_path / "merged")
+    assert merged.eos_ids == (EOS,) and merged.tokenizer.chat_template == CHAT_TEMPLATE
+    assert (
+        merged.tokenizer.encode("what does the cow say ?").tolist()
+        == task.base.tokenizer.encode("what does the cow say ?").tolist()
+    )
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["eos_token_id"] == EOS

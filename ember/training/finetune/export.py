@@ -3,7 +3,8 @@
 ``run_dir/adapter/`` (LoRA runs, ``export.peft``): ``adapter_config.json`` +
 ``adapter_model.safetensors`` that ``peft.PeftModel.from_pretrained`` loads on the base.
 ``run_dir/merged/`` (``export.merged``): a Hugging Face checkpoint of the fine-tuned weights
-(adapters folded in), with the base's tokenizer files copied beside it.
+(adapters folded in), with the base's tokenizer files copied beside it (an Ember base's
+tokenizer written from the loaded one, its end-of-sequence ids into ``config.json``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import Any
 import jax
 
 from ember.core.errors import ConfigError
-from ember.core.hf_tokenizer import CHAT_TEMPLATE_FILE
+from ember.core.hf_tokenizer import CHAT_TEMPLATE_FILE, HFTokenizer
 from ember.core.sharding import addressable_here
 from ember.models import hf
 from ember.models.adapters import merged_weights
 from ember.models.config import ModelConfig
 from ember.models.hf.peft import save_peft_adapter
+from ember.serving.loading import LoadedModel
 from ember.training.finetune.config import MODEL_TYPES, FinetuneConfig
 
 TOKENIZER_FILES = (
@@ -51,22 +53,39 @@ def export_hook(task: Any) -> Callable[[Any], None]:
         if config.export.merged:
             weights = merged_weights(params) if config.method == "lora" else params
             hf.save(run_dir / "merged", task.model_config, weights, model_type=merged_model_type(config))
-            for name in (*TOKENIZER_FILES, "generation_config.json"):
-                if (Path(config.base_model.path) / name).is_file():
-                    shutil.copy(Path(config.base_model.path) / name, run_dir / "merged" / name)
-            _copy_token_ids(Path(config.base_model.path), run_dir / "merged")
+            _copy_tokenizer(task.base, Path(config.base_model.path), run_dir / "merged")
             written["merged"] = str(run_dir / "merged")
         info.trainer.results["exports"] = written
 
     return export
 
 
+def _copy_tokenizer(base: LoadedModel, path: Path, merged: Path) -> None:
+    """The base's tokenizer and special token ids beside the merged weights: a Hugging Face base
+    directory's files, copied; an Ember run's (an LM run, or a fine-tuning run fine-tuned again,
+    which hold no tokenizer files) written from its loaded tokenizer and end-of-sequence ids."""
+    if (path / "config.json").is_file():
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            if (path / name).is_file():
+                shutil.copy(path / name, merged / name)
+        _copy_token_ids(path, merged)
+        return
+    ids = {}
+    if isinstance(base.tokenizer, HFTokenizer):
+        description = base.tokenizer.describe()
+        (merged / "tokenizer.json").write_text(description["tokenizer_json"])
+        (merged / "tokenizer_config.json").write_text(json.dumps(description["config"], indent=2) + "\n")
+        ids = {"bos_token_id": base.tokenizer.bos_id} if base.tokenizer.bos_id is not None else {}
+    if base.eos_ids:
+        ids["eos_token_id"] = base.eos_ids[0] if len(base.eos_ids) == 1 else list(base.eos_ids)
+    merged_config = json.loads((merged / "config.json").read_text())
+    (merged / "config.json").write_text(json.dumps({**merged_config, **ids}, indent=2) + "\n")
+
+
 def _copy_token_ids(base: Path, merged: Path) -> None:
     """The special token ids (``bos/eos/pad_token_id``) of the Hugging Face base's ``config.json``
     into the merged one's, which ``hf.save`` writes without them: ``transformers`` would take its
     class defaults instead (Llama's ``eos_token_id`` 2) and ``ember generate`` no end-of-sequence id."""
-    if not (base / "config.json").is_file():
-        return  # an Ember base: no Hugging Face ids to carry over
     base_config = json.loads((base / "config.json").read_text())
     ids = {key: base_config[key] for key in TOKEN_ID_FIELDS if key in base_config}
     merged_config = json.loads((merged / "config.json").read_text())
