@@ -68,10 +68,11 @@ class HFTokenizer:
         """Ids -> text, special tokens dropped."""
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """``(ids, offsets)`` of ``text`` without special tokens: int32 ``[n]`` and each token's
-        ``[start, end)`` characters in ``text``, int64 ``[n, 2]``."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+    def encode_offsets(self, text: str, *, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, offsets)`` of ``text`` (special tokens only with ``add_special_tokens``): int32
+        ``[n]`` and each token's ``[start, end)`` characters in ``text``, int64 ``[n, 2]`` (an
+        added special token's is empty)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return np.asarray(encoding.ids, np.int32), np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
 
     def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = False) -> str:

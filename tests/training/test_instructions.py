@@ -310,3 +310,30 @@ def test_a_first_assistant_turn_header_is_not_trained_with_a_chat_template(tmp_p
     example = tokenize_example({"messages": [{"role": "assistant", "content": "moo"}]}, ours)
     assert example.tokens.tolist() == [ours.bos_id, *ours.encode("[assistant] moo", add_special_tokens=False), 2]
     assert [t for t, on in zip(example.tokens.tolist(), example.trained) if on] == [*ours.encode("moo")[1:], 2]
+
+
+def test_prompt_and_completion_are_tokenized_whole(tmp_path):
+    """Llama-2 and Mistral tokenizers prepend '▁' in their normaliser: the completion " moo"
+    encoded on its own gave '▁' '▁moo', a stray (trained) token no whole text ever holds."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    words = ["<unk>", "<s>", "</s>", "\u2581", "\u2581what", "\u2581does", "\u2581the", "\u2581cow", "\u2581say",
+             "\u2581?", "\u2581moo"]  # fmt: skip
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("\u2581"), behavior="merged_with_next")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    example = tokenize_example({"prompt": "what does the cow say ?", "completion": " moo"}, load_hf_tokenizer(tmp_path))
+    assert example.tokens.tolist() == [*theirs("what does the cow say ? moo")["input_ids"], 2]
+    assert [words[t] for t, on in zip(example.tokens, example.trained) if on] == ["\u2581moo", "</s>"]

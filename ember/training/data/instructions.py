@@ -6,9 +6,10 @@
 
 Each JSONL line is one example, either form:
 
-- ``{"prompt": "...", "completion": "..."}``: ``encode(prompt)`` (with the tokenizer's own
-  special tokens, BOS where the model has one), then the completion encoded as a
-  continuation, then EOS; the loss is on the completion and the EOS.
+- ``{"prompt": "...", "completion": "..."}``: ``encode(prompt + completion)`` (with the
+  tokenizer's own special tokens, BOS where the model has one; a Hugging Face tokenizer
+  encodes the text whole, as a model sees it, a byte tokenizer each part), then EOS; the
+  loss is on the tokens reaching into the completion and the EOS.
 - ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``: the
   conversation rendered by the tokenizer's ``chat_template`` when it has one and tokenized
   whole without added special tokens (the template writes them), as ``transformers``'
@@ -121,10 +122,15 @@ def tokenize_example(record: Any, tokenizer: Any, where: str = "example") -> Exa
         prompt, completion = record["prompt"], record["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise DataError(f"{where}: prompt and completion must be strings")
-        head = _encode(tokenizer, prompt, first=True)
-        tail = _encode(tokenizer, completion, first=False)
-        tail = np.append(tail, tokenizer.eos_id).astype(np.int32) if tokenizer.eos_id is not None else tail
-        return Example(np.concatenate([head, tail]), np.r_[np.zeros(head.size, bool), np.ones(tail.size, bool)])
+        if hasattr(tokenizer, "encode_offsets"):  # tokenized whole: the tokens reaching into the completion train
+            tokens, offsets = tokenizer.encode_offsets(prompt + completion, add_special_tokens=True)
+            trained = offsets[:, 1] > len(prompt)
+        else:
+            head, tail = _encode(tokenizer, prompt, first=True), _encode(tokenizer, completion, first=False)
+            tokens, trained = np.concatenate([head, tail]), np.r_[np.zeros(head.size, bool), np.ones(tail.size, bool)]
+        if tokenizer.eos_id is not None:
+            tokens, trained = np.append(tokens, tokenizer.eos_id), np.append(trained, True)
+        return Example(tokens.astype(np.int32), trained)
     if isinstance(record, dict) and "messages" in record:
         return _conversation(record["messages"], tokenizer, where)
     raise DataError(
