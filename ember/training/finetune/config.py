@@ -209,7 +209,7 @@ class FinetuneConfig:
         self._warn_unused_keys()
 
     def _warn_unused_keys(self) -> None:
-        """Warns, naming the keys, of settings the method never reads (a warning, not an error:
+        """Warns, naming the keys, of settings the run never reads (a warning, not an error:
         ``method=full`` over a LoRA config's file is a reasonable command line)."""
         unused = []
         if self.method == "full":
@@ -219,8 +219,12 @@ class FinetuneConfig:
         if self.method != "full" and self.adapter.init != "lora_ga":
             ga = {"ga_batches", "ga_gamma"} & set(_changed(self.adapter, LoraConfig()))
             unused += [f"adapter.{name} (read by adapter.init lora_ga only)" for name in sorted(ga)]
+        if self.export.model_type and not self.export.merged:
+            unused.append("export.model_type (read by export.merged only)")
+        if self.base_model.quantize_group_size and not self.base_model.quantize:
+            unused.append("base_model.quantize_group_size (read with base_model.quantize only)")
         if unused:
-            warnings.warn(f"method {self.method} does not use {', '.join(unused)}: ignored", stacklevel=2)
+            warnings.warn(f"this run (method {self.method}) does not use {', '.join(unused)}: ignored", stacklevel=2)
 
     def identity(self) -> dict[str, Any]:
         """The flattened keys that define the run (what must not change on resume)."""
