@@ -34,7 +34,12 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
         ``base_model.path``; see ``load_model``.
     """
     step = None if config.step < 0 else config.step
-    base = load_model(config.path, step=step, **config.overrides())
+    try:
+        base = load_model(config.path, step=step, **config.overrides())
+    except ConfigError as error:  # load_model keys its own argument "step": here it is base_model.step
+        if error.key != "step":
+            raise
+        raise ConfigError(str(error), key="base_model.step") from None
     if base.tokenizer is None:
         raise ConfigError(f"base model {config.path} has no tokenizer (tokenizer.json)", key="base_model.path")
     quantized = stored_weight_paths(param_paths(base.params))
