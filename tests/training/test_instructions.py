@@ -337,3 +337,14 @@ def test_prompt_and_completion_are_tokenized_whole(tmp_path):
     example = tokenize_example({"prompt": "what does the cow say ?", "completion": " moo"}, load_hf_tokenizer(tmp_path))
     assert example.tokens.tolist() == [*theirs("what does the cow say ? moo")["input_ids"], 2]
     assert [words[t] for t, on in zip(example.tokens, example.trained) if on] == ["\u2581moo", "</s>"]
+
+
+def test_a_small_eval_fraction_holds_out_at_least_one_example(tmp_path):
+    """eval_fraction 0.05 of 8 examples rounded to none: the run had no evaluation, silently."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": "c"}) + "\n" for i in range(8)))
+    train, val = read_instructions(path, BYTES, eval_fraction=0.05)
+    assert (len(train), len(val)) == (7, 1)
+    path.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    with pytest.raises(DataError, match=r"data.eval_fraction 0.6 of its 1 examples leaves none to train on"):
+        read_instructions(path, BYTES, eval_fraction=0.6)

@@ -74,18 +74,25 @@ def read_instructions(
     seed: int = 0,
 ) -> tuple[list[Example], list[Example]]:
     """``(train examples, eval examples)`` of the JSONL file ``path``: evaluation is
-    ``eval_path``'s examples, else a seeded ``eval_fraction`` of ``path``'s (none when 0).
+    ``eval_path``'s examples, else a seeded ``eval_fraction`` of ``path``'s (none when 0, else
+    at least one).
 
     Raises:
       PathNotFoundError: a file does not exist.
-      DataError: a line is not an example (naming the file, the line and what is allowed).
+      DataError: a line is not an example (naming the file, the line and what is allowed), or
+        ``eval_fraction`` holds out every example.
     """
     examples = [tokenize_example(record, tokenizer, where) for record, where in read_jsonl(path)]
     if eval_path is not None:
         return examples, [tokenize_example(record, tokenizer, where) for record, where in read_jsonl(eval_path)]
-    held_out = round(len(examples) * eval_fraction)
-    if not held_out:
+    if not eval_fraction:
         return examples, []
+    held_out = max(1, round(len(examples) * eval_fraction))  # asked for: at least one, never silently none
+    if held_out >= len(examples):
+        raise DataError(
+            f"{path}: holding out data.eval_fraction {eval_fraction} of its {len(examples)} examples "
+            "leaves none to train on"
+        )
     order = np.random.default_rng(seed).permutation(len(examples))
     chosen = set(order[:held_out].tolist())
     return [e for i, e in enumerate(examples) if i not in chosen], [examples[i] for i in sorted(chosen)]

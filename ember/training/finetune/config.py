@@ -102,8 +102,8 @@ class BaseModelConfig:
 @dataclasses.dataclass(frozen=True)
 class FinetuneDataConfig:
     """JSONL examples (``{"prompt", "completion"}`` or ``{"messages": [...]}``; the loss is on
-    completion / assistant tokens only). Evaluation: the ``eval`` file, else the last
-    ``eval_fraction`` of ``train``'s examples (0: no evaluation)."""
+    completion / assistant tokens only). Evaluation: the ``eval`` file, else a seeded
+    ``eval_fraction`` of ``train``'s examples, at least one (0: no evaluation)."""
 
     train: str = MISSING
     eval: str = ""
