@@ -348,3 +348,13 @@ def test_a_small_eval_fraction_holds_out_at_least_one_example(tmp_path):
     path.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
     with pytest.raises(DataError, match=r"data.eval_fraction 0.6 of its 1 examples leaves none to train on"):
         read_instructions(path, BYTES, eval_fraction=0.6)
+
+
+def test_a_template_that_rewrites_earlier_turns_points_at_generation_blocks(tmp_path):
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    template = GENERATION_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    messages = [{"role": "user", "content": "cow ?"}, {"role": "assistant", "content": "moo"}]
+    with pytest.raises(DataError, match=r"messages\[1\] changes the text before it.*\{% generation %\}"):
+        tokenize_example({"messages": messages}, load_hf_tokenizer(tmp_path))

@@ -201,7 +201,11 @@ def _assistant_spans(messages: list[dict[str, str]], render: Any, where: str) ->
     for index, message in enumerate(messages):
         text = render(messages[: index + 1])
         if not text.startswith(rendered):
-            raise DataError(f"{where}: the chat template does not render turns as a growing prefix")
+            raise DataError(
+                f"{where}: the chat template does not render turns as a growing prefix (rendering the "
+                f"conversation to messages[{index}] changes the text before it), so its assistant turns cannot be "
+                "found; a template that marks them with {% generation %} ... {% endgeneration %} can be trained"
+            )
         if message["role"] == "assistant":
             start = len(rendered)
             try:
