@@ -28,6 +28,8 @@ from ember.core.jsonl import utf8_text
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 """A chat template's ``{% generation %}`` block (transformers' marker of the assistant's tokens)."""
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The named special tokens a chat template sees (transformers' ``SPECIAL_TOKENS_ATTRIBUTES``)."""
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """The file ``transformers`` (4.50 on) saves a tokenizer's single chat template in, instead of
 ``tokenizer_config.json``'s ``chat_template``."""
@@ -101,8 +103,11 @@ class HFTokenizer:
         )
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_template_error
-        special = {name: self._config.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        # transformers' special_tokens_map: the named tokens that are set (an unset one is undefined
+        # in the template, so "{{ bos_token }}" writes nothing rather than "None").
+        special = {name: self._config.get(name) for name in SPECIAL_TOKENS}
         special = {k: v.get("content") if isinstance(v, dict) else v for k, v in special.items()}
+        special = {k: v for k, v in special.items() if v is not None}
         blocks: list[str] = []
         environment.generation_tracking = (blocks, spans := [])
         try:

@@ -358,3 +358,17 @@ def test_a_template_that_rewrites_earlier_turns_points_at_generation_blocks(tmp_
     messages = [{"role": "user", "content": "cow ?"}, {"role": "assistant", "content": "moo"}]
     with pytest.raises(DataError, match=r"messages\[1\] changes the text before it.*\{% generation %\}"):
         tokenize_example({"messages": messages}, load_hf_tokenizer(tmp_path))
+
+
+def test_unset_special_tokens_render_as_transformers_renders_them(tmp_path):
+    """A tokenizer without a BOS (Qwen2's "bos_token": null) rendered "{{ bos_token }}" as the text
+    "None"; sep/cls/mask tokens, which transformers passes too, were undefined."""
+    transformers = pytest.importorskip("transformers")
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    template = "{{ bos_token }}|{{ sep_token }}|{% for m in messages %}{{ m['content'] }} {{ eos_token }}{% endfor %}"
+    config = {**config, "bos_token": None, "sep_token": "</s>", "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "cow"}, {"role": "assistant", "content": "moo"}]
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+    assert load_hf_tokenizer(tmp_path).render_chat(messages) == expected == "|</s>|cow </s>moo </s>"
