@@ -112,7 +112,8 @@ class HFTokenizer:
         environment.generation_tracking = (blocks, spans := [])
         try:
             template = environment.from_string(self.chat_template)
-            values = {"messages": list(messages), "add_generation_prompt": add_generation_prompt, **special}
+            values = {"messages": list(messages), "tools": None, "documents": None,  # none given, as transformers says
+                      "add_generation_prompt": add_generation_prompt, **special}  # fmt: skip
             for block in template.generate(**values):
                 blocks.append(block)
         except jinja2.TemplateError as error:

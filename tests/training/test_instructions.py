@@ -372,3 +372,19 @@ def test_unset_special_tokens_render_as_transformers_renders_them(tmp_path):
     messages = [{"role": "user", "content": "cow"}, {"role": "assistant", "content": "moo"}]
     expected = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
     assert load_hf_tokenizer(tmp_path).render_chat(messages) == expected == "|</s>|cow </s>moo </s>"
+
+
+def test_templates_see_no_tools_and_no_documents_as_none(tmp_path):
+    """transformers renders with tools=None and documents=None; undefined here, Mistral-style
+    "{% if tools is not none %}" took the tools branch (and '{{ tools | tojson }}' raised TypeError)."""
+    transformers = pytest.importorskip("transformers")
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    template = (
+        "{% if tools is not none %}[tools] {{ tools | tojson }} {% endif %}{% if documents is not none %}[docs] "
+        "{% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    messages = [{"role": "user", "content": "cow"}, {"role": "assistant", "content": "moo"}]
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+    assert load_hf_tokenizer(tmp_path).render_chat(messages) == expected == "cow moo "
