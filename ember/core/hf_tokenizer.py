@@ -116,7 +116,9 @@ class HFTokenizer:
                       "add_generation_prompt": add_generation_prompt, **special}  # fmt: skip
             for block in template.generate(**values):
                 blocks.append(block)
-        except jinja2.TemplateError as error:
+        except DataError:  # the template's own raise_exception
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as error:  # its code failed
             raise DataError(f"chat template: {type(error).__name__}: {error}") from None
         return "".join(blocks), spans
 

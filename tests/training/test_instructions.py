@@ -261,14 +261,20 @@ def test_generation_blocks_give_transformers_assistant_mask(tmp_path):
     assert example.trained.sum() == 5  # moo </s> woof woof </s>
 
 
-def test_a_chat_template_that_fails_is_a_data_error_naming_the_example(tmp_path):
-    write_tokenizer(tmp_path)
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{% for m in messages %}{{ m['content'] | nofilter }}{% endfor %}", "TemplateAssertionError.*nofilter"),
+        ("{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}", "TypeError"),  # its code fails on the data
+    ],
+)
+def test_a_chat_template_that_fails_is_a_data_error_naming_the_example(tmp_path, template, message):
+    write_tokenizer(tmp_path)  # before: the template's exception, a traceback
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    template = "{% for m in messages %}{{ m['content'] | nofilter }}{% endfor %}"  # before: TemplateAssertionError
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
-    with pytest.raises(DataError, match=rf"{path}:1: chat template: .*nofilter"):
+    with pytest.raises(DataError, match=rf"{path}:1: chat template: {message}"):
         read_instructions(path, load_hf_tokenizer(tmp_path))
 
 
