@@ -394,3 +394,27 @@ def test_templates_see_no_tools_and_no_documents_as_none(tmp_path):
     messages = [{"role": "user", "content": "cow"}, {"role": "assistant", "content": "moo"}]
     expected = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
     assert load_hf_tokenizer(tmp_path).render_chat(messages) == expected == "cow moo "
+
+
+def test_plain_chat_with_a_hugging_face_tokenizer_is_tokenized_as_whole_text(tmp_path):
+    """A base model without a chat template (Llama-2, Mistral) gets plain_chat. Each turn and
+    header was encoded on its own, and their normaliser prepends '▁' to every encode call:
+    '▁<|assistant|>' '▁moo' where the whole text (what generation from a plain_chat prompt
+    sees) holds '<|assistant|>' 'moo'."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    words = ["<unk>", "<s>", "</s>", "\n", "\u2581<|user|>", "<|assistant|>", "\u2581<|assistant|>", "what",
+             "\u2581does", "\u2581the", "\u2581cow", "\u2581say", "\u2581?", "moo", "\u2581moo"]  # fmt: skip
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex("\u2581"), "merged_with_next"), pre_tokenizers.Split("\n", "isolated")]
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    messages = [{"role": "user", "content": "what does the cow say ?"}, {"role": "assistant", "content": "moo"}]
+    example = tokenize_example({"messages": messages}, load_hf_tokenizer(tmp_path))
+    assert example.tokens.tolist() == [*tokenizer.encode(plain_chat(messages)).ids, 2]
+    assert [words[t] for t, on in zip(example.tokens, example.trained) if on] == ["moo", "\n", "</s>"]

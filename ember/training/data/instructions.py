@@ -20,7 +20,8 @@ Each JSONL line is one example, either form:
   itself which text is the assistant's: exactly ``return_assistant_tokens_mask``'s mask.
   Without a template, turns are written by :func:`plain_chat`, which writes no end of
   turn, so there the tokenizer's EOS follows each assistant turn, trained (as it follows a
-  completion): a model fine-tuned on such conversations learns to stop after its answer.
+  completion): a model fine-tuned on such conversations learns to stop after its answer; the
+  text between EOS tokens is tokenized whole.
 
 Packing: examples are taken in a seeded order (a new permutation each epoch) and placed into
 rows of ``seq_len`` input tokens one after another, an example that does not fit the row's
@@ -34,6 +35,7 @@ the cut examples and those left with no trained token, which a fine-tuning run r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -129,12 +131,7 @@ def tokenize_example(record: Any, tokenizer: Any, where: str = "example") -> Exa
         prompt, completion = record["prompt"], record["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise DataError(f"{where}: prompt and completion must be strings")
-        if hasattr(tokenizer, "encode_offsets"):  # tokenized whole: the tokens reaching into the completion train
-            tokens, offsets = tokenizer.encode_offsets(prompt + completion, add_special_tokens=True)
-            trained = offsets[:, 1] > len(prompt)
-        else:
-            head, tail = _encode(tokenizer, prompt, first=True), _encode(tokenizer, completion, first=False)
-            tokens, trained = np.concatenate([head, tail]), np.r_[np.zeros(head.size, bool), np.ones(tail.size, bool)]
+        tokens, trained = _marked(tokenizer, prompt + completion, [(len(prompt), len(prompt + completion))], first=True)
         if tokenizer.eos_id is not None:
             tokens, trained = np.append(tokens, tokenizer.eos_id), np.append(trained, True)
         return Example(tokens.astype(np.int32), trained)
@@ -157,24 +154,17 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
     if getattr(tokenizer, "chat_template", None):
         return _chat_template_example(messages, tokenizer, where)
-    tokens, trained = [], []
-    rendered = ""
-    for index, message in enumerate(messages):
-        text = plain_chat(messages[: index + 1])
-        if message["role"] == "assistant":  # the turn's header (the generation prompt) is not trained
-            header = plain_chat(messages[:index], add_generation_prompt=True)
-            piece = _encode(tokenizer, header[len(rendered) :], first=not tokens)
-            tokens.append(piece)
-            trained.append(np.zeros(piece.size, bool))
-            rendered = header
-        piece = _encode(tokenizer, text[len(rendered) :], first=not tokens)
-        tokens.append(piece)
-        trained.append(np.full(piece.size, message["role"] == "assistant"))
-        rendered = text
-        if message["role"] == "assistant" and tokenizer.eos_id is not None:
-            tokens.append(np.array([tokenizer.eos_id], np.int32))
-            trained.append(np.ones(1, bool))
-    return Example(np.concatenate(tokens).astype(np.int32), np.concatenate(trained))
+    # plain_chat writes no end of turn: the tokenizer's EOS follows each assistant turn, trained.
+    text, spans = _assistant_spans(messages, plain_chat, where)
+    eos = np.array([] if tokenizer.eos_id is None else [tokenizer.eos_id], np.int32)
+    tokens, trained, start = [], [], 0
+    for begin, end in spans:  # the text to the end of each answer, then its EOS
+        piece, marked = _marked(tokenizer, text[start:end], [(begin - start, end - start)], first=not start)
+        tokens += [piece, eos]
+        trained += [marked, np.ones(eos.size, bool)]
+        start = end
+    piece, marked = _marked(tokenizer, text[start:], [], first=False)  # the turns after the last answer
+    return Example(np.concatenate([*tokens, piece]).astype(np.int32), np.concatenate([*trained, marked]))
 
 
 def _chat_template_example(messages: list[dict[str, str]], tokenizer: Any, where: str) -> Example:
@@ -186,11 +176,25 @@ def _chat_template_example(messages: list[dict[str, str]], tokenizer: Any, where
         text, spans = render(messages)
     else:
         text, spans = _assistant_spans(messages, lambda m, **kw: render(m, **kw)[0], where)
-    tokens, offsets = tokenizer.encode_offsets(text)
-    trained = np.zeros(tokens.size, bool)
-    for start, end in spans:
-        trained |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
-    return Example(tokens, trained)
+    return Example(*_marked(tokenizer, text, spans, first=False))
+
+
+def _marked(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], *, first: bool) -> tuple[np.ndarray, Any]:
+    """``(tokens, trained)`` of ``text`` (a sequence start with the tokenizer's special tokens),
+    trained where a token overlaps one of the ``[start, end)`` character ``spans``. A Hugging Face
+    tokenizer encodes ``text`` whole, as the model sees it (an encode call of its own may mark a
+    word start, as SentencePiece's '▁' does); another (bytes) each piece between span bounds."""
+    if hasattr(tokenizer, "encode_offsets"):
+        tokens, offsets = tokenizer.encode_offsets(text, add_special_tokens=first)
+        trained = np.zeros(tokens.size, bool)
+        for start, end in spans:
+            trained |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+        return tokens, trained
+    bounds = sorted({0, len(text), *(bound for span in spans for bound in span)})
+    pairs = list(itertools.pairwise(bounds)) or [(0, 0)]  # an empty text: its special tokens alone
+    tokens = [_encode(tokenizer, text[a:b], first=first and not a) for a, b in pairs]
+    inside = [a < b and any(s <= a and b <= e for s, e in spans) for a, b in pairs]
+    return np.concatenate(tokens), np.concatenate([np.full(t.size, on) for t, on in zip(tokens, inside)])
 
 
 def _assistant_spans(messages: list[dict[str, str]], render: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
