@@ -418,3 +418,26 @@ def test_plain_chat_with_a_hugging_face_tokenizer_is_tokenized_as_whole_text(tmp
     example = tokenize_example({"messages": messages}, load_hf_tokenizer(tmp_path))
     assert example.tokens.tolist() == [*tokenizer.encode(plain_chat(messages)).ids, 2]
     assert [words[t] for t, on in zip(example.tokens, example.trained) if on] == ["moo", "\n", "</s>"]
+
+
+def test_a_tokenizer_that_appends_eos_itself_ends_a_completion_with_one_trained_eos(tmp_path):
+    """A post-processor '<s> $A </s>' (tokenizers saved with add_eos_token): the example ended
+    '</s>' (untrained) '</s>': the model learned an EOS after an EOS, never after its answer
+    (before the whole-text commit, that '</s>' even sat between prompt and completion)."""
+    from tokenizers import processors
+
+    write_tokenizer(tmp_path)
+    path = tmp_path / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["post_processor"] = json.loads(
+        processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]).__getstate__()
+    )
+    path.write_text(json.dumps(tokenizer))
+    ours = load_hf_tokenizer(tmp_path)
+    example = tokenize_example({"prompt": "what does the cow say ?", "completion": " moo"}, ours)
+    assert example.tokens.tolist() == [
+        1,
+        *ours.encode("what does the cow say ? moo", add_special_tokens=False).tolist(),
+        2,
+    ]
+    assert [t for t, on in zip(example.tokens.tolist(), example.trained) if on] == [ours.encode("moo")[1], 2]

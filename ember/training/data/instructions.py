@@ -132,7 +132,9 @@ def tokenize_example(record: Any, tokenizer: Any, where: str = "example") -> Exa
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise DataError(f"{where}: prompt and completion must be strings")
         tokens, trained = _marked(tokenizer, prompt + completion, [(len(prompt), len(prompt + completion))], first=True)
-        if tokenizer.eos_id is not None:
+        if tokens.size and tokens[-1] == tokenizer.eos_id:  # the tokenizer's post-processor appends one
+            trained[-1] = True
+        elif tokenizer.eos_id is not None:
             tokens, trained = np.append(tokens, tokenizer.eos_id), np.append(trained, True)
         return Example(tokens.astype(np.int32), trained)
     if isinstance(record, dict) and "messages" in record:
