@@ -182,6 +182,7 @@ def test_full_finetuning_with_muon_learns(problem):
         ({"data": {"eval_fraction": 0.5}}, "data.eval_fraction"),
         ({"data": {"seed": -1}}, "data.seed"),
         ({"base_model": {"step": 3}}, "base_model.step"),  # a Hugging Face base has no steps; was keyed "step"
+        ({"train": {"seq_len": 65}}, "train.seq_len"),  # past the base's max_position_embeddings 64: was accepted
         ({"base_model": {"quantize": "int3"}}, "base_model.quantize"),
         ({"base_model": {"quantize": "nf4", "quantize_group_size": 24}}, "base_model.quantize_group_size"),
         # A group size for a float base did nothing: the run fine-tuned in float without a word.

@@ -54,6 +54,12 @@ class FinetuneTask(Task):
         self.base = base or load_base(config.base_model)
         self.model_config = self.base.config
         self.model = DecoderLM(self.model_config)
+        if config.train.seq_len > self.model_config.max_seq_len:  # as kind lm and linearize refuse it
+            raise ConfigError(
+                f"train.seq_len ({config.train.seq_len}) exceeds the base model's max_seq_len "
+                f"({self.model_config.max_seq_len})",
+                key="train.seq_len",
+            )
         self.base_params, self.base_state = split_variables(as_variables(self.base.params))
         if config.method != "full":  # bad targets fail now, not inside the jitted initialisation
             adapted = self._adapted(self.base_params, jax.random.key(0), shapes_only=True)
