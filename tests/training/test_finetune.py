@@ -531,10 +531,6 @@ def test_examples_cut_before_their_completion_are_counted_or_refused(problem, tm
         ({"mixlora": {"top_k": 1}}, "mixlora.top_k"),
         ({"adapter": {"ga_gamma": 4.0}}, r"adapter.ga_gamma \(read by adapter.init lora_ga only\)"),
         ({"export": {"model_type": "mistral"}}, r"export.model_type \(read by export.merged only\)"),
-        (
-            {"base_model": {"quantize_group_size": 32}},
-            r"base_model.quantize_group_size \(read with base_model.quantize only\)",
-        ),
     ],
 )
 def test_settings_the_method_never_reads_are_named_in_a_warning(problem, sections, unused):

@@ -221,8 +221,6 @@ class FinetuneConfig:
             unused += [f"adapter.{name} (read by adapter.init lora_ga only)" for name in sorted(ga)]
         if self.export.model_type and not self.export.merged:
             unused.append("export.model_type (read by export.merged only)")
-        if self.base_model.quantize_group_size and not self.base_model.quantize:
-            unused.append("base_model.quantize_group_size (read with base_model.quantize only)")
         if unused:
             warnings.warn(f"this run (method {self.method}) does not use {', '.join(unused)}: ignored", stacklevel=2)
 
