@@ -441,3 +441,19 @@ def test_a_tokenizer_that_appends_eos_itself_ends_a_completion_with_one_trained_
         2,
     ]
     assert [t for t, on in zip(example.tokens.tolist(), example.trained) if on] == [ours.encode("moo")[1], 2]
+
+
+def test_a_tokenizer_without_an_eos_id_is_refused_where_an_example_needs_one():
+    """A completion or a plain-chat answer ended with nothing: the fine-tuned model never learned
+    to stop, without a word (token files already refuse such a tokenizer)."""
+
+    class NoEos(ByteTokenizer):
+        eos_id = None
+
+    examples = [
+        ({"prompt": "a", "completion": "b"}, "each completion"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "assistant turn"),
+    ]
+    for record, ends in examples:
+        with pytest.raises(DataError, match=f"train.jsonl:3: the tokenizer has no end-of-sequence id .*{ends}"):
+            tokenize_example(record, NoEos(), "train.jsonl:3")

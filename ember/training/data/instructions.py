@@ -131,10 +131,11 @@ def tokenize_example(record: Any, tokenizer: Any, where: str = "example") -> Exa
         prompt, completion = record["prompt"], record["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise DataError(f"{where}: prompt and completion must be strings")
+        _check_eos(tokenizer, where, "each completion")
         tokens, trained = _marked(tokenizer, prompt + completion, [(len(prompt), len(prompt + completion))], first=True)
         if tokens.size and tokens[-1] == tokenizer.eos_id:  # the tokenizer's post-processor appends one
             trained[-1] = True
-        elif tokenizer.eos_id is not None:
+        else:
             tokens, trained = np.append(tokens, tokenizer.eos_id), np.append(trained, True)
         return Example(tokens.astype(np.int32), trained)
     if isinstance(record, dict) and "messages" in record:
@@ -157,8 +158,9 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
     if getattr(tokenizer, "chat_template", None):
         return _chat_template_example(messages, tokenizer, where)
     # plain_chat writes no end of turn: the tokenizer's EOS follows each assistant turn, trained.
+    _check_eos(tokenizer, where, "each assistant turn (the tokenizer has no chat_template to write one)")
     text, spans = _assistant_spans(messages, plain_chat, where)
-    eos = np.array([] if tokenizer.eos_id is None else [tokenizer.eos_id], np.int32)
+    eos = np.array([tokenizer.eos_id], np.int32)
     tokens, trained, start = [], [], 0
     for begin, end in spans:  # the text to the end of each answer, then its EOS
         piece, marked = _marked(tokenizer, text[start:end], [(begin - start, end - start)], first=not start)
@@ -167,6 +169,16 @@ def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
         start = end
     piece, marked = _marked(tokenizer, text[start:], [], first=False)  # the turns after the last answer
     return Example(np.concatenate([*tokens, piece]).astype(np.int32), np.concatenate([*trained, marked]))
+
+
+def _check_eos(tokenizer: Any, where: str, ends: str) -> None:
+    """``DataError`` when ``tokenizer`` has no EOS id to end ``ends`` with: a model fine-tuned
+    without one never learns to stop (and the engine has no end-of-sequence id to stop on)."""
+    if tokenizer.eos_id is None:
+        raise DataError(
+            f"{where}: the tokenizer has no end-of-sequence id (eos_token) to end {ends} with, so the model "
+            "would never learn to stop; name one as eos_token in the model directory's tokenizer_config.json"
+        )
 
 
 def _chat_template_example(messages: list[dict[str, str]], tokenizer: Any, where: str) -> Example:
