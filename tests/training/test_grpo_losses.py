@@ -151,6 +151,8 @@ def test_a_reward_module_that_is_not_importable_says_where_python_looks(tmp_path
         (["grpo.group_size=1"], "grpo.group_size must be >= 2"),
         (["grpo.algorithm=ppo"], "grpo.algorithm must be one of grpo, reinforce"),
         (["grpo.updates_per_rollout=3"], "must divide the rollout's prompts_per_step"),
+        # a checkpoint inside a rollout resumed at the next one: not the run it was taken from
+        (["grpo.updates_per_rollout=2", "checkpoint.every=3"], r"checkpoint.every \(3\) must be a multiple of"),
         # the engine's SamplingParams refuse these too, but only once the model is loaded and compiled
         (["grpo.top_p=0"], r"grpo.top_p must be in \(0, 1\]"),
         (["grpo.top_p=1.5"], r"grpo.top_p must be in \(0, 1\]"),

@@ -220,6 +220,14 @@ class GRPOConfig:
                 "would make them differ (TRL turns dropout off for RL too)",
                 key="adapter.dropout",
             )
+        if self.checkpoint.every % self.grpo.updates_per_rollout:
+            # A rollout is not checkpointed: one taken inside it resumes at the next rollout.
+            raise ConfigError(
+                f"checkpoint.every ({self.checkpoint.every}) must be a multiple of grpo.updates_per_rollout "
+                f"({self.grpo.updates_per_rollout}), so that every checkpoint falls between rollouts and a resume "
+                "continues exactly (a rollout's samples are not saved)",
+                key="checkpoint.every",
+            )
         if self.grpo.rows_per_update % self.train.grad_accum:
             raise ConfigError(
                 f"train.grad_accum ({self.train.grad_accum}) must divide the completions per update "

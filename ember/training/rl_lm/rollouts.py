@@ -19,8 +19,10 @@ A batch (``[rows, seq]`` unless noted; a row is ``prompt + completion`` shifted 
 
 The iterator's state is the number of rollouts and of slices served, saved in checkpoints;
 the samples of rollout ``r`` are seeded by ``(seed, r)``, so a resumed run repeats the
-trajectory. (A run resumed in the middle of a rollout starts the next one: the sampling
-policy of the interrupted one is gone.)
+trajectory. Periodic checkpoints fall between rollouts (``GRPOConfig`` makes
+``checkpoint.every`` a multiple of ``grpo.updates_per_rollout``); a run stopped in the middle
+of a rollout (a signal) and resumed starts the next one: the sampling policy of the
+interrupted one is gone.
 """
 
 from __future__ import annotations
