@@ -126,27 +126,7 @@ class Engine:
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt``; raises ``ValueError`` describing what is wrong with it."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids (prompt_tokens) instead")
-            tokens = [int(t) for t in self.tokenizer.encode(_unicode_text(prompt, "the prompt"))]
-        elif isinstance(prompt, Sequence | np.ndarray):
-            if not all(is_integer(t) for t in prompt):
-                raise ValueError("prompt tokens must be integers")
-            tokens = [int(t) for t in prompt]
-        else:
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        if not tokens:
-            raise ValueError("the prompt is empty")
-        vocab = self.program.vocab_size
-        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token {tokens[bad]} at index {bad} is out of range [0, {vocab})")
-        if len(tokens) > self.program.max_context:
-            raise ValueError(
-                f"the prompt has {len(tokens)} tokens, more than the context of {self.program.max_context}"
-            )
-        return tokens
+        return prompt_tokens(prompt, self.tokenizer, self.program.vocab_size, self.program.max_context)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queues a request and returns its id; raises ``ValueError`` for a bad prompt."""
@@ -369,6 +349,33 @@ def _unicode_text(text: str, what: str) -> str:
     return text
 
 
+def prompt_tokens(
+    prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, max_context: int | None = None
+) -> list[int]:
+    """Token ids of ``prompt`` (text, encoded by ``tokenizer``, or token ids) as a model of
+    ``vocab_size`` ids and ``max_context`` positions takes them (None: the caller bounds the
+    length); raises ``ValueError`` describing what is wrong with it (not Unicode text, empty, an
+    id out of range, too long)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids (prompt_tokens) instead")
+        tokens = [int(t) for t in tokenizer.encode(_unicode_text(prompt, "the prompt"))]
+    elif isinstance(prompt, Sequence | np.ndarray):
+        if not all(is_integer(t) for t in prompt):
+            raise ValueError("prompt tokens must be integers")
+        tokens = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    if not tokens:
+        raise ValueError("the prompt is empty")
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token {tokens[bad]} at index {bad} is out of range [0, {vocab_size})")
+    if max_context is not None and len(tokens) > max_context:
+        raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context of {max_context}")
+    return tokens
+
+
 def _before_stop_string(tokenizer: Tokenizer, output: list[int], stops: Sequence[str]) -> int | None:
     """How many of ``output``'s tokens precede the first of ``stops`` in its text, or None if
     its text holds none. Called after every token, so only the newest tokens are decoded: a
@@ -399,4 +406,4 @@ def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingP
     return params
 
 
-__all__ = ["Engine", "Prompt", "Tokenizer"]
+__all__ = ["Engine", "Prompt", "Tokenizer", "prompt_tokens"]

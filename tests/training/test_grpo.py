@@ -274,9 +274,12 @@ def test_a_prompt_the_engine_would_refuse_is_a_data_error_before_anything_compil
     config = tiny_config(tiny_base, tmp_path)
     base = load_model(config.base_model.path)
     vocab = base.config.vocab_size
-    for ids, problem in (([], "encodes to no tokens"), ([3, vocab], f"holds token {vocab}")):
+    for ids, problem in (
+        ([], "the prompt is empty"),
+        ([3, vocab], rf"prompt token {vocab} at index 1 is out of range \[0, {vocab}\)"),
+    ):
         tokenizer = SimpleNamespace(encode=lambda text, ids=ids: np.array(ids, np.int32), eos_id=None)
-        with pytest.raises(DataError, match=f"prompt 0 .* {problem}; the model takes prompts of one or more"):
+        with pytest.raises(DataError, match=rf"^prompt 0 \('[^']*'\): {problem}$"):
             task_module.GRPOTask(config, base=dataclasses.replace(base, tokenizer=tokenizer))
 
 

@@ -35,7 +35,7 @@ from ember.core.sharding import addressable_here
 from ember.models.adapters import adapter_mask, add_lora
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables, serving_weights, split_variables
-from ember.serving.engine import Engine
+from ember.serving.engine import Engine, prompt_tokens
 from ember.serving.loading import LoadedModel
 from ember.serving.program import owned_copy
 from ember.serving.requests import SamplingParams
@@ -84,23 +84,20 @@ class GRPOTask(Task):
 
     def _seq_len(self) -> int:
         """Rows hold the longest prompt plus ``grpo.max_tokens``; that must fit the model.
-        A prompt the engine would refuse (no tokens, or ids past the model's vocabulary) is a
-        ``DataError`` now, not a traceback at the first rollout."""
-        vocab = self.base.config.vocab_size
+        A prompt the engine would refuse (the engine's own check: empty, ids past the model's
+        vocabulary, ...) is a ``DataError`` now, not a traceback at the first rollout."""
+        config = self.base.config
         lengths = []
         for source, prompts in (("prompt", self.prompts), ("held-out prompt", self.held_out)):
             for index, prompt in enumerate(prompts):
-                ids = np.asarray(self.base.tokenizer.encode(prompt))
-                if ids.size == 0 or ids.max() >= vocab:
-                    problem = "encodes to no tokens" if ids.size == 0 else f"holds token {ids.max()}"
-                    raise DataError(
-                        f"{source} {index} ({prompt[:40]!r}) {problem}; the model takes prompts of one or more "
-                        f"tokens in [0, {vocab})"
-                    )
-                lengths.append(ids.size)
+                try:
+                    tokens = prompt_tokens(prompt, self.base.tokenizer, config.vocab_size)  # length: below
+                except ValueError as error:
+                    raise DataError(f"{source} {index} ({prompt[:40]!r}): {error}") from None
+                lengths.append(len(tokens))
         longest = max(lengths)
         seq_len = longest + self.config.grpo.max_tokens
-        limit = self.base.config.max_seq_len
+        limit = config.max_seq_len
         if seq_len > limit:
             raise ConfigError(
                 f"the longest prompt ({longest} tokens) plus grpo.max_tokens ({self.config.grpo.max_tokens}) "
