@@ -63,31 +63,25 @@ def export_hook(task: Any) -> Callable[[Any], None]:
 def _copy_tokenizer(base: LoadedModel, path: Path, merged: Path) -> None:
     """The base's tokenizer and special token ids beside the merged weights: a Hugging Face base
     directory's files, copied; an Ember run's (an LM run, or a fine-tuning run fine-tuned again,
-    which hold no tokenizer files) written from its loaded tokenizer and end-of-sequence ids."""
+    which hold no tokenizer files) written from its loaded tokenizer and end-of-sequence ids.
+    The ids go into the merged ``config.json``, which ``hf.save`` writes without them:
+    ``transformers`` would take its class defaults instead (Llama's ``eos_token_id`` 2) and
+    ``ember generate`` no end-of-sequence id."""
     if (path / "config.json").is_file():
         for name in (*TOKENIZER_FILES, "generation_config.json"):
             if (path / name).is_file():
                 shutil.copy(path / name, merged / name)
-        _copy_token_ids(path, merged)
-        return
-    ids = {}
-    if isinstance(base.tokenizer, HFTokenizer):
-        description = base.tokenizer.describe()
-        (merged / "tokenizer.json").write_text(description["tokenizer_json"])
-        (merged / "tokenizer_config.json").write_text(json.dumps(description["config"], indent=2) + "\n")
-        ids = {"bos_token_id": base.tokenizer.bos_id} if base.tokenizer.bos_id is not None else {}
-    if base.eos_ids:
-        ids["eos_token_id"] = base.eos_ids[0] if len(base.eos_ids) == 1 else list(base.eos_ids)
-    merged_config = json.loads((merged / "config.json").read_text())
-    (merged / "config.json").write_text(json.dumps({**merged_config, **ids}, indent=2) + "\n")
-
-
-def _copy_token_ids(base: Path, merged: Path) -> None:
-    """The special token ids (``bos/eos/pad_token_id``) of the Hugging Face base's ``config.json``
-    into the merged one's, which ``hf.save`` writes without them: ``transformers`` would take its
-    class defaults instead (Llama's ``eos_token_id`` 2) and ``ember generate`` no end-of-sequence id."""
-    base_config = json.loads((base / "config.json").read_text())
-    ids = {key: base_config[key] for key in TOKEN_ID_FIELDS if key in base_config}
+        base_config = json.loads((path / "config.json").read_text())
+        ids = {key: base_config[key] for key in TOKEN_ID_FIELDS if key in base_config}
+    else:
+        ids = {}
+        if isinstance(base.tokenizer, HFTokenizer):
+            description = base.tokenizer.describe()
+            (merged / "tokenizer.json").write_text(description["tokenizer_json"])
+            (merged / "tokenizer_config.json").write_text(json.dumps(description["config"], indent=2) + "\n")
+            ids = {"bos_token_id": base.tokenizer.bos_id} if base.tokenizer.bos_id is not None else {}
+        if base.eos_ids:
+            ids["eos_token_id"] = base.eos_ids[0] if len(base.eos_ids) == 1 else list(base.eos_ids)
     merged_config = json.loads((merged / "config.json").read_text())
     (merged / "config.json").write_text(json.dumps({**merged_config, **ids}, indent=2) + "\n")
 
