@@ -100,9 +100,11 @@ class DQNConfig:
                 "the target network would never be updated",
                 key="target_update_every",
             )
-        for name in ("gamma", "tau", "epsilon_start", "epsilon_end", "exploration_fraction"):
+        for name in ("gamma", "epsilon_start", "epsilon_end", "exploration_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
+        if not 0.0 < self.tau <= 1.0:  # 0 would never move the target network off its initialisation
+            raise ConfigError(f"tau must lie in (0, 1], got {self.tau}", key="tau")
         for name in ("learning_rate", "max_grad_norm", "huber_delta"):  # huber_delta may be None
             value = getattr(self, name)
             if value is not None and not value > 0:

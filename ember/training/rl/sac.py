@@ -95,9 +95,10 @@ class SACConfig:
                 f"= {self.log_every * self.num_envs} env steps",
                 key="total_timesteps",
             )
-        for name in ("gamma", "tau"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"gamma must lie in [0, 1], got {self.gamma}", key="gamma")
+        if not 0.0 < self.tau <= 1.0:  # 0 would never move the target critics off their initialisation
+            raise ConfigError(f"tau must lie in (0, 1], got {self.tau}", key="tau")
         if not 0.0 <= self.noise_correlation < 1.0:
             raise ConfigError(
                 f"noise_correlation must lie in [0, 1), got {self.noise_correlation}", key="noise_correlation"

@@ -9,6 +9,7 @@ import pytest
 
 import ember.envs
 from ember.core.config import load_config
+from ember.core.errors import ConfigError
 from ember.training.rl.config import RLConfig
 from ember.training.rl.dqn import DQNConfig, epsilon_greedy, make_act, make_q_network, make_train
 from ember.training.rl.evaluate import evaluate
@@ -61,6 +62,10 @@ def test_config_validation():
     for name in ("learning_rate", "max_grad_norm", "huber_delta"):
         with pytest.raises(ValueError, match=f"{name} must be positive"):
             DQNConfig(**{name: 0.0})
+    # tau 0 would leave the target network at its initialisation for the whole run
+    with pytest.raises(ConfigError, match=r"tau must lie in \(0, 1\], got 0.0") as error:
+        DQNConfig(tau=0.0)
+    assert error.value.key == "tau"
 
 
 @pytest.mark.slow

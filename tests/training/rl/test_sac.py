@@ -50,6 +50,10 @@ def test_config_validation():
         SACConfig(total_timesteps=10)
     with pytest.raises(ConfigError, match=r"noise_correlation must lie in \[0, 1\)"):
         SACConfig(noise_correlation=1.0)
+    # tau 0 would leave the target critics at their initialisation for the whole run
+    with pytest.raises(ConfigError, match=r"tau must lie in \(0, 1\], got 0.0") as error:
+        SACConfig(tau=0.0)
+    assert error.value.key == "tau"
     with pytest.raises(ConfigError, match="needs continuous actions"):
         load_config(RLConfig, CONFIGS / "sac_pendulum.yaml", ["env.id=CartPole-v1"])
     with pytest.raises(ConfigError) as error:
