@@ -334,6 +334,11 @@ def action_head(action_space: Any, config: PolicyConfig = PolicyConfig()) -> Dis
     ``n``) gives :class:`DiscreteActions`; a ``Box`` (``low``, ``high``, ``shape`` of one
     axis) gives :class:`BoxActions` with the config's log-std and squashing choices."""
     if hasattr(action_space, "n"):
+        if getattr(action_space, "start", 0) != 0:  # the head's actions are 0 .. n - 1; the env would clip them
+            raise ValueError(
+                f"action_space must be a Discrete space of actions 0 .. n - 1 (start 0), got {action_space!r}; "
+                "wrap the environment to shift its actions to start at 0"
+            )
         return DiscreteActions(int(action_space.n))
     if hasattr(action_space, "low") and hasattr(action_space, "high"):
         shape = tuple(getattr(action_space, "shape", ()))

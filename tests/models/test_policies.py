@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.envs.spaces import Discrete
 from ember.models.policies import (
     ActorCritic,
     BoxActions,
@@ -119,6 +120,9 @@ def test_action_head_from_spaces_and_bad_input():
         BoxActions((1.0,), (0.0,))
     with pytest.raises(ValueError, match="action_space"):
         action_head(object())
+    # A head samples 0 .. n - 1; Discrete(3, start=-1) would clip those to 0, 1, 1 (-1 never taken).
+    with pytest.raises(ValueError, match=re.escape("start 0), got Discrete(3, start=-1)")):
+        action_head(Discrete(3, start=-1))
 
     class UnboundedSpace:  # a tanh-squashed action in it was NaN
         low, high, shape = np.array([-np.inf]), np.array([np.inf]), (1,)

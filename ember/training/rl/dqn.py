@@ -139,6 +139,12 @@ def make_q_network(config: Any, env, env_params, *, algo: str = "DQN") -> QNetwo
     space = env.action_space(env_params)
     if not hasattr(space, "n"):
         raise ConfigError(f"{algo} needs a discrete action space, got {space!r}", key="algo")
+    if getattr(space, "start", 0) != 0:  # the argmax is an index 0 .. n - 1, which the env would clip
+        raise ConfigError(
+            f"{algo} needs discrete actions 0 .. n - 1 (start 0), got {space!r}; wrap the environment to shift "
+            "its actions to start at 0",
+            key="algo",
+        )
     return QNetwork(int(space.n), config.policy)
 
 

@@ -62,6 +62,13 @@ def test_config_validation():
     for name in ("learning_rate", "max_grad_norm", "huber_delta"):
         with pytest.raises(ValueError, match=f"{name} must be positive"):
             DQNConfig(**{name: 0.0})
+    # the greedy index 0 .. n - 1 would be clipped into Discrete(2, start=1): both actions 0 and 1 become 1
+    env, env_params = ember.envs.make("CartPole-v1")
+    shifted = ember.envs.wrappers.Wrapper(env)
+    shifted.action_space = lambda params: ember.envs.spaces.Discrete(2, start=1)
+    with pytest.raises(ConfigError, match=r"PQN needs discrete actions 0 \.\. n - 1 \(start 0\)") as error:
+        make_q_network(DQNConfig(), shifted, env_params, algo="PQN")
+    assert error.value.key == "algo"
     # tau 0 would leave the target network at its initialisation for the whole run
     with pytest.raises(ConfigError, match=r"tau must lie in \(0, 1\], got 0.0") as error:
         DQNConfig(tau=0.0)
