@@ -81,7 +81,7 @@ class PQNConfig:
         for name in ("gamma", "lam", "epsilon_start", "epsilon_end", "exploration_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must lie in [0, 1], got {getattr(self, name)}", key=name)
-        for name in ("learning_rate", "max_grad_norm"):
+        for name in ("learning_rate", "max_grad_norm", "reward_scale"):  # reward_scale <= 0 erases or flips rewards
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}", key=name)
 

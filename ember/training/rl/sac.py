@@ -103,7 +103,7 @@ class SACConfig:
             raise ConfigError(
                 f"noise_correlation must lie in [0, 1), got {self.noise_correlation}", key="noise_correlation"
             )
-        for name in ("actor_lr", "critic_lr", "temperature_lr", "init_temperature"):
+        for name in ("actor_lr", "critic_lr", "temperature_lr", "init_temperature", "reward_scale"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}", key=name)
 

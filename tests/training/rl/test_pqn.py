@@ -64,6 +64,10 @@ def test_config_validation():
         PQNConfig(lam=1.5)
     with pytest.raises(ConfigError, match="max_grad_norm must be positive"):
         PQNConfig(max_grad_norm=0.0)
+    for scale in (0.0, -1.0):  # 0 erased every reward, -1 trained the agent to minimise its return
+        with pytest.raises(ConfigError, match=f"reward_scale must be positive, got {scale}") as error:
+            PQNConfig(reward_scale=scale)
+        assert error.value.key == "reward_scale"
     with pytest.raises(ConfigError) as error:
         load_config(RLConfig, CONFIGS / "pqn_cartpole.yaml", ["dqn.num_envs=4"])
     assert error.value.key == "dqn"

@@ -50,6 +50,9 @@ def test_config_validation():
         SACConfig(total_timesteps=10)
     with pytest.raises(ConfigError, match=r"noise_correlation must lie in \[0, 1\)"):
         SACConfig(noise_correlation=1.0)
+    with pytest.raises(ConfigError, match=r"reward_scale must be positive, got -1.0") as error:  # it flipped the reward
+        SACConfig(reward_scale=-1.0)
+    assert error.value.key == "reward_scale"
     # tau 0 would leave the target critics at their initialisation for the whole run
     with pytest.raises(ConfigError, match=r"tau must lie in \(0, 1\], got 0.0") as error:
         SACConfig(tau=0.0)
