@@ -95,6 +95,8 @@ class PPOConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be positive, got {value}", key=name)
+        if not self.value_coef >= 0:  # a negative weight climbs the value error: the critic diverges
+            raise ConfigError(f"value_coef must be >= 0, got {self.value_coef}", key="value_coef")
 
     @property
     def num_updates(self) -> int:

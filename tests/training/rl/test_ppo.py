@@ -106,6 +106,10 @@ def test_config_rejects_inconsistent_sizes():
         with pytest.raises(ConfigError, match=f"{name} must be positive") as error:
             PPOConfig(**{name: -0.1})
         assert error.value.key == name
+    # a negative value weight made the total loss climb the value error: the critic diverged silently
+    with pytest.raises(ConfigError, match=r"value_coef must be >= 0, got -0\.5") as error:
+        PPOConfig(value_coef=-0.5)
+    assert error.value.key == "value_coef"
     PPOConfig(value_clip_eps=None)  # an unclipped value loss
 
 
