@@ -92,10 +92,12 @@ def _environment(
         env = GymnaxEnv(*library_env)
     elif source == "jaxmarl":
         library_env = _make_in_library(source, env_id)
-        from ember.envs.adapters import JaxMARLEnv
+        from ember.envs.adapters.jaxmarl import JaxMARLEnv, UnsupportedEnvironment
 
         try:  # the adapter's time limit may only shorten the environment's own
             env = JaxMARLEnv(library_env, max_steps=time_limit)
+        except UnsupportedEnvironment as error:
+            raise ConfigError(f"id: {error}", key="id") from None
         except ValueError as error:
             raise ConfigError(f"params.max_steps_in_episode: {error}", key="params.max_steps_in_episode") from None
     else:

@@ -19,6 +19,7 @@ import ember.envs
 from ember.core.errors import ConfigError
 from ember.envs import noise as noise_lib
 from ember.envs.adapters import GymnasiumVectorEnv, GymnaxEnv, JaxMARLEnv
+from ember.envs.adapters.jaxmarl import UnsupportedEnvironment
 from ember.envs.environment import EnvParams
 from tests.tolerances import assert_allclose
 
@@ -257,3 +258,15 @@ def test_gymnasium_vector_env_refuses_a_multi_agent_environment():
     # Accepted before; its first step raised AttributeError: 'dict' object has no attribute 'reshape'.
     with pytest.raises(ValueError, match="multi-agent environment"):
         GymnasiumVectorEnv("MPE-simple_push", num_envs=2)
+
+
+@pytest.mark.parametrize(("env_id", "mask"), [("SMAX", "get_avail_actions"), ("hanabi", "get_legal_moves")])
+def test_jaxmarl_environments_that_mask_actions_are_refused(env_id, mask):
+    """Their agents act only where a per-step mask allows and drop out one by one; through the
+    adapter every agent would act on every step and bootstrap past its own end."""
+    with pytest.raises(UnsupportedEnvironment, match=rf"masks its agents' actions each step \({mask}\)"):
+        JaxMARLEnv(jaxmarl.make(env_id))
+    config = ember.envs.EnvConfig(id=env_id, source="jaxmarl", params={"max_steps_in_episode": 10})
+    with pytest.raises(ConfigError, match="supported: JaxMARL environments without action masks") as info:
+        ember.envs.make_from_config(config)
+    assert info.value.key == "id"

@@ -12,6 +12,12 @@ limit can only shorten the environment's own ``max_steps``: past it JaxMARL ends
 itself, in a ``dones`` that does not say it was the time limit, so a longer limit is refused. A
 termination on the environment's own last step reads as truncation only (JaxMARL's ``dones``
 cannot tell the two apart there). The JaxMARL state is kept as ``state.env_state``.
+
+Every agent acts on every step and the episode ends for all agents at once (Ember's multi-agent
+contract): only ``dones["__all__"]`` is read. Environments that mask their agents' actions
+(``get_avail_actions``, ``get_legal_moves``: SMAX, Hanabi, JaxNav), whose agents also drop out
+one by one, are refused with :class:`UnsupportedEnvironment`: trained through this adapter,
+their agents would take illegal actions and bootstrap through steps after their own end.
 """
 
 from __future__ import annotations
@@ -26,6 +32,22 @@ from ember.envs.adapters.gymnax import from_library_space
 from ember.envs.environment import EnvParams, EnvState
 from ember.envs.multi_agent import MultiAgentEnvironment
 from ember.envs.spaces import Dict
+
+
+class UnsupportedEnvironment(ValueError):
+    """A JaxMARL environment outside what the adapter can represent (see the module docstring)."""
+
+
+def _action_mask_method(jaxmarl_env: Any) -> str | None:
+    """The name of ``jaxmarl_env``'s own per-step action-mask method, None where it has none
+    (JaxMARL's ``MultiAgentEnv`` declares ``get_avail_actions`` without implementing it)."""
+    for cls in type(jaxmarl_env).__mro__:
+        if cls.__name__ == "MultiAgentEnv" and cls.__module__.startswith("jaxmarl."):
+            break
+        for name in ("get_avail_actions", "get_legal_moves"):
+            if name in vars(cls):
+                return name
+    return None
 
 
 @struct.dataclass
@@ -45,6 +67,13 @@ class JaxMARLEnv(MultiAgentEnvironment):
                 raise ValueError(
                     f"JaxMARLEnv: expected a JaxMARL environment (no '{attribute}' on {type(jaxmarl_env).__name__})"
                 )
+        mask = _action_mask_method(jaxmarl_env)
+        if mask is not None:
+            raise UnsupportedEnvironment(
+                f"JaxMARLEnv: {type(jaxmarl_env).__name__} masks its agents' actions each step ({mask}) and can end "
+                "agents one by one; Ember's multi-agent contract has every agent act on every step and the episode "
+                "end for all at once (supported: JaxMARL environments without action masks, e.g. MPE)"
+            )
         self.jaxmarl_env = jaxmarl_env
         self.agents = list(jaxmarl_env.agents)
         own_limit = getattr(jaxmarl_env, "max_steps", None)
@@ -92,4 +121,4 @@ class JaxMARLEnv(MultiAgentEnvironment):
         return Dict({agent: from_library_space(self.jaxmarl_env.action_space(agent)) for agent in self.agents})
 
 
-__all__ = ["JaxMARLEnv", "JaxMARLState"]
+__all__ = ["JaxMARLEnv", "JaxMARLState", "UnsupportedEnvironment"]
