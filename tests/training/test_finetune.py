@@ -8,6 +8,7 @@ their key."""
 import dataclasses
 import json
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -240,6 +241,25 @@ def test_a_quantized_base_without_the_weights_to_store_names_base_model_quantize
     with pytest.raises(ConfigError, match=r"base_model\.quantize nf4 stores .* entry 'gate' matches no float") as error:
         FinetuneTask(config, base)
     assert error.value.key == "base_model.quantize"
+
+
+def test_a_quantized_moe_base_says_which_weights_stay_float(problem):
+    """QLoRA on a Qwen2-MoE layout (routed experts beside a shared expert): the attention and
+    shared-expert weights are stored nf4 and the routed experts stay float, as the layers need;
+    a warning now names them (the old code kept them float without a word). A dense base warns
+    of nothing."""
+    dense = load_base(config_for(problem, "qlora_qwen2_moe_base").base_model)
+    moe = MoEConfig(num_experts=2, top_k=1, expert_dim=16, shared_experts=1, shared_expert_gate=True)
+    moe = dataclasses.replace(dense.config, mlp_pattern=("moe",), moe=moe)
+    shapes = jax.eval_shape(DecoderLM(moe).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), nn.meta.unbox(shapes))
+    config = config_for(problem, "qlora_qwen2_moe", base_model={"quantize": "nf4"}, adapter={"targets": ["q", "v"]})
+    stay = r"base_model\.quantize nf4: the base.s routed experts stay float \(layers/block_0/moe/experts/down and 2"
+    with pytest.warns(UserWarning, match=stay):
+        FinetuneTask(config, dataclasses.replace(dense, config=moe, params=params))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FinetuneTask(config, dense)
 
 
 def test_a_base_stored_quantized_is_refused_by_name(problem, monkeypatch):
