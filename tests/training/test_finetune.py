@@ -9,6 +9,7 @@ import dataclasses
 import json
 import re
 import warnings
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -206,6 +207,26 @@ def test_bad_finetune_configs_name_their_key(problem, sections, key):
     with pytest.raises(ConfigError) as error:
         FinetuneTask(config_for(problem, "bad", **sections))
     assert error.value.key == key
+
+
+def test_export_peft_is_for_method_lora_only(problem):
+    """export.peft defaulted to true and was skipped without a word for methods full and mixlora;
+    an explicit true there is now refused by name, while unset it stays on for lora only, so
+    ``method=full`` over the shipped LoRA config still loads."""
+    for method, extra in (("full", {}), ("mixlora", {"train": {"aux_loss_weights": ROUTER}})):
+        refused = rf"export\.peft writes a LoRA adapter in PEFT format, for method lora only; method {method} has"
+        with pytest.raises(ConfigError, match=refused) as error:
+            config_for(problem, f"peft_{method}", method=method, export={"peft": True}, **extra)
+        assert error.value.key == "export.peft"
+        assert not config_for(problem, f"peft_{method}", method=method, **extra).exports_peft
+    assert config_for(problem, "peft_lora").exports_peft
+    assert not config_for(problem, "peft_off", export={"peft": False}).exports_peft
+    lora_yaml = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "lora.yaml"
+    with pytest.warns(UserWarning, match=r"method full\) does not use adapter\.rank"):  # and no ConfigError
+        shipped = load_config(
+            FinetuneConfig, lora_yaml, [f"base_model.path={problem[0]}", "data.train=t.jsonl", "method=full"]
+        )
+    assert shipped.export.peft is None and not shipped.exports_peft
 
 
 def test_adapters_peft_cannot_hold_are_refused_before_training_when_export_peft_is_on(problem):

@@ -8,7 +8,7 @@
     adapter: {rank: 8, alpha: 16, targets: [q, k, v, o]}
     train: {steps: 200, batch_size: 8, seq_len: 256}
     optim: {name: adamw, lr: 2e-4}
-    export: {peft: true, merged: false}
+    export: {merged: false}                   # peft: on for method lora unless false
 
 The sections shared with ``kind: lm`` (train, optim, mesh, sharding, checkpoint, logging,
 distributed) mean the same. Every section is a frozen dataclass, so a bad key or value
@@ -129,11 +129,12 @@ class FinetuneDataConfig:
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
     """What the run leaves in ``run_dir`` at the end: ``adapter/`` in PEFT format (``peft``,
-    LoRA runs) and ``merged/``, a Hugging Face checkpoint of the fine-tuned weights
-    (``merged``, LoRA and full runs; ``model_type`` empty: the base's own, else ``llama``).
-    Every run also serves from its own directory (``ember generate --checkpoint RUN_DIR``)."""
+    method lora only; unset: on for method lora) and ``merged/``, a Hugging Face checkpoint of
+    the fine-tuned weights (``merged``, LoRA and full runs; ``model_type`` empty: the base's
+    own, else ``llama``). Every run also serves from its own directory
+    (``ember generate --checkpoint RUN_DIR``)."""
 
-    peft: bool = True
+    peft: bool | None = None
     merged: bool = False
     model_type: str = ""
 
@@ -182,6 +183,13 @@ class FinetuneConfig:
                     "adapter and merge it into the float base",
                     key="export.merged",
                 )
+        if self.export.peft and self.method != "lora":
+            raise ConfigError(
+                f"export.peft writes a LoRA adapter in PEFT format, for method lora only; method {self.method} has "
+                "none (full: every weight trains, export.merged writes them; mixlora: its routed experts have no PEFT "
+                "format, the run serves from run_dir): set export.peft false or leave it unset",
+                key="export.peft",
+            )
         if self.method == "mixlora":
             others = [t for t in self.adapter.targets if t not in MIXLORA_LORA_TARGETS]
             if others:  # the task keeps the attention names only: these would be dropped without a word
@@ -209,6 +217,11 @@ class FinetuneConfig:
                 )
 
         self._warn_unused_keys()
+
+    @property
+    def exports_peft(self) -> bool:
+        """Whether the run writes ``run_dir/adapter/`` in PEFT format (``export.peft``, unset: on)."""
+        return self.method == "lora" and self.export.peft is not False
 
     def _warn_unused_keys(self) -> None:
         """Warns, naming the keys, of settings the run never reads (a warning, not an error:

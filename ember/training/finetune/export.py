@@ -47,7 +47,7 @@ def export_hook(task: Any) -> Callable[[Any], None]:
         if not info.trainer.is_main:
             return
         written = {}
-        if config.method == "lora" and config.export.peft:
+        if config.exports_peft:
             save_peft_adapter(run_dir / "adapter", task.model_config, params, base_model=config.base_model.path)
             written["adapter"] = str(run_dir / "adapter")
         if config.export.merged:

@@ -65,7 +65,7 @@ class FinetuneTask(Task):
         self.base_params, self.base_state = split_variables(as_variables(self.base.params))
         if config.method != "full":  # bad targets fail now, not inside the jitted initialisation
             adapted = self._adapted(self.base_params, jax.random.key(0), shapes_only=True)
-            if config.method == "lora" and config.export.peft:  # ...nor in the export after training
+            if config.exports_peft:  # ...nor in the export after training
                 try:
                     check_peft_exportable(self.model_config, adapted)
                 except DataError as error:
