@@ -322,6 +322,36 @@ def test_stage_one_trains_only_the_parameters_linearising_adds(tmp_path):
     ]
 
 
+def test_stage_one_val_loss_is_the_mean_over_real_tokens_whatever_the_padding(tmp_path, rng):
+    """Stage 1's own validation loss (the trainer's sum of loss_sum over sum of count) counted
+    each batch once, so a last batch padded with an empty row weighed as much as a full one:
+    [r0, r1], [r2, padding] gave (mean(r0, r1) + mean(r2)) / 2. Now it is the mean over the
+    three real rows, as the summary's transfer errors are (one batch of them)."""
+    from ember.models.linearize import LinearizeConfig
+    from ember.training.data.packing import empty_row
+    from ember.training.linearize.config import LinearizeRunConfig
+    from ember.training.linearize.tasks import AttentionTransferTask
+    from ember.training.train_step import eval_step
+
+    base, dataset = in_memory_base(tmp_path, attention_impl="xla")
+    task = AttentionTransferTask(LinearizeRunConfig(linear=LinearizeConfig(window=4, feature_dim=4)), base, dataset)
+    generator = np.random.default_rng(0)
+    rows = [
+        {"tokens": generator.integers(1, 320, 16).astype(np.int32), "positions": np.arange(16, dtype=np.int32),
+         "segment_ids": np.ones(16, np.int32), "targets": np.zeros(16, np.int32), "loss_mask": np.ones(16, np.float32)}
+        for _ in range(3)
+    ]  # fmt: skip
+    stack = lambda *rs: {key: jnp.asarray(np.stack([r[key] for r in rs])) for key in rs[0]}  # noqa: E731
+    params = perturbed(unbox(jax.jit(task.model.init)(rng, stack(*rows)["tokens"])["params"]), rng, scale=1.0)
+    sums = jax.jit(lambda batch: eval_step(params, None, batch, None, loss_fn=task.loss))
+    split = [sums(stack(rows[0], rows[1])), sums(stack(rows[2], empty_row(16)))]
+    whole = sums(stack(*rows))
+    per_batch = [float(loss) / float(count) for loss, count in split]
+    assert per_batch[0] > 1e-2 and abs(per_batch[0] - per_batch[1]) > 0.05 * per_batch[0]  # the batches differ
+    got = sum(float(loss) for loss, _ in split) / sum(float(count) for _, count in split)
+    assert_allclose(got, float(whole[0]) / float(whole[1]), dtype=np.float32, scale=10)
+
+
 def test_each_stages_sequence_length_is_checked_under_its_own_key(tmp_path):
     # Before, both stages' LM configs raised "train.seq_len (...) exceeds model.max_seq_len", also for
     # transfer.train.seq_len, and model.max_seq_len is no key of a linearize config.

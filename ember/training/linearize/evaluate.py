@@ -51,7 +51,7 @@ class Evaluator:
                 variables, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                 mutable=["losses"],
             )  # fmt: skip
-            tokens = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)  # each batch's mean is over these
+            tokens = real_tokens(batch)  # each batch's mean is over these
             return _per_layer(updated.get("losses", {}), model.config.layer_period) * tokens, tokens
 
         sums, tokens = self._sum_over_batches("transfer_errors", model, errors, variables)
@@ -68,6 +68,12 @@ class Evaluator:
                 values = jax.tree.map(np.asarray, jax.device_get(program(variables, batch)))
                 total = values if total is None else jax.tree.map(np.add, total, values)
         return total
+
+
+def real_tokens(batch: dict) -> jax.Array:
+    """The tokens of an LM batch that are not padding (segment id 0: the empty rows that fill
+    the last validation batch), as f32: what a batch's mean attention-transfer error is over."""
+    return jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
 
 
 def _per_layer(losses: dict, period: int) -> jax.Array:
@@ -87,4 +93,4 @@ def _per_layer(losses: dict, period: int) -> jax.Array:
     return jnp.stack([found[layer] for layer in sorted(found)])
 
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "real_tokens"]

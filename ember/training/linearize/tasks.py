@@ -30,6 +30,7 @@ from ember.serving.loading import LoadedModel
 from ember.training.data import TokenDataset
 from ember.training.finetune.base import boxed_variables
 from ember.training.linearize.config import LinearizeRunConfig
+from ember.training.linearize.evaluate import real_tokens
 from ember.training.lm.config import LMConfig, SampleConfig
 from ember.training.lm.task import LMTask
 from ember.training.task import LossTerms, apply_model, next_token_kl, next_token_loss
@@ -65,9 +66,11 @@ class _LinearizeStage(LMTask):
 
 
 class AttentionTransferTask(_LinearizeStage):
-    """Stage 1. ``LossTerms.count`` is one per micro-batch: the loss is a sum of per-layer means."""
+    """Stage 1. The loss is the sum over layers of each layer's mean error over the batch's
+    real tokens, weighted by those tokens (``LossTerms.count``): a validation pass whose last
+    batch is padded gives the mean over its real tokens, as the run summary's figures do."""
 
-    count_name = "batches"
+    count_name = "tokens"
 
     def __init__(self, config: LinearizeRunConfig, base: LoadedModel, dataset: TokenDataset):
         model_config = linearized_config(base.config, config.linear, attention_transfer=True)
@@ -94,7 +97,8 @@ class AttentionTransferTask(_LinearizeStage):
             model_state=model_state,
         )  # fmt: skip
         # The frozen base's own auxiliary losses (MoE balance) train nothing here.
-        return LossTerms(outputs.aux[TRANSFER_LOSS], jnp.float32(1.0), {}, outputs.metrics, outputs.model_state)
+        tokens = real_tokens(batch)
+        return LossTerms(outputs.aux[TRANSFER_LOSS] * tokens, tokens, {}, outputs.metrics, outputs.model_state)
 
 
 class LowRankTask(_LinearizeStage):
