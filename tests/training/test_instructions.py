@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from ember.core.errors import DataError, PathNotFoundError
+from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 from ember.training.data.instructions import (
@@ -162,6 +162,15 @@ def test_examples_too_short_to_train_on_are_a_data_error():
     empty = tokenize_example({"prompt": "", "completion": ""}, BYTES)  # the end-of-document token alone
     with pytest.raises(DataError, match="no example has two tokens"):
         InstructionBatches([empty, empty], seq_len=8, global_batch=2).next()
+
+
+def test_a_batch_the_processes_cannot_share_names_train_batch_size():
+    # Before, a DataError keyed nothing: "global batch 6 does not split over 4 processes".
+    example = tokenize_example({"prompt": "what", "completion": " this"}, BYTES)
+    with pytest.raises(ConfigError, match=r"^train\.batch_size \(6\) is not divisible by the 4 processes: .* a "
+                       r"multiple of 4$") as error:  # fmt: skip
+        InstructionBatches([example], seq_len=8, global_batch=6, process_count=4)
+    assert error.value.key == "train.batch_size"
 
 
 def test_resumed_iterator_repeats_and_processes_split_rows(tmp_path):

@@ -352,6 +352,21 @@ def test_stage_one_val_loss_is_the_mean_over_real_tokens_whatever_the_padding(tm
     assert_allclose(got, float(whole[0]) / float(whole[1]), dtype=np.float32, scale=10)
 
 
+def test_a_batch_the_processes_cannot_share_is_named_under_each_stages_key(tmp_path, monkeypatch):
+    """Stage 1 reads transfer.train.batch_size: its data's error names that key, not train's."""
+    from ember.core.errors import ConfigError
+    from ember.models.linearize import LinearizeConfig
+    from ember.training.linearize.config import LinearizeRunConfig
+    from ember.training.linearize.tasks import AttentionTransferTask
+
+    base, dataset = in_memory_base(tmp_path)
+    task = AttentionTransferTask(LinearizeRunConfig(linear=LinearizeConfig(window=8, feature_dim=4)), base, dataset)
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    with pytest.raises(ConfigError, match=r"^transfer\.train\.batch_size \(16\) is not divisible") as error:
+        task.train_data()
+    assert error.value.key == "transfer.train.batch_size"
+
+
 def test_each_stages_sequence_length_is_checked_under_its_own_key(tmp_path):
     # Before, both stages' LM configs raised "train.seq_len (...) exceeds model.max_seq_len", also for
     # transfer.train.seq_len, and model.max_seq_len is no key of a linearize config.

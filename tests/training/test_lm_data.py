@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ember.cli import main
-from ember.core.errors import DataError
+from ember.core.errors import ConfigError, DataError
 from ember.core.hf_tokenizer import load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 from ember.training.data import PackedBatches, TokenDataset, pack_window, prepare_token_files, stdlib_documents
@@ -262,6 +262,23 @@ def test_processes_read_disjoint_rows_of_the_same_global_batch():
             np.testing.assert_array_equal(np.concatenate([g[key] for g in got]), expected[key])
     with pytest.raises(ValueError, match="not divisible by the 3 processes"):
         PackedBatches(stream, seq_len=16, global_batch=8, process_count=3)
+
+
+def test_a_batch_the_processes_cannot_share_names_its_config_key():
+    """The error named the iterator's own argument (global_batch) and no config key: a user
+    could not tell which setting to change. It now names train.batch_size (or the key the
+    caller gives), keys the ConfigError by it and says what is allowed."""
+    stream = np.arange(200, dtype=np.int32)
+    with pytest.raises(ConfigError) as error:
+        PackedBatches(stream, seq_len=16, global_batch=8, process_count=3)
+    assert str(error.value) == (
+        "train.batch_size (8) is not divisible by the 3 processes: each process reads an equal share of every "
+        "global batch, so train.batch_size must be a multiple of 3"
+    )
+    assert error.value.key == "train.batch_size"
+    with pytest.raises(ConfigError, match=r"^transfer\.train\.batch_size \(6\) is not divisible by the 4") as error:
+        PackedBatches(stream, seq_len=16, global_batch=6, process_count=4, batch_key="transfer.train.batch_size")
+    assert error.value.key == "transfer.train.batch_size"
 
 
 def test_stdlib_corpus_is_real_sorted_python():

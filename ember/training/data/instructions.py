@@ -46,6 +46,7 @@ import numpy as np
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.hf_tokenizer import GENERATION_TAG
 from ember.core.jsonl import jsonl_lines, lone_surrogate
+from ember.training.data.iterator import check_process_split
 from ember.training.data.packing import empty_row
 
 ROLES = ("system", "user", "assistant")
@@ -292,7 +293,8 @@ class InstructionBatches:
     Epoch ``e`` packs the examples in the order ``permutation(seed, e)`` (``shuffle=False``:
     file order). The state is ``(epoch, row)``; restoring it gives the same batches again. A
     global batch is ``global_batch`` consecutive rows, of which process ``p`` takes its own
-    ``global_batch / process_count``.
+    ``global_batch / process_count``; ``batch_key`` is the config key it comes from (named when
+    it does not split over the processes).
     """
 
     def __init__(
@@ -305,13 +307,13 @@ class InstructionBatches:
         shuffle: bool = True,
         process_index: int = 0,
         process_count: int = 1,
+        batch_key: str = "train.batch_size",
     ):
         if not examples:
             raise DataError("no examples to train on")
         if not any(example.tokens.size >= 2 for example in examples):  # packing drops shorter ones
             raise DataError("no example has two tokens (an input and a target to predict): nothing to train on")
-        if global_batch % process_count:
-            raise DataError(f"global batch {global_batch} does not split over {process_count} processes")
+        check_process_split(global_batch, process_count, batch_key)
         self.examples, self.seq_len, self.global_batch = list(examples), seq_len, global_batch
         self.seed, self.shuffle = seed, shuffle
         self.local_batch = global_batch // process_count

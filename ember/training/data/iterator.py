@@ -20,6 +20,17 @@ from ember.core.tokenizer import ByteTokenizer
 from ember.training.data.packing import empty_row, pack_window
 
 
+def check_process_split(global_batch: int, process_count: int, batch_key: str) -> None:
+    """Raises ``ConfigError`` (keyed ``batch_key``) when a global batch of ``global_batch`` rows
+    does not split into equal shares over ``process_count`` processes (each reads its own)."""
+    if global_batch % process_count:
+        raise ConfigError(
+            f"{batch_key} ({global_batch}) is not divisible by the {process_count} processes: each process reads "
+            f"an equal share of every global batch, so {batch_key} must be a multiple of {process_count}",
+            key=batch_key,
+        )
+
+
 class PackedBatches:
     """Packed ``[local_batch, seq_len]`` batches from a token stream.
 
@@ -29,6 +40,8 @@ class PackedBatches:
       global_batch: rows per step across all processes.
       seed: the shuffling seed; ``shuffle=False`` visits windows in order (for evaluation).
       process_index, process_count: this process's share of every global batch.
+      batch_key: the config key ``global_batch`` comes from, for the error when it does not
+        split over the processes.
     """
 
     def __init__(
@@ -42,11 +55,11 @@ class PackedBatches:
         eos_id: int = ByteTokenizer.eos_id,
         process_index: int = 0,
         process_count: int = 1,
+        batch_key: str = "train.batch_size",
     ):
         if seq_len < 1 or global_batch < 1:
             raise ValueError(f"seq_len and global_batch must be positive, got {seq_len} and {global_batch}")
-        if global_batch % process_count:
-            raise ConfigError(f"global_batch {global_batch} is not divisible by the {process_count} processes")
+        check_process_split(global_batch, process_count, batch_key)
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
         self.num_windows = (len(stream) - 1) // seq_len

@@ -58,6 +58,7 @@ class _LinearizeStage(LMTask):
         lm = LMConfig(run_dir=config.run_dir, seed=config.seed, model=model_config, data=config.data, train=loop,
                       sample=SampleConfig(prompts=()))  # fmt: skip
         super().__init__(lm, dataset)
+        self.batch_key = f"{section}.batch_size"
         self.run_config = config
         self.base_params, self.base_state = split_variables(as_variables(base.params))
 

@@ -63,6 +63,8 @@ class LMTask(Task):
 
     batch_axes = BATCH_AXES
     count_name = "tokens"
+    batch_key = "train.batch_size"
+    """The config key of ``config.train.batch_size`` as the user wrote it (named in errors)."""
 
     def __init__(self, config: LMConfig, dataset: TokenDataset | None = None):
         self.config = config
@@ -115,6 +117,7 @@ class LMTask(Task):
             eos_id=self.dataset.tokenizer.eos_id,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
+            batch_key=self.batch_key,
             **kwargs,
         )
 
