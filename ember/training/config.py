@@ -7,6 +7,8 @@ A task's experiment config embeds them (the LM's ``train:`` section extends
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Any
 
 from ember.core.errors import ConfigError
 
@@ -82,4 +84,25 @@ class LoggingConfig:
     tensorboard: bool = True
 
 
-__all__ = ["LOSS_SCALE_MODES", "NAN_POLICIES", "CheckpointConfig", "LoggingConfig", "LoopConfig"]
+def changed_fields(section: Any, default: Any) -> list[str]:
+    """The fields of the dataclass ``section`` that differ from ``default``'s."""
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
+
+
+def warn_unused(run: str, unused: list[str]) -> None:
+    """Warns, naming the keys, of settings a run never reads (``run`` says which run, e.g.
+    ``method full``; nothing when ``unused`` is empty). A warning, not an error: ``method=full``
+    over a LoRA config's file is a reasonable command line."""
+    if unused:
+        warnings.warn(f"this run ({run}) does not use {', '.join(unused)}: ignored", stacklevel=3)
+
+
+__all__ = [
+    "LOSS_SCALE_MODES",
+    "NAN_POLICIES",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "LoopConfig",
+    "changed_fields",
+    "warn_unused",
+]

@@ -3,6 +3,7 @@ jitted) and the config's errors."""
 
 import json
 import sys
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -180,6 +181,30 @@ def test_config_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(GRPOConfig, path, overrides)
     assert GRPOSection(group_size=4, prompts_per_step=2, updates_per_rollout=2).rows_per_update == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, unused",
+    [
+        (["method=full", "adapter.rank=4", "adapter.targets=[q]"], "adapter.rank, adapter.targets"),
+        (["grpo.algorithm=reinforce", "grpo.clip_eps=0.1"], r"grpo.clip_eps \(read by grpo.algorithm grpo only\)"),
+        (["adapter.ga_gamma=4"], r"adapter.ga_gamma \(read by adapter.init lora_ga only\)"),
+    ],
+)
+def test_settings_the_run_never_reads_are_named_in_a_warning(tmp_path, overrides, unused):
+    """method full trained every weight with the adapter section dropped without a word, and
+    reinforce, which has no policy ratio, ignored grpo.clip_eps: now named as kind: finetune
+    names its unused settings. The settings the run reads warn of nothing."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("kind: grpo\nbase_model: {path: somewhere}\n")
+    with pytest.warns(
+        UserWarning, match=rf"this run \(method \w+, grpo.algorithm \w+\) does not use {unused}: ignored"
+    ):
+        load_config(GRPOConfig, path, overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(GRPOConfig, path, ["adapter.rank=4", "grpo.clip_eps=0.1"])
+        load_config(GRPOConfig, path, ["method=full", "grpo.algorithm=reinforce"])
 
 
 def test_prompt_files_split_at_newlines_only_and_refuse_what_is_not_text(tmp_path):

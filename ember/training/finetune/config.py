@@ -20,7 +20,6 @@ absolute (``ember.core.config.absolute_path``), so a run's saved config works fr
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 from omegaconf import MISSING
@@ -33,7 +32,7 @@ from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
 from ember.models.quantization import QuantizeConfig
-from ember.training.config import CheckpointConfig, LoggingConfig
+from ember.training.config import CheckpointConfig, LoggingConfig, changed_fields, warn_unused
 from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, check_data_seed, run_identity
 from ember.training.optimizers import OptimConfig
 
@@ -224,30 +223,23 @@ class FinetuneConfig:
         return self.method == "lora" and self.export.peft is not False
 
     def _warn_unused_keys(self) -> None:
-        """Warns, naming the keys, of settings the run never reads (a warning, not an error:
-        ``method=full`` over a LoRA config's file is a reasonable command line)."""
+        """Warns, naming the keys, of settings the run never reads (``warn_unused``)."""
         unused = []
         if self.method == "full":
-            unused += [f"adapter.{name}" for name in _changed(self.adapter, LoraConfig())]
+            unused += [f"adapter.{name}" for name in changed_fields(self.adapter, LoraConfig())]
         if self.method != "mixlora":
-            unused += [f"mixlora.{name}" for name in _changed(self.mixlora, MixLoraConfig())]
+            unused += [f"mixlora.{name}" for name in changed_fields(self.mixlora, MixLoraConfig())]
         if self.method != "full" and self.adapter.init != "lora_ga":
-            ga = {"ga_batches", "ga_gamma"} & set(_changed(self.adapter, LoraConfig()))
+            ga = {"ga_batches", "ga_gamma"} & set(changed_fields(self.adapter, LoraConfig()))
             unused += [f"adapter.{name} (read by adapter.init lora_ga only)" for name in sorted(ga)]
         if self.export.model_type and not self.export.merged:
             unused.append("export.model_type (read by export.merged only)")
-        if unused:
-            warnings.warn(f"this run (method {self.method}) does not use {', '.join(unused)}: ignored", stacklevel=2)
+        warn_unused(f"method {self.method}", unused)
 
     def identity(self) -> dict[str, Any]:
         """The flattened keys that define the run (what must not change on resume)."""
         runtime = (*RUNTIME_KEYS, "export", *BASE_MODEL_RUNTIME_KEYS)
         return run_identity({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, runtime)
-
-
-def _changed(section: Any, default: Any) -> list[str]:
-    """The fields of the dataclass ``section`` that differ from ``default``'s."""
-    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
 
 
 __all__ = [

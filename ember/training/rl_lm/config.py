@@ -31,7 +31,7 @@ from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig
 from ember.models.adapters.lora import LoraConfig
-from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
+from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig, changed_fields, warn_unused
 from ember.training.data.arithmetic import OPERATORS
 from ember.training.finetune.config import BASE_MODEL_RUNTIME_KEYS, BaseModelConfig
 from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, run_identity
@@ -234,6 +234,22 @@ class GRPOConfig:
                 f"({self.grpo.rows_per_update})",
                 key="train.grad_accum",
             )
+        self._warn_unused_keys()
+
+    def _warn_unused_keys(self) -> None:
+        """Warns, naming the keys, of settings the run never reads (``warn_unused``, as
+        ``kind: finetune`` does): the adapter under method full, LoRA-GA's keys, the ratio clip
+        under reinforce."""
+        unused = []
+        changed = changed_fields(self.adapter, LoraConfig())
+        if self.method == "full":
+            unused += [f"adapter.{name}" for name in changed]
+        else:  # adapter.init lora_ga is refused above
+            ga = {"ga_batches", "ga_gamma"} & set(changed)
+            unused += [f"adapter.{name} (read by adapter.init lora_ga only)" for name in sorted(ga)]
+        if self.grpo.algorithm != "grpo" and self.grpo.clip_eps != GRPOSection().clip_eps:
+            unused.append("grpo.clip_eps (read by grpo.algorithm grpo only)")
+        warn_unused(f"method {self.method}, grpo.algorithm {self.grpo.algorithm}", unused)
 
     def identity(self) -> dict[str, Any]:
         """The flattened keys that define the run (what must not change on resume)."""
