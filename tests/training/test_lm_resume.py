@@ -116,3 +116,18 @@ def test_resume_guard_lists_the_settings_that_may_change(tmp_path):
     for key in ("base_model.attention_impl", "base_model.remat", "train.grad_accum", "mesh", "checkpoint"):
         assert key in allowed, (key, allowed)
     assert " model." not in allowed, allowed
+
+
+def test_a_saved_config_that_no_longer_validates_names_the_saved_file(tmp_path):
+    # A full fine-tuning run saved before export.peft was refused for it: its config.yaml holds
+    # peft: true. Before, the resume raised the bare check ("export.peft writes a LoRA adapter
+    # ..."), read as a fault of the command line, which cannot change the saved file.
+    from ember.training.finetune.config import FinetuneConfig
+    from ember.training.launcher import shipped_configs_dir
+
+    path = shipped_configs_dir() / "finetune" / "lora.yaml"
+    config = load_config(FinetuneConfig, path, ["base_model.path=base", "data.train=t.jsonl", "method=full"])
+    (tmp_path / "config.yaml").write_text(to_yaml(config).replace("peft: null", "peft: true"))
+    with pytest.raises(ConfigError, match=r"config\.yaml, the saved config of the run being resumed") as error:
+        check_resumable(tmp_path, config)
+    assert error.value.key == "export.peft" and "edit that file" in str(error.value)

@@ -71,12 +71,22 @@ def check_resumable(run_dir: Path, config: Any) -> None:
     """A run directory's saved config may differ from ``config`` only in runtime settings.
 
     Raises:
-      ConfigError: naming the changed keys that define the run (the first is ``key``).
+      ConfigError: naming the changed keys that define the run (the first is ``key``), or the
+        saved config's own error where it no longer validates (a check added since it was
+        written): that file is the one to edit, not the command line.
     """
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
         return
-    saved, current = from_yaml(type(config), saved_path.read_text()).identity(), config.identity()
+    try:
+        saved = from_yaml(type(config), saved_path.read_text()).identity()
+    except ConfigError as error:
+        raise ConfigError(
+            f"{saved_path}, the saved config of the run being resumed, no longer validates: {error} "
+            "(edit that file, or start a new run_dir)",
+            key=error.key,
+        ) from None
+    current = config.identity()
     changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     if changed:
         raise ConfigError(
