@@ -76,10 +76,13 @@ def test_train_list_prints_paths_that_ember_train_accepts(tmp_path, monkeypatch,
     for directory, relative in ((tmp_path, False), (shipped_configs_dir().parent, True)):
         monkeypatch.chdir(directory)
         assert main(["train", "--list"]) == 0
-        paths = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+        printed = capsys.readouterr().out.splitlines()
+        paths = [line.split()[0] for line in printed]
         assert "lm/tiny.yaml" in {"/".join(Path(path).parts[-2:]) for path in paths}
         assert all(Path(path).is_file() for path in paths), paths
         assert all(not Path(path).is_absolute() for path in paths) == relative, paths
+        # One column of kinds, also past 40 characters of path (before, those pushed theirs right).
+        assert len({line.index(" kind=") for line in printed}) == 1, printed
 
 
 def test_output_read_by_a_closed_pipe_is_not_an_error_of_the_user():

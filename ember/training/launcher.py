@@ -67,11 +67,15 @@ def _list_configs() -> int:
     if not root.is_dir():
         print(f"no shipped configs found (looked in {root})")
         return 1
-    runnable = [(path, read_key(path, "kind")) for path in sorted(root.rglob("*.yaml"))]
     here = Path.cwd().resolve()
-    for path, kind in runnable:
-        if kind is not None:  # files without a kind are presets other configs extend
-            # A path 'ember train' accepts from here: relative inside the checkout, else absolute.
-            shown = path.relative_to(here) if path.is_relative_to(here) else path
-            print(f"{shown!s:<40} kind={kind}")
+    # Files without a kind are presets other configs extend. Each path is one 'ember train'
+    # accepts from here: relative inside the checkout, else absolute.
+    runnable = [
+        (str(path.relative_to(here) if path.is_relative_to(here) else path), kind)
+        for path in sorted(root.rglob("*.yaml"))
+        if (kind := read_key(path, "kind")) is not None
+    ]
+    width = max((len(shown) for shown, _ in runnable), default=0)
+    for shown, kind in runnable:
+        print(f"{shown:<{width}}  kind={kind}")
     return 0
