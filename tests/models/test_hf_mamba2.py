@@ -77,6 +77,18 @@ def test_the_default_unclamped_step_size_limit_loads(tmp_path):
     assert hf.config_from_hf(written).ssm.time_step_limit == (0.0, float("inf")), written["time_step_limit"]
 
 
+@pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.001, float("inf")), (0.0, 1.5)])
+def test_exported_step_size_limit_is_json_transformers_reads(pair, tmp_path, limit):
+    """An infinite bound was written as a bare ``Infinity``, which is not JSON (strict parsers
+    reject it; transformers writes ``{"__float__": "Infinity"}``)."""
+    _, _, config, _ = pair
+    config = dataclasses.replace(config, ssm=dataclasses.replace(config.ssm, time_step_limit=limit))
+    text = json.dumps(hf.config_to_hf(config, "mamba2"), allow_nan=False)
+    (tmp_path / "config.json").write_text(text)
+    assert tuple(transformers.AutoConfig.from_pretrained(tmp_path).time_step_limit) == limit
+    assert hf.config_from_hf(json.loads(text)).ssm.time_step_limit == limit
+
+
 def test_logits_match_transformers(pair, rng):
     model, _, config, params = pair
     forward = jax.jit(DecoderLM(config).apply)

@@ -33,6 +33,12 @@ def _json_float(value: Any) -> float:
     return float(value)
 
 
+def _json_limit(limit: tuple[float, float]) -> list[Any]:
+    """``time_step_limit`` for a ``config.json``: an infinite bound as transformers writes it
+    (``{"__float__": "Infinity"}``; a bare ``Infinity`` is not JSON)."""
+    return [value if math.isfinite(value) else {"__float__": "Infinity"} for value in limit]
+
+
 def mamba2_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face ``mamba2`` config dict, with transformers' default
     for each field it leaves out (:func:`ember.models.hf.defaults.with_transformers_defaults`)."""
@@ -95,7 +101,7 @@ def mamba2_config_to_hf(config: ModelConfig) -> dict[str, Any]:
             key="final_soft_cap",
         )
     ssm = config.ssm
-    return {
+    hf = {
         "architectures": ["Mamba2ForCausalLM"],
         "model_type": "mamba2",
         "vocab_size": config.vocab_size,
@@ -108,7 +114,7 @@ def mamba2_config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "n_groups": ssm.n_groups,
         "conv_kernel": ssm.conv_kernel,
         "chunk_size": ssm.chunk_size,
-        "time_step_limit": list(ssm.time_step_limit),
+        "time_step_limit": _json_limit(ssm.time_step_limit),
         "use_conv_bias": ssm.use_conv_bias,
         "use_bias": False,
         "hidden_act": "silu",
@@ -117,6 +123,9 @@ def mamba2_config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "initializer_range": config.init_std,
         "residual_in_fp32": True,
     }
+    if ssm.time_step_limit == (0.0, math.inf):  # transformers' default (and Ember's): nothing to write
+        del hf["time_step_limit"]
+    return hf
 
 
 def mamba2_params_from_hf(config: ModelConfig, take: Callable[..., np.ndarray]) -> dict[str, Any]:
