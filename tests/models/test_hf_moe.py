@@ -207,3 +207,13 @@ def test_qwen2_moe_sliding_window_needs_layer_types():
         hf.config_from_hf(hf_config)
     layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
     assert hf.config_from_hf({**hf_config, "layer_types": layer_types}).layer_kinds == ("local", "global", "local")
+
+
+@pytest.mark.parametrize("step", [0, -2])
+def test_qwen2_moe_decoder_sparse_step_must_be_positive(step):
+    """Layer ``i`` is sparse when ``(i + 1) % decoder_sparse_step == 0``: 0 crashed with
+    ZeroDivisionError ('integer modulo by zero')."""
+    hf_config = {**CASES["qwen2_moe"]().to_dict(), "decoder_sparse_step": step}
+    with pytest.raises(ConfigError, match="decoder_sparse_step must be a positive integer") as error:
+        hf.config_from_hf(hf_config)
+    assert error.value.key == "decoder_sparse_step"

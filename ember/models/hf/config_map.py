@@ -192,6 +192,12 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dic
         return {"mlp_pattern": ("moe",), "moe": moe}
     num_experts = int(hf["num_experts"])
     step, dense_layers = int(hf["decoder_sparse_step"]), set(hf.get("mlp_only_layers") or ())
+    if step < 1:  # layer i is sparse when (i + 1) % decoder_sparse_step == 0
+        raise ConfigError(
+            f"qwen2_moe config field decoder_sparse_step must be a positive integer (every n-th layer sparse), "
+            f"got {step}",
+            key="decoder_sparse_step",
+        )
     sparse = [i not in dense_layers and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
     mlps = ["moe" if is_sparse else "dense" for is_sparse in sparse]
     shared_dim = int(hf.get("shared_expert_intermediate_size") or 0)
