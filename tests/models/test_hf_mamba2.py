@@ -155,6 +155,17 @@ def test_unsupported_mamba2_configs_are_named(pair, tmp_path):
         hf.config_to_hf(dataclasses.replace(config, final_soft_cap=30.0), "mamba2")
 
 
+@pytest.mark.parametrize("limit", [[0.0, None], [0.5], [0.0, 1.0, 2.0], "inf"])
+def test_a_malformed_step_size_limit_is_a_config_error(pair, limit):
+    """Before, ``[0.0, null]`` crashed with TypeError, ``[0.5]`` with IndexError, and a third
+    bound or a string was dropped or read character by character."""
+    _, path, _, _ = pair
+    hf_config = {**json.loads((path / "config.json").read_text()), "time_step_limit": limit}
+    with pytest.raises(ConfigError, match=r"time_step_limit must be \[low, high\]") as error:
+        hf.config_from_hf(hf_config)
+    assert error.value.key == "time_step_limit"
+
+
 def test_weights_of_another_config_are_a_data_error_naming_the_tensor(pair):
     """Before, np.split cut in_proj at the wrong rows and a numpy reshape failed ("cannot reshape
     array of size 640 into shape (32,4)")."""

@@ -58,6 +58,13 @@ def mamba2_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfi
     if chunk < 8 or chunk & (chunk - 1):
         chunk = 64  # SSD's results do not depend on the chunk; Ember's kernels need a power of two
     limit = hf.get("time_step_limit") or (0.0, math.inf)
+    try:
+        low, high = (_json_float(value) for value in limit)
+    except (TypeError, ValueError):  # null, a string, not two bounds
+        raise ConfigError(
+            f"mamba2 config field time_step_limit must be [low, high] (two numbers), got {limit!r}",
+            key="time_step_limit",
+        ) from None
     ssm = SSMConfig(
         state_size=int(hf["state_size"]),
         n_groups=int(hf["n_groups"]),
@@ -65,7 +72,7 @@ def mamba2_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfi
         head_dim=head_dim,
         conv_kernel=int(hf["conv_kernel"]),
         chunk_size=chunk,
-        time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+        time_step_limit=(low, high),
         use_conv_bias=bool(hf["use_conv_bias"]),
     )
     fields = dict(
