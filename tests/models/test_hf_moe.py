@@ -217,3 +217,19 @@ def test_qwen2_moe_decoder_sparse_step_must_be_positive(step):
     with pytest.raises(ConfigError, match="decoder_sparse_step must be a positive integer") as error:
         hf.config_from_hf(hf_config)
     assert error.value.key == "decoder_sparse_step"
+
+
+def test_qwen2_moe_without_a_shared_expert_loads(tmp_path, rng):
+    """``shared_expert_intermediate_size: 0``: transformers builds a zero-width shared expert
+    (its tensors are saved, its output is 0); the load refused them ('has tensors Ember does
+    not use: ...shared_expert.down_proj.weight ...')."""
+    model = random_hf_model(
+        dataclasses.replace(CASES["qwen2_moe"](), shared_expert_intermediate_size=0), seed=3, scale=0.2
+    )
+    model.save_pretrained(tmp_path)
+    config, params = hf.load(tmp_path, attention_impl="xla", moe_impl="xla")
+    assert not config.moe.shared_experts
+    tokens = jax.random.randint(rng, (1, 12), 0, config.vocab_size)
+    with torch.no_grad():
+        expected = model(torch.as_tensor(np.array(tokens))).logits.numpy()
+    assert_allclose(DecoderLM(config).apply({"params": params}, tokens)[0], expected, scale=10)

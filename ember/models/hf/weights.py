@@ -154,6 +154,9 @@ def _moe_from_hf(take, state: Mapping[str, Any], prefix: str, config: ModelConfi
         shared_width = config.moe.shared_experts * (config.moe.shared_expert_dim or width)
         params["shared"] = _mlp_from_hf(take, prefix + "mlp.shared_expert.", d_model, shared_width)
         params["shared_gate"] = take(prefix + "mlp.shared_expert_gate.weight", shape=(1, d_model)).T
+    elif prefix + "mlp.shared_expert_gate.weight" in state:  # shared_expert_intermediate_size 0: adds exactly 0
+        _mlp_from_hf(take, prefix + "mlp.shared_expert.", d_model, 0)
+        take(prefix + "mlp.shared_expert_gate.weight", shape=(1, d_model))
     return params
 
 
