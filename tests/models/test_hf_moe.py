@@ -233,3 +233,17 @@ def test_qwen2_moe_without_a_shared_expert_loads(tmp_path, rng):
     with torch.no_grad():
         expected = model(torch.as_tensor(np.array(tokens))).logits.numpy()
     assert_allclose(DecoderLM(config).apply({"params": params}, tokens)[0], expected, scale=10)
+
+
+@pytest.mark.parametrize("field,value", [("num_experts", 0), ("mlp_only_layers", [0, 1, 2])])
+def test_qwen2_moe_with_no_sparse_layer_loads_as_dense(field, value, tmp_path, rng):
+    """transformers builds every layer dense; the import raised 'moe.top_k must be in [1, 1]'
+    for num_experts 0 (its routing settings were checked though no layer routes)."""
+    model = random_hf_model(dataclasses.replace(CASES["qwen2_moe"](), **{field: value}), seed=4, scale=0.2)
+    model.save_pretrained(tmp_path)
+    config, params = hf.load(tmp_path, attention_impl="xla")
+    assert config.layer_mlps == ("dense",) * 3
+    tokens = jax.random.randint(rng, (1, 12), 0, config.vocab_size)
+    with torch.no_grad():
+        expected = model(torch.as_tensor(np.array(tokens))).logits.numpy()
+    assert_allclose(DecoderLM(config).apply({"params": params}, tokens)[0], expected, scale=10)

@@ -200,6 +200,8 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dic
         )
     sparse = [i not in dense_layers and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
     mlps = ["moe" if is_sparse else "dense" for is_sparse in sparse]
+    if not any(sparse):  # num_experts 0, or every layer in mlp_only_layers: a dense model
+        return {"mlp_pattern": ("dense",)}
     shared_dim = int(hf.get("shared_expert_intermediate_size") or 0)
     moe = MoEConfig(
         num_experts=max(num_experts, 1),
