@@ -131,3 +131,20 @@ def test_a_saved_config_that_no_longer_validates_names_the_saved_file(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.yaml, the saved config of the run being resumed") as error:
         check_resumable(tmp_path, config)
     assert error.value.key == "export.peft" and "edit that file" in str(error.value)
+
+
+def test_resume_guard_refuses_a_run_directory_of_another_kind(tmp_path):
+    # Before, the saved config was read with this run's schema: resuming an LM config into a
+    # fine-tuning run's directory said "unknown config key 'base_model' ... Did you mean 'model'?",
+    # a key the user's own config does not have.
+    from ember.training.finetune.config import FinetuneConfig
+    from ember.training.launcher import shipped_configs_dir
+
+    path, required = shipped_configs_dir() / "finetune" / "lora.yaml", ["base_model.path=base", "data.train=t.jsonl"]
+    finetune = load_config(FinetuneConfig, path, [*required, f"run_dir={tmp_path}"])
+    lm = load_config(LMConfig, None, [f"run_dir={tmp_path}"])
+    for saved, resumed in [(finetune, lm), (lm, finetune)]:
+        (tmp_path / "config.yaml").write_text(to_yaml(saved))
+        with pytest.raises(ConfigError, match=f"holds a run of kind '{saved.kind}'.*kind is '{resumed.kind}'") as error:
+            check_resumable(tmp_path, resumed)
+        assert error.value.key == "kind"

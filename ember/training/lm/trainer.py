@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from ember.core.config import ConfigError, from_yaml, to_yaml
+from ember.core.config import ConfigError, from_yaml, read_key, to_yaml
 from ember.core.distributed import initialize_distributed
 from ember.core.sharding import logical_rules, make_mesh
 from ember.training.lm.config import LMConfig, flatten_keys
@@ -71,13 +71,21 @@ def check_resumable(run_dir: Path, config: Any) -> None:
     """A run directory's saved config may differ from ``config`` only in runtime settings.
 
     Raises:
-      ConfigError: naming the changed keys that define the run (the first is ``key``), or the
-        saved config's own error where it no longer validates (a check added since it was
-        written): that file is the one to edit, not the command line.
+      ConfigError: the saved run is of another kind (keyed ``kind``), naming the changed keys that
+        define the run (the first is ``key``), or the saved config's own error where it no longer
+        validates (a check added since it was written): that file is the one to edit, not the
+        command line.
     """
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
         return
+    saved_kind = read_key(saved_path, "kind")
+    if saved_kind != config.kind:
+        raise ConfigError(
+            f"run_dir {run_dir} holds a run of kind {saved_kind!r}, and this config's kind is {config.kind!r}; "
+            f"--resume continues a run of the same kind: use a new run_dir, or resume it with a {saved_kind!r} config",
+            key="kind",
+        )
     try:
         saved = from_yaml(type(config), saved_path.read_text()).identity()
     except ConfigError as error:
