@@ -196,6 +196,41 @@ def test_each_process_share_of_a_rollout_must_split_into_its_updates():
     assert error.value.key == "grpo.updates_per_rollout"
 
 
+def test_a_run_stopped_inside_a_rollout_resumes_with_its_checkpoints_between_rollouts():
+    """Two updates per rollout, a stop by signal after step 5 (inside rollout 2), a resume and
+    three more steps. The resume now samples a fresh rollout (index 3) and serves its second slice
+    at step 6, so step 8 ends rollout 4 and its checkpoint falls between rollouts. Before, it
+    skipped to the next boundary: step 6 took the first slice of rollout 3 and every later step was
+    one slice ahead, so step 8's periodic checkpoint held served=9, inside rollout 4, and the next
+    resume skipped half a rollout again."""
+    config = GRPOSection(group_size=2, prompts_per_step=2, updates_per_rollout=2)
+
+    def batches():
+        iterator = RolloutBatches(["1+1="], arithmetic_exact_match, config, seq_len=8, tokenizer=None)
+        rows = 2 * iterator.batch_spec()["advantages"].shape[0]
+
+        def rollout():  # rows numbered by rollout, so a batch says which rollout and slice it is
+            index, iterator.rollouts = iterator.rollouts, iterator.rollouts + 1
+            rows_of = 100 * index + np.arange(rows)
+            return {name: np.broadcast_to(rows_of.reshape(-1, *(1,) * (len(spec.shape) - 1)), (rows, *spec.shape[1:]))
+                    for name, spec in iterator.batch_spec().items()}  # fmt: skip
+
+        iterator._rollout = rollout
+        return iterator
+
+    stopped = batches()
+    for _ in range(5):
+        stopped.next()
+    resumed = batches()
+    resumed.restore(stopped.state())
+    half = resumed.batch_spec()["advantages"].shape[0]  # a slice: half a rollout's rows
+    rows = 2 * half
+    taken = [resumed.next()["advantages"] for _ in range(3)]  # steps 6, 7, 8
+    np.testing.assert_array_equal(taken[0], 300 + np.arange(half, rows))  # rollout 3's second slice
+    np.testing.assert_array_equal(taken[2], 400 + np.arange(half, rows))  # step 8 ends rollout 4
+    assert resumed.state() == {"rollouts": 5, "served": 8}
+
+
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory):
     """A tiny random Llama with a word-level tokenizer (tests/training/finetune_setup.py): it

@@ -22,7 +22,9 @@ the samples of rollout ``r`` are seeded by ``(seed, r)``, so a resumed run repea
 trajectory. Periodic checkpoints fall between rollouts (``GRPOConfig`` makes
 ``checkpoint.every`` a multiple of ``grpo.updates_per_rollout``); a run stopped in the middle
 of a rollout (a signal) and resumed starts the next one: the sampling policy of the
-interrupted one is gone.
+interrupted one is gone. That fresh rollout serves only the slices the interrupted one had
+left, so the rollouts stay aligned with the trainer's steps and the later checkpoints still fall
+between rollouts.
 """
 
 from __future__ import annotations
@@ -144,9 +146,10 @@ class RolloutBatches:
         return {"rollouts": self.rollouts, "served": self.served}
 
     def restore(self, state: dict[str, Any]) -> None:
-        updates = self.config.updates_per_rollout
-        self.rollouts = int(state["rollouts"])
-        self.served = -(-int(state["served"]) // updates) * updates  # the next rollout boundary
+        # Saved inside a rollout (a stop by signal), the next batch comes from a fresh rollout that
+        # serves only the slices the interrupted one had left: ``served`` keeps counting the
+        # trainer's steps, so the later periodic checkpoints still fall between rollouts.
+        self.rollouts, self.served = int(state["rollouts"]), int(state["served"])
         self._current = None
 
     # ---------------------------------------------------------------- one rollout
