@@ -6,6 +6,8 @@ notebook's (tests/notebooks.py), which trains them with the shipped configs."""
 import dataclasses
 import functools
 import json
+import os
+import signal
 from types import SimpleNamespace
 
 import jax
@@ -270,6 +272,26 @@ def test_a_grpo_checkpoint_resumes_with_base_model_scan_layers_changed(tiny_base
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for (path, value), want in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(value, want, err_msg=jax.tree_util.keystr(path))  # moved, not computed
+
+
+def test_a_run_stopped_before_its_first_log_keeps_its_start_rewards_and_rollout_statistics(tiny_base, tmp_path):
+    """A SIGTERM at step 1 of a run that logs every 10 steps: it stops after step 2. Before, the
+    held-out rewards evaluated before training waited for the rollout monitor's first log, which a
+    stop did not run: metrics.jsonl had no step-0 record and no rollout statistics, and the resumed
+    run's summary had no eval_reward_start."""
+    overrides = ["prompts.eval_prompts=2", "prompts.eval_samples=1", "train.steps=4", "train.log_every=10"]
+    config = tiny_config(tiny_base, tmp_path / "run", *overrides, "grpo.max_tokens=4")
+    trainer = make_trainer(config, task=task_module.GRPOTask(config))
+    trainer.add_hook(lambda info: os.kill(os.getpid(), signal.SIGTERM) if info.step == 1 else None, every=1)
+    summary = trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and summary["stopped_early"]
+    start = [r for r in records if r["step"] == 0]
+    assert len(start) == 1 and start[0]["eval_reward"] == summary["eval_reward_start"]
+    assert any("rollout_tokens_per_second" in r for r in records if r["step"] == 2)
+    resumed = make_trainer(config, resume=True, task=task_module.GRPOTask(config))
+    assert resumed.results["eval_reward_start"] == summary["eval_reward_start"]
+    resumed.manager.close()
 
 
 def random_rollout_batch(task, lengths) -> dict[str, np.ndarray]:

@@ -213,7 +213,10 @@ class GRPOTask(Task):
         self.data.attach(self.engine, _scorer(self.model, self.engine, reference, grpo.temperature, micro))
         monitor = _RolloutMonitor(self, trainer)
         trainer.add_hook(self._sync, every=1)
-        trainer.add_hook(monitor.log, every=trainer.loop.log_every, on_last=True)
+        # The held-out rewards before training are written at step 1, and the rollouts' statistics
+        # on a stop too: a run stopped (or killed after a checkpoint) before its first log lost both.
+        trainer.add_hook(monitor.write_start, every=1)
+        trainer.add_hook(monitor.log, every=trainer.loop.log_every, on_last=True, on_stop=True)
         if self.held_out:
             trainer.add_hook(monitor.evaluate, every=trainer.loop.eval_every, on_last=True)
             monitor.start_values()
@@ -294,10 +297,13 @@ class _RolloutMonitor:
         self.eval_seconds = 0.0
         self.start: tuple[int, dict[str, float]] | None = None
 
-    def log(self, info) -> None:
+    def write_start(self, info) -> None:
+        """Writes the held-out rewards evaluated before training (the writer opens with the loop)."""
         if self.start is not None:
             self.trainer.writer.write(*self.start)
             self.start = None
+
+    def log(self, info) -> None:
         history = self.task.data.history[self.logged_rollouts :]
         self.logged_rollouts = len(self.task.data.history)
         now = time.perf_counter()
@@ -334,7 +340,7 @@ class _RolloutMonitor:
         self.trainer.results.update({f"{name}_start": v for name, v in start.items() if name.startswith("eval_reward")})
 
     def evaluate(self, info) -> None:
-        """The held-out rewards now (``info`` None: before training, written with the first log)."""
+        """The held-out rewards now (``info`` None: before training, written at the first step)."""
         start = time.perf_counter()
         values = self.task.evaluate()
         self.eval_seconds += time.perf_counter() - start
