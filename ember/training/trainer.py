@@ -65,6 +65,8 @@ from ember.training.train_step import TrainState, eval_step, init_state, train_s
 from ember.training.trainable import select, trainable_mask
 
 SUMMARY_METRICS = ("loss", "val_loss", "tokens_per_second", "mfu")
+_SKIPPED = "skipped_since_log"
+"""The checkpoint ``extra`` entry of the steps skipped (``train.on_nan=skip``) after the last log."""
 
 
 class NonFiniteLossError(EmberError, RuntimeError):
@@ -161,13 +163,13 @@ class Trainer:
                 "or choose another run_dir",
                 key="run_dir",
             )
+        self._skipped: jax.Array | int | None = None  # skipped steps since the last log, on device
         self.state = self._restore(boxed) if resume and self.manager.latest_step() is not None else self._init(boxed)
         self.last_metrics: dict[str, float] = {}
         self.results: dict[str, Any] = {}
         self.last_saved = int(self.state.step) if self.manager.latest_step() == int(self.state.step) else None
         self._hooks: list[Hook] = []
         self._window = ThroughputWindow()
-        self._skipped: jax.Array | None = None  # skipped steps since the last log, on device
         self.add_hook(self._log, every=self.loop.log_every, on_last=True, on_stop=True)
         if task.eval_data() is not None:
             self.add_hook(self._evaluate_hook, every=self.loop.eval_every, on_last=True)
@@ -289,6 +291,7 @@ class Trainer:
             restored = self.manager.restore(target=abstract_with_shardings(unbox(saved_boxed), saved_shardings))
             state = jax.jit(convert, out_shardings=self.state_shardings)(restored.state)
         self.data.restore(restored.extra["data"])
+        self._skipped = restored.extra.get(_SKIPPED) or None
         return state
 
     # ----------------------------------------------------------------------------- the loop
@@ -431,7 +434,10 @@ class Trainer:
         if self.loop.on_nan == "stop" and not bool(info.metrics["finite"]):
             values = scalar_metrics(jax.device_get(info.metrics))
             raise NonFiniteLossError(self._nan_message(info.step, values))
-        self.manager.save(info.step, info.state, extra={"data": self.data.state()})
+        extra = {"data": self.data.state()}
+        if self._skipped is not None:  # counted since the last log, which a resume from here logs
+            extra[_SKIPPED] = int(self._skipped)
+        self.manager.save(info.step, info.state, extra=extra)
         self.last_saved = info.step
 
     def _nan_message(self, step: int, values: dict[str, float]) -> str:

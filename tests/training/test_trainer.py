@@ -362,6 +362,30 @@ def test_skipped_steps_between_log_steps_are_counted_at_the_next_log(tmp_path):
     ]
 
 
+def test_skipped_steps_before_a_checkpoint_are_counted_by_the_resumed_run(tmp_path):
+    """Step 2 of 4 is NaN and skipped, the checkpoint after it is at step 2 and the log at step 4; a
+    run crashed after step 3 resumes from step 2. The count lived on the device only, so the
+    resumed run logged skipped_steps 0 at step 4 (the uninterrupted run 1) and no skip event."""
+    task = Regression()
+    task.train_data = NanSecondBatch
+    make_trainer(task, tmp_path / "reference", steps=4, on_nan="skip", log_every=4).train()
+
+    def crash(info):
+        raise KeyboardInterrupt
+
+    interrupted = make_trainer(task, tmp_path / "resumed", steps=4, on_nan="skip", log_every=4)
+    interrupted.add_hook(crash, every=3)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    make_trainer(task, tmp_path / "resumed", steps=4, on_nan="skip", log_every=4, resume=True).train()
+    for run in ("reference", "resumed"):
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert logged(tmp_path / run)[4]["skipped_steps"] == 1, run
+        assert [(r["step"], r["event"]) for r in records if "event" in r] == [
+            (4, "skipped 1 non-finite step(s) since the last log")
+        ], run
+
+
 def test_throughput_leaves_out_hooks_that_run_every_step(tmp_path):
     """The window restarted after every step with a hook due: with a hook every step (GRPO's
     engine sync) each log's steps_per_second measured one step. On a clock that the data
