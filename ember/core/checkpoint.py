@@ -3,15 +3,17 @@
     with CheckpointManager(run_dir / "checkpoints", max_to_keep=3) as manager:
         manager.save(step, state, extra={"data_position": 1234})   # async
         ...
-    restored = CheckpointManager(run_dir / "checkpoints").restore(target=abstract_state)
+    restored = CheckpointManager(run_dir / "checkpoints", read_only=True).restore(target=abstract_state)
     restored.step, restored.state, restored.extra
-    params = CheckpointManager(run_dir / "checkpoints").restore_part("params")  # reads params only
+    params = CheckpointManager(run_dir / "checkpoints", read_only=True).restore_part("params")  # params only
 
 What it guarantees:
 
 - **Atomic commits.** Orbax writes each step into a temporary directory and renames it into
   place once every file is written, so a process killed mid-save leaves the previous step
-  restorable; leftover temporary directories are ignored and cleaned on the next open.
+  restorable; leftover temporary directories are ignored and cleaned on the next open for
+  writing. A manager opened ``read_only`` (to read a run that may be training) leaves them: one
+  may be the save a running trainer is writing.
 - **Restore onto any sharding.** ``target`` may hold concrete arrays or
   ``jax.ShapeDtypeStruct``s with a ``sharding``: a checkpoint written on one mesh loads onto
   another (or onto one device) without materialising the tree twice. Without a target, the
@@ -58,9 +60,18 @@ class CheckpointManager:
       directory: where step directories are written (created if missing).
       max_to_keep: keep only the newest N complete checkpoints (``None`` keeps all).
       async_save: write in a background thread; ``wait()`` or ``close()`` blocks until done.
+      read_only: only read (``save`` raises), and leave temporary directories alone: open a run's
+        checkpoints to read them this way, since another process may be writing one of them.
     """
 
-    def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be a positive integer or None, got {max_to_keep}")
         self.directory = Path(directory).expanduser().absolute()
@@ -68,22 +79,24 @@ class CheckpointManager:
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
         )
+        self.read_only = read_only
         _save_each_array_whole_on_cpu()
         # Naming the handlers lets a fresh manager read metadata of existing steps.
         handlers = {_STATE: ocp.StandardCheckpointHandler(), _EXTRA: ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         # Orbax cleans leftover temporary directories in a thread it awaits only before a save or
-        # in close(); a manager opened to read (``CheckpointManager(d).restore()``, as above) and
-        # dropped, or whose restore raised, left the thread running at exit, which then printed
-        # "cannot schedule new futures after shutdown" with a traceback. Awaiting it here costs
-        # one directory listing.
+        # in close(); a manager dropped after reading, or whose restore raised, left the thread
+        # running at exit, which then printed "cannot schedule new futures after shutdown" with a
+        # traceback. Awaiting it here costs one directory listing.
         self._await_cleanup()
 
     def save(self, step: int, state: Any, *, extra: dict[str, Any] | None = None) -> None:
         """Starts saving ``state`` (and JSON ``extra``) as ``step``; returns before the write ends
         when saving asynchronously. Saving a step that exists raises ``ValueError``."""
+        if self.read_only:
+            raise ValueError(f"this CheckpointManager of {self.directory} was opened read_only")
         if step in self.all_steps():
             raise ValueError(f"checkpoint step {step} already exists in {self.directory}")
         args = ocp.args.Composite(

@@ -167,9 +167,9 @@ def _load_finetune_run(
 def restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[Any, Any]:
     """``(params, model state)`` of checkpoint ``step`` of the run in ``path``, in ``config``'s layer layout."""
     try:
-        if not (path / "checkpoints").is_dir():  # nothing to open (orbax would start a cleanup thread on it)
+        if not (path / "checkpoints").is_dir():  # nothing to open (opening would create it)
             raise PathNotFoundError(f"no complete checkpoint in {path / 'checkpoints'}")
-        with CheckpointManager(path / "checkpoints") as manager:
+        with CheckpointManager(path / "checkpoints", read_only=True) as manager:  # the run may be training
             params = manager.restore_part("params", step)
             has_state = "model_state" in manager.state_metadata(step)
             model_state = manager.restore_part("model_state", step) if has_state else {}

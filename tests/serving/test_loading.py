@@ -70,6 +70,21 @@ def test_load_reads_the_params_and_never_the_optimizer_state(run_dir, monkeypatc
         np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
 
 
+def test_loading_a_run_leaves_the_save_its_trainer_is_writing(run_dir):
+    """``ember generate --checkpoint RUN`` while RUN trains: opening the run's checkpoints removed
+    every orbax temporary directory, the trainer's save in progress among them (seen with a real
+    asynchronous save: its commit then failed, "Save failed: 7/7 params are missing .zarray",
+    and the run crashed). A reader now opens them read-only and leaves them alone."""
+    path, params = run_dir
+    in_progress = path / "checkpoints" / "6.orbax-checkpoint-tmp-1234" / "state"  # what orbax writes into
+    in_progress.mkdir(parents=True)
+    loaded = load_model(path)
+    assert in_progress.is_dir()
+    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(loaded.params)[0]), np.asarray(jax.tree.leaves(params)[0]))
+    with pytest.raises(ValueError, match="opened read_only"):
+        CheckpointManager(path / "checkpoints", read_only=True).save(7, {"w": jnp.ones(2)})
+
+
 def test_scanned_checkpoint_serves_unscanned_with_the_same_logits(run_dir, rng):
     path, params = run_dir
     loaded = load_model(path, scan_layers=False)

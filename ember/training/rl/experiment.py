@@ -232,7 +232,7 @@ def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]
             f"'ember generate --checkpoint {run_dir} --prompt TEXT' samples a language model"
         )
     config = load_config(RLConfig, run_dir / CONFIG_FILE)
-    state = CheckpointManager(run_dir / CHECKPOINT_DIR).restore().state
+    state = CheckpointManager(run_dir / CHECKPOINT_DIR, read_only=True).restore().state
     saved_stats = state.get("obs_stats")
     obs_stats = None if saved_stats is None else RunningMeanVar(**{k: jnp.asarray(v) for k, v in saved_stats.items()})
     if obs_stats is None and config.algo == "ppo" and config.ppo.normalize_observations:
