@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import signal
 import warnings
 from collections.abc import Callable
@@ -308,7 +309,7 @@ class Trainer:
         self.writer = MetricsWriter(
             self.run_dir, tensorboard=self.logging.tensorboard, enabled=self.is_main, resume_step=start
         )
-        stop = _StopFlag()
+        stop = _StopFlag(start)
         bar = tqdm(
             total=self.loop.steps,
             initial=start,
@@ -327,7 +328,8 @@ class Trainer:
                     skipped = metrics["skipped"]
                     self._skipped = skipped if self._skipped is None else self._skipped + skipped
                 # One reading of the flag per step: a signal that lands later is honoured next step.
-                info = StepInfo(step + 1, self.state, metrics, step + 1 == self.loop.steps, stop.is_set, self)
+                stopping = stop.stopping(step + 1)
+                info = StepInfo(step + 1, self.state, metrics, step + 1 == self.loop.steps, stopping, self)
                 self._window.count_step()
                 due = [hook for hook in self._hooks if hook.due(info)]
                 # Throughput counts training steps only: the first step's compile and the
@@ -527,26 +529,62 @@ def _postfix(values: dict[str, float]) -> dict[str, str]:
 
 
 class _StopFlag:
-    """Turns SIGTERM/SIGINT into a request to checkpoint and stop after the current step."""
+    """Turns SIGTERM/SIGINT into a request to checkpoint and stop after the current step.
 
-    def __init__(self):
+    With several processes, every one must stop after the same step (a checkpoint is a collective,
+    and so is the next step of a process that did not stop: one process signalled alone hung the
+    run, with no checkpoint). There SIGTERM is left to JAX's preemption service, which
+    ``jax.distributed.initialize`` starts: it tells every process of a notice any of them received,
+    and ``reached_preemption_sync_point`` names the one step after which all stop. SIGINT is turned
+    into such a notice."""
+
+    def __init__(self, start: int):
         self.is_set = False
         self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        self._preemption = _preemption_service(start)
+        for sig in (signal.SIGINT,) if self._preemption else (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: leave signals alone
                 pass
 
+    def stopping(self, step: int) -> bool:
+        """Whether to checkpoint and stop after ``step`` (called once per step, in order)."""
+        if not self._preemption:
+            return self.is_set
+        from jax.experimental import multihost_utils
+
+        reached = multihost_utils.reached_preemption_sync_point(step)
+        if reached:
+            print(f"\na process received a preemption notice: saving a checkpoint after step {step}, then stopping")
+        return reached
+
     def _handle(self, signum, _frame):
         if self.is_set:  # a second signal: stop now
             raise KeyboardInterrupt
         self.is_set = True
+        if self._preemption:  # the notice the preemption service shares with every process
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping")
 
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _preemption_service(start: int) -> bool:
+    """Whether this run has several processes and JAX's preemption service, which then has
+    seen step ``start`` (its sync point is counted in steps every process calls it with)."""
+    if jax.process_count() == 1:
+        return False
+    from jax.experimental import multihost_utils
+
+    try:
+        multihost_utils.reached_preemption_sync_point(start)
+    except RuntimeError:  # jax_enable_preemption_service is off
+        return False
+    return True
 
 
 def initialisation_compiler_options(mesh: jax.sharding.Mesh) -> dict[str, int] | None:

@@ -116,6 +116,33 @@ def test_two_processes_train_like_one_and_resume_after_kill_9_on_a_new_port(tmp_
         assert_allclose(y, x, scale=10, err_msg="parameters after 6 steps")
 
 
+@pytest.mark.slow
+def test_a_signal_to_one_of_two_processes_stops_both_after_one_step_with_a_checkpoint(tmp_path, dataset):
+    """SIGTERM (a preemption notice) to rank 1 only. Before, rank 1 alone stopped and began its
+    checkpoint while rank 0 went on to the next step: each waited for the other in a collective, and
+    rank 0 hung (killed after 60 s) while rank 1 aborted, with no checkpoint written. JAX's
+    preemption service now names one step after which both save and stop."""
+    config_path = write_config(tmp_path, dataset, "train.steps=100000", "checkpoint.every=100000", "mesh.data=-1")
+    port, run_dir = free_port(), tmp_path / "run"
+    workers = [
+        ember_train(config_path, f"run_dir={run_dir}", f"distributed.coordinator_address=127.0.0.1:{port}",
+                    "distributed.num_processes=2", f"distributed.process_id={rank}", devices=2)
+        for rank in range(2)
+    ]  # fmt: skip
+    try:
+        wait_for_logged_steps(run_dir, 3)
+        workers[1].send_signal(signal.SIGTERM)
+        outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    assert [worker.returncode for worker in workers] == [0, 0], [output[-3000:] for output in outputs]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = CheckpointManager(run_dir / "checkpoints", read_only=True).all_steps()
+    assert summary["stopped_early"] and steps == [summary["steps"]] == [summary["last_checkpoint"]]
+    assert max(read_metrics(run_dir)) == summary["steps"] >= 3
+
+
 def test_a_batch_the_processes_cannot_split_is_a_config_error(tmp_path, dataset):
     """6 rows on 2 processes x 2 devices: the data axis (4) does not divide the batch, so the batch
     is replicated over it, and each process's 3 rows cannot fill it: both ranks died in
