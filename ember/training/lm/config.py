@@ -43,9 +43,12 @@ RUNTIME_KEYS: tuple[str, ...] = (
     "train.eval_every",
     "train.eval_batches",
     "train.grad_accum",
+    "train.on_nan",
 )
 """Keys (and sections) that say how this process runs the experiment, not what it is: a run
-resumes with any of them changed; so may the model's ``ember.models.config.RUNTIME_FIELDS``."""
+resumes with any of them changed; so may the model's ``ember.models.config.RUNTIME_FIELDS``.
+``train.on_nan`` is one: its policies train the same while the loss is finite, and a run stopped by
+a non-finite loss is told to resume from its last good checkpoint with ``train.on_nan=skip``."""
 
 
 @dataclasses.dataclass(frozen=True)
