@@ -187,6 +187,24 @@ def test_a_resumed_run_keeps_the_held_out_rewards_of_its_start(tmp_path):
     assert monitor.start == (0, {"eval_reward": 1.0})
 
 
+def test_a_finished_run_resumed_takes_its_final_held_out_rewards_from_the_log(tmp_path):
+    """Killed after its final evaluation, before summary.json, a run resumed with no steps left
+    runs its end-of-run hooks: the held-out evaluation ran again and wrote a second eval record at
+    the final step into metrics.jsonl. It now takes the logged rewards; a later step evaluates."""
+    records = [{"step": 0, "eval_reward": 0.25}, {"step": 4, "loss": 0.1}, {"step": 4, "eval_reward": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    evaluated, written = [], []
+    task = SimpleNamespace(evaluate=lambda: evaluated.append(1) or {"eval_reward": 1.0})
+    writer = SimpleNamespace(write=lambda step, values: written.append((step, values)))
+    trainer = SimpleNamespace(state=SimpleNamespace(step=4), run_dir=tmp_path, results={}, last_metrics={},
+                              writer=writer)  # fmt: skip
+    monitor = task_module._RolloutMonitor(task, trainer)
+    monitor.evaluate(SimpleNamespace(step=4))
+    assert not evaluated and not written and trainer.results == {"eval_reward": 0.75}
+    monitor.evaluate(SimpleNamespace(step=6))  # a step this run trained
+    assert evaluated == [1] and written == [(6, {"eval_reward": 1.0})] and trainer.results == {"eval_reward": 1.0}
+
+
 def test_each_process_share_of_a_rollout_must_split_into_its_updates():
     """8 completions in 8 updates is one per update; split between two processes, each holds 4
     and its batches would be empty (4 // 8 rows), so the config is refused."""

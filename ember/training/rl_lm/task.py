@@ -293,6 +293,7 @@ class _RolloutMonitor:
         self.task, self.trainer = task, trainer
         self.logged_rollouts = 0
         self.logged_step = int(trainer.state.step)  # a resumed run starts from its restored step
+        self.resumed_step = self.logged_step
         self.since = time.perf_counter()
         self.eval_seconds = 0.0
         self.start: tuple[int, dict[str, float]] | None = None
@@ -335,12 +336,17 @@ class _RolloutMonitor:
         if int(self.trainer.state.step) == 0:
             self.evaluate(None)
             return
-        records = read_metrics(self.trainer.run_dir) if (self.trainer.run_dir / METRICS_FILE).is_file() else []
-        start = next((r for r in records if r["step"] == 0 and "eval_reward" in r), {})
-        self.trainer.results.update({f"{name}_start": v for name, v in start.items() if name.startswith("eval_reward")})
+        start = self._logged_rewards(0)
+        self.trainer.results.update({f"{name}_start": value for name, value in start.items()})
 
     def evaluate(self, info) -> None:
-        """The held-out rewards now (``info`` None: before training, written at the first step)."""
+        """The held-out rewards now (``info`` None: before training, written at the first step).
+        A finished run resumed (no steps left) takes its final ones from its log when they are there."""
+        logged = self._logged_rewards(info.step) if info is not None and info.step <= self.resumed_step else {}
+        if logged:
+            self.trainer.last_metrics.update(logged)
+            self.trainer.results.update(logged)
+            return
         start = time.perf_counter()
         values = self.task.evaluate()
         self.eval_seconds += time.perf_counter() - start
@@ -351,6 +357,12 @@ class _RolloutMonitor:
             self.start = (int(self.trainer.state.step), values)
         else:
             self.trainer.writer.write(info.step, values)
+
+    def _logged_rewards(self, step: int) -> dict[str, float]:
+        """The held-out rewards the run's log holds for ``step`` (``{}``: none)."""
+        records = read_metrics(self.trainer.run_dir) if (self.trainer.run_dir / METRICS_FILE).is_file() else []
+        record = next((r for r in records if r["step"] == step and "eval_reward" in r), {})
+        return {name: value for name, value in record.items() if name.startswith("eval_reward")}
 
 
 __all__ = ["GRPOTask"]
