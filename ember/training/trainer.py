@@ -44,7 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ember.core.checkpoint import CheckpointManager, abstract_with_shardings
-from ember.core.errors import ConfigError, EmberError
+from ember.core.errors import ConfigError, DataError, EmberError
 from ember.core.sharding import (
     DEFAULT_RULES,
     drop_empty_boxes,
@@ -284,16 +284,36 @@ class Trainer:
             )
         layout = self.task.restore_layout(metadata["params"])
         if layout is None:
-            restored = self.manager.restore(target=abstract_with_shardings(unbox(boxed), self.state_shardings))
+            restored = self._restore_onto(abstract_with_shardings(unbox(boxed), self.state_shardings))
             state = restored.state
         else:
             saved_task, convert = layout
             saved_boxed, saved_shardings, _ = self._abstract_state(saved_task)
-            restored = self.manager.restore(target=abstract_with_shardings(unbox(saved_boxed), saved_shardings))
+            restored = self._restore_onto(abstract_with_shardings(unbox(saved_boxed), saved_shardings))
             state = jax.jit(convert, out_shardings=self.state_shardings)(restored.state)
         self.data.restore(restored.extra["data"])
         self._skipped = restored.extra.get(_SKIPPED) or None
         return state
+
+    def _restore_onto(self, target: TrainState) -> Any:
+        """The last checkpoint restored onto ``target``'s shapes and shardings.
+
+        Raises:
+          DataError: its tree or shapes are not ``target``'s (another model, trainable mask or
+            optimizer): orbax's account in one line, where a traceback was.
+        """
+        try:
+            return self.manager.restore(target=target)
+        except ValueError as error:
+            step, directory = self.manager.latest_step(), self.manager.directory
+            self.manager.close()
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+            paths = [line.rstrip(":") for line in lines[1:] if line.endswith(":")][:3]  # where trees differ
+            account = " ".join([lines[0].split(". Truncating")[0], ", ".join(paths)]).strip()
+            raise DataError(
+                f"the checkpoint at step {step} in {directory} does not restore "
+                f"into this run's train state (another model, trainable mask or optimizer?): {account}"
+            ) from None
 
     # ----------------------------------------------------------------------------- the loop
     def add_hook(
