@@ -274,3 +274,19 @@ def test_qwen2_export_sets_max_window_layers_for_readers_without_layer_types(kin
         del exported["layer_types"]
         assert hf.config_from_hf(exported).layer_kinds == config.layer_kinds
         assert transformers.Qwen2Config(**exported).layer_types == hf.config_to_hf(config, "qwen2")["layer_types"]
+
+
+def test_load_gives_the_parameter_dtype_precision_asks_for(tmp_path):
+    """``load(path, precision="pure_bf16")`` (what ``ember serve`` and a fine-tuning run's
+    ``base_model.precision`` pass) returned float32 weights whatever the precision: a bf16-param
+    run trained (and a LoRA run froze) a float32 base, twice the memory asked for, silently.
+    The default dtype is now the config's parameter dtype, the dtype ``init`` gives."""
+    config = ModelConfig(vocab_size=31, d_model=32, num_layers=1, num_heads=2, mlp_dim=32)
+    params = unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    hf.save(tmp_path, config, params, dtype=jnp.bfloat16)
+    for precision, expected in (("pure_bf16", jnp.bfloat16), ("bf16", jnp.float32), ("f32", jnp.float32)):
+        loaded_config, loaded = hf.load(tmp_path, precision=precision)
+        init = DecoderLM(loaded_config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+        assert {np.asarray(x).dtype for x in jax.tree.leaves(loaded)} == {np.dtype(expected)}
+        jax.tree.map(lambda a, b: np.testing.assert_equal(np.asarray(a).dtype, b.dtype), loaded, unbox(init))
+    assert hf.load(tmp_path, precision="pure_bf16", dtype=np.float32)[1]["embed"]["embedding"].dtype == np.float32

@@ -19,14 +19,16 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
+def load(path: str | Path, *, dtype: Any = None, **config_overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
     """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE /
     Mamba-2 directory.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or a sharded
         ``model.safetensors.index.json`` + shards.
-      dtype: dtype of the returned (numpy) parameters.
+      dtype: dtype of the returned (numpy) parameters; default the config's parameter dtype
+        (``precision``'s ``params``: float32 unless ``precision="pure_bf16"`` or ``params=...``),
+        the dtype ``DecoderLM(config).init`` gives them.
       config_overrides: ``ModelConfig`` fields to set (``precision="bf16"``,
         ``scan_layers=False``, ``attention_impl=...``).
 
@@ -46,6 +48,7 @@ def load(path: str | Path, *, dtype: Any = np.float32, **config_overrides: Any) 
     if not isinstance(hf_config, dict):
         raise DataError(f"{config_file} is not a JSON object")
     config = config_from_hf(hf_config, **config_overrides)
+    dtype = config.policy.param_dtype if dtype is None else dtype
     return config, params_from_hf(config, read_state(path), dtype=dtype, model_type=hf_config["model_type"])
 
 
