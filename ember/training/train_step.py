@@ -2,9 +2,10 @@
 
 Gradient accumulation is exact: each micro-batch contributes the *sum* of its losses and
 their count, and the update uses the totals, so ``grad_accum=4`` gives the gradient of one
-batch four times larger (up to float summation order). An auxiliary loss ``a`` with weight
-``w`` adds ``w * a`` to the objective, ``a`` averaged over micro-batches weighted by their
-counts (with one micro-batch: exactly ``mean loss + w * a``).
+batch four times larger (up to float summation order). The totals are float32 even for
+bfloat16 / float16 parameters; the averaged gradient is cast back to the parameter's dtype.
+An auxiliary loss ``a`` with weight ``w`` adds ``w * a`` to the objective, ``a`` averaged over
+micro-batches weighted by their counts (with one micro-batch: exactly ``mean loss + w * a``).
 
 Only ``select(params, mask)`` is differentiated and held in the optimizer state; frozen
 parameters are closed-over constants, returned unchanged.
@@ -205,16 +206,19 @@ def train_step(
         if scaled:  # back to the gradient of the micro-batch's sum, in float32
             unscale = jnp.maximum(micro_sums[1], 1.0) / loss_scale
             micro_grads = jax.tree.map(lambda g: g * unscale, micro_grads)
-        return (jax.tree.map(jnp.add, grads, micro_grads), jax.tree.map(jnp.add, sums, micro_sums), model_state), None
+        grads = jax.tree.map(lambda total, g: total + g.astype(total.dtype), grads, micro_grads)
+        return (grads, jax.tree.map(jnp.add, sums, micro_sums), model_state), None
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
     sums_shape = jax.eval_shape(lambda: objective(trainable, first, step_rng, state.model_state)[1][0])
-    zeros = jax.tree.map(jnp.zeros_like, (trainable, sums_shape))
+    grad_zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _accumulation_dtype(p, grad_accum)), trainable)
     (grads, (loss_sum, count, aux_sums, metric_sums), model_state), _ = jax.lax.scan(
-        accumulate, (*zeros, state.model_state), (micro_batches, jnp.arange(grad_accum))
+        accumulate,
+        (grad_zeros, jax.tree.map(jnp.zeros_like, sums_shape), state.model_state),
+        (micro_batches, jnp.arange(grad_accum)),
     )
     denominator = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / denominator, grads)
+    grads = jax.tree.map(lambda g, p: (g / denominator).astype(jnp.result_type(p)), grads, trainable)
     loss = loss_sum / denominator
     aux = {name: value / denominator for name, value in aux_sums.items()}
     grad_norm = optax.tree.norm(grads)
@@ -261,6 +265,16 @@ def train_step(
         step=state.step + 1, params=merge(state.params, new_trainable), opt_state=opt_state, model_state=model_state
     )
     return new_state, metrics
+
+
+def _accumulation_dtype(param: Any, grad_accum: int) -> jnp.dtype:
+    """The dtype ``grad_accum`` micro-batches' gradients of ``param`` are summed in: float32 for
+    a narrower float parameter (bf16 / f16 params), so the sum rounds no more than one batch's
+    gradient does; the parameter's own dtype otherwise (one micro-batch adds to zero exactly)."""
+    dtype = jnp.result_type(param)
+    if grad_accum > 1 and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return dtype
 
 
 def _is_schedule(node: Any) -> bool:
