@@ -39,9 +39,11 @@ from ember.core.config import load_config, read_key
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
+from ember.core.tree import map_paths, param_paths
 from ember.models.config import ModelConfig
 from ember.models.decoder import saved_layout
 from ember.models.linearize import LinearizeConfig, linearized_config
+from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import serving_weights
 from ember.serving.scheduler import eos_ids_of
 
@@ -95,6 +97,7 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
     except ConfigError as error:  # keyed within the section: name it as the run's config.yaml does
         raise ConfigError(f"{path / 'config.yaml'}, model.{error}", key=f"model.{error.key}") from None
     params, model_state = restore_weights(path, step, config)
+    params = in_param_dtype(params, config)
     if kind == "quantized" and read_key(path / "config.yaml", "tokenizer") == "hf":
         tokenizer = _hf_tokenizer(path)
         # "eos_id" (one id) in directories written before "eos_ids"
@@ -182,6 +185,22 @@ def restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[
     return params, model_state
 
 
+def in_param_dtype(params: Any, config: ModelConfig) -> Any:
+    """``params`` with every float weight in ``config``'s parameter dtype (``precision``'s
+    ``params``), as ``DecoderLM(config).init`` gives them: a run trained with float32 master
+    weights loaded with ``precision=pure_bf16`` (a fine-tuning run's ``base_model.precision``)
+    holds bfloat16 weights. Stored quantized weights' parts are kept as they are."""
+    dtype = config.policy.param_dtype
+    quantized = tuple(f"{path}/" for path in stored_weight_paths(param_paths(params)))
+
+    def cast(path: str, leaf: Any) -> Any:
+        if path.startswith(quantized) or not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.dtype == dtype:
+            return leaf
+        return leaf.astype(dtype)
+
+    return map_paths(cast, params)
+
+
 def _load_hf(path: Path, config_overrides: dict[str, Any]) -> LoadedModel:
     from ember.models import hf
 
@@ -204,4 +223,4 @@ def _hf_tokenizer(path: Path) -> HFTokenizer | None:
     return load_hf_tokenizer(path) if (path / "tokenizer.json").is_file() else None
 
 
-__all__ = ["LoadedModel", "load_model", "restore_weights", "serving_overrides", "weights_fit_model"]
+__all__ = ["LoadedModel", "in_param_dtype", "load_model", "restore_weights", "serving_overrides", "weights_fit_model"]

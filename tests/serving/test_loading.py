@@ -117,3 +117,16 @@ def test_a_checkpoint_step_for_a_hugging_face_directory_is_an_error(run_dir, tmp
     assert load_model(tmp_path / "hf").config.num_layers == CONFIG.num_layers
     with pytest.raises(ConfigError, match=r"Hugging Face model directory.* no checkpoint steps.*step 5"):
         load_model(tmp_path / "hf", step=5)
+
+
+def test_a_precision_with_another_parameter_dtype_loads_the_weights_in_it(run_dir):
+    """A run trained with float32 master weights loaded with ``precision="pure_bf16"`` (a
+    fine-tuning run's ``base_model.precision``) kept its float32 weights: the run trained (or a
+    LoRA run froze) twice the bytes asked for. They are now the config's parameter dtype."""
+    path, params = run_dir
+    loaded = load_model(path, precision="pure_bf16")
+    assert loaded.config.policy.param_dtype == jnp.bfloat16
+    for got, saved in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved.astype(jnp.bfloat16)))
+    assert {leaf.dtype for leaf in jax.tree.leaves(load_model(path, precision="bf16").params)} == {jnp.dtype("float32")}
