@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 DTYPE_NAMES: dict[str, Any] = {
@@ -62,7 +63,12 @@ class Precision:
 
     def __post_init__(self):
         for field in ("params", "compute", "output"):
-            parse_dtype(getattr(self, field))
+            dtype = parse_dtype(getattr(self, field))
+            if jax.dtypes.canonicalize_dtype(dtype) != dtype:  # float64 in 32-bit JAX
+                raise ValueError(
+                    f"precision {field}={getattr(self, field)} needs 64-bit JAX (jax.config.update('jax_enable_x64', "
+                    "True) or JAX_ENABLE_X64=1); without it JAX makes every float64 array float32"
+                )
 
     @classmethod
     def from_string(cls, spec: str) -> Precision:

@@ -27,3 +27,22 @@ def test_named_and_explicit_policies():
         Precision.from_string("bf17")
     with pytest.raises(ValueError, match="unknown dtype 'f8'"):
         Precision(compute="f8")
+
+
+def test_float64_without_64_bit_jax_is_refused():
+    """``precision: params=f64,compute=f64,output=f64`` was accepted while JAX ran in 32 bits:
+    every array it asked for came out float32 (a UserWarning per array), so the run a researcher
+    set up to check float32 against float64 silently computed in float32."""
+    import jax
+
+    from ember.core.errors import ConfigError
+    from ember.models.config import ModelConfig
+
+    assert not jax.config.jax_enable_x64
+    with pytest.raises(ValueError, match=r"precision compute=f64 needs 64-bit JAX"):
+        Precision(compute="f64")
+    with pytest.raises(ConfigError, match="params=float64 needs 64-bit JAX") as error:
+        ModelConfig(precision="params=float64,compute=f32")
+    assert error.value.key == "precision"
+    with jax.enable_x64(True):
+        assert Precision(params="f64", compute="f64").compute_dtype == jnp.float64
