@@ -56,6 +56,7 @@ from ember.core.sharding import (
     use_sharding,
 )
 from ember.core.system_info import peak_flops_per_device
+from ember.core.tree import param_paths
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.loss_scaling import is_loss_scaled, uses_loss_scaling, with_dynamic_loss_scale
 from ember.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
@@ -145,6 +146,8 @@ class Trainer:
             self.tx = with_dynamic_loss_scale(self.tx)
         self.schedule = make_schedule(self.optim, self.loop.steps)
         boxed, self.state_shardings, self.mask = self._abstract_state(task)
+        if self.loss_scaled:
+            self._refuse_float16_params(boxed.params)
         self.data = task.train_data()
         self.teacher, teacher_shardings = self._place_teacher()
         self._step_fn = self._jit_step(teacher_shardings)
@@ -186,6 +189,21 @@ class Trainer:
         boxed = drop_empty_boxes(jax.eval_shape(self._state_maker(init, mask), jax.random.key(self.seed), *args))
         shardings = tree_shardings(self.mesh, nn.get_partition_spec(boxed), self.rules, shapes=boxed)
         return boxed, shardings, mask
+
+    def _refuse_float16_params(self, params: Any) -> None:
+        """Loss scaling unscales each gradient into the dtype of its parameter: a float16 one
+        (``params=f16``) loses the small gradients the scale was there to keep, and the optimizer's
+        moments underflow (PyTorch's ``GradScaler`` refuses float16 gradients for the same reason)."""
+        trainable = param_paths(select(unbox(params), self.mask))
+        half = [path for path, leaf in trainable.items() if np.dtype(leaf.dtype) == np.float16]
+        if half:
+            raise ConfigError(
+                f"train.loss_scale={self.loop.loss_scale} needs float32 master weights, but {len(half)} trainable "
+                f"parameter(s) are float16 ({half[0]} ...): their unscaled gradients would flush to zero and the "
+                "optimizer's moments underflow; keep float32 parameters and compute in float16 (precision f16, "
+                "or params=f32,compute=f16), or set train.loss_scale=off",
+                key="train.loss_scale",
+            )
 
     def _initializer(self, task: Task) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         """``(init, args)``: ``init(rng, *args)`` gives ``task``'s fresh variables; a task's

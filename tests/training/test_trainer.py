@@ -198,6 +198,24 @@ def test_a_float16_task_trains_with_a_loss_scale_that_is_checkpointed_and_resume
         make_trainer(Regression(), tmp_path / "reference", steps=6, resume=True)
 
 
+class HalfParameterRegression(HalfPrecisionRegression):
+    """The float16 regression with float16 parameters (a ``params=f16`` precision)."""
+
+    def init_params(self, rng):
+        return jax.tree.map(lambda p: p.astype(jnp.float16), super().init_params(rng))
+
+
+def test_loss_scaling_refuses_float16_parameters(tmp_path):
+    """With float16 parameters, loss scaling crashed in the step's scan (a TypeError: the float16
+    gradient carry came back float32 once unscaled), a traceback at the first step; it cannot
+    work, the unscaled gradients flush to zero in float16. Refused up front, naming the setting;
+    train.loss_scale=off accepts them (the run's own choice)."""
+    with pytest.raises(ConfigError, match=r"needs float32 master weights.*float16 \(head/bias") as error:
+        make_trainer(HalfParameterRegression(), tmp_path / "scaled", steps=1)
+    assert error.value.key == "train.loss_scale"
+    make_trainer(HalfParameterRegression(), tmp_path / "unscaled", steps=1, loss_scale="off").train()
+
+
 class Evaluated(Regression):
     def eval_data(self):
         return [RegressionBatches(seed=9).next()]
