@@ -114,3 +114,27 @@ def test_config_validation_names_the_field():
     config = load_config(ModelConfig, {"block_pattern": ["local", "global"], "num_layers": 3, "scan_layers": False})
     assert config.layer_kinds == ("local", "global", "local")
     assert dataclasses.replace(config, num_heads=2).head_size == 32
+
+
+def test_a_bfloat16_embedding_sums_a_frequent_tokens_gradient_in_float32():
+    """The lookup's gradient scatter-added each token's contribution in the table's dtype: with a
+    ``pure_bf16`` model, 4096 occurrences of one token (each contributing ~0.02) summed to 16
+    where the float32 sum is ~82 (bfloat16's sum stops growing at 256 times an addend): the
+    embedding of every frequent token trained on a fraction of its gradient."""
+    from flax.linen import meta
+
+    from ember.models.layers.embedding import Embed
+
+    tokens = jnp.full((4, 1024), 5, jnp.int32).at[0, :3].set(jnp.asarray([1, 2, 3]))
+    upstream = 0.02 + 0.01 * jax.random.normal(jax.random.key(1), (*tokens.shape, 16))
+
+    def gradient(dtype):
+        embed = Embed(64, 16, dtype=dtype, param_dtype=dtype)
+        params = meta.unbox(embed.init(jax.random.key(0), tokens))
+        loss = lambda p: jnp.sum(embed.apply(p, tokens).astype(jnp.float32) * upstream)  # noqa: E731
+        return jax.grad(loss)(params)["params"]["embedding"]
+
+    exact, half = gradient(jnp.float32), gradient(jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16
+    assert_allclose(half, exact)  # bfloat16's tolerance: the sum's own rounding
+    assert float(jnp.min(exact[5])) > 70  # the frequent token's row

@@ -7,6 +7,28 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.custom_vjp
+def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``table[tokens]`` (``table [vocab, embed]``, int ``tokens [...]`` -> ``[..., embed]``)
+    whose gradient sums each row's contributions in float32, cast to ``table``'s dtype last:
+    the gradient of a plain ``take`` scatter-adds in the table's dtype, and in bfloat16 the sum
+    of a frequent token's contributions stops growing once it is 256 times one of them."""
+    return jnp.take(table, tokens, axis=0)
+
+
+def _lookup_fwd(table, tokens):
+    return embedding_lookup(table, tokens), (table, tokens)
+
+
+def _lookup_bwd(residuals, g):
+    table, tokens = residuals
+    grad = jnp.zeros(table.shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
+    return grad.astype(table.dtype), None
+
+
+embedding_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
 class Embed(nn.Module):
     """``tokens [batch, seq] -> [batch, seq, embed]``; :meth:`attend` is the tied output head.
 
@@ -28,6 +50,8 @@ class Embed(nn.Module):
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        if jnp.finfo(self.embedding.dtype).bits < 32:  # bf16 / f16 table: sum its gradient in float32
+            return embedding_lookup(self.embedding, tokens).astype(self.dtype)
         return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
