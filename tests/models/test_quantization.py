@@ -18,7 +18,6 @@ from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import (
     CALIBRATION,
-    DEFAULT_TARGETS,
     QuantizeConfig,
     calibration_grams,
     dequantize_params,
@@ -236,18 +235,49 @@ def test_bad_quantize_configs_name_their_key(model_and_params):
     assert error.value.key == "quantize.targets"
 
 
-@pytest.mark.parametrize("adapted", ["experts", "mixlora"])
-def test_routed_experts_and_mixlora_mlps_are_not_stored_quantized(adapted):
+def test_mixlora_mlps_are_not_stored_quantized():
     """Their layers read float weights: quantizing them is refused before anything is stored."""
-    moe = adapted == "experts"
-    config = ModelConfig(d_model=32, num_layers=2, num_heads=4, mlp_dim=32, mlp_pattern=("moe" if moe else "dense",))
+    config = ModelConfig(d_model=32, num_layers=2, num_heads=4, mlp_dim=32)
     tokens = jnp.zeros((1, 4), jnp.int32)
 
     def shapes():  # abstract: the check needs no weights
         params = DecoderLM(config).init(jax.random.key(0), tokens)["params"]
-        return params if moe else add_mixlora(params, MixLoraConfig(num_experts=2, top_k=1, rank=2), jax.random.key(1))
+        return add_mixlora(params, MixLoraConfig(num_experts=2, top_k=1, rank=2), jax.random.key(1))
 
-    quantize = QuantizeConfig(format="int8", targets=("experts",) if moe else DEFAULT_TARGETS)
-    with pytest.raises(ConfigError, match=f"a {'routed expert' if moe else 'MixLoRA MLP'}'s weight") as error:
-        jax.eval_shape(lambda p: quantize_params(p, quantize), jax.eval_shape(shapes))
+    with pytest.raises(ConfigError, match="a MixLoRA MLP's weight") as error:
+        jax.eval_shape(lambda p: quantize_params(p, QuantizeConfig(format="int8")), jax.eval_shape(shapes))
     assert error.value.key == "quantize.targets"
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_routed_experts_are_stored_quantized_and_read_back_exactly(scan_layers):
+    """Each expert's matrix is stored as a quantized matrix of its own by the default targets
+    (before, refused: the layer read float weights only, and a model whose MLPs are all routed had
+    no default target to store): the logits equal those of the dequantized float tree. GPTQ, whose
+    calibration sees no expert's own tokens, rounds them to nearest and says so; QAT's fake
+    quantization reaches them too."""
+    from ember.models.config import MoEConfig
+
+    moe = MoEConfig(num_experts=4, top_k=2, expert_dim=32)
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=32, mlp_pattern=("moe",),
+                         moe=moe, scan_layers=scan_layers)  # fmt: skip
+    model, tokens = DecoderLM(config), jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
+    logits = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
+    store = jax.jit(quantize_params, static_argnums=1)  # one program, not one per op and weight
+    experts = {f"moe/experts/{name}" for name in ("gate", "up", "down")}
+    for fmt in ("int8", "int4", "nf4"):
+        quantized = store(params, QuantizeConfig(format=fmt))
+        stored = {p.rsplit("/", 1)[0] for p in param_paths(quantized) if p.endswith(f"/{fmt}")}
+        assert {p.split("/", 2)[-1] for p in stored if "/experts/" in p} == experts, stored
+        assert_allclose(logits(quantized), logits(dequantize_params(quantized, params)), dtype=np.float32)
+        assert 0 < float(jnp.abs(logits(quantized) - logits(params)).max()) < 0.1, fmt  # rounded, near the float
+    up = next(p for p in param_paths(params) if p.endswith("moe/experts/up"))
+    grams = {p: jnp.eye(32) for p in quantized_paths(params, QuantizeConfig()) if "/experts/" not in p}
+    with pytest.warns(
+        UserWarning, match=r"GPTQ rounds the routed experts' weights to nearest \(.*experts/\w+ and [25] more"
+    ):
+        gptq = param_paths(quantize_params(params, QuantizeConfig(format="int8", method="gptq"), grams=grams))
+    rounded = param_paths(store(params, QuantizeConfig(format="int8")))
+    np.testing.assert_array_equal(gptq[f"{up}/int8"], rounded[f"{up}/int8"])
+    assert not np.array_equal(param_paths(fake_quantize_params(params, "int8"))[up], param_paths(params)[up])

@@ -248,39 +248,48 @@ def test_adapters_peft_cannot_hold_are_refused_before_training_when_export_peft_
     FinetuneTask(config_for(problem, "moe_lora", adapter={"targets": ["q", "v"]}), base)
 
 
-def test_a_quantized_base_without_the_weights_to_store_names_base_model_quantize(problem):
-    """QLoRA on an MoE base whose MLPs are all routed experts (Mixtral's layout): there is no
-    dense or shared-expert gate/up/down to store quantized. Before, the error was keyed
-    base_model.quantize_group_size, which has nothing to do with it, and spoke of a
-    quantize.targets key a fine-tuning config does not have."""
-    dense = load_base(config_for(problem, "qlora_moe_base").base_model)
-    moe = dataclasses.replace(dense.config, mlp_pattern=("moe",), moe=MoEConfig(num_experts=2, top_k=1, expert_dim=8))
-    shapes = jax.eval_shape(DecoderLM(moe).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), nn.meta.unbox(shapes))
-    base = dataclasses.replace(dense, config=moe, params=params)
-    config = config_for(problem, "qlora_moe", base_model={"quantize": "nf4"}, adapter={"targets": ["q", "v"]})
-    with pytest.raises(ConfigError, match=r"base_model\.quantize nf4 stores .* entry 'gate' matches no float") as error:
-        FinetuneTask(config, base)
-    assert error.value.key == "base_model.quantize"
+def moe_base(problem, name, moe):
+    """The fixture's tiny base with its MLPs replaced by ``moe`` (random weights)."""
+    dense = load_base(config_for(problem, name).base_model)
+    config = dataclasses.replace(dense.config, mlp_pattern=("moe",), moe=moe)
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    return dataclasses.replace(dense, config=config, params=jax.device_get(params))
 
 
-def test_a_quantized_moe_base_says_which_weights_stay_float(problem):
-    """QLoRA on a Qwen2-MoE layout (routed experts beside a shared expert): the attention and
-    shared-expert weights are stored nf4 and the routed experts stay float, as the layers need;
-    a warning now names them (the old code kept them float without a word). A dense base warns
-    of nothing."""
-    dense = load_base(config_for(problem, "qlora_qwen2_moe_base").base_model)
-    moe = MoEConfig(num_experts=2, top_k=1, expert_dim=16, shared_experts=1, shared_expert_gate=True)
-    moe = dataclasses.replace(dense.config, mlp_pattern=("moe",), moe=moe)
-    shapes = jax.eval_shape(DecoderLM(moe).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), nn.meta.unbox(shapes))
-    config = config_for(problem, "qlora_qwen2_moe", base_model={"quantize": "nf4"}, adapter={"targets": ["q", "v"]})
-    stay = r"base_model\.quantize nf4: the base.s routed experts stay float \(layers/block_0/moe/experts/down and 2"
-    with pytest.warns(UserWarning, match=stay):
-        FinetuneTask(config, dataclasses.replace(dense, config=moe, params=params))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        FinetuneTask(config, dense)
+def test_qlora_stores_an_moe_bases_routed_experts_nf4_and_learns(problem):
+    """Mixtral's layout (every MLP routed) and Qwen2-MoE's (a shared expert beside them). Before,
+    the routed experts could not be stored quantized: QLoRA refused the first ("entry 'gate'
+    matches no float weight") and kept the second's experts float, most of an MoE's weights. Now
+    they are stored nf4 like the other projections, read back as floats a layer at a time; the
+    adapters on them train while their codes stay bit for bit."""
+    lora = {"rank": 4, "alpha": 8, "targets": ["q", "v", "experts"], "dropout": 0.0}  # PEFT has no routed experts
+    layouts = {
+        "mixtral": MoEConfig(num_experts=2, top_k=1, expert_dim=16),
+        "qwen2_moe": MoEConfig(num_experts=2, top_k=1, expert_dim=16, shared_experts=1, shared_expert_gate=True),
+    }
+    for name, moe in layouts.items():
+        base = moe_base(problem, f"qlora_{name}_base", moe)
+        train = {"steps": 3, "eval_batches": 0, "aux_loss_weights": ROUTER}
+        config = config_for(problem, f"qlora_{name}", base_model={"quantize": "nf4", "quantize_group_size": 16},
+                            adapter=lora, train=train, export={"peft": False})  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing is left float without a word
+            task = FinetuneTask(config, base)
+        stored = param_paths(
+            jax.jit(quantize_params, static_argnums=1)(task.base_params, config.base_model.quantization())
+        )
+        codes = {p.removesuffix("/nf4") for p in stored if p.endswith("/nf4")}
+        experts = {p for p in codes if "/experts/" in p}
+        assert {p.rsplit("/", 1)[-1] for p in experts} == {"gate", "up", "down"}, codes
+        assert len(codes - experts) == 4 + 3 * (name == "qwen2_moe")  # q k v o, and the shared expert's MLP
+        if name == "mixtral":  # one run: the adapters on the dequantized experts learn
+            trainer = make_trainer(config, task=task)
+            trainer.train()
+            trained = param_paths(jax.device_get(trainer.state.params))
+            for path in experts:
+                np.testing.assert_array_equal(trained[f"{path}/nf4"], stored[f"{path}/nf4"], err_msg=path)
+                moved = trained[f"{path}_lora_b"]
+                assert np.abs(moved).max() > 0, path  # B starts at zero: three steps moved it
 
 
 def test_a_base_stored_quantized_is_refused_by_name(problem, monkeypatch):

@@ -284,9 +284,8 @@ def test_a_run_whose_dataset_has_no_validation_text_names_that_split(tmp_path):
 
 
 def test_the_cli_chooses_the_weights_to_quantize(tmp_path, monkeypatch, capsys):
-    # An MoE model's routed experts are not stored quantized, so the default targets (gate, up,
-    # down among them) fail with "quantize.targets entry 'gate' matches no float weight": before,
-    # 'ember quantize' had no option to choose them ("unrecognized arguments: --targets").
+    # Before, 'ember quantize' had no option to choose the weights it quantizes ("unrecognized
+    # arguments: --targets").
     from ember.training.quantization import ptq
 
     seen = {}

@@ -4,7 +4,10 @@ Parameters (``E`` FFN experts, ``R`` routed experts with MoE++'s zero-computatio
 
 - ``router/kernel [embed, R]``; with ``gating_residual`` also ``router/residual [R, R]``.
 - ``experts/gate`` (gated kinds), ``experts/up [E, embed, expert_mlp]``, ``experts/down
-  [E, expert_mlp, embed]``, logical axes ``("expert", "embed", "mlp")`` / ``("expert", "mlp", "embed")``.
+  [E, expert_mlp, embed]``, logical axes ``("expert", "embed", "mlp")`` / ``("expert", "mlp", "embed")``;
+  or each stored quantized (``ember.models.quantization.stored``, one matrix per expert), read
+  back as floats one layer at a time: the weights sit quantized in memory, the dispatch paths
+  multiply floats.
 - ``shared/{gate,up,down}`` (an ordinary ``Mlp``) and ``shared_gate [embed, 1]``.
 - ``constant_vectors [C, embed]`` and ``constant_kernel [embed, C, 2]`` (MoE++ constant experts).
 - collection ``balance``: ``router_bias [R]`` f32 (not a parameter) with ``bias_balancing_rate``.
@@ -24,6 +27,7 @@ from ember.models.layers.expert_parallel import expert_parallel_ranks, expert_pa
 from ember.models.layers.mlp import GATED, Mlp
 from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp, slot_capacity
 from ember.models.layers.router import balance_statistics, route, updated_balance_bias
+from ember.models.quantization.stored import dequantized, read_quantized
 
 
 class ExpertWeights(nn.Module):
@@ -44,7 +48,12 @@ class ExpertWeights(nn.Module):
         init = nn.initializers.normal(config.init_std)
 
         def weight(name, shape, axes):
-            param = self.param(name, nn.with_logical_partitioning(init, axes), shape, config.policy.param_dtype)
+            stored = read_quantized(self, name)
+            if stored is None:
+                param = self.param(name, nn.with_logical_partitioning(init, axes), shape, config.policy.param_dtype)
+            else:  # [E, in, out]: each expert's matrix dequantized
+                floats = jax.vmap(lambda parts: dequantized(parts, shape[1:2], config.policy.compute_dtype))
+                param = floats(stored.parts)
             param = adapted_weight(param, read_low_rank(self, name), in_dims=1, lead_dims=1)
             return param.astype(config.policy.compute_dtype)
 

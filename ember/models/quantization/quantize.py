@@ -3,11 +3,13 @@
     qparams = quantize_params(params, QuantizeConfig(format="int4"))                  # round to nearest
     qparams = quantize_params(params, QuantizeConfig(format="int4", method="gptq"), grams=grams)
 
-The linear maps ``targets`` names (default: every attention and MLP projection; embeddings,
-the output head, routers and norms stay in float, and so do routed experts and the MLPs
-MixLoRA adapted, whose layers read float weights only) are replaced by their stored
+The linear maps ``targets`` names (default: every attention, MLP and routed-expert projection
+the model has; embeddings, the output head, routers and norms stay in float, and so do the
+MLPs MixLoRA adapted, whose layers read float weights only) are replaced by their stored
 quantized form (``ember.models.quantization.stored``); the model's code reads them as they
-are. ``grams`` (GPTQ) are the inputs' ``X^T X`` per weight path, from :func:`calibration_grams`.
+are. ``grams`` (GPTQ) are the inputs' ``X^T X`` per weight path, from :func:`calibration_grams`;
+calibration records none for routed experts (each sees only the tokens routed to it), which
+GPTQ rounds to nearest, with a warning.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -33,6 +36,11 @@ from ember.models.quantization.stored import dequantized, store_matrix, stored_f
 
 METHODS: tuple[str, ...] = ("rtn", "gptq")
 DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+"""The default targets: every attention and MLP projection the model has, its routed experts'
+included (``experts``). As a whole, the names a model lacks (``gate`` of a GELU MLP, the dense
+``gate``/``up``/``down`` of a model whose MLPs are all routed, ``experts`` of a dense one) select
+nothing without an error; other lists must select a weight with each name (path regexes such as
+``attn/`` and ``(mlp|shared)/`` leave routed experts float)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,19 +83,29 @@ def quantized_paths(params: Mapping[str, Any], config: QuantizeConfig) -> list[s
     return target_weights(params, config.targets, key="quantize.targets")
 
 
+def _expanded(targets: Iterable[str]) -> tuple[tuple[str, ...], bool]:
+    """``(names, optional)``: the default set (:data:`DEFAULT_TARGETS`) as every projection,
+    routed experts included, each optional; any other list as it is, each required."""
+    targets = tuple(targets)
+    return ((*targets, "experts"), True) if targets == DEFAULT_TARGETS else (targets, False)
+
+
 def target_weights(params: Mapping[str, Any], targets: Iterable[str], *, key: str) -> list[str]:
     """The float linear maps ``targets`` (names ``q k v o gate up down`` or path regexes)
     select, in tree order.
 
     Raises:
-      ConfigError: a target selects nothing or a weight that is not such a map (``key`` names
-        the config entry).
+      ConfigError: a target selects nothing (the default set: none of them selects anything)
+        or a weight that is not such a map (``key`` names the config entry).
     """
     flat = _float_leaves(params)
     chosen = []
+    targets, optional = _expanded(targets)
     for target in targets:
         pattern = TARGETS.get(target, target)
         found = [p for p in flat if _matches(pattern, p)]
+        if not found and optional:
+            continue
         if not found:
             stored = [p for p in stored_weight_paths(param_paths(params)) if _matches(pattern, p)]
             more = f" and {len(stored) - 1} more" if len(stored) > 1 else ""
@@ -107,6 +125,14 @@ def target_weights(params: Mapping[str, Any], targets: Iterable[str], *, key: st
                     key=key,
                 ) from None
         chosen += [p for p in found if p not in chosen]
+    if not chosen:
+        stored = stored_weight_paths(param_paths(params))
+        already = f" (its {len(stored)} projections are stored quantized already)" if stored else ""
+        raise ConfigError(
+            f"{key}: the model has none of the projections {', '.join(targets)}{already}; paths look like "
+            f"{', '.join(list(flat)[:4])}",
+            key=key,
+        )
     return [p for p in flat if p in chosen]
 
 
@@ -128,23 +154,34 @@ def quantize_params(
     """``params`` with the target weights stored quantized (see the module docstring).
 
     Raises:
-      ConfigError: a target selects nothing or a routed expert, MixLoRA MLP or DoRA-adapted
-        weight, a weight's input size is not a multiple of the group size, or GPTQ lacks a weight's
-        Gram matrix.
+      ConfigError: a target selects nothing or a MixLoRA MLP or DoRA-adapted weight, a weight's
+        input size is not a multiple of the group size, or GPTQ lacks the Gram matrix of a weight
+        other than a routed expert's.
     """
     flat = param_paths(params)
     paths = quantized_paths(params, config)
     _check_read_quantized(flat, paths)
+    gram_of = dict(grams or {})
+    if config.method == "gptq":
+        missing = [p for p in paths if p not in gram_of and not _matches(TARGETS["experts"], p)]
+        if missing:
+            raise ConfigError(f"GPTQ has no calibration statistics for {missing[0]}", key="quantize.method")
+        rounded = [p for p in paths if p not in gram_of]
+        if rounded:
+            more = f" and {len(rounded) - 1} more" if len(rounded) > 1 else ""
+            warnings.warn(
+                f"GPTQ rounds the routed experts' weights to nearest ({rounded[0]}{more}): calibration records "
+                "the inputs of attention and dense or shared MLP weights only",
+                stacklevel=2,
+            )
     for path in paths:
-        flat[path] = _quantize_weight(path, flat[path], config, None if grams is None else grams.get(path))
-        if config.method == "gptq" and (grams is None or path not in grams):
-            raise ConfigError(f"GPTQ has no calibration statistics for {path}", key="quantize.method")
+        flat[path] = _quantize_weight(path, flat[path], config, gram_of.get(path))
     return tree_from_paths(flat)
 
 
 def _check_read_quantized(flat: Mapping[str, Any], paths: list[str]) -> None:
-    """Routed experts, the MLPs MixLoRA adapted and weights with a DoRA adapter (whose norm
-    ``||W + scale A B||`` needs ``W``) read their weights as floats only."""
+    """The MLPs MixLoRA adapted and weights with a DoRA adapter (whose norm ``||W + scale A B||``
+    needs ``W``) read their weights as floats only."""
     from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name  # they import the stored format
 
     mixlora_mlps = {p.rsplit("/", 1)[0] for p in flat if MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1])}
@@ -156,12 +193,10 @@ def _check_read_quantized(flat: Mapping[str, Any], paths: list[str]) -> None:
                 "(ember.models.adapters.merged_weights) or leave the weight out of quantize.targets",
                 key="quantize.targets",
             )
-        expert = _matches(TARGETS["experts"], path)
-        if expert or path.rsplit("/", 1)[0] in mixlora_mlps:
+        if path.rsplit("/", 1)[0] in mixlora_mlps:
             raise ConfigError(
-                f"quantize.targets selects {path}, {'a routed expert' if expert else 'a MixLoRA MLP'}'s weight: "
-                "routed experts and MixLoRA MLPs are not stored quantized (their layers read float weights); "
-                "leave them out of quantize.targets",
+                f"quantize.targets selects {path}, a MixLoRA MLP's weight: MixLoRA MLPs are not stored quantized "
+                "(their layers read float weights); leave them out of quantize.targets",
                 key="quantize.targets",
             )
 

@@ -54,9 +54,8 @@ class BaseModelConfig:
     latest checkpoint). Empty ``attention_impl`` / ``remat`` / ``precision`` keep the base's;
     these and ``scan_layers`` are runtime settings. ``quantize`` (int8 | int4 | nf4; empty:
     float) stores the frozen base's linear maps quantized while LoRA trains beside them
-    (QLoRA with ``nf4``); an MoE base's routed experts stay float (a warning says so; a base
-    with no dense or shared-expert MLP is refused); ``quantize_group_size`` 0 keeps the
-    format's default group."""
+    (QLoRA with ``nf4``), an MoE base's routed experts included; ``quantize_group_size`` 0
+    keeps the format's default group."""
 
     path: str = MISSING
     step: int = -1

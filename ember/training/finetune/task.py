@@ -15,7 +15,6 @@ optimizer state is adapter-sized and the base is never written.
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +27,6 @@ from ember.core.errors import ConfigError, DataError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters import adapter_mask, add_lora, add_mixlora, target_paths
-from ember.models.adapters.layout import TARGETS
 from ember.models.adapters.lora_ga import lora_ga_init
 from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
@@ -146,22 +144,7 @@ class FinetuneTask(Task):
             if error.key == "quantize.group_size":
                 message = f"base_model.quantize {fmt}: {error}".replace("quantize.group_size", "quantize_group_size")
                 raise ConfigError(message, key="base_model.quantize_group_size") from None
-            # A weight to store that this base lacks (an MoE base with no dense or shared-expert MLP).
-            raise ConfigError(
-                f"base_model.quantize {fmt} stores the base's {', '.join(quantization.targets)} weights quantized, "
-                f"routed experts excepted (they stay float), and this base has not all of them: {error}; "
-                "leave base_model.quantize empty for this base",
-                key="base_model.quantize",
-            ) from None
-        experts = [p for p in param_paths(self.base_params) if re.search(TARGETS["experts"], p)]
-        if experts:  # stored float, as the message says, rather than left float without a word
-            more = f" and {len(experts) - 1} more" if len(experts) > 1 else ""
-            warnings.warn(
-                f"base_model.quantize {self.config.base_model.quantize}: the base's routed experts stay float "
-                f"({experts[0]}{more}; their layers read float weights only): only its attention and dense or "
-                "shared-expert MLP weights are stored quantized",
-                stacklevel=3,
-            )
+            raise ConfigError(f"base_model.quantize {fmt}: {error}", key="base_model.quantize") from None
 
     def _adapted(self, params: Any, rng: jax.Array, *, shapes_only: bool = False) -> Any:
         """``params`` with the method's adapters: LoRA, or MixLoRA experts plus LoRA on the

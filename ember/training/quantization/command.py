@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--targets",
         default=None,
         help="comma-separated weights to quantize (quantize.targets): names or path regexes "
-        "(default: a QAT run's qat.targets for this format, else q,k,v,o,gate,up,down; an MoE model's "
-        "routed experts stay float, so name its others)",
+        "(default: a QAT run's qat.targets for this format, else q,k,v,o,gate,up,down: every attention "
+        "and MLP projection the model has, routed experts' included)",
     )
     parser.add_argument(
         "--text",

@@ -24,7 +24,8 @@ from ember.models.quantization.quantize import DEFAULT_TARGETS
 class QatConfig:
     """``format``: empty (no QAT) or int8 | int4 | nf4 | fp8; ``group_size``: rows per scale (0:
     the format's default); ``fraction``: the share of ``train.steps`` trained with QAT, at
-    the end; ``targets``: the weights (``q k v o gate up down`` or path regexes)."""
+    the end; ``targets``: the weights (``q k v o gate up down`` or path regexes; the default:
+    every projection the model has, routed experts' included)."""
 
     format: str = ""
     group_size: int = 0
