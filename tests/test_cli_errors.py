@@ -94,7 +94,7 @@ SUBPROCESS_FAILURES = {
         train(
             "run_dir={root}/nan", "train.steps=3", "optim.lr=1e30", "optim.clip_norm=0", "optim.schedule.kind=constant"
         ),
-        "non-finite loss at step",
+        "non-finite loss or gradients at step",
     ),
     "rl bad value": (
         ["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "ppo.num_envs=0"],

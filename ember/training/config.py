@@ -21,7 +21,7 @@ class LoopConfig:
     """The training loop.
 
     ``grad_accum``: micro-batches per step (exact, weighted by each micro-batch's loss count).
-    ``on_nan``: ``stop`` raises on a non-finite loss; ``skip`` leaves params, optimizer moments
+    ``on_nan``: ``stop`` raises on a non-finite loss or gradient norm; ``skip`` leaves params, optimizer moments
     and model state unchanged (the learning-rate schedule still follows the step); each log
     step then records ``skipped_steps``, the steps skipped since the previous log, and an event
     when there were any.

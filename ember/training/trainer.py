@@ -488,8 +488,9 @@ class Trainer:
             else "no checkpoint was saved yet"
         )
         return (
-            f"non-finite loss at step {step} (loss={values['loss']}, grad_norm={values['grad_norm']}); {pointer}. "
-            "Lower optim.lr, raise optim.schedule.warmup_steps, or set train.on_nan=skip to skip such steps."
+            f"non-finite loss or gradients at step {step} (loss={values['loss']}, grad_norm={values['grad_norm']}); "
+            f"{pointer}. Resume it with train.on_nan=skip to skip such steps, or start a new run_dir with a lower "
+            "optim.lr or a longer optim.schedule.warmup_steps (a resume keeps the run's optimizer settings)."
         )
 
     def optimizer_state_bytes(self) -> int:

@@ -183,7 +183,9 @@ def test_nan_stops_with_pointer_to_last_checkpoint_or_is_skipped(tmp_path, datas
         "optim.schedule.kind=constant",
     )
     with pytest.raises(
-        NonFiniteLossError, match=r"non-finite loss at step \d \(loss=.*\); the last good checkpoint is step \d"
+        NonFiniteLossError,
+        match=r"non-finite loss or gradients at step \d \(loss=.*\); the last good checkpoint is step \d.*"
+        r"Resume it with train\.on_nan=skip.*start a new run_dir with a lower optim\.lr",
     ):
         train(config)
     skipping = small_config(
