@@ -496,7 +496,13 @@ def flash_attention_kernel(
     ``hopper_blocks`` / ``hopper_backward_blocks``: the Hopper kernels' tiles.
     ``block_sizes`` are the Triton kernels'."""
     if problem.mask is not None:
-        problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
+        try:
+            problem.mask.validate_block_sizes(block_sizes.block_q, block_sizes.block_kv)
+        except ValueError as error:  # an explicit grid's cells of 12 fit no tile: say what does
+            raise ValueError(
+                f"{error} (the GPU kernels' tiles are powers of two of at least 8, so an ExplicitBlockMask "
+                "needs blocks that are multiples of one of them; impl='xla' takes any block)"
+            ) from None
     head_dim, padded = problem.head_dim, padded_head_dim(problem.head_dim)
     if padded != head_dim:
         q, k, v = (pad_axis_to_multiple(x, 3, padded) for x in (q, k, v))

@@ -230,3 +230,13 @@ def test_explicit_mask_needs_dividing_block_sizes(rng):
         flash_attention(q, k, v, block_mask=mask, block_sizes=FlashBlockSizes(16, 16), impl="interpret")
     with pytest.raises(ValueError, match="cover"):
         flash_attention(q[:, :1], k, v, block_mask=ExplicitBlockMask.from_array([[True]], 8, 8), impl="xla")
+
+
+def test_explicit_mask_blocks_no_gpu_tile_divides_say_what_is_allowed(rng):
+    """Blocks of 12 fit no kernel tile (powers of two >= 8); with the default tiles the error
+    used to name block_sizes (8, 8), which the caller never passed and cannot shrink."""
+    q, k, v, _ = random_qkv(rng, batch=1, q_len=24, kv_len=24, heads=1, kv_heads=1, head_dim=8)
+    mask = ExplicitBlockMask.from_array(np.eye(2, dtype=bool), 12, 12)
+    with pytest.raises(ValueError, match=r"powers of two of at least 8.*impl='xla' takes any block"):
+        flash_attention(q, k, v, block_mask=mask, impl="interpret")
+    assert flash_attention(q, k, v, block_mask=mask, impl="xla").shape == q.shape
