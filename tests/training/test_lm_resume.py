@@ -149,3 +149,24 @@ def test_resume_guard_refuses_a_run_directory_of_another_kind(tmp_path):
         with pytest.raises(ConfigError, match=f"holds a run of kind '{saved.kind}'.*kind is '{resumed.kind}'") as error:
             check_resumable(tmp_path, resumed)
         assert error.value.key == "kind"
+
+
+def test_a_resume_that_changes_train_steps_warns_of_the_schedules_it_moves(tmp_path):
+    """train.steps may change on resume (to extend a run), but a decaying learning rate and QAT's
+    start are laid out over it: before, they moved without a word (a run resumed inside QAT with
+    more steps trained in full precision again)."""
+    import warnings
+
+    def config(*overrides):
+        return load_config(LMConfig, None, ["data.dataset=d", f"run_dir={tmp_path}", *overrides])
+
+    (tmp_path / "config.yaml").write_text(to_yaml(config("train.steps=100", "qat.format=int8")))
+    with pytest.warns(UserWarning, match=r"train\.steps changed from 100 to 200 on resume.*cosine learning-rate decay"
+                      r".*QAT's start \(qat\.fraction 0\.2\), now step 160") as caught:  # fmt: skip
+        check_resumable(tmp_path, config("train.steps=200", "qat.format=int8"))
+    assert len(caught) == 1
+    (tmp_path / "config.yaml").write_text(to_yaml(config("train.steps=100", "optim.schedule.kind=constant")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing laid out over the steps: nothing to say
+        check_resumable(tmp_path, config("train.steps=200", "optim.schedule.kind=constant"))
+        check_resumable(tmp_path, config("train.steps=100", "optim.schedule.kind=constant"))

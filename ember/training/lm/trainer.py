@@ -14,6 +14,7 @@ The work itself is :class:`ember.training.trainer.Trainer` running :class:`LMTas
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -87,20 +88,42 @@ def check_resumable(run_dir: Path, config: Any) -> None:
             key="kind",
         )
     try:
-        saved = from_yaml(type(config), saved_path.read_text()).identity()
+        saved_config = from_yaml(type(config), saved_path.read_text())
     except ConfigError as error:
         raise ConfigError(
             f"{saved_path}, the saved config of the run being resumed, no longer validates: {error} "
             "(edit that file, or start a new run_dir)",
             key=error.key,
         ) from None
-    current = config.identity()
+    saved, current = saved_config.identity(), config.identity()
     changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     if changed:
         raise ConfigError(
             f"run_dir {run_dir} was started with a different config; changed keys: {', '.join(changed)}. "
             f"Use a new run_dir, or change only runtime settings: {', '.join(runtime_settings(config))}",
             key=changed[0],
+        )
+    _warn_if_schedules_move(saved_config, config)
+
+
+def _warn_if_schedules_move(saved: Any, config: Any) -> None:
+    """A resume may change ``train.steps`` (to extend a run), but what is laid out over the steps
+    moves with it: a decaying learning rate's schedule and QAT's start. Warns, naming them."""
+    before, after = saved.train.steps, config.train.steps
+    if before == after:
+        return
+    moved = []
+    schedule = getattr(getattr(config, "optim", None), "schedule", None)
+    if schedule is not None and schedule.kind != "constant":
+        moved.append(f"the {schedule.kind} learning-rate decay (optim.schedule), now to step {after}")
+    qat = getattr(config, "qat", None)
+    if qat is not None and qat.format:
+        moved.append(f"QAT's start (qat.fraction {qat.fraction}), now step {qat.start_step(after)}")
+    if moved:
+        warnings.warn(
+            f"train.steps changed from {before} to {after} on resume, and so did {'; '.join(moved)}: the resumed run "
+            "follows the new schedule from its checkpoint on, not the one it was trained on",
+            stacklevel=3,
         )
 
 
