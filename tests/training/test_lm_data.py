@@ -303,6 +303,14 @@ def test_cli_prepare(tmp_path, capsys):
     with pipe_holding(tmp_path / "notes.fifo", "moo moo") as fifo:
         assert main(["data", "prepare", str(fifo), "--out", str(tmp_path / "piped"), "--val-fraction", "0"]) == 0
     assert TokenDataset.open(tmp_path / "piped").meta["splits"]["train"]["documents"] == 1
+    # Documents are held out by name hash: two files at the default 2% went both to training. Before,
+    # nothing said so, and a run trained on them logged no val_loss without a word either.
+    capsys.readouterr()
+    assert main(["data", "prepare", *files[:2], "--out", str(tmp_path / "few")]) == 0
+    assert "note: no document went to validation (--val-fraction 0.02 of 2 documents" in capsys.readouterr().out
+    config = small_config(tmp_path, tmp_path / "few", "train.eval_batches=2")
+    with pytest.warns(UserWarning, match=r"validation split of .*few holds 0 tokens.*logs no val_loss"):
+        assert LMTask(config, TokenDataset.open(tmp_path / "few")).eval_data() is None
 
 
 def test_cli_prepare_with_a_hugging_face_tokenizer(tmp_path):

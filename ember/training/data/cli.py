@@ -39,5 +39,11 @@ def run(args: argparse.Namespace) -> int:
     meta = prepare_token_files(documents(), args.out, val_fraction=args.val_fraction, tokenizer=tokenizer)
     for split, counts in meta["splits"].items():
         print(f"{split:<5} {counts['documents']:>8,} documents {counts['tokens']:>12,} tokens")
+    if args.val_fraction > 0 and meta["splits"]["val"]["tokens"] == 0:  # held out by name hash: few files, none
+        print(
+            f"note: no document went to validation (--val-fraction {args.val_fraction} of "
+            f"{meta['splits']['train']['documents']} documents, chosen by name): training on it logs no val_loss; "
+            "raise --val-fraction or prepare more files"
+        )
     print(f"wrote {args.out}")
     return 0

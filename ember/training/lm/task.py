@@ -8,6 +8,7 @@ any auxiliary losses the model sows), packed token batches, validation, end-of-r
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,16 @@ class LMTask(Task):
     def eval_data(self) -> Iterator[dict] | None:
         """Up to ``train.eval_batches`` validation batches, fixed and in order: one pass over
         the validation windows at most, so each counts once in the loss."""
-        if self.config.train.eval_batches == 0 or len(self.dataset.val) <= self.config.train.seq_len:
+        if self.config.train.eval_batches == 0:
+            return None
+        if len(self.dataset.val) <= self.config.train.seq_len:  # not one row: nothing to evaluate
+            where = getattr(self.dataset, "directory", "the dataset")
+            warnings.warn(
+                f"the validation split of {where} holds {len(self.dataset.val)} tokens, fewer than "
+                f"one row of train.seq_len {self.config.train.seq_len} + 1: this run logs no val_loss (prepare the "
+                "text with a larger --val-fraction, or set train.eval_batches=0 to say so)",
+                stacklevel=2,
+            )
             return None
         return self._batches(self.dataset.val, shuffle=False).epoch(max_batches=self.config.train.eval_batches)
 
