@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from ember.core.errors import DataError, PathNotFoundError
+from ember.core.files import write_text_atomic
 from ember.core.integers import is_integer
 
 METRICS_FILE = "metrics.jsonl"
@@ -71,9 +71,7 @@ class MetricsWriter:
         if not self.enabled or not self.path.exists():
             return
         kept = [line for line, record in _parsed_lines(self.path) if record["step"] <= step]
-        partial = self.path.with_name(f".{self.path.name}.partial")  # replaced whole: a crash keeps the old file
-        partial.write_text("".join(line + "\n" for line in kept))
-        os.replace(partial, self.path)
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))  # a crash keeps the old file
 
     def close(self) -> None:
         if self._tensorboard is not None:

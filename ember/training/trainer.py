@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from ember.core.checkpoint import CheckpointManager, abstract_with_shardings
 from ember.core.errors import ConfigError, DataError, EmberError
+from ember.core.files import write_text_atomic
 from ember.core.sharding import (
     DEFAULT_RULES,
     drop_empty_boxes,
@@ -424,7 +425,7 @@ class Trainer:
         }
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     # ----------------------------------------------------------------------------- built-in hooks

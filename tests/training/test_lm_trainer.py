@@ -16,7 +16,7 @@ from ember.core.checkpoint import CheckpointManager
 from ember.core.config import from_yaml
 from ember.core.errors import ConfigError
 from ember.training.lm.config import LMConfig
-from ember.training.lm.trainer import NonFiniteLossError, train
+from ember.training.lm.trainer import NonFiniteLossError, make_trainer, train
 from tests.tolerances import assert_allclose
 from tests.training.lm_runs import (
     KILLED_RUN_STEPS,
@@ -206,7 +206,7 @@ def test_nan_stops_with_pointer_to_last_checkpoint_or_is_skipped(tmp_path, datas
     assert [entry["skipped_steps"] for entry in events if "loss" in entry] == [0, 1, 1, 1]
 
 
-def test_run_directory_contents_and_resume_guard(tmp_path, dataset):
+def test_run_directory_contents_and_resume_guard(tmp_path, dataset, monkeypatch):
     config = small_config(
         tmp_path,
         dataset,
@@ -242,6 +242,21 @@ def test_run_directory_contents_and_resume_guard(tmp_path, dataset):
         "sample.prompts=['def ']",
         "sample.max_tokens=8",
     )
+    # Killed while a resume rewrites config.yaml: before, the file was left half written, and no
+    # later resume (nor 'ember generate --checkpoint') could read the run.
+    write_text = Path.write_text
+
+    def killed_midway(path, text, *args, **kwargs):
+        if "config.yaml" not in path.name:
+            return write_text(path, text, *args, **kwargs)
+        write_text(path, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", killed_midway)
+        with pytest.raises(KeyboardInterrupt):
+            make_trainer(longer, resume=True)
+    assert from_yaml(LMConfig, (run_dir / "config.yaml").read_text()) == config
     assert train(longer, resume=True)["steps"] == 5
     assert sorted(read_metrics(run_dir)) == [1, 2, 3, 4, 5]
 

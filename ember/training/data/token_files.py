@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
+from ember.core.files import write_text_atomic
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 
 TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
@@ -105,9 +106,7 @@ def prepare_token_files(
         "fingerprint": fingerprint.hexdigest(),
         "val_fraction": val_fraction,
     }
-    partial_meta = out_dir / f".{META_FILE}.{tag}.partial"
-    partial_meta.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(partial_meta, out_dir / META_FILE)
+    write_text_atomic(out_dir / META_FILE, json.dumps(meta, indent=2) + "\n")
     return meta
 
 

@@ -33,6 +33,7 @@ import jax
 
 from ember.core.distributed import initialize_distributed
 from ember.core.errors import ConfigError
+from ember.core.files import write_text_atomic
 from ember.core.sharding import addressable_here, logical_rules, make_mesh, shard_variables
 from ember.core.tree import param_count
 from ember.models.config import ModelConfig
@@ -117,7 +118,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     )
     summary = {**summary, **figures}
     if jax.process_index() == 0:
-        (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_text_atomic(Path(config.run_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -197,7 +198,7 @@ def _train(trainer, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any]
     summary = trainer.train()
     summary.update(wall_seconds=time.perf_counter() - start, **(extra or {}))
     if trainer.is_main:
-        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_text_atomic(trainer.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary, {"params": trainer.state.params, **trainer.state.model_state}
 
 

@@ -22,6 +22,7 @@ import jax
 
 from ember.core.config import ConfigError, from_yaml, read_key, to_yaml
 from ember.core.distributed import initialize_distributed
+from ember.core.files import write_text_atomic
 from ember.core.sharding import logical_rules, make_mesh
 from ember.training.lm.config import LMConfig, flatten_keys
 from ember.training.lm.task import LMTask
@@ -64,7 +65,7 @@ def make_trainer(config: Any, *, resume: bool = False, task: Task | None = None)
     )
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(config))
+        write_text_atomic(run_dir / "config.yaml", to_yaml(config))
     return trainer
 
 

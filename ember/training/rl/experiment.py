@@ -27,6 +27,7 @@ import numpy as np
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, read_key, to_yaml
 from ember.core.errors import ConfigError, EmberError, PathNotFoundError
+from ember.core.files import write_text_atomic
 from ember.envs.config import EnvConfig, make_from_config
 from ember.envs.environment import Environment
 from ember.envs.wrappers import RunningMeanVar, Wrapper
@@ -178,7 +179,7 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
     if (run_dir / CHECKPOINT_DIR).is_dir() and any((run_dir / CHECKPOINT_DIR).iterdir()):
         raise EmberError(f"run_dir {run_dir} already holds a finished run; choose another run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(to_yaml(config))
+    write_text_atomic(run_dir / CONFIG_FILE, to_yaml(config))
     algorithm = ALGORITHMS[config.algo]
     section = algorithm.section(config)
     env, env_params = make_from_config(config.env)
@@ -214,7 +215,7 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
         manager.save(num_updates, saved, extra={"algo": config.algo, "env_id": config.env.id})
 
     summary = evaluate_params(config, result["params"], config.eval.episodes, seed=config.seed + 1, obs_stats=obs_stats)
-    (run_dir / EVAL_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(run_dir / EVAL_FILE, json.dumps(summary, indent=2) + "\n")
     return {**summary, "run_dir": str(run_dir)}
 
 
