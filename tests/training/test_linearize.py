@@ -8,6 +8,7 @@ forward."""
 
 import json
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -396,6 +397,8 @@ def test_a_validation_split_shorter_than_a_row_is_named_not_eval_batches(tmp_pat
     meta = prepare_token_files(documents, tmp_path / "data", val_fraction=0.05)
     assert 0 < meta["splits"]["val"]["tokens"] < 129
     command = ["linearize", str(work / "teacher"), str(tmp_path / "out"), "--config", str(CONFIG)]
-    assert main([*command, f"data.dataset={tmp_path / 'data'}"]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused outright: not first warned of as a run without val_loss
+        assert main([*command, f"data.dataset={tmp_path / 'data'}"]) == 2
     err = capsys.readouterr().err
     assert "data.dataset: the validation split holds" in err and "eval_batches" not in err

@@ -70,14 +70,14 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     dataset = _dataset(config.data, base)
     transfer = AttentionTransferTask(config, base, dataset)
     low_rank = LowRankTask(config, base, dataset)
-    batches = list(low_rank.eval_data() or ())
-    if not batches and config.train.eval_batches:  # eval_data gives none for a split shorter than a row
+    if config.train.eval_batches and len(dataset.val) <= config.train.seq_len:  # not one row to compare on
         raise ConfigError(
             f"data.dataset: the validation split holds {len(dataset.val)} tokens, fewer than the "
             f"{config.train.seq_len + 1} of one row of train.seq_len {config.train.seq_len}: the summary compares "
             "validation losses (prepare the text with a larger --val-fraction, or shorten train.seq_len)",
             key="data.dataset",
         )
+    batches = list(low_rank.eval_data() or ())
     if not batches:
         raise ConfigError(
             "train.eval_batches must be >= 1: the summary compares validation losses", key="train.eval_batches"
