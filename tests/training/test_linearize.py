@@ -232,6 +232,22 @@ def test_stage_two_starts_from_stage_one_weights_sharded_over_processes(monkeypa
     assert isinstance(host["norm"]["scale"], np.ndarray) and len(gathered) == 1
 
 
+def document_rows(vocab_size: int, count: int = 3, length: int = 16) -> list[dict]:
+    """``count`` LM batch rows, each one whole document of ``length`` random tokens."""
+    generator = np.random.default_rng(0)
+    return [
+        {"tokens": generator.integers(1, vocab_size, length).astype(np.int32),
+         "positions": np.arange(length, dtype=np.int32), "segment_ids": np.ones(length, np.int32),
+         "targets": np.zeros(length, np.int32), "loss_mask": np.ones(length, np.float32)}
+        for _ in range(count)
+    ]  # fmt: skip
+
+
+def stack_rows(*rows: dict) -> dict:
+    """Rows of :func:`document_rows` (or ``empty_row``) as one batch."""
+    return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
+
+
 def test_transfer_errors_are_the_mean_over_real_tokens_whatever_the_padding(rng):
     """The last validation batch is filled with empty rows (segment id 0). Their tokens counted
     in each layer's mean error, and every batch weighed the same however few real rows it
@@ -247,22 +263,16 @@ def test_transfer_errors_are_the_mean_over_real_tokens_whatever_the_padding(rng)
                          linear_feature_map="hedgehog", linear_feature_dim=4, attention_transfer=True,
                          attention_impl="xla")  # fmt: skip
     model = DecoderLM(config)
-    generator = np.random.default_rng(0)
-    rows = [
-        {"tokens": generator.integers(1, 64, 16).astype(np.int32), "positions": np.arange(16, dtype=np.int32),
-         "segment_ids": np.ones(16, np.int32), "targets": np.zeros(16, np.int32), "loss_mask": np.ones(16, np.float32)}
-        for _ in range(3)
-    ]  # fmt: skip
-    stack = lambda *rs: {key: np.stack([r[key] for r in rs]) for key in rs[0]}  # noqa: E731
-    params = jax.jit(model.init)(rng, jnp.asarray(stack(*rows)["tokens"]))["params"]
+    rows = document_rows(vocab_size=64)
+    params = jax.jit(model.init)(rng, jnp.asarray(stack_rows(*rows)["tokens"]))["params"]
     variables = {"params": perturbed(unbox(params), jax.random.fold_in(rng, 1))}
     evaluator = Evaluator(
-        [stack(rows[0], rows[1]), stack(rows[2], empty_row(16))],
+        [stack_rows(rows[0], rows[1]), stack_rows(rows[2], empty_row(16))],
         make_mesh(MeshConfig(data=2), jax.devices()[:2]),
         logical_rules(),
     )
     got = evaluator.transfer_errors(model, variables)
-    whole = stack(*rows)
+    whole = stack_rows(*rows)
     inputs = {"positions": whole["positions"], "segment_ids": whole["segment_ids"]}
     _, sown = jax.jit(lambda v: model.apply(v, whole["tokens"], **inputs, mutable=["losses"]))(variables)
     expected = np.asarray(_per_layer(sown["losses"], config.layer_period))
@@ -336,17 +346,11 @@ def test_stage_one_val_loss_is_the_mean_over_real_tokens_whatever_the_padding(tm
 
     base, dataset = in_memory_base(tmp_path, attention_impl="xla")
     task = AttentionTransferTask(LinearizeRunConfig(linear=LinearizeConfig(window=4, feature_dim=4)), base, dataset)
-    generator = np.random.default_rng(0)
-    rows = [
-        {"tokens": generator.integers(1, 320, 16).astype(np.int32), "positions": np.arange(16, dtype=np.int32),
-         "segment_ids": np.ones(16, np.int32), "targets": np.zeros(16, np.int32), "loss_mask": np.ones(16, np.float32)}
-        for _ in range(3)
-    ]  # fmt: skip
-    stack = lambda *rs: {key: jnp.asarray(np.stack([r[key] for r in rs])) for key in rs[0]}  # noqa: E731
-    params = perturbed(unbox(jax.jit(task.model.init)(rng, stack(*rows)["tokens"])["params"]), rng, scale=1.0)
+    rows = document_rows(vocab_size=320)
+    params = perturbed(unbox(jax.jit(task.model.init)(rng, stack_rows(*rows)["tokens"])["params"]), rng, scale=1.0)
     sums = jax.jit(lambda batch: eval_step(params, None, batch, None, loss_fn=task.loss))
-    split = [sums(stack(rows[0], rows[1])), sums(stack(rows[2], empty_row(16)))]
-    whole = sums(stack(*rows))
+    split = [sums(stack_rows(rows[0], rows[1])), sums(stack_rows(rows[2], empty_row(16)))]
+    whole = sums(stack_rows(*rows))
     per_batch = [float(loss) / float(count) for loss, count in split]
     assert per_batch[0] > 1e-2 and abs(per_batch[0] - per_batch[1]) > 0.05 * per_batch[0]  # the batches differ
     got = sum(float(loss) for loss, _ in split) / sum(float(count) for _, count in split)
