@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -268,6 +269,40 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, tuple(rules), shape=x.shape, mesh=mesh))
 
 
+def per_shard(fn: Callable[..., Any], in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]):
+    """``fn`` run on each device's shard of its arguments under the current mesh (``jax.shard_map``,
+    specs from the logical axes and rules, a mesh axis that does not divide a dimension dropped for
+    it); ``fn`` itself outside :func:`use_sharding` or on one device.
+
+    Why: a Pallas kernel is a custom call that XLA's partitioner cannot split. Called under ``jit``
+    on a mesh it has its operands gathered whole onto every device, and every device computes the
+    whole batch (flash attention on a ``data=8`` mesh: 12 all-gathers). ``fn`` must compute the same
+    on any shard the specs give, as attention does on the batch rows and key heads it holds.
+
+    Args:
+      fn: a function of array pytrees (None leaves pass through) returning one array.
+      in_axes: logical axes per argument, applied to each array of that argument.
+      out_axes: logical axes of the result.
+    """
+    mesh = _current_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh is None or not rules or mesh.size == 1:
+        return fn
+
+    def mapped(*args):
+        if len(args) != len(in_axes):
+            raise ValueError(f"per_shard: {len(in_axes)} argument axes for {len(args)} arguments")
+
+        def spec(axes, leaf):
+            return logical_to_spec(axes, tuple(rules), shape=leaf.shape, mesh=mesh)
+
+        in_specs = tuple(jax.tree.map(functools.partial(spec, axes), arg) for axes, arg in zip(in_axes, args))
+        out_spec = spec(out_axes, jax.eval_shape(fn, *args))
+        return jax.shard_map(fn, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
+
+    return mapped
+
+
 @contextlib.contextmanager
 def use_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
     """Makes ``mesh`` the current mesh and ``rules`` the current logical rules."""
@@ -338,6 +373,7 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "named_sharding",
+    "per_shard",
     "shard_variables",
     "tree_shardings",
     "unbox",

@@ -1,5 +1,6 @@
 """Every parameter carries logical axes; the sharded forward on 8 CPU devices (FSDP and
-tensor-parallel meshes) equals the single-device forward; the model wraps for Flax NNX."""
+tensor-parallel meshes) equals the single-device forward; Pallas kernels run per shard; the model
+wraps for Flax NNX."""
 
 import dataclasses
 
@@ -11,8 +12,10 @@ import pytest
 from flax import nnx
 
 from ember.core.sharding import LOGICAL_AXES, MeshConfig, make_mesh, named_sharding, shard_variables, use_sharding
-from ember.models.config import ModelConfig
+from ember.kernels_pallas.flash_attention import flash_attention
+from ember.models.config import ModelConfig, SSMConfig
 from ember.models.decoder import DecoderLM
+from ember.models.layers.kernel_shards import per_head_group_shard
 from tests.tolerances import assert_allclose
 
 # One of each parameter kind: attention with biases and QK-norm, CCGQA, Hedgehog linear
@@ -81,3 +84,65 @@ def test_wraps_for_flax_nnx(rng):
     expected, _ = jax.jit(DecoderLM(config).apply)({"params": params}, tokens)
     assert_allclose(logits, expected)
     assert np.asarray(params["layers"]["block_0"]["attn"]["q"]["kernel"]).shape == (2, 64, 4, 16)
+
+
+# Every sequence-mixer family that runs a Pallas kernel, in the Pallas interpreter: GQA attention,
+# linear attention and Mamba-2's SSD with two B/C groups.
+KERNEL_CONFIG = dataclasses.replace(
+    CONFIG,
+    num_layers=3,
+    block_pattern=("global", "linear", "mamba2"),
+    qkv_bias=False,
+    qk_norm=False,
+    linear_feature_map="elu",
+    ssm=SSMConfig(n_groups=2, chunk_size=8),
+    attention_impl="interpret",
+)
+
+
+def test_kernels_run_on_each_devices_shard_with_the_same_loss_and_gradients(rng):
+    """A Pallas kernel is a custom call XLA cannot partition: on a data x tensor mesh the kernels
+    had their operands gathered whole onto every device (92 all-gathers in this program). Now each
+    runs on the batch rows and head groups its device holds: no all-gather at all, and the loss and
+    gradients are the single device's."""
+    model = DecoderLM(KERNEL_CONFIG)
+    tokens = jax.random.randint(rng, (8, 16), 0, KERNEL_CONFIG.vocab_size)
+    variables = jax.jit(model.init)(jax.random.key(0), tokens)
+
+    def loss(params, tokens):
+        logits, _ = model.apply(params, tokens)
+        return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
+
+    step = jax.jit(jax.value_and_grad(loss))
+    expected = step(nn.meta.unbox(variables), tokens)
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    with use_sharding(mesh):
+        sharded_tokens = jax.device_put(tokens, named_sharding(mesh, ("batch", "seq"), shape=tokens.shape))
+        compiled = step.lower(shard_variables(variables, mesh), sharded_tokens).compile()
+        value, grads = compiled(shard_variables(variables, mesh), sharded_tokens)
+    assert "all-gather" not in compiled.as_text()
+    assert_allclose(value, expected[0])
+    jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
+
+
+def test_kernel_shards_keep_query_heads_with_their_key_heads_when_the_mesh_splits_fewer_groups(rng):
+    """Two key heads on a tensor axis of 4: the groups cannot split, so each device computes all of
+    them (never a query head against another group's key head); values and gradients as on one device."""
+    q, k, v = (jax.random.normal(key, (2, 8, heads, 8)) for key, heads in zip(jax.random.split(rng, 3), (8, 2, 2)))
+
+    def loss(q, k, v):
+        out = per_head_group_shard(
+            lambda q, k, v: flash_attention(q, k, v, causal=True, impl="interpret"),
+            (q, k, v),
+            ("bsh.", "bsh.", "bsh."),
+            out_layout="bsh.",
+            groups=k.shape[2],
+            kernel=True,
+        )
+        return jnp.sum(out * jnp.arange(8.0))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    expected = grad(q, k, v)
+    with use_sharding(make_mesh(MeshConfig(data=2, tensor=4))):
+        got = grad(q, k, v)
+    jax.tree.map(assert_allclose, got, expected)

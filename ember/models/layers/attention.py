@@ -24,10 +24,12 @@ import jax.numpy as jnp
 from ember.core.sharding import constrain
 from ember.kernels_pallas.attention_math import default_sigmoid_bias
 from ember.kernels_pallas.block_mask import LocalGlobalMask
+from ember.kernels_pallas.flash_attention import KERNEL_BACKENDS as FLASH_KERNEL_BACKENDS
 from ember.kernels_pallas.flash_attention import flash_attention
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
 from ember.models.cache import Paging, write_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
+from ember.models.layers.kernel_shards import per_head_group_shard, runs_per_shard
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.projection import Projection
 from ember.models.layers.rope import apply_rope, rope_inverse_frequencies
@@ -128,16 +130,28 @@ def _attend_sequence(q, k, v, *, config, kind, segment_ids, positions, options) 
         segment_ids = (q_segments, jnp.pad(q_segments, ((0, 0), (0, pad)), constant_values=_NO_KEY))
         if segment_positions is not None:
             segment_positions = (segment_positions, jnp.pad(segment_positions, ((0, 0), (0, pad))))
-    return flash_attention(
-        q,
-        k,
-        v,
-        causal=True,
-        window=window,
-        block_mask=block_mask,
-        segment_ids=segment_ids,
-        segment_positions=segment_positions,
-        **options,
+
+    def attention(q, k, v, segment_ids, segment_positions):
+        return flash_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            window=window,
+            block_mask=block_mask,
+            segment_ids=segment_ids,
+            segment_positions=segment_positions,
+            **options,
+        )
+
+    kernel = runs_per_shard(options["impl"], op="flash_attention", kernel_backends=FLASH_KERNEL_BACKENDS)
+    return per_head_group_shard(
+        attention,
+        (q, k, v, segment_ids, segment_positions),
+        ("bsh.", "bsh.", "bsh.", "bs", "bs"),
+        out_layout="bsh.",
+        groups=k.shape[2],
+        kernel=kernel,
     )
 
 

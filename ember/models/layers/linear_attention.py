@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from ember.core.sharding import constrain
+from ember.kernels_pallas.linear_attention import KERNEL_BACKENDS as LINEAR_KERNEL_BACKENDS
 from ember.kernels_pallas.linear_attention import NORMALIZER_EPS, linear_attention
 from ember.models.cache import Paging
 from ember.models.config import ModelConfig
 from ember.models.layers.feature_maps import FeatureMap
+from ember.models.layers.kernel_shards import per_head_group_shard, runs_per_shard
 from ember.models.layers.projection import Projection
 
 
@@ -112,7 +114,18 @@ class LinearAttention(nn.Module):
         q = constrain(q, ("batch", "seq", "heads", None))
         k = constrain(k, ("batch", "seq", "heads", None))
         if cache is None:
-            out = linear_attention(q, k, v, normalize=True, segment_ids=segment_ids, impl=config.attention_impl)
+            impl = config.attention_impl
+            kernel = runs_per_shard(impl, op="linear_attention", kernel_backends=LINEAR_KERNEL_BACKENDS)
+            out = per_head_group_shard(
+                lambda q, k, v, segment_ids: linear_attention(
+                    q, k, v, normalize=True, segment_ids=segment_ids, impl=impl
+                ),
+                (q, k, v, segment_ids),
+                ("bsh.", "bsh.", "bsh.", "bs"),
+                out_layout="bsh.",
+                groups=heads,
+                kernel=kernel,
+            )
         else:
             out, state = ragged_linear_attention(
                 q[0], k[0], v[0], cache["state"], paging, valid[0], config.attention_impl

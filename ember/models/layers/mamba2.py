@@ -36,9 +36,11 @@ import jax.numpy as jnp
 
 from ember.core.sharding import constrain
 from ember.kernels_pallas.short_conv import short_conv
+from ember.kernels_pallas.ssd import KERNEL_BACKENDS as SSD_KERNEL_BACKENDS
 from ember.kernels_pallas.ssd import ssd
 from ember.models.cache import Paging, run_history
 from ember.models.config import ModelConfig
+from ember.models.layers.kernel_shards import per_head_group_shard, runs_per_shard
 from ember.models.layers.projection import Projection
 
 DT_INIT_RANGE: tuple[float, float] = (0.001, 0.1)
@@ -205,7 +207,17 @@ class Mamba2Mixer(nn.Module):
         A = -jnp.exp(A_log.astype(jnp.float32))
         scan = dict(chunk_size=ssm.chunk_size, impl=config.attention_impl)
         if cache is None:
-            y = ssd(xs, dt, A, B, C, D=D, dt_softplus=False, segment_ids=segment_ids, **scan)
+            kernel = runs_per_shard(scan["impl"], op="ssd", kernel_backends=SSD_KERNEL_BACKENDS)
+            y = per_head_group_shard(
+                lambda xs, dt, A, B, C, D, segment_ids: ssd(
+                    xs, dt, A, B, C, D=D, dt_softplus=False, segment_ids=segment_ids, **scan
+                ),
+                (xs, dt, A, B, C, D, segment_ids),
+                ("bsh.", "bsh", "h", "bsh.", "bsh.", "h", "bs"),
+                out_layout="bsh.",
+                groups=groups,
+                kernel=kernel,
+            )
         else:
             y, ssm_state = ragged_ssd(xs[0], dt[0], A, B[0], C[0], D, cache["ssm_state"], paging, valid[0], **scan)
             y = y[None]

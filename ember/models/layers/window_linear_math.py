@@ -35,8 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from ember.kernels_pallas.attention_math import soft_cap as capped
+from ember.kernels_pallas.linear_attention import KERNEL_BACKENDS as LINEAR_KERNEL_BACKENDS
 from ember.kernels_pallas.linear_attention import linear_attention
 from ember.models.cache import Paging, run_history
+from ember.models.layers.kernel_shards import per_head_group_shard, runs_per_shard
 from ember.models.layers.linear_attention import ragged_linear_sums
 
 _F32 = jnp.float32
@@ -151,7 +153,15 @@ def _delayed_linear_sums(q_features, k_features, v, window, segment_ids, impl) -
     keys, values = delayed(keys), delayed(values)
     if segment_ids is not None:
         keys = jnp.where((delayed(segment_ids, -1) == segment_ids)[..., None, None], keys, 0.0)
-    return linear_attention(q_features.astype(_F32), keys, values, segment_ids=segment_ids, impl=impl)
+    kernel = runs_per_shard(impl, op="linear_attention", kernel_backends=LINEAR_KERNEL_BACKENDS)
+    return per_head_group_shard(
+        lambda q, k, v, segment_ids: linear_attention(q, k, v, segment_ids=segment_ids, impl=impl),
+        (q_features.astype(_F32), keys, values, segment_ids),
+        ("bsh.", "bsh.", "bsh.", "bs"),
+        out_layout="bsh.",
+        groups=heads,
+        kernel=kernel,
+    )
 
 
 def step_windows(
