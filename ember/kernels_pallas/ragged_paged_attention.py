@@ -188,6 +188,10 @@ def _attend_rows(
     kv_pos = jnp.arange(max_len)[None, None, :]
     position = q_positions[:, :, None]
     visible = (kv_pos <= position) & rows_valid[:, :, None]
+    # Cache positions past every row's own (a reused page's unwritten tail, unused table
+    # slots) may hold NaN, which would reach the output through p @ v even with p = 0.
+    last = jnp.max(jnp.where(rows_valid, q_positions, -1), axis=1)[:, None, None, None]
+    values = jnp.where(jnp.arange(max_len)[None, :, None, None] <= last, values, 0)
     if window is not None:
         visible = visible & ((kv_pos >= position - window[0]) | (kv_pos < global_tokens))
     return reference_attention(
@@ -283,7 +287,8 @@ def ragged_paged_attention(
       query_lens: int32 ``[num_seqs]``, new tokens per sequence (1 for a decode, the chunk
         length for prefill, 0 for an unused slot); ``query_lens[s] <= kv_lens[s]``.
       kv_lens: int32 ``[num_seqs]``, total cached tokens of each sequence including the new
-        ones; ``<= max_pages_per_seq * page_size``.
+        ones; ``<= max_pages_per_seq * page_size``. The cache positions past it (the tail of
+        the last page: a reused page's old keys and values) may hold anything, NaN included.
       sm_scale: multiplies ``q.k``; default ``1 / sqrt(head_dim)``.
       logits_soft_cap: if set, scaled logits become ``cap * tanh(logits / cap)``.
       window: ``(left, right)`` as in :func:`flash_attention`; the query at position ``p``

@@ -227,7 +227,10 @@ def _ragged_kernel(
             page_index = block * pages_per_block + slot
             page = page_table_ref[seq, jnp.minimum(page_index, max_pages - 1)]
             k = k_ref[page, :, kv_head, :]
-            v = v_ref[page, :, kv_head, :]
+            # Positions past the block's last row (a reused page's unwritten tail, unused table
+            # slots) may hold NaN, which would reach the output through p @ v even with p = 0.
+            value_pos = page_index * page_size + lax.broadcasted_iota(jnp.int32, (page_size, q.shape[1]), 0)
+            v = jnp.where(value_pos < first_pos + rows, v_ref[page, :, kv_head, :], 0)
             logits = lax.dot_general(q, k, _NT_DIMS, preferred_element_type=jnp.float32) * sm_scale
             logits = soft_cap(logits, soft_cap_value)
             kv_pos = page_index * page_size + lax.broadcasted_iota(jnp.int32, (block_q * group, page_size), 1)

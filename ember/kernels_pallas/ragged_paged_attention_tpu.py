@@ -17,7 +17,9 @@ last step prefetches the next item's first block -- so the grid axis is ``"arbit
 (sequential) and an SMEM scratch word carries the slot from one program to the next. Only
 the pages some row of the item can see are copied (from the window start, or 0, up to its
 last row, plus the ``global_tokens`` prefix with a window); the buffer entries of the pages
-not copied hold stale data, so their values are zeroed before the ``p @ v`` product.
+not copied hold stale data, and so do the positions of a copied page past the item's last
+row (a reused page's unwritten tail), so their values are zeroed before the ``p @ v``
+product.
 
 Layout for the MXU: queries travel heads-major per item, ``[items, kv_heads, block_q *
 group, head_dim]`` with row ``r`` = (query row ``r // group``, head ``r % group`` of the
@@ -190,13 +192,15 @@ def _fold_block(config: _Config, refs: _Refs, q_ref, item: _Item, step, slot, ma
     query_row = lax.div(lax.broadcasted_iota(jnp.int32, shape, 0), config.group)
     kv_pos = kv_start + lax.broadcasted_iota(jnp.int32, shape, 1)
     visible = config.mask.visible(item.first_pos + query_row, kv_pos) & (query_row < item.rows)
-    # Slots of pages that were not copied hold stale data, maybe NaN: 0 * NaN would reach
-    # the output through p @ v even with p = 0.
+    # Slots of pages that were not copied hold stale data, and so do the cache positions
+    # past the item's last row (a reused page's unwritten tail), maybe NaN: 0 * NaN would
+    # reach the output through p @ v even with p = 0.
     value_pos = kv_start + lax.broadcasted_iota(jnp.int32, (tokens, config.head_dim), 0)
-    value_copied = _page_seen(config, item, lax.div(value_pos, config.page_size))
+    value_read = _page_seen(config, item, lax.div(value_pos, config.page_size))
+    value_read = value_read & (value_pos < item.first_pos + item.rows)
     for g in range(config.kv_heads):
         k = _head_tile(refs.k_buf, slot, g, config)
-        v = jnp.where(value_copied, _head_tile(refs.v_buf, slot, g, config), 0)
+        v = jnp.where(value_read, _head_tile(refs.v_buf, slot, g, config), 0)
         logits = lax.dot_general(q_ref[g], k, _NT_DIMS, preferred_element_type=jnp.float32) * config.sm_scale
         logits = soft_cap(logits, config.logits_soft_cap)
         if config.score == "sigmoid":

@@ -122,6 +122,30 @@ def test_tpu_kernel_matches_reference_on_a_mixed_step(rng, dtype, block_q, pages
     assert np.all(np.asarray(out[PADDING_ROWS]) == 0.0)
 
 
+def _stale_positions_poisoned(pages, page_table, kv_lens):
+    """``pages`` with NaN at every cache position ``>= kv_lens[s]`` of each sequence's table
+    slots: the unwritten tail of its last page (a reused page keeps its previous owner's
+    keys and values there) and the slots past it."""
+    poisoned = np.array(pages)
+    page_size = poisoned.shape[1]
+    for seq, kv_len in enumerate(np.asarray(kv_lens)):
+        for slot, page in enumerate(np.asarray(page_table)[seq]):
+            poisoned[page, max(kv_len - slot * page_size, 0) :] = np.nan
+    return jnp.asarray(poisoned)
+
+
+@pytest.mark.parametrize("impl", ["interpret_tpu", "interpret", "xla"])
+def test_stale_cache_positions_past_kv_lens_do_not_reach_the_output(rng, impl):
+    """Positions no query may see (past ``kv_lens``, partial last pages included) hold NaN:
+    every path gives the reference's values on the clean cache. (They gave NaN: the last
+    page's masked positions still entered ``p @ v`` as 0 * NaN.)"""
+    q, k_pages, v_pages, page_table = _inputs(rng, jnp.float32, MIXED_STEP, **MIXED_SHAPE)
+    poisoned = (_stale_positions_poisoned(x, page_table, MIXED_STEP[2]) for x in (k_pages, v_pages))
+    out = ragged_paged_attention(q, *poisoned, page_table, *MIXED_STEP, block_q=8, pages_per_block=2, impl=impl)
+    expected = jax.jit(ragged_paged_attention_reference)(q, k_pages, v_pages, page_table, *MIXED_STEP)
+    assert_allclose(out, expected)
+
+
 def test_tpu_kernel_matches_reference_on_a_decode_step(rng):
     """Decodes only, out of order, odd lengths; the kernel reads the global prefix's page
     and the window's pages, never the unused table slots or the pages between."""
