@@ -10,6 +10,7 @@ import functools
 import json
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -371,3 +372,29 @@ def test_tensors_for_layers_the_config_does_not_adapt_are_named(tmp_path):
     settings = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**settings, "layers_to_transform": 0}))
     assert load_peft_adapter(tmp_path, config)
+
+
+def test_adapters_on_a_mamba2_layer_are_refused_not_written_as_attention(tmp_path):
+    """A Mamba-2 layer's output projection is ``attn/o/kernel`` in Ember, like attention's. An
+    adapter on it (``targets: [o]`` on a hybrid or a Mamba-2 base) was written as
+    ``model.layers.<i>.self_attn.o_proj`` with the mixer's shape: PEFT refused the directory
+    (Target modules {'o_proj'} not found) and so did Ember's own loader (lora_A [4, 128], the
+    model's o_proj takes [r, 64]). Now the export refuses it by name; the attention layer's
+    adapters alone save and load back."""
+    config = ModelConfig(
+        vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48, max_seq_len=32,
+        block_pattern=("mamba2", "global"), mlp_pattern=("none", "dense"), attention_impl="xla", scan_layers=False,
+    )  # fmt: skip
+    params = DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    adapted = add_lora(
+        jax.tree.map(np.asarray, nn.meta.unbox(params)), LoraConfig(rank=2, targets=("o",)), jax.random.key(1)
+    )
+    with pytest.raises(DataError, match=r"attn/o/kernel of a mamba2 layer has no PEFT equivalent"):
+        save_peft_adapter(tmp_path / "o", config, trained(adapted, 0))
+    only_attention = LoraConfig(rank=2, targets=(r"block_1/attn/o/kernel$", "up"))
+    adapted = trained(add_lora(nn.meta.unbox(params), only_attention, jax.random.key(1)), 0)
+    save_peft_adapter(tmp_path / "attention", config, adapted)
+    loaded = param_paths(load_peft_adapter(tmp_path / "attention", config))
+    for path, value in loaded.items():
+        assert_allclose(value, param_paths(adapted)[path], scale=1)
+    assert {p.split("/attn/")[0] for p in loaded if "/attn/" in p} == {"group_0/block_1"}

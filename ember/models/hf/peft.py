@@ -40,7 +40,7 @@ from ember.core.sharding import unbox
 from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.leaves import adapted_paths, factors_on_original_base
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name
-from ember.models.config import ModelConfig
+from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.decoder import layer_location, layers_from_list, layers_to_list
 from ember.models.hf.weights import check_all_used
 
@@ -60,6 +60,10 @@ MODULES: dict[str, str] = {
     "moe/shared/down": "mlp.shared_expert.down_proj",
 }
 """Ember's per-layer weight path -> the HF module an adapter on it targets."""
+ATTENTION_KINDS: tuple[str, ...] = (*SOFTMAX_FAMILY, "window_linear")
+"""Layer kinds whose ``attn/{q,k,v,o}`` are softmax attention's projections (PEFT's
+``self_attn.*_proj``); a Mamba-2 mixer's ``attn/o`` (HF's ``mixer.out_proj``), CCA's and linear
+attention's projections have other shapes or meanings."""
 _EMBER_PATH = {module: path for path, module in MODULES.items()}
 PLAIN_LORA: dict[str, Any] = {
     "fan_in_fan_out": False,
@@ -91,7 +95,8 @@ def save_peft_adapter(
     """Writes the adapters of ``params`` as a PEFT LoRA adapter directory.
 
     Raises:
-      DataError: ``params`` carries no adapters, or one PEFT cannot express (routed experts).
+      DataError: ``params`` carries no adapters, or one PEFT cannot express (routed experts, the
+        projections of a layer not in :data:`ATTENTION_KINDS`).
     """
     check_peft_exportable(config, params)
     layers = layers_to_list(config, unbox(params))
@@ -102,7 +107,7 @@ def save_peft_adapter(
         flat = param_paths(layer)
         present.append({MODULES[w] for w in flat if w in MODULES})
         for weight in adapted_paths(layer):
-            module = _module_of(weight)
+            module = _module_of(weight, config.layer_kinds[index])
             a, b = (np.asarray(factor, np.float32) for factor in factors_on_original_base(flat, weight))
             if not (a.any() or b.any() or part_name(weight, "lora_magnitude") in flat):
                 continue  # the zero padding of a scanned load: changes nothing, and its gradients are zero
@@ -177,7 +182,8 @@ def check_peft_exportable(config: ModelConfig, params: Mapping[str, Any]) -> Non
     tree's paths alone (``params`` may be abstract, e.g. from ``jax.eval_shape``).
 
     Raises:
-      DataError: MixLoRA experts, or an adapter on a weight with no PEFT module (routed experts).
+      DataError: MixLoRA experts, or an adapter on a weight with no PEFT module (routed experts, the
+        projections of a layer not in :data:`ATTENTION_KINDS`).
     """
     if any(MIXLORA_ROUTER.match(p.rsplit("/", 1)[-1]) for p in param_paths(params)):
         raise DataError("MixLoRA's routed experts have no PEFT LoRA form; keep them as an Ember run")
@@ -185,7 +191,7 @@ def check_peft_exportable(config: ModelConfig, params: Mapping[str, Any]) -> Non
     for layer in range(config.num_layers):
         container, _, block = layer_location(config, layer)
         for weight in adapted_paths(unboxed[container][block]):
-            _module_of(weight)
+            _module_of(weight, config.layer_kinds[layer])
 
 
 PEFT_DEFAULT_ALPHA = 8
@@ -387,10 +393,23 @@ def _pattern_value(patterns: Mapping[str, Any], module_name: str, default: Any) 
     return default
 
 
-def _module_of(weight: str) -> str:
+def _module_of(weight: str, kind: str) -> str:
+    """The PEFT module of the adapted ``weight`` (a per-layer path) in a layer of mixer ``kind``."""
     if weight not in MODULES:
         raise DataError(f"an adapter on {weight} has no PEFT equivalent; PEFT-exportable weights: {', '.join(MODULES)}")
+    if weight.startswith("attn/") and kind not in ATTENTION_KINDS:
+        raise DataError(
+            f"an adapter on {weight} of a {kind} layer has no PEFT equivalent (PEFT's self_attn projections are "
+            f"those of {', '.join(ATTENTION_KINDS)} layers); adapt the attention layers' or the MLPs' weights only"
+        )
     return MODULES[weight]
 
 
-__all__ = ["MODULES", "check_peft_exportable", "load_peft_adapter", "save_peft_adapter", "with_adapter"]
+__all__ = [
+    "ATTENTION_KINDS",
+    "MODULES",
+    "check_peft_exportable",
+    "load_peft_adapter",
+    "save_peft_adapter",
+    "with_adapter",
+]
