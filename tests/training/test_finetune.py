@@ -625,3 +625,40 @@ def test_a_merged_export_from_a_fine_tuned_run_carries_its_tokenizer(problem, tm
         == task.base.tokenizer.encode("what does the cow say ?").tolist()
     )
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["eos_token_id"] == EOS
+
+
+def test_a_fine_tuned_mamba2_base_exports_merged_as_mamba2(problem, tmp_path):
+    """A Hugging Face Mamba-2 base: Ember reads and writes its checkpoints, but export.merged took
+    only the attention models' types, so the run was refused before training ("cannot be written
+    as a Hugging Face llama checkpoint (the base's type ...)", and export.model_type mamba2 was not
+    a choice). Now merged/ is a mamba2 checkpoint that transformers loads with Ember's logits."""
+    import types
+
+    from ember.training.finetune.export import export_hook
+    from tests.hf_peers import random_hf_model
+    from tests.moved_adapters import moved
+    from tests.training.finetune_setup import WORDS, write_tokenizer
+
+    hf_config = transformers.Mamba2Config(
+        vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, head_dim=16, num_heads=4,
+        n_groups=1, conv_kernel=4, chunk_size=16, bos_token_id=1, eos_token_id=EOS, pad_token_id=None,
+    )  # fmt: skip
+    random_hf_model(hf_config, seed=1).save_pretrained(tmp_path / "mamba2")
+    write_tokenizer(tmp_path / "mamba2")
+    lora = {"targets": ["o"], "rank": 2, "dropout": 0.0}  # the mixer's out_proj
+    config = config_for(problem, "mamba2", adapter=lora, export={"peft": False, "merged": True})
+    config = dataclasses.replace(
+        config, base_model=dataclasses.replace(config.base_model, path=str(tmp_path / "mamba2"))
+    )
+    task = FinetuneTask(config)
+    params = moved(nn.meta.unbox(task.init_variables(jax.random.key(0), task.pretrained())["params"]), 0, 0.3)
+    trainer = types.SimpleNamespace(run_dir=tmp_path, is_main=True, results={})
+    export_hook(task)(types.SimpleNamespace(state=types.SimpleNamespace(params=params), trainer=trainer))
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "mamba2"
+    tokens = np.asarray([[1, 3, 4, 5, 10, 6, 7, 18, 2]])
+    ember = np.asarray(DecoderLM(task.model_config).apply({"params": params}, jnp.asarray(tokens))[0])
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        assert_allclose(merged(torch.tensor(tokens)).logits.numpy(), ember, scale=10)
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mamba2").eval()
+        assert not np.allclose(base(torch.tensor(tokens)).logits.numpy(), ember, atol=1e-3)  # the adapters count

@@ -31,6 +31,7 @@ from ember.core.sharding import MeshConfig
 from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
+from ember.models.hf.config_map import SUPPORTED_MODEL_TYPES
 from ember.models.quantization import QuantizeConfig
 from ember.training.config import CheckpointConfig, LoggingConfig, changed_fields, warn_unused
 from ember.training.lm.config import RUNTIME_KEYS, ShardingConfig, TrainLoopConfig, check_data_seed, run_identity
@@ -44,7 +45,8 @@ MIXLORA_LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o")
 """The ``adapter.targets`` names method ``mixlora`` puts plain LoRA on (the attention projections)."""
 BASE_MODEL_RUNTIME_KEYS: tuple[str, ...] = tuple(f"base_model.{k}" for k in ("attention_impl", "remat", "scan_layers"))
 """``base_model`` settings a run may resume with changed (how the base runs, not what it is)."""
-MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+MODEL_TYPES: tuple[str, ...] = SUPPORTED_MODEL_TYPES
+"""The Hugging Face ``model_type`` values ``export.merged`` writes (every one Ember reads)."""
 
 
 @dataclasses.dataclass(frozen=True)
