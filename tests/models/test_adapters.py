@@ -271,6 +271,28 @@ def test_unboxed_trees_have_the_layouts_their_logical_axes_give(scan_layers):
     assert checked == 2 * 4 + 3 + 3  # q k v o of both layers, the dense MLP, the MoE layer's experts
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_unboxed_mamba2_in_projections_take_adapters(scan_layers, tokens):
+    """A Mamba-2 mixer's in-projections (``z x B C dt``, HF's ``in_proj``) map from the model
+    width like attention's q/k/v; in an unboxed tree (hf.load, a restored checkpoint: every
+    fine-tuning base) LoRA on them (``targets: ['attn/x/kernel$']``) was refused: "is not a
+    weight an adapter can attach to: a matrix into or out of the model width". Now their layout
+    is their logical axes' and the adapted model merges to the same logits."""
+    config = dataclasses.replace(
+        DENSE, block_pattern=("mamba2", "global"), mlp_pattern=("none", "dense"), scan_layers=scan_layers
+    )
+    boxed = init(config)
+    mixer = [(p, leaf) for p, leaf in param_paths(boxed).items() if "block_0/attn/" in p and p.endswith("/kernel")]
+    assert len(mixer) == 6  # z x B C dt o
+    for path, leaf in mixer:
+        expected, layout = weight_layout(path, leaf), weight_layout(path, np.zeros(leaf.value.shape))
+        assert (layout.lead, layout.in_dims, layout.out_dims) == (expected.lead, expected.in_dims, expected.out_dims)
+    lora = LoraConfig(rank=2, targets=(r"attn/(z|x|B|C|dt)/kernel$",))
+    trained = perturbed(add_lora_jit(nn.meta.unbox(boxed), lora, jax.random.key(1)), seed=2)
+    assert_allclose(logits(config, merged_weights(trained), tokens), logits(config, trained, tokens), scale=10)
+    assert not np.allclose(logits(config, trained, tokens), logits(config, boxed, tokens), atol=1e-3)
+
+
 def test_lora_ga_first_step_follows_the_gradient_s_top_directions(tokens):
     """LoRA-GA starts at the base model, and one SGD step on A and B moves the adapted weight
     along the rank-2r truncation of -G (for ``A = U_r c``, ``B = V_{r:2r}^T c`` the update is

@@ -34,11 +34,13 @@ TARGETS: dict[str, str] = {
 _LAYOUTS = (
     (r"attn/o/kernel$", None, 1),
     (r"attn/(q|k|v)/kernel$", 1, None),
+    (r"attn/(z|x|B|C|dt)/kernel$", 1, None),
     (r"(mlp|shared|experts)/(gate|up|down)$", 1, 1),
 )
 """``(path pattern, input dims, output dims)`` of weights whose tree carries no logical axes
 (None: the dimensions left after the stacking axes and the other side; attention's q/k/v are
-``[embed, heads, head_dim]``, CCA's ``[embed, latent]``)."""
+``[embed, heads, head_dim]``, CCA's ``[embed, latent]``; a Mamba-2 mixer's in-projections
+``z x B C dt`` go from ``embed`` too)."""
 _STACKED = (r"(^|/)layers/", r"(^|/)experts/")
 """Path parts that put a stacking axis in front of an unboxed weight (scanned layers, experts)."""
 
