@@ -662,3 +662,34 @@ def test_a_fine_tuned_mamba2_base_exports_merged_as_mamba2(problem, tmp_path):
         assert_allclose(merged(torch.tensor(tokens)).logits.numpy(), ember, scale=10)
         base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mamba2").eval()
         assert not np.allclose(base(torch.tensor(tokens)).logits.numpy(), ember, atol=1e-3)  # the adapters count
+
+
+def test_a_linearize_or_grpo_run_as_base_model_has_its_adapters_merged(problem, tmp_path, monkeypatch):
+    """A linearising run (its stage-2 LoRA on q/k/v) or a GRPO LoRA run as base_model.path was
+    refused, pointing at a merged export those runs do not write ("fine-tune its merged export (a
+    run with export.merged true ...)"), so a linearised or GRPO-trained model could be neither
+    fine-tuned, nor trained with GRPO again. Their adapters are now folded into the base; a
+    fine-tuning run, which has a merged export, is still refused."""
+    import ember.training.finetune.base as base_module
+    from ember.models.adapters import LoraConfig, add_lora, merged_weights
+    from tests.moved_adapters import moved
+
+    dense = load_base(config_for(problem, "merge_on_load").base_model)
+    adapted = moved(add_lora(dense.params, LoraConfig(rank=2, targets=("q", "v")), jax.random.key(0)), 0, 0.2)
+    monkeypatch.setattr(base_module, "load_model", lambda *args, **kwargs: dataclasses.replace(dense, params=adapted))
+    for kind in ("linearize", "grpo", "finetune"):
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / "config.yaml").write_text(f"kind: {kind}\n")
+        config = config_for(problem, f"on_{kind}", method="full", export={"peft": False})
+        config = dataclasses.replace(
+            config, base_model=dataclasses.replace(config.base_model, path=str(tmp_path / kind))
+        )
+        if kind == "finetune":
+            with pytest.raises(ConfigError, match="is a fine-tuning run with adapters"):
+                FinetuneTask(config)
+            continue
+        task = FinetuneTask(config)
+        expected = param_paths(merged_weights(adapted))
+        assert param_paths(task.base_params).keys() == expected.keys()
+        for path, value in param_paths(task.base_params).items():
+            np.testing.assert_array_equal(value, expected[path], err_msg=path)

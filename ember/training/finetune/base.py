@@ -5,28 +5,33 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 
+from ember.core.config import read_key
 from ember.core.errors import ConfigError
 from ember.core.sharding import box_like
 from ember.core.tree import param_paths
-from ember.models.adapters import adapter_leaves
+from ember.models.adapters import adapter_leaves, merged_weights
 from ember.models.decoder import DecoderLM, convert_layer_layout, saved_layout
 from ember.models.quantization.stored import stored_weight_paths
-from ember.models.variables import as_variables
+from ember.models.variables import as_variables, serving_weights, split_variables
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.finetune.config import BaseModelConfig
 
 T = TypeVar("T")
+MERGED_ON_LOAD: tuple[str, ...] = ("linearize", "grpo")
+"""Run kinds whose LoRA adapters a base loaded from them has folded into its weights: they write
+no merged export (a fine-tuning run does: ``export.merged``, and is refused as a base)."""
 
 
 def load_base(config: BaseModelConfig) -> LoadedModel:
     """The model ``config.path`` names (its tokenizer required: runs read text), its weights as
     host arrays (a restored checkpoint's sit committed to one device; trainers place them on
-    their mesh).
+    their mesh). A linearising or GRPO run's LoRA adapters are merged into its weights.
 
     Raises:
       ConfigError: the model has no tokenizer, its weights are stored quantized, or it carries
@@ -50,13 +55,23 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
             "base_model.quantize)",
             key="base_model.path",
         )
-    if adapter_leaves(as_variables(base.params)["params"]):
+    params, model_state = split_variables(as_variables(base.params))
+    if adapter_leaves(params):
+        if _run_kind(config.path) in MERGED_ON_LOAD:  # no merged export to start from: folded in here
+            base = dataclasses.replace(base, params=serving_weights(merged_weights(params), model_state))
+            return dataclasses.replace(base, params=jax.device_get(base.params))
         raise ConfigError(
             f"base_model.path {config.path} is a fine-tuning run with adapters, not a base model: fine-tune its "
             "merged export (a run with export.merged true writes it to run_dir/merged) instead",
             key="base_model.path",
         )
     return dataclasses.replace(base, params=jax.device_get(base.params))
+
+
+def _run_kind(path: str) -> str | None:
+    """The ``kind`` of the Ember run directory ``path`` (None for a Hugging Face directory)."""
+    config = Path(path) / "config.yaml"
+    return read_key(config, "kind") if config.is_file() else None
 
 
 def boxed_variables(model: DecoderLM, seq_len: int, pretrained: dict[str, Any]) -> dict[str, Any]:
