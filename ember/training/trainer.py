@@ -233,7 +233,7 @@ class Trainer:
             global_shape = (leaf.shape[0] * jax.process_count(), *leaf.shape[1:])
             axes = (tuple(self.task.batch_axes) + (None,) * leaf.ndim)[: leaf.ndim]
             sharding = named_sharding(self.mesh, axes, self.rules, global_shape)
-            _check_process_rows(sharding, global_shape, leaf.shape[0])
+            _check_process_rows(sharding, global_shape, leaf.shape[0], axes[0] if axes else None, self.rules)
             if axes and axes[0] is not None:
                 replicated.add(_replicated_rows_message(sharding, axes[0], global_shape[0], self.rules))
             return sharding
@@ -502,13 +502,18 @@ class Trainer:
         return select(self.state.params, self.mask)
 
 
-def _check_process_rows(sharding: Any, global_shape: tuple[int, ...], local_rows: int) -> None:
+def _check_process_rows(
+    sharding: Any, global_shape: tuple[int, ...], local_rows: int, axis: str | None, rules: Any
+) -> None:
     """Each process feeds its own ``local_rows`` of a global batch, so the devices of a process
-    must hold exactly that many rows: a batch the mesh's batch axes do not divide is replicated
-    over them (``ember.core.sharding``), which several processes cannot feed.
+    must hold exactly that many rows. They do not when the mesh's batch axes (``axis``'s rule)
+    do not divide the batch (it is then replicated over them, ``ember.core.sharding``), or when
+    they divide it but do not span the processes (an axis the batch is not split over, such as
+    ``tensor``, across processes: each process's devices hold other processes' rows too).
 
     Raises:
-      ConfigError: keyed ``train.batch_size``.
+      ConfigError: keyed ``train.batch_size`` (the batch does not divide) or the mesh axis that
+        spans processes without splitting the batch.
     """
     if jax.process_count() == 1:
         return
@@ -516,14 +521,30 @@ def _check_process_rows(sharding: Any, global_shape: tuple[int, ...], local_rows
         index[0].indices(global_shape[0]) for index in sharding.addressable_devices_indices_map(global_shape).values()
     }
     held = sum(len(range(*row)) for row in rows)
-    if held != local_rows:
+    if held == local_rows:
+        return
+    mesh, processes = sharding.mesh, jax.process_count()
+    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape[name] > 1]
+    split = math.prod(mesh.shape[name] for name in wanted)
+    if global_shape[0] % split == 0:  # the batch divides: the layout puts other processes' rows here
+        others = [name for name in mesh.axis_names if mesh.shape[name] > 1 and name not in wanted]
+        split_over = " x ".join(f"mesh.{name}={mesh.shape[name]}" for name in wanted) or "no mesh axis"
         raise ConfigError(
-            f"the global batch of {global_shape[0]} rows does not split over the mesh's batch axes across "
-            f"{jax.process_count()} processes (this process's devices hold {held} rows, it reads {local_rows}); make "
-            "train.batch_size a multiple of the product of the mesh axes the batch is sharded over "
-            "(mesh.data x mesh.fsdp x mesh.expert by default)",
-            key="train.batch_size",
+            f"the global batch of {global_shape[0]} rows cannot be fed by {processes} processes on this mesh: each "
+            f"process reads its own {local_rows} rows, but this process's devices hold {held} (the batch is split over "
+            f"{split_over}; {', '.join(f'mesh.{name}={mesh.shape[name]}' for name in others) or 'the other axes'} "
+            f"spans processes); the axes the batch is split over (mesh.data x mesh.fsdp x mesh.expert by default) "
+            f"must span the processes, their product a multiple of {processes}, and the others stay within one "
+            f"process's {jax.local_device_count()} devices",
+            key=f"mesh.{others[0]}" if others else "mesh.data",
         )
+    raise ConfigError(
+        f"the global batch of {global_shape[0]} rows does not split over the mesh's batch axes across "
+        f"{processes} processes (this process's devices hold {held} rows, it reads {local_rows}); make "
+        "train.batch_size a multiple of the product of the mesh axes the batch is sharded over "
+        "(mesh.data x mesh.fsdp x mesh.expert by default)",
+        key="train.batch_size",
+    )
 
 
 def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any) -> str | None:
