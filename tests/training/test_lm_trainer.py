@@ -13,7 +13,7 @@ import pytest
 
 from ember.cli import main
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import from_yaml
+from ember.core.config import from_yaml, load_config
 from ember.core.errors import ConfigError
 from ember.training.lm.config import LMConfig
 from ember.training.lm.trainer import NonFiniteLossError, make_trainer, train
@@ -192,6 +192,20 @@ def test_bad_configs_fail_before_compiling(tmp_path, dataset, capsys):
     assert main(["train", str(config_path), "mesh.data=3"]) == 2
     assert "mesh.data=3" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_sharding_rules_are_checked_with_the_config(tmp_path):
+    """A bad sharding rule fails when the config loads (what the launcher promises), as a bad
+    mesh key does: it was only checked when the trainer was built, after the task had opened its
+    data (and, for finetune, grpo and linearize runs, loaded the base model)."""
+    for override, message in (
+        ("sharding.rules={batches: [data]}", "unknown logical axis 'batches' in sharding rules; valid: batch, seq"),
+        ("sharding.rules={batch: [gpu]}", "sharding rule for 'batch' names mesh axis 'gpu'; valid: data, fsdp"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)) as info:
+            load_config(LMConfig, None, [f"run_dir={tmp_path / 'run'}", override])
+        assert info.value.key == f"sharding.rules.{'batches' if 'batches' in override else 'batch'}"
+    assert load_config(LMConfig, None, ["sharding.rules={vocab: []}"]).sharding.rules == {"vocab": []}
 
 
 def test_nan_stops_with_pointer_to_last_checkpoint_or_is_skipped(tmp_path, dataset):

@@ -21,7 +21,7 @@ from typing import Any
 from ember.core.config import absolute_path
 from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
-from ember.core.sharding import MeshConfig
+from ember.core.sharding import MeshConfig, logical_rules
 from ember.models.config import ModelConfig
 from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
@@ -173,6 +173,9 @@ class ShardingConfig:
     """Overrides of the logical -> mesh axis rules, e.g. ``{vocab: []}`` to replicate vocab."""
 
     rules: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        logical_rules(self.rules)  # an unknown logical or mesh axis fails with the config, not after loading data
 
 
 @dataclasses.dataclass(frozen=True)
