@@ -460,8 +460,11 @@ class Trainer:
 
     def evaluate(self, params: Any, model_state: Any = None) -> float | None:
         """The mean loss over ``task.eval_data()`` (``None`` when it yields no batch) of
-        ``params`` with ``model_state`` (default: the run's current model state)."""
+        ``params`` with ``model_state`` (default: the run's current model state), placed on the
+        run's mesh first where they sit elsewhere (weights read back from a checkpoint, host arrays)."""
         model_state = self.state.model_state if model_state is None else model_state
+        shardings = (self.state_shardings.params, self.state_shardings.model_state)
+        params, model_state = jax.device_put((params, model_state), shardings)  # no copy where already placed
         total, count = 0.0, 0.0
         for local in self.task.eval_data() or ():
             batch = host_local_to_global(local, self.mesh, self.task.batch_axes, self.rules)

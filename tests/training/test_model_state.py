@@ -156,6 +156,20 @@ def test_evaluation_reads_the_model_state(uninterrupted):
     assert abs(uninterrupted.evaluate(uninterrupted.state.params, zero_state) - expected) > 1e-2
 
 
+def test_evaluation_takes_weights_placed_elsewhere(uninterrupted):
+    """Weights read back from a checkpoint sit on one device (CheckpointManager restores there
+    without a target): evaluate places them on the run's mesh. It raised jit's ValueError
+    "Sharding passed to jit does not match the sharding on the respective arg"."""
+    manager = CheckpointManager(uninterrupted.run_dir / "checkpoints", read_only=True)
+    params = manager.restore_part("params")
+    model_state = manager.restore_part("model_state")
+    manager.close()
+    assert len(jax.tree.leaves(params)[0].devices()) == 1
+    expected = uninterrupted.evaluate(uninterrupted.state.params)
+    assert uninterrupted.evaluate(params, model_state) == expected
+    assert uninterrupted.evaluate(jax.device_get(params)) == expected  # host arrays too
+
+
 def test_split_and_serving_weights():
     variables = StatefulRegressor().init(jax.random.key(0), jnp.ones((1, FEATURES)))
     params, state = split_variables({**variables, "losses": {}, "metrics": {}})
