@@ -115,6 +115,39 @@ IN_PROCESS_FAILURES = {
     "lm wrong type": (train("optim.lr=fast"), "config key 'optim.lr' (from command-line overrides) expects float"),
     "lm bad model value": (train("model.num_layers=0"), "model.num_layers must be a positive integer, got 0"),
     "mesh does not fit": (train("mesh.data=3"), "mesh mesh.data=3 x mesh.fsdp=1"),
+    # Before the base model is loaded (it was loaded first: here the missing base was reported instead).
+    "finetune mesh does not fit": (
+        [
+            "train",
+            str(REPO / "configs" / "finetune" / "lora.yaml"),
+            "base_model.path={root}/nowhere",
+            "data.train={root}/nowhere.jsonl",
+            "run_dir={root}/finetune",
+            "mesh.data=3",
+        ],
+        "mesh mesh.data=3 x mesh.fsdp=1",
+    ),
+    "grpo mesh does not fit": (
+        [
+            "train",
+            str(REPO / "configs" / "rl_lm" / "grpo_arithmetic.yaml"),
+            "base_model.path={root}/nowhere",
+            "run_dir={root}/grpo",
+            "mesh.data=3",
+        ],
+        "mesh mesh.data=3 x mesh.fsdp=1",
+    ),
+    "linearize mesh does not fit": (
+        [
+            "linearize",
+            "{root}/nowhere",
+            "{root}/linearized_mesh",
+            "--config",
+            str(REPO / "configs" / "linearize" / "tiny.yaml"),
+            "mesh.data=3",
+        ],
+        "mesh mesh.data=3 x mesh.fsdp=1",
+    ),
     "existing run without --resume": (train("run_dir={root}/existing"), "already holds checkpoints; pass --resume"),
     "train list with a config": (["train", "--list", "{root}/lm.yaml"], "--list lists the shipped configs and takes"),
     "linearize a config of another kind": (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ember.core.distributed import initialize_distributed
+from ember.core.sharding import make_mesh
 from ember.training.finetune.config import FinetuneConfig as CONFIG_SCHEMA
 from ember.training.finetune.task import FinetuneTask
 from ember.training.lm.trainer import make_trainer
@@ -13,7 +14,8 @@ from ember.training.lm.trainer import make_trainer
 def run(config: CONFIG_SCHEMA, *, resume: bool = False) -> dict[str, Any]:
     """Fine-tunes (or resumes) the run described by ``config``; returns its summary."""
     initialize_distributed(config.distributed)  # before the task loads the base onto a device
-    return make_trainer(config, resume=resume, task=FinetuneTask(config)).train()
+    mesh = make_mesh(config.mesh)  # a mesh that does not fit the devices fails before the base is loaded
+    return make_trainer(config, resume=resume, task=FinetuneTask(config), mesh=mesh).train()
 
 
 __all__ = ["CONFIG_SCHEMA", "run"]

@@ -66,6 +66,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     if finished is not None and "linearized_val_loss" in finished:
         return finished
     initialize_distributed(config.distributed)  # before the base is loaded onto a device
+    mesh = make_mesh(config.mesh)  # a mesh that does not fit the devices fails before the base is loaded
     base = load_base(config.base_model)
     dataset = _dataset(config.data, base)
     transfer = AttentionTransferTask(config, base, dataset)
@@ -82,7 +83,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
         raise ConfigError(
             "train.eval_batches must be >= 1: the summary compares validation losses", key="train.eval_batches"
         )
-    evaluator = Evaluator(batches, make_mesh(config.mesh), logical_rules(config.sharding.rules))
+    evaluator = Evaluator(batches, mesh, logical_rules(config.sharding.rules))
     linear_model = DecoderLM(low_rank.config.model)
 
     stage_dir = Path(config.run_dir) / TRANSFER_DIR
@@ -90,7 +91,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     if transfer_summary is None:
         baseline = _baseline(config, base, transfer, linear_model, evaluator)
         transfer_summary, transferred = _train(
-            make_trainer(config.stage("transfer"), resume=resume, task=transfer), extra=baseline
+            make_trainer(config.stage("transfer"), resume=resume, task=transfer, mesh=mesh), extra=baseline
         )
         if transfer_summary["stopped_early"]:
             return transfer_summary
@@ -102,7 +103,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     figures["transfer_val_loss"] = evaluator.validation_loss(linear_model, transferred)
 
     low_rank.transferred = _host_params(transferred)
-    summary, final = _train(make_trainer(config, resume=resume, task=low_rank))
+    summary, final = _train(make_trainer(config, resume=resume, task=low_rank, mesh=mesh))
     if summary["stopped_early"]:
         return summary
     figures["linearized_val_loss"] = summary["val_loss"]  # the trainer's last evaluation, on the same batches

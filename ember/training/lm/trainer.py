@@ -42,11 +42,14 @@ def train(config: LMConfig, *, resume: bool = False) -> dict[str, Any]:
     return make_trainer(config, resume=resume).train()
 
 
-def make_trainer(config: Any, *, resume: bool = False, task: Task | None = None) -> Trainer:
+def make_trainer(config: Any, *, resume: bool = False, task: Task | None = None, mesh: Any = None) -> Trainer:
     """The trainer of an LM run (``task`` defaults to ``LMTask(config)``), ready to ``train()``;
     add hooks to it first if you like. ``config``: an ``LMConfig``, or another kind's config
-    with the same run sections (``FinetuneConfig`` with its ``FinetuneTask``)."""
+    with the same run sections (``FinetuneConfig`` with its ``FinetuneTask``). ``mesh``: the
+    run's, when the caller built it already (default ``make_mesh(config.mesh)``, built before the
+    task opens its data, so a mesh that does not fit the devices fails first)."""
     initialize_distributed(config.distributed)
+    mesh = make_mesh(config.mesh) if mesh is None else mesh
     run_dir = Path(config.run_dir)
     if resume:
         check_resumable(run_dir, config)
@@ -58,7 +61,7 @@ def make_trainer(config: Any, *, resume: bool = False, task: Task | None = None)
         checkpoint=config.checkpoint,
         logging=config.logging,
         run_dir=run_dir,
-        mesh=make_mesh(config.mesh),
+        mesh=mesh,
         rules=logical_rules(config.sharding.rules),
         seed=config.seed,
         resume=resume,

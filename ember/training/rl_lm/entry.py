@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ember.core.distributed import initialize_distributed
+from ember.core.sharding import make_mesh
 from ember.training.lm.trainer import make_trainer
 from ember.training.rl_lm.config import GRPOConfig as CONFIG_SCHEMA
 from ember.training.rl_lm.task import GRPOTask
@@ -13,7 +14,8 @@ from ember.training.rl_lm.task import GRPOTask
 def run(config: CONFIG_SCHEMA, *, resume: bool = False) -> dict[str, Any]:
     """Trains (or resumes) the GRPO run described by ``config``; returns its summary."""
     initialize_distributed(config.distributed)  # before the task loads the base onto a device
-    return make_trainer(config, resume=resume, task=GRPOTask(config)).train()
+    mesh = make_mesh(config.mesh)  # a mesh that does not fit the devices fails before the base is loaded
+    return make_trainer(config, resume=resume, task=GRPOTask(config), mesh=mesh).train()
 
 
 __all__ = ["CONFIG_SCHEMA", "run"]
