@@ -208,6 +208,17 @@ def test_sharding_rules_are_checked_with_the_config(tmp_path):
     assert load_config(LMConfig, None, ["sharding.rules={vocab: []}"]).sharding.rules == {"vocab": []}
 
 
+def test_an_expert_axis_that_does_not_divide_the_experts_fails_with_the_config(tmp_path):
+    """mesh.expert=8 with 4 experts: the expert-parallel dispatch raised (an EmberError naming no key)
+    only when the first training step was traced, after the model had been initialised."""
+    moe = ["model.mlp_pattern=[moe]", "model.moe.num_experts=4", "mesh.data=1", f"run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=re.escape("mesh.expert=8 does not divide model.moe.num_experts=4")) as info:
+        load_config(LMConfig, None, [*moe, "mesh.expert=8"])
+    assert info.value.key == "mesh.expert"
+    assert load_config(LMConfig, None, [*moe, "mesh.expert=4"]).mesh.expert == 4
+    assert load_config(LMConfig, None, ["model.moe.num_experts=4", "mesh.expert=8"]).mesh.expert == 8  # dense: data
+
+
 def test_nan_stops_with_pointer_to_last_checkpoint_or_is_skipped(tmp_path, dataset):
     config = small_config(
         tmp_path,

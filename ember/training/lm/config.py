@@ -203,6 +203,13 @@ class LMConfig:
                 f"train.seq_len ({self.train.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})",
                 key="train.seq_len",
             )
+        experts = self.model.moe.num_experts
+        if "moe" in self.model.mlp_pattern and self.mesh.expert > 1 and experts % self.mesh.expert:
+            raise ConfigError(
+                f"mesh.expert={self.mesh.expert} does not divide model.moe.num_experts={experts}: each expert-parallel "
+                "rank holds an equal share of the experts; choose a mesh.expert that divides it (or 1)",
+                key="mesh.expert",
+            )
         start = self.qat.start_step(self.train.steps)
         if self.qat.format and start >= self.train.steps:  # steps run 0 .. train.steps - 1
             raise ConfigError(
