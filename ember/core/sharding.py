@@ -92,7 +92,8 @@ class MeshConfig:
         flexible = [axis for axis, size in sizes.items() if size == -1]
         if len(flexible) > 1:
             raise ConfigError(
-                f"at most one mesh axis may be -1, got {', '.join('mesh.' + a for a in flexible)}",
+                f"at most one mesh axis may be -1, got {', '.join('mesh.' + a for a in flexible)} "
+                f"(mesh.data is -1 unless set); give all but one of them a size, e.g. mesh.{flexible[0]}=1",
                 key=f"mesh.{flexible[1]}",
             )
 

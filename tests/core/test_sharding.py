@@ -84,6 +84,12 @@ def test_mesh_errors_name_the_keys():
     assert info.value.key == "mesh.data"
     with pytest.raises(ConfigError, match="at most one mesh axis may be -1"):
         MeshConfig(data=-1, fsdp=-1)
+    # Asking for the rest on fsdp alone: data is -1 by default, which the message has to say.
+    with pytest.raises(
+        ConfigError, match=re.escape("(mesh.data is -1 unless set); give all but one of them a size, e.g. mesh.data=1")
+    ) as info:
+        MeshConfig(fsdp=-1)
+    assert info.value.key == "mesh.fsdp"
     with pytest.raises(ConfigError, match=re.escape("mesh.tensor must be a positive size or -1")) as info:
         MeshConfig(tensor=0)
     assert info.value.key == "mesh.tensor"
