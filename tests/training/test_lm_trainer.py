@@ -143,11 +143,32 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_one_step_with_a_check
     assert max(read_metrics(run_dir)) == summary["steps"] >= 3
 
 
-def test_a_batch_the_processes_cannot_split_is_a_config_error(tmp_path, dataset):
-    """6 rows on 2 processes x 2 devices: the data axis (4) does not divide the batch, so the batch
-    is replicated over it, and each process's 3 rows cannot fill it: both ranks died in
-    make_array_from_process_local_data with a ValueError traceback at the first step."""
-    config_path = write_config(tmp_path, dataset, "train.batch_size=6", "mesh.data=-1")
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # 6 rows on 2 processes x 2 devices: the data axis (4) does not divide the batch, so the batch is
+        # replicated over it, and each process's 3 rows cannot fill it: both ranks died in
+        # make_array_from_process_local_data with a ValueError traceback at the first step.
+        (
+            ("train.batch_size=6", "mesh.data=-1"),
+            "the global batch of 6 rows does not split over the mesh's batch axes",
+        ),
+        # Tensor parallelism across the processes (mesh.data=1, mesh.tensor=4): the batch is split over
+        # no axis, so each process's devices hold all 8 rows while it reads 4. The error told the user
+        # to make train.batch_size (8) a multiple of the batch axes' product (1).
+        (
+            ("mesh.data=1", "mesh.tensor=-1"),
+            "the global batch of 8 rows cannot be fed by 2 processes on this mesh: each process reads its own 4 "
+            "rows, but this process's devices hold 8 (the batch is split over no mesh axis; mesh.tensor=4 spans "
+            "processes); the axes the batch is split over (mesh.data x mesh.fsdp x mesh.expert by default) must "
+            "span the processes, their product a multiple of 2, and the others stay within one process's 2 devices",
+        ),
+    ],
+    ids=["batch-not-divided", "tensor-axis-across-processes"],
+)
+def test_a_batch_the_processes_cannot_feed_is_a_config_error(tmp_path, dataset, overrides, message):
+    """2 processes x 2 devices, a mesh whose batch rows the processes cannot each feed their own share of."""
+    config_path = write_config(tmp_path, dataset, *overrides)
     port = free_port()
     workers = [
         ember_train(config_path, f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
@@ -157,30 +178,7 @@ def test_a_batch_the_processes_cannot_split_is_a_config_error(tmp_path, dataset)
     for worker in workers:
         output = worker.communicate(timeout=300)[0]
         assert worker.returncode == 2, output[-3000:]
-        assert "ember train: the global batch of 6 rows does not split over the mesh's batch axes" in output
-
-
-def test_a_mesh_axis_across_processes_that_does_not_split_the_batch_is_named(tmp_path, dataset):
-    """Tensor parallelism across 2 processes x 2 devices (mesh.data=1, mesh.tensor=4): the batch
-    is split over no axis, so each process's devices hold all 8 rows while it reads 4. The error
-    told the user to make train.batch_size (8) a multiple of the batch axes' product (1)."""
-    config_path = write_config(tmp_path, dataset, "mesh.data=1", "mesh.tensor=-1")
-    port = free_port()
-    workers = [
-        ember_train(config_path, f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-                    f"distributed.process_id={rank}", devices=2)
-        for rank in range(2)
-    ]  # fmt: skip
-    for worker in workers:
-        output = worker.communicate(timeout=300)[0]
-        assert worker.returncode == 2, output[-3000:]
-        assert (
-            "ember train: the global batch of 8 rows cannot be fed by 2 processes on this mesh: each process reads "
-            "its own 4 rows, but this process's devices hold 8 (the batch is split over no mesh axis; mesh.tensor=4 "
-            "spans processes); the axes the batch is split over (mesh.data x mesh.fsdp x mesh.expert by default) "
-            "must span the processes, their product a multiple of 2, and the others stay within one process's 2 "
-            "devices"
-        ) in output
+        assert f"ember train: {message}" in output
 
 
 def test_bad_configs_fail_before_compiling(tmp_path, dataset, capsys):
