@@ -179,7 +179,9 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """The mesh ``PartitionSpec`` for logical ``axes`` (one name or ``None`` per dimension).
 
-    With ``shape`` and ``mesh``, mesh axes that do not divide their dimension are dropped.
+    With ``mesh``, the rules' mesh axes it does not have are dropped (a mesh of one's own, say
+    ``jax.make_mesh((8,), ("data",))``, is as if its missing axes had size 1); with ``shape`` too,
+    so are the mesh axes that do not divide their dimension.
     """
     known = dict(rules)
     for name in axes:
@@ -189,6 +191,8 @@ def logical_to_spec(
     entries = []
     for index, name in enumerate(axes):
         mesh_axes = [axis for axis in (known[name] if name else ()) if axis not in used]
+        if mesh is not None:
+            mesh_axes = [axis for axis in mesh_axes if axis in mesh.axis_names]
         if shape is not None and mesh is not None:
             mesh_axes = _dividing_axes(mesh_axes, shape[index], mesh)
         used.update(mesh_axes)

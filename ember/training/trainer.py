@@ -527,11 +527,11 @@ def _check_process_rows(
     if held == local_rows:
         return
     mesh, processes = sharding.mesh, jax.process_count()
-    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape[name] > 1]
-    split = math.prod(mesh.shape[name] for name in wanted)
+    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape.get(name, 1) > 1]
+    split = math.prod(mesh.shape.get(name, 1) for name in wanted)
     if global_shape[0] % split == 0:  # the batch divides: the layout puts other processes' rows here
         others = [name for name in mesh.axis_names if mesh.shape[name] > 1 and name not in wanted]
-        split_over = " x ".join(f"mesh.{name}={mesh.shape[name]}" for name in wanted) or "no mesh axis"
+        split_over = " x ".join(f"mesh.{name}={mesh.shape.get(name, 1)}" for name in wanted) or "no mesh axis"
         raise ConfigError(
             f"the global batch of {global_shape[0]} rows cannot be fed by {processes} processes on this mesh: each "
             f"process reads its own {local_rows} rows, but this process's devices hold {held} (the batch is split over "
@@ -557,14 +557,14 @@ def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any) ->
     mesh = sharding.mesh
     entry = sharding.spec[0] if len(sharding.spec) else None
     kept = set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
-    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape[name] > 1]
+    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape.get(name, 1) > 1]
     dropped = [name for name in wanted if name not in kept]
     if not dropped:
         return None
-    split = math.prod(mesh.shape[name] for name in wanted)
+    split = math.prod(mesh.shape.get(name, 1) for name in wanted)
     return (
         f"the batch of {rows} rows is replicated, not split, over mesh axes "
-        f"{' x '.join(f'{name}={mesh.shape[name]}' for name in dropped)} (they do not divide it): those devices "
+        f"{' x '.join(f'{name}={mesh.shape.get(name, 1)}' for name in dropped)} (they do not divide it): those devices "
         f"all compute the same rows; a train.batch_size that is a multiple of {split} "
         f"({' x '.join(f'mesh.{name}' for name in wanted)}) is split over every device"
     )

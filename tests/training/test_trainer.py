@@ -258,6 +258,22 @@ def test_a_batch_the_mesh_does_not_divide_is_replicated_with_a_warning(tmp_path)
     assert not [w for w in caught if "replicated" in str(w.message)]
 
 
+def test_a_mesh_of_ones_own_without_embers_axis_names_trains_like_embers(tmp_path):
+    """``jax.make_mesh((2,), ("data",))``: the rules' other mesh axes (fsdp, expert, tensor) are as
+    if of size 1. Before, placing the batch raised KeyError: 'fsdp' (and a sharding without a
+    shape: 'Resource axis: fsdp ... is not found in mesh')."""
+    own = Trainer(
+        Regression(),
+        loop=LoopConfig(steps=2, log_every=1),
+        optim=OptimConfig(lr=1e-2, schedule=ScheduleConfig(kind="constant")),
+        logging=LoggingConfig(progress=False, tensorboard=False),
+        run_dir=tmp_path / "own",
+        mesh=jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]),
+        seed=3,
+    ).train()
+    assert own["loss"] == make_trainer(Regression(), tmp_path / "ember", steps=2).train()["loss"]
+
+
 def test_frozen_layers_have_no_optimizer_state_and_match_a_hand_written_optax_loop(tmp_path):
     # Layers 0-1 frozen by the task's mask, 2-3 and the head by config patterns: 2 of 6 layers train.
     task = Regression(frozen_layers=("layer_0", "layer_1"))

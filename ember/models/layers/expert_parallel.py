@@ -110,19 +110,21 @@ def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tu
             f"{num_experts} experts do not divide over the {ranks} ranks of the {EXPERT_AXIS!r} mesh axis; "
             "choose mesh.expert dividing the expert count"
         )
-    token_axes = tuple(axis for axis in rules.get("batch", ()) if mesh.shape[axis] > 1)
+    token_axes = tuple(axis for axis in rules.get("batch", ()) if mesh.shape.get(axis, 1) > 1)
     if ranks > 1 and EXPERT_AXIS not in token_axes:
         token_axes += (EXPERT_AXIS,)
-    token_ranks = math.prod(mesh.shape[axis] for axis in token_axes)
+    token_ranks = math.prod(mesh.shape.get(axis, 1) for axis in token_axes)
     if num_tokens % token_ranks:
         raise EmberError(
             f"{num_tokens} tokens do not divide over the {token_ranks} token-parallel ranks "
             f"({' x '.join(token_axes)}); use a batch divisible by them"
         )
     tensor_axes = tuple(
-        axis for axis in rules.get("mlp", ()) if mesh.shape[axis] > 1 and axis not in token_axes and axis != EXPERT_AXIS
+        axis
+        for axis in rules.get("mlp", ())
+        if mesh.shape.get(axis, 1) > 1 and axis not in token_axes and axis != EXPERT_AXIS
     )
-    if hidden % math.prod(mesh.shape[axis] for axis in tensor_axes):
+    if hidden % math.prod(mesh.shape.get(axis, 1) for axis in tensor_axes):
         tensor_axes = ()
     return token_axes, tensor_axes
 
