@@ -305,6 +305,24 @@ def test_an_adapter_of_another_model_size_is_named(tmp_path):
         load_peft_adapter(tmp_path, config)
 
 
+@pytest.mark.parametrize(
+    "module, reason",
+    [
+        ("mixer.in_proj", r"fused in_proj .* merge_and_unload\(\)"),
+        ("self_attn.qkv_proj", r"it loads LoRA on model\.layers\.<i>\.\{self_attn\.q_proj, .*mlp\.down_proj"),
+    ],
+)
+def test_an_adapter_for_a_module_ember_does_not_have_says_what_loads(module, reason, tmp_path):
+    """PEFT's only Mamba-2 target is the fused in_proj, which Ember splits into five projections; the
+    error said only 'is for a module Ember does not have', with neither why nor what to do."""
+    peft.LoraConfig(r=4, lora_alpha=8, target_modules=[module.split(".")[-1]]).save_pretrained(tmp_path)
+    stem, draw = f"base_model.model.model.layers.0.{module}", np.random.default_rng(1).standard_normal
+    factors = {"lora_A.weight": draw((4, 64), np.float32), "lora_B.weight": draw((64, 4), np.float32)}
+    save_file({f"{stem}.{name}": x for name, x in factors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(DataError, match=rf"is for a module Ember does not have.*{reason}"):
+        load_peft_adapter(tmp_path, ModelConfig())
+
+
 def test_adapter_tensors_ember_would_not_use_are_named(base, tmp_path):
     """LoRA on the embedding (``lora_embedding_A`` / ``_B``) is not read: refused, not dropped."""
     _, path, config, _ = base

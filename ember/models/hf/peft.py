@@ -200,6 +200,17 @@ PEFT_DEFAULT_RANK = 8
 """``peft.LoraConfig``'s ``r`` for an adapter_config.json that leaves it out."""
 
 
+def _unloadable(found: re.Match | None) -> str:
+    """Why a PEFT module Ember has no adapter for is refused, and what to do, for the error."""
+    if found is not None and found.group(2) == "mixer.in_proj":
+        return (
+            ": a LoRA on Mamba-2's fused in_proj is one low-rank update across its z, x, B, C and dt rows, "
+            "which Ember keeps as separate projections, each with its own adapter; merge the adapter into "
+            "the model with PEFT's merge_and_unload() and load the merged checkpoint"
+        )
+    return f" (it loads LoRA on model.layers.<i>.{{{', '.join(MODULES.values())}}})"
+
+
 def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.float32) -> dict[str, Any]:
     """The adapter leaves (Ember layout for ``config``) of the PEFT LoRA directory ``path``.
 
@@ -254,7 +265,7 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, dtype: Any = np.flo
         module_name = key[len("base_model.model.") : -len(".lora_A.weight")]
         found = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module_name)
         if found is None or found.group(2) not in _EMBER_PATH or int(found.group(1)) >= config.num_layers:
-            raise DataError(f"{path}: adapter tensor {key!r} is for a module Ember does not have")
+            raise DataError(f"{path}: adapter tensor {key!r} is for a module Ember does not have{_unloadable(found)}")
         index, weight = int(found.group(1)), _EMBER_PATH[found.group(2)]
         if not _peft_adapts(peft_config, module_name):  # PEFT would not load these factors: another model
             fields = ("target_modules", "layers_to_transform", "layers_pattern", "exclude_modules")
