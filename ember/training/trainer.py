@@ -235,7 +235,11 @@ class Trainer:
             sharding = named_sharding(self.mesh, axes, self.rules, global_shape)
             _check_process_rows(sharding, global_shape, leaf.shape[0], axes[0] if axes else None, self.rules)
             if axes and axes[0] is not None:
-                replicated.add(_replicated_rows_message(sharding, axes[0], global_shape[0], self.rules))
+                # Each micro-batch (every grad_accum-th row) is what a device computes on at a time.
+                accum = self.loop.grad_accum
+                micro = (global_shape[0] // accum, *global_shape[1:])
+                micro_sharding = named_sharding(self.mesh, axes, self.rules, micro)
+                replicated.add(_replicated_rows_message(micro_sharding, axes[0], micro[0], self.rules, accum))
             return sharding
 
         shardings = jax.tree.map(one, self._peek_batch())
@@ -550,10 +554,11 @@ def _check_process_rows(
     )
 
 
-def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any) -> str | None:
+def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any, grad_accum: int = 1) -> str | None:
     """What to tell the user when the rules split logical batch ``axis`` over mesh axes that
-    ``sharding`` had to drop because they do not divide ``rows`` (``ember.core.sharding``):
-    those devices then compute the same rows. ``None`` when nothing of size > 1 was dropped."""
+    ``sharding`` had to drop because they do not divide ``rows`` (``ember.core.sharding``), the rows
+    of a micro-batch with ``grad_accum`` > 1: those devices then compute the same rows. ``None``
+    when nothing of size > 1 was dropped."""
     mesh = sharding.mesh
     entry = sharding.spec[0] if len(sharding.spec) else None
     kept = set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
@@ -562,11 +567,13 @@ def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any) ->
     if not dropped:
         return None
     split = math.prod(mesh.shape.get(name, 1) for name in wanted)
+    batch = f"the batch of {rows} rows" if grad_accum == 1 else f"each micro-batch of {rows} rows"
+    multiple = " x ".join([*(f"mesh.{name}" for name in wanted), *(["train.grad_accum"] if grad_accum > 1 else [])])
     return (
-        f"the batch of {rows} rows is replicated, not split, over mesh axes "
-        f"{' x '.join(f'{name}={mesh.shape.get(name, 1)}' for name in dropped)} (they do not divide it): those devices "
-        f"all compute the same rows; a train.batch_size that is a multiple of {split} "
-        f"({' x '.join(f'mesh.{name}' for name in wanted)}) is split over every device"
+        f"{batch} is replicated, not split, over mesh axes "
+        f"{' x '.join(f'{name}={mesh.shape[name]}' for name in dropped)} (they do not divide it): those devices "
+        f"all compute the same rows; a train.batch_size that is a multiple of {split * grad_accum} "
+        f"({multiple}) is split over every device"
     )
 
 

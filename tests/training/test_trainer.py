@@ -255,7 +255,22 @@ def test_a_batch_the_mesh_does_not_divide_is_replicated_with_a_warning(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(Regression(), tmp_path / "two")  # data=2 divides 8
+        make_trainer(Regression(), tmp_path / "two-accumulated", grad_accum=4)  # and 8 / 4
     assert not [w for w in caught if "replicated" in str(w.message)]
+    # data=4 divides the 8 rows but not a micro-batch's 2: nothing said so.
+    with pytest.warns(UserWarning) as caught:
+        Trainer(
+            Regression(),
+            loop=LoopConfig(steps=1, grad_accum=4),
+            logging=LoggingConfig(progress=False, tensorboard=False),
+            run_dir=tmp_path / "four",
+            mesh=make_mesh(MeshConfig(data=4), jax.devices()[:4]),
+        )
+    assert [str(w.message) for w in caught if "replicated" in str(w.message)] == [
+        "each micro-batch of 2 rows is replicated, not split, over mesh axes data=4 (they do not divide it): those "
+        "devices all compute the same rows; a train.batch_size that is a multiple of 16 (mesh.data x "
+        "train.grad_accum) is split over every device"
+    ]
 
 
 def test_a_mesh_of_ones_own_without_embers_axis_names_trains_like_embers(tmp_path):
