@@ -236,37 +236,32 @@ def test_a_finished_run_resumed_writes_its_complete_summary_again(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
 
 
+def replication_warnings(run_dir, data, **loop):
+    """The replicated-rows warnings of a trainer of ``Regression`` (8 rows) on ``data`` devices."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(
+            Regression(),
+            loop=LoopConfig(steps=1, **loop),
+            logging=LoggingConfig(progress=False, tensorboard=False),
+            run_dir=run_dir,
+            mesh=make_mesh(MeshConfig(data=data), jax.devices()[:data]),
+        )
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "replicated" in str(w.message)]
+
+
 def test_a_batch_the_mesh_does_not_divide_is_replicated_with_a_warning(tmp_path):
     # 8 rows on data=3: the data axis does not divide the batch, so each of the 3 devices computed
     # all 8 rows (by design, ember.core.sharding), and nothing said so.
-    with pytest.warns(UserWarning) as caught:
-        Trainer(
-            Regression(),
-            loop=LoopConfig(steps=1),
-            logging=LoggingConfig(progress=False, tensorboard=False),
-            run_dir=tmp_path / "three",
-            mesh=make_mesh(MeshConfig(data=3), jax.devices()[:3]),
-        )
-    assert [str(w.message) for w in caught if "replicated" in str(w.message)] == [
+    assert replication_warnings(tmp_path / "three", 3) == [
         "the batch of 8 rows is replicated, not split, over mesh axes data=3 (they do not divide it): those "
         "devices all compute the same rows; a train.batch_size that is a multiple of 3 (mesh.data) is split "
         "over every device"
     ]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        make_trainer(Regression(), tmp_path / "two")  # data=2 divides 8
-        make_trainer(Regression(), tmp_path / "two-accumulated", grad_accum=4)  # and 8 / 4
-    assert not [w for w in caught if "replicated" in str(w.message)]
+    assert replication_warnings(tmp_path / "two", 2) == []  # data=2 divides 8
+    assert replication_warnings(tmp_path / "two-accumulated", 2, grad_accum=4) == []  # and 8 / 4
     # data=4 divides the 8 rows but not a micro-batch's 2: nothing said so.
-    with pytest.warns(UserWarning) as caught:
-        Trainer(
-            Regression(),
-            loop=LoopConfig(steps=1, grad_accum=4),
-            logging=LoggingConfig(progress=False, tensorboard=False),
-            run_dir=tmp_path / "four",
-            mesh=make_mesh(MeshConfig(data=4), jax.devices()[:4]),
-        )
-    assert [str(w.message) for w in caught if "replicated" in str(w.message)] == [
+    assert replication_warnings(tmp_path / "four", 4, grad_accum=4) == [
         "each micro-batch of 2 rows is replicated, not split, over mesh axes data=4 (they do not divide it): those "
         "devices all compute the same rows; a train.batch_size that is a multiple of 16 (mesh.data x "
         "train.grad_accum) is split over every device"
