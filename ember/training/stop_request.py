@@ -63,7 +63,7 @@ def preemption_service(start: int) -> bool:
 
     try:
         multihost_utils.reached_preemption_sync_point(start)
-    except RuntimeError:  # jax_enablepreemption_service is off
+    except RuntimeError:  # jax_enable_preemption_service is off
         return False
     return True
 
