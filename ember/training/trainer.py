@@ -531,11 +531,10 @@ def _check_process_rows(
     if held == local_rows:
         return
     mesh, processes = sharding.mesh, jax.process_count()
-    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape.get(name, 1) > 1]
-    split = math.prod(mesh.shape.get(name, 1) for name in wanted)
+    wanted, split = _batch_split(mesh, axis, rules)
     if global_shape[0] % split == 0:  # the batch divides: the layout puts other processes' rows here
         others = [name for name in mesh.axis_names if mesh.shape[name] > 1 and name not in wanted]
-        split_over = " x ".join(f"mesh.{name}={mesh.shape.get(name, 1)}" for name in wanted) or "no mesh axis"
+        split_over = " x ".join(f"mesh.{name}={mesh.shape[name]}" for name in wanted) or "no mesh axis"
         raise ConfigError(
             f"the global batch of {global_shape[0]} rows cannot be fed by {processes} processes on this mesh: each "
             f"process reads its own {local_rows} rows, but this process's devices hold {held} (the batch is split over "
@@ -554,6 +553,13 @@ def _check_process_rows(
     )
 
 
+def _batch_split(mesh: Any, axis: str | None, rules: Any) -> tuple[list[str], int]:
+    """``(the mesh axes of size > 1 the rules split logical batch axis ``axis`` over, the product
+    of their sizes)``: the devices a batch the axes divide is split over."""
+    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape.get(name, 1) > 1]
+    return wanted, math.prod(mesh.shape[name] for name in wanted)
+
+
 def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any, grad_accum: int = 1) -> str | None:
     """What to tell the user when the rules split logical batch ``axis`` over mesh axes that
     ``sharding`` had to drop because they do not divide ``rows`` (``ember.core.sharding``), the rows
@@ -562,11 +568,10 @@ def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any, gr
     mesh = sharding.mesh
     entry = sharding.spec[0] if len(sharding.spec) else None
     kept = set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
-    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape.get(name, 1) > 1]
+    wanted, split = _batch_split(mesh, axis, rules)
     dropped = [name for name in wanted if name not in kept]
     if not dropped:
         return None
-    split = math.prod(mesh.shape.get(name, 1) for name in wanted)
     batch = f"the batch of {rows} rows" if grad_accum == 1 else f"each micro-batch of {rows} rows"
     multiple = " x ".join([*(f"mesh.{name}" for name in wanted), *(["train.grad_accum"] if grad_accum > 1 else [])])
     return (
