@@ -298,6 +298,15 @@ def test_cli_prepare(tmp_path, capsys):
     data = TokenDataset.open(tmp_path / "out")
     assert data.meta["splits"]["train"]["documents"] + data.meta["splits"]["val"]["documents"] == 12
     assert "wrote" in capsys.readouterr().out
+    # Documents were named by their whole path, so the split moved with the directory the corpus
+    # lay in (CI's temporary directory sent one of the two files below to validation).
+    moved = tmp_path / "elsewhere" / "deeper"
+    moved.mkdir(parents=True)
+    for name, text in make_documents(12):
+        (moved / name).write_text(text)
+    moved_files = [str(moved / name) for name, _ in make_documents(12)]
+    assert main(["data", "prepare", *moved_files, "--out", str(moved / "out"), "--val-fraction", "0.25"]) == 0
+    assert TokenDataset.open(moved / "out").meta == data.meta
     assert main(["data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")]) == 2
     # A pipe (`ember data prepare <(...)`) was refused as "not a file".
     with pipe_holding(tmp_path / "notes.fifo", "moo moo") as fifo:

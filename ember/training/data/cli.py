@@ -5,6 +5,7 @@ memory-mapped token files, with Ember's byte tokenizer or a Hugging Face model's
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from tqdm import tqdm
@@ -20,10 +21,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prepare = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin / meta.json")
     prepare.add_argument("files", nargs="+", type=Path, help="UTF-8 text files; each is one document")
     prepare.add_argument("--out", type=Path, required=True, help="output dataset directory")
-    prepare.add_argument("--val-fraction", type=float, default=0.02, help="share of documents held out (by name hash)")
+    prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.02,
+        help="share of documents held out, chosen by a hash of each path below the files' common directory",
+    )
     prepare.add_argument(
         "--tokenizer", type=Path, default=None, help="a Hugging Face model directory whose tokenizer.json to use"
     )
+
+
+def document_names(paths: list[Path]) -> list[str]:
+    """Each file's path relative to the directory that holds them all: the names that choose the
+    validation split, so it stays the same wherever the corpus lies or is prepared from."""
+    absolute = [os.path.abspath(path) for path in paths]
+    root = os.path.commonpath([os.path.dirname(path) for path in absolute])
+    return [os.path.relpath(path, root) for path in absolute]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,9 +45,11 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise PathNotFoundError(f"not a file: {', '.join(missing)}")
 
+    names = document_names(args.files)
+
     def documents():
-        for path in tqdm(args.files, desc="tokenizing", unit="file"):
-            yield str(path), path.read_text(encoding="utf-8", errors="replace")
+        for path, name in tqdm(zip(args.files, names), total=len(names), desc="tokenizing", unit="file"):
+            yield name, path.read_text(encoding="utf-8", errors="replace")
 
     tokenizer = load_hf_tokenizer(args.tokenizer) if args.tokenizer else None
     meta = prepare_token_files(documents(), args.out, val_fraction=args.val_fraction, tokenizer=tokenizer)
