@@ -170,3 +170,33 @@ def test_a_resume_that_changes_train_steps_warns_of_the_schedules_it_moves(tmp_p
         warnings.simplefilter("error")  # nothing laid out over the steps: nothing to say
         check_resumable(tmp_path, config("train.steps=200", "optim.schedule.kind=constant"))
         check_resumable(tmp_path, config("train.steps=100", "optim.schedule.kind=constant"))
+
+
+@pytest.mark.parametrize(
+    "kind, shipped, required, change, saved_in",
+    [
+        ("finetune", "finetune/lora.yaml", ["data.train=t.jsonl"], "adapter.rank=4", "."),
+        ("grpo", "rl_lm/grpo_arithmetic.yaml", [], "adapter.rank=4", "."),
+        ("linearize", "linearize/tiny.yaml", [], "linear.window=8", "."),
+        ("linearize", "linearize/tiny.yaml", [], "linear.window=8", "attention_transfer"),
+    ],
+)
+def test_a_run_that_cannot_resume_is_refused_before_the_base_is_loaded(
+    tmp_path, monkeypatch, kind, shipped, required, change, saved_in
+):
+    """These kinds checked the run directory only in make_trainer, after loading the base model
+    (for a Hugging Face base, possibly many GB; linearize also evaluated the teacher first)."""
+    import importlib
+
+    from ember.training.launcher import KINDS, shipped_configs_dir
+
+    entry = importlib.import_module(KINDS[kind])
+    for module in ("ember.training.finetune.task", "ember.training.rl_lm.task", "ember.training.linearize.entry"):
+        monkeypatch.setattr(importlib.import_module(module), "load_base", lambda *_: pytest.fail("base loaded"))
+    path, overrides = shipped_configs_dir() / shipped, ["base_model.path=base", f"run_dir={tmp_path}", *required]
+    saved = load_config(entry.CONFIG_SCHEMA, path, overrides)
+    saved = saved.stage("transfer") if saved_in != "." else saved
+    (tmp_path / saved_in).mkdir(exist_ok=True)
+    (tmp_path / saved_in / "config.yaml").write_text(to_yaml(saved))
+    with pytest.raises(ConfigError, match="was started with a different config"):
+        entry.run(load_config(entry.CONFIG_SCHEMA, path, [*overrides, change]), resume=True)

@@ -45,7 +45,7 @@ from ember.training.linearize.config import TRANSFER_DIR, LinearizeRunConfig
 from ember.training.linearize.evaluate import Evaluator
 from ember.training.linearize.tasks import AttentionTransferTask, LowRankTask
 from ember.training.lm.config import DataConfig
-from ember.training.lm.trainer import make_trainer
+from ember.training.lm.trainer import check_resumable, make_trainer
 from ember.training.trainable import select
 
 CONFIG_SCHEMA = LinearizeRunConfig
@@ -67,6 +67,12 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
         return finished
     initialize_distributed(config.distributed)  # before the base is loaded onto a device
     mesh = make_mesh(config.mesh)  # a mesh that does not fit the devices fails before the base is loaded
+    stage_dir = Path(config.run_dir) / TRANSFER_DIR
+    transfer_summary = _finished(stage_dir, config.transfer.train.steps) if resume else None
+    if resume:  # so does a run directory this config cannot resume (make_trainer checks again, and warns)
+        if transfer_summary is None:
+            check_resumable(stage_dir, config.stage("transfer"), warn=False)
+        check_resumable(Path(config.run_dir), config, warn=False)
     base = load_base(config.base_model)
     dataset = _dataset(config.data, base)
     transfer = AttentionTransferTask(config, base, dataset)
@@ -86,8 +92,6 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     evaluator = Evaluator(batches, mesh, logical_rules(config.sharding.rules))
     linear_model = DecoderLM(low_rank.config.model)
 
-    stage_dir = Path(config.run_dir) / TRANSFER_DIR
-    transfer_summary = _finished(stage_dir, config.transfer.train.steps) if resume else None
     if transfer_summary is None:
         baseline = _baseline(config, base, transfer, linear_model, evaluator)
         transfer_summary, transferred = _train(

@@ -72,8 +72,10 @@ def make_trainer(config: Any, *, resume: bool = False, task: Task | None = None,
     return trainer
 
 
-def check_resumable(run_dir: Path, config: Any) -> None:
+def check_resumable(run_dir: Path, config: Any, *, warn: bool = True) -> None:
     """A run directory's saved config may differ from ``config`` only in runtime settings.
+    ``warn``: warn of the schedules a changed ``train.steps`` moves (False for a check made
+    early, before the slow work, by a caller whose ``make_trainer`` checks and warns again).
 
     Raises:
       ConfigError: the saved run is of another kind (keyed ``kind``), naming the changed keys that
@@ -107,7 +109,8 @@ def check_resumable(run_dir: Path, config: Any) -> None:
             f"Use a new run_dir, or change only runtime settings: {', '.join(runtime_settings(config))}",
             key=changed[0],
         )
-    _warn_if_schedules_move(saved_config, config)
+    if warn:
+        _warn_if_schedules_move(saved_config, config)
 
 
 def _warn_if_schedules_move(saved: Any, config: Any) -> None:
