@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from ember.core.errors import EmberError
+from ember.core.errors import ConfigError, EmberError
 from ember.core.sharding import MeshConfig, make_mesh, use_sharding
 from ember.models.layers import expert_parallel
 from ember.models.layers.expert_parallel import expert_parallel_routed_mlp
@@ -111,6 +111,22 @@ def test_ungated_activation_and_errors(cases):
             expert_parallel_routed_mlp(x, expert_ids, combine_weights, None, up[:6], down[:6], activation="gelu")
         with pytest.raises(EmberError, match="needs gate weights"):
             expert_parallel_routed_mlp(x, expert_ids, combine_weights, None, up, down, activation="swiglu")
+
+
+def test_what_does_not_divide_over_the_mesh_is_a_config_error_naming_the_key(cases):
+    """Both errors were bare EmberErrors with no key (the token one said only "use a batch
+    divisible by them"), where every other config error names the field to change."""
+    inputs, _, _ = cases["random"]
+    x, expert_ids, combine_weights, gate, up, down = inputs
+    with use_sharding(make_mesh(MESHES["expert4"])):  # tokens split over data=2 x expert=4
+        with pytest.raises(
+            ConfigError, match=r"28 tokens .*\(mesh\.data=2 x mesh\.expert=4\).* multiple of 8"
+        ) as error:
+            expert_parallel_routed_mlp(x[:28], expert_ids[:28], combine_weights[:28], None, up, down, activation="gelu")
+        assert error.value.key == "train.batch_size"
+        with pytest.raises(ConfigError, match="do not divide over the 4 ranks") as error:
+            expert_parallel_routed_mlp(x, expert_ids, combine_weights, None, up[:6], down[:6], activation="gelu")
+        assert error.value.key == "mesh.expert"
 
 
 def test_out_of_range_slots_add_nothing_whatever_rows_past_the_groups_hold(cases, monkeypatch):

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ember.core.errors import EmberError
+from ember.core.errors import ConfigError, EmberError
 from ember.core.sharding import DEFAULT_RULES
 from ember.models.layers.mlp import ACTIVATIONS, GATED
 from ember.models.layers.moe_dispatch import grouped_expert_mlp
@@ -73,8 +73,10 @@ def expert_parallel_routed_mlp(
       impl: the ``grouped_matmul`` implementation.
 
     Raises:
-      EmberError: the expert count does not divide over the ``expert`` mesh axis, or the
-        tokens do not divide over the token-parallel axes.
+      ConfigError: the expert count does not divide over the ``expert`` mesh axis (keyed
+        ``mesh.expert``), or the tokens do not divide over the token-parallel axes (keyed
+        ``train.batch_size``, the key the trainer's batch errors carry).
+      EmberError: an unknown ``activation``, or gate weights that do not match it.
     """
     if activation not in ACTIVATIONS:
         raise EmberError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
@@ -102,22 +104,27 @@ def expert_parallel_routed_mlp(
 
 def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(mesh axes splitting the tokens, mesh axes splitting the experts' hidden dim)`` from
-    the current logical rules (``batch`` and ``mlp``); raises ``EmberError`` when they do not divide."""
+    the current logical rules (``batch`` and ``mlp``); raises ``ConfigError`` when they do not divide."""
     rules = dict(nn.get_logical_axis_rules() or DEFAULT_RULES)
     ranks = mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
     if num_experts % ranks:
-        raise EmberError(
+        raise ConfigError(
             f"{num_experts} experts do not divide over the {ranks} ranks of the {EXPERT_AXIS!r} mesh axis; "
-            "choose mesh.expert dividing the expert count"
+            "choose mesh.expert dividing the expert count",
+            key="mesh.expert",
         )
     token_axes = tuple(axis for axis in rules.get("batch", ()) if mesh.shape.get(axis, 1) > 1)
     if ranks > 1 and EXPERT_AXIS not in token_axes:
         token_axes += (EXPERT_AXIS,)
     token_ranks = math.prod(mesh.shape.get(axis, 1) for axis in token_axes)
     if num_tokens % token_ranks:
-        raise EmberError(
-            f"{num_tokens} tokens do not divide over the {token_ranks} token-parallel ranks "
-            f"({' x '.join(token_axes)}); use a batch divisible by them"
+        axes = " x ".join(f"mesh.{axis}={mesh.shape[axis]}" for axis in token_axes)
+        raise ConfigError(
+            f"the {num_tokens} tokens of a batch (rows x tokens per row) do not divide over the {token_ranks} "
+            f"token-parallel ranks ({axes}) that expert parallelism splits them over; the tokens of each (micro-)"
+            f"batch must be a multiple of {token_ranks}: a train.batch_size / train.grad_accum that is a multiple "
+            f"of {token_ranks} splits every row",
+            key="train.batch_size",
         )
     tensor_axes = tuple(
         axis
