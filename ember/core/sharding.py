@@ -111,18 +111,30 @@ class MeshConfig:
             if num_devices % fixed:
                 raise ConfigError(
                     f"mesh {described} does not divide the {num_devices} available devices "
-                    f"(the fixed axes need a multiple of {fixed})",
-                    key=f"mesh.{flexible[0]}",
+                    f"(the fixed axes need a multiple of {fixed}; make their product divide {num_devices})",
+                    key=f"mesh.{_misfit(sizes, num_devices)}",
                 )
             sizes[flexible[0]] = num_devices // fixed
         elif fixed != num_devices:
-            wrong = next((axis for axis, size in sizes.items() if size > 1), "data")
+            wrong = _misfit(sizes, num_devices) or next((axis for axis, size in sizes.items() if size > 1), "data")
             raise ConfigError(
                 f"mesh {described} needs {fixed} devices but {num_devices} are available; "
                 f"make the product equal {num_devices}, or set one axis to -1",
                 key=f"mesh.{wrong}",
             )
         return sizes
+
+
+def _misfit(sizes: dict[str, int], num_devices: int) -> str | None:
+    """The first fixed axis (in ``MESH_AXES`` order) at which the product of the fixed sizes so far
+    stops dividing ``num_devices``: the size at fault; None when the product divides it."""
+    product = 1
+    for axis, size in sizes.items():
+        if size != -1:
+            product *= size
+            if num_devices % product:
+                return axis
+    return None
 
 
 def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -81,7 +81,17 @@ def test_mesh_errors_name_the_keys():
     assert info.value.key == "mesh.data"
     with pytest.raises(ConfigError, match=r"does not divide the 8 available devices") as info:
         make_mesh(MeshConfig(data=-1, tensor=3))
-    assert info.value.key == "mesh.data"
+    assert info.value.key == "mesh.tensor"  # the size at fault, not the -1 axis (the old code's mesh.data)
+    # Each error is keyed by the axis whose size does not fit, whichever axis is -1 or comes first.
+    for config, key in [
+        (MeshConfig(data=1, fsdp=-1, tensor=2, expert=3), "mesh.expert"),
+        (MeshConfig(fsdp=4, tensor=4), "mesh.tensor"),
+        (MeshConfig(data=2, tensor=8), "mesh.tensor"),
+        (MeshConfig(data=1, expert=2), "mesh.expert"),  # too few devices: the axis set above 1
+    ]:
+        with pytest.raises(ConfigError, match=r"available") as info:
+            make_mesh(config)
+        assert info.value.key == key, config
     with pytest.raises(ConfigError, match="at most one mesh axis may be -1"):
         MeshConfig(data=-1, fsdp=-1)
     # Asking for the rest on fsdp alone: data is -1 by default, which the message has to say.
