@@ -119,20 +119,23 @@ def _micro_batches(batch: Any, accum: int) -> Any:
 
 def _weighted_aux(aux: dict[str, jax.Array], weights: dict[str, float]) -> jax.Array:
     """``sum(weights[name] * aux[name])``; every aux loss needs a weight and every weight a loss."""
-    for name in aux:
-        if name not in weights:
-            raise ConfigError(
-                f"the model returns auxiliary loss {name!r} but train.aux_loss_weights has no weight "
-                f"for it; set train.aux_loss_weights.{name} (0 logs it without training on it)",
-                key=f"train.aux_loss_weights.{name}",
-            )
-    for name in weights:
-        if name not in aux:
-            raise ConfigError(
-                f"train.aux_loss_weights.{name} names no auxiliary loss of the model "
-                f"(it returns: {', '.join(sorted(aux)) or 'none'})",
-                key=f"train.aux_loss_weights.{name}",
-            )
+    unweighted = [name for name in aux if name not in weights]
+    if unweighted:
+        losses = f"loss{'es' if len(unweighted) > 1 else ''} {', '.join(map(repr, unweighted))}"
+        raise ConfigError(
+            f"the model returns auxiliary {losses} but train.aux_loss_weights has no weight for "
+            f"{'it' if len(unweighted) == 1 else 'them'}; set "
+            f"{', '.join(f'train.aux_loss_weights.{name}' for name in unweighted)} (0 logs it without training on it)",
+            key=f"train.aux_loss_weights.{unweighted[0]}",
+        )
+    unknown = [name for name in weights if name not in aux]
+    if unknown:
+        raise ConfigError(
+            f"{', '.join(f'train.aux_loss_weights.{name}' for name in unknown)} "
+            f"{'names' if len(unknown) == 1 else 'name'} no auxiliary loss of the model "
+            f"(it returns: {', '.join(sorted(aux)) or 'none'})",
+            key=f"train.aux_loss_weights.{unknown[0]}",
+        )
     return sum((weights[name] * value for name, value in aux.items()), jnp.float32(0))
 
 

@@ -367,6 +367,10 @@ def test_auxiliary_loss_weights_must_match_the_losses_the_model_returns(tmp_path
     assert error.value.key == "train.aux_loss_weights.activation_l2"
     with pytest.raises(ConfigError, match="names no auxiliary loss of the model"):
         make_trainer(Regression(), tmp_path / "typo", steps=1, aux_loss_weights={"balance": 0.1}).train()
+    # Every unknown name at once (before, only the first: a second typo surfaced on the next run).
+    weights = {"activation_l2": 0.5, "balance": 0.1, "router": 0.1}
+    with pytest.raises(ConfigError, match=r"weights\.balance, train\.aux_loss_weights\.router name no .*activation_l2"):
+        make_trainer(Regression(use_aux=True), tmp_path / "typos", steps=1, aux_loss_weights=weights).train()
     with pytest.raises(ConfigError, match=r"train.freeze\[0\] .* matches no parameter"):
         make_trainer(Regression(), tmp_path / "nothing", freeze=("^encoder/",))
     with pytest.raises(ConfigError, match="freezes every parameter"):
