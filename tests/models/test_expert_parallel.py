@@ -117,7 +117,7 @@ def test_what_does_not_divide_over_the_mesh_is_a_config_error_naming_the_key(cas
     """Both errors were bare EmberErrors with no key (the token one said only "use a batch
     divisible by them"), where every other config error names the field to change."""
     inputs, _, _ = cases["random"]
-    x, expert_ids, combine_weights, gate, up, down = inputs
+    x, expert_ids, combine_weights, _, up, down = inputs
     with use_sharding(make_mesh(MESHES["expert4"])):  # tokens split over data=2 x expert=4
         with pytest.raises(
             ConfigError, match=r"28 tokens .*\(mesh\.data=2 x mesh\.expert=4\).* multiple of 8"
