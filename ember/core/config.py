@@ -117,6 +117,14 @@ def read_key(source: str | Path, key: str, overrides: Sequence[str] = (), defaul
     return OmegaConf.to_container(merged, resolve=False).get(key, default)
 
 
+def run_kind(run_dir: str | Path, default: Any = None) -> Any:
+    """The ``kind:`` of the run in Ember run directory ``run_dir`` (read from its ``config.yaml``):
+    ``lm``, ``finetune``, ``grpo``, ``linearize``, ``rl``, ``quantized`` ...; ``default`` when the
+    directory has no ``config.yaml`` or the file names no kind."""
+    path = Path(run_dir) / "config.yaml"
+    return read_key(path, "kind", default=default) if path.is_file() else default
+
+
 def from_yaml(schema: type[T], text: str) -> T:
     """Builds a ``schema`` instance from YAML text (the inverse of :func:`to_yaml`)."""
     data = OmegaConf.create(text)
@@ -459,6 +467,7 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "read_key",
+    "run_kind",
     "to_dict",
     "to_yaml",
 ]

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import load_config, read_key
+from ember.core.config import load_config, read_key, run_kind
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
@@ -86,7 +86,7 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
 
 
 def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
-    kind = read_key(path / "config.yaml", "kind")
+    kind = run_kind(path)
     if kind in ("finetune", "grpo", "linearize"):
         return _load_finetune_run(path, step, config_overrides, linearized=kind == "linearize")
     section = read_key(path / "config.yaml", "model")

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 
-from ember.core.config import read_key
+from ember.core.config import run_kind
 from ember.core.errors import ConfigError
 from ember.core.sharding import box_like
 from ember.core.tree import param_paths
@@ -57,7 +56,7 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
         )
     params, model_state = split_variables(as_variables(base.params))
     if adapter_leaves(params):
-        if _run_kind(config.path) in MERGED_ON_LOAD:  # no merged export to start from: folded in here
+        if run_kind(config.path) in MERGED_ON_LOAD:  # no merged export to start from: folded in here
             base = dataclasses.replace(base, params=serving_weights(merged_weights(params), model_state))
             return dataclasses.replace(base, params=jax.device_get(base.params))
         raise ConfigError(
@@ -66,12 +65,6 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
             key="base_model.path",
         )
     return dataclasses.replace(base, params=jax.device_get(base.params))
-
-
-def _run_kind(path: str) -> str | None:
-    """The ``kind`` of the Ember run directory ``path`` (None for a Hugging Face directory)."""
-    config = Path(path) / "config.yaml"
-    return read_key(config, "kind") if config.is_file() else None
 
 
 def boxed_variables(model: DecoderLM, seq_len: int, pretrained: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from ember.core.config import ConfigError, from_yaml, read_key, to_yaml
+from ember.core.config import ConfigError, from_yaml, run_kind, to_yaml
 from ember.core.distributed import initialize_distributed
 from ember.core.files import write_text_atomic
 from ember.core.sharding import logical_rules, make_mesh
@@ -86,7 +86,7 @@ def check_resumable(run_dir: Path, config: Any, *, warn: bool = True) -> None:
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
         return
-    saved_kind = read_key(saved_path, "kind")
+    saved_kind = run_kind(run_dir)
     if saved_kind != config.kind:
         raise ConfigError(
             f"run_dir {run_dir} holds a run of kind {saved_kind!r}, and this config's kind is {config.kind!r}; "

@@ -32,7 +32,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import from_yaml, read_key, to_dict
+from ember.core.config import from_yaml, read_key, run_kind, to_dict
 from ember.core.errors import ConfigError, DataError
 from ember.core.hf_tokenizer import HFTokenizer
 from ember.core.jsonl import readable, utf8_text
@@ -106,7 +106,7 @@ def _run_dataset(source: Path) -> Path | None:
     """The directory of the prepared dataset an Ember LM run trained on (its config.yaml's
     ``data``: a built-in corpus, such as ``arithmetic`` with its settings, or a directory)."""
     config = source / "config.yaml"
-    if not config.is_file() or read_key(config, "kind") not in (None, "lm"):
+    if not config.is_file() or run_kind(source) not in (None, "lm"):
         return None
     data = from_yaml(LMConfig, config.read_text()).data
     return BUILTIN_DATASETS.get(data.dataset, lambda _: Path(data.dataset))(data)
@@ -117,7 +117,7 @@ def qat_settings(source: str | Path, fmt: str) -> dict[str, Any]:
     (``group_size`` when its ``qat.group_size`` is set, ``targets``), so that quantizing it
     stores the weights its QAT steps saw; empty for any other source or format."""
     config = Path(source) / "config.yaml"
-    if not config.is_file() or read_key(config, "kind") not in (None, "lm"):
+    if not config.is_file() or run_kind(source) not in (None, "lm"):
         return {}
     qat = read_key(config, "qat") or {}
     if qat.get("format") != fmt:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import load_config, read_key, to_yaml
+from ember.core.config import load_config, run_kind, to_yaml
 from ember.core.errors import ConfigError, EmberError, PathNotFoundError
 from ember.core.files import write_text_atomic
 from ember.envs.config import EnvConfig, make_from_config
@@ -226,7 +226,7 @@ def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise PathNotFoundError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}")
-    kind = read_key(run_dir / CONFIG_FILE, "kind", default=DEFAULT_KIND)
+    kind = run_kind(run_dir, default=DEFAULT_KIND)
     if kind != "rl":
         raise EmberError(
             f"{run_dir} is a {kind!r} run, not an RL one (kind: rl); 'ember eval' runs RL policies, "
