@@ -8,12 +8,15 @@ its tokenizer without code.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 BYTE_VOCAB = 256
+EOS_TOKEN = "<|endoftext|>"
+"""The end-of-document token's text in the Hugging Face files of :meth:`ByteTokenizer.hf_files`."""
 
 
 class ByteTokenizer:
@@ -37,6 +40,34 @@ class ByteTokenizer:
     def describe(self) -> dict[str, Any]:
         return {"type": "bytes", "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
+    def hf_files(self) -> dict[str, str]:
+        """``{file name: text}`` of this tokenizer as a Hugging Face model directory holds it
+        (``tokenizer.json``, ``tokenizer_config.json``: what ``tokenizers``, ``transformers``'
+        ``AutoTokenizer`` and Ember's ``load_hf_tokenizer`` read): GPT-2's byte-level BPE without
+        merges, so each UTF-8 byte is one token whose id is the byte, and ``EOS_TOKEN`` special
+        at ``eos_id``. It encodes and decodes as this tokenizer does, but for text that holds
+        ``EOS_TOKEN`` itself, which it reads as the special token (as Hugging Face tokenizers
+        read their special tokens in text)."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens([AddedToken(EOS_TOKEN, special=True)])  # the next id: eos_id
+        # No clean-up: transformers' would remove the spaces before punctuation that the bytes hold.
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN,
+                  "clean_up_tokenization_spaces": False}  # fmt: skip
+        return {"tokenizer.json": tokenizer.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+def _byte_level_chars() -> list[str]:
+    """The character byte-level BPE writes each byte as (GPT-2's ``bytes_to_unicode``): printable
+    Latin-1 bytes as themselves, the other bytes as the characters from U+0100 on, in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    others = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(others)) for byte in range(BYTE_VOCAB)]
+
 
 def tokenizer_from_description(description: dict[str, Any]) -> Any:
     """The tokenizer ``describe()`` produced (``bytes``, or ``hf``: a Hugging Face tokenizer,
@@ -51,4 +82,4 @@ def tokenizer_from_description(description: dict[str, Any]) -> Any:
     return ByteTokenizer()
 
 
-__all__ = ["BYTE_VOCAB", "ByteTokenizer", "tokenizer_from_description"]
+__all__ = ["BYTE_VOCAB", "EOS_TOKEN", "ByteTokenizer", "tokenizer_from_description"]

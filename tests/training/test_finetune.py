@@ -627,6 +627,31 @@ def test_a_merged_export_from_a_fine_tuned_run_carries_its_tokenizer(problem, tm
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["eos_token_id"] == EOS
 
 
+def test_a_merged_export_of_a_byte_level_base_carries_a_tokenizer_that_encodes_as_it_does(tmp_path):
+    """A base trained with Ember's byte tokenizer (an 'ember train' LM run) wrote merged/ with no
+    tokenizer files: load_model gave tokenizer None, so neither 'ember generate --prompt' nor
+    transformers' AutoTokenizer could read text for the exported model."""
+    import types
+
+    from ember.core.hf_tokenizer import load_hf_tokenizer
+    from ember.core.tokenizer import ByteTokenizer
+    from ember.training.finetune.export import _copy_tokenizer
+
+    byte = ByteTokenizer()
+    (tmp_path / "config.json").write_text("{}")  # what hf.save wrote
+    _copy_tokenizer(types.SimpleNamespace(tokenizer=byte, eos_ids=(byte.eos_id,)), tmp_path / "no_hf", tmp_path)
+    ours, theirs = load_hf_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.eos_id == theirs.eos_token_id == byte.eos_id and ours.bos_id is None
+    assert json.loads((tmp_path / "config.json").read_text())["eos_token_id"] == byte.eos_id
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        text = "".join(map(chr, rng.choice([*range(9, 127), *range(160, 0x3000), *range(0x1F300, 0x1F400)], 40)))
+        expected = byte.encode(text).tolist()
+        assert ours.encode(text).tolist() == theirs(text)["input_ids"] == expected, text
+        ids = rng.integers(0, byte.vocab_size, 30).tolist()  # invalid UTF-8 and the end-of-document id too
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == byte.decode(ids), ids
+
+
 def test_a_fine_tuned_mamba2_base_exports_merged_as_mamba2(problem, tmp_path):
     """A Hugging Face Mamba-2 base: Ember reads and writes its checkpoints, but export.merged took
     only the attention models' types, so the run was refused before training ("cannot be written

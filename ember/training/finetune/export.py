@@ -4,7 +4,8 @@
 ``adapter_model.safetensors`` that ``peft.PeftModel.from_pretrained`` loads on the base.
 ``run_dir/merged/`` (``export.merged``): a Hugging Face checkpoint of the fine-tuned weights
 (adapters folded in), with the base's tokenizer files copied beside it (an Ember base's
-tokenizer written from the loaded one, its end-of-sequence ids into ``config.json``).
+tokenizer written from the loaded one, Ember's byte tokenizer as a byte-level ``tokenizer.json``,
+its end-of-sequence ids into ``config.json``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 from ember.core.errors import ConfigError
 from ember.core.hf_tokenizer import CHAT_TEMPLATE_FILE, HFTokenizer
 from ember.core.sharding import addressable_here
+from ember.core.tokenizer import ByteTokenizer
 from ember.models import hf
 from ember.models.adapters import merged_weights
 from ember.models.config import ModelConfig
@@ -63,7 +65,8 @@ def export_hook(task: Any) -> Callable[[Any], None]:
 def _copy_tokenizer(base: LoadedModel, path: Path, merged: Path) -> None:
     """The base's tokenizer and special token ids beside the merged weights: a Hugging Face base
     directory's files, copied; an Ember run's (an LM run, or a fine-tuning run fine-tuned again,
-    which hold no tokenizer files) written from its loaded tokenizer and end-of-sequence ids.
+    which hold no tokenizer files) written from its loaded tokenizer (Ember's byte tokenizer as
+    ``ByteTokenizer.hf_files``) and end-of-sequence ids.
     The ids go into the merged ``config.json``, which ``hf.save`` writes without them:
     ``transformers`` would take its class defaults instead (Llama's ``eos_token_id`` 2) and
     ``ember generate`` no end-of-sequence id."""
@@ -80,6 +83,9 @@ def _copy_tokenizer(base: LoadedModel, path: Path, merged: Path) -> None:
             (merged / "tokenizer.json").write_text(description["tokenizer_json"])
             (merged / "tokenizer_config.json").write_text(json.dumps(description["config"], indent=2) + "\n")
             ids = {"bos_token_id": base.tokenizer.bos_id} if base.tokenizer.bos_id is not None else {}
+        elif isinstance(base.tokenizer, ByteTokenizer):
+            for name, text in base.tokenizer.hf_files().items():
+                (merged / name).write_text(text)
         if base.eos_ids:
             ids["eos_token_id"] = base.eos_ids[0] if len(base.eos_ids) == 1 else list(base.eos_ids)
     merged_config = json.loads((merged / "config.json").read_text())
