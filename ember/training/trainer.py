@@ -273,9 +273,14 @@ class Trainer:
             batch_metrics=self.task.batch_metrics,
             finish_metrics=self.task.finish_metrics,
         )
+        batch_shardings = self._batch_shardings()
+        batch_axis = (tuple(self.task.batch_axes) or (None,))[0]
+        idle = _idle_axes_message(self.mesh, self.rules, batch_axis, self.state_shardings, teacher_shardings)
+        if idle and self.is_main:
+            warnings.warn(idle, stacklevel=3)  # at the caller of Trainer(...)
         return jax.jit(
             step,
-            in_shardings=(self.state_shardings, self._batch_shardings(), teacher_shardings),
+            in_shardings=(self.state_shardings, batch_shardings, teacher_shardings),
             out_shardings=(self.state_shardings, None),
             donate_argnums=0,
         )
@@ -579,6 +584,34 @@ def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any, gr
         f"{' x '.join(f'{name}={mesh.shape[name]}' for name in dropped)} (they do not divide it): those devices "
         f"all compute the same rows; a train.batch_size that is a multiple of {split * grad_accum} "
         f"({multiple}) is split over every device"
+    )
+
+
+def _idle_axes_message(mesh: Any, rules: Any, batch_axis: str | None, *shardings: Any) -> str | None:
+    """What to tell the user when mesh axes of size > 1 split nothing: no parameter of ``shardings``
+    (the state's, the teacher's) is split over them (the rules map no logical axis to them, or none
+    of those dimensions divides) and the batch is not (its rule does not name them; one that does
+    but does not divide is ``_replicated_rows_message``'s), so their devices hold and compute the
+    same. ``None`` when every such axis splits something."""
+    rules = dict(rules)
+    used = {*rules.get(batch_axis, ()), *rules.get("seq", ())}  # seq: activations only
+    for sharding in jax.tree.leaves(shardings):
+        for entry in sharding.spec:
+            used.update((entry,) if isinstance(entry, str) else entry or ())
+    idle = [name for name in mesh.axis_names if mesh.shape[name] > 1 and name not in used]
+    if not idle:
+        return None
+    reasons = []
+    for name in idle:
+        logical = [axis for axis, mesh_axes in rules.items() if name in mesh_axes]
+        why = f"the rules split {', '.join(logical)} over it" if logical else "no sharding rule names it"
+        reasons.append(f"mesh.{name}={mesh.shape[name]} ({why})")
+    one = len(idle) == 1
+    return (
+        f"mesh ax{'is' if one else 'es'} {', '.join(reasons)} split{'s' if one else ''} no parameter (none has a "
+        f"dimension {'it divides' if one else 'they divide'}) and not the batch: {'its' if one else 'their'} devices "
+        f"all hold and compute the same; set {' and '.join(f'mesh.{name}=1' for name in idle)} and give the devices "
+        "to mesh.data"
     )
 
 

@@ -268,6 +268,31 @@ def test_a_batch_the_mesh_does_not_divide_is_replicated_with_a_warning(tmp_path)
     ]
 
 
+def test_a_mesh_axis_that_splits_nothing_is_named_in_a_warning(tmp_path):
+    """mesh.tensor=2 for a model with no dimension the rules split over tensor (Regression's are
+    unannotated; an LM whose heads, mlp and vocab it does not divide) left both devices of each
+    pair holding and computing the same, without a word."""
+
+    def idle_warnings(run_dir, **mesh):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Trainer(
+                Regression(),
+                loop=LoopConfig(steps=1),
+                logging=LoggingConfig(progress=False, tensorboard=False),
+                run_dir=run_dir,
+                mesh=make_mesh(MeshConfig(**mesh), jax.devices()[:4]),
+            )
+        return [str(w.message) for w in caught if "splits no parameter" in str(w.message)]
+
+    assert idle_warnings(tmp_path / "tensor", data=2, tensor=2) == [
+        "mesh axis mesh.tensor=2 (the rules split mlp, heads, kv_heads, vocab over it) splits no parameter (none "
+        "has a dimension it divides) and not the batch: its devices all hold and compute the same; set "
+        "mesh.tensor=1 and give the devices to mesh.data"
+    ]
+    assert idle_warnings(tmp_path / "batch", data=2, fsdp=2) == []  # fsdp splits the batch
+
+
 def test_a_mesh_of_ones_own_without_embers_axis_names_trains_like_embers(tmp_path):
     """``jax.make_mesh((2,), ("data",))``: the rules' other mesh axes (fsdp, expert, tensor) are as
     if of size 1. Before, placing the batch raised KeyError: 'fsdp' (and a sharding without a
