@@ -200,3 +200,22 @@ def test_a_run_that_cannot_resume_is_refused_before_the_base_is_loaded(
     (tmp_path / saved_in / "config.yaml").write_text(to_yaml(saved))
     with pytest.raises(ConfigError, match="was started with a different config"):
         entry.run(load_config(entry.CONFIG_SCHEMA, path, [*overrides, change]), resume=True)
+
+
+def test_a_finished_transfer_stage_is_reused_only_with_the_config_it_ran(tmp_path, monkeypatch):
+    """ember linearize --resume took a finished attention-transfer stage's weights without comparing
+    its config: a resume with transfer.optim.lr changed went on to stage 2, and run_dir/config.yaml
+    recorded the new lr for weights trained with the old one."""
+    import json
+
+    from ember.training.launcher import shipped_configs_dir
+    from ember.training.linearize import entry
+
+    monkeypatch.setattr(entry, "load_base", lambda *_: pytest.fail("base loaded"))
+    path, overrides = shipped_configs_dir() / "linearize" / "tiny.yaml", ["base_model.path=base", f"run_dir={tmp_path}"]
+    stage = tmp_path / "attention_transfer"
+    stage.mkdir()
+    (stage / "config.yaml").write_text(to_yaml(load_config(entry.CONFIG_SCHEMA, path, overrides).stage("transfer")))
+    (stage / "summary.json").write_text(json.dumps({"stopped_early": False, "steps": 60}))
+    with pytest.raises(ConfigError, match=r"changed keys: .*transfer\.optim\.lr"):
+        entry.run(load_config(entry.CONFIG_SCHEMA, path, [*overrides, "transfer.optim.lr=0.01"]), resume=True)

@@ -70,8 +70,7 @@ def run(config: LinearizeRunConfig, *, resume: bool = False) -> dict[str, Any]:
     stage_dir = Path(config.run_dir) / TRANSFER_DIR
     transfer_summary = _finished(stage_dir, config.transfer.train.steps) if resume else None
     if resume:  # so does a run directory this config cannot resume (make_trainer checks again, and warns)
-        if transfer_summary is None:
-            check_resumable(stage_dir, config.stage("transfer"), warn=False)
+        check_resumable(stage_dir, config.stage("transfer"), warn=False)  # finished too: its weights are reused
         check_resumable(Path(config.run_dir), config, warn=False)
     base = load_base(config.base_model)
     dataset = _dataset(config.data, base)
