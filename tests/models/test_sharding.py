@@ -3,6 +3,7 @@ tensor-parallel meshes) equals the single-device forward; Pallas kernels run per
 wraps for Flax NNX."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -12,10 +13,14 @@ import pytest
 from flax import nnx
 
 from ember.core.sharding import LOGICAL_AXES, MeshConfig, make_mesh, named_sharding, shard_variables, use_sharding
+from ember.core.tree import param_paths, tree_from_paths
 from ember.kernels_pallas.flash_attention import flash_attention
+from ember.models.adapters import LoraConfig, add_lora, lowrank
+from ember.models.adapters.leaves import adapter_leaves, without_adapters
 from ember.models.config import ModelConfig, SSMConfig
 from ember.models.decoder import DecoderLM
 from ember.models.layers.kernel_shards import per_head_group_shard
+from ember.models.quantization import QuantizeConfig, quantize_params, stored
 from tests.tolerances import assert_allclose
 
 # One of each parameter kind: attention with biases and QK-norm, CCGQA, Hedgehog linear
@@ -146,3 +151,50 @@ def test_kernel_shards_keep_query_heads_with_their_key_heads_when_the_mesh_split
     with use_sharding(make_mesh(MeshConfig(data=2, tensor=4))):
         got = grad(q, k, v)
     jax.tree.map(assert_allclose, got, expected)
+
+
+# QLoRA: an NF4 base with adapters on a column-parallel (q, v, up) and a row-parallel (o, down)
+# weight of each kind, its quantized matmuls in the Pallas interpreter.
+QLORA_CONFIG = dataclasses.replace(CONFIG, num_layers=2, block_pattern=("global",), qkv_bias=False, qk_norm=False)
+
+
+def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_loss_and_adapter_gradients(
+    rng, monkeypatch
+):
+    """The quantized matmul is a Pallas kernel too: on a data x tensor mesh its activations and
+    weights were gathered whole onto every device (34 all-gathers in this QLoRA program). Now each
+    device multiplies its batch rows by the weight columns it holds; the loss and the adapters'
+    gradients are the single device's."""
+    # The model's layers multiply with the platform's impl ("auto": XLA on CPU): run the kernel.
+    monkeypatch.setattr(lowrank, "quantized_dot", functools.partial(stored.quantized_dot, impl="interpret"))
+    model = DecoderLM(QLORA_CONFIG)
+    tokens = jax.random.randint(rng, (8, 16), 0, QLORA_CONFIG.vocab_size)
+
+    @jax.jit
+    def qlora(tokens):
+        params = model.init(jax.random.key(0), tokens)["params"]
+        adapted = add_lora(params, LoraConfig(rank=4, targets=("q", "v", "o", "up", "down")), jax.random.key(1))
+        flat = param_paths(adapted)
+        for path in [p for p in flat if p.endswith("lora_b")]:  # B = 0 would give A no gradient
+            flat[path] = flat[path].replace_boxed(0.1 * jax.random.normal(jax.random.key(2), flat[path].value.shape))
+        return quantize_params(tree_from_paths(flat), QuantizeConfig(format="nf4", group_size=16))
+
+    def loss(adapters, base, tokens):
+        params = tree_from_paths({**param_paths(base), **param_paths(adapters)})
+        logits, _ = model.apply({"params": params}, tokens)
+        return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
+
+    params = qlora(tokens)
+    step = jax.jit(jax.value_and_grad(loss))
+    unboxed = nn.meta.unbox(params)
+    expected = step(adapter_leaves(unboxed), without_adapters(unboxed), tokens)
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    with use_sharding(mesh):
+        sharded = shard_variables(params, mesh)
+        sharded_tokens = jax.device_put(tokens, named_sharding(mesh, ("batch", "seq"), shape=tokens.shape))
+        args = (adapter_leaves(sharded), without_adapters(sharded), sharded_tokens)
+        compiled = step.lower(*args).compile()
+        value, grads = compiled(*args)
+    assert compiled.as_text().count(" all-gather(") < 34
+    assert_allclose(value, expected[0])
+    jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])

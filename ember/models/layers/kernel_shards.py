@@ -14,6 +14,10 @@ groups (GQA's key heads, SSD's B/C groups) whose dimension takes the ``kv_heads`
 so every argument splits its heads the same way, and a mesh axis that does not divide the groups
 is dropped for all of them (those devices compute the same groups) rather than giving a query
 head the wrong key head.
+
+The quantized matmul (``ember.models.quantization.stored.quantized_dot``) runs per shard
+through ``per_shard`` too, on the batch rows and the weight columns (:func:`unshared_with`)
+each device holds.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+import flax.linen as nn
 import jax
 
 from ember.core.sharding import per_shard
@@ -36,6 +41,16 @@ def runs_per_shard(impl: str, *, op: str, kernel_backends: Sequence[str]) -> boo
     JAX's TPU interpreter, which simulates every device of the mesh at once (a flash attention of
     two rows per device on 8 host devices ran past 10 minutes, on 2 in seconds)."""
     return resolve_impl(impl, op=op, kernel_backends=tuple(kernel_backends)) in ("pallas", "interpret")
+
+
+def unshared_with(taken: str, axes: Sequence[str | None]) -> tuple[str | None, ...]:
+    """``axes`` with None for each logical axis whose rule shares a mesh axis with ``taken``'s.
+    A kernel's output split by ``taken`` (batch rows) in one dimension and by ``axes`` in others
+    must not use a mesh axis twice, and ``per_shard`` specifies each argument on its own: the
+    weight's columns named ``embed`` (FSDP's axis, which batch takes too) stay whole."""
+    rules = dict(nn.get_logical_axis_rules())
+    busy = set(rules.get(taken, ()))
+    return tuple(None if axis is None or busy & set(rules.get(axis, ())) else axis for axis in axes)
 
 
 def per_head_group_shard(
@@ -91,4 +106,4 @@ def _axes(layout: str) -> tuple[str | None, ...]:
     return tuple(axes)
 
 
-__all__ = ["per_head_group_shard", "runs_per_shard"]
+__all__ = ["per_head_group_shard", "runs_per_shard", "unshared_with"]

@@ -28,8 +28,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ember.core.sharding import per_shard
 from ember.kernels_pallas.quantized_formats import FORMATS, QuantizedMatrix, dequantize
-from ember.kernels_pallas.quantized_matmul import quantized_matmul
+from ember.kernels_pallas.quantized_matmul import KERNEL_BACKENDS, quantized_matmul
+from ember.models.layers.kernel_shards import runs_per_shard, unshared_with
 
 ABSMAX_BLOCK = 256
 """Block of the double quantisation (absmax values sharing one f32 scale)."""
@@ -96,9 +98,11 @@ def dequantized(parts: Mapping[str, jax.Array], in_shape: tuple[int, ...], dtype
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantized weight as a layer sees it (one layer's stored dict)."""
+    """A quantized weight as a layer sees it (one layer's stored dict) and the logical axes of
+    its output dimensions (``out_shape``), when the layer names them."""
 
     parts: Mapping[str, jax.Array]
+    out_axes: tuple[str | None, ...] | None = None
 
     @property
     def format(self) -> str:
@@ -109,20 +113,45 @@ class QuantizedWeight:
         return tuple(self.parts[self.format].shape[1:])
 
 
-def read_quantized(module: nn.Module, name: str) -> QuantizedWeight | None:
-    """``module``'s parameter ``name`` when it is stored quantized, else None."""
+def read_quantized(
+    module: nn.Module, name: str, out_axes: tuple[str | None, ...] | None = None
+) -> QuantizedWeight | None:
+    """``module``'s parameter ``name`` when it is stored quantized, else None; ``out_axes``:
+    the logical axes of the float weight's output dimensions (how its columns shard)."""
     if not module.has_variable("params", name):
         return None
     value = module.get_variable("params", name)
-    return QuantizedWeight(nn.meta.unbox(value)) if stored_format(value) else None
+    return QuantizedWeight(nn.meta.unbox(value), out_axes) if stored_format(value) else None
 
 
-def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1) -> jax.Array:
-    """``x [..., *in_shape] @ W [*in_shape, *out_shape]`` -> ``[..., *out_shape]`` in ``x``'s dtype."""
-    lead = x.shape[: x.ndim - in_dims]
-    flat = x.reshape(math.prod(lead), -1)
-    y = quantized_matmul(flat, as_matrix(weight.parts))
-    return y.reshape(*lead, *weight.out_shape)
+def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1, impl: str = "auto") -> jax.Array:
+    """``x [..., *in_shape] @ W [*in_shape, *out_shape]`` -> ``[..., *out_shape]`` in ``x``'s dtype.
+
+    Where ``impl`` runs the Pallas kernel under a mesh, it runs on each device's shard
+    (``per_shard``; XLA cannot partition a kernel and gathered ``x`` and ``W`` whole onto every
+    device): ``x``'s rows split as the batch, ``W``'s columns (with their scales) as
+    ``out_axes`` where batch does not take the same mesh axes, so each device multiplies its
+    rows by its columns. The contraction is whole on every device: a weight split along its
+    input rows (FSDP's ``embed``, a row-parallel ``mlp`` or ``heads``) is gathered, as XLA
+    gathers an FSDP weight for its own matmul."""
+    matrix = as_matrix(weight.parts)  # NF4's absmax decoded on the whole weight: its blocks run across columns
+    out_shape = weight.out_shape
+    values, scales = (a.reshape(a.shape[0], *out_shape) for a in (matrix.values, matrix.scales))
+
+    def product(x, values, scales):
+        lead = x.shape[: x.ndim - in_dims]
+        local = QuantizedMatrix(values.reshape(values.shape[0], -1), scales.reshape(scales.shape[0], -1), matrix.format)
+        y = quantized_matmul(x.reshape(math.prod(lead), -1), local, impl=impl)
+        return y.reshape(*lead, *values.shape[1:])
+
+    if x.ndim == in_dims or not runs_per_shard(impl, op="quantized_matmul", kernel_backends=KERNEL_BACKENDS):
+        return product(x, values, scales)
+    rows = ("batch", *(None,) * (x.ndim - in_dims - 1))
+    columns = unshared_with("batch", weight.out_axes or (None,) * len(out_shape))
+    column_axes = (None, *columns)
+    return per_shard(product, [(*rows, *(None,) * in_dims), column_axes, column_axes], (*rows, *columns))(
+        x, values, scales
+    )
 
 
 def record_input(module: nn.Module, name: str, x: jax.Array, in_dims: int = 1) -> None:
