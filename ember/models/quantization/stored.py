@@ -66,11 +66,16 @@ def double_quantize(absmax: jax.Array) -> dict[str, jax.Array]:
 
 
 def absmax_values(parts: Mapping[str, jax.Array]) -> jax.Array:
-    """f32 ``[groups, n]``: the absmax values a double-quantised NF4 weight stores."""
+    """f32 ``[groups, *out]``: the absmax values a double-quantised NF4 weight stores.
+
+    Each value's block is found from its own index (row-major, as :func:`double_quantize`
+    flattened them), not by flattening the codes: a weight split over its columns decodes
+    where it lies (flattening had XLA gather the codes, and on a mesh scatter the result)."""
     codes = parts["absmax"]
-    flat = codes.reshape(-1).astype(jnp.float32)
-    scale = jnp.repeat(parts["absmax_scale"].astype(jnp.float32), ABSMAX_BLOCK)[: flat.size]
-    return (flat * scale + parts["absmax_mean"].astype(jnp.float32)).reshape(codes.shape)
+    strides = [math.prod(codes.shape[dim + 1 :]) for dim in range(codes.ndim)]
+    index = sum(jax.lax.broadcasted_iota(jnp.int32, codes.shape, dim) * stride for dim, stride in enumerate(strides))
+    scale = parts["absmax_scale"].astype(jnp.float32)[index // ABSMAX_BLOCK]
+    return codes.astype(jnp.float32) * scale + parts["absmax_mean"].astype(jnp.float32)
 
 
 def store_matrix(matrix: QuantizedMatrix, out_shape: tuple[int, ...]) -> dict[str, jax.Array]:
