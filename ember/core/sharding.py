@@ -286,7 +286,13 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, tuple(rules), shape=x.shape, mesh=mesh))
 
 
-def per_shard(fn: Callable[..., Any], in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]):
+def per_shard(
+    fn: Callable[..., Any],
+    in_axes: Sequence[Sequence[str | None]],
+    out_axes: Sequence[str | None],
+    *,
+    sum_over: str | None = None,
+):
     """``fn`` run on each device's shard of its arguments under the current mesh (``jax.shard_map``,
     specs from the logical axes and rules, a mesh axis that does not divide a dimension dropped for
     it); ``fn`` itself outside :func:`use_sharding` or on one device.
@@ -300,6 +306,10 @@ def per_shard(fn: Callable[..., Any], in_axes: Sequence[Sequence[str | None]], o
       fn: a function of array pytrees (None leaves pass through) returning one array.
       in_axes: logical axes per argument, applied to each array of that argument.
       out_axes: logical axes of the result.
+      sum_over: a logical axis ``fn`` contracts (a matmul's ``k``): split where it names a
+        dimension, ``fn``'s results are summed over its mesh axes (``psum``, as XLA's own
+        row-parallel matmul). Where those dimensions would not all split the same way (an axis
+        that divides one and not another), none of them is split.
     """
     mesh = _current_mesh()
     rules = nn.get_logical_axis_rules()
@@ -313,9 +323,24 @@ def per_shard(fn: Callable[..., Any], in_axes: Sequence[Sequence[str | None]], o
         def spec(axes, leaf):
             return logical_to_spec(axes, tuple(rules), shape=leaf.shape, mesh=mesh)
 
-        in_specs = tuple(jax.tree.map(functools.partial(spec, axes), arg) for axes, arg in zip(in_axes, args))
+        def specs(axes_of):
+            return tuple(jax.tree.map(functools.partial(spec, axes), arg) for axes, arg in zip(axes_of, args))
+
+        in_specs, summed = specs(in_axes), None
+        if sum_over is not None:
+            splits = {
+                entry
+                for axes, arg_specs in zip(in_axes, in_specs)
+                for leaf_spec in jax.tree.leaves(arg_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+                for name, entry in zip(axes, leaf_spec)
+                if name == sum_over
+            }
+            summed = next(iter(splits)) if len(splits) == 1 else None
+            if summed is None:  # not split, or not alike: every argument whole along it
+                in_specs = specs([[None if name == sum_over else name for name in axes] for axes in in_axes])
         out_spec = spec(out_axes, jax.eval_shape(fn, *args))
-        return jax.shard_map(fn, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
+        body = fn if summed is None else lambda *shards: jax.lax.psum(fn(*shards), summed)
+        return jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
 
     return mapped
 

@@ -17,7 +17,7 @@ head the wrong key head.
 
 The quantized matmul (``ember.models.quantization.stored.quantized_dot``) runs per shard
 through ``per_shard`` too, on the batch rows and the weight columns (:func:`unshared_with`)
-each device holds.
+each device holds, and on the contraction's split of a row-parallel weight, summed.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def runs_per_shard(impl: str, *, op: str, kernel_backends: Sequence[str]) -> boo
     return resolve_impl(impl, op=op, kernel_backends=tuple(kernel_backends)) in ("pallas", "interpret")
 
 
-def unshared_with(taken: str, axes: Sequence[str | None]) -> tuple[str | None, ...]:
-    """``axes`` with None for each logical axis whose rule shares a mesh axis with ``taken``'s.
-    A kernel's output split by ``taken`` (batch rows) in one dimension and by ``axes`` in others
-    must not use a mesh axis twice, and ``per_shard`` specifies each argument on its own: the
+def unshared_with(taken: Sequence[str | None], axes: Sequence[str | None]) -> tuple[str | None, ...]:
+    """``axes`` with None for each logical axis whose rule shares a mesh axis with one of
+    ``taken``. A kernel's output split by batch rows in one dimension and by ``axes`` in others
+    must not use a mesh axis twice, and ``per_shard`` specifies each argument on its own: a
     weight's columns named ``embed`` (FSDP's axis, which batch takes too) stay whole."""
     rules = dict(nn.get_logical_axis_rules())
-    busy = set(rules.get(taken, ()))
+    busy = {mesh_axis for name in taken if name is not None for mesh_axis in rules.get(name, ())}
     return tuple(None if axis is None or busy & set(rules.get(axis, ())) else axis for axis in axes)
 
 

@@ -70,7 +70,7 @@ class Mlp(nn.Module):
         init = nn.initializers.normal(self.init_std)
 
         def weight(name, shape, axes):
-            kernel = read_quantized(self, name, axes[1:])
+            kernel = read_quantized(self, name, axes)
             if kernel is None:
                 kernel = self.param(name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype)
                 kernel = kernel.astype(self.dtype)

@@ -40,7 +40,7 @@ class Projection(nn.Module):
         shape = (*in_shape, *self.out_shape)
         if len(self.kernel_axes) != len(shape):
             raise ValueError(f"kernel_axes {self.kernel_axes} must name all {len(shape)} kernel dimensions {shape}")
-        kernel = read_quantized(self, "kernel", self.kernel_axes[self.in_dims :])
+        kernel = read_quantized(self, "kernel", self.kernel_axes)
         if kernel is None:
             kernel = self.param(
                 "kernel",

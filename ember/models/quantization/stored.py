@@ -20,6 +20,7 @@ matrix for GPTQ's calibration.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -104,10 +105,10 @@ def dequantized(parts: Mapping[str, jax.Array], in_shape: tuple[int, ...], dtype
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized weight as a layer sees it (one layer's stored dict) and the logical axes of
-    its output dimensions (``out_shape``), when the layer names them."""
+    the float weight ``[*in_shape, *out_shape]`` it stands for, when the layer names them."""
 
     parts: Mapping[str, jax.Array]
-    out_axes: tuple[str | None, ...] | None = None
+    axes: tuple[str | None, ...] | None = None
 
     @property
     def format(self) -> str:
@@ -118,15 +119,13 @@ class QuantizedWeight:
         return tuple(self.parts[self.format].shape[1:])
 
 
-def read_quantized(
-    module: nn.Module, name: str, out_axes: tuple[str | None, ...] | None = None
-) -> QuantizedWeight | None:
-    """``module``'s parameter ``name`` when it is stored quantized, else None; ``out_axes``:
-    the logical axes of the float weight's output dimensions (how its columns shard)."""
+def read_quantized(module: nn.Module, name: str, axes: tuple[str | None, ...] | None = None) -> QuantizedWeight | None:
+    """``module``'s parameter ``name`` when it is stored quantized, else None; ``axes``: the
+    logical axes of the float weight (how its rows and columns shard)."""
     if not module.has_variable("params", name):
         return None
     value = module.get_variable("params", name)
-    return QuantizedWeight(nn.meta.unbox(value), out_axes) if stored_format(value) else None
+    return QuantizedWeight(nn.meta.unbox(value), axes) if stored_format(value) else None
 
 
 def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1, impl: str = "auto") -> jax.Array:
@@ -134,29 +133,34 @@ def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1, impl:
 
     Where ``impl`` runs the Pallas kernel under a mesh, it runs on each device's shard
     (``per_shard``; XLA cannot partition a kernel and gathered ``x`` and ``W`` whole onto every
-    device): ``x``'s rows split as the batch, ``W``'s columns (with their scales) as
-    ``out_axes`` where batch does not take the same mesh axes, so each device multiplies its
-    rows by its columns. The contraction is whole on every device: a weight split along its
-    input rows (FSDP's ``embed``, a row-parallel ``mlp`` or ``heads``) is gathered, as XLA
-    gathers an FSDP weight for its own matmul."""
-    matrix = as_matrix(weight.parts)  # NF4's absmax decoded on the whole weight: its blocks run across columns
+    device): ``x``'s rows split as the batch, ``W``'s columns (with their scales) as its output
+    axes, and a row-parallel weight's rows (``o``'s heads, ``down``'s mlp on the tensor axis) with
+    ``x``'s columns, the partial products summed, as XLA splits its own matmul. An axis whose
+    mesh axes the batch takes too is whole on every device: FSDP's ``embed`` rows are gathered, as
+    XLA gathers an FSDP weight."""
+    matrix = as_matrix(weight.parts)
     out_shape = weight.out_shape
     values, scales = (a.reshape(a.shape[0], *out_shape) for a in (matrix.values, matrix.scales))
 
-    def product(x, values, scales):
+    def product(x, values, scales, out_dtype=None):
         lead = x.shape[: x.ndim - in_dims]
         local = QuantizedMatrix(values.reshape(values.shape[0], -1), scales.reshape(scales.shape[0], -1), matrix.format)
-        y = quantized_matmul(x.reshape(math.prod(lead), -1), local, impl=impl)
+        y = quantized_matmul(x.reshape(math.prod(lead), -1), local, impl=impl, preferred_element_type=out_dtype)
         return y.reshape(*lead, *values.shape[1:])
 
     if x.ndim == in_dims or not runs_per_shard(impl, op="quantized_matmul", kernel_backends=KERNEL_BACKENDS):
         return product(x, values, scales)
+    axes = weight.axes or (None,) * (in_dims + len(out_shape))
     rows = ("batch", *(None,) * (x.ndim - in_dims - 1))
-    columns = unshared_with("batch", weight.out_axes or (None,) * len(out_shape))
-    column_axes = (None, *columns)
-    return per_shard(product, [(*rows, *(None,) * in_dims), column_axes, column_axes], (*rows, *columns))(
-        x, values, scales
-    )
+    columns = unshared_with(("batch",), axes[in_dims:])
+    # The contraction, split by its first input axis where the rows and columns leave it free;
+    # int8's one scale per column multiplies each partial product alike.
+    (k,) = unshared_with(("batch", *columns), axes[:1])
+    x_axes = (*rows, k, *(None,) * (in_dims - 1))
+    scales_k = None if matrix.format == "int8" else k
+    in_axes = [x_axes, (k, *columns), (scales_k, *columns)]
+    partial_sums = functools.partial(product, out_dtype=jnp.float32 if k else None)  # summed in f32
+    return per_shard(partial_sums, in_axes, (*rows, *columns), sum_over=k)(x, values, scales).astype(x.dtype)
 
 
 def record_input(module: nn.Module, name: str, x: jax.Array, in_dims: int = 1) -> None:
