@@ -24,6 +24,7 @@ from ember.kernels_pallas.quantized_matmul import (
     quantized_matmul,
     quantized_matmul_reference,
 )
+from tests.host_random import numpy_rng
 from tests.tolerances import assert_allclose
 
 # QLoRA (Dettmers et al., 2023), appendix E: the 16 NormalFloat4 values, as printed there.
@@ -89,8 +90,8 @@ ONE_ROW_CASES = [("int8", 1, 96, 40, 96, None), ("int4", 1, 128, 72, 32, 2), ("n
     [(impl, *case, "dot") for case in CASES for impl in ("interpret", "xla")]
     + [("interpret", *case, "vector") for case in ONE_ROW_CASES],  # the XLA path has one form
 )
-def test_equals_reference_values_and_gradients(impl, fmt, m, k, n, group, k_splits, one_row):
-    rng = np.random.default_rng(hash((fmt, m, k, n)) % 2**32)
+def test_equals_reference_values_and_gradients(impl, fmt, m, k, n, group, k_splits, one_row, rng):
+    rng = numpy_rng(rng)  # seeded by the test's id: hash() of a str changes with each process's PYTHONHASHSEED
     weight = random_weight(rng, fmt, k, n, group)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
     blocks = QuantizedMatmulBlockSizes(block_m=16, block_n=32, block_k=32, k_splits=k_splits, one_row=one_row)
