@@ -2,7 +2,9 @@
 
 JAX is given 8 host CPU devices *before it is imported anywhere*, so sharding is tested on
 every machine. Hypothesis gets a profile without deadlines (JIT compilation makes first
-examples slow) and a bounded example count for CI.
+examples slow), a bounded example count for CI, and the same examples on every machine
+(derandomized, no example database): unset, Hypothesis picks them at random and replays its
+``.hypothesis`` database, except where ``CI`` is set, so CI ran other examples than a local run.
 
 Every process of a test session -- the xdist workers and each subprocess a test spawns (``ember``
 CLI runs, notebook kernels, multi-process trainers) -- shares one JAX persistent compilation cache
@@ -38,7 +40,9 @@ import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-hypothesis.settings.register_profile("ember", deadline=None, max_examples=20, print_blob=True)
+hypothesis.settings.register_profile(
+    "ember", deadline=None, max_examples=20, print_blob=True, derandomize=True, database=None
+)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ember"))
 
 

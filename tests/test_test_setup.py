@@ -18,6 +18,15 @@ def test_eight_host_cpu_devices():
     assert jax.device_count() == 8
 
 
+def test_hypothesis_draws_the_same_examples_with_or_without_ci():
+    """Hypothesis derandomizes and drops its example database only where ``CI`` is set (its own
+    ``ci`` profile); the suite's profile does both everywhere, so a local run checks CI's examples."""
+    import hypothesis
+
+    current = hypothesis.settings()
+    assert current.derandomize and current.database is None and current.deadline is None
+
+
 def test_tolerances_are_keyed_by_dtype_and_ordered_by_precision():
     widths = [tolerance(d)["atol"] for d in (np.float64, np.float32, jnp.float16, jnp.bfloat16)]
     assert widths == sorted(widths)
