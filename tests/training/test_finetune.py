@@ -78,6 +78,9 @@ def lora_run(problem):
         "lora",
         adapter={"rank": 4, "alpha": 8, "targets": ["q", "k", "v", "o", "gate", "up", "down"]},
         optim={"lr": 1e-2},
+        # 40 steps, not COMMON's 30: after 30 the completion loss was 1.009 against the bound of 1.019
+        # below (0.297 of the base's 3.40; seeds 0-2: 0.297, 0.283, 0.294), after 40 0.246, 0.247, 0.243.
+        train={"steps": 40},
         export={"peft": True, "merged": True},
     )
     task = FinetuneTask(config)
@@ -104,7 +107,7 @@ def test_lora_lowers_the_completion_loss_well_below_the_base_model(lora_run):
     _, task, trainer, summary = lora_run
     before = mean_eval_loss(task, task.base_params)
     after = mean_eval_loss(task, jax.device_get(trainer.state.params))
-    assert after < 0.3 * before, (before, after)
+    assert after < 0.3 * before, (before, after)  # measured 3.40 -> 0.84 in 40 steps
     assert summary["exports"].keys() == {"adapter", "merged"}
 
 
