@@ -1,7 +1,6 @@
 """PQN: Q(lambda) returns by hand at episode boundaries, config validation, solving CartPole,
 and beating a random policy on two MinAtar games."""
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -76,16 +75,20 @@ def test_config_validation():
 
 
 @pytest.mark.slow
-@pytest.mark.xla_optimized  # 150k environment steps: run time outweighs compile time
+@pytest.mark.xla_optimized  # 200k environment steps: run time outweighs compile time
 def test_shipped_pqn_config_solves_cartpole():
     config = load_config(RLConfig, CONFIGS / "pqn_cartpole.yaml")
-    section = dataclasses.replace(config.pqn, total_timesteps=150_000)  # the shipped run is 200k
+    # The whole shipped run, 200k steps (the test took 11.2-11.7 s against 10.4-10.9 s cut to 150k). Cut to
+    # 150k it scored 481.4 (4 of 50 episodes ended early, one at 242) against the 475 below, and 500 for
+    # seeds 1-5 or with other XLA CPU code (SSE4.2): it passed by a few episodes.
+    section = config.pqn
     env, env_params = ember.envs.make(config.env.id)
     network = make_q_network(section, env, env_params)
     result = jax.jit(make_train(section, env, env_params))(jax.random.key(config.seed))
     with xla_settings.fast_compiles():  # compiling the evaluation optimized cost seconds
         returns, _ = evaluate(make_act(network, result["params"]), env, env_params, jax.random.key(1), num_episodes=50)
-    # CartPole-v1 counts as solved at a mean return of 475; measured 500 (every episode) on CPU.
+    # CartPole-v1 counts as solved at a mean return of 475; measured 500 (every episode) on CPU, and 500,
+    # 495.7, 500, 500 for seeds 0-3.
     assert float(returns.mean()) >= 475.0, f"PQN mean greedy return {float(returns.mean())}"
     assert np.all(np.isfinite(np.asarray(result["metrics"]["loss"])))
 
