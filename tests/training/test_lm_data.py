@@ -299,7 +299,8 @@ def test_cli_prepare(tmp_path, capsys):
     assert data.meta["splits"]["train"]["documents"] + data.meta["splits"]["val"]["documents"] == 12
     assert "wrote" in capsys.readouterr().out
     # Documents were named by their whole path, so the split moved with the directory the corpus
-    # lay in (CI's temporary directory sent one of the two files below to validation).
+    # lay in (CI's temporary directory sent one of the two files below to validation). Named by
+    # their text, each file keeps its side wherever it lies and whatever files join it.
     moved = tmp_path / "elsewhere" / "deeper"
     moved.mkdir(parents=True)
     for name, text in make_documents(12):
@@ -307,12 +308,18 @@ def test_cli_prepare(tmp_path, capsys):
     moved_files = [str(moved / name) for name, _ in make_documents(12)]
     assert main(["data", "prepare", *moved_files, "--out", str(moved / "out"), "--val-fraction", "0.25"]) == 0
     assert TokenDataset.open(moved / "out").meta == data.meta
+    (tmp_path / "elsewhere" / "extra.txt").write_text("one more document")
+    extra = [*moved_files, str(tmp_path / "elsewhere" / "extra.txt")]
+    assert main(["data", "prepare", *extra, "--out", str(moved / "more"), "--val-fraction", "0.25"]) == 0
+    before, after = data.meta["splits"], TokenDataset.open(moved / "more").meta["splits"]
+    grown = [split for split in ("train", "val") if after[split] != before[split]]
+    assert len(grown) == 1 and after[grown[0]]["documents"] == before[grown[0]]["documents"] + 1
     assert main(["data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")]) == 2
     # A pipe (`ember data prepare <(...)`) was refused as "not a file".
     with pipe_holding(tmp_path / "notes.fifo", "moo moo") as fifo:
         assert main(["data", "prepare", str(fifo), "--out", str(tmp_path / "piped"), "--val-fraction", "0"]) == 0
     assert TokenDataset.open(tmp_path / "piped").meta["splits"]["train"]["documents"] == 1
-    # Documents are held out by name hash: two files at the default 2% went both to training. Before,
+    # Documents are held out by a hash of their text: two files at the default 2% went both to training. Before,
     # nothing said so, and a run trained on them logged no val_loss without a word either.
     capsys.readouterr()
     assert main(["data", "prepare", *files[:2], "--out", str(tmp_path / "few")]) == 0

@@ -268,7 +268,7 @@ def test_calibration_text_that_is_not_utf8_is_a_data_error(tmp_path):
 
 
 def test_a_run_whose_dataset_has_no_validation_text_names_that_split(tmp_path):
-    # `ember data prepare` on a few files can hold none out (the split is by name hash). Before,
+    # `ember data prepare` on a few files can hold none out (the split is by a hash of each text). Before,
     # 'ember quantize RUN' on such a run said "the text has 0 tokens, ..." with no --text given.
     from ember.core.errors import DataError
     from ember.core.tokenizer import ByteTokenizer

@@ -5,7 +5,7 @@ memory-mapped token files, with Ember's byte tokenizer or a Hugging Face model's
 from __future__ import annotations
 
 import argparse
-import os
+import hashlib
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,19 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--val-fraction",
         type=float,
         default=0.02,
-        help="share of documents held out, chosen by a hash of each path below the files' common directory",
+        help="share of documents held out, chosen by a hash of each file's text",
     )
     prepare.add_argument(
         "--tokenizer", type=Path, default=None, help="a Hugging Face model directory whose tokenizer.json to use"
     )
 
 
-def document_names(paths: list[Path]) -> list[str]:
-    """Each file's path relative to the directory that holds them all: the names that choose the
-    validation split, so it stays the same wherever the corpus lies or is prepared from."""
-    absolute = [os.path.abspath(path) for path in paths]
-    root = os.path.commonpath([os.path.dirname(path) for path in absolute])
-    return [os.path.relpath(path, root) for path in absolute]
+def document_name(text: str) -> str:
+    """The name a file's text goes by in the token files: a hash of the text, which chooses its
+    split. The split of a file stays the same wherever the corpus lies, whatever other files are
+    prepared with it, and copies of one text fall on the same side (none is both trained on and
+    held out)."""
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,20 +45,20 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise PathNotFoundError(f"not a file: {', '.join(missing)}")
 
-    names = document_names(args.files)
-
     def documents():
-        for path, name in tqdm(zip(args.files, names), total=len(names), desc="tokenizing", unit="file"):
-            yield name, path.read_text(encoding="utf-8", errors="replace")
+        for path in tqdm(args.files, desc="tokenizing", unit="file"):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            yield document_name(text), text
 
     tokenizer = load_hf_tokenizer(args.tokenizer) if args.tokenizer else None
     meta = prepare_token_files(documents(), args.out, val_fraction=args.val_fraction, tokenizer=tokenizer)
     for split, counts in meta["splits"].items():
         print(f"{split:<5} {counts['documents']:>8,} documents {counts['tokens']:>12,} tokens")
-    if args.val_fraction > 0 and meta["splits"]["val"]["tokens"] == 0:  # held out by name hash: few files, none
+    if args.val_fraction > 0 and meta["splits"]["val"]["tokens"] == 0:  # held out by text hash: few files, none
         print(
             f"note: no document went to validation (--val-fraction {args.val_fraction} of "
-            f"{meta['splits']['train']['documents']} documents, chosen by name): training on it logs no val_loss; "
+            f"{meta['splits']['train']['documents']} documents, chosen by their text): "
+            "training on it logs no val_loss; "
             "raise --val-fraction or prepare more files"
         )
     print(f"wrote {args.out}")
