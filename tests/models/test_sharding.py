@@ -4,6 +4,7 @@ wraps for Flax NNX."""
 
 import dataclasses
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -17,7 +18,7 @@ from ember.core.tree import param_paths, tree_from_paths
 from ember.kernels_pallas.flash_attention import flash_attention
 from ember.models.adapters import LoraConfig, add_lora, lowrank
 from ember.models.adapters.leaves import adapter_leaves, without_adapters
-from ember.models.config import ModelConfig, SSMConfig
+from ember.models.config import ModelConfig, MoEConfig, SSMConfig
 from ember.models.decoder import DecoderLM
 from ember.models.layers.kernel_shards import per_head_group_shard
 from ember.models.quantization import QuantizeConfig, quantize_params, stored
@@ -201,4 +202,50 @@ def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_lo
     text = compiled.as_text()
     assert "all-gather" not in text
     assert_allclose(value, expected[0])
+    jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
+
+
+# Two MoE layers whose capacity (1.25) drops token-slots of this batch.
+MOE_CONFIG = dataclasses.replace(
+    QLORA_CONFIG, mlp_pattern=("moe",), moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25)
+)
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_moe_experts_run_on_each_devices_tokens_with_the_whole_batchs_capacity_drops(impl, rng):
+    """The expert dispatch sorts token-slots by expert, a permutation XLA cannot partition: on a
+    data x tensor mesh every device built the whole batch's sorted slots (an all-reduce of
+    f32[256, 64], forward and backward) and ran the experts on all of them; the Pallas kernel's
+    path also gathered the experts' weights and hidden activations (10 all-gathers, XLA's 3). Now
+    each device dispatches its own tokens (the capacity drops still decided on the whole batch):
+    no collective carries the batch's 256 slots, the only all-gathers are the routing's (the
+    router logits, and the expert ids the capacity ranks), and the loss, the drops and the
+    gradients are the single device's."""
+    model = DecoderLM(dataclasses.replace(MOE_CONFIG, moe_impl=impl))
+    tokens = jax.random.randint(rng, (8, 16), 0, MOE_CONFIG.vocab_size)
+    variables = {"params": jax.jit(model.init)(jax.random.key(0), tokens)["params"]}
+
+    def loss(params, tokens):
+        (logits, _), state = model.apply(params, tokens, mutable=["metrics"])
+        fractions = [v for path, v in param_paths(state["metrics"]).items() if "dropped_fraction" in path]
+        dropped = jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree.leaves(fractions)])
+        return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) * jnp.arange(16.0)), dropped
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    expected = step(nn.meta.unbox(variables), tokens)
+    assert jnp.any(expected[0][1] > 0), "no token-slot over capacity"
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    with use_sharding(mesh):
+        sharded = shard_variables(variables, mesh)
+        sharded_tokens = jax.device_put(tokens, named_sharding(mesh, ("batch", "seq"), shape=tokens.shape))
+        compiled = step.lower(sharded, sharded_tokens).compile()
+        (value, dropped), grads = compiled(sharded, sharded_tokens)
+    slots = tokens.size * MOE_CONFIG.moe.top_k
+    collectives = re.findall(
+        r"= (\([^)]*\)|\S+) (all-gather|all-reduce|all-to-all|reduce-scatter)\(", compiled.as_text()
+    )
+    assert not [shape for shape, _ in collectives if re.search(rf"[\[,]{slots}[,\]]", shape)]
+    assert sum(op == "all-gather" for _, op in collectives) == 2
+    assert_allclose(value, expected[0][0])
+    assert_allclose(dropped, expected[0][1])
     jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])

@@ -25,7 +25,7 @@ from ember.models.adapters.lowrank import adapted_weight, read_low_rank
 from ember.models.config import ModelConfig
 from ember.models.layers.expert_parallel import expert_parallel_ranks, expert_parallel_routed_mlp
 from ember.models.layers.mlp import GATED, Mlp
-from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp, slot_capacity
+from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp_per_shard, slot_capacity
 from ember.models.layers.router import balance_statistics, route, updated_balance_bias
 from ember.models.quantization.stored import dequantized, read_quantized
 
@@ -130,8 +130,9 @@ class MoeMlp(nn.Module):
             # Out of every routed range: id num_experts would be the first zero/copy/constant expert.
             expert_ids = jnp.where(dropped, moe.total_experts, expert_ids)
         gate, up, down = ExpertWeights(config, name="experts")()
-        # Experts sharded over a current mesh's expert axis exchange tokens with all_to_all.
-        dispatch = expert_parallel_routed_mlp if expert_parallel_ranks() > 1 else routed_expert_mlp
+        # Experts sharded over a current mesh's expert axis exchange tokens with all_to_all; other
+        # meshes dispatch each device's tokens (the capacity drops above are the whole batch's).
+        dispatch = expert_parallel_routed_mlp if expert_parallel_ranks() > 1 else routed_expert_mlp_per_shard
         y = dispatch(flat, expert_ids, routing.weights, gate, up, down, activation=config.mlp, impl=config.moe_impl)
         y = y + self._zero_computation_experts(flat, expert_ids, routing.weights)
         if moe.shared_experts:

@@ -1,7 +1,8 @@
 """Dropless expert dispatch: token-slots sorted by expert, grouped matmuls, unsorted, combined.
 
-:func:`routed_expert_mlp` is the single-device dispatch; ``expert_parallel.py`` has a twin with
-the same signature that exchanges token-slots over the ``expert`` mesh axis.
+:func:`routed_expert_mlp` is the single-device dispatch; :func:`routed_expert_mlp_per_shard` runs
+it on each device's tokens under a mesh without an expert axis; ``expert_parallel.py`` has a twin
+with the same signature that exchanges token-slots over the ``expert`` mesh axis.
 :func:`apply_capacity` turns dropless routing into capacity-factor routing by marking the slots
 past each expert's capacity as dropped.
 
@@ -12,12 +13,15 @@ experts) contribute nothing and cost no matmul rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from ember.core.sharding import per_shard
 from ember.kernels_pallas import grouped_matmul
+from ember.models.layers.kernel_shards import unshared_with
 from ember.models.layers.mlp import ACTIVATIONS
 
 
@@ -76,6 +80,7 @@ def routed_expert_mlp(
     *,
     activation: str,
     impl: str,
+    out_dtype=None,
 ) -> jax.Array:
     """Each token's chosen experts' MLP outputs, weighted and summed.
 
@@ -87,9 +92,10 @@ def routed_expert_mlp(
       up: ``[E, embed, f]``. down: ``[E, f, embed]``.
       activation: an ``ember.models.layers.mlp`` kind.
       impl: ``grouped_matmul``'s implementation.
+      out_dtype: the result's dtype (None: ``x``'s).
 
     Returns:
-      ``[tokens, embed]`` in ``x``'s dtype: ``sum_k w[t, k] * mlp_{e[t, k]}(x[t])``.
+      ``[tokens, embed]``: ``sum_k w[t, k] * mlp_{e[t, k]}(x[t])``.
     """
     tokens, top_k = expert_ids.shape
     num_experts = up.shape[0]
@@ -104,7 +110,29 @@ def routed_expert_mlp(
     routed = ((expert_ids >= 0) & (expert_ids < num_experts))[..., None]
     # Rows past the groups are unspecified in grouped_matmul's contract: select, never multiply.
     out = jnp.where(routed, out * combine_weights[..., None].astype(jnp.float32), 0.0)
-    return jnp.sum(out, axis=1).astype(x.dtype)
+    return jnp.sum(out, axis=1).astype(out_dtype or x.dtype)
+
+
+def routed_expert_mlp_per_shard(x, expert_ids, combine_weights, gate, up, down, *, activation: str, impl: str):
+    """:func:`routed_expert_mlp` on each device's tokens under the current mesh (``per_shard``).
+
+    The dispatch sorts slots by expert, a global permutation XLA cannot partition: on a mesh
+    every device built the whole batch's sorted slots (all-reduced forward and backward) and ran
+    the expert matmuls on all of them, with XLA's ragged_dot as with the Pallas kernel. Given the
+    expert ids (capacity drops already decided on the whole batch) each token's output is its
+    own, so each device dispatches its batch rows alone: the experts' hidden columns split as
+    the ``mlp`` axis, the down projection's partial products summed (in f32), as XLA splits a
+    dense MLP. An expert-weight axis whose mesh axes the batch takes too (FSDP's ``embed``) is
+    whole on every device, gathered as XLA gathers an FSDP weight.
+    """
+    rows = ("batch", None)
+    columns = unshared_with(("batch",), ("expert", "embed", "mlp"))
+    down_axes = unshared_with(("batch",), ("expert", "mlp", "embed"))
+    hidden = columns[2]
+    summed = functools.partial(routed_expert_mlp, activation=activation, impl=impl, out_dtype=jnp.float32)
+    in_axes = [rows, rows, rows, columns, columns, down_axes]
+    out = per_shard(summed, in_axes, rows, sum_over=hidden)(x, expert_ids, combine_weights, gate, up, down)
+    return out.astype(x.dtype)
 
 
 def slot_capacity(capacity_factor: float, tokens: int | jax.Array, top_k: int, num_experts: int) -> int | jax.Array:
@@ -135,4 +163,11 @@ def apply_capacity(expert_ids: jax.Array, num_experts: int, capacity: int | jax.
     return jnp.where(dropped, num_experts, expert_ids), dropped
 
 
-__all__ = ["apply_capacity", "permute_rows", "routed_expert_mlp", "slot_capacity", "sort_slots"]
+__all__ = [
+    "apply_capacity",
+    "permute_rows",
+    "routed_expert_mlp",
+    "routed_expert_mlp_per_shard",
+    "slot_capacity",
+    "sort_slots",
+]
