@@ -338,6 +338,8 @@ def per_shard(
             summed = next(iter(splits)) if len(splits) == 1 else None
             if summed is None:  # not split, or not alike: every argument whole along it
                 in_specs = specs([[None if name == sum_over else name for name in axes] for axes in in_axes])
+            elif math.prod(mesh.shape[axis] for axis in ((summed,) if isinstance(summed, str) else summed)) == 1:
+                summed = None  # a size-1 axis: nothing to sum (a psum would still be an all-reduce)
         out_spec = spec(out_axes, jax.eval_shape(fn, *args))
         body = fn if summed is None else lambda *shards: jax.lax.psum(fn(*shards), summed)
         return jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)

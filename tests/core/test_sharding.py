@@ -21,6 +21,7 @@ from ember.core.sharding import (
     logical_to_spec,
     make_mesh,
     named_sharding,
+    per_shard,
     shard_variables,
     tree_shardings,
     use_sharding,
@@ -187,3 +188,18 @@ def test_host_local_to_global_single_process(rng):
     assert global_batch["tokens"].shape == (16, 5)
     assert global_batch["tokens"].sharding.spec == P(("data", "fsdp", "expert"), None)
     np.testing.assert_array_equal(np.asarray(global_batch["tokens"]), batch["tokens"])
+
+
+@pytest.mark.parametrize("mesh_name", ["2x2x2", "8x1"])
+def test_per_shard_sums_a_split_contraction_and_no_all_reduce_over_a_size_one_axis(mesh_name, rng):
+    """``sum_over``: the row-parallel matmul's partial products summed over the tensor axis; on
+    a mesh whose tensor axis has size 1 there is nothing to sum, where a psum over it was still an
+    all-reduce (singleton replica groups) in the program."""
+    x, w = jax.random.normal(rng, (8, 16)), jax.random.normal(jax.random.key(1), (16, 4))
+    matmul = jax.jit(
+        lambda x, w: per_shard(jnp.dot, [("batch", "mlp"), ("mlp", None)], ("batch", None), sum_over="mlp")(x, w)
+    )
+    with use_sharding(make_mesh(MESHES[mesh_name])):
+        compiled = matmul.lower(x, w).compile()
+        assert_allclose(compiled(x, w), x @ w)
+    assert ("all-reduce" in compiled.as_text()) == (mesh_name == "2x2x2")
