@@ -1,8 +1,8 @@
 """``ModelConfig``: the frozen description of a decoder-only language model.
 
 A config holds the **architecture** (what the parameters mean) and a few **runtime**
-settings (:data:`RUNTIME_FIELDS`: kernel ``attention_impl`` and ``moe_impl``, ``remat``, ``scan_layers``,
-``page_size``, compute ``precision``) that a checkpoint does not depend on.
+settings (:data:`RUNTIME_FIELDS`: kernel ``attention_impl``, ``moe_impl`` and ``quantized_impl``,
+``remat``, ``scan_layers``, ``page_size``, compute ``precision``) that a checkpoint does not depend on.
 
 One config builds the model (``DecoderLM(config)``), its cache (``init_cache_layers``), its
 FLOPs estimate and its Hugging Face mapping. Presets live in ``configs/models/*.yaml``:
@@ -59,10 +59,13 @@ ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
 SCORE_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 FEATURE_MAPS: tuple[str, ...] = ("elu", "relu", "hedgehog")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
+QUANTIZED_IMPLS: tuple[str, ...] = tuple(impl for impl in IMPLS if impl != "interpret_tpu")
+"""``quantized_impl`` values: what ``quantized_matmul`` accepts (it has no TPU kernel to interpret)."""
 RUNTIME_FIELDS: frozenset[str] = frozenset(
     {
         "attention_impl",
         "moe_impl",
+        "quantized_impl",
         "remat",
         "scan_layers",
         "page_size",
@@ -285,6 +288,10 @@ class ModelConfig:
     remat: str = "none"
     attention_impl: str = "auto"
     moe_impl: str = "auto"
+    quantized_impl: str = "auto"
+    """Runtime: the ``impl`` of the quantized matmul every stored-quantized weight runs
+    (``ember.models.quantization``: a quantized model, QLoRA's frozen base), one of
+    :data:`QUANTIZED_IMPLS`; ``auto`` runs the Pallas kernel on a GPU and XLA elsewhere."""
     page_size: int = 16
     attention_transfer: bool = False
     """Runtime, for linearising (stage 1): every ``window_linear`` layer sows the squared error of
@@ -358,6 +365,7 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_size}", key="head_dim")
         for name in ("attention_impl", "moe_impl"):
             _check_choice(name, getattr(self, name), IMPLS)
+        _check_choice("quantized_impl", self.quantized_impl, QUANTIZED_IMPLS)
         if self.moe.first_dense_layers and self.scan_layers:
             raise ConfigError(
                 "moe.first_dense_layers needs scan_layers=false (the first layers differ from the scanned "
@@ -499,6 +507,7 @@ __all__ = [
     "LAYER_KINDS",
     "MLP_KINDS",
     "MLP_PLACEMENTS",
+    "QUANTIZED_IMPLS",
     "ROTARY_KINDS",
     "RUNTIME_FIELDS",
     "SOFTMAX_FAMILY",

@@ -111,9 +111,15 @@ class Block(nn.Module):
                 raise ValueError("a MixLoRA model serves its own experts; it cannot also serve stacked adapters")
             h, stats = MixLoraMlp(config.mlp, config.policy.compute_dtype, name="mlp")(h, real)
         else:
-            h = Mlp(config.mlp_dim, config.mlp, config.init_std, config.policy.compute_dtype, param_dtype, name="mlp")(
-                h, adapter_ids
-            )
+            h = Mlp(
+                config.mlp_dim,
+                config.mlp,
+                config.init_std,
+                config.policy.compute_dtype,
+                param_dtype,
+                quantized_impl=config.quantized_impl,
+                name="mlp",
+            )(h, adapter_ids)
         return constrain(x + h, ("batch", "seq", "embed")), state, router_logits, stats
 
 

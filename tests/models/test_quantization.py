@@ -4,6 +4,8 @@ NF4's double-quantised scales round-trip; GPTQ beats round-to-nearest on correla
 (matrix and whole model); fake quantization's forward is the round trip and its gradient the
 identity; LoRA on a quantized base equals LoRA on its dequantised weights."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -281,3 +283,48 @@ def test_routed_experts_are_stored_quantized_and_read_back_exactly(scan_layers):
     rounded = param_paths(store(params, QuantizeConfig(format="int8")))
     np.testing.assert_array_equal(gptq[f"{up}/int8"], rounded[f"{up}/int8"])
     assert not np.array_equal(param_paths(fake_quantize_params(params, "int8"))[up], param_paths(params)[up])
+
+
+def test_quantized_impl_picks_the_quantized_matmuls_implementation(monkeypatch):
+    """``quantized_impl`` reaches every quantized weight's matmul, in every layer kind (before,
+    none: each ran ``impl="auto"``, XLA on CPU, whatever the setting — there was none), and the
+    XLA path and the Pallas kernel (interpreted) give the same logits."""
+    from ember.models.quantization import stored
+
+    calls = []
+
+    def recording(*args, impl, **kwargs):
+        calls.append(impl)
+        return matmul(*args, impl=impl, **kwargs)
+
+    matmul = stored.quantized_matmul
+    monkeypatch.setattr(stored, "quantized_matmul", recording)
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=2, mlp_dim=32, max_seq_len=16,
+                         block_pattern=("global", "cca", "linear", "mamba2"), scan_layers=False,
+                         attention_impl="xla")  # fmt: skip
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
+    params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(0), tokens)["params"])
+    quantized = jax.jit(quantize_params, static_argnums=1)(params, QuantizeConfig(format="int8"))
+    stored_weights = [p for p in param_paths(quantized) if p.endswith("/int8")]
+    for layer in range(4):  # global, cca, linear, mamba2: each kind's projections
+        assert f"group_0/block_{layer}/attn/o/kernel/int8" in stored_weights, stored_weights
+    logits = {}
+    for impl in ("xla", "interpret"):
+        calls.clear()
+        model = DecoderLM(dataclasses.replace(config, quantized_impl=impl))
+        logits[impl] = jax.jit(model.apply)({"params": quantized}, tokens)[0]
+        assert calls == [impl] * len(stored_weights), (impl, calls)
+    assert_allclose(logits["interpret"], logits["xla"], dtype=np.float32)
+
+
+def test_a_bad_quantized_impl_is_refused_naming_the_allowed_values():
+    from ember.core.config import load_config
+    from ember.training.lm.config import LMConfig
+
+    # interpret_tpu: quantized_matmul has no TPU kernel to interpret.
+    for bad in ("cuda", "interpret_tpu"):
+        with pytest.raises(
+            ConfigError, match=f"quantized_impl must be one of auto, pallas, interpret, xla; got '{bad}'"
+        ) as error:
+            load_config(LMConfig, None, ["data.dataset=d", "run_dir=r", f"model.quantized_impl={bad}"])
+        assert error.value.key == "model.quantized_impl"

@@ -3,7 +3,6 @@ tensor-parallel meshes) equals the single-device forward; Pallas kernels run per
 wraps for Flax NNX."""
 
 import dataclasses
-import functools
 import re
 
 import flax.linen as nn
@@ -16,12 +15,12 @@ from flax import nnx
 from ember.core.sharding import LOGICAL_AXES, MeshConfig, make_mesh, named_sharding, shard_variables, use_sharding
 from ember.core.tree import param_paths, tree_from_paths
 from ember.kernels_pallas.flash_attention import flash_attention
-from ember.models.adapters import LoraConfig, add_lora, lowrank
+from ember.models.adapters import LoraConfig, add_lora
 from ember.models.adapters.leaves import adapter_leaves, without_adapters
 from ember.models.config import ModelConfig, MoEConfig, SSMConfig
 from ember.models.decoder import DecoderLM
 from ember.models.layers.kernel_shards import per_head_group_shard
-from ember.models.quantization import QuantizeConfig, quantize_params, stored
+from ember.models.quantization import QuantizeConfig, quantize_params
 from tests.tolerances import assert_allclose
 
 # One of each parameter kind: attention with biases and QK-norm, CCGQA, Hedgehog linear
@@ -160,18 +159,14 @@ QLORA_CONFIG = dataclasses.replace(CONFIG, num_layers=2, block_pattern=("global"
 
 
 @pytest.mark.parametrize("impl", ["interpret", "xla"])
-def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_loss_and_adapter_gradients(
-    impl, rng, monkeypatch
-):
+def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_loss_and_adapter_gradients(impl, rng):
     """The quantized matmul is a Pallas kernel too: on a data x tensor mesh its activations and
     weights were gathered whole onto every device (34 all-gathers in this QLoRA program). Now each
     device multiplies its batch rows by the weight columns it holds (by the rows of a row-parallel
     weight, o and down, with its activations' columns, summed): no all-gather, and the loss and the
     adapters' gradients are the single device's. XLA's path gathered NF4's absmax codes to decode
     them (5 all-gathers); they now decode where they lie."""
-    # The model's layers multiply with the platform's impl ("auto": XLA on CPU).
-    monkeypatch.setattr(lowrank, "quantized_dot", functools.partial(stored.quantized_dot, impl=impl))
-    model = DecoderLM(QLORA_CONFIG)
+    model = DecoderLM(dataclasses.replace(QLORA_CONFIG, quantized_impl=impl))
     tokens = jax.random.randint(rng, (8, 16), 0, QLORA_CONFIG.vocab_size)
 
     @jax.jit

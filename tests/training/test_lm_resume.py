@@ -74,6 +74,7 @@ def test_resume_guard_compares_the_architecture_only(tmp_path, dataset):
         "distributed.num_processes=2",
         "distributed.coordinator_address=10.0.0.1:1234",
         "model.attention_impl=interpret",
+        "model.quantized_impl=xla",
         "model.remat=dots",
         "model.scan_layers=false",
         "model.page_size=8",

@@ -120,6 +120,7 @@ def adapted_matmul(
     *,
     in_dims: int = 1,
     adapter_ids: jax.Array | None = None,
+    quantized_impl: str = "auto",
 ) -> jax.Array:
     """``x [..., *in_shape] @ kernel [*in_shape, *out_shape]`` plus ``adapter``'s delta.
 
@@ -127,12 +128,13 @@ def adapted_matmul(
     ``[*x.shape[:-in_dims]]`` int32: each token's adapter in a stacked adapter (several at
     once, see the module docstring); None for a single adapter (a stacked one then adds nothing).
     A quantized ``kernel`` (``ember.models.quantization``, QLoRA's frozen base) is multiplied
-    without being dequantised; DoRA needs the float weight's norms and refuses it.
+    without being dequantised (``quantized_matmul`` with ``impl=quantized_impl``, the model's
+    ``quantized_impl``); DoRA needs the float weight's norms and refuses it.
     """
     if isinstance(kernel, QuantizedWeight):
         if adapter is not None and adapter.magnitude is not None:
             raise ValueError("DoRA needs a float base weight; this one is quantized (use LoRA for QLoRA)")
-        y = quantized_dot(x, kernel, in_dims)
+        y = quantized_dot(x, kernel, in_dims, impl=quantized_impl)
     else:
         y = jnp.tensordot(x, kernel.astype(x.dtype), axes=in_dims)
     if adapter is None or (adapter.scale is None and adapter_ids is None):

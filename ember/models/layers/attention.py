@@ -172,6 +172,7 @@ def rotary_qkv(
             init_std=config.init_std,
             dtype=policy.compute_dtype,
             param_dtype=policy.param_dtype,
+            quantized_impl=config.quantized_impl,
             name=name,
         )(x, adapter_ids)
 
@@ -198,6 +199,7 @@ def output_projection(config: ModelConfig, embed: int, name: str = "o") -> Proje
         init_std=config.init_std,
         dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
+        quantized_impl=config.quantized_impl,
         name=name,
     )
 

@@ -103,6 +103,7 @@ class CompressedConvAttention(nn.Module):
                 init_std=config.init_std,
                 dtype=policy.compute_dtype,
                 param_dtype=policy.param_dtype,
+                quantized_impl=config.quantized_impl,
                 name=name,
             )(x, adapter_ids)
 
@@ -154,6 +155,7 @@ class CompressedConvAttention(nn.Module):
             init_std=config.init_std,
             dtype=policy.compute_dtype,
             param_dtype=policy.param_dtype,
+            quantized_impl=config.quantized_impl,
             name="o",
         )(out, adapter_ids)
         if cache is None:

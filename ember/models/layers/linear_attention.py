@@ -102,6 +102,7 @@ class LinearAttention(nn.Module):
                 init_std=config.init_std,
                 dtype=policy.compute_dtype,
                 param_dtype=policy.param_dtype,
+                quantized_impl=config.quantized_impl,
                 name=name,
             )(x, adapter_ids)
 
@@ -139,6 +140,7 @@ class LinearAttention(nn.Module):
             init_std=config.init_std,
             dtype=policy.compute_dtype,
             param_dtype=policy.param_dtype,
+            quantized_impl=config.quantized_impl,
             name="o",
         )(out, adapter_ids)
         return out, cache

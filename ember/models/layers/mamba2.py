@@ -236,6 +236,7 @@ class Mamba2Mixer(nn.Module):
             init_std=self.config.init_std,
             dtype=policy.compute_dtype,
             param_dtype=policy.param_dtype,
+            quantized_impl=self.config.quantized_impl,
             name=name,
         )(x, adapter_ids)
 

@@ -56,13 +56,15 @@ def _times(weight: jax.Array) -> Callable[[jax.Array], jax.Array]:
 
 class Mlp(nn.Module):
     """``x [batch, seq, embed] -> [batch, seq, embed]`` through ``hidden_dim`` channels;
-    ``adapter_ids [batch, seq]`` picks each token's adapter among stacked ones (serving)."""
+    ``adapter_ids [batch, seq]`` picks each token's adapter among stacked ones (serving);
+    ``quantized_impl``: the ``impl`` a quantized weight's ``quantized_matmul`` runs."""
 
     hidden_dim: int
     kind: str = "swiglu"
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    quantized_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
@@ -84,7 +86,9 @@ class Mlp(nn.Module):
 
             def apply(h):
                 record_input(self, name, h)
-                return adapted_matmul(self, h, kernel, adapter, adapter_ids=adapter_ids)
+                return adapted_matmul(
+                    self, h, kernel, adapter, adapter_ids=adapter_ids, quantized_impl=self.quantized_impl
+                )
 
             return apply
 

@@ -171,9 +171,15 @@ class MoeMlp(nn.Module):
         config, moe = self.config, self.config.moe
         width = moe.shared_experts * (moe.shared_expert_dim or config.expert_dim)
         policy = config.policy
-        out = Mlp(width, config.mlp, config.init_std, policy.compute_dtype, policy.param_dtype, name="shared")(
-            x, adapter_ids
-        )
+        out = Mlp(
+            width,
+            config.mlp,
+            config.init_std,
+            policy.compute_dtype,
+            policy.param_dtype,
+            quantized_impl=config.quantized_impl,
+            name="shared",
+        )(x, adapter_ids)
         if moe.shared_expert_gate:
             init = nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("embed", None))
             kernel = self.param("shared_gate", init, (x.shape[-1], 1), policy.param_dtype)

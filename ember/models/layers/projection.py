@@ -23,7 +23,8 @@ class Projection(nn.Module):
     ``in_dims`` trailing dimensions of ``x`` are contracted; ``kernel_axes`` names every
     kernel dimension; ``bias [*out_shape]`` (axes ``kernel_axes[in_dims:]``) when ``use_bias``.
     ``adapter_ids [*x.shape[:-in_dims]]``: each token's adapter when the kernel carries
-    several stacked adapters (serving), else None.
+    several stacked adapters (serving), else None. ``quantized_impl``: the ``impl`` a quantized
+    kernel's ``quantized_matmul`` runs (the model's ``quantized_impl``).
     """
 
     out_shape: tuple[int, ...]
@@ -33,6 +34,7 @@ class Projection(nn.Module):
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    quantized_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
@@ -51,7 +53,9 @@ class Projection(nn.Module):
         adapter = read_low_rank(self, "kernel")
         x = x.astype(self.dtype)
         record_input(self, "kernel", x, self.in_dims)
-        y = adapted_matmul(self, x, kernel, adapter, in_dims=self.in_dims, adapter_ids=adapter_ids)
+        y = adapted_matmul(
+            self, x, kernel, adapter, in_dims=self.in_dims, adapter_ids=adapter_ids, quantized_impl=self.quantized_impl
+        )
         if self.use_bias:
             bias = self.param(
                 "bias",
