@@ -153,7 +153,7 @@ def _load_finetune_run(
     base = read_key(path / "config.yaml", "base_model") or {}
     if "path" not in base:
         raise ConfigError(f"{path / 'config.yaml'} has no base_model.path", key="base_model.path")
-    runtime = {k: base[k] for k in ("attention_impl", "remat", "precision") if base.get(k)}
+    runtime = {k: base[k] for k in ("attention_impl", "quantized_impl", "remat", "precision") if base.get(k)}
     base_step = base.get("step", -1)
     loaded = load_model(
         base["path"],

@@ -169,6 +169,18 @@ def test_qlora_keeps_the_base_nf4_and_learns(problem):
     assert "adapter" in summary["exports"]
 
 
+def test_qlora_runs_its_quantized_matmuls_with_base_model_quantized_impl(problem):
+    """A QLoRA run picks its quantized matmul's implementation (before: no such key, every run
+    took "auto", the Pallas kernel on a GPU); a value quantized_matmul does not take is refused."""
+    base_model = {"quantize": "nf4", "quantize_group_size": 16, "quantized_impl": "interpret"}
+    assert FinetuneTask(config_for(problem, "qimpl", base_model=base_model)).model.config.quantized_impl == "interpret"
+    with pytest.raises(
+        ConfigError, match="quantized_impl must be empty or one of auto, pallas, interpret, xla"
+    ) as error:
+        config_for(problem, "bad", base_model={"quantize": "nf4", "quantized_impl": "interpret_tpu"})
+    assert error.value.key == "base_model.quantized_impl"
+
+
 def test_full_finetuning_with_muon_learns(problem):
     config = config_for(problem, "full_muon", method="full", optim={"name": "muon", "lr": 2e-2},
                         train={"steps": 12}, export={"peft": False})  # fmt: skip

@@ -115,7 +115,14 @@ def test_resume_guard_lists_the_settings_that_may_change(tmp_path):
     with pytest.raises(ConfigError, match=r"changed keys: adapter\.rank") as error:
         check_resumable(tmp_path, load_config(FinetuneConfig, path, [*required, "adapter.rank=4"]))
     allowed = str(error.value).split("runtime settings")[1]
-    for key in ("base_model.attention_impl", "base_model.remat", "train.grad_accum", "mesh", "checkpoint"):
+    for key in (
+        "base_model.attention_impl",
+        "base_model.quantized_impl",
+        "base_model.remat",
+        "train.grad_accum",
+        "mesh",
+        "checkpoint",
+    ):
         assert key in allowed, (key, allowed)
     assert " model." not in allowed, allowed
 

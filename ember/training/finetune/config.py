@@ -31,6 +31,7 @@ from ember.core.sharding import MeshConfig
 from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
+from ember.models.config import QUANTIZED_IMPLS
 from ember.models.hf.config_map import SUPPORTED_MODEL_TYPES
 from ember.models.quantization import QuantizeConfig
 from ember.training.config import CheckpointConfig, LoggingConfig, changed_fields, warn_unused
@@ -43,7 +44,9 @@ in every dense MLP (the ``mixlora`` section) plus the ``adapter`` section's LoRA
 attention projections it names (the paper's setup), base frozen. ``full``: every weight."""
 MIXLORA_LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o")
 """The ``adapter.targets`` names method ``mixlora`` puts plain LoRA on (the attention projections)."""
-BASE_MODEL_RUNTIME_KEYS: tuple[str, ...] = tuple(f"base_model.{k}" for k in ("attention_impl", "remat", "scan_layers"))
+BASE_MODEL_RUNTIME_KEYS: tuple[str, ...] = tuple(
+    f"base_model.{k}" for k in ("attention_impl", "quantized_impl", "remat", "scan_layers")
+)
 """``base_model`` settings a run may resume with changed (how the base runs, not what it is)."""
 MODEL_TYPES: tuple[str, ...] = SUPPORTED_MODEL_TYPES
 """The Hugging Face ``model_type`` values ``export.merged`` writes (every one Ember reads)."""
@@ -53,8 +56,9 @@ MODEL_TYPES: tuple[str, ...] = SUPPORTED_MODEL_TYPES
 class BaseModelConfig:
     """The model to fine-tune: a Hugging Face directory (``config.json`` + safetensors, its
     tokenizer read from the same directory) or an Ember LM run directory (``step`` -1: the
-    latest checkpoint). Empty ``attention_impl`` / ``remat`` / ``precision`` keep the base's;
-    these and ``scan_layers`` are runtime settings. ``quantize`` (int8 | int4 | nf4; empty:
+    latest checkpoint). Empty ``attention_impl`` / ``quantized_impl`` / ``remat`` / ``precision``
+    keep the base's; these and ``scan_layers`` are runtime settings (``quantized_impl``: the
+    quantized matmul's, for a ``quantize``d base, one of ``QUANTIZED_IMPLS``). ``quantize`` (int8 | int4 | nf4; empty:
     float) stores the frozen base's linear maps quantized while LoRA trains beside them
     (QLoRA with ``nf4``), an MoE base's routed experts included; ``quantize_group_size`` 0
     keeps the format's default group."""
@@ -62,6 +66,7 @@ class BaseModelConfig:
     path: str = MISSING
     step: int = -1
     attention_impl: str = ""
+    quantized_impl: str = ""
     remat: str = ""
     precision: str = ""
     scan_layers: bool = True
@@ -72,6 +77,12 @@ class BaseModelConfig:
         if not self.path:
             message = "base_model.path must name a Hugging Face model or Ember run directory"
             raise ConfigError(message, key="base_model.path")
+        if self.quantized_impl and self.quantized_impl not in QUANTIZED_IMPLS:
+            message = (
+                f"base_model.quantized_impl must be empty or one of {', '.join(QUANTIZED_IMPLS)}, "
+                f"got {self.quantized_impl!r}"
+            )
+            raise ConfigError(message, key="base_model.quantized_impl")
         if self.quantize and self.quantize not in FORMATS:
             message = f"base_model.quantize must be empty or one of {', '.join(FORMATS)}, got {self.quantize!r}"
             raise ConfigError(message, key="base_model.quantize")
@@ -97,7 +108,12 @@ class BaseModelConfig:
 
     def overrides(self) -> dict[str, Any]:
         """The ``ModelConfig`` fields these settings replace."""
-        chosen = {"attention_impl": self.attention_impl, "remat": self.remat, "precision": self.precision}
+        chosen = {
+            "attention_impl": self.attention_impl,
+            "quantized_impl": self.quantized_impl,
+            "remat": self.remat,
+            "precision": self.precision,
+        }
         return {"scan_layers": self.scan_layers, **{k: v for k, v in chosen.items() if v}}
 
 
