@@ -175,10 +175,17 @@ def test_qlora_runs_its_quantized_matmuls_with_base_model_quantized_impl(problem
     base_model = {"quantize": "nf4", "quantize_group_size": 16, "quantized_impl": "interpret"}
     assert FinetuneTask(config_for(problem, "qimpl", base_model=base_model)).model.config.quantized_impl == "interpret"
     with pytest.raises(
-        ConfigError, match="quantized_impl must be empty or one of auto, pallas, interpret, xla"
+        ConfigError, match=r"quantized_impl must be empty \(the base's\) or one of auto, pallas, interpret, xla"
     ) as error:
         config_for(problem, "bad", base_model={"quantize": "nf4", "quantized_impl": "interpret_tpu"})
     assert error.value.key == "base_model.quantized_impl"
+    # The other runtime settings were first checked when the loaded base's config was rebuilt with
+    # them: after reading the base, keyed without base_model.
+    for name, value, allowed in [("attention_impl", "cuda", "interpret_tpu"), ("remat", "most", "dots_no_batch"),
+                                 ("precision", "fp8", "pure_bf16")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"base_model\.{name}.*{allowed}") as error:
+            config_for(problem, "bad", base_model={name: value})
+        assert error.value.key == f"base_model.{name}"
 
 
 def test_full_finetuning_with_muon_learns(problem):

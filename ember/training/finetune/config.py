@@ -27,11 +27,13 @@ from omegaconf import MISSING
 from ember.core.config import absolute_path
 from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
+from ember.core.precision import Precision
 from ember.core.sharding import MeshConfig
+from ember.kernels_pallas.dispatch import IMPLS
 from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
-from ember.models.config import QUANTIZED_IMPLS
+from ember.models.config import QUANTIZED_IMPLS, REMAT_POLICIES
 from ember.models.hf.config_map import SUPPORTED_MODEL_TYPES
 from ember.models.quantization import QuantizeConfig
 from ember.training.config import CheckpointConfig, LoggingConfig, changed_fields, warn_unused
@@ -58,10 +60,10 @@ class BaseModelConfig:
     tokenizer read from the same directory) or an Ember LM run directory (``step`` -1: the
     latest checkpoint). Empty ``attention_impl`` / ``quantized_impl`` / ``remat`` / ``precision``
     keep the base's; these and ``scan_layers`` are runtime settings (``quantized_impl``: the
-    quantized matmul's, for a ``quantize``d base, one of ``QUANTIZED_IMPLS``). ``quantize`` (int8 | int4 | nf4; empty:
-    float) stores the frozen base's linear maps quantized while LoRA trains beside them
-    (QLoRA with ``nf4``), an MoE base's routed experts included; ``quantize_group_size`` 0
-    keeps the format's default group."""
+    quantized matmul's, for a ``quantize``d base, one of ``QUANTIZED_IMPLS``). ``quantize``
+    (int8 | int4 | nf4; empty: float) stores the frozen base's linear maps quantized while LoRA
+    trains beside them (QLoRA with ``nf4``), an MoE base's routed experts included;
+    ``quantize_group_size`` 0 keeps the format's default group."""
 
     path: str = MISSING
     step: int = -1
@@ -77,12 +79,22 @@ class BaseModelConfig:
         if not self.path:
             message = "base_model.path must name a Hugging Face model or Ember run directory"
             raise ConfigError(message, key="base_model.path")
-        if self.quantized_impl and self.quantized_impl not in QUANTIZED_IMPLS:
-            message = (
-                f"base_model.quantized_impl must be empty or one of {', '.join(QUANTIZED_IMPLS)}, "
-                f"got {self.quantized_impl!r}"
-            )
-            raise ConfigError(message, key="base_model.quantized_impl")
+        # Checked here, not first when the loaded base's config is rebuilt with them (keyed without
+        # base_model., after the base was read).
+        for name, allowed in (
+            ("attention_impl", IMPLS),
+            ("quantized_impl", QUANTIZED_IMPLS),
+            ("remat", REMAT_POLICIES),
+        ):
+            value = getattr(self, name)
+            if value and value not in allowed:
+                message = f"base_model.{name} must be empty (the base's) or one of {', '.join(allowed)}, got {value!r}"
+                raise ConfigError(message, key=f"base_model.{name}")
+        if self.precision:
+            try:
+                Precision.from_string(self.precision)
+            except ValueError as error:
+                raise ConfigError(f"base_model.precision: {error}", key="base_model.precision") from None
         if self.quantize and self.quantize not in FORMATS:
             message = f"base_model.quantize must be empty or one of {', '.join(FORMATS)}, got {self.quantize!r}"
             raise ConfigError(message, key="base_model.quantize")
