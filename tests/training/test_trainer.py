@@ -4,6 +4,7 @@ are weighted, added and logged; a frozen teacher drives a distillation loss; hoo
 their interval."""
 
 import json
+import math
 import re
 import warnings
 
@@ -236,8 +237,9 @@ def test_a_finished_run_resumed_writes_its_complete_summary_again(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
 
 
-def replication_warnings(run_dir, data, **loop):
-    """The replicated-rows warnings of a trainer of ``Regression`` (8 rows) on ``data`` devices."""
+def trainer_warnings(run_dir, mesh, containing, **loop):
+    """The warnings holding ``containing`` of a trainer of ``Regression`` (8 rows) on ``mesh`` (a
+    ``MeshConfig`` of fixed sizes, on that many devices)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Trainer(
@@ -245,23 +247,24 @@ def replication_warnings(run_dir, data, **loop):
             loop=LoopConfig(steps=1, **loop),
             logging=LoggingConfig(progress=False, tensorboard=False),
             run_dir=run_dir,
-            mesh=make_mesh(MeshConfig(data=data), jax.devices()[:data]),
+            mesh=make_mesh(mesh, jax.devices()[: math.prod(mesh.sizes().values())]),
         )
-    return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "replicated" in str(w.message)]
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and containing in str(w.message)]
 
 
 def test_a_batch_the_mesh_does_not_divide_is_replicated_with_a_warning(tmp_path):
     # 8 rows on data=3: the data axis does not divide the batch, so each of the 3 devices computed
     # all 8 rows (by design, ember.core.sharding), and nothing said so.
-    assert replication_warnings(tmp_path / "three", 3) == [
+    assert trainer_warnings(tmp_path / "three", MeshConfig(data=3), "replicated") == [
         "the batch of 8 rows is replicated, not split, over mesh axes data=3 (they do not divide it): those "
         "devices all compute the same rows; a train.batch_size that is a multiple of 3 (mesh.data) is split "
         "over every device"
     ]
-    assert replication_warnings(tmp_path / "two", 2) == []  # data=2 divides 8
-    assert replication_warnings(tmp_path / "two-accumulated", 2, grad_accum=4) == []  # and 8 / 4
+    assert trainer_warnings(tmp_path / "two", MeshConfig(data=2), "replicated") == []  # data=2 divides 8
+    # and 8 / 4
+    assert trainer_warnings(tmp_path / "two-accumulated", MeshConfig(data=2), "replicated", grad_accum=4) == []
     # data=4 divides the 8 rows but not a micro-batch's 2: nothing said so.
-    assert replication_warnings(tmp_path / "four", 4, grad_accum=4) == [
+    assert trainer_warnings(tmp_path / "four", MeshConfig(data=4), "replicated", grad_accum=4) == [
         "each micro-batch of 2 rows is replicated, not split, over mesh axes data=4 (they do not divide it): those "
         "devices all compute the same rows; a train.batch_size that is a multiple of 16 (mesh.data x "
         "train.grad_accum) is split over every device"
@@ -273,24 +276,13 @@ def test_a_mesh_axis_that_splits_nothing_is_named_in_a_warning(tmp_path):
     unannotated; an LM whose heads, mlp and vocab it does not divide) left both devices of each
     pair holding and computing the same, without a word."""
 
-    def idle_warnings(run_dir, **mesh):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            Trainer(
-                Regression(),
-                loop=LoopConfig(steps=1),
-                logging=LoggingConfig(progress=False, tensorboard=False),
-                run_dir=run_dir,
-                mesh=make_mesh(MeshConfig(**mesh), jax.devices()[:4]),
-            )
-        return [str(w.message) for w in caught if "splits no parameter" in str(w.message)]
-
-    assert idle_warnings(tmp_path / "tensor", data=2, tensor=2) == [
+    assert trainer_warnings(tmp_path / "tensor", MeshConfig(data=2, tensor=2), "splits no parameter") == [
         "mesh axis mesh.tensor=2 (the rules split mlp, heads, kv_heads, vocab over it) splits no parameter (none "
         "has a dimension it divides) and not the batch: its devices all hold and compute the same; set "
         "mesh.tensor=1 and give the devices to mesh.data"
     ]
-    assert idle_warnings(tmp_path / "batch", data=2, fsdp=2) == []  # fsdp splits the batch
+    # fsdp splits the batch
+    assert trainer_warnings(tmp_path / "batch", MeshConfig(data=2, fsdp=2), "splits no parameter") == []
 
 
 def test_a_mesh_of_ones_own_without_embers_axis_names_trains_like_embers(tmp_path):
