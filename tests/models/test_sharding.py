@@ -91,6 +91,18 @@ def test_wraps_for_flax_nnx(rng):
     assert np.asarray(params["layers"]["block_0"]["attn"]["q"]["kernel"]).shape == (2, 64, 4, 16)
 
 
+def compiled_on_data_tensor_mesh(step, variables, tokens, arguments=lambda sharded: (sharded,)):
+    """``step`` compiled and run on a data=4 x tensor=2 mesh: ``variables`` sharded by their logical
+    axes (passed as ``arguments(sharded)``), ``tokens`` split over the batch; returns (the compiled
+    program, its outputs)."""
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    with use_sharding(mesh):
+        sharded_tokens = jax.device_put(tokens, named_sharding(mesh, ("batch", "seq"), shape=tokens.shape))
+        args = (*arguments(shard_variables(variables, mesh)), sharded_tokens)
+        compiled = step.lower(*args).compile()
+        return compiled, compiled(*args)
+
+
 # Every sequence-mixer family that runs a Pallas kernel, in the Pallas interpreter: GQA attention,
 # linear attention and Mamba-2's SSD with two B/C groups.
 KERNEL_CONFIG = dataclasses.replace(
@@ -120,11 +132,7 @@ def test_kernels_run_on_each_devices_shard_with_the_same_loss_and_gradients(rng)
 
     step = jax.jit(jax.value_and_grad(loss))
     expected = step(nn.meta.unbox(variables), tokens)
-    mesh = make_mesh(MeshConfig(data=4, tensor=2))
-    with use_sharding(mesh):
-        sharded_tokens = jax.device_put(tokens, named_sharding(mesh, ("batch", "seq"), shape=tokens.shape))
-        compiled = step.lower(shard_variables(variables, mesh), sharded_tokens).compile()
-        value, grads = compiled(shard_variables(variables, mesh), sharded_tokens)
+    compiled, (value, grads) = compiled_on_data_tensor_mesh(step, variables, tokens)
     assert "all-gather" not in compiled.as_text()
     assert_allclose(value, expected[0])
     jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
@@ -185,15 +193,12 @@ def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_lo
 
     params = qlora(tokens)
     step = jax.jit(jax.value_and_grad(loss))
-    unboxed = nn.meta.unbox(params)
-    expected = step(adapter_leaves(unboxed), without_adapters(unboxed), tokens)
-    mesh = make_mesh(MeshConfig(data=4, tensor=2))
-    with use_sharding(mesh):
-        sharded = shard_variables(params, mesh)
-        sharded_tokens = jax.device_put(tokens, named_sharding(mesh, ("batch", "seq"), shape=tokens.shape))
-        args = (adapter_leaves(sharded), without_adapters(sharded), sharded_tokens)
-        compiled = step.lower(*args).compile()
-        value, grads = compiled(*args)
+
+    def adapters_and_base(params):
+        return adapter_leaves(params), without_adapters(params)
+
+    expected = step(*adapters_and_base(nn.meta.unbox(params)), tokens)
+    compiled, (value, grads) = compiled_on_data_tensor_mesh(step, params, tokens, adapters_and_base)
     text = compiled.as_text()
     assert "all-gather" not in text
     assert_allclose(value, expected[0])
@@ -229,12 +234,7 @@ def test_moe_experts_run_on_each_devices_tokens_with_the_whole_batchs_capacity_d
     step = jax.jit(jax.value_and_grad(loss, has_aux=True))
     expected = step(nn.meta.unbox(variables), tokens)
     assert jnp.any(expected[0][1] > 0), "no token-slot over capacity"
-    mesh = make_mesh(MeshConfig(data=4, tensor=2))
-    with use_sharding(mesh):
-        sharded = shard_variables(variables, mesh)
-        sharded_tokens = jax.device_put(tokens, named_sharding(mesh, ("batch", "seq"), shape=tokens.shape))
-        compiled = step.lower(sharded, sharded_tokens).compile()
-        (value, dropped), grads = compiled(sharded, sharded_tokens)
+    compiled, ((value, dropped), grads) = compiled_on_data_tensor_mesh(step, variables, tokens)
     slots = tokens.size * MOE_CONFIG.moe.top_k
     collectives = re.findall(
         r"= (\([^)]*\)|\S+) (all-gather|all-reduce|all-to-all|reduce-scatter)\(", compiled.as_text()
