@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from ember.core.errors import ConfigError
 from ember.core.precision import Precision
@@ -78,6 +80,12 @@ RUNTIME_FIELDS: frozenset[str] = frozenset(
 """Fields that say how a process runs the model, not what its parameters mean: a checkpoint
 may be resumed or served with any of them changed (``precision`` only while its parameter
 dtype stays the same; see :meth:`ModelConfig.architecture`)."""
+
+
+def runtime_overrides(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`RUNTIME_FIELDS` that ``settings`` (a fine-tuning run's ``base_model`` section, as
+    a dict) sets for the model it loads: an empty value (``""`` or None) keeps the model's own."""
+    return {name: value for name, value in settings.items() if name in RUNTIME_FIELDS and value not in ("", None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,4 +523,5 @@ __all__ = [
     "ModelConfig",
     "RopeConfig",
     "SSMConfig",
+    "runtime_overrides",
 ]

@@ -40,7 +40,7 @@ from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
 from ember.core.tree import map_paths, param_paths
-from ember.models.config import ModelConfig
+from ember.models.config import ModelConfig, runtime_overrides
 from ember.models.decoder import saved_layout
 from ember.models.linearize import LinearizeConfig, linearized_config
 from ember.models.quantization.stored import stored_weight_paths
@@ -153,12 +153,11 @@ def _load_finetune_run(
     base = read_key(path / "config.yaml", "base_model") or {}
     if "path" not in base:
         raise ConfigError(f"{path / 'config.yaml'} has no base_model.path", key="base_model.path")
-    runtime = {k: base[k] for k in ("attention_impl", "quantized_impl", "remat", "precision") if base.get(k)}
     base_step = base.get("step", -1)
     loaded = load_model(
         base["path"],
         step=None if base_step is None or base_step < 0 else base_step,
-        **{"scan_layers": base.get("scan_layers", True), **runtime, **config_overrides},
+        **{**runtime_overrides({"scan_layers": True, **base}), **config_overrides},
     )
     config = loaded.config
     if linearized:

@@ -22,12 +22,13 @@ from ember.core.config import load_config
 from ember.core.errors import ConfigError
 from ember.core.tree import param_bytes, param_paths
 from ember.models.adapters import adapter_leaves, without_adapters
-from ember.models.config import MoEConfig
+from ember.models.config import RUNTIME_FIELDS, ModelConfig, MoEConfig, runtime_overrides
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import quantize_params
 from ember.serving.loading import load_model
 from ember.training.finetune import FinetuneConfig, FinetuneTask
 from ember.training.finetune.base import load_base
+from ember.training.finetune.config import BaseModelConfig
 from ember.training.lm.task import lm_loss
 from ember.training.lm.trainer import make_trainer
 from tests.tolerances import assert_allclose
@@ -186,6 +187,22 @@ def test_qlora_runs_its_quantized_matmuls_with_base_model_quantized_impl(problem
         with pytest.raises(ConfigError, match=rf"base_model\.{name}.*{allowed}") as error:
             config_for(problem, "bad", base_model={name: value})
         assert error.value.key == f"base_model.{name}"
+
+
+def test_base_model_runtime_settings_are_the_model_configs_runtime_fields():
+    """What a base_model section sets on the loaded base, for fine-tuning (``overrides``) and for
+    serving the run's directory (its config.yaml's section): the ModelConfig runtime fields it names,
+    an empty one keeping the base's; ``quantize`` and ``path`` say what is loaded, not how it runs."""
+    named = {field.name for field in dataclasses.fields(BaseModelConfig)} & RUNTIME_FIELDS
+    assert named == {"attention_impl", "quantized_impl", "remat", "precision", "scan_layers"}
+    chosen = BaseModelConfig(path="/base", remat="full", precision="bf16", scan_layers=False, quantize="nf4")
+    assert chosen.overrides() == {"remat": "full", "precision": "bf16", "scan_layers": False}
+    quantized = BaseModelConfig(path="/base", quantized_impl="xla")
+    assert quantized.overrides() == {"quantized_impl": "xla", "scan_layers": True}
+    section = {"path": "/base", "step": 3, "attention_impl": "", "remat": None, "quantized_impl": "interpret"}
+    assert runtime_overrides(section) == {"quantized_impl": "interpret"}
+    model = dataclasses.replace(ModelConfig(), **chosen.overrides())
+    assert (model.remat, model.scan_layers, model.policy.compute_dtype) == ("full", False, jnp.bfloat16)
 
 
 def test_full_finetuning_with_muon_learns(problem):

@@ -33,7 +33,7 @@ from ember.kernels_pallas.dispatch import IMPLS
 from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
-from ember.models.config import QUANTIZED_IMPLS, REMAT_POLICIES
+from ember.models.config import QUANTIZED_IMPLS, REMAT_POLICIES, runtime_overrides
 from ember.models.hf.config_map import SUPPORTED_MODEL_TYPES
 from ember.models.quantization import QuantizeConfig
 from ember.training.config import CheckpointConfig, LoggingConfig, changed_fields, warn_unused
@@ -120,13 +120,7 @@ class BaseModelConfig:
 
     def overrides(self) -> dict[str, Any]:
         """The ``ModelConfig`` fields these settings replace."""
-        chosen = {
-            "attention_impl": self.attention_impl,
-            "quantized_impl": self.quantized_impl,
-            "remat": self.remat,
-            "precision": self.precision,
-        }
-        return {"scan_layers": self.scan_layers, **{k: v for k, v in chosen.items() if v}}
+        return runtime_overrides(dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True)
