@@ -212,6 +212,12 @@ def logical_to_spec(
     return PartitionSpec(*entries)
 
 
+def splitting_axes(mesh: Any, logical: str | None, rules: Rules = DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that ``rules`` split logical axis ``logical`` over (its rule's
+    order): the axes that divide its work between devices (axes ``mesh`` lacks have size 1)."""
+    return tuple(axis for axis in dict(rules).get(logical, ()) if mesh.shape.get(axis, 1) > 1)
+
+
 def named_sharding(
     mesh: Mesh, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES, shape: Sequence[int] | None = None
 ) -> NamedSharding:
@@ -419,6 +425,7 @@ __all__ = [
     "named_sharding",
     "per_shard",
     "shard_variables",
+    "splitting_axes",
     "tree_shardings",
     "unbox",
     "use_sharding",

@@ -50,6 +50,7 @@ from ember.core.sharding import (
     host_local_to_global,
     make_mesh,
     named_sharding,
+    splitting_axes,
     tree_shardings,
     unbox,
     use_sharding,
@@ -561,7 +562,7 @@ def _check_process_rows(
 def _batch_split(mesh: Any, axis: str | None, rules: Any) -> tuple[list[str], int]:
     """``(the mesh axes of size > 1 the rules split logical batch axis ``axis`` over, the product
     of their sizes)``: the devices a batch the axes divide is split over."""
-    wanted = [name for name in dict(rules).get(axis, ()) if mesh.shape.get(name, 1) > 1]
+    wanted = list(splitting_axes(mesh, axis, rules))
     return wanted, math.prod(mesh.shape[name] for name in wanted)
 
 

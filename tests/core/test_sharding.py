@@ -23,6 +23,7 @@ from ember.core.sharding import (
     named_sharding,
     per_shard,
     shard_variables,
+    splitting_axes,
     tree_shardings,
     use_sharding,
 )
@@ -123,6 +124,15 @@ def test_rules_and_specs():
     assert info.value.key == "sharding.rules.batch"
     with pytest.raises(ValueError, match="logical axis 'hidden' has no sharding rule"):
         logical_to_spec(("hidden",))
+
+
+def test_splitting_axes_are_the_rules_mesh_axes_of_size_above_one():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, expert=4))
+    assert splitting_axes(mesh, "batch") == ("data", "expert")  # the rule's order, fsdp=1 left out
+    assert splitting_axes(mesh, "mlp") == ()  # tensor=1
+    assert splitting_axes(mesh, "batch", logical_rules({"batch": ["expert", "tensor"]})) == ("expert",)
+    own = jax.make_mesh((8,), ("fsdp",))  # a mesh of one's own, without Ember's other axes
+    assert splitting_axes(own, "batch") == ("fsdp",) and splitting_axes(own, None) == ()
 
 
 def test_non_dividing_mesh_axes_are_dropped(rng):

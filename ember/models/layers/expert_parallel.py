@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ember.core.errors import ConfigError, EmberError
-from ember.core.sharding import DEFAULT_RULES
+from ember.core.sharding import DEFAULT_RULES, splitting_axes
 from ember.models.layers.mlp import ACTIVATIONS, GATED
 from ember.models.layers.moe_dispatch import grouped_expert_mlp
 
@@ -105,7 +105,7 @@ def expert_parallel_routed_mlp(
 def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(mesh axes splitting the tokens, mesh axes splitting the experts' hidden dim)`` from
     the current logical rules (``batch`` and ``mlp``); raises ``ConfigError`` when they do not divide."""
-    rules = dict(nn.get_logical_axis_rules() or DEFAULT_RULES)
+    rules = nn.get_logical_axis_rules() or DEFAULT_RULES
     ranks = mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
     if num_experts % ranks:
         raise ConfigError(
@@ -113,7 +113,7 @@ def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tu
             "choose mesh.expert dividing the expert count",
             key="mesh.expert",
         )
-    token_axes = tuple(axis for axis in rules.get("batch", ()) if mesh.shape.get(axis, 1) > 1)
+    token_axes = splitting_axes(mesh, "batch", rules)
     if ranks > 1 and EXPERT_AXIS not in token_axes:
         token_axes += (EXPERT_AXIS,)
     token_ranks = math.prod(mesh.shape.get(axis, 1) for axis in token_axes)
@@ -127,9 +127,7 @@ def _mesh_axes(mesh, num_tokens: int, num_experts: int, hidden: int) -> tuple[tu
             key="train.batch_size",
         )
     tensor_axes = tuple(
-        axis
-        for axis in rules.get("mlp", ())
-        if mesh.shape.get(axis, 1) > 1 and axis not in token_axes and axis != EXPERT_AXIS
+        axis for axis in splitting_axes(mesh, "mlp", rules) if axis not in token_axes and axis != EXPERT_AXIS
     )
     if hidden % math.prod(mesh.shape.get(axis, 1) for axis in tensor_axes):
         tensor_axes = ()
