@@ -31,7 +31,7 @@ from ember.models.cache import Paging, write_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.layers.kernel_shards import per_head_group_shard, runs_per_shard
 from ember.models.layers.norm import RMSNorm
-from ember.models.layers.projection import Projection
+from ember.models.layers.projection import Projection, model_projection
 from ember.models.layers.rope import apply_rope, rope_inverse_frequencies
 
 _NO_KEY = -1
@@ -165,16 +165,7 @@ def rotary_qkv(
     heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_size
 
     def projection(name, features, axes):
-        return Projection(
-            features,
-            ("embed", *axes),
-            use_bias=config.qkv_bias,
-            init_std=config.init_std,
-            dtype=policy.compute_dtype,
-            param_dtype=policy.param_dtype,
-            quantized_impl=config.quantized_impl,
-            name=name,
-        )(x, adapter_ids)
+        return model_projection(config, features, ("embed", *axes), use_bias=config.qkv_bias, name=name)(x, adapter_ids)
 
     q = projection("q", (heads, head_dim), ("heads", "head_dim"))
     k = projection("k", (kv_heads, head_dim), ("kv_heads", "head_dim"))
@@ -191,17 +182,7 @@ def rotary_qkv(
 def output_projection(config: ModelConfig, embed: int, name: str = "o") -> Projection:
     """The ``[batch, seq, heads, head_dim] -> [batch, seq, embed]`` projection (a submodule
     ``name`` of the calling module); apply it as ``(out, adapter_ids)``."""
-    policy = config.policy
-    return Projection(
-        (embed,),
-        ("heads", "head_dim", "embed"),
-        in_dims=2,
-        init_std=config.init_std,
-        dtype=policy.compute_dtype,
-        param_dtype=policy.param_dtype,
-        quantized_impl=config.quantized_impl,
-        name=name,
-    )
+    return model_projection(config, (embed,), ("heads", "head_dim", "embed"), in_dims=2, name=name)
 
 
 class Attention(nn.Module):

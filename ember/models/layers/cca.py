@@ -37,9 +37,9 @@ from ember.kernels_pallas.document_boundaries import document_index, document_st
 from ember.kernels_pallas.short_conv import short_conv
 from ember.models.cache import Paging, run_history
 from ember.models.config import ModelConfig
-from ember.models.layers.attention import attend
+from ember.models.layers.attention import attend, output_projection
 from ember.models.layers.norm import RMSNorm
-from ember.models.layers.projection import Projection
+from ember.models.layers.projection import model_projection
 from ember.models.layers.rope import apply_rope, rope_inverse_frequencies
 
 
@@ -97,15 +97,7 @@ class CompressedConvAttention(nn.Module):
         adapter_ids = None if paging is None else paging.token_adapters(valid)
 
         def dense(name, features, axes):
-            return Projection(
-                (features,),
-                ("embed", axes),
-                init_std=config.init_std,
-                dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype,
-                quantized_impl=config.quantized_impl,
-                name=name,
-            )(x, adapter_ids)
+            return model_projection(config, (features,), ("embed", axes), name=name)(x, adapter_ids)
 
         q_raw = dense("q", latent_q, "heads")
         k_raw = dense("k", latent_kv, "kv_heads")
@@ -148,16 +140,7 @@ class CompressedConvAttention(nn.Module):
             positions=positions,
             valid=valid,
         )
-        out = Projection(
-            (x.shape[-1],),
-            ("heads", "head_dim", "embed"),
-            in_dims=2,
-            init_std=config.init_std,
-            dtype=policy.compute_dtype,
-            param_dtype=policy.param_dtype,
-            quantized_impl=config.quantized_impl,
-            name="o",
-        )(out, adapter_ids)
+        out = output_projection(config, x.shape[-1])(out, adapter_ids)
         if cache is None:
             return out, None
         return out, dict(pages, **self._ragged_slots(q_raw[0], k_raw[0], v[0], cache, paging))

@@ -17,9 +17,10 @@ from ember.kernels_pallas.linear_attention import KERNEL_BACKENDS as LINEAR_KERN
 from ember.kernels_pallas.linear_attention import NORMALIZER_EPS, linear_attention
 from ember.models.cache import Paging
 from ember.models.config import ModelConfig
+from ember.models.layers.attention import output_projection
 from ember.models.layers.feature_maps import FeatureMap
 from ember.models.layers.kernel_shards import per_head_group_shard, runs_per_shard
-from ember.models.layers.projection import Projection
+from ember.models.layers.projection import model_projection
 
 
 def ragged_linear_sums(
@@ -96,15 +97,9 @@ class LinearAttention(nn.Module):
         adapter_ids = None if paging is None else paging.token_adapters(valid)
 
         def projection(name):
-            return Projection(
-                (heads, head_dim),
-                ("embed", "heads", "head_dim"),
-                init_std=config.init_std,
-                dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype,
-                quantized_impl=config.quantized_impl,
-                name=name,
-            )(x, adapter_ids)
+            return model_projection(config, (heads, head_dim), ("embed", "heads", "head_dim"), name=name)(
+                x, adapter_ids
+            )
 
         def features(name):
             return FeatureMap(config.linear_feature_map, config.linear_feature_dim, policy.param_dtype, name=name)
@@ -133,14 +128,5 @@ class LinearAttention(nn.Module):
             )
             out = out[None]
             cache = {"state": state.astype(cache["state"].dtype)}
-        out = Projection(
-            (x.shape[-1],),
-            ("heads", "head_dim", "embed"),
-            in_dims=2,
-            init_std=config.init_std,
-            dtype=policy.compute_dtype,
-            param_dtype=policy.param_dtype,
-            quantized_impl=config.quantized_impl,
-            name="o",
-        )(out, adapter_ids)
+        out = output_projection(config, x.shape[-1])(out, adapter_ids)
         return out, cache

@@ -41,7 +41,7 @@ from ember.kernels_pallas.ssd import ssd
 from ember.models.cache import Paging, run_history
 from ember.models.config import ModelConfig
 from ember.models.layers.kernel_shards import per_head_group_shard, runs_per_shard
-from ember.models.layers.projection import Projection
+from ember.models.layers.projection import model_projection
 
 DT_INIT_RANGE: tuple[float, float] = (0.001, 0.1)
 """Initial step sizes are drawn log-uniformly from this range (Mamba's ``dt_min``/``dt_max``)."""
@@ -227,18 +227,8 @@ class Mamba2Mixer(nn.Module):
         return out, cache
 
     def _project(self, x, name, shape, axes, in_dims=1, adapter_ids=None):
-        policy = self.config.policy
         kernel_axes = ("embed", *axes) if in_dims == 1 else axes
-        return Projection(
-            shape,
-            kernel_axes,
-            in_dims=in_dims,
-            init_std=self.config.init_std,
-            dtype=policy.compute_dtype,
-            param_dtype=policy.param_dtype,
-            quantized_impl=self.config.quantized_impl,
-            name=name,
-        )(x, adapter_ids)
+        return model_projection(self.config, shape, kernel_axes, in_dims=in_dims, name=name)(x, adapter_ids)
 
     def _mixer_params(self, heads, head_dim):
         """``(conv_weight, conv_bias or None, dt_bias, A_log, D, norm_scale)``, initialised as

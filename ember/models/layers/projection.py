@@ -9,12 +9,17 @@ kernel (``ember.models.quantization``) is multiplied as stored.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from ember.models.adapters.lowrank import adapted_matmul, read_low_rank
 from ember.models.quantization.stored import read_quantized, record_input
+
+if TYPE_CHECKING:
+    from ember.models.config import ModelConfig
 
 
 class Projection(nn.Module):
@@ -65,3 +70,28 @@ class Projection(nn.Module):
             )
             y = y + bias.astype(self.dtype)
         return y
+
+
+def model_projection(
+    config: ModelConfig,
+    out_shape: tuple[int, ...],
+    kernel_axes: tuple[str | None, ...],
+    *,
+    name: str,
+    in_dims: int = 1,
+    use_bias: bool = False,
+) -> Projection:
+    """A ``Projection`` (submodule ``name`` of the calling module) of a ``config`` model: its
+    init scale, compute and parameter dtypes and quantized matmul's ``impl``."""
+    policy = config.policy
+    return Projection(
+        out_shape,
+        kernel_axes,
+        in_dims=in_dims,
+        use_bias=use_bias,
+        init_std=config.init_std,
+        dtype=policy.compute_dtype,
+        param_dtype=policy.param_dtype,
+        quantized_impl=config.quantized_impl,
+        name=name,
+    )
