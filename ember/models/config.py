@@ -63,6 +63,13 @@ FEATURE_MAPS: tuple[str, ...] = ("elu", "relu", "hedgehog")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
 QUANTIZED_IMPLS: tuple[str, ...] = tuple(impl for impl in IMPLS if impl != "interpret_tpu")
 """``quantized_impl`` values: what ``quantized_matmul`` accepts (it has no TPU kernel to interpret)."""
+RUNTIME_CHOICES: dict[str, tuple[str, ...]] = {
+    "attention_impl": IMPLS,
+    "moe_impl": IMPLS,
+    "quantized_impl": QUANTIZED_IMPLS,
+    "remat": REMAT_POLICIES,
+}
+"""The runtime fields that name one of a few choices, and their choices."""
 RUNTIME_FIELDS: frozenset[str] = frozenset(
     {
         "attention_impl",
@@ -323,7 +330,8 @@ class ModelConfig:
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("score", self.score, SCORE_KINDS)
         _check_choice("linear_feature_map", self.linear_feature_map, FEATURE_MAPS)
-        _check_choice("remat", self.remat, REMAT_POLICIES)
+        for name, allowed in RUNTIME_CHOICES.items():
+            _check_choice(name, getattr(self, name), allowed)
         if not self.block_pattern:
             raise ConfigError("block_pattern must name at least one layer kind", key="block_pattern")
         for kind in self.block_pattern:
@@ -371,9 +379,6 @@ class ModelConfig:
             self._check_ssm()
         if self.head_size % 2 and set(self.block_pattern) & set(ROTARY_KINDS):
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_size}", key="head_dim")
-        for name in ("attention_impl", "moe_impl"):
-            _check_choice(name, getattr(self, name), IMPLS)
-        _check_choice("quantized_impl", self.quantized_impl, QUANTIZED_IMPLS)
         if self.moe.first_dense_layers and self.scan_layers:
             raise ConfigError(
                 "moe.first_dense_layers needs scan_layers=false (the first layers differ from the scanned "
@@ -517,6 +522,7 @@ __all__ = [
     "MLP_PLACEMENTS",
     "QUANTIZED_IMPLS",
     "ROTARY_KINDS",
+    "RUNTIME_CHOICES",
     "RUNTIME_FIELDS",
     "SOFTMAX_FAMILY",
     "MoEConfig",

@@ -29,11 +29,10 @@ from ember.core.distributed import DistributedConfig
 from ember.core.errors import ConfigError
 from ember.core.precision import Precision
 from ember.core.sharding import MeshConfig
-from ember.kernels_pallas.dispatch import IMPLS
 from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.models.adapters.lora import LoraConfig
 from ember.models.adapters.mixlora import MixLoraConfig
-from ember.models.config import QUANTIZED_IMPLS, REMAT_POLICIES, runtime_overrides
+from ember.models.config import RUNTIME_CHOICES, runtime_overrides
 from ember.models.hf.config_map import SUPPORTED_MODEL_TYPES
 from ember.models.quantization import QuantizeConfig
 from ember.training.config import CheckpointConfig, LoggingConfig, changed_fields, warn_unused
@@ -81,12 +80,8 @@ class BaseModelConfig:
             raise ConfigError(message, key="base_model.path")
         # Checked here, not first when the loaded base's config is rebuilt with them (keyed without
         # base_model., after the base was read).
-        for name, allowed in (
-            ("attention_impl", IMPLS),
-            ("quantized_impl", QUANTIZED_IMPLS),
-            ("remat", REMAT_POLICIES),
-        ):
-            value = getattr(self, name)
+        for name, allowed in RUNTIME_CHOICES.items():
+            value = getattr(self, name, "")
             if value and value not in allowed:
                 message = f"base_model.{name} must be empty (the base's) or one of {', '.join(allowed)}, got {value!r}"
                 raise ConfigError(message, key=f"base_model.{name}")
