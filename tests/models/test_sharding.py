@@ -3,6 +3,7 @@ tensor-parallel meshes) equals the single-device forward; Pallas kernels run per
 wraps for Flax NNX."""
 
 import dataclasses
+import math
 import re
 
 import flax.linen as nn
@@ -91,16 +92,23 @@ def test_wraps_for_flax_nnx(rng):
     assert np.asarray(params["layers"]["block_0"]["attn"]["q"]["kernel"]).shape == (2, 64, 4, 16)
 
 
-def compiled_on_data_tensor_mesh(step, variables, tokens, arguments=lambda sharded: (sharded,)):
-    """``step`` compiled and run on a data=4 x tensor=2 mesh: ``variables`` sharded by their logical
-    axes (passed as ``arguments(sharded)``), ``tokens`` split over the batch; returns (the compiled
-    program, its outputs)."""
-    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+def compiled_on_mesh(step, variables, tokens, arguments=lambda sharded: (sharded,), mesh_config=None):
+    """``step`` compiled and run on a mesh (data=4 x tensor=2 unless ``mesh_config``): ``variables``
+    sharded by their logical axes (passed as ``arguments(sharded)``), ``tokens`` split over the
+    batch; returns (the compiled program, its outputs)."""
+    mesh = make_mesh(mesh_config or MeshConfig(data=4, tensor=2))
     with use_sharding(mesh):
         sharded_tokens = jax.device_put(tokens, named_sharding(mesh, ("batch", "seq"), shape=tokens.shape))
         args = (*arguments(shard_variables(variables, mesh)), sharded_tokens)
         compiled = step.lower(*args).compile()
         return compiled, compiled(*args)
+
+
+def collectives(compiled) -> list[tuple[str, str]]:
+    """``(result type, op)`` of each collective in a compiled program, e.g. ``("u8[1,32,128]{2,0,1}",
+    "all-gather")``."""
+    pattern = r"= (\([^)]*\)|\S+) (all-gather|all-reduce|all-to-all|reduce-scatter)\("
+    return re.findall(pattern, compiled.as_text())
 
 
 # Every sequence-mixer family that runs a Pallas kernel, in the Pallas interpreter: GQA attention,
@@ -132,7 +140,7 @@ def test_kernels_run_on_each_devices_shard_with_the_same_loss_and_gradients(rng)
 
     step = jax.jit(jax.value_and_grad(loss))
     expected = step(nn.meta.unbox(variables), tokens)
-    compiled, (value, grads) = compiled_on_data_tensor_mesh(step, variables, tokens)
+    compiled, (value, grads) = compiled_on_mesh(step, variables, tokens)
     assert "all-gather" not in compiled.as_text()
     assert_allclose(value, expected[0])
     jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
@@ -166,16 +174,11 @@ def test_kernel_shards_keep_query_heads_with_their_key_heads_when_the_mesh_split
 QLORA_CONFIG = dataclasses.replace(CONFIG, num_layers=2, block_pattern=("global",), qkv_bias=False, qk_norm=False)
 
 
-@pytest.mark.parametrize("impl", ["interpret", "xla"])
-def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_loss_and_adapter_gradients(impl, rng):
-    """The quantized matmul is a Pallas kernel too: on a data x tensor mesh its activations and
-    weights were gathered whole onto every device (34 all-gathers in this QLoRA program). Now each
-    device multiplies its batch rows by the weight columns it holds (by the rows of a row-parallel
-    weight, o and down, with its activations' columns, summed): no all-gather, and the loss and the
-    adapters' gradients are the single device's. XLA's path gathered NF4's absmax codes to decode
-    them (5 all-gathers); they now decode where they lie."""
-    model = DecoderLM(dataclasses.replace(QLORA_CONFIG, quantized_impl=impl))
-    tokens = jax.random.randint(rng, (8, 16), 0, QLORA_CONFIG.vocab_size)
+def qlora_loss_and_adapter_gradients(impl, rng, config=QLORA_CONFIG):
+    """(the jitted QLoRA loss-and-adapter-gradients step, its NF4 base with adapters whose B are
+    nonzero, tokens, how the step takes the parameters)."""
+    model = DecoderLM(dataclasses.replace(config, quantized_impl=impl))
+    tokens = jax.random.randint(rng, (8, 16), 0, config.vocab_size)
 
     @jax.jit
     def qlora(tokens):
@@ -191,16 +194,55 @@ def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_lo
         logits, _ = model.apply({"params": params}, tokens)
         return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
 
-    params = qlora(tokens)
-    step = jax.jit(jax.value_and_grad(loss))
-
     def adapters_and_base(params):
         return adapter_leaves(params), without_adapters(params)
 
+    return jax.jit(jax.value_and_grad(loss)), qlora(tokens), tokens, adapters_and_base
+
+
+@pytest.mark.parametrize("impl", ["interpret", "xla"])
+def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_loss_and_adapter_gradients(impl, rng):
+    """The quantized matmul is a Pallas kernel too: on a data x tensor mesh its activations and
+    weights were gathered whole onto every device (34 all-gathers in this QLoRA program). Now each
+    device multiplies its batch rows by the weight columns it holds (by the rows of a row-parallel
+    weight, o and down, with its activations' columns, summed): no all-gather, and the loss and the
+    adapters' gradients are the single device's. XLA's path gathered NF4's absmax codes to decode
+    them (5 all-gathers); they now decode where they lie."""
+    step, params, tokens, adapters_and_base = qlora_loss_and_adapter_gradients(impl, rng)
     expected = step(*adapters_and_base(nn.meta.unbox(params)), tokens)
-    compiled, (value, grads) = compiled_on_data_tensor_mesh(step, params, tokens, adapters_and_base)
-    text = compiled.as_text()
-    assert "all-gather" not in text
+    compiled, (value, grads) = compiled_on_mesh(step, params, tokens, adapters_and_base)
+    assert "all-gather" not in compiled.as_text()
+    assert_allclose(value, expected[0])
+    jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
+
+
+def test_fsdp_gathers_quantized_weights_as_their_codes_on_xlas_path(rng):
+    """Under FSDP each device multiplies by whole weights gathered from their row shards. XLA's
+    path dequantised each shard and gathered the float weights (f32 here, 8x the NF4 codes' bytes:
+    10 such all-gathers in this program); it now gathers the 4-bit codes, as the kernel's path
+    does, with the same loss and adapter gradients. (The vocabulary, 96, keeps the float embedding
+    and head apart from every quantized weight's size.)"""
+    step, params, tokens, adapters_and_base = qlora_loss_and_adapter_gradients(
+        "xla", rng, dataclasses.replace(QLORA_CONFIG, vocab_size=96)
+    )
+    expected = step(*adapters_and_base(nn.meta.unbox(params)), tokens)
+    compiled, (value, grads) = compiled_on_mesh(
+        step, params, tokens, adapters_and_base, mesh_config=MeshConfig(data=2, fsdp=4)
+    )
+    # An NF4 weight [K, N] stores K // 2 x N bytes of codes.
+    weight_sizes = {
+        2 * codes.size for path, codes in param_paths(nn.meta.unbox(params)).items() if path.endswith("/nf4")
+    }
+    gathered = [
+        re.match(r"(\w+)\[([\d,]*)\]", result).groups() for result, op in collectives(compiled) if op == "all-gather"
+    ]
+    assert "u8" in {dtype for dtype, _ in gathered}, "no quantized weight gathered: not an FSDP program"
+    float_weights = [
+        f"{dtype}[{shape}]"
+        for dtype, shape in gathered
+        if dtype.startswith(("f", "bf")) and math.prod(map(int, shape.split(","))) in weight_sizes
+    ]
+    assert not float_weights
     assert_allclose(value, expected[0])
     jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
 
@@ -234,13 +276,11 @@ def test_moe_experts_run_on_each_devices_tokens_with_the_whole_batchs_capacity_d
     step = jax.jit(jax.value_and_grad(loss, has_aux=True))
     expected = step(nn.meta.unbox(variables), tokens)
     assert jnp.any(expected[0][1] > 0), "no token-slot over capacity"
-    compiled, ((value, dropped), grads) = compiled_on_data_tensor_mesh(step, variables, tokens)
+    compiled, ((value, dropped), grads) = compiled_on_mesh(step, variables, tokens)
     slots = tokens.size * MOE_CONFIG.moe.top_k
-    collectives = re.findall(
-        r"= (\([^)]*\)|\S+) (all-gather|all-reduce|all-to-all|reduce-scatter)\(", compiled.as_text()
-    )
-    assert not [shape for shape, _ in collectives if re.search(rf"[\[,]{slots}[,\]]", shape)]
-    assert sum(op == "all-gather" for _, op in collectives) == 2
+    found = collectives(compiled)
+    assert not [shape for shape, _ in found if re.search(rf"[\[,]{slots}[,\]]", shape)]
+    assert sum(op == "all-gather" for _, op in found) == 2
     assert_allclose(value, expected[0][0])
     assert_allclose(dropped, expected[0][1])
     jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 
 from ember.core.sharding import per_shard
 from ember.kernels_pallas.quantized_formats import FORMATS, QuantizedMatrix, dequantize
-from ember.kernels_pallas.quantized_matmul import KERNEL_BACKENDS, quantized_matmul
-from ember.models.layers.kernel_shards import runs_per_shard, unshared_with
+from ember.kernels_pallas.quantized_matmul import quantized_matmul
+from ember.models.layers.kernel_shards import unshared_with
 
 ABSMAX_BLOCK = 256
 """Block of the double quantisation (absmax values sharing one f32 scale)."""
@@ -131,13 +131,14 @@ def read_quantized(module: nn.Module, name: str, axes: tuple[str | None, ...] | 
 def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1, impl: str = "auto") -> jax.Array:
     """``x [..., *in_shape] @ W [*in_shape, *out_shape]`` -> ``[..., *out_shape]`` in ``x``'s dtype.
 
-    Where ``impl`` runs the Pallas kernel under a mesh, it runs on each device's shard
-    (``per_shard``; XLA cannot partition a kernel and gathered ``x`` and ``W`` whole onto every
-    device): ``x``'s rows split as the batch, ``W``'s columns (with their scales) as its output
-    axes, and a row-parallel weight's rows (``o``'s heads, ``down``'s mlp on the tensor axis) with
-    ``x``'s columns, the partial products summed, as XLA splits its own matmul. An axis whose
-    mesh axes the batch takes too is whole on every device: FSDP's ``embed`` rows are gathered, as
-    XLA gathers an FSDP weight."""
+    Under a mesh it runs on each device's shard (``per_shard``): ``x``'s rows split as the batch,
+    ``W``'s columns (with their scales) as its output axes, and a row-parallel weight's rows
+    (``o``'s heads, ``down``'s mlp on the tensor axis) with ``x``'s columns, the partial products
+    summed, as XLA splits its own matmul. An axis whose mesh axes the batch takes too is whole on
+    every device: FSDP's ``embed`` rows are gathered, as XLA gathers an FSDP weight, but as codes.
+    Why both paths: XLA cannot partition the Pallas kernel (it gathered ``x`` and ``W`` whole onto
+    every device), and on XLA's own path it partitions the dequantised product, so under FSDP it
+    gathered the float weight (8x an NF4 weight's bytes in f32)."""
     matrix = as_matrix(weight.parts)
     out_shape = weight.out_shape
     values, scales = (a.reshape(a.shape[0], *out_shape) for a in (matrix.values, matrix.scales))
@@ -148,7 +149,7 @@ def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1, impl:
         y = quantized_matmul(x.reshape(math.prod(lead), -1), local, impl=impl, preferred_element_type=out_dtype)
         return y.reshape(*lead, *values.shape[1:])
 
-    if x.ndim == in_dims or not runs_per_shard(impl, op="quantized_matmul", kernel_backends=KERNEL_BACKENDS):
+    if x.ndim == in_dims:
         return product(x, values, scales)
     axes = weight.axes or (None,) * (in_dims + len(out_shape))
     rows = ("batch", *(None,) * (x.ndim - in_dims - 1))
