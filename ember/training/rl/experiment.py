@@ -167,7 +167,9 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
     and returns the evaluation summary written to ``eval.json``.
 
     An RL run is one compiled program with no intermediate checkpoints, so ``resume`` is
-    refused: rerun it (CartPole takes seconds) into a fresh ``run_dir``.
+    refused: rerun it (CartPole takes seconds). A rerun into the ``run_dir`` of a run that stopped
+    before its checkpoint starts afresh (its metrics replace the stopped run's); one that stopped
+    in its final evaluation, with this same config, only evaluates the saved policy.
     """
     from tqdm.auto import tqdm
 
@@ -177,7 +179,7 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
             "RL runs are one compiled program without intermediate checkpoints and cannot --resume; rerun instead"
         )
     if (run_dir / CHECKPOINT_DIR).is_dir() and any((run_dir / CHECKPOINT_DIR).iterdir()):
-        raise EmberError(f"run_dir {run_dir} already holds a finished run; choose another run_dir")
+        return _finish_evaluation(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / CONFIG_FILE, to_yaml(config))
     algorithm = ALGORITHMS[config.algo]
@@ -198,7 +200,7 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
 
     steps_per_update = algorithm.steps_per_update(section)
     metrics = jax.tree.map(np.asarray, result["metrics"])
-    writer = MetricsWriter(run_dir)
+    writer = MetricsWriter(run_dir, resume_step=0)  # a fresh start: drops a stopped attempt's records
     for update in range(num_updates):
         record = {name: values[update].item() for name, values in metrics.items()}
         if record["episodes"] == 0:  # no episode ended in this update: no return to report
@@ -213,10 +215,32 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
         saved["obs_stats"] = {"mean": obs_stats.mean, "var": obs_stats.var, "count": obs_stats.count}
     with CheckpointManager(run_dir / CHECKPOINT_DIR, max_to_keep=1) as manager:
         manager.save(num_updates, saved, extra={"algo": config.algo, "env_id": config.env.id})
+    return _evaluate_run(config, run_dir, result["params"], obs_stats)
 
-    summary = evaluate_params(config, result["params"], config.eval.episodes, seed=config.seed + 1, obs_stats=obs_stats)
+
+def _evaluate_run(config: RLConfig, run_dir: Path, params: Any, obs_stats: RunningMeanVar | None) -> dict[str, Any]:
+    """The run's final evaluation, written to ``eval.json``; returns its summary and ``run_dir``."""
+    summary = evaluate_params(config, params, config.eval.episodes, seed=config.seed + 1, obs_stats=obs_stats)
     write_text_atomic(run_dir / EVAL_FILE, json.dumps(summary, indent=2) + "\n")
     return {**summary, "run_dir": str(run_dir)}
+
+
+def _finish_evaluation(config: RLConfig, run_dir: Path) -> dict[str, Any]:
+    """A rerun into ``run_dir``, which holds a trained run: evaluates its saved policy when the run
+    stopped in its final evaluation (no ``eval.json``) and was trained with ``config``.
+
+    Raises:
+      EmberError: the run finished, or was trained with another config."""
+    if (run_dir / EVAL_FILE).is_file():
+        raise EmberError(f"run_dir {run_dir} already holds a finished run; choose another run_dir")
+    saved = run_dir / CONFIG_FILE
+    if not saved.is_file() or saved.read_text() != to_yaml(config):
+        raise EmberError(
+            f"run_dir {run_dir} holds a trained run whose final evaluation did not finish (no {EVAL_FILE}), trained "
+            f"with another config than this one; 'ember eval {run_dir}' evaluates it, or choose another run_dir"
+        )
+    _, params, obs_stats = load_run(run_dir)
+    return _evaluate_run(config, run_dir, params, obs_stats)
 
 
 def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]:

@@ -64,6 +64,37 @@ def test_train_eval_plot_round_trip(tmp_path, capsys):
         assert image.format == "PNG" and image.size[0] > 100
 
 
+def test_a_rerun_replaces_a_stopped_attempts_metrics_and_finishes_a_stopped_evaluation(tmp_path, monkeypatch):
+    """Into the run_dir of an attempt stopped before its checkpoint, a run appended its metrics to
+    the stopped attempt's (each update logged twice); a run stopped in its final evaluation could
+    not be rerun ("already holds a finished run") and had no eval.json. Now the first starts afresh
+    and the second evaluates the saved policy, with this config only."""
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", "ppo.total_timesteps=1024", "ppo.policy.hidden_sizes=[8]", "eval.episodes=2"]
+    config = load_config(RLConfig, CONFIG, overrides)
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 512, "update": 1}\n{"step": 1024, "update": 2}\n')
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "evaluate_params", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            runner.run_experiment(config, progress=False)
+    assert [r["step"] for r in read_metrics(run_dir)] == [512, 1024]
+    assert "loss" in read_metrics(run_dir)[0] and not (run_dir / "eval.json").exists()
+
+    other = load_config(RLConfig, CONFIG, [*overrides, "seed=7"])
+    with pytest.raises(EmberError, match="another config"):
+        runner.run_experiment(other, progress=False)
+    summary = runner.run_experiment(config, progress=False)
+    assert json.loads((run_dir / "eval.json").read_text())["mean_return"] == summary["mean_return"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [512, 1024]  # evaluated, not trained again
+    with pytest.raises(EmberError, match="already holds a finished run"):
+        runner.run_experiment(config, progress=False)
+
+
 def test_train_rejects_unknown_keys_with_a_suggestion(tmp_path, capsys):
     assert main(["train", str(CONFIG), f"run_dir={tmp_path}", "ppo.num_env=8"]) == 2
     assert "ppo.num_envs" in capsys.readouterr().err
