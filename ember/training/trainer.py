@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +49,6 @@ from ember.core.sharding import (
     host_local_to_global,
     make_mesh,
     named_sharding,
-    splitting_axes,
     tree_shardings,
     unbox,
     use_sharding,
@@ -59,6 +57,13 @@ from ember.core.system_info import peak_flops_per_device
 from ember.core.tree import param_paths
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.loss_scaling import is_loss_scaled, uses_loss_scaling, with_dynamic_loss_scale
+from ember.training.mesh_checks import (
+    check_process_rows,
+    idle_axes,
+    idle_axes_message,
+    replicated_rows_message,
+    undivided_axes_message,
+)
 from ember.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from ember.training.optimizers import OptimConfig, make_optimizer, make_schedule
 from ember.training.stop_request import StopRequest
@@ -152,6 +157,7 @@ class Trainer:
         self.data = task.train_data()
         self.teacher, teacher_shardings = self._place_teacher()
         self._step_fn = self._jit_step(teacher_shardings)
+        self._warn_of_devices_computing_the_same(boxed.params, teacher_shardings)
         self._eval_fn = jax.jit(
             functools.partial(eval_step, loss_fn=task.loss),
             in_shardings=(self.state_shardings.params, self.state_shardings.model_state, None, teacher_shardings),
@@ -234,13 +240,13 @@ class Trainer:
             global_shape = (leaf.shape[0] * jax.process_count(), *leaf.shape[1:])
             axes = (tuple(self.task.batch_axes) + (None,) * leaf.ndim)[: leaf.ndim]
             sharding = named_sharding(self.mesh, axes, self.rules, global_shape)
-            _check_process_rows(sharding, global_shape, leaf.shape[0], axes[0] if axes else None, self.rules)
+            check_process_rows(sharding, global_shape, leaf.shape[0], axes[0] if axes else None, self.rules)
             if axes and axes[0] is not None:
                 # Each micro-batch (every grad_accum-th row) is what a device computes on at a time.
                 accum = self.loop.grad_accum
                 micro = (global_shape[0] // accum, *global_shape[1:])
                 micro_sharding = named_sharding(self.mesh, axes, self.rules, micro)
-                replicated.add(_replicated_rows_message(micro_sharding, axes[0], micro[0], self.rules, accum))
+                replicated.add(replicated_rows_message(micro_sharding, axes[0], micro[0], self.rules, accum))
             return sharding
 
         shardings = jax.tree.map(one, self._peek_batch())
@@ -275,16 +281,26 @@ class Trainer:
             finish_metrics=self.task.finish_metrics,
         )
         batch_shardings = self._batch_shardings()
-        batch_axis = (tuple(self.task.batch_axes) or (None,))[0]
-        idle = _idle_axes_message(self.mesh, self.rules, batch_axis, self.state_shardings, teacher_shardings)
-        if idle and self.is_main:
-            warnings.warn(idle, stacklevel=3)  # at the caller of Trainer(...)
         return jax.jit(
             step,
             in_shardings=(self.state_shardings, batch_shardings, teacher_shardings),
             out_shardings=(self.state_shardings, None),
             donate_argnums=0,
         )
+
+    def _warn_of_devices_computing_the_same(self, params: Any, teacher_shardings: Any) -> None:
+        """Warns of mesh axes that split nothing, and of those that do not divide some of the
+        dimensions of ``params`` (boxed) the rules give them (``ember.training.mesh_checks``)."""
+        if not self.is_main:
+            return
+        batch_axis = (tuple(self.task.batch_axes) or (None,))[0]
+        idle = idle_axes(self.mesh, self.rules, batch_axis, self.state_shardings, teacher_shardings)
+        for message in (
+            idle_axes_message(self.mesh, self.rules, idle),
+            undivided_axes_message(self.mesh, self.rules, params, skip=tuple(idle)),
+        ):
+            if message:
+                warnings.warn(message, stacklevel=4)  # at the caller of Trainer(...)
 
     def _init(self, boxed: TrainState) -> TrainState:
         # Initialisation needs no activation constraints: out_shardings place the state.
@@ -513,107 +529,6 @@ class Trainer:
     def trainable_params(self) -> Any:
         """The parameters this run updates (``select(params, mask)``)."""
         return select(self.state.params, self.mask)
-
-
-def _check_process_rows(
-    sharding: Any, global_shape: tuple[int, ...], local_rows: int, axis: str | None, rules: Any
-) -> None:
-    """Each process feeds its own ``local_rows`` of a global batch, so the devices of a process
-    must hold exactly that many rows. They do not when the mesh's batch axes (``axis``'s rule)
-    do not divide the batch (it is then replicated over them, ``ember.core.sharding``), or when
-    they divide it but do not span the processes (an axis the batch is not split over, such as
-    ``tensor``, across processes: each process's devices hold other processes' rows too).
-
-    Raises:
-      ConfigError: keyed ``train.batch_size`` (the batch does not divide) or the mesh axis that
-        spans processes without splitting the batch.
-    """
-    if jax.process_count() == 1:
-        return
-    rows = {
-        index[0].indices(global_shape[0]) for index in sharding.addressable_devices_indices_map(global_shape).values()
-    }
-    held = sum(len(range(*row)) for row in rows)
-    if held == local_rows:
-        return
-    mesh, processes = sharding.mesh, jax.process_count()
-    wanted, split = _batch_split(mesh, axis, rules)
-    if global_shape[0] % split == 0:  # the batch divides: the layout puts other processes' rows here
-        others = [name for name in mesh.axis_names if mesh.shape[name] > 1 and name not in wanted]
-        split_over = " x ".join(f"mesh.{name}={mesh.shape[name]}" for name in wanted) or "no mesh axis"
-        raise ConfigError(
-            f"the global batch of {global_shape[0]} rows cannot be fed by {processes} processes on this mesh: each "
-            f"process reads its own {local_rows} rows, but this process's devices hold {held} (the batch is split over "
-            f"{split_over}; {', '.join(f'mesh.{name}={mesh.shape[name]}' for name in others) or 'the other axes'} "
-            f"spans processes); the axes the batch is split over (mesh.data x mesh.fsdp x mesh.expert by default) "
-            f"must span the processes, their product a multiple of {processes}, and the others stay within one "
-            f"process's {jax.local_device_count()} devices",
-            key=f"mesh.{others[0]}" if others else "mesh.data",
-        )
-    raise ConfigError(
-        f"the global batch of {global_shape[0]} rows does not split over the mesh's batch axes across "
-        f"{processes} processes (this process's devices hold {held} rows, it reads {local_rows}); make "
-        "train.batch_size a multiple of the product of the mesh axes the batch is sharded over "
-        "(mesh.data x mesh.fsdp x mesh.expert by default)",
-        key="train.batch_size",
-    )
-
-
-def _batch_split(mesh: Any, axis: str | None, rules: Any) -> tuple[list[str], int]:
-    """``(the mesh axes of size > 1 the rules split logical batch axis ``axis`` over, the product
-    of their sizes)``: the devices a batch the axes divide is split over."""
-    wanted = list(splitting_axes(mesh, axis, rules))
-    return wanted, math.prod(mesh.shape[name] for name in wanted)
-
-
-def _replicated_rows_message(sharding: Any, axis: str, rows: int, rules: Any, grad_accum: int = 1) -> str | None:
-    """What to tell the user when the rules split logical batch ``axis`` over mesh axes that
-    ``sharding`` had to drop because they do not divide ``rows`` (``ember.core.sharding``), the rows
-    of a micro-batch with ``grad_accum`` > 1: those devices then compute the same rows. ``None``
-    when nothing of size > 1 was dropped."""
-    mesh = sharding.mesh
-    entry = sharding.spec[0] if len(sharding.spec) else None
-    kept = set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
-    wanted, split = _batch_split(mesh, axis, rules)
-    dropped = [name for name in wanted if name not in kept]
-    if not dropped:
-        return None
-    batch = f"the batch of {rows} rows" if grad_accum == 1 else f"each micro-batch of {rows} rows"
-    multiple = " x ".join([*(f"mesh.{name}" for name in wanted), *(["train.grad_accum"] if grad_accum > 1 else [])])
-    return (
-        f"{batch} is replicated, not split, over mesh axes "
-        f"{' x '.join(f'{name}={mesh.shape[name]}' for name in dropped)} (they do not divide it): those devices "
-        f"all compute the same rows; a train.batch_size that is a multiple of {split * grad_accum} "
-        f"({multiple}) is split over every device"
-    )
-
-
-def _idle_axes_message(mesh: Any, rules: Any, batch_axis: str | None, *shardings: Any) -> str | None:
-    """What to tell the user when mesh axes of size > 1 split nothing: no parameter of ``shardings``
-    (the state's, the teacher's) is split over them (the rules map no logical axis to them, or none
-    of those dimensions divides) and the batch is not (its rule does not name them; one that does
-    but does not divide is ``_replicated_rows_message``'s), so their devices hold and compute the
-    same. ``None`` when every such axis splits something."""
-    rules = dict(rules)
-    used = {*rules.get(batch_axis, ()), *rules.get("seq", ())}  # seq: activations only
-    for sharding in jax.tree.leaves(shardings):
-        for entry in sharding.spec:
-            used.update((entry,) if isinstance(entry, str) else entry or ())
-    idle = [name for name in mesh.axis_names if mesh.shape[name] > 1 and name not in used]
-    if not idle:
-        return None
-    reasons = []
-    for name in idle:
-        logical = [axis for axis, mesh_axes in rules.items() if name in mesh_axes]
-        why = f"the rules split {', '.join(logical)} over it" if logical else "no sharding rule names it"
-        reasons.append(f"mesh.{name}={mesh.shape[name]} ({why})")
-    one = len(idle) == 1
-    return (
-        f"mesh ax{'is' if one else 'es'} {', '.join(reasons)} split{'s' if one else ''} no parameter (none has a "
-        f"dimension {'it divides' if one else 'they divide'}) and not the batch: {'its' if one else 'their'} devices "
-        f"all hold and compute the same; set {' and '.join(f'mesh.{name}=1' for name in idle)} and give the devices "
-        "to mesh.data"
-    )
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:

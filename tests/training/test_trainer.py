@@ -17,11 +17,12 @@ import pytest
 
 from ember.core.checkpoint import CheckpointManager
 from ember.core.errors import ConfigError, DataError, EmberError
-from ember.core.sharding import MeshConfig, make_mesh
+from ember.core.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 from ember.models.config import ModelConfig, SSMConfig
 from ember.models.decoder import DecoderLM
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.loss_scaling import LossScaleState
+from ember.training.mesh_checks import undivided_axes_message
 from ember.training.optimizers import OptimConfig, ScheduleConfig, make_optimizer
 from ember.training.task import LossTerms, Task, apply_with_aux
 from ember.training.throughput import ThroughputWindow
@@ -237,13 +238,13 @@ def test_a_finished_run_resumed_writes_its_complete_summary_again(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
 
 
-def trainer_warnings(run_dir, mesh, containing, **loop):
-    """The warnings holding ``containing`` of a trainer of ``Regression`` (8 rows) on ``mesh`` (a
-    ``MeshConfig`` of fixed sizes, on that many devices)."""
+def trainer_warnings(run_dir, mesh, containing, task=None, **loop):
+    """The warnings holding ``containing`` of a trainer of ``task`` (default ``Regression``, 8 rows)
+    on ``mesh`` (a ``MeshConfig`` of fixed sizes, on that many devices)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Trainer(
-            Regression(),
+            task or Regression(),
             loop=LoopConfig(steps=1, **loop),
             logging=LoggingConfig(progress=False, tensorboard=False),
             run_dir=run_dir,
@@ -283,6 +284,38 @@ def test_a_mesh_axis_that_splits_nothing_is_named_in_a_warning(tmp_path):
     ]
     # fsdp splits the batch
     assert trainer_warnings(tmp_path / "batch", MeshConfig(data=2, fsdp=2), "splits no parameter") == []
+
+
+class RegressionWithHeads(Regression):
+    """``Regression`` plus two biases the rules split over the tensor axis: 4 ``mlp`` units and 3
+    ``heads`` (added to the loss times zero, so they are parameters of the step)."""
+
+    def init_params(self, rng):
+        biases = {"mlp_bias": ("mlp", 4), "heads_bias": ("heads", 3)}
+        own = {name: nn.LogicallyPartitioned(jnp.zeros(size), (axis,)) for name, (axis, size) in biases.items()}
+        return {**super().init_params(rng), **own}
+
+    def loss(self, params, batch, *, rng, teacher):
+        terms = super().loss({k: v for k, v in params.items() if "bias" not in k}, batch, rng=rng, teacher=teacher)
+        unused = sum(jnp.sum(params[name]) for name in ("mlp_bias", "heads_bias"))
+        return terms._replace(loss_sum=terms.loss_sum + 0 * unused)
+
+
+def test_a_mesh_axis_that_does_not_divide_some_dimensions_is_named_in_a_warning(tmp_path):
+    """mesh.tensor=2 splits the 4 mlp units but not the 3 heads, which both of its devices then
+    held and computed: only a mesh axis that split nothing at all was warned of. (An LM with 4
+    heads and 2 key heads on mesh.tensor=8 is the case met in practice.)"""
+    mesh = MeshConfig(data=2, tensor=2)
+    assert trainer_warnings(tmp_path / "heads", mesh, "does not divide", task=RegressionWithHeads()) == [
+        "mesh.tensor=2 does not divide the parameters' heads (3): those dimensions are replicated over that axis, "
+        "whose devices hold and compute the same slices of them; a mesh axis size that divides them splits them"
+    ]
+    # tensor splits nothing of Regression: the idle axis's own warning, not this one
+    assert trainer_warnings(tmp_path / "idle", mesh, "does not divide") == []
+    config = ModelConfig(vocab_size=128, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64)
+    params = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    message = undivided_axes_message(make_mesh(MeshConfig(data=1, tensor=8)), DEFAULT_RULES, params)
+    assert message.startswith("mesh.tensor=8 does not divide the parameters' heads (4), kv_heads (2):")
 
 
 def test_a_mesh_of_ones_own_without_embers_axis_names_trains_like_embers(tmp_path):
