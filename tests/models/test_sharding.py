@@ -174,7 +174,7 @@ def test_kernel_shards_keep_query_heads_with_their_key_heads_when_the_mesh_split
 QLORA_CONFIG = dataclasses.replace(CONFIG, num_layers=2, block_pattern=("global",), qkv_bias=False, qk_norm=False)
 
 
-def qlora_loss_and_adapter_gradients(impl, rng, config=QLORA_CONFIG):
+def qlora_loss_and_adapter_gradients(impl, rng, config=QLORA_CONFIG, targets=("q", "v", "o", "up", "down")):
     """(the jitted QLoRA loss-and-adapter-gradients step, its NF4 base with adapters whose B are
     nonzero, tokens, how the step takes the parameters)."""
     model = DecoderLM(dataclasses.replace(config, quantized_impl=impl))
@@ -183,7 +183,7 @@ def qlora_loss_and_adapter_gradients(impl, rng, config=QLORA_CONFIG):
     @jax.jit
     def qlora(tokens):
         params = model.init(jax.random.key(0), tokens)["params"]
-        adapted = add_lora(params, LoraConfig(rank=4, targets=("q", "v", "o", "up", "down")), jax.random.key(1))
+        adapted = add_lora(params, LoraConfig(rank=4, targets=targets), jax.random.key(1))
         flat = param_paths(adapted)
         for path in [p for p in flat if p.endswith("lora_b")]:  # B = 0 would give A no gradient
             flat[path] = flat[path].replace_boxed(0.1 * jax.random.normal(jax.random.key(2), flat[path].value.shape))
@@ -216,23 +216,21 @@ def test_quantized_matmuls_run_on_each_devices_rows_and_columns_with_the_same_lo
     jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
 
 
-def test_fsdp_gathers_quantized_weights_as_their_codes_on_xlas_path(rng):
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_fsdp_gathers_quantized_weights_as_their_codes_on_xlas_path(family, rng):
     """Under FSDP each device multiplies by whole weights gathered from their row shards. XLA's
     path dequantised each shard and gathered the float weights (f32 here, 8x the NF4 codes' bytes:
-    10 such all-gathers in this program); it now gathers the 4-bit codes, as the kernel's path
-    does, with the same loss and adapter gradients. (The vocabulary, 96, keeps the float embedding
-    and head apart from every quantized weight's size.)"""
+    14 such all-gathers in the dense program, 3 of the stacked experts in the MoE one); it now
+    gathers the 4-bit codes, as the kernel's path does, with the same loss and adapter gradients.
+    (The vocabulary, 96, keeps the float embedding and head apart from every quantized weight.)"""
+    config, targets = {"dense": (QLORA_CONFIG, ("q", "v", "o", "up", "down")), "moe": (MOE_CONFIG, ("q", "v"))}[family]
     step, params, tokens, adapters_and_base = qlora_loss_and_adapter_gradients(
-        "xla", rng, dataclasses.replace(QLORA_CONFIG, vocab_size=96)
+        "xla", rng, dataclasses.replace(config, vocab_size=96), targets
     )
     expected = step(*adapters_and_base(nn.meta.unbox(params)), tokens)
     compiled, (value, grads) = compiled_on_mesh(
         step, params, tokens, adapters_and_base, mesh_config=MeshConfig(data=2, fsdp=4)
     )
-    # An NF4 weight [K, N] stores K // 2 x N bytes of codes.
-    weight_sizes = {
-        2 * codes.size for path, codes in param_paths(nn.meta.unbox(params)).items() if path.endswith("/nf4")
-    }
     gathered = [
         re.match(r"(\w+)\[([\d,]*)\]", result).groups() for result, op in collectives(compiled) if op == "all-gather"
     ]
@@ -240,11 +238,28 @@ def test_fsdp_gathers_quantized_weights_as_their_codes_on_xlas_path(rng):
     float_weights = [
         f"{dtype}[{shape}]"
         for dtype, shape in gathered
-        if dtype.startswith(("f", "bf")) and math.prod(map(int, shape.split(","))) in weight_sizes
+        if dtype.startswith(("f", "bf")) and _dims(map(int, shape.split(","))) in float_forms(params)
     ]
     assert not float_weights
     assert_allclose(value, expected[0])
     jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
+
+
+def float_forms(params) -> set[tuple[int, ...]]:
+    """The dimensions (sorted, without 1s) a layer's NF4 weights have as floats: the codes
+    ``[layers, (experts,) K // 2, *out]`` stand for ``[K, *out]`` or ``[K, N]`` per matrix, and
+    ``[experts, K, N]`` per MoE layer."""
+    forms = set()
+    for path, codes in param_paths(nn.meta.unbox(params)).items():
+        if path.endswith("/nf4"):
+            experts = codes.shape[1:2] if codes.ndim == 4 and "experts" in path else ()
+            rows, out = 2 * codes.shape[1 + len(experts)], codes.shape[2 + len(experts) :]
+            forms |= {_dims((rows, *out)), _dims((rows, math.prod(out))), _dims((*experts, rows, math.prod(out)))}
+    return forms
+
+
+def _dims(shape) -> tuple[int, ...]:
+    return tuple(sorted(size for size in shape if size != 1))
 
 
 # Two MoE layers whose capacity (1.25) drops token-slots of this batch.

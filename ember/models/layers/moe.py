@@ -21,9 +21,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ember.core.sharding import constrain
 from ember.models.adapters.lowrank import adapted_weight, read_low_rank
 from ember.models.config import ModelConfig
 from ember.models.layers.expert_parallel import expert_parallel_ranks, expert_parallel_routed_mlp
+from ember.models.layers.kernel_shards import unshared_with
 from ember.models.layers.mlp import GATED, Mlp
 from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp_per_shard, slot_capacity
 from ember.models.layers.router import balance_statistics, route, updated_balance_bias
@@ -53,7 +55,7 @@ class ExpertWeights(nn.Module):
                 param = self.param(name, nn.with_logical_partitioning(init, axes), shape, config.policy.param_dtype)
             else:  # [E, in, out]: each expert's matrix dequantized
                 floats = jax.vmap(lambda parts: dequantized(parts, shape[1:2], config.policy.compute_dtype))
-                param = floats(stored.parts)
+                param = floats(_laid_out_for_dispatch(stored.parts, axes))
             param = adapted_weight(param, read_low_rank(self, name), in_dims=1, lead_dims=1)
             return param.astype(config.policy.compute_dtype)
 
@@ -63,6 +65,19 @@ class ExpertWeights(nn.Module):
         up = weight("up", (experts, embed, hidden), ("expert", "embed", "mlp"))
         down = weight("down", (experts, hidden, embed), ("expert", "mlp", "embed"))
         return gate, up, down
+
+
+def _laid_out_for_dispatch(parts, axes):
+    """A quantized expert matrix's stored parts (``[E, rows, out]`` codes and scales, NF4's
+    ``absmax_scale [E, blocks]`` and ``absmax_mean [E]``) laid out as the dispatch takes the float
+    weight: the experts split (expert parallelism), an axis whose mesh axes the batch takes too
+    (FSDP's ``embed``) whole. XLA then gathers the codes and dequantises on each device; left to
+    itself it dequantised each FSDP shard and gathered the floats (f32 on CPU: 8x NF4's bytes)."""
+    layout = (axes[0], *unshared_with(("batch",), axes[1:]))
+    return {
+        name: constrain(part, layout if part.ndim == 3 else layout[:1] + (None,) * (part.ndim - 1))
+        for name, part in parts.items()
+    }
 
 
 class Router(nn.Module):
