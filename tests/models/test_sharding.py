@@ -183,7 +183,8 @@ def qlora_loss_and_adapter_gradients(impl, rng, config=QLORA_CONFIG, targets=("q
     @jax.jit
     def qlora(tokens):
         params = model.init(jax.random.key(0), tokens)["params"]
-        adapted = add_lora(params, LoraConfig(rank=4, targets=targets), jax.random.key(1))
+        # rank 3: no adapter has the shape of a weight's NF4 absmax, so gathers tell them apart
+        adapted = add_lora(params, LoraConfig(rank=3, targets=targets), jax.random.key(1))
         flat = param_paths(adapted)
         for path in [p for p in flat if p.endswith("lora_b")]:  # B = 0 would give A no gradient
             flat[path] = flat[path].replace_boxed(0.1 * jax.random.normal(jax.random.key(2), flat[path].value.shape))
@@ -222,8 +223,12 @@ def test_fsdp_gathers_quantized_weights_as_their_codes_on_xlas_path(family, rng)
     path dequantised each shard and gathered the float weights (f32 here, 8x the NF4 codes' bytes:
     14 such all-gathers in the dense program, 3 of the stacked experts in the MoE one); it now
     gathers the 4-bit codes, as the kernel's path does, with the same loss and adapter gradients.
-    (The vocabulary, 96, keeps the float embedding and head apart from every quantized weight.)"""
-    config, targets = {"dense": (QLORA_CONFIG, ("q", "v", "o", "up", "down")), "moe": (MOE_CONFIG, ("q", "v"))}[family]
+    NF4's absmax scales were decoded to f32 before their gather on both paths; they now travel as
+    their 8-bit codes. (The vocabulary, 96, keeps the float embedding and head apart from every
+    quantized weight.)"""
+    # 6 experts: the router's [64, 6] kernel and [tokens, 6] logits have no NF4 absmax's shape
+    six_experts = dataclasses.replace(MOE_CONFIG, moe=dataclasses.replace(MOE_CONFIG.moe, num_experts=6))
+    config, targets = {"dense": (QLORA_CONFIG, ("q", "v", "o", "up", "down")), "moe": (six_experts, ("q", "v"))}[family]
     step, params, tokens, adapters_and_base = qlora_loss_and_adapter_gradients(
         "xla", rng, dataclasses.replace(config, vocab_size=96), targets
     )
@@ -235,27 +240,36 @@ def test_fsdp_gathers_quantized_weights_as_their_codes_on_xlas_path(family, rng)
         re.match(r"(\w+)\[([\d,]*)\]", result).groups() for result, op in collectives(compiled) if op == "all-gather"
     ]
     assert "u8" in {dtype for dtype, _ in gathered}, "no quantized weight gathered: not an FSDP program"
+    weights, absmax = float_forms(params)
     float_weights = [
         f"{dtype}[{shape}]"
         for dtype, shape in gathered
-        if dtype.startswith(("f", "bf")) and _dims(map(int, shape.split(","))) in float_forms(params)
+        if dtype.startswith(("f", "bf")) and _dims(map(int, shape.split(","))) in weights
     ]
     assert not float_weights
+    decoded_absmax = [
+        f"{dtype}[{shape}]"
+        for dtype, shape in gathered
+        if dtype == "f32" and _dims(map(int, shape.split(","))) in absmax
+    ]
+    assert not decoded_absmax  # NF4's scales travel as their 8-bit codes (f16 on CPU), decoded f32 after
     assert_allclose(value, expected[0])
     jax.tree.map(lambda got, want: assert_allclose(got, want, scale=10), grads, expected[1])
 
 
-def float_forms(params) -> set[tuple[int, ...]]:
-    """The dimensions (sorted, without 1s) a layer's NF4 weights have as floats: the codes
-    ``[layers, (experts,) K // 2, *out]`` stand for ``[K, *out]`` or ``[K, N]`` per matrix, and
-    ``[experts, K, N]`` per MoE layer."""
-    forms = set()
-    for path, codes in param_paths(nn.meta.unbox(params)).items():
-        if path.endswith("/nf4"):
-            experts = codes.shape[1:2] if codes.ndim == 4 and "experts" in path else ()
-            rows, out = 2 * codes.shape[1 + len(experts)], codes.shape[2 + len(experts) :]
-            forms |= {_dims((rows, *out)), _dims((rows, math.prod(out))), _dims((*experts, rows, math.prod(out)))}
-    return forms
+def float_forms(params) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
+    """The dimensions (sorted, without 1s) a layer's NF4 weights and their absmax scales have as
+    floats: the codes ``[layers, (experts,) K // 2, *out]`` stand for ``[K, *out]`` or ``[K, N]``
+    per matrix, and ``[experts, K, N]`` per MoE layer; the absmax ``[layers, (experts,) K // 16,
+    *out]`` for ``[K // 16, *out]`` or ``[K // 16, N]``."""
+    forms = {"nf4": set(), "absmax": set()}
+    for path, array in param_paths(nn.meta.unbox(params)).items():
+        part = path.rsplit("/", 1)[-1]
+        if part in forms:
+            experts = array.shape[1:2] if "experts" in path else ()
+            rows, out = array.shape[1 + len(experts)] * (2 if part == "nf4" else 1), array.shape[2 + len(experts) :]
+            forms[part] |= {_dims((rows, *out)), _dims((rows, math.prod(out))), _dims((*experts, rows, math.prod(out)))}
+    return forms["nf4"], forms["absmax"]
 
 
 def _dims(shape) -> tuple[int, ...]:

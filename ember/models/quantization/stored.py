@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ember.core.sharding import per_shard
+from ember.core.sharding import constrain, per_shard
 from ember.kernels_pallas.quantized_formats import FORMATS, QuantizedMatrix, dequantize
 from ember.kernels_pallas.quantized_matmul import quantized_matmul
 from ember.models.layers.kernel_shards import unshared_with
@@ -139,18 +139,20 @@ def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1, impl:
     Why both paths: XLA cannot partition the Pallas kernel (it gathered ``x`` and ``W`` whole onto
     every device), and on XLA's own path it partitions the dequantised product, so under FSDP it
     gathered the float weight (8x an NF4 weight's bytes in f32)."""
-    matrix = as_matrix(weight.parts)
-    out_shape = weight.out_shape
-    values, scales = (a.reshape(a.shape[0], *out_shape) for a in (matrix.values, matrix.scales))
+    out_shape, fmt = weight.out_shape, weight.format
 
     def product(x, values, scales, out_dtype=None):
         lead = x.shape[: x.ndim - in_dims]
-        local = QuantizedMatrix(values.reshape(values.shape[0], -1), scales.reshape(scales.shape[0], -1), matrix.format)
+        local = QuantizedMatrix(values.reshape(values.shape[0], -1), scales.reshape(scales.shape[0], -1), fmt)
         y = quantized_matmul(x.reshape(math.prod(lead), -1), local, impl=impl, preferred_element_type=out_dtype)
         return y.reshape(*lead, *values.shape[1:])
 
+    def values_and_scales(parts):
+        matrix = as_matrix(parts)
+        return (a.reshape(a.shape[0], *out_shape) for a in (matrix.values, matrix.scales))
+
     if x.ndim == in_dims:
-        return product(x, values, scales)
+        return product(x, *values_and_scales(weight.parts))
     axes = weight.axes or (None,) * (in_dims + len(out_shape))
     rows = ("batch", *(None,) * (x.ndim - in_dims - 1))
     columns = unshared_with(("batch",), axes[in_dims:])
@@ -158,10 +160,14 @@ def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1, impl:
     # int8's one scale per column multiplies each partial product alike.
     (k,) = unshared_with(("batch", *columns), axes[:1])
     x_axes = (*rows, k, *(None,) * (in_dims - 1))
-    scales_k = None if matrix.format == "int8" else k
+    scales_k = None if fmt == "int8" else k
+    parts = weight.parts
+    if fmt == "nf4":  # absmax codes laid out as the product takes the scales: gathered as 8-bit floats, not decoded f32
+        parts = {**parts, "absmax": constrain(parts["absmax"], (scales_k, *columns))}
     in_axes = [x_axes, (k, *columns), (scales_k, *columns)]
     partial_sums = functools.partial(product, out_dtype=jnp.float32 if k else None)  # summed in f32
-    return per_shard(partial_sums, in_axes, (*rows, *columns), sum_over=k)(x, values, scales).astype(x.dtype)
+    sharded = per_shard(partial_sums, in_axes, (*rows, *columns), sum_over=k)
+    return sharded(x, *values_and_scales(parts)).astype(x.dtype)
 
 
 def record_input(module: nn.Module, name: str, x: jax.Array, in_dims: int = 1) -> None:
