@@ -21,6 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ember.core.sharding import per_shard
+
 
 class Routing(NamedTuple):
     """The experts each token goes to and the weights of their outputs."""
@@ -58,7 +60,7 @@ def route(
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if selection_bias is None else scores + jax.lax.stop_gradient(selection_bias)
-    _, expert_ids = jax.lax.top_k(choice, top_k)
+    expert_ids = per_shard(lambda choice: jax.lax.top_k(choice, top_k)[1], [("batch", None)], ("batch", None))(choice)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
