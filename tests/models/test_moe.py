@@ -350,3 +350,34 @@ def test_training_padding_takes_no_capacity_and_is_left_out_of_the_losses(decode
     assert all(float(d) > 0 for d in compact_sown["metrics"]["dropped_fraction"])
     assert_allclose(padded[batches.real], compact[0], scale=10)
     jax.tree.map(lambda a, b: assert_allclose(a, b, scale=10), padded_sown, compact_sown)
+
+
+def test_calibration_sows_each_expert_s_grams_of_the_slots_it_was_dispatched(rng):
+    """GPTQ's per-expert statistics against the routing written out by hand: each expert's
+    ``gate``/``up`` Gram sums ``x x^T`` over the real tokens that chose it and kept their slot
+    (capacity drops and padding are not its inputs), its ``down`` Gram ``h h^T`` over their hidden
+    activations. Before, the layer sowed nothing for its experts (GPTQ rounded them to nearest)."""
+    from ember.models.quantization import CALIBRATION
+
+    config = dataclasses.replace(BASE, moe=CASES["capacity"])
+    moe, module, generator = config.moe, MoeMlp(config), numpy_rng(rng)
+    mask = np.array([True, True, False, True, True, True, False, True, True, True, True, True, True, False])
+    x = jnp.asarray(generator.standard_normal((1, mask.size, config.d_model)), jnp.float32)
+    params = random_params(module, rng, x)
+    sown = jax.jit(lambda x: module.apply({"params": params}, x, None, mask[None], mutable=[CALIBRATION])[1])(x)
+    grams = sown[CALIBRATION]["experts"]
+
+    real = np.asarray(x[0, mask], np.float64)
+    logits = real @ np.asarray(params["router"]["kernel"], np.float64)
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, : moe.top_k]  # softmax keeps the order
+    capacity = int(np.ceil(moe.capacity_factor * mask.sum() * moe.top_k / moe.num_experts))
+    dropped = reference_drops(chosen, moe.num_experts, capacity)
+    assert dropped.any() and not dropped.all()
+    experts = {name: np.asarray(w, np.float64) for name, w in params["experts"].items()}
+    for e in range(moe.num_experts):
+        rows = real[np.any((chosen == e) & ~dropped, axis=1)]
+        silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+        hidden = silu(rows @ experts["gate"][e]) * (rows @ experts["up"][e])
+        for name in ("gate", "up"):
+            assert_allclose(grams[f"{name}_gram"][e], rows.T @ rows, scale=10, err_msg=f"expert {e} {name}")
+        assert_allclose(grams["down_gram"][e], hidden.T @ hidden, scale=10, err_msg=f"expert {e} down")

@@ -255,9 +255,8 @@ def test_mixlora_mlps_are_not_stored_quantized():
 def test_routed_experts_are_stored_quantized_and_read_back_exactly(scan_layers):
     """Each expert's matrix is stored as a quantized matrix of its own by the default targets
     (before, refused: the layer read float weights only, and a model whose MLPs are all routed had
-    no default target to store): the logits equal those of the dequantized float tree. GPTQ, whose
-    calibration sees no expert's own tokens, rounds them to nearest and says so; QAT's fake
-    quantization reaches them too."""
+    no default target to store): the logits equal those of the dequantized float tree. GPTQ needs
+    the experts' own statistics (see the next test); QAT's fake quantization reaches them too."""
     from ember.models.config import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_dim=32)
@@ -276,13 +275,49 @@ def test_routed_experts_are_stored_quantized_and_read_back_exactly(scan_layers):
         assert 0 < float(jnp.abs(logits(quantized) - logits(params)).max()) < 0.1, fmt  # rounded, near the float
     up = next(p for p in param_paths(params) if p.endswith("moe/experts/up"))
     grams = {p: jnp.eye(32) for p in quantized_paths(params, QuantizeConfig()) if "/experts/" not in p}
-    with pytest.warns(
-        UserWarning, match=r"GPTQ rounds the routed experts' weights to nearest \(.*experts/\w+ and [25] more"
-    ):
-        gptq = param_paths(quantize_params(params, QuantizeConfig(format="int8", method="gptq"), grams=grams))
-    rounded = param_paths(store(params, QuantizeConfig(format="int8")))
-    np.testing.assert_array_equal(gptq[f"{up}/int8"], rounded[f"{up}/int8"])
+    with pytest.raises(ConfigError, match=r"no calibration statistics for .*moe/experts/"):
+        quantize_params(params, QuantizeConfig(format="int8", method="gptq"), grams=grams)
     assert not np.array_equal(param_paths(fake_quantize_params(params, "int8"))[up], param_paths(params)[up])
+
+
+def test_gptq_quantizes_each_routed_expert_with_the_grams_of_its_own_tokens():
+    """GPTQ weighs each expert's rounding by the Gram matrices of the token-slots routed to it
+    (``[layers, experts, K, K]``), so the experts alone quantized move the logits less than round
+    to nearest, on the calibration windows and on others alike (before, GPTQ rounded every expert
+    to nearest: the same error). An expert the router never picks (a selection bias of -1e9) gets
+    zero Grams and is rounded to nearest, counted and warned about, where GPTQ would have zeroed it."""
+    from ember.models.config import MoEConfig
+    from ember.models.quantization import uncalibrated_matrices
+
+    moe = MoEConfig(num_experts=4, top_k=2, expert_dim=32, bias_balancing_rate=0.01)
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=32, mlp_pattern=("moe",),
+                         moe=moe)  # fmt: skip
+    model = DecoderLM(config)
+    calibration = jax.random.randint(jax.random.key(1), (16, 32), 0, 64)
+    other = jax.random.randint(jax.random.key(2), (4, 32), 0, 64)
+    variables = jax.jit(model.init)(jax.random.key(0), other)
+    params = jax.jit(lambda v: perturbed(nn.meta.unbox(v["params"])))(variables)
+    state = {"balance": {"layers": {"block_0": {"moe": {"router_bias": jnp.array([[0.0, 0, 0, -1e9]] * 2)}}}}}
+    apply_fn = lambda v, batch: model.apply({**v, **state}, batch, mutable=[CALIBRATION])[1][CALIBRATION]  # noqa: E731
+    grams = calibration_grams(apply_fn, params, [calibration[:8], calibration[8:]])
+    experts = [p for p in grams if "/experts/" in p]
+    assert sorted(p.rsplit("/", 1)[-1] for p in experts) == ["down", "gate", "up"]
+    assert all(grams[p].shape == (2, 4, 32, 32) for p in experts)
+    assert uncalibrated_matrices(grams) == dict.fromkeys(experts, 2)  # expert 3 of both layers
+    config = QuantizeConfig(format="int4", group_size=32, method="gptq", targets=("experts",))
+    warning = r"GPTQ rounds 6 matrices to nearest, of the 24 in .*experts/\w+ and 2 more weights"
+    with pytest.warns(UserWarning, match=warning):
+        gptq = quantize_params(params, config, grams=grams)
+    rtn = jax.jit(lambda p: quantize_params(p, dataclasses.replace(config, method="rtn")))(params)
+    for path in experts:
+        codes, rounded = param_paths(gptq)[f"{path}/int4"], param_paths(rtn)[f"{path}/int4"]
+        np.testing.assert_array_equal(codes[:, 3], rounded[:, 3])
+        assert not np.array_equal(codes[:, :3], rounded[:, :3])
+    forward = jax.jit(lambda p, tokens: model.apply({"params": p, **state}, tokens)[0])
+    for tokens, margin in ((calibration[:4], 0.7), (other, 1.0)):
+        reference = forward(params, tokens)
+        gptq_error, rtn_error = (float(jnp.mean((forward(p, tokens) - reference) ** 2)) for p in (gptq, rtn))
+        assert gptq_error < margin * rtn_error, (gptq_error, rtn_error)
 
 
 def test_quantized_impl_picks_the_quantized_matmuls_implementation(monkeypatch):

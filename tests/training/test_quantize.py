@@ -79,6 +79,7 @@ def test_int8_is_within_one_percent_and_gptq_beats_round_to_nearest(work):
     assert 0 < gptq["kl_to_float"] < 0.5 * rtn["kl_to_float"], (gptq["kl_to_float"], rtn["kl_to_float"])
     assert 0 < int8["kl_to_float"] < gptq["kl_to_float"]
     assert int8["quantized_weights"] == 14  # the 7 projections of each of the 2 (unscanned) layers
+    assert gptq["uncalibrated_matrices"] == rtn["uncalibrated_matrices"] == 0  # every dense weight sees every token
     assert rtn["quantized_weight_bytes"] < int8["quantized_weight_bytes"] < int8["float_weight_bytes"]
 
 
@@ -285,10 +286,11 @@ def test_a_run_whose_dataset_has_no_validation_text_names_that_split(tmp_path):
 
 def test_the_cli_chooses_the_weights_to_quantize(tmp_path, monkeypatch, capsys):
     # Before, 'ember quantize' had no option to choose the weights it quantizes ("unrecognized
-    # arguments: --targets").
+    # arguments: --targets"). It says how many matrices GPTQ rounded to nearest (experts no
+    # calibration token reached), when any.
     from ember.training.quantization import ptq
 
-    seen = {}
+    seen, uncalibrated = {}, iter([1, 0])
 
     def fake_quantize_model(source, out, config, **kwargs):
         seen["targets"] = config.targets
@@ -297,11 +299,15 @@ def test_the_cli_chooses_the_weights_to_quantize(tmp_path, monkeypatch, capsys):
             "method": config.method,
             **dict.fromkeys(("float_val_loss", "quantized_val_loss", "val_loss_delta", "kl_to_float"), 0.0),
             "eval_tokens": 1,
+            "uncalibrated_matrices": next(uncalibrated),
         }
 
     monkeypatch.setattr(ptq, "quantize_model", fake_quantize_model)
     assert main(["quantize", str(tmp_path / "run"), str(tmp_path / "out"), "--targets", "q,k,v,o"]) == 0
     assert seen["targets"] == ("q", "k", "v", "o")
+    assert "GPTQ rounded 1 matrices to nearest: no calibration token reached them" in capsys.readouterr().out
+    assert main(["quantize", str(tmp_path / "run"), str(tmp_path / "out2")]) == 0
+    assert "GPTQ rounded" not in capsys.readouterr().out
 
 
 def test_a_run_trained_on_a_relative_dataset_path_quantizes_from_another_directory(tmp_path, monkeypatch, dataset):

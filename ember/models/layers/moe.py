@@ -11,6 +11,8 @@ Parameters (``E`` FFN experts, ``R`` routed experts with MoE++'s zero-computatio
 - ``shared/{gate,up,down}`` (an ordinary ``Mlp``) and ``shared_gate [embed, 1]``.
 - ``constant_vectors [C, embed]`` and ``constant_kernel [embed, C, 2]`` (MoE++ constant experts).
 - collection ``balance``: ``router_bias [R]`` f32 (not a parameter) with ``bias_balancing_rate``.
+- collection ``calibration`` (GPTQ's pass only): ``experts/{gate,up,down}_gram``, each expert's
+  input Gram matrices from the token-slots dispatched to it (``ExpertWeights.record_inputs``).
 
 The routing math is in ``router.py``, the dispatch in ``moe_dispatch.py``.
 """
@@ -27,9 +29,14 @@ from ember.models.config import ModelConfig
 from ember.models.layers.expert_parallel import expert_parallel_ranks, expert_parallel_routed_mlp
 from ember.models.layers.kernel_shards import unshared_with
 from ember.models.layers.mlp import GATED, Mlp
-from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp_per_shard, slot_capacity
+from ember.models.layers.moe_dispatch import (
+    apply_capacity,
+    expert_input_grams,
+    routed_expert_mlp_per_shard,
+    slot_capacity,
+)
 from ember.models.layers.router import balance_statistics, route, updated_balance_bias
-from ember.models.quantization.stored import dequantized, read_quantized
+from ember.models.quantization.stored import calibrating, dequantized, read_quantized, record_gram
 
 
 class ExpertWeights(nn.Module):
@@ -65,6 +72,26 @@ class ExpertWeights(nn.Module):
         up = weight("up", (experts, embed, hidden), ("expert", "embed", "mlp"))
         down = weight("down", (experts, hidden, embed), ("expert", "mlp", "embed"))
         return gate, up, down
+
+    def record_inputs(self, x, expert_ids, gate, up) -> None:
+        """GPTQ's calibration: sows each expert's input Gram matrices (``gate_gram``, ``up_gram``
+        ``[E, embed, embed]``: the token-slots dispatched to it; ``down_gram [E, expert_mlp,
+        expert_mlp]``: their hidden activations; ``moe_dispatch.expert_input_grams``) when
+        ``calibration`` is mutable. ``expert_ids`` as the layer dispatches them: capacity drops
+        and padding are no expert's input, and an expert no token reached sows zeros.
+
+        Their cost: ``4 E (2 embed^2 + expert_mlp^2)`` bytes per MoE layer (gate's and up's
+        Grams are equal, sown under each name, as a dense MLP's), ``E`` times a dense MLP's, kept
+        for every layer until GPTQ has run: 7.7 GB per layer of Mixtral-8x7B (E 8, embed 4096,
+        expert_mlp 14336), 245 GB for its 32 layers, where a dense MLP of that width in each
+        layer would take 31 GB."""
+        if not calibrating(self):
+            return
+        config = self.config
+        inputs, hidden = expert_input_grams(x, expert_ids, gate, up, activation=config.mlp, impl=config.moe_impl)
+        for name in ("gate", "up") if gate is not None else ("up",):
+            record_gram(self, name, inputs)
+        record_gram(self, "down", hidden)
 
 
 def _laid_out_for_dispatch(parts, axes):
@@ -144,7 +171,9 @@ class MoeMlp(nn.Module):
             _, dropped = apply_capacity(expert_ids, moe.num_experts, capacity)
             # Out of every routed range: id num_experts would be the first zero/copy/constant expert.
             expert_ids = jnp.where(dropped, moe.total_experts, expert_ids)
-        gate, up, down = ExpertWeights(config, name="experts")()
+        experts = ExpertWeights(config, name="experts")
+        gate, up, down = experts()
+        experts.record_inputs(flat, expert_ids, gate, up)
         # Experts sharded over a current mesh's expert axis exchange tokens with all_to_all; other
         # meshes dispatch each device's tokens (the capacity drops above are the whole batch's).
         dispatch = expert_parallel_routed_mlp if expert_parallel_ranks() > 1 else routed_expert_mlp_per_shard

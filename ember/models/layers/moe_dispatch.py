@@ -59,15 +59,57 @@ def sort_slots(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
     return order, inverse, jnp.diff(bounds).astype(jnp.int32)
 
 
+def grouped_expert_hidden(rows, gate, up, group_sizes, *, activation: str, impl: str) -> jax.Array:
+    """The experts' hidden activations ``[m, f]`` on ``rows [m, embed]`` grouped contiguously by
+    expert (``group_sizes [E]``): ``act(rows @ gate) * (rows @ up)`` per group (``act(rows @ up)``
+    without a gate), through ``grouped_matmul``."""
+    hidden = grouped_matmul(rows, up, group_sizes, impl=impl)
+    if gate is not None:
+        return ACTIVATIONS[activation](grouped_matmul(rows, gate, group_sizes, impl=impl)) * hidden
+    return ACTIVATIONS[activation](hidden)
+
+
 def grouped_expert_mlp(rows, gate, up, down, group_sizes, *, activation: str, impl: str) -> jax.Array:
     """The expert MLP on ``rows [m, embed]`` grouped contiguously by expert (``group_sizes``
     ``[E]``): ``down(act(rows @ gate) * (rows @ up))`` per group, through ``grouped_matmul``."""
-    hidden = grouped_matmul(rows, up, group_sizes, impl=impl)
-    if gate is not None:
-        hidden = ACTIVATIONS[activation](grouped_matmul(rows, gate, group_sizes, impl=impl)) * hidden
-    else:
-        hidden = ACTIVATIONS[activation](hidden)
+    hidden = grouped_expert_hidden(rows, gate, up, group_sizes, activation=activation, impl=impl)
     return grouped_matmul(hidden, down, group_sizes, impl=impl)
+
+
+def grouped_grams(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """f32 ``[E, k, k]``: ``rows_e^T rows_e`` of each contiguous group of ``rows [m, k]`` (rows
+    past ``sum(group_sizes)`` belong to none). One ``ragged_dot_general`` with the rows as its
+    ragged contracted dimension (the transposed grouped matmul): XLA's ragged dot on GPU and
+    TPU; elsewhere JAX expands it with row masks, an ``[E, m, k]`` temporary per operand."""
+    rows = rows.astype(jnp.float32)
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
+    return jax.lax.ragged_dot_general(rows, rows, group_sizes, numbers, precision=jax.lax.Precision.HIGHEST)
+
+
+def expert_input_grams(x, expert_ids, gate, up, *, activation: str, impl: str) -> tuple[jax.Array, jax.Array]:
+    """Each expert's GPTQ statistics: the Gram matrices of the inputs its weights multiply.
+
+    Args:
+      x: ``[tokens, embed]``.
+      expert_ids: int32 ``[tokens, top_k]`` as :func:`routed_expert_mlp` takes them: ids outside
+        ``[0, E)`` (capacity drops, padding, zero-computation experts) are no expert's input.
+      gate, up: ``[E, embed, f]`` (``gate`` None for ungated activations).
+
+    Returns:
+      f32 ``(inputs [E, embed, embed], hidden [E, f, f])``: ``sum x_t x_t^T`` over the token-slots
+      dispatched to each expert (its gate's and up's input), and ``sum h h^T`` of their hidden
+      activations (its down's input). Unweighted by the router's combine weights, which scale the
+      expert's output after ``down``: GPTQ's objective is the error of each matrix's own product.
+      An expert no slot reached gets zero matrices.
+    """
+    tokens, top_k = expert_ids.shape
+    order, _, group_sizes = sort_slots(expert_ids, up.shape[0])
+    slots = jnp.broadcast_to(x[:, None, :], (tokens, top_k, x.shape[-1])).reshape(tokens * top_k, -1)
+    rows = jnp.take(slots, order, axis=0)
+    hidden = grouped_expert_hidden(rows, gate, up, group_sizes, activation=activation, impl=impl)
+    return grouped_grams(rows, group_sizes), grouped_grams(hidden, group_sizes)
 
 
 def routed_expert_mlp(
@@ -165,6 +207,9 @@ def apply_capacity(expert_ids: jax.Array, num_experts: int, capacity: int | jax.
 
 __all__ = [
     "apply_capacity",
+    "expert_input_grams",
+    "grouped_expert_hidden",
+    "grouped_grams",
     "permute_rows",
     "routed_expert_mlp",
     "routed_expert_mlp_per_shard",

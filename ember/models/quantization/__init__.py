@@ -18,6 +18,7 @@ from ember.models.quantization.quantize import (
     dequantize_params,
     quantize_params,
     quantized_paths,
+    uncalibrated_matrices,
     weight_bytes,
 )
 from ember.models.quantization.stored import CALIBRATION, stored_format
@@ -32,5 +33,6 @@ __all__ = [
     "quantize_params",
     "quantized_paths",
     "stored_format",
+    "uncalibrated_matrices",
     "weight_bytes",
 ]

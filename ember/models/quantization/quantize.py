@@ -8,13 +8,18 @@ the model has; embeddings, the output head, routers and norms stay in float, and
 MLPs MixLoRA adapted, whose layers read float weights only) are replaced by their stored
 quantized form (``ember.models.quantization.stored``); the model's code reads them as they
 are. ``grams`` (GPTQ) are the inputs' ``X^T X`` per weight path, from :func:`calibration_grams`;
-calibration records none for routed experts (each sees only the tokens routed to it), which
-GPTQ rounds to nearest, with a warning.
+a routed expert's are of the token-slots routed to it (``[experts, K, K]`` per layer). A matrix
+whose Gram is zero (an expert no calibration token reached) has nothing for GPTQ to weigh its
+error by, and would come out all zeros (GPTQ zeroes the rows of inputs never seen): it is rounded
+to nearest instead, as GPTQModel's fail-safe does for such experts, and
+:func:`uncalibrated_matrices` counts them (a warning names them; ``ember quantize``'s summary
+reports their number).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -155,28 +160,46 @@ def quantize_params(
 
     Raises:
       ConfigError: a target selects nothing or a MixLoRA MLP or DoRA-adapted weight, a weight's
-        input size is not a multiple of the group size, or GPTQ lacks the Gram matrix of a weight
-        other than a routed expert's.
+        input size is not a multiple of the group size, or GPTQ lacks the Gram matrix of a weight.
+
+    Warns (GPTQ, not while traced): some matrices' Grams are zero (:func:`uncalibrated_matrices`).
     """
     flat = param_paths(params)
     paths = quantized_paths(params, config)
     _check_read_quantized(flat, paths)
     gram_of = dict(grams or {})
     if config.method == "gptq":
-        missing = [p for p in paths if p not in gram_of and not _matches(TARGETS["experts"], p)]
+        missing = [p for p in paths if p not in gram_of]
         if missing:
             raise ConfigError(f"GPTQ has no calibration statistics for {missing[0]}", key="quantize.method")
-        rounded = [p for p in paths if p not in gram_of]
-        if rounded:
-            more = f" and {len(rounded) - 1} more" if len(rounded) > 1 else ""
-            warnings.warn(
-                f"GPTQ rounds the routed experts' weights to nearest ({rounded[0]}{more}): calibration records "
-                "the inputs of attention and dense or shared MLP weights only",
-                stacklevel=2,
-            )
+        _warn_uncalibrated({p: gram_of[p] for p in paths})
     for path in paths:
         flat[path] = _quantize_weight(path, flat[path], config, gram_of.get(path))
     return tree_from_paths(flat)
+
+
+def uncalibrated_matrices(grams: Mapping[str, jax.Array]) -> dict[str, int]:
+    """``{weight path: how many of its matrices have a zero Gram}`` (stacked layers and experts
+    count one matrix each; paths with none are left out): the matrices GPTQ rounds to nearest,
+    routed experts no calibration token reached. Concrete Grams only (not while tracing)."""
+    counts = {path: int(np.sum(np.trace(np.asarray(g), axis1=-2, axis2=-1) == 0)) for path, g in grams.items()}
+    return {path: count for path, count in counts.items() if count}
+
+
+def _warn_uncalibrated(grams: Mapping[str, jax.Array]) -> None:
+    if any(isinstance(g, jax.core.Tracer) for g in grams.values()):
+        return  # traced (a jitted quantize_params): the counts are not known here
+    counts = uncalibrated_matrices(grams)
+    if counts:
+        total = sum(math.prod(np.shape(grams[path])[:-2]) for path in counts)
+        first = next(iter(counts))
+        more = f" and {len(counts) - 1} more weights" if len(counts) > 1 else ""
+        warnings.warn(
+            f"GPTQ rounds {sum(counts.values())} matrices to nearest, of the {total} in {first}{more}: no "
+            "calibration token reached them (routed experts the calibration text never selected); more or more "
+            "varied calibration windows would reach them",
+            stacklevel=3,
+        )
 
 
 def _check_read_quantized(flat: Mapping[str, Any], paths: list[str]) -> None:
@@ -209,9 +232,10 @@ def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Arr
     group = weight_group(path, k, config.format, config.rows_per_scale, key="quantize.group_size")
     matrices = value.reshape(-1, k, n)
     if config.method == "gptq" and gram is not None:
-        grams = jnp.broadcast_to(gram.astype(jnp.float32), (matrices.shape[0], k, k))
+        # [*lead, k, k]: one Gram per layer and expert (one [k, k] serves all)
+        grams = jnp.broadcast_to(gram.astype(jnp.float32), (*lead, k, k)).reshape(-1, k, k)
         stored = [
-            store_matrix(gptq_matrix(m, g, config.format, group, config.damp), out_shape)
+            store_matrix(_gptq_or_rounded(m, g, config.format, group, config.damp), out_shape)
             for m, g in zip(matrices, grams)
         ]
     else:
@@ -221,6 +245,19 @@ def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Arr
         names = (*leaf.names[: layout.lead], leaf.names[layout.lead], *leaf.names[layout.lead + layout.in_dims :])
         parts = {key: nn.Partitioned(part, _part_names(key, names, layout.lead)) for key, part in parts.items()}
     return parts
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group", "damp"))
+def _gptq_or_rounded(matrix: jax.Array, gram: jax.Array, fmt: str, group: int | None, damp: float):
+    """GPTQ's quantization of ``matrix [k, n]``, or round to nearest when ``gram`` is zero (no input
+    reached it: GPTQ would zero every row)."""
+    return jax.lax.cond(
+        jnp.trace(gram) == 0,
+        lambda m, g: quantize_matrix(m, fmt, group),
+        lambda m, g: gptq_matrix(m, g, fmt, group, damp),
+        matrix,
+        gram,
+    )
 
 
 def weight_group(path: str, k: int, fmt: str, group: int | None, *, key: str) -> int | None:
@@ -307,6 +344,7 @@ __all__ = [
     "quantize_params",
     "quantized_paths",
     "target_weights",
+    "uncalibrated_matrices",
     "weight_bytes",
     "weight_group",
 ]

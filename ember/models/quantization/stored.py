@@ -14,7 +14,8 @@ input dimensions are flattened to ``K`` (``lead``: stacked layers):
 A layer calls :func:`read_quantized` before ``self.param`` (a dict would fail Linen's shape
 check) and multiplies with :func:`quantized_dot`, which runs ``quantized_matmul``: the
 weight stays quantized on the device. :func:`record_input` sows each weight's input Gram
-matrix for GPTQ's calibration.
+matrix for GPTQ's calibration (:func:`record_gram` one computed by the layer: the routed
+experts' own, ``[experts, K, K]``).
 """
 
 from __future__ import annotations
@@ -170,14 +171,26 @@ def quantized_dot(x: jax.Array, weight: QuantizedWeight, in_dims: int = 1, impl:
     return sharded(x, *values_and_scales(parts)).astype(x.dtype)
 
 
+def calibrating(module: nn.Module) -> bool:
+    """Whether ``module`` runs GPTQ's calibration pass (:data:`CALIBRATION` mutable, not init)."""
+    # init makes every collection mutable: the statistics are not model state
+    return not module.is_initializing() and module.is_mutable_collection(CALIBRATION)
+
+
+def record_gram(module: nn.Module, name: str, gram: jax.Array) -> None:
+    """Sows ``gram`` (f32 ``[..., K, K]``, summed over tokens) as weight ``name``'s input Gram
+    matrix into :data:`CALIBRATION` when :func:`calibrating`; repeated calls add up."""
+    if calibrating(module):
+        module.sow(CALIBRATION, f"{name}_gram", gram, reduce_fn=lambda a, b: a + b, init_fn=lambda: 0.0)
+
+
 def record_input(module: nn.Module, name: str, x: jax.Array, in_dims: int = 1) -> None:
     """Sows ``X^T X`` f32 ``[K, K]`` of weight ``name``'s input (summed over tokens) into
     :data:`CALIBRATION` when that collection is mutable (GPTQ's calibration pass)."""
-    if module.is_initializing() or not module.is_mutable_collection(CALIBRATION):
-        return  # init makes every collection mutable: the statistics are not model state
+    if not calibrating(module):
+        return
     flat = x.reshape(-1, math.prod(x.shape[x.ndim - in_dims :])).astype(jnp.float32)
-    gram = jnp.dot(flat.T, flat, precision=jax.lax.Precision.HIGHEST)
-    module.sow(CALIBRATION, f"{name}_gram", gram, reduce_fn=lambda a, b: a + b, init_fn=lambda: 0.0)
+    record_gram(module, name, jnp.dot(flat.T, flat, precision=jax.lax.Precision.HIGHEST))
 
 
 __all__ = [
@@ -186,10 +199,12 @@ __all__ = [
     "QuantizedWeight",
     "absmax_values",
     "as_matrix",
+    "calibrating",
     "dequantized",
     "double_quantize",
     "quantized_dot",
     "read_quantized",
+    "record_gram",
     "record_input",
     "store_matrix",
     "stored_format",

@@ -60,5 +60,10 @@ def run(args: argparse.Namespace) -> int:
         f"(delta {summary['val_loss_delta']:+.4f}, KL to float {summary['kl_to_float']:.2e}) "
         f"over {summary['eval_tokens']} tokens"
     )
+    if summary["uncalibrated_matrices"]:
+        print(
+            f"GPTQ rounded {summary['uncalibrated_matrices']} matrices to nearest: no calibration token reached "
+            "them (routed experts the calibration text never selected)"
+        )
     print(f"wrote {args.out}")
     return 0

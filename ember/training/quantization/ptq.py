@@ -16,7 +16,9 @@ exports like a run (``ember generate --checkpoint OUT``, ``ember export OUT DIR`
   written beside it;
 - ``checkpoints/``: step 0 holds the quantized ``params`` (packed, as the device keeps them);
 - ``summary.json``: the float and quantized validation losses, the quantized model's mean
-  per-token KL divergence from the float one (``kl_to_float``), and weight bytes.
+  per-token KL divergence from the float one (``kl_to_float``), weight bytes, and
+  ``uncalibrated_matrices``: how many matrices GPTQ rounded to nearest because no calibration
+  token reached them (routed experts the calibration text never selected; 0 under RTN).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ember.models.quantization import (
     calibration_grams,
     quantize_params,
     quantized_paths,
+    uncalibrated_matrices,
     weight_bytes,
 )
 from ember.models.variables import as_variables
@@ -212,6 +215,7 @@ def quantize_model(
 
         grams = calibration_grams(apply_fn, params, _batches(calibration, windows.batch_size))
     quantized = quantize_params(params, config, grams=grams)
+    paths = quantized_paths(params, config)
     figures = validation_figures(
         model, {"params": params, **state}, {"params": quantized, **state}, validation, windows.batch_size
     )
@@ -220,7 +224,8 @@ def quantize_model(
         "format": config.format,
         "method": config.method,
         "group_size": config.rows_per_scale,
-        "quantized_weights": len(quantized_paths(params, config)),
+        "quantized_weights": len(paths),
+        "uncalibrated_matrices": sum(uncalibrated_matrices({p: grams[p] for p in paths} if grams else {}).values()),
         **figures,
         "val_loss_delta": figures["quantized_val_loss"] - figures["float_val_loss"],
         "float_weight_bytes": weight_bytes(params),
