@@ -54,6 +54,10 @@ class BatchedEnv(Wrapper):
     def step_from_noise(self, noise, state, action, params):
         return jax.vmap(self.env.step_from_noise, in_axes=(0, 0, 0, None))(noise, state, action, params)
 
+    def action_masks(self, state, params):
+        """Each sub-environment's legal actions: ``{agent: bool [num_envs, num_actions]}``."""
+        return jax.vmap(self.env.action_masks, in_axes=(0, None))(state, params)
+
     def render(self, state, params, index: int = 0):
         """The picture of sub-environment ``index``."""
         return self.env.render(jax.tree.map(lambda leaf: leaf[index], state), params)

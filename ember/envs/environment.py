@@ -118,11 +118,10 @@ class Environment:
         action = space.clip(action)
         obs, next_state, reward, terminated, info = self.step_env(transition_noise, state, action, params)
         next_state = next_state.replace(time=state.time + 1)
-        terminated = jnp.asarray(terminated, jnp.bool_)
         truncated = next_state.time >= params.max_steps_in_episode
         reset_obs, reset_state = self.reset_env(reset_noise, params)
         reset_state = self.carry_over(next_state, reset_state)
-        done = terminated | truncated
+        done = self.episode_terminated(terminated) | truncated
         info = {**info, "final_observation": obs}
         reward, terminated, truncated = self.transition_outputs(reward, terminated, truncated)
         return (
@@ -134,10 +133,16 @@ class Environment:
             info,
         )
 
-    def transition_outputs(self, reward: Any, terminated: jax.Array, truncated: jax.Array):
-        """How ``step`` returns the transition's reward and its (scalar) end flags;
-        multi-agent environments override this to give per-agent dicts."""
-        return jnp.asarray(reward), terminated, truncated
+    def episode_terminated(self, terminated: Any) -> jax.Array:
+        """The episode's termination (bool scalar) from ``step_env``'s ``terminated``;
+        multi-agent environments override this to read it from per-agent flags."""
+        return jnp.asarray(terminated, jnp.bool_)
+
+    def transition_outputs(self, reward: Any, terminated: Any, truncated: jax.Array):
+        """How ``step`` returns the transition's reward and its end flags, from ``step_env``'s
+        reward and ``terminated`` and the time limit's (scalar) ``truncated``; multi-agent
+        environments override this to give per-agent dicts."""
+        return jnp.asarray(reward), self.episode_terminated(terminated), truncated
 
     def observation_space(self, params: EnvParams) -> Space:
         raise NotImplementedError

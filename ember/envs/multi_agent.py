@@ -12,11 +12,31 @@ with ``info["final_observation"]`` (a dict) as in the single-agent contract.
 per-agent spaces; actions are clipped into them as for single-agent environments.
 ``episode_over(terminated, truncated)`` reads the end of an episode from the flags of
 either contract.
+
+Agents that end one by one and act under masks (SMAX, Hanabi):
+
+* ``terminated[agent]``: that agent reached its own end (a unit died, a player is out) on this
+  step or before; it stays true until the episode ends, and it is true for every agent when
+  ``terminated["__all__"]`` is. ``truncated[agent]`` is the episode's time limit for every
+  agent. An environment whose agents all end together gives each agent the episode's flag.
+  (``step_env`` returns ``terminated`` either as one bool, the episode's, or as a dict of
+  per-agent flags plus ``"__all__"``.)
+* ``action_masks(state, params) -> {agent: bool [num_actions]}``: the legal discrete actions
+  of each agent in ``state``, the state that goes with the observation the agents act on.
+  ``step`` returns the state after any auto-reset, so the masks of the state it returns are
+  those of the observation it returns, the first of a new episode included. Wrappers and
+  ``BatchedEnv`` pass it on (``[num_envs, num_actions]`` per agent for a batch).
+  ``masks_actions(env)`` tells whether an environment (under any wrappers) has masks; one
+  without them (``masks_actions = False``, the default) has every action legal, and its masks
+  are all true.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
 
 from ember.envs.environment import Environment
 
@@ -39,11 +59,38 @@ class MultiAgentEnvironment(Environment):
     def num_agents(self) -> int:
         return len(self.agents)
 
-    def transition_outputs(self, rewards, terminated_all, truncated_all):
-        """Rewards stay a dict; the end flags become per-agent dicts with ``"__all__"``."""
-        terminated = {agent: terminated_all for agent in self.agents} | {"__all__": terminated_all}
+    #: whether the agents' legal actions change from step to step (``action_masks``)
+    masks_actions: bool = False
+
+    def episode_terminated(self, terminated):
+        """``terminated["__all__"]`` of per-agent flags, or the one flag of every agent."""
+        return jnp.asarray(terminated["__all__"] if isinstance(terminated, dict) else terminated, jnp.bool_)
+
+    def transition_outputs(self, rewards, terminated, truncated_all):
+        """Rewards stay a dict; the end flags become per-agent dicts with ``"__all__"``: the
+        episode's for every agent, or, where ``step_env`` gave per-agent ``terminated``, each
+        agent's own or the episode's."""
+        terminated_all = self.episode_terminated(terminated)
+        if isinstance(terminated, dict):
+            own = {agent: jnp.asarray(terminated[agent], jnp.bool_) | terminated_all for agent in self.agents}
+        else:
+            own = {agent: terminated_all for agent in self.agents}
         truncated = {agent: truncated_all for agent in self.agents} | {"__all__": truncated_all}
-        return rewards, terminated, truncated
+        return rewards, own | {"__all__": terminated_all}, truncated
+
+    def action_masks(self, state, params) -> dict[str, jax.Array]:
+        """``{agent: bool [num_actions]}``: the legal actions of each agent in ``state`` (all of
+        them, without masks; agents with discrete actions only)."""
+        spaces = self.action_space(params).spaces
+        masks = {}
+        for agent in self.agents:
+            if not hasattr(spaces[agent], "n"):
+                raise ValueError(
+                    f"{type(self).__name__}.action_masks: agent {agent!r} has no discrete actions "
+                    f"({spaces[agent]!r}); masks are for Discrete action spaces"
+                )
+            masks[agent] = jnp.ones(int(spaces[agent].n), jnp.bool_)
+        return masks
 
     def step_env(self, noise, state, actions, params):
         """One transition: ``(obs dict, next_state, rewards dict, terminated (bool, all
@@ -56,4 +103,10 @@ def is_multi_agent(env: Environment) -> bool:
     return isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
 
 
-__all__ = ["MultiAgentEnvironment", "episode_over", "is_multi_agent"]
+def masks_actions(env: Environment) -> bool:
+    """Whether ``env``, under any wrappers, is a multi-agent environment whose agents' legal
+    actions change from step to step (its ``action_masks`` are not all true)."""
+    return is_multi_agent(env) and getattr(env, "unwrapped", env).masks_actions
+
+
+__all__ = ["MultiAgentEnvironment", "episode_over", "is_multi_agent", "masks_actions"]

@@ -45,6 +45,10 @@ LOG_STD_KINDS = ("state_independent", "state_dependent")
 SQUASH_KINDS = ("clip", "tanh")
 _LOG_STD_BOUNDS = (-20.0, 2.0)
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+#: The logit of an illegal action (``Categorical.restricted``): exp(ILLEGAL_LOGIT - logit) is 0
+#: in float32 for any logit a policy makes, and it is far from float32's end, where the entropy's
+#: gradient (the cotangent times the log-probability) overflowed into inf * 0 = NaN.
+ILLEGAL_LOGIT = -1e9
 
 
 @struct.dataclass
@@ -70,6 +74,13 @@ class Categorical:
 
     def env_action(self, raw: jax.Array) -> jax.Array:
         return raw
+
+    def restricted(self, legal: jax.Array) -> Categorical:
+        """The distribution over the legal actions only (bool ``legal[..., num_actions]``): the
+        illegal ones get the logit ``ILLEGAL_LOGIT``, so they are never sampled nor the mode,
+        have probability exactly 0 in ``log_prob``/``entropy``, and take no gradient (where
+        every action is illegal, all keep equal odds)."""
+        return Categorical(jnp.where(legal, self.logits, jnp.asarray(ILLEGAL_LOGIT, self.logits.dtype)))
 
 
 @struct.dataclass

@@ -260,13 +260,81 @@ def test_gymnasium_vector_env_refuses_a_multi_agent_environment():
         GymnasiumVectorEnv("MPE-simple_push", num_envs=2)
 
 
-@pytest.mark.parametrize(("env_id", "mask"), [("SMAX", "get_avail_actions"), ("hanabi", "get_legal_moves")])
-def test_jaxmarl_environments_that_mask_actions_are_refused(env_id, mask):
-    """Their agents act only where a per-step mask allows and drop out one by one; through the
-    adapter every agent would act on every step and bootstrap past its own end."""
-    with pytest.raises(UnsupportedEnvironment, match=rf"masks its agents' actions each step \({mask}\)"):
-        JaxMARLEnv(jaxmarl.make(env_id))
-    config = ember.envs.EnvConfig(id=env_id, source="jaxmarl", params={"max_steps_in_episode": 10})
-    with pytest.raises(ConfigError, match="supported: JaxMARL environments without action masks") as info:
+@pytest.mark.parametrize(
+    ("env_id", "kwargs", "limit", "steps"),
+    [("SMAX", {"scenario": "3m"}, 16, 48), ("hanabi", {}, 24, 32)],  # units die; players run out of lives
+)
+def test_jaxmarl_masks_and_agent_ends_are_jaxmarls_own(rng, env_id, kwargs, limit, steps):
+    """Random legal play in 8 environments: the adapter's ``action_masks`` of the state it
+    returns (the auto-reset one where an episode ended) are JaxMARL's ``get_avail_actions`` /
+    ``get_legal_moves`` of the state JaxMARL reaches (or resets to) from the same words, and
+    ``terminated[agent]`` is JaxMARL's ``dones[agent]`` (a dead SMAX unit, every Hanabi player at
+    the game's end). Refused before (UnsupportedEnvironment)."""
+    config = ember.envs.EnvConfig(id=env_id, source="jaxmarl", kwargs=kwargs, params={"max_steps_in_episode": limit})
+    env, params = ember.envs.make_from_config(config)
+    reference = env.jaxmarl_env
+    reference_masks = getattr(reference, {"SMAX": "get_avail_actions", "hanabi": "get_legal_moves"}[env_id])
+    envs = ember.envs.BatchedEnv(env, 8)
+    to_keys = jax.vmap(noise_lib.to_key)
+
+    def step(state, key):
+        masks = envs.action_masks(state, params)
+        actions = {agent: jax.random.categorical(jax.random.fold_in(key, i), jnp.where(masks[agent], 0.0, -jnp.inf))
+                   for i, agent in enumerate(env.agents)}  # fmt: skip
+        words = envs.draw_noise(key, envs.step_noise_shape)
+        _, next_state, _, terminated, truncated, info = envs.step_from_noise(words, state, actions, params)
+        # JaxMARL's own transition and reset from the same words (2 per key), and its masks
+        ref_obs, ref_state, _, dones, _ = jax.vmap(reference.step_env)(to_keys(words[:, :2]), state.env_state, actions)
+        _, reset_state = jax.vmap(reference.reset)(to_keys(words[:, 2:]))
+        ended = terminated["__all__"] | truncated["__all__"]
+        expected_state = jax.tree.map(
+            lambda r, s: jnp.where(ended.reshape(-1, *[1] * (s.ndim - 1)), r, s), reset_state, ref_state
+        )
+        expected_masks = jax.vmap(reference_masks)(expected_state)
+        return next_state, {
+            "masks": envs.action_masks(next_state, params),
+            "expected_masks": {agent: expected_masks[agent].astype(bool) for agent in env.agents},
+            "terminated": terminated,
+            "dones": {agent: dones[agent] for agent in [*env.agents, "__all__"]},
+            "final_obs": info["final_observation"],
+            "ref_obs": {agent: ref_obs[agent] for agent in env.agents},
+            "ended": ended,
+        }
+
+    def rollout(key):
+        _, state = envs.reset(key, params)
+        return jax.lax.scan(step, state, jax.random.split(key, steps))[1]
+
+    out = jax.device_get(jax.jit(rollout)(rng))
+    for agent in env.agents:
+        np.testing.assert_array_equal(out["masks"][agent], out["expected_masks"][agent], err_msg=agent)
+        np.testing.assert_array_equal(out["terminated"][agent], out["dones"][agent] | out["dones"]["__all__"])
+        assert_allclose(out["final_obs"][agent], out["ref_obs"][agent])
+    np.testing.assert_array_equal(out["terminated"]["__all__"], out["dones"]["__all__"])
+    assert out["ended"].sum() >= 8, "auto-resets were exercised"
+    assert not np.all([mask.all() for mask in out["masks"].values()]), "the masks restrict"
+    if env_id == "SMAX":
+        alone = [out["terminated"][agent] & ~out["terminated"]["__all__"] for agent in env.agents]
+        assert np.any(alone), "some unit died before its episode ended"
+
+
+def test_jaxmarl_masks_of_non_discrete_actions_are_refused():
+    """JaxNav and SMAX with continuous actions have masks too, which cannot restrict a Box."""
+    with pytest.raises(UnsupportedEnvironment, match=r"masks are supported for Discrete action spaces only"):
+        JaxMARLEnv(jaxmarl.make("SMAX", action_type="continuous"))
+    config = ember.envs.EnvConfig(id="SMAX", source="jaxmarl", kwargs={"action_type": "continuous"})
+    with pytest.raises(ConfigError, match="non-discrete actions") as info:
         ember.envs.make_from_config(config)
     assert info.value.key == "id"
+
+
+def test_jaxmarl_kwargs_reach_the_library_and_name_smax_scenarios():
+    config = ember.envs.EnvConfig(id="HeuristicEnemySMAX", source="jaxmarl", kwargs={"scenario": "2s3z"})
+    env, _ = ember.envs.make_from_config(config)
+    assert env.agents == [f"ally_{i}" for i in range(5)] and env.masks_actions
+    with pytest.raises(ConfigError, match="no SMAX scenario 'nope'") as info:
+        ember.envs.make_from_config(ember.envs.EnvConfig(id="SMAX", source="jaxmarl", kwargs={"scenario": "nope"}))
+    assert info.value.key == "kwargs.scenario"
+    with pytest.raises(ConfigError, match="kwargs are constructor arguments of a gymnax or JaxMARL") as info:
+        ember.envs.EnvConfig(id="CartPole-v1", kwargs={"x": 1})
+    assert info.value.key == "kwargs"

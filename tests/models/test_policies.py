@@ -38,6 +38,46 @@ def test_categorical_log_prob_entropy_and_sampling(rng):
     assert (dist.mode() == probs.argmax(-1)).all()
 
 
+def test_restricted_categorical_acts_and_scores_over_the_legal_actions_only(rng):
+    """Masked logits (SMAX's, Hanabi's legal actions): no illegal sample or mode, and
+    log-probabilities, entropy and their gradients equal those of a categorical over the legal
+    logits alone (each row's own set), computed here row by row."""
+    keys = jax.random.split(rng, 4)
+    logits = 3.0 * jax.random.normal(keys[0], (64, 6))
+    legal = jax.random.bernoulli(keys[1], 0.5, (64, 6)).at[:, 0].set(False)
+    legal = legal.at[jnp.arange(64), jax.random.randint(keys[2], (64,), 1, 6)].set(True)  # one legal at least
+    samples = jax.vmap(lambda k: Categorical(logits).restricted(legal).sample(k))(jax.random.split(keys[3], 2000))
+    assert np.take_along_axis(np.asarray(legal), np.asarray(samples).T, axis=1).all(), "an illegal action was sampled"
+    mode = np.asarray(Categorical(logits).restricted(legal).mode())
+    assert np.asarray(legal)[np.arange(64), mode].all()
+    # a legal action of every row, the one sampled first
+    actions = samples[0]
+
+    def restricted_terms(logits):
+        dist = Categorical(logits).restricted(legal)
+        return dist.log_prob(actions), dist.entropy()
+
+    def reference_terms(logits):
+        log_probs, entropies = [], []
+        for row in range(64):
+            index = np.flatnonzero(np.asarray(legal[row]))
+            row_log_probs = jax.nn.log_softmax(logits[row, index])
+            log_probs.append(row_log_probs[np.flatnonzero(index == int(actions[row]))[0]])
+            entropies.append(-(jnp.exp(row_log_probs) * row_log_probs).sum())
+        return jnp.stack(log_probs), jnp.stack(entropies)
+
+    for got, expected in zip(restricted_terms(logits), reference_terms(logits)):
+        assert_allclose(got, expected)
+    weights = jax.random.normal(keys[2], (2, 64))
+
+    def weighted(terms):
+        return lambda logits: sum((w * t).sum() for w, t in zip(weights, terms(logits)))
+
+    grad = jax.grad(weighted(restricted_terms))(logits)
+    assert_allclose(grad, jax.grad(weighted(reference_terms))(logits))
+    assert not np.asarray(grad)[~np.asarray(legal)].any(), "illegal logits took a gradient"
+
+
 def test_clipped_gaussian_log_prob_and_env_action(rng):
     mean = jax.random.normal(rng, (3, 2))
     log_std = jax.random.normal(jax.random.fold_in(rng, 1), (3, 2)) * 0.3

@@ -13,17 +13,22 @@ itself, in a ``dones`` that does not say it was the time limit, so a longer limi
 termination on the environment's own last step reads as truncation only (JaxMARL's ``dones``
 cannot tell the two apart there). The JaxMARL state is kept as ``state.env_state``.
 
-Every agent acts on every step and the episode ends for all agents at once (Ember's multi-agent
-contract): only ``dones["__all__"]`` is read. Environments that mask their agents' actions
-(``get_avail_actions``, ``get_legal_moves``: SMAX, Hanabi, JaxNav), whose agents also drop out
-one by one, are refused with :class:`UnsupportedEnvironment`: trained through this adapter,
-their agents would take illegal actions and bootstrap through steps after their own end.
+Agents that end one by one and act under masks (``ember.envs.multi_agent``): JaxMARL's
+``dones[agent]`` become ``terminated[agent]`` (except on the environment's own last step, as
+for the episode; an agent that ended earlier stays terminated), and an environment with an
+action-mask method of its own (``get_avail_actions``: SMAX, ``HeuristicEnemySMAX``;
+``get_legal_moves``: Hanabi) gives it as ``action_masks(state, params)``. Observations and
+rewards keep the agents' entries only (SMAX adds ``"world_state"`` to its observations, Hanabi
+``"__all__"`` to its rewards). Masks of agents whose actions are not discrete (SMAX with
+``action_type="continuous"``, JaxNav) cannot restrict a categorical policy: such an
+environment is refused with :class:`UnsupportedEnvironment`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -52,7 +57,11 @@ def _action_mask_method(jaxmarl_env: Any) -> str | None:
 
 @struct.dataclass
 class JaxMARLState(EnvState):
+    """``env_state``: JaxMARL's state; ``agents_done``: bool ``[agents]``, which agents have
+    ended (``dones[agent]``) in this episode so far."""
+
     env_state: Any
+    agents_done: jax.Array
 
 
 class JaxMARLEnv(MultiAgentEnvironment):
@@ -67,15 +76,19 @@ class JaxMARLEnv(MultiAgentEnvironment):
                 raise ValueError(
                     f"JaxMARLEnv: expected a JaxMARL environment (no '{attribute}' on {type(jaxmarl_env).__name__})"
                 )
-        mask = _action_mask_method(jaxmarl_env)
-        if mask is not None:
-            raise UnsupportedEnvironment(
-                f"JaxMARLEnv: {type(jaxmarl_env).__name__} masks its agents' actions each step ({mask}) and can end "
-                "agents one by one; Ember's multi-agent contract has every agent act on every step and the episode "
-                "end for all at once (supported: JaxMARL environments without action masks, e.g. MPE)"
-            )
         self.jaxmarl_env = jaxmarl_env
         self.agents = list(jaxmarl_env.agents)
+        self.mask_method = _action_mask_method(jaxmarl_env)
+        self.masks_actions = self.mask_method is not None
+        if self.masks_actions:
+            for agent in self.agents:
+                space = jaxmarl_env.action_space(agent)
+                if not hasattr(space, "n"):
+                    raise UnsupportedEnvironment(
+                        f"JaxMARLEnv: {type(jaxmarl_env).__name__} masks its agents' actions ({self.mask_method}) but "
+                        f"agent {agent!r} has non-discrete actions ({type(space).__name__}); masks are supported for "
+                        "Discrete action spaces only (e.g. SMAX with action_type='discrete', Hanabi)"
+                    )
         own_limit = getattr(jaxmarl_env, "max_steps", None)
         limit = max_steps if max_steps is not None else own_limit
         if limit is None:
@@ -103,16 +116,34 @@ class JaxMARLEnv(MultiAgentEnvironment):
 
     def reset_env(self, noise, params):
         obs, env_state = self.jaxmarl_env.reset(noise_lib.to_key(noise))
-        return obs, JaxMARLState(time=jnp.int32(0), env_state=env_state)
+        agents_done = jnp.zeros(len(self.agents), jnp.bool_)
+        return self._agents_only(obs), JaxMARLState(time=jnp.int32(0), env_state=env_state, agents_done=agents_done)
 
     def step_env(self, noise, state, actions, params):
         obs, env_state, rewards, dones, info = self.jaxmarl_env.step_env(
             noise_lib.to_key(noise), state.env_state, actions
         )
-        terminated = jnp.asarray(dones["__all__"], bool)
+        ended = jnp.stack([jnp.asarray(dones[agent], jnp.bool_) for agent in self.agents])
+        terminated_all = jnp.asarray(dones["__all__"], jnp.bool_)
         if self.own_max_steps is not None:  # JaxMARL's own time limit; the adapter's reads as truncated
-            terminated &= state.time + 1 < self.own_max_steps
-        return obs, state.replace(env_state=env_state), rewards, terminated, info
+            not_own_limit = state.time + 1 < self.own_max_steps
+            terminated_all &= not_own_limit
+            ended &= not_own_limit
+        ended |= state.agents_done
+        terminated = {agent: ended[i] for i, agent in enumerate(self.agents)} | {"__all__": terminated_all}
+        next_state = state.replace(env_state=env_state, agents_done=ended)
+        return self._agents_only(obs), next_state, self._agents_only(rewards), terminated, info
+
+    def action_masks(self, state, params):
+        """JaxMARL's own masks (``get_avail_actions`` / ``get_legal_moves``) of ``state.env_state``
+        as bool ``[num_actions]`` per agent; all true for an environment without them."""
+        if not self.masks_actions:
+            return super().action_masks(state, params)
+        masks = getattr(self.jaxmarl_env, self.mask_method)(state.env_state)
+        return {agent: jnp.asarray(masks[agent]).astype(jnp.bool_) for agent in self.agents}
+
+    def _agents_only(self, per_agent: dict) -> dict:
+        return {agent: per_agent[agent] for agent in self.agents}
 
     def observation_space(self, params):
         return Dict({agent: from_library_space(self.jaxmarl_env.observation_space(agent)) for agent in self.agents})

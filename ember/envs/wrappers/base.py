@@ -59,6 +59,10 @@ class Wrapper(Environment):
     def render(self, state, params):
         return self.env.render(state.env_state if self.wraps_state else state, params)
 
+    def action_masks(self, state, params):
+        """The wrapped multi-agent environment's legal actions in ``state`` (``ember.envs.multi_agent``)."""
+        return self.env.action_masks(state.env_state if self.wraps_state else state, params)
+
     @property
     def name(self) -> str:
         return self.env.name

@@ -31,6 +31,9 @@ class AgentView:
         (``[N]``, or ``[N, agents]``): the learner's reward and episode ends.
       policy_inputs: observations ``[..., *obs_shape]`` -> the policy's positional inputs.
       value_inputs: observations -> the inputs of the policy's ``value`` method.
+      legal_actions: ``(envs, env_state, env_params)`` -> bool ``[N, ..., num_actions]``, the
+        legal actions of the observation that goes with ``env_state`` (an environment's
+        ``action_masks``, stacked as the observations); ``None`` where every action is legal.
     """
 
     observe: Callable[[Any], Any] = lambda obs: obs
@@ -42,6 +45,7 @@ class AgentView:
     )
     policy_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
     value_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
+    legal_actions: Callable[[Any, Any, Any], jax.Array] | None = None
 
 
 def stack_agents(per_agent: dict[str, Any], agents: list[str]) -> Any:
@@ -63,17 +67,21 @@ def global_state(obs: jax.Array) -> jax.Array:
     return jnp.concatenate([everyone, identity], axis=-1)
 
 
-def multi_agent_view(agents: list[str], *, centralised_critic: bool) -> AgentView:
-    """The view of a multi-agent environment: observations, rewards and actions stacked
-    along an agent axis (``[N, agents, ...]``), every agent ending its episode with
-    ``"__all__"``; the critic sees :func:`global_state` (MAPPO) or the agent's own
-    observation (IPPO)."""
+def multi_agent_view(agents: list[str], *, centralised_critic: bool, action_masks: bool = False) -> AgentView:
+    """The view of a multi-agent environment: observations, rewards, actions and each agent's
+    own ``terminated`` stacked along an agent axis (``[N, agents, ...]``; ``truncated`` is the
+    episode's); the critic sees :func:`global_state` (MAPPO) or the agent's own observation
+    (IPPO). With ``action_masks`` the policy acts under the environment's ``action_masks``
+    (``ember.envs.multi_agent``)."""
     critic_input = global_state if centralised_critic else (lambda obs: obs)
 
     def step_arrays(rewards, terminated, truncated):
         reward = stack_agents(rewards, agents).astype(jnp.float32)  # [N, A]
-        per_agent = lambda flag: jnp.broadcast_to(flag[:, None], reward.shape)  # noqa: E731
-        return reward, per_agent(terminated["__all__"]), per_agent(truncated["__all__"])
+        truncated = jnp.broadcast_to(truncated["__all__"][:, None], reward.shape)
+        return reward, stack_agents(terminated, agents), truncated
+
+    def legal_actions(envs, env_state, env_params):
+        return stack_agents(envs.action_masks(env_state, env_params), agents)
 
     return AgentView(
         observe=lambda obs: stack_agents(obs, agents),
@@ -81,6 +89,7 @@ def multi_agent_view(agents: list[str], *, centralised_critic: bool) -> AgentVie
         step_arrays=step_arrays,
         policy_inputs=lambda obs: (obs, critic_input(obs)),
         value_inputs=lambda obs: (critic_input(obs),),
+        legal_actions=legal_actions if action_masks else None,
     )
 
 

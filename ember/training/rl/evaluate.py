@@ -10,7 +10,10 @@ as the longest time limit of ``env`` (``env_params.max_steps_in_episode``, or a 
 by then, and a sub-environment stops counting reward once its first episode has ended
 (auto-reset starts a second one, which is ignored). For multi-agent environments (reward
 dicts) the return is the mean over agents of their returns, and an episode ends with
-``terminated/truncated["__all__"]``.
+``terminated/truncated["__all__"]``; where its agents act under masks
+(``ember.envs.multi_agent.masks_actions``), ``act`` is called as
+``act(obs, key, legal_actions=masks)`` with the environment's ``action_masks`` of the state
+that goes with ``obs`` (the ``make_act`` of IPPO/MAPPO take them; a plain callable must too).
 
 Every call runs through one module-level jitted program, compiled once per policy
 architecture: ``act`` is split like a pytree (Equinox's ``filter_jit``), its array leaves
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.envs.batched import BatchedEnv
-from ember.envs.multi_agent import episode_over
+from ember.envs.multi_agent import episode_over, masks_actions
 from ember.envs.wrappers import max_episode_steps
 
 
@@ -84,7 +87,8 @@ def _run(arrays: list, static: _Static, env, env_params, key: jax.Array, *, num_
     def step(carry, key):
         obs, state, running, returns, lengths = carry
         act_key, env_key = jax.random.split(key)
-        obs, state, reward, terminated, truncated, _ = envs.step(env_key, state, act(obs, act_key), env_params)
+        action = act(obs, act_key, **_legal_actions(envs, state, env_params))
+        obs, state, reward, terminated, truncated, _ = envs.step(env_key, state, action, env_params)
         if isinstance(reward, dict):  # multi-agent: the mean over agents of their returns
             reward = jnp.stack(list(reward.values())).mean(axis=0)
         returns = returns + jnp.where(running, reward.astype(jnp.float32), 0.0)
@@ -119,12 +123,19 @@ def _record(arrays: list, static: _Static, env, env_params, key: jax.Array, *, s
         obs, state, running = carry
         act_key, env_key = jax.random.split(key)
         frame = env.render(state, env_params)
-        action = jax.tree.map(lambda a: a[0], act(jax.tree.map(lambda o: o[None], obs), act_key))
+        masks = jax.tree.map(lambda m: m[None], _legal_actions(env, state, env_params))
+        action = jax.tree.map(lambda a: a[0], act(jax.tree.map(lambda o: o[None], obs), act_key, **masks))
         obs, state, _, terminated, truncated, _ = env.step(env_key, state, action, env_params)
         return (obs, state, running & ~episode_over(terminated, truncated)), (frame, running)
 
     _, (frames, shown) = jax.lax.scan(step, (obs, state, True), jax.random.split(key, steps))
     return frames, shown
+
+
+def _legal_actions(env, state, env_params) -> dict[str, Any]:
+    """``act``'s keyword argument ``legal_actions`` (the masks of ``state``) where ``env``'s
+    agents act under masks; none otherwise, so ``act(obs, key)`` is called as ever."""
+    return {"legal_actions": env.action_masks(state, env_params)} if masks_actions(env) else {}
 
 
 def _is_array(leaf: Any) -> bool:

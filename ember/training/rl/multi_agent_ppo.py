@@ -12,8 +12,16 @@ axis, so a rollout is ``[T, num_envs, agents, ...]`` and GAE and the PPO loss
 - **MAPPO**: the critic sees the global state -- every agent's observation concatenated,
   plus a one-hot agent id so that per-agent rewards stay predictable.
 
-An episode ends for all agents at once (``terminated["__all__"] | truncated["__all__"]``);
-the ``episode_return`` metric is the return per agent (the episode's rewards averaged over
+Agents may end one by one and act under masks (``ember.envs.multi_agent``: SMAX, Hanabi
+through ``JaxMARLEnv``): each agent's GAE stops at its own ``terminated`` (a dead unit does not
+bootstrap past its death; its later steps, with the only action left to it, carry no policy
+gradient), and with ``action_masks`` the actions are sampled from the logits of the legal
+actions only, the masks stored with the rollout so the PPO loss recomputes log-probabilities
+and entropy under the same masks. (JaxMARL's own SMAX baselines cut GAE at the episode's end
+instead, so rewards a team earns after a unit died still reach that unit's earlier actions.)
+MAPPO's critic sees the agents' observations concatenated (for SMAX: what the allies see, not
+SMAX's ``world_state`` of every unit that JaxMARL's MAPPO feeds its critic). The
+``episode_return`` metric is the return per agent (the episode's rewards averaged over
 agents, summed over time: ``LogWrapper``'s multi-agent statistics). The update loop is
 PPO's own (:func:`.ppo.make_ppo_train`); this module gives it the :func:`~.agent_view.multi_agent_view`
 of stacked agents.
@@ -25,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ember.core.errors import ConfigError
+from ember.envs.multi_agent import masks_actions
 from ember.models.policies import CentralisedActorCritic
 from ember.training.rl.agent_view import multi_agent_view, shared_action_head
 from ember.training.rl.policy_act import PolicyAct
@@ -62,15 +71,17 @@ def make_train(
     ``centralised_critic`` selects MAPPO over IPPO."""
     check_config(config)
     policy = make_policy(config, env, env_params)
-    view = multi_agent_view(list(env.agents), centralised_critic=centralised_critic)
+    view = multi_agent_view(list(env.agents), centralised_critic=centralised_critic, action_masks=masks_actions(env))
     return make_ppo_train(config, env, env_params, policy, view, on_update=on_update)
 
 
 def make_act(
     policy: CentralisedActorCritic, params: Any, agents: list[str], *, deterministic: bool = True
 ) -> PolicyAct:
-    """``act(obs_dict, key) -> actions_dict`` for a batch of environments (``obs_dict`` values
-    ``[batch, obs_dim]``): the shared actor's mode, or a sample (a :class:`.PolicyAct`)."""
+    """``act(obs_dict, key, legal_actions=None) -> actions_dict`` for a batch of environments
+    (``obs_dict`` values ``[batch, obs_dim]``; ``legal_actions`` the environment's
+    ``action_masks``, ``{agent: bool [batch, num_actions]}``): the shared actor's mode, or a
+    sample, among the legal actions (a :class:`.PolicyAct`)."""
     return PolicyAct(policy, params, deterministic=deterministic, agents=tuple(agents))
 
 

@@ -1,4 +1,4 @@
-"""``act(obs, key) -> env_action`` of a trained actor, as a pytree for
+"""``act(obs, key, legal_actions=None) -> env_action`` of a trained actor, as a pytree for
 :func:`ember.training.rl.evaluate.evaluate`: its parameters (and observation statistics) are
 the pytree's leaves, the network and flags its static part, so a new policy of the same
 network reuses the compiled evaluation.
@@ -47,14 +47,18 @@ class PolicyAct:
     deterministic: bool = struct.field(pytree_node=False, default=True)
     agents: tuple[str, ...] | None = struct.field(pytree_node=False, default=None)
 
-    def __call__(self, obs: Any, key: jax.Array) -> Any:
-        """Actions ``[N, ...]`` (a dict of them with ``agents``) for observations ``[N, ...]``."""
+    def __call__(self, obs: Any, key: jax.Array, legal_actions: Any = None) -> Any:
+        """Actions ``[N, ...]`` (a dict of them with ``agents``) for observations ``[N, ...]``;
+        among the ``legal_actions`` only where given (bool ``[N, num_actions]``, a dict of them
+        with ``agents``: a multi-agent environment's ``action_masks``)."""
         if self.agents:
             obs = stack_agents(obs, self.agents)
         if self.obs_stats is not None:
             obs = self.obs_stats.normalize(obs)
         method = None if isinstance(self.network, Actor) else _actor_of
         dist = self.network.apply(self.params, obs, method=method)
+        if legal_actions is not None:
+            dist = dist.restricted(stack_agents(legal_actions, self.agents) if self.agents else legal_actions)
         action = dist.env_action(dist.mode() if self.deterministic else dist.sample(key))
         if self.agents:
             return unstack_agents(action, self.agents)

@@ -145,13 +145,18 @@ class Transition:
     episode_done: jax.Array
     episode_return: jax.Array
     episode_length: jax.Array
+    legal_actions: jax.Array | None = None
 
 
 def minibatch_loss(
     dist, value: jax.Array, minibatch: dict[str, jax.Array], hp: PPOHyperparams, *, normalize_advantage: bool
 ):
     """:func:`ppo_loss` of a policy's ``dist``/``value`` on a rollout ``minibatch`` (keys
-    ``raw_action``, ``log_prob``, ``advantages``, ``value``, ``returns``)."""
+    ``raw_action``, ``log_prob``, ``advantages``, ``value``, ``returns``, and
+    ``legal_actions`` where the actions were taken under masks: the log-probabilities and
+    the entropy are then those of the distribution restricted to the same legal actions)."""
+    if "legal_actions" in minibatch:
+        dist = dist.restricted(minibatch["legal_actions"])
     return ppo_loss(
         dist.log_prob(minibatch["raw_action"]),
         minibatch["log_prob"],
@@ -251,6 +256,10 @@ def make_ppo_train(
             params, env_state, obs = carry
             action_key, env_key = jax.random.split(key)
             dist, value = policy.apply(params, *view.policy_inputs(obs))
+            legal_actions = None
+            if view.legal_actions is not None:  # the masks of env_state, the state obs belongs to
+                legal_actions = view.legal_actions(envs, env_state, env_params)
+                dist = dist.restricted(legal_actions)
             raw_action = dist.sample(action_key)
             next_obs, env_state, reward, terminated, truncated, info = envs.step(
                 env_key, env_state, view.env_action(dist.env_action(raw_action)), env_params
@@ -268,6 +277,7 @@ def make_ppo_train(
                 episode_done=info["returned_episode"],
                 episode_return=info["returned_episode_returns"],
                 episode_length=info["returned_episode_lengths"],
+                legal_actions=legal_actions,
             )
             return (params, env_state, view.observe(next_obs)), transition
 
@@ -299,6 +309,8 @@ def make_ppo_train(
                 "advantages": advantages,
                 "returns": returns,
             }
+            if view.legal_actions is not None:
+                batch["legal_actions"] = rollout.legal_actions
             leading = rollout.reward.ndim  # [T, N] or [T, N, agents]: one sample per element
             batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[leading:]), batch)
             train_state, losses = minibatch_epochs(

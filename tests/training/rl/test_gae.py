@@ -72,6 +72,26 @@ def test_matches_reference_on_random_batched_rollouts(rng):
     assert_allclose(returns - values, expected, scale=10)
 
 
+def test_each_agent_stops_at_its_own_end(rng):
+    """A multi-agent rollout ``[T, envs, agents]`` where agents end one by one (SMAX's dead
+    units: ``terminated`` from an agent's death to the episode's end) and episodes are cut by a
+    time limit for everyone: every agent's advantages are the reference's on its own flags."""
+    keys = jax.random.split(rng, 3)
+    shape = (24, 2, 3)
+    rewards, values, next_values = (jax.random.normal(k, shape) for k in keys[:3])
+    death = jnp.array([[3, 7, 20], [5, 12, 0]])  # the step of its episode each agent dies at (11+: never)
+    steps = jnp.arange(24)[:, None, None]
+    terminated = steps % 12 >= death  # dead until its episode ends
+    truncated = jnp.broadcast_to(steps % 12 == 11, shape)  # a time limit every 12 steps
+    advantages, _ = gae_advantages(rewards, values, next_values, terminated, truncated, gamma=0.97, gae_lambda=0.9)
+    arrays = [np.asarray(a, np.float64) for a in (rewards, values, next_values, terminated, truncated)]
+    for env in range(2):
+        for agent in range(3):
+            expected = reference_gae(*(a[:, env, agent] for a in arrays), 0.97, 0.9)
+            assert_allclose(advantages[:, env, agent], expected, scale=10)
+    assert not np.array_equal(np.asarray(terminated[..., 0]), np.asarray(terminated[..., 1])), "agents end apart"
+
+
 def test_rejects_bad_arguments():
     never = jnp.zeros(4, bool)
     with pytest.raises(ValueError, match="gae_lambda must lie in"):
