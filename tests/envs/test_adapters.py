@@ -311,6 +311,8 @@ def test_jaxmarl_masks_and_agent_ends_are_jaxmarls_own(rng, env_id, kwargs, limi
         np.testing.assert_array_equal(out["terminated"][agent], out["dones"][agent] | out["dones"]["__all__"])
         assert_allclose(out["final_obs"][agent], out["ref_obs"][agent])
     np.testing.assert_array_equal(out["terminated"]["__all__"], out["dones"]["__all__"])
+    for agent, space in env.observation_space(params).spaces.items():  # Hanabi's Box shape was an int: TypeError
+        assert space.shape == out["final_obs"][agent].shape[2:]
     assert out["ended"].sum() >= 8, "auto-resets were exercised"
     assert not np.all([mask.all() for mask in out["masks"].values()]), "the masks restrict"
     if env_id == "SMAX":

@@ -29,8 +29,9 @@ def from_library_space(space: Any) -> spaces.Space:
     kind = type(space).__name__
     if kind == "Discrete":
         return spaces.Discrete(int(space.n), dtype=getattr(space, "dtype", jnp.int32))
-    if kind == "Box":
-        return spaces.Box(space.low, space.high, tuple(space.shape), getattr(space, "dtype", jnp.float32))
+    if kind == "Box":  # JaxMARL's Hanabi gives its shape as one integer
+        shape = tuple(space.shape) if isinstance(space.shape, (tuple, list)) else (int(space.shape),)
+        return spaces.Box(space.low, space.high, shape, getattr(space, "dtype", jnp.float32))
     if kind == "MultiDiscrete":
         return spaces.MultiDiscrete(space.num_categories)
     if kind == "Dict":

@@ -1,4 +1,5 @@
-"""IPPO/MAPPO on MPE simple_spread: critic inputs, and both beating the random policy."""
+"""IPPO/MAPPO on MPE simple_spread: critic inputs, and both beating the random policy; on a
+small game whose agents act under masks and end one by one."""
 
 import dataclasses
 from pathlib import Path
@@ -7,16 +8,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 
 from ember.core.config import load_config
 from ember.core.errors import ConfigError
-from ember.envs import make_from_config
+from ember.envs import EnvParams, EnvState, MultiAgentEnvironment, make_from_config
+from ember.envs.spaces import Box, Dict, Discrete
+from ember.models.policies import Categorical, PolicyConfig
 from ember.training.rl import multi_agent_ppo
-from ember.training.rl.agent_view import global_state
+from ember.training.rl.agent_view import global_state, multi_agent_view
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 from ember.training.rl.experiment import ALGORITHMS
+from ember.training.rl.losses import ppo_loss
+from ember.training.rl.ppo import PPOConfig, PPOHyperparams, minibatch_loss
 from tests import xla_settings
+from tests.tolerances import assert_allclose
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 
@@ -28,6 +35,141 @@ def test_global_state_concatenates_every_observation_and_the_agent_id(rng):
     for agent in range(3):
         np.testing.assert_array_equal(state[:, agent, :12], np.asarray(obs).reshape(2, 12))
         np.testing.assert_array_equal(state[:, agent, 12:], np.tile(np.eye(3)[agent], (2, 1)))
+
+
+@struct.dataclass
+class PickState(EnvState):
+    legal: jax.Array  # bool [agents, actions]
+
+
+class PickTheHighestLegal(MultiAgentEnvironment):
+    """Two agents each see which of 4 actions are legal (a fresh random set each step, never
+    empty) and earn ``action / 3`` for a legal action; the environment does not enforce the
+    masks: an illegal action pays 10, a trap for a learner that ignores them. ``agent_1`` ends
+    (is ``terminated``) after its 2nd step; from then on only action 0 is legal for it and it
+    earns nothing. Episodes last ``max_steps_in_episode`` steps."""
+
+    reset_noise_words = 1
+    transition_noise_words = 1
+    masks_actions = True
+
+    def __init__(self):
+        self.agents = ["agent_0", "agent_1"]
+
+    @property
+    def default_params(self):
+        return EnvParams(max_steps_in_episode=4)
+
+    def _draw(self, noise, time):
+        bits = (noise[0] >> jnp.arange(8, dtype=jnp.uint32)).reshape(2, 4) & 1
+        legal = (bits == 1) | (jnp.arange(4) == (noise[0] >> 8) % 4)
+        dead = (time >= 2) & (jnp.arange(2) == 1)[:, None]
+        legal = jnp.where(dead, jnp.arange(4) == 0, legal)
+        obs = {agent: legal[i].astype(jnp.float32) for i, agent in enumerate(self.agents)}
+        return obs, PickState(time=time, legal=legal)
+
+    def reset_env(self, noise, params):
+        return self._draw(noise, jnp.int32(0))
+
+    def step_env(self, noise, state, actions, params):
+        obs, next_state = self._draw(noise, state.time + 1)
+        rewards, terminated = {}, {"__all__": jnp.bool_(False)}
+        for i, agent in enumerate(self.agents):
+            legal = state.legal[i, actions[agent]]
+            alive = (i == 0) | (state.time < 2)
+            rewards[agent] = jnp.where(legal, actions[agent] / 3.0, 10.0) * alive
+            terminated[agent] = ~((i == 0) | (state.time + 1 < 2))
+        return obs, next_state, rewards, terminated, {}
+
+    def action_masks(self, state, params):
+        return {agent: state.legal[i] for i, agent in enumerate(self.agents)}
+
+    def observation_space(self, params):
+        return Dict({agent: Box(0.0, 1.0, (4,)) for agent in self.agents})
+
+    def action_space(self, params):
+        return Dict({agent: Discrete(4) for agent in self.agents})
+
+
+def test_the_learner_reads_each_agents_own_end():
+    """``agent_1`` ends on its 2nd step: the learner's ``terminated`` is its own (it was the
+    episode's for every agent, so agent_1 bootstrapped past its end)."""
+    env = PickTheHighestLegal()
+    params = env.default_params
+    _, state = env.reset(jax.random.key(0), params)
+    view = multi_agent_view(env.agents, centralised_critic=False, action_masks=True)
+    ends = []
+    for t in range(4):
+        actions = {agent: jnp.argmax(env.action_masks(state, params)[agent]) for agent in env.agents}
+        _, state, rewards, terminated, truncated, _ = env.step(jax.random.key(t), state, actions, params)
+        _, learner_terminated, learner_truncated = view.step_arrays(
+            *jax.tree.map(lambda x: x[None], (rewards, terminated, truncated))
+        )
+        ends.append((learner_terminated[0].tolist(), learner_truncated[0].tolist()))
+    assert ends == [([False, False], [False, False]), ([False, True], [False, False]),
+                    ([False, True], [False, False]), ([False, True], [True, True])]  # fmt: skip
+
+
+def test_the_ppo_loss_scores_the_stored_actions_under_their_stored_masks(rng):
+    """With ``legal_actions`` in the minibatch, the loss (and its gradient) is PPO's on the
+    log-probabilities and entropy of a categorical over each element's legal logits alone."""
+    keys = jax.random.split(rng, 6)
+    logits = 2.0 * jax.random.normal(keys[0], (16, 2, 5))  # [batch, agents, actions]
+    legal = jax.random.bernoulli(keys[1], 0.6, logits.shape).at[..., 2].set(True)
+    actions = jax.random.categorical(keys[2], jnp.where(legal, 0.0, -jnp.inf))  # legal ones
+    minibatch = {
+        "raw_action": actions,
+        "log_prob": jax.random.normal(keys[3], (16, 2)) - 1.5,
+        "advantages": jax.random.normal(keys[4], (16, 2)),
+        "value": jnp.zeros((16, 2)),
+        "returns": jax.random.normal(keys[5], (16, 2)),
+        "legal_actions": legal,
+    }
+    hp = PPOHyperparams.from_config(PPOConfig())
+
+    def loss(logits):
+        return minibatch_loss(Categorical(logits), jnp.zeros((16, 2)), minibatch, hp, normalize_advantage=True)[0]
+
+    def reference(logits):
+        log_probs = jnp.where(legal, jax.nn.log_softmax(jnp.where(legal, logits, -jnp.inf)), 0.0)
+        chosen = jnp.take_along_axis(log_probs, actions[..., None], -1)[..., 0]
+        entropy = -(jnp.exp(log_probs) * log_probs * legal).sum(-1)
+        return ppo_loss(chosen, minibatch["log_prob"], minibatch["advantages"], jnp.zeros((16, 2)),
+                        minibatch["value"], minibatch["returns"], entropy, clip_eps=0.2, value_clip_eps=0.2,
+                        value_coef=0.5, entropy_coef=0.01)[0]  # fmt: skip
+
+    assert_allclose(loss(logits), reference(logits))
+    assert_allclose(jax.grad(loss)(logits), jax.grad(reference)(logits))
+
+
+@pytest.mark.parametrize("algo", ["ippo", "mappo"])
+def test_ippo_and_mappo_act_under_masks_and_learn_among_the_legal_actions(algo):
+    """No rollout step takes an illegal action (an episode's return per agent would exceed its
+    legal maximum, (4 + 2) / 2 = 3, by 4.5 or more), and the greedy policy picks the highest
+    legal action. Greedy return per agent over 256 episodes: 2.465 for IPPO and MAPPO on each of
+    seeds 0-3, the return of always picking the highest legal action; a uniformly random legal
+    action gets 1.524 (a margin of 0.94; asserted: 0.6)."""
+    env = PickTheHighestLegal()
+    params = env.default_params
+    config = PPOConfig(num_envs=8, num_steps=16, total_timesteps=8 * 16 * 25, num_minibatches=2,
+                       learning_rate=3e-3, entropy_coef=0.0, policy=PolicyConfig(hidden_sizes=(32,)))  # fmt: skip
+    result = jax.jit(multi_agent_ppo.make_train(config, env, params, centralised_critic=algo == "mappo"))(
+        jax.random.key(0)
+    )
+    returns = np.asarray(result["metrics"]["episode_return"])
+    assert returns.max() <= 3.0 + 1e-5, "an illegal action was taken in a rollout"
+    act = multi_agent_ppo.make_act(multi_agent_ppo.make_policy(config, env, params), result["params"], env.agents)
+    trained, _ = evaluate(act, env, params, jax.random.key(1), 256)
+
+    def random_legal(obs, key, legal_actions):
+        keys = jax.random.split(key, 2)
+        return {
+            a: jax.random.categorical(k, jnp.where(legal_actions[a], 0.0, -jnp.inf)) for a, k in zip(env.agents, keys)
+        }
+
+    random, _ = evaluate(random_legal, env, params, jax.random.key(1), 256)
+    assert float(trained.mean()) > float(random.mean()) + 0.6, (float(trained.mean()), float(random.mean()))
+    assert float(trained.max()) <= 3.0 + 1e-5
 
 
 @pytest.mark.parametrize(("algo", "critic_features"), [("ippo", 18), ("mappo", 3 * 18 + 3)])
