@@ -167,6 +167,36 @@ def test_jaxmarl_termination_on_the_last_allowed_step_is_a_termination(rng, max_
     assert flags == [(False, False)] * 3 + [(True, max_steps == 4)]
 
 
+class _FirstAgentEndsOnStepTwo(_EndsAfterFourSteps):
+    """MPE simple_spread whose ``dones`` of every agent mark its own time limit (max_steps 25) on
+    the 25th step, as SMAX's and Hanabi's end flags would, and whose ``dones["agent_0"]`` is true
+    on step 2 too (and not after)."""
+
+    def step_env(self, key, state, actions):
+        obs, state, rewards, dones, info = self.env.step_env(key, state, actions)
+        limit = state.step >= 25
+        dones = {agent: limit | ((state.step == 2) & (agent == "agent_0")) for agent in self.env.agents}
+        return obs, state, rewards, {**dones, "__all__": limit}, info
+
+
+def test_jaxmarl_agent_that_ended_stays_terminated_and_the_own_limit_is_a_truncation(rng):
+    """``terminated["agent_0"]`` from its end (step 2) to the episode's, its own last step (25)
+    included, where JaxMARL's ``dones`` of every agent are its time limit: the others are only
+    truncated there."""
+    env = JaxMARLEnv(_FirstAgentEndsOnStepTwo(jaxmarl.make("MPE_simple_spread_v3")))
+    params = env.default_params
+    _, state = env.reset(rng, params)
+    step = jax.jit(env.step)
+    actions = {agent: jnp.int32(1) for agent in env.agents}
+    flags = []
+    for t in range(26):
+        _, state, _, terminated, truncated, _ = step(jax.random.fold_in(rng, t), state, actions, params)
+        flags.append([bool(terminated[agent]) for agent in env.agents] + [bool(truncated["__all__"])])
+    assert flags[0] == flags[25] == [False, False, False, False]  # step 26 is the next episode's first
+    assert flags[1:24] == [[True, False, False, False]] * 23
+    assert flags[24] == [True, False, False, True]
+
+
 def test_gymnasium_vector_env_passes_gymnasium_checks():
     params = ember.envs.make("CartPole-v1", max_steps_in_episode=20)[1]
     envs = GymnasiumVectorEnv(
