@@ -156,15 +156,22 @@ def test_jaxmarl_termination_on_the_last_allowed_step_is_a_termination(rng, max_
     """Under a time limit shorter than the environment's own, a true end on the limit's last
     step is still ``terminated`` (truncated too, at 4): bootstrapping must stop there."""
     env = JaxMARLEnv(_EndsAfterFourSteps(jaxmarl.make("MPE_simple_spread_v3")), max_steps=max_steps)
+    flags = end_flags_of_steps(env, rng, 4, lambda terminated, truncated: (terminated["__all__"], truncated["__all__"]))
+    assert flags == [(False, False)] * 3 + [(True, max_steps == 4)]
+
+
+def end_flags_of_steps(env, rng, steps, read):
+    """``read(terminated, truncated)`` (bool scalars), as a tuple of bools, after each of ``steps``
+    jitted steps of ``env`` from a reset, every agent taking action 1."""
     params = env.default_params
     _, state = env.reset(rng, params)
     step = jax.jit(env.step)
     actions = {agent: jnp.int32(1) for agent in env.agents}
     flags = []
-    for t in range(4):
+    for t in range(steps):
         _, state, _, terminated, truncated, _ = step(jax.random.fold_in(rng, t), state, actions, params)
-        flags.append((bool(terminated["__all__"]), bool(truncated["__all__"])))
-    assert flags == [(False, False)] * 3 + [(True, max_steps == 4)]
+        flags.append(tuple(map(bool, read(terminated, truncated))))
+    return flags
 
 
 class _FirstAgentEndsOnStepTwo(_EndsAfterFourSteps):
@@ -184,17 +191,12 @@ def test_jaxmarl_agent_that_ended_stays_terminated_and_the_own_limit_is_a_trunca
     included, where JaxMARL's ``dones`` of every agent are its time limit: the others are only
     truncated there."""
     env = JaxMARLEnv(_FirstAgentEndsOnStepTwo(jaxmarl.make("MPE_simple_spread_v3")))
-    params = env.default_params
-    _, state = env.reset(rng, params)
-    step = jax.jit(env.step)
-    actions = {agent: jnp.int32(1) for agent in env.agents}
-    flags = []
-    for t in range(26):
-        _, state, _, terminated, truncated, _ = step(jax.random.fold_in(rng, t), state, actions, params)
-        flags.append([bool(terminated[agent]) for agent in env.agents] + [bool(truncated["__all__"])])
-    assert flags[0] == flags[25] == [False, False, False, False]  # step 26 is the next episode's first
-    assert flags[1:24] == [[True, False, False, False]] * 23
-    assert flags[24] == [True, False, False, True]
+    flags = end_flags_of_steps(
+        env, rng, 26, lambda terminated, truncated: (*(terminated[agent] for agent in env.agents), truncated["__all__"])
+    )
+    assert flags[0] == flags[25] == (False, False, False, False)  # step 26 is the next episode's first
+    assert flags[1:24] == [(True, False, False, False)] * 23
+    assert flags[24] == (True, False, False, True)
 
 
 def test_gymnasium_vector_env_passes_gymnasium_checks():
