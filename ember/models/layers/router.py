@@ -60,6 +60,7 @@ def route(
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if selection_bias is None else scores + jax.lax.stop_gradient(selection_bias)
+    # Each device its own tokens: XLA does not split TopK over them, and gathered every device's logits.
     expert_ids = per_shard(lambda choice: jax.lax.top_k(choice, top_k)[1], [("batch", None)], ("batch", None))(choice)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if renormalize:
