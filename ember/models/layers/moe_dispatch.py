@@ -59,6 +59,17 @@ def sort_slots(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
     return order, inverse, jnp.diff(bounds).astype(jnp.int32)
 
 
+def dispatched_rows(x: jax.Array, expert_ids: jax.Array, num_experts: int):
+    """``(rows [tokens * top_k, embed], order, inverse, group_sizes [num_experts])``: the row of
+    ``x [tokens, embed]`` of each token-slot of ``expert_ids [tokens, top_k]``, sorted by expert
+    (:func:`sort_slots`; slots of out-of-range ids last, in no group)."""
+    tokens, top_k = expert_ids.shape
+    order, inverse, group_sizes = sort_slots(expert_ids, num_experts)
+    # Slot s = t * top_k + k holds token t; broadcasting (not gathering) keeps its VJP a sum.
+    slots = jnp.broadcast_to(x[:, None, :], (tokens, top_k, x.shape[-1])).reshape(tokens * top_k, -1)
+    return permute_rows(slots, order, inverse), order, inverse, group_sizes
+
+
 def grouped_expert_hidden(rows, gate, up, group_sizes, *, activation: str, impl: str) -> jax.Array:
     """The experts' hidden activations ``[m, f]`` on ``rows [m, embed]`` grouped contiguously by
     expert (``group_sizes [E]``): ``act(rows @ gate) * (rows @ up)`` per group (``act(rows @ up)``
@@ -104,10 +115,7 @@ def expert_input_grams(x, expert_ids, gate, up, *, activation: str, impl: str) -
       expert's output after ``down``: GPTQ's objective is the error of each matrix's own product.
       An expert no slot reached gets zero matrices.
     """
-    tokens, top_k = expert_ids.shape
-    order, _, group_sizes = sort_slots(expert_ids, up.shape[0])
-    slots = jnp.broadcast_to(x[:, None, :], (tokens, top_k, x.shape[-1])).reshape(tokens * top_k, -1)
-    rows = jnp.take(slots, order, axis=0)
+    rows, _, _, group_sizes = dispatched_rows(x, expert_ids, up.shape[0])
     hidden = grouped_expert_hidden(rows, gate, up, group_sizes, activation=activation, impl=impl)
     return grouped_grams(rows, group_sizes), grouped_grams(hidden, group_sizes)
 
@@ -141,10 +149,7 @@ def routed_expert_mlp(
     """
     tokens, top_k = expert_ids.shape
     num_experts = up.shape[0]
-    order, inverse, group_sizes = sort_slots(expert_ids, num_experts)
-    # Slot s = t * top_k + k holds token t; broadcasting (not gathering) keeps its VJP a sum.
-    slots = jnp.broadcast_to(x[:, None, :], (tokens, top_k, x.shape[-1])).reshape(tokens * top_k, -1)
-    rows = permute_rows(slots, order, inverse)
+    rows, order, inverse, group_sizes = dispatched_rows(x, expert_ids, num_experts)
     out = permute_rows(
         grouped_expert_mlp(rows, gate, up, down, group_sizes, activation=activation, impl=impl), inverse, order
     )
@@ -207,6 +212,7 @@ def apply_capacity(expert_ids: jax.Array, num_experts: int, capacity: int | jax.
 
 __all__ = [
     "apply_capacity",
+    "dispatched_rows",
     "expert_input_grams",
     "grouped_expert_hidden",
     "grouped_grams",
