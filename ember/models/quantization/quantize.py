@@ -182,7 +182,8 @@ def uncalibrated_matrices(grams: Mapping[str, jax.Array]) -> dict[str, int]:
     """``{weight path: how many of its matrices have a zero Gram}`` (stacked layers and experts
     count one matrix each; paths with none are left out): the matrices GPTQ rounds to nearest,
     routed experts no calibration token reached. Concrete Grams only (not while tracing)."""
-    counts = {path: int(np.sum(np.trace(np.asarray(g), axis1=-2, axis2=-1) == 0)) for path, g in grams.items()}
+    # Counted where the Grams lie: only the counts come to the host, not [*lead, K, K] Grams.
+    counts = {path: int(jnp.sum(jnp.trace(g, axis1=-2, axis2=-1) == 0)) for path, g in grams.items()}
     return {path: count for path, count in counts.items() if count}
 
 
