@@ -22,6 +22,7 @@ from ember.models.config import ModelConfig, MoEConfig, SSMConfig
 from ember.models.decoder import DecoderLM
 from ember.models.layers.kernel_shards import per_head_group_shard
 from ember.models.quantization import QuantizeConfig, quantize_params
+from tests.collectives import collectives
 from tests.tolerances import assert_allclose
 
 # One of each parameter kind: attention with biases and QK-norm, CCGQA, Hedgehog linear
@@ -102,13 +103,6 @@ def compiled_on_mesh(step, variables, tokens, arguments=lambda sharded: (sharded
         args = (*arguments(shard_variables(variables, mesh)), sharded_tokens)
         compiled = step.lower(*args).compile()
         return compiled, compiled(*args)
-
-
-def collectives(compiled) -> list[tuple[str, str]]:
-    """``(result type, op)`` of each collective in a compiled program, e.g. ``("u8[1,32,128]{2,0,1}",
-    "all-gather")``."""
-    pattern = r"= (\([^)]*\)|\S+) (all-gather|all-reduce|all-to-all|reduce-scatter)\("
-    return re.findall(pattern, compiled.as_text())
 
 
 # Every sequence-mixer family that runs a Pallas kernel, in the Pallas interpreter: GQA attention,
