@@ -35,7 +35,8 @@ from an empty state (the slot's old state is ignored), so a slot is reused witho
   state_size]`` (float32).
 
 Pages are shared by all layers of a sequence (one page table); state slots are O(1) per
-sequence. Layers see the step's metadata through :class:`Paging`.
+sequence. On a mesh each entry is split by its logical axes (:func:`layer_state_axes`).
+Layers see the step's metadata through :class:`Paging`.
 
 Inside ``DecoderLM`` the groups' pages of each block are one pool (:func:`fold_pages`:
 ``[groups * num_pages, ...]``, a reshape), and group ``g`` addresses its own part through a
@@ -54,6 +55,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 
@@ -178,6 +180,38 @@ def layer_state_shapes(config: ModelConfig, kind: str, num_slots: int, num_pages
     raise ValueError(f"no cache layout for layer kind {kind!r}")
 
 
+def layer_state_axes(kind: str) -> dict[str, tuple[str | None, ...]]:
+    """The logical axes (``ember.core.sharding``) of one layer's cache entries, without the
+    leading ``[groups]`` axis: each entry splits where the weights that write it do (pages and
+    windows over their key heads, recurrent states over their heads, CCA's tails and previous
+    value over the latent columns of the projections they hold); Mamba-2's convolution inputs,
+    ``x``, ``B`` and ``C`` side by side, split along no axis."""
+    pages = (None, None, "kv_heads", None)
+    if kind in SOFTMAX_FAMILY:
+        return {"k_pages": pages, "v_pages": pages}
+    if kind == "cca":
+        tails = {"q_tail": (None, None, "heads"), "k_tail": (None, None, "kv_heads"), "v_prev": (None, "kv_heads")}
+        return {"k_pages": pages, "v_pages": pages, **tails}
+    linear_state = (None, "heads", None, None)
+    if kind == "linear":
+        return {"state": linear_state}
+    if kind == "window_linear":
+        window = (None, None, "kv_heads", None)
+        return {"state": linear_state, "window_k": window, "window_v": window}
+    if kind == "mamba2":
+        return {"conv_state": (None, None, None), "ssm_state": (None, "heads", None, None)}
+    raise ValueError(f"no cache layout for layer kind {kind!r}")
+
+
+def cache_layer_axes(config: ModelConfig) -> dict[str, Any]:
+    """The logical axes of :func:`init_cache_layers`' leaves (a ``PartitionSpec`` of logical
+    names per leaf, ``[groups]`` unsplit), for ``ember.core.sharding.tree_shardings``."""
+    return {
+        f"block_{j}": {name: PartitionSpec(None, *axes) for name, axes in layer_state_axes(kind).items()}
+        for j, kind in enumerate(config.layer_kinds[: config.layer_period])
+    }
+
+
 def linear_feature_dim(config: ModelConfig) -> int:
     """Width of the linear-attention feature map's output (Hedgehog doubles its projection)."""
     width = config.linear_feature_dim or config.head_size
@@ -243,8 +277,10 @@ __all__ = [
     "FLOAT32_ENTRIES",
     "PAGE_ENTRIES",
     "Paging",
+    "cache_layer_axes",
     "fold_pages",
     "init_cache_layers",
+    "layer_state_axes",
     "layer_state_shapes",
     "linear_feature_dim",
     "run_history",

@@ -109,7 +109,8 @@ class Engine:
         """An engine for ``DecoderLM(config)`` with ``params``; ``program_options`` go to
         :func:`ember.serving.model_program.build_program` (``num_slots``, ``token_budget``,
         ``token_buckets``, ``max_context``, ``num_pages``, ``kv_dtype``, ``adapters``: name ->
-        adapter leaves, served at once; a request picks one with ``SamplingParams.adapter``)."""
+        adapter leaves, served at once; a request picks one with ``SamplingParams.adapter``;
+        ``mesh``: a ``jax.sharding.Mesh`` to split the model over, tensor-parallel)."""
         from ember.serving.model_program import build_program  # keeps artifact serving free of model code
 
         return cls(build_program(config, params, **program_options), tokenizer=tokenizer, eos_id=eos_id)
@@ -219,7 +220,7 @@ class Engine:
             if request.params.adapter is not None:
                 batch["adapters"][slot] = program.adapter_names.index(request.params.adapter)
             offset += count
-        batch, settings = jax.device_put((batch, settings))
+        batch, settings = jax.device_put((batch, settings), program.inputs)
         program.kv, tokens, logprobs = program.steps[bucket](program.params, program.kv, batch, settings)
         tokens, logprobs = jax.device_get((tokens, logprobs))
         slots = [chunk.request.slot for chunk in chunks]

@@ -9,6 +9,7 @@ and every token bucket is compiled here, once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Mapping
@@ -18,15 +19,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ember.core.errors import ConfigError
 from ember.core.read_dtypes import read_dtypes
-from ember.core.tree import leaves_with_paths
+from ember.core.sharding import DEFAULT_RULES, tree_shardings, unbox, use_sharding
+from ember.core.tree import leaves_with_paths, map_paths, param_paths
 from ember.models.adapters.stacking import stack_adapters
-from ember.models.cache import init_cache_layers
+from ember.models.cache import cache_layer_axes, init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables, serving_weights, split_variables
+from ember.serving.mesh import StepPlacement, check_serving_mesh
 from ember.serving.program import DeviceProgram, narrowed_weights, resolve_token_buckets, step_argument_specs
 from ember.serving.sampling import sample_tokens
 
@@ -48,9 +52,14 @@ def model_step(model: DecoderLM, params: Any, kv: Any, batch: dict[str, jax.Arra
     return cache["layers"], next_tokens, logprobs
 
 
-def jitted_step(config: ModelConfig):
-    """The jitted ``model_step`` of ``DecoderLM(config)`` with the cache (pages, state slots) donated."""
-    return jax.jit(functools.partial(model_step, DecoderLM(config)), donate_argnums=1)
+def jitted_step(config: ModelConfig, placement: StepPlacement | None = None):
+    """The jitted ``model_step`` of ``DecoderLM(config)`` with the cache (pages, state slots)
+    donated; with ``placement``, its arguments and results sharded so (the donated cache comes
+    back with the sharding it went in with, step after step)."""
+    step = functools.partial(model_step, DecoderLM(config))
+    if placement is None:
+        return jax.jit(step, donate_argnums=1)
+    return jax.jit(step, donate_argnums=1, in_shardings=placement.in_shardings, out_shardings=placement.out_shardings)
 
 
 def build_program(
@@ -64,6 +73,7 @@ def build_program(
     num_pages: int | None = None,
     kv_dtype: Any = None,
     adapters: Mapping[str, Any] | None = None,
+    mesh: Mesh | None = None,
 ) -> DeviceProgram:
     """Compiles the steps of ``DecoderLM(config)`` for every token bucket.
 
@@ -78,6 +88,8 @@ def build_program(
       kv_dtype: page (and convolution-tail) dtype; default the model's compute dtype.
       adapters: name -> adapter leaves (``ember.models.adapters``) to serve at once, stacked
         onto ``params`` (``ember.models.adapters.stacking``); each request names one or none.
+      mesh: serve the model split over this mesh's ``tensor`` axis (``ember.serving.mesh``:
+        its other axes must have size 1); default one device.
     """
     names: tuple[str, ...] = ()
     if adapters:
@@ -86,18 +98,64 @@ def build_program(
         params = serving_weights(weights, state)
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
     layout = program_layout(config, num_slots, max_context, num_pages)
-    kv = init_cache_layers(config, num_slots, layout["num_pages"], kv_dtype)
-    step = jitted_step(config)
+    empty_cache = functools.partial(init_cache_layers, config, num_slots, layout["num_pages"], kv_dtype)
+    placement = None
+    if mesh is not None:
+        params = unbox(params)
+        placement = step_placement(config, params, jax.eval_shape(empty_cache), mesh)
+    # On a mesh the cache is made in its shards: whole, it may not fit one device.
+    kv = empty_cache() if placement is None else jax.jit(empty_cache, out_shardings=placement.kv)()
+    step = jitted_step(config, placement)
     pages_per_seq, with_adapters = layout["pages_per_seq"], bool(names)
-    weight_dtypes = read_weight_dtypes(step, params, kv, num_slots, pages_per_seq, adapters=with_adapters)
-    params = narrowed_weights(params, weight_dtypes)
-    steps = {
-        size: step.lower(
-            *step_argument_specs(params, kv, num_slots, size, pages_per_seq, adapters=with_adapters)
-        ).compile()
-        for size in buckets
-    }
-    return DeviceProgram(steps=steps, params=params, kv=kv, adapter_names=names, weight_dtypes=weight_dtypes, **layout)
+    with contextlib.nullcontext() if mesh is None else use_sharding(mesh):
+        weight_dtypes = read_weight_dtypes(step, params, kv, num_slots, pages_per_seq, adapters=with_adapters)
+        params = narrowed_weights(params, weight_dtypes)
+        steps = {
+            size: step.lower(
+                *step_argument_specs(params, kv, num_slots, size, pages_per_seq, adapters=with_adapters)
+            ).compile()
+            for size in buckets
+        }
+    if placement is not None:
+        params = jax.device_put(params, placement.params)
+    return DeviceProgram(
+        steps=steps,
+        params=params,
+        kv=kv,
+        adapter_names=names,
+        weight_dtypes=weight_dtypes,
+        inputs=None if placement is None else placement.replicated,
+        **layout,
+    )
+
+
+def step_placement(config: ModelConfig, params: Any, kv: Any, mesh: Mesh) -> StepPlacement:
+    """The shardings of a step of ``DecoderLM(config)`` on ``mesh`` (checked by
+    :func:`check_serving_mesh`), for ``params`` (unboxed, as ``serving_weights`` gives them)
+    and the cache ``kv`` (``ember.models.cache.init_cache_layers``)."""
+    check_serving_mesh(mesh.shape)
+    return StepPlacement(
+        params=tree_shardings(mesh, weight_axes(config, params), DEFAULT_RULES, shapes=params),
+        kv=tree_shardings(mesh, cache_layer_axes(config), DEFAULT_RULES, shapes=kv),
+        replicated=NamedSharding(mesh, PartitionSpec()),
+    )
+
+
+def weight_axes(config: ModelConfig, params: Any) -> Any:
+    """``params``' tree with each leaf's logical axes (a ``PartitionSpec`` of logical names):
+    those ``DecoderLM(config).init`` gives the weight at its path and shape; a leaf the model's
+    own init has not (a stacked adapter's factors, another layout) stays replicated."""
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    abstract = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)
+    declared = param_paths(serving_weights(*split_variables(abstract)))
+
+    def axes(path: str, leaf: Any) -> PartitionSpec:
+        box = declared.get(path)
+        if isinstance(box, nn.Partitioned) and tuple(box.value.shape) == tuple(jnp.shape(leaf)):
+            return PartitionSpec(*box.names)
+        return PartitionSpec()
+
+    return map_paths(axes, params)
 
 
 def read_weight_dtypes(
@@ -139,4 +197,12 @@ def program_layout(
     )
 
 
-__all__ = ["build_program", "jitted_step", "model_step", "program_layout", "read_weight_dtypes"]
+__all__ = [
+    "build_program",
+    "jitted_step",
+    "model_step",
+    "program_layout",
+    "read_weight_dtypes",
+    "step_placement",
+    "weight_axes",
+]

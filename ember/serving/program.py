@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ember.core.errors import ConfigError
+from ember.core.sharding import unbox
 from ember.core.tree import param_paths
 from ember.serving.sampling import settings_spec
 
@@ -66,12 +67,20 @@ class DeviceProgram:
     weight_dtypes: Mapping[str, np.dtype] = dataclasses.field(default_factory=dict)
     """The weights stored in the narrower dtype the steps read them in (``ember.core.read_dtypes``),
     by path: weights given for them in their original dtype are converted on the way in."""
+    inputs: Any = None
+    """Where each step's ``batch`` and ``settings`` go: the default device (None) or, for a
+    program split over a mesh (``ember.serving.mesh``), replicated over it."""
 
     def fresh_copy(self, params: Any = None) -> DeviceProgram:
         """A program sharing these compiled steps with its own empty cache (and ``params``
-        instead of these, of the same shapes, if given): engines on copies run independently."""
-        kv = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self.kv)
-        return dataclasses.replace(self, kv=kv, params=self.params if params is None else self.stored(params))
+        instead of these, of the same shapes, if given): engines on copies run independently.
+        Both are placed as this program's (on a mesh, each leaf in its shards)."""
+        kv = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), self.kv)
+        if params is not None:
+            params = self.stored(params)
+            if self.inputs is not None:  # compiled for weights in the shards of the program's own
+                params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), unbox(params), self.params)
+        return dataclasses.replace(self, kv=kv, params=self.params if params is None else params)
 
     def stored(self, weights: Any) -> Any:
         """``weights`` (the whole tree or a nested-dict part of it) as the program stores them."""
@@ -156,7 +165,7 @@ def _with_leaves(tree: Any, leaves: dict[str, Any], prefix: str = "") -> Any:
 LAYOUT_FIELDS: tuple[str, ...] = tuple(
     field.name
     for field in dataclasses.fields(DeviceProgram)
-    if field.name not in ("steps", "params", "kv", "adapter_names", "weight_dtypes")
+    if field.name not in ("steps", "params", "kv", "adapter_names", "weight_dtypes", "inputs")
 )
 """``DeviceProgram``'s size fields: ``num_slots``, ``pages_per_seq``, ``page_size``, ``num_pages``,
 ``vocab_size``, ``max_context``."""

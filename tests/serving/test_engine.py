@@ -1,23 +1,31 @@
 """The engine against a plain full-recompute greedy loop on a tiny random softmax-attention
-``DecoderLM`` (models with per-sequence state slots: ``test_state_serving.py``). Tests share
-compiled programs, never an engine: each test's engine runs on a fresh copy of the program's
-cache."""
+``DecoderLM`` (models with per-sequence state slots: ``test_state_serving.py``), and split
+tensor-parallel over a mesh against the single device's engine. Tests share compiled programs,
+never an engine: each test's engine runs on a fresh copy of the program's cache."""
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.core.errors import ConfigError
 from ember.core.hf_tokenizer import load_hf_tokenizer
+from ember.core.sharding import MeshConfig, make_mesh
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
+from ember.serving.mesh import serving_mesh
 from ember.serving.model_program import build_program
 from ember.serving.requests import SamplingParams
+from tests.collectives import collectives
 from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
-from tests.serving.random_workload import random_prompts, run_random_arrivals
+from tests.serving.random_workload import assert_serves_alike, random_prompts, run_random_arrivals
+from tests.tolerances import assert_allclose
 from tests.training.finetune_setup import BOS, WORDS, write_tokenizer
 
 CONFIG = ModelConfig(
@@ -38,6 +46,23 @@ def program(params, tmp_path_factory):
     with one_at_a_time(tmp_path_factory, "serving-engine-program"):  # compiled once per session
         return build_program(
             CONFIG, params, num_slots=4, token_buckets=(4, 8, 16), max_context=MAX_CONTEXT, num_pages=NUM_PAGES
+        )
+
+
+@pytest.fixture(scope="module")
+def mesh_program(params, tmp_path_factory):
+    """``program`` split over a tensor=2 mesh (each device: two query heads, one key head), its
+    ragged attention in the Pallas interpreter, per shard of the key heads; one bucket."""
+    config = dataclasses.replace(CONFIG, attention_impl="interpret")
+    with one_at_a_time(tmp_path_factory, "serving-engine-mesh-program"):
+        return build_program(
+            config,
+            params,
+            num_slots=4,
+            token_buckets=(16,),
+            max_context=MAX_CONTEXT,
+            num_pages=NUM_PAGES,
+            mesh=serving_mesh(MeshConfig(data=1, tensor=2)),
         )
 
 
@@ -335,3 +360,66 @@ def test_updated_weights_serve_like_a_fresh_engine_without_recompiling(program, 
     bad = tree_from_paths({path: jnp.zeros((3,), flat[path].dtype)})
     with pytest.raises(ValueError, match=f"weight '{path}' is float32\\[3\\]; the steps were compiled for"):
         engine.update_params(bad)
+
+
+def test_a_tensor_parallel_engine_serves_the_single_device_engine_s_tokens_and_logprobs(mesh_program, program, rng):
+    """Split over a tensor=2 mesh (``build_program(..., mesh=...)``), the engine gives the
+    single-device engine's greedy and sampled tokens and their log-probabilities, and the
+    donated cache comes back from every step in the shards it went in."""
+    engine = Engine(mesh_program.fresh_copy())
+    seed = int(jax.random.randint(rng, (), 0, 2**31 - 1))
+    assert_serves_alike(engine, Engine(program.fresh_copy()), seed, MAX_CONTEXT, max_budget=16)
+    placed = lambda tree: jax.tree.map(lambda leaf: leaf.sharding, tree)  # noqa: E731
+    assert placed(engine.program.kv) == placed(mesh_program.kv)
+
+
+def test_a_tensor_parallel_step_gathers_no_weight_nor_page_and_each_device_holds_its_share(mesh_program):
+    """On the mesh every device holds half of the heads' weights and of the pages, and the step
+    moves no weight and no page between devices: its only collectives are the all-reduces of the
+    row-parallel projections' ``[1, tokens, embed]`` partial sums (the attention output's and the
+    MLP's, once per scanned layer). Without the per-shard ragged attention, the Pallas kernel's
+    operands, the pages among them, were gathered whole onto both devices."""
+    found = collectives(mesh_program.steps[16])
+    assert found and all(op == "all-reduce" and result.startswith("f32[1,16,64]") for result, op in found), found
+    weights = mesh_program.params["layers"]["block_0"]
+    page_shape = mesh_program.kv["block_0"]["k_pages"].shape  # [groups, pages, page_size, kv_heads, head_dim]
+    for array, whole, dim in (
+        (weights["attn"]["q"]["kernel"], weights["attn"]["q"]["kernel"].shape, 2),  # [groups, embed, heads, dim]
+        (weights["mlp"]["up"], weights["mlp"]["up"].shape, 2),  # [groups, embed, mlp]
+        (mesh_program.kv["block_0"]["k_pages"], page_shape, 3),
+    ):
+        half = tuple(size // 2 if axis == dim else size for axis, size in enumerate(whole))
+        assert [shard.data.shape for shard in array.addressable_shards] == [half, half]
+
+
+def test_updated_weights_on_a_mesh_keep_their_shards_and_serve_like_the_single_device(
+    mesh_program, program, params, rng
+):
+    """``update_params`` on a tensor-parallel engine puts each new weight in the shards of the
+    one it replaces, and the outputs change as the single-device engine's do."""
+    from ember.core.tree import param_paths, tree_from_paths
+
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    flat = param_paths(nn.unbox(params))
+    updates = tree_from_paths(
+        {p: v + 0.3 * generator.standard_normal(v.shape).astype(v.dtype) for p, v in flat.items() if "attn" in p}
+    )
+    engines = Engine(mesh_program.fresh_copy()), Engine(program.fresh_copy())
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, engines[0].program.params)
+    prompts, settings = random_prompts(generator, 3), SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    before = engines[0].generate(prompts, settings)
+    for engine in engines:
+        engine.update_params(updates)
+    assert jax.tree.map(lambda leaf: leaf.sharding, engines[0].program.params) == shardings
+    after, expected = (engine.generate(prompts, settings) for engine in engines)
+    assert [r.tokens for r in after] == [r.tokens for r in expected] != [r.tokens for r in before]
+    assert_allclose([r.logprobs for r in after], [r.logprobs for r in expected], dtype=np.float32)
+
+
+def test_a_mesh_that_splits_the_batch_is_refused(params):
+    """Serving splits only the model: a data (or fsdp, expert) axis of more than one device
+    is a ConfigError naming it, before anything compiles."""
+    mesh = make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+    with pytest.raises(ConfigError, match=r"mesh.data=2: serving splits only the model, over mesh.tensor") as error:
+        build_program(CONFIG, params, num_slots=4, token_budget=8, mesh=mesh)
+    assert error.value.key == "mesh.data"

@@ -16,18 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ember.core.sharding import MeshConfig
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig, MoEConfig, SSMConfig
 from ember.serving.engine import Engine
 from ember.serving.export import export_program, load_artifact
+from ember.serving.mesh import serving_mesh
 from ember.serving.model_program import build_program
 from ember.serving.requests import SamplingParams
 from tests.host_random import numpy_rng
 from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
 from tests.serving.random_weights import random_weights
-from tests.serving.random_workload import run_random_arrivals
+from tests.serving.random_workload import assert_serves_alike, run_random_arrivals
 from tests.tolerances import assert_allclose
 
 STATE_KINDS = ("linear", "cca", "mamba2")
@@ -73,6 +75,22 @@ def program(params, tmp_path_factory):
     with one_at_a_time(tmp_path_factory, "state-serving-program"):  # compiled once per session
         return build_program(
             CONFIG, params, num_slots=NUM_SLOTS, token_buckets=BUCKETS, max_context=MAX_CONTEXT, num_pages=NUM_PAGES
+        )
+
+
+@pytest.fixture(scope="module")
+def mesh_program(params, tmp_path_factory):
+    """``program`` split over a tensor=4 mesh: four query heads and the recurrent states' heads
+    split four ways; the two key heads' pages (and CCA's one) whole on every device."""
+    with one_at_a_time(tmp_path_factory, "state-serving-mesh-program"):
+        return build_program(
+            CONFIG,
+            params,
+            num_slots=NUM_SLOTS,
+            token_buckets=BUCKETS,
+            max_context=MAX_CONTEXT,
+            num_pages=NUM_PAGES,
+            mesh=serving_mesh(MeshConfig(data=1, tensor=4)),
         )
 
 
@@ -165,3 +183,26 @@ def test_a_preempted_sequence_restarts_its_state_from_position_zero(program, ref
     poisoned = preempted_generation(program, prompt, kind, generator)
     assert poisoned.output == clean.output == reference([prompt], [10])[0]
     assert_allclose(poisoned.logprobs, clean.logprobs, dtype=np.float32)
+
+
+def test_a_hybrid_split_four_ways_serves_the_single_device_engine_s_tokens_and_logprobs(mesh_program, program, rng):
+    """On a tensor=4 mesh the hybrid gives the single-device engine's greedy and sampled tokens
+    and log-probabilities. Each device holds a quarter of every state kind's heads (the linear
+    and Mamba-2 states, CCA's query tail) and, two key heads not splitting four ways, the
+    attention layers' pages whole."""
+    assert_serves_alike(
+        Engine(mesh_program.fresh_copy()),
+        Engine(program.fresh_copy()),
+        int(numpy_rng(rng).integers(2**31)),
+        MAX_CONTEXT,
+        max(BUCKETS),
+    )
+    shard_shapes = lambda array: {shard.data.shape for shard in array.addressable_shards}  # noqa: E731
+    kv = mesh_program.kv
+    for kind, entry, dim in (("linear", "state", 2), ("mamba2", "ssm_state", 2), ("cca", "q_tail", 3)):
+        whole = kv[state_blocks(kind)[0]][entry].shape
+        assert shard_shapes(kv[state_blocks(kind)[0]][entry]) == {
+            tuple(size // 4 if axis == dim else size for axis, size in enumerate(whole))
+        }, (kind, entry)
+    pages = kv[state_blocks("global")[0]]["k_pages"]
+    assert len(pages.addressable_shards) == 4 and shard_shapes(pages) == {pages.shape}

@@ -26,6 +26,7 @@ from ember.kernels_pallas.attention_math import default_sigmoid_bias
 from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import KERNEL_BACKENDS as FLASH_KERNEL_BACKENDS
 from ember.kernels_pallas.flash_attention import flash_attention
+from ember.kernels_pallas.ragged_paged_attention import KERNEL_BACKENDS as RAGGED_KERNEL_BACKENDS
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
 from ember.models.cache import Paging, write_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
@@ -101,16 +102,31 @@ def _attend_ragged(q, k, v, pages, *, config, kind, paging, positions, valid, op
         score_options.update(score="sigmoid", sigmoid_bias=default_sigmoid_bias(config.max_seq_len))
     if kind == "block_sparse":
         score_options["global_tokens"] = config.global_tokens
-    out = ragged_paged_attention(
-        q[0],
-        pages["k_pages"],
-        pages["v_pages"],
-        paging.page_table,
-        paging.query_starts,
-        paging.query_lens,
-        paging.kv_lens,
-        window=None if kind == "global" else (config.sliding_window - 1, 0),
-        **score_options,
+    window = None if kind == "global" else (config.sliding_window - 1, 0)
+
+    def attention(q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens):
+        return ragged_paged_attention(
+            q, k_pages, v_pages, page_table, query_starts, query_lens, kv_lens, window=window, **score_options
+        )
+
+    # Under a tensor-parallel mesh each device attends with the key heads of the pages it holds
+    # (the page writes above are XLA's, which partitions them).
+    kernel = runs_per_shard(options["impl"], op="ragged_paged_attention", kernel_backends=RAGGED_KERNEL_BACKENDS)
+    out = per_head_group_shard(
+        attention,
+        (
+            q[0],
+            pages["k_pages"],
+            pages["v_pages"],
+            paging.page_table,
+            paging.query_starts,
+            paging.query_lens,
+            paging.kv_lens,
+        ),
+        ("sh.", "..h.", "..h.", "..", ".", ".", "."),
+        out_layout="sh.",
+        groups=k.shape[2],
+        kernel=kernel,
     )
     return out[None], pages
 

@@ -1,0 +1,75 @@
+"""Serving one model tensor-parallel over the devices of a mesh.
+
+    mesh = serving_mesh(MeshConfig(data=1, tensor=4))       # over the first 4 devices
+    engine = Engine.from_model(config, params, mesh=mesh)
+
+The step is compiled with explicit shardings (``ember.serving.model_program.step_placement``):
+the weights are placed by their logical axes under the default rules (``ember.core.sharding``:
+heads, key heads, MLP columns and vocabulary split over ``tensor``), the cache by its entries'
+(``ember.models.cache.layer_state_axes``: the pages over their key heads), and the step's
+inputs (the token budget, the sampling settings) and outputs are replicated. A mesh axis that
+does not divide a dimension leaves it whole, as everywhere in Ember (four devices and two key
+heads: every device holds both key heads' pages).
+
+Only the model is split: one step is one flat token budget, with no batch dimension to split
+over ``data`` or ``fsdp`` (nor experts over ``expert``: not supported here); every mesh axis
+but ``tensor`` must have size 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from ember.core.errors import ConfigError
+from ember.core.sharding import MeshConfig, make_mesh
+
+SPLIT_AXES: tuple[str, ...] = ("tensor",)
+"""The mesh axes a served model may be split over."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlacement:
+    """Where a step's arguments and results live on a mesh: ``params`` and ``kv`` are trees of
+    ``NamedSharding``s (the weights', the cache's), ``replicated`` the batch's, the settings'
+    and the sampled tokens'."""
+
+    params: Any
+    kv: Any
+    replicated: NamedSharding
+
+    @property
+    def in_shardings(self) -> tuple[Any, ...]:
+        return self.params, self.kv, self.replicated, self.replicated
+
+    @property
+    def out_shardings(self) -> tuple[Any, ...]:
+        return self.kv, self.replicated, self.replicated
+
+
+def check_serving_mesh(sizes: Mapping[str, int]) -> None:
+    """Raises ``ConfigError`` (keyed ``mesh.<axis>``) for a mesh axis other than
+    :data:`SPLIT_AXES` whose size (``mesh.shape``, or ``MeshConfig.sizes()``) is not 1."""
+    for axis, size in sizes.items():
+        if axis not in SPLIT_AXES and size != 1:
+            raise ConfigError(
+                f"mesh.{axis}={size}: serving splits only the model, over mesh.tensor (one step's flat "
+                f"token budget has no batch to split over mesh.{axis}); give mesh.{axis}=1",
+                key=f"mesh.{axis}",
+            )
+
+
+def serving_mesh(config: MeshConfig) -> Mesh:
+    """The mesh of ``config`` (checked by :func:`check_serving_mesh`) over the first devices
+    it needs (``tensor=-1``: all of them)."""
+    check_serving_mesh(config.sizes())
+    devices = jax.devices()
+    size = config.resolve(len(devices))["tensor"] if config.tensor == -1 else config.tensor
+    return make_mesh(config, devices[:size])
+
+
+__all__ = ["SPLIT_AXES", "StepPlacement", "check_serving_mesh", "serving_mesh"]
