@@ -4,10 +4,12 @@
     ember generate --checkpoint RUN_DIR --prompt "Once upon a time" --max-tokens 64
     ember generate --artifact EXPORT_DIR --prompts in.jsonl --out out.jsonl
     ember generate --checkpoint HF_DIR --adapter sql=out/sql --adapter chat=out/chat --prompts in.jsonl
+    ember generate --checkpoint RUN_DIR --mesh tensor=4 --prompts in.jsonl --out out.jsonl
 
 ``--adapter NAME=DIR`` (repeatable) serves PEFT LoRA adapters at once beside the base model;
 a request line picks one with ``"adapter": "NAME"`` (see ``ember.serving.batch_io``), and
-one naming an unknown adapter gets an ``error`` record while the rest complete.
+one naming an unknown adapter gets an ``error`` record while the rest complete. ``--mesh tensor=N``
+splits the model tensor-parallel over the first ``N`` devices (:mod:`ember.serving.mesh`).
 
 See :mod:`ember.serving.batch_io` for the JSONL contract: records are written in input order
 as they finish, so an interrupted batch keeps those it finished. With ``--artifact`` the model
@@ -71,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=DIR",
         help="serve the PEFT LoRA adapter in DIR as NAME (repeatable; --checkpoint); requests pick it by name",
     )
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        metavar="tensor=N",
+        help="split the model tensor-parallel over the first N devices (--checkpoint; see 'ember.serving.mesh')",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -100,6 +108,10 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
                 raise ConfigError(
                     f"{flag} applies to --checkpoint, not to an exported --artifact (fixed by 'ember export')", key=flag
                 )
+    if args.mesh is not None:
+        if args.artifact:
+            raise ConfigError("--mesh applies to --checkpoint: an exported --artifact runs on one device", key="--mesh")
+        mesh_config(args.mesh)
     if args.out and not args.prompts:
         raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
     if args.out and Path(args.out).is_dir():  # found now, not after the whole batch has run
@@ -136,6 +148,22 @@ def adapter_dirs(args: argparse.Namespace) -> dict[str, Path]:
     return found
 
 
+def mesh_config(text: str) -> Any:
+    """The ``MeshConfig`` of a ``--mesh`` value: ``AXIS=SIZE`` pairs joined by commas
+    (``tensor=2``), the other axes 1. Raises ``ConfigError`` keyed ``--mesh`` for an unknown
+    axis, a bad size or an axis serving does not split (``ember.serving.mesh``)."""
+    from ember.core.config import load_config
+    from ember.core.sharding import MeshConfig
+    from ember.serving.mesh import check_serving_mesh
+
+    try:
+        config = load_config(MeshConfig, {"data": 1}, overrides=[pair.strip() for pair in text.split(",")])
+        check_serving_mesh(config.sizes())
+    except ConfigError as error:
+        raise ConfigError(f"--mesh {text}: {error}", key="--mesh") from None
+    return config
+
+
 def build_engine(args: argparse.Namespace):
     """The engine for ``--checkpoint`` or ``--artifact``."""
     from ember.serving.engine import Engine
@@ -147,6 +175,14 @@ def build_engine(args: argparse.Namespace):
         return Engine(program, tokenizer=tokenizer, eos_id=eos_ids)
     from ember.serving.loading import load_model, weights_fit_model
 
+    mesh = None
+    if args.mesh is not None:
+        from ember.serving.mesh import serving_mesh
+
+        try:
+            mesh = serving_mesh(mesh_config(args.mesh))
+        except ConfigError as error:  # more devices than there are
+            raise ConfigError(f"--mesh {args.mesh}: {error}", key="--mesh") from None
     loaded = load_model(args.checkpoint, step=args.step)
     adapters = None
     if args.adapter:
@@ -160,6 +196,7 @@ def build_engine(args: argparse.Namespace):
             tokenizer=loaded.tokenizer,
             eos_id=loaded.eos_ids,
             adapters=adapters,
+            mesh=mesh,
             **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
         )
 
@@ -222,6 +259,7 @@ __all__ = [
     "build_engine",
     "check_engine_options",
     "check_options",
+    "mesh_config",
     "read_prompts",
     "run",
 ]

@@ -164,6 +164,40 @@ def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
     assert capsys.readouterr().err.strip().endswith("--prompt: the prompt has 50 tokens, more than the context of 40")
 
 
+def test_mesh_splits_the_model_over_devices_with_the_same_text(run_dir, capsys, monkeypatch):
+    """``--mesh tensor=2`` serves the run's model split over two devices (its cache lives in
+    their shards) and prints the single device's greedy text."""
+    from ember.serving import cli
+
+    path, params = run_dir
+    engines = []
+    monkeypatch.setattr(
+        cli, "build_engine", lambda args, build=cli.build_engine: engines.append(build(args)) or engines[-1]
+    )
+    flags = ["--max-tokens", "4", "--token-budget", "1", "--num-slots", "1", "--no-progress"]
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "Once", "--mesh", "tensor=2", *flags]) == 0
+    expected = greedy_reference(CONFIG, params, 40)([list(b"Once")], [4])[0]
+    expected = expected[: expected.index(256)] if 256 in expected else expected  # EOS ends it unprinted
+    assert capsys.readouterr().out == ByteTokenizer().decode(expected) + "\n"
+    pages = engines[0].program.kv["block_0"]["k_pages"]
+    assert (
+        pages.sharding.mesh.shape["tensor"] == 2 and pages.addressable_shards[0].data.shape[3] == CONFIG.kv_heads // 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "mesh", "message"),
+    [
+        ("--checkpoint", "data=2,tensor=2", "--mesh data=2,tensor=2: mesh.data=2: serving splits only the model"),
+        ("--checkpoint", "tensors=2", "unknown config key 'tensors'"),
+        ("--artifact", "tensor=2", "--mesh applies to --checkpoint: an exported --artifact runs on one device"),
+    ],
+)
+def test_a_mesh_serving_cannot_use_is_refused_before_anything_loads(source, mesh, message, tmp_path, capsys):
+    code = main(["generate", source, str(tmp_path), "--prompt", "Once", "--mesh", mesh, "--no-progress"])
+    assert code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.slow  # imports torch + transformers and compiles an engine
 def test_generate_matches_transformers_greedy_on_a_tiny_llama(tmp_path, rng):
     torch = pytest.importorskip("torch")
