@@ -183,7 +183,7 @@ def build_engine(args: argparse.Namespace):
             mesh = serving_mesh(mesh_config(args.mesh))
         except ConfigError as error:  # more devices than there are
             raise ConfigError(f"--mesh {args.mesh}: {error}", key="--mesh") from None
-    loaded = load_model(args.checkpoint, step=args.step)
+    loaded = load_model(args.checkpoint, step=args.step, mesh=mesh)
     adapters = None
     if args.adapter:
         from ember.models.hf.peft import load_peft_adapter

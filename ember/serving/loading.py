@@ -33,11 +33,13 @@ from typing import Any
 import flax.errors
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, read_key, run_kind
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
+from ember.core.sharding import DEFAULT_RULES, tree_shardings
 from ember.core.tokenizer import ByteTokenizer
 from ember.core.tree import map_paths, param_paths
 from ember.models.config import ModelConfig, runtime_overrides
@@ -45,6 +47,7 @@ from ember.models.decoder import saved_layout
 from ember.models.linearize import LinearizeConfig, linearized_config
 from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import serving_weights
+from ember.serving.model_program import weight_axes
 from ember.serving.scheduler import eos_ids_of
 
 
@@ -58,9 +61,14 @@ class LoadedModel:
     """The end-of-sequence ids (any ends a request): a Hugging Face ``config.json`` may list several."""
 
 
-def load_model(path: str | Path, *, step: int | None = None, **config_overrides: Any) -> LoadedModel:
+def load_model(
+    path: str | Path, *, step: int | None = None, mesh: Mesh | None = None, **config_overrides: Any
+) -> LoadedModel:
     """The model at ``path`` (see the module docstring); ``step`` picks an Ember checkpoint
-    (default the latest); ``config_overrides`` replace ``ModelConfig`` fields.
+    (default the latest); ``config_overrides`` replace ``ModelConfig`` fields. ``mesh``: the
+    mesh the model will be served on (``ember.serving.mesh``): an Ember checkpoint's weights are
+    restored straight into the shards they are served in (a Hugging Face directory's are placed
+    by ``build_program``).
 
     Raises:
       PathNotFoundError: ``path`` holds no model, or not checkpoint ``step``.
@@ -78,17 +86,17 @@ def load_model(path: str | Path, *, step: int | None = None, **config_overrides:
             )
         return _load_hf(path, config_overrides)
     if (path / "config.yaml").is_file():
-        return _load_run(path, step, config_overrides)
+        return _load_run(path, step, config_overrides, mesh)
     raise PathNotFoundError(
         f"{path} is neither an Ember run directory (config.yaml + checkpoints/) nor a Hugging Face "
         "model directory (config.json + safetensors)"
     )
 
 
-def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) -> LoadedModel:
+def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any], mesh: Mesh | None) -> LoadedModel:
     kind = run_kind(path)
     if kind in ("finetune", "grpo", "linearize"):
-        return _load_finetune_run(path, step, config_overrides, linearized=kind == "linearize")
+        return _load_finetune_run(path, step, config_overrides, mesh, linearized=kind == "linearize")
     section = read_key(path / "config.yaml", "model")
     if section is None:
         raise ConfigError(f"{path / 'config.yaml'} has no model: section", key="model")
@@ -96,7 +104,7 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any]) ->
         config = dataclasses.replace(load_config(ModelConfig, section), **config_overrides)
     except ConfigError as error:  # keyed within the section: name it as the run's config.yaml does
         raise ConfigError(f"{path / 'config.yaml'}, model.{error}", key=f"model.{error.key}") from None
-    params, model_state = restore_weights(path, step, config)
+    params, model_state = restore_weights(path, step, config, mesh)
     params = in_param_dtype(params, config)
     if kind == "quantized" and read_key(path / "config.yaml", "tokenizer") == "hf":
         tokenizer = _hf_tokenizer(path)
@@ -145,7 +153,7 @@ def serving_overrides() -> dict[str, Any]:
 
 
 def _load_finetune_run(
-    path: Path, step: int | None, config_overrides: dict[str, Any], *, linearized: bool = False
+    path: Path, step: int | None, config_overrides: dict[str, Any], mesh: Mesh | None, *, linearized: bool = False
 ) -> LoadedModel:
     """A ``kind: finetune`` (or ``grpo``, or with ``linearized`` ``linearize``) run: the base
     model's config (``base_model:`` of its config.yaml; linearised by its ``linear:`` section)
@@ -157,24 +165,30 @@ def _load_finetune_run(
     loaded = load_model(
         base["path"],
         step=None if base_step is None or base_step < 0 else base_step,
+        mesh=mesh,
         **{**runtime_overrides({"scan_layers": True, **base}), **config_overrides},
     )
     config = loaded.config
     if linearized:
         config = linearized_config(config, load_config(LinearizeConfig, read_key(path / "config.yaml", "linear") or {}))
-    params, model_state = restore_weights(path, step, config)
+    params, model_state = restore_weights(path, step, config, mesh)
     return LoadedModel(config, serving_weights(params, model_state), loaded.tokenizer, loaded.eos_ids)
 
 
-def restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[Any, Any]:
-    """``(params, model state)`` of checkpoint ``step`` of the run in ``path``, in ``config``'s layer layout."""
+def restore_weights(path: Path, step: int | None, config: ModelConfig, mesh: Mesh | None = None) -> tuple[Any, Any]:
+    """``(params, model state)`` of checkpoint ``step`` of the run in ``path``, in ``config``'s layer
+    layout; with ``mesh``, each array read straight into its shards (``sharded_targets``)."""
     try:
         if not (path / "checkpoints").is_dir():  # nothing to open (opening would create it)
             raise PathNotFoundError(f"no complete checkpoint in {path / 'checkpoints'}")
         with CheckpointManager(path / "checkpoints", read_only=True) as manager:  # the run may be training
-            params = manager.restore_part("params", step)
-            has_state = "model_state" in manager.state_metadata(step)
-            model_state = manager.restore_part("model_state", step) if has_state else {}
+            saved = manager.state_metadata(step)
+            targets = sharded_targets(saved, config, mesh) if mesh is not None and "params" in saved else {}
+            params = manager.restore_part("params", step, target=targets.get("params"))
+            has_state = "model_state" in saved
+            model_state = (
+                manager.restore_part("model_state", step, target=targets.get("model_state")) if has_state else {}
+            )
     except KeyError as error:
         raise DataError(error.args[0]) from None
     layout = saved_layout(config, params)
@@ -182,6 +196,31 @@ def restore_weights(path: Path, step: int | None, config: ModelConfig) -> tuple[
         _, convert = layout
         params, model_state = convert((params, model_state))
     return params, model_state
+
+
+def sharded_targets(saved: Any, config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """``{"params", "model_state"}`` restore targets for a checkpoint's ``saved`` metadata: the
+    saved shapes and dtypes in the shardings a program on ``mesh`` serves them in
+    (``ember.serving.model_program.weight_axes``, in the saved layer layout), so no device
+    holds a whole weight the mesh splits."""
+    shapes = {
+        part: jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), saved[part])
+        for part in ("params", "model_state")
+        if part in saved
+    }
+    layout = saved_layout(config, shapes["params"])
+    saved_config = config if layout is None else layout[0]
+    weights = serving_weights(shapes["params"], shapes.get("model_state"))
+    shardings = tree_shardings(mesh, weight_axes(saved_config, weights), DEFAULT_RULES, shapes=weights)
+    placed = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), weights, shardings
+    )
+    if "model_state" not in shapes:
+        return {"params": placed}
+    return {
+        "params": placed["params"],
+        "model_state": {name: tree for name, tree in placed.items() if name != "params"},
+    }
 
 
 def in_param_dtype(params: Any, config: ModelConfig) -> Any:
@@ -222,4 +261,12 @@ def _hf_tokenizer(path: Path) -> HFTokenizer | None:
     return load_hf_tokenizer(path) if (path / "tokenizer.json").is_file() else None
 
 
-__all__ = ["LoadedModel", "in_param_dtype", "load_model", "restore_weights", "serving_overrides", "weights_fit_model"]
+__all__ = [
+    "LoadedModel",
+    "in_param_dtype",
+    "load_model",
+    "restore_weights",
+    "serving_overrides",
+    "sharded_targets",
+    "weights_fit_model",
+]

@@ -1,7 +1,8 @@
 """Serving one model tensor-parallel over the devices of a mesh.
 
     mesh = serving_mesh(MeshConfig(data=1, tensor=4))       # over the first 4 devices
-    engine = Engine.from_model(config, params, mesh=mesh)
+    loaded = load_model("runs/tiny", mesh=mesh)             # read straight into the shards
+    engine = Engine.from_model(loaded.config, loaded.params, mesh=mesh)
 
 The step is compiled with explicit shardings (``ember.serving.model_program.step_placement``):
 the weights are placed by their logical axes under the default rules (``ember.core.sharding``:

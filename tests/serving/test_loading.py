@@ -15,10 +15,12 @@ import pytest
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import to_yaml
 from ember.core.errors import ConfigError
+from ember.core.sharding import MeshConfig
 from ember.models import hf
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.loading import load_model
+from ember.serving.mesh import serving_mesh
 from tests.tolerances import assert_allclose
 
 CONFIG = ModelConfig(
@@ -66,6 +68,23 @@ def test_load_reads_the_params_and_never_the_optimizer_state(run_dir, monkeypatc
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     assert live_bytes() - before == param_bytes  # the moments (2x the params) were never materialised
     assert jax.tree.structure(loaded.params) == jax.tree.structure(params)
+    for got, saved in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
+
+
+def test_on_a_mesh_a_run_s_weights_are_read_straight_into_their_shards(run_dir, monkeypatch):
+    """``load_model(..., mesh=...)`` reads each checkpointed array into the shards it is served in
+    (orbax restores every device's part), rather than whole onto one device first."""
+    path, params = run_dir
+    restored = []
+    restore_part = CheckpointManager.restore_part
+    monkeypatch.setattr(
+        CheckpointManager, "restore_part", lambda *a, **kw: restored.append(restore_part(*a, **kw)) or restored[-1]
+    )
+    loaded = load_model(path, mesh=serving_mesh(MeshConfig(data=1, tensor=2)))
+    q = restored[0]["layers"]["block_0"]["attn"]["q"]["kernel"]  # [layers, embed, heads, head_dim]
+    layers, embed, heads, head_dim = q.shape
+    assert [shard.data.shape for shard in q.addressable_shards] == [(layers, embed, heads // 2, head_dim)] * 2
     for got, saved in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
 
