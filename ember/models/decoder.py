@@ -215,9 +215,7 @@ class DecoderLM(nn.Module):
         if positions.shape != tokens.shape:
             raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
 
-        embed = Embed(
-            config.vocab_size, config.d_model, config.init_std, policy.compute_dtype, policy.param_dtype, name="embed"
-        )
+        embed = token_embedding(config, name="embed")
         x = constrain(embed(tokens), ("batch", "seq", "embed"))
         states = None if cache is None else cache["layers"]
         x, states, moe_stats = self._layers(x, states, positions, segment_ids, paging, valid)
@@ -255,10 +253,8 @@ class DecoderLM(nn.Module):
         """``(x, states, per-MoE-layer balance statistics in layer order)``."""
         config = self.config
         period = config.layer_period
-        groups = math.ceil(config.num_layers / period)
-        router_logits = None
-        if config.moe.gating_residual and "moe" in config.layer_mlps:
-            router_logits = jnp.zeros((*x.shape[:2], config.moe.total_experts), jnp.float32)
+        groups = num_groups(config)
+        router_logits = initial_router_logits(config, x)
         pools, pages_per_group = None, 0
         if states is not None:
             pools, states = fold_pages(states)
@@ -289,9 +285,9 @@ class DecoderLM(nn.Module):
         new_groups, per_layer = [], []
         for g in range(groups):
             group_states = None if states is None else jax.tree.map(lambda leaf, g=g: leaf[g], states)
-            num_blocks = min(period, config.num_layers - g * period)
+            first_layer, num_blocks = group_span(config, g)
             (x, router_logits, pools), (group_states, stats) = group_cls(
-                config, num_blocks, g * period, name=f"group_{g}"
+                config, num_blocks, first_layer, name=f"group_{g}"
             )((x, router_logits, pools), (group_states, g * pages_per_group), positions, segment_ids, paging, valid)
             new_groups.append(group_states)
             per_layer.extend(stats[f"block_{j}"] for j in range(num_blocks) if f"block_{j}" in stats)
@@ -311,6 +307,37 @@ class DecoderLM(nn.Module):
         for stats in per_layer:
             for name, value in layer_metrics(stats).items():
                 self.sow("metrics", name, value)
+
+
+def token_embedding(config: ModelConfig, **kwargs) -> Embed:
+    """The token embedding of ``config``'s model (``DecoderLM``'s ``embed``; with ``name=...``
+    inside it, or standalone: ``token_embedding(config).apply({"params": params["embed"]}, tokens)``)."""
+    policy = config.policy
+    return Embed(config.vocab_size, config.d_model, config.init_std, policy.compute_dtype, policy.param_dtype, **kwargs)
+
+
+def initial_router_logits(config: ModelConfig, x: jax.Array) -> jax.Array | None:
+    """The router logits the first group receives for ``x [batch, seq, embed]``: zeros
+    ``[batch, seq, experts]`` f32 for MoE++'s gating residual, else None (none carried)."""
+    if config.moe.gating_residual and "moe" in config.layer_mlps:
+        return jnp.zeros((*x.shape[:2], config.moe.total_experts), jnp.float32)
+    return None
+
+
+def num_groups(config: ModelConfig) -> int:
+    """How many groups (periods of the block pattern, the last possibly partial) the layers form."""
+    return math.ceil(config.num_layers / config.layer_period)
+
+
+def group_span(config: ModelConfig, group: int) -> tuple[int, int]:
+    """``(first_layer, num_blocks)`` of the ``BlockGroup`` that runs group ``group``: scanned,
+    every group runs the module of group 0 (``(0, period)``); unscanned, its own layers."""
+    if not 0 <= group < num_groups(config):
+        raise ValueError(f"group must be in [0, {num_groups(config)}), got {group}")
+    period = config.layer_period
+    if config.scan_layers:
+        return 0, period
+    return group * period, min(period, config.num_layers - group * period)
 
 
 def layer_location(config: ModelConfig, layer: int) -> tuple[str, int, str]:

@@ -5,6 +5,7 @@ NF4's double-quantised scales round-trip; GPTQ beats round-to-nearest on correla
 identity; LoRA on a quantized base equals LoRA on its dequantised weights."""
 
 import dataclasses
+import weakref
 
 import flax.linen as nn
 import jax
@@ -127,7 +128,7 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(fmt, group):
 def test_gptq_on_a_model_from_calibration_grams(model_and_params):
     model, params, tokens = model_and_params
     apply_fn = lambda variables, batch: model.apply(variables, batch, mutable=[CALIBRATION])[1][CALIBRATION]  # noqa: E731
-    grams = calibration_grams(apply_fn, params, [tokens, tokens[::-1]])
+    grams = calibration_grams(apply_fn, {"params": params}, [tokens, tokens[::-1]])
     assert set(grams) == set(quantized_paths(params, QuantizeConfig()))  # one per attention/MLP projection
     for gram in grams.values():
         assert_allclose(gram, jnp.swapaxes(gram, -1, -2), scale=10)
@@ -299,7 +300,7 @@ def test_gptq_quantizes_each_routed_expert_with_the_grams_of_its_own_tokens():
     params = jax.jit(lambda v: perturbed(nn.meta.unbox(v["params"])))(variables)
     state = {"balance": {"layers": {"block_0": {"moe": {"router_bias": jnp.array([[0.0, 0, 0, -1e9]] * 2)}}}}}
     apply_fn = lambda v, batch: model.apply({**v, **state}, batch, mutable=[CALIBRATION])[1][CALIBRATION]  # noqa: E731
-    grams = calibration_grams(apply_fn, params, [calibration[:8], calibration[8:]])
+    grams = calibration_grams(apply_fn, {"params": params}, [calibration[:8], calibration[8:]])
     experts = [p for p in grams if "/experts/" in p]
     assert sorted(p.rsplit("/", 1)[-1] for p in experts) == ["down", "gate", "up"]
     assert all(grams[p].shape == (2, 4, 32, 32) for p in experts)
@@ -363,3 +364,94 @@ def test_a_bad_quantized_impl_is_refused_naming_the_allowed_values():
         ) as error:
             load_config(LMConfig, None, ["data.dataset=d", "run_dir=r", f"model.quantized_impl={bad}"])
         assert error.value.key == "model.quantized_impl"
+
+
+def _assert_sequential_gptq_matches_its_reference(model_config, variables, batches, config, monkeypatch):
+    """GPTQ group by group (``sequential_gptq``) against a reference from existing pieces: the
+    Grams it quantizes group ``g`` with equal the one-pass Grams (``calibration_grams`` of the
+    whole model) of the model whose groups before ``g`` are their quantized weights dequantized,
+    and its result equals ``quantize_params`` given those Grams. Before, ``ember quantize`` took
+    every group's Grams from one pass of the float model, all at once."""
+    from ember.models.decoder import layers_from_list, layers_to_list, num_groups
+    from ember.models.quantization import sequential
+
+    recorded, earlier = [], []
+
+    def recording(params, paths, config, *, grams):
+        assert all(ref() is None for ref in earlier), "the Grams of a group quantized before are still held"
+        recorded.append({path: np.array(gram) for path, gram in grams.items()})  # copies: hold no Gram
+        earlier.extend(weakref.ref(gram) for gram in grams.values())
+        return quantize_weights(params, paths, config, grams=grams)
+
+    quantize_weights = sequential.quantize_weights
+    monkeypatch.setattr(sequential, "quantize_weights", recording)
+    params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    quantized, uncalibrated = sequential.sequential_gptq(model_config, variables, batches, config)
+    groups, period = num_groups(model_config), model_config.layer_period
+    assert len(recorded) == groups  # one group's Grams at a time
+
+    model = DecoderLM(model_config)
+
+    def apply_fn(variables, batch):
+        return model.apply({**variables, **state}, **batch, mutable=[CALIBRATION])[1][CALIBRATION]
+
+    float_layers = layers_to_list(model_config, params)
+    dequantized_layers = layers_to_list(model_config, jax.jit(dequantize_params)(quantized, params))
+    used = {}
+    for g, grams in enumerate(recorded):
+        layers = dequantized_layers[: g * period] + float_layers[g * period :]
+        mixed = {**params, **layers_from_list(model_config, layers)}
+        one_pass = calibration_grams(apply_fn, {"params": mixed}, batches)
+        if g == 0:
+            float_grams = one_pass
+        for path, gram in grams.items():
+            reference = one_pass[path][g : g + 1] if model_config.scan_layers else one_pass[path]
+            assert_allclose(gram, reference, dtype=np.float32, scale=10)
+            if g > 0:  # the quantized groups before moved this group's inputs
+                float_gram = float_grams[path][g : g + 1] if model_config.scan_layers else float_grams[path]
+                assert not np.allclose(gram, float_gram, rtol=1e-3), path
+            used.setdefault(path, []).append(gram)
+    assert set(used) == set(quantized_paths(params, config))
+    grams = {path: jnp.concatenate(parts) if model_config.scan_layers else parts[0] for path, parts in used.items()}
+    expected = quantize_params(params, config, grams=grams)
+    assert jax.tree.structure(quantized) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(quantized), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, b)
+    return uncalibrated
+
+
+def test_sequential_gptq_calibrates_each_group_on_the_groups_quantized_before_it(model_and_params, monkeypatch):
+    model, params, tokens = model_and_params
+    batches = [{"tokens": tokens}, {"tokens": tokens[::-1]}]
+    config = QuantizeConfig(format="int8", method="gptq", targets=("q", "k", "v", "o"))  # one GPTQ shape to compile
+    uncalibrated = _assert_sequential_gptq_matches_its_reference(
+        model.config, {"params": params}, batches, config, monkeypatch
+    )
+    assert uncalibrated == {}
+
+
+def test_sequential_gptq_of_a_moe_model_carries_router_logits_state_and_segments(monkeypatch):
+    """MoE layers with MoE++'s gating residual (router logits carried from group to group), a
+    balance bias (model state, sliced per group) that keeps expert 3 unrouted, and packed
+    calibration batches (segment ids, padding 0): each group as its reference, expert 3 of each
+    layer rounded to nearest and counted."""
+    from ember.models.config import MoEConfig
+
+    moe = MoEConfig(num_experts=4, top_k=2, expert_dim=32, bias_balancing_rate=0.01, gating_residual=True)
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=32, mlp_pattern=("moe",),
+                         moe=moe)  # fmt: skip
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
+    variables = jax.jit(DecoderLM(config).init)(jax.random.key(0), tokens)
+    params = jax.jit(lambda v: perturbed(nn.meta.unbox(v["params"])))(variables)
+    router = params["layers"]["block_0"]["moe"]["router"]
+    router["residual"] = 30 * router["residual"]  # the carried logits change which experts layer 1 picks
+    state = {"balance": {"layers": {"block_0": {"moe": {"router_bias": jnp.array([[0.0, 0, 0, -1e9]] * 2)}}}}}
+    segments = jnp.repeat(jnp.array([[1, 2, 0, 0]]), 4, axis=1).repeat(2, axis=0)  # two documents, then padding
+    positions = jnp.tile(jnp.arange(4), 4)[None].repeat(2, axis=0)
+    batches = [{"tokens": tokens[i : i + 2], "segment_ids": segments, "positions": positions} for i in (0, 2)]
+    quantize = QuantizeConfig(format="int4", group_size=32, method="gptq")  # every matrix [32, 32], as above
+    with pytest.warns(UserWarning, match=r"GPTQ rounds 6 matrices to nearest, of the 24 in .*experts/"):
+        uncalibrated = _assert_sequential_gptq_matches_its_reference(
+            config, {"params": params, **state}, batches, quantize, monkeypatch
+        )
+    assert uncalibrated == {f"layers/block_0/moe/experts/{name}": 2 for name in ("gate", "up", "down")}

@@ -182,7 +182,11 @@ def test_a_hugging_face_model_quantizes_with_its_tokenizer(tmp_path):
     text.write_text(" ".join(f"what does the {a} say ? {s} ." for a, s in ANIMALS.items()) * 40)
     windows = EvalConfig(seq_len=16, calibration_windows=8, eval_windows=8, batch_size=4)
     summary = quantize_model(
-        base, tmp_path / "int8", QuantizeConfig(format="int8", method="gptq"), text=text, windows=windows
+        base,
+        tmp_path / "int8",
+        QuantizeConfig(format="int8", method="gptq", targets=("q", "k", "v", "o")),
+        text=text,
+        windows=windows,
     )
     assert abs(summary["val_loss_delta"]) < 0.01 * summary["float_val_loss"]
     out = tmp_path / "int8"
@@ -400,3 +404,36 @@ def test_a_qat_fraction_that_rounds_to_no_qat_step_is_refused(tmp_path):
         small_config(tmp_path, tmp_path / "data", "qat.format=int4", "train.steps=2")
     config = small_config(tmp_path, tmp_path / "data", "qat.format=int4", "train.steps=3")
     assert config.qat.start_step(config.train.steps) == 2  # the last step trains with QAT
+
+
+def test_gptq_holds_the_grams_of_one_group_of_layers_at_a_time(tmp_path, monkeypatch):
+    # Before, 'ember quantize --method gptq' took every layer's Gram matrices from one pass of the
+    # float model and quantized with all of them held at once ([layers, K, K] per weight: ~28 GB
+    # of f32 Grams for Llama-7B). Now each weight is quantized with its own group's Grams
+    # ([1, K, K] on the scanned layers' axis), those of the groups before it freed already.
+    import weakref
+
+    from ember.models.quantization import quantize
+
+    run, text = untrained_run(tmp_path)  # scanned: layers/block_0, two groups of one layer
+    seen = []
+
+    def recording(path, leaf, config, gram):
+        assert gram.shape[0] == 1, (path, gram.shape)  # one group's layer
+        seen.append(weakref.ref(gram))
+        alive = sum(ref() is not None for ref in seen)
+        assert alive <= 4, f"{alive} Grams held while quantizing {path}"  # q k v o of one group
+        return quantize_weight(path, leaf, config, gram)
+
+    quantize_weight = quantize._quantize_weight
+    monkeypatch.setattr(quantize, "_quantize_weight", recording)
+    windows = EvalConfig(seq_len=16, calibration_windows=2, eval_windows=2, batch_size=2)
+    summary = quantize_model(
+        run,
+        tmp_path / "int8",
+        QuantizeConfig(format="int8", method="gptq", targets=("q", "k", "v", "o")),
+        text=text,
+        windows=windows,
+    )
+    assert len(seen) == 2 * 4 and summary["uncalibrated_matrices"] == 0
+    assert abs(summary["val_loss_delta"]) < 0.01 * summary["float_val_loss"]

@@ -2,13 +2,17 @@
 
     qparams = quantize_params(params, QuantizeConfig(format="int4"))                  # round to nearest
     qparams = quantize_params(params, QuantizeConfig(format="int4", method="gptq"), grams=grams)
+    qparams = quantize_weights(params, paths, config, grams=grams)                    # the given weights only
 
 The linear maps ``targets`` names (default: every attention, MLP and routed-expert projection
 the model has; embeddings, the output head, routers and norms stay in float, and so do the
 MLPs MixLoRA adapted, whose layers read float weights only) are replaced by their stored
 quantized form (``ember.models.quantization.stored``); the model's code reads them as they
-are. ``grams`` (GPTQ) are the inputs' ``X^T X`` per weight path, from :func:`calibration_grams`;
-a routed expert's are of the token-slots routed to it (``[experts, K, K]`` per layer). A matrix
+are. ``grams`` (GPTQ) are the inputs' ``X^T X`` per weight path, from :func:`calibration_grams`
+(one pass of the model as given); a routed expert's are of the token-slots routed to it
+(``[experts, K, K]`` per layer). A whole ``DecoderLM`` is quantized a group of layers at a time,
+each calibrated on the outputs of the groups quantized before it, by
+``ember.models.quantization.sequential.sequential_gptq`` (what ``ember quantize`` runs). A matrix
 whose Gram is zero (an expert no calibration token reached) has nothing for GPTQ to weigh its
 error by, and would come out all zeros (GPTQ zeroes the rows of inputs never seen): it is rounded
 to nearest instead, as GPTQModel's fail-safe does for such experts, and
@@ -164,15 +168,37 @@ def quantize_params(
 
     Warns (GPTQ, not while traced): some matrices' Grams are zero (:func:`uncalibrated_matrices`).
     """
-    flat = param_paths(params)
     paths = quantized_paths(params, config)
+    quantized = quantize_weights(params, paths, config, grams=grams)
+    if config.method == "gptq" and not any(isinstance(g, jax.core.Tracer) for g in grams.values()):
+        # Traced (a jitted quantize_params), the counts are not known here.
+        matrices = {p: math.prod(np.shape(grams[p])[:-2]) for p in paths}
+        warn_uncalibrated(uncalibrated_matrices({p: grams[p] for p in paths}), matrices)
+    return quantized
+
+
+def quantize_weights(
+    params: Mapping[str, Any],
+    paths: Iterable[str],
+    config: QuantizeConfig,
+    *,
+    grams: Mapping[str, jax.Array] | None = None,
+) -> dict[str, Any]:
+    """``params`` with the float weights at ``paths`` (selected by :func:`quantized_paths`, of
+    this tree or of a larger one this is part of, as ``/``-joined from that tree's root) stored
+    quantized, with GPTQ's ``grams`` by path when ``config.method`` is gptq; no warning.
+
+    Raises:
+      ConfigError: as :func:`quantize_params`, but for the selection.
+    """
+    flat = param_paths(params)
+    paths = list(paths)
     _check_read_quantized(flat, paths)
     gram_of = dict(grams or {})
     if config.method == "gptq":
         missing = [p for p in paths if p not in gram_of]
         if missing:
             raise ConfigError(f"GPTQ has no calibration statistics for {missing[0]}", key="quantize.method")
-        _warn_uncalibrated({p: gram_of[p] for p in paths})
     for path in paths:
         flat[path] = _quantize_weight(path, flat[path], config, gram_of.get(path))
     return tree_from_paths(flat)
@@ -187,12 +213,11 @@ def uncalibrated_matrices(grams: Mapping[str, jax.Array]) -> dict[str, int]:
     return {path: count for path, count in counts.items() if count}
 
 
-def _warn_uncalibrated(grams: Mapping[str, jax.Array]) -> None:
-    if any(isinstance(g, jax.core.Tracer) for g in grams.values()):
-        return  # traced (a jitted quantize_params): the counts are not known here
-    counts = uncalibrated_matrices(grams)
+def warn_uncalibrated(counts: Mapping[str, int], matrices: Mapping[str, int]) -> None:
+    """Warns that GPTQ rounded ``counts`` (:func:`uncalibrated_matrices`) matrices to nearest,
+    when any, of the ``matrices`` each weight path holds (its layers and experts)."""
     if counts:
-        total = sum(math.prod(np.shape(grams[path])[:-2]) for path in counts)
+        total = sum(matrices[path] for path in counts)
         first = next(iter(counts))
         more = f" and {len(counts) - 1} more weights" if len(counts) > 1 else ""
         warnings.warn(
@@ -320,16 +345,17 @@ def weight_bytes(params: Any) -> int:
     return sum(int(np.prod(np.shape(a))) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
 
 
-def calibration_grams(apply_fn, params: Any, batches: Iterable[Any]) -> dict[str, jax.Array]:
+def calibration_grams(apply_fn, variables: Mapping[str, Any], batches: Iterable[Any]) -> dict[str, jax.Array]:
     """``{weight path: X^T X [K, K]}`` summed over ``batches``: ``apply_fn(variables, batch)``
-    applies the model with the ``calibration`` collection mutable (the layers sow each target
-    weight's input Gram matrix there; stacked layers give ``[layers, K, K]``). One pass of
-    ``params`` as given: with float params, every layer sees the float model's inputs (the
-    GPTQ paper's code calibrates each layer on the outputs of the layers quantized before it)."""
-    step = jax.jit(lambda p, b: apply_fn({"params": p}, b))
+    applies a model (or a part of one) with the ``calibration`` collection mutable and returns
+    that collection (the layers sow each target weight's input Gram matrix there; stacked layers
+    give ``[layers, K, K]``). One pass of ``variables`` as given: ``apply_fn`` is jitted as it
+    is, so passing the same function again compiles nothing new. GPTQ of a whole model
+    calibrates a group of layers at a time (``ember.models.quantization.sequential``)."""
+    step = jax.jit(apply_fn)
     total = None
     for batch in batches:
-        sown = step(params, batch)
+        sown = step(variables, batch)
         total = sown if total is None else jax.tree.map(jnp.add, total, sown)
     if total is None:
         raise ConfigError("GPTQ calibration got no batches", key="quantize.calibration")
@@ -343,9 +369,11 @@ __all__ = [
     "calibration_grams",
     "dequantize_params",
     "quantize_params",
+    "quantize_weights",
     "quantized_paths",
     "target_weights",
     "uncalibrated_matrices",
+    "warn_uncalibrated",
     "weight_bytes",
     "weight_group",
 ]

@@ -4,11 +4,11 @@ SRC is an Ember run directory or a Hugging Face directory (``ember.serving.loadi
 Calibration (GPTQ's input statistics) and validation use token windows cut from a text file
 (its two halves); by default, for an Ember LM run, from the train and validation splits of
 the prepared dataset it trained on (so the validation loss is the run's ``val_loss``), and
-for other models from the Python standard library's sources. GPTQ's statistics come from one
-pass of the float model: each weight's Gram matrix is of its inputs as the float model computes
-them, where the paper's code quantizes layer by layer, each calibrated on the outputs of the
-layers already quantized (one pass instead of one per layer). OUT is a directory that serves and
-exports like a run (``ember generate --checkpoint OUT``, ``ember export OUT DIR``):
+for other models from the Python standard library's sources. GPTQ quantizes a group of layers
+at a time, as the paper's code does (``ember.models.quantization.sequential``): each group is
+calibrated on the outputs of the groups already quantized before it, and only one group's Gram
+matrices are held at once. OUT is a directory that serves and exports like a run
+(``ember generate --checkpoint OUT``, ``ember export OUT DIR``):
 
 - ``config.yaml``: ``kind: quantized``, the ``model:`` section, the ``quantize:`` settings,
   the source and, when the source reads text with a Hugging Face tokenizer (a HF directory, or
@@ -40,15 +40,8 @@ from ember.core.hf_tokenizer import HFTokenizer
 from ember.core.jsonl import readable, utf8_text
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
-from ember.models.quantization import (
-    CALIBRATION,
-    QuantizeConfig,
-    calibration_grams,
-    quantize_params,
-    quantized_paths,
-    uncalibrated_matrices,
-    weight_bytes,
-)
+from ember.models.quantization import QuantizeConfig, quantize_params, quantized_paths, weight_bytes
+from ember.models.quantization.sequential import sequential_gptq
 from ember.models.variables import as_variables
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.data import TokenDataset, stdlib_corpus_dir
@@ -207,14 +200,11 @@ def quantize_model(
     variables = as_variables(loaded.params)
     params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     calibration, validation = token_splits(loaded, text, windows, _run_dataset(Path(source)))
-    grams = None
     if config.method == "gptq":
-
-        def apply_fn(variables, tokens):
-            return model.apply({**variables, **state}, tokens[:, :-1], mutable=[CALIBRATION])[1][CALIBRATION]
-
-        grams = calibration_grams(apply_fn, params, _batches(calibration, windows.batch_size))
-    quantized = quantize_params(params, config, grams=grams)
+        inputs = (tokens[:, :-1] for tokens in _batches(calibration, windows.batch_size))
+        quantized, uncalibrated = sequential_gptq(loaded.config, variables, inputs, config)
+    else:
+        quantized, uncalibrated = quantize_params(params, config), {}
     paths = quantized_paths(params, config)
     figures = validation_figures(
         model, {"params": params, **state}, {"params": quantized, **state}, validation, windows.batch_size
@@ -225,7 +215,7 @@ def quantize_model(
         "method": config.method,
         "group_size": config.rows_per_scale,
         "quantized_weights": len(paths),
-        "uncalibrated_matrices": sum(uncalibrated_matrices({p: grams[p] for p in paths} if grams else {}).values()),
+        "uncalibrated_matrices": sum(uncalibrated.values()),
         **figures,
         "val_loss_delta": figures["quantized_val_loss"] - figures["float_val_loss"],
         "float_weight_bytes": weight_bytes(params),
