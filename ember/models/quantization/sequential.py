@@ -20,6 +20,7 @@ quantized model never gives it.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -81,7 +82,7 @@ def sequential_gptq(
     if not hidden:
         raise ConfigError("GPTQ calibration got no batches", key="quantize.calibration")
     steps: dict[tuple, tuple] = {}
-    quantized_groups, counts, matrices = [], {}, {}
+    quantized_groups, counts, matrices = [], Counter(), Counter()
     for g in range(num_groups(model_config)):
         container, index = _location(model_config, g)
         group_params = {container: _part(params[container], index)}
@@ -91,24 +92,26 @@ def sequential_gptq(
         calibrate, forward = _group_steps(model_config, g, steps)
         sown = calibration_grams(calibrate, {"params": _inner(group_params[container], index), **group_state}, hidden)
         group_paths = [p for p in paths if p.startswith(f"{container}/")]
-        # By the weights' paths (from the model's root), with the weight's [1] layer axis when scanned;
-        # a target no layer sowed a Gram for is left to quantize_weights to name.
-        inner = {p: p.split("/", 1)[1] for p in group_paths if p.split("/", 1)[1] in sown}
-        grams = {p: sown[q] if index < 0 else sown[q][None] for p, q in inner.items()}
+        grams = _by_weight_path(sown, group_paths, index)
         del sown  # the Grams of weights not quantized too
         quantized = quantize_weights(group_params, group_paths, config, grams=grams)
-        group_counts = uncalibrated_matrices(grams)
-        group_matrices = {path: math.prod(gram.shape[:-2]) for path, gram in grams.items()}
+        counts.update(uncalibrated_matrices(grams))
+        matrices.update({path: math.prod(gram.shape[:-2]) for path, gram in grams.items()})
         del grams  # before the next group's: one group's Grams at a time
-        for path, count in group_counts.items():
-            counts[path] = counts.get(path, 0) + count
-        for path, count in group_matrices.items():
-            matrices[path] = matrices.get(path, 0) + count
         quantized_variables = {"params": _inner(quantized[container], index), **group_state}
-        hidden = [forward(quantized_variables, inputs) for inputs in hidden]
+        for i, inputs in enumerate(hidden):  # in place: one batch's hidden states at a time beside them
+            hidden[i] = forward(quantized_variables, inputs)
         quantized_groups.append(quantized)
     warn_uncalibrated(counts, matrices)
-    return _assembled(params, quantized_groups, model_config), counts
+    return _assembled(params, quantized_groups, model_config), dict(counts)
+
+
+def _by_weight_path(sown: Mapping[str, jax.Array], paths: list[str], index: int) -> dict[str, jax.Array]:
+    """The Grams a group's layers sowed (by path within the group) by the paths of the weights
+    ``paths`` (from the model's root), with the weight's kept ``[1]`` layer axis when scanned
+    (``index`` >= 0); a target no layer sowed a Gram for is left out, for ``quantize_weights`` to name."""
+    inner = {path: path.split("/", 1)[1] for path in paths}
+    return {path: sown[name] if index < 0 else sown[name][None] for path, name in inner.items() if name in sown}
 
 
 def _location(model_config: ModelConfig, group: int) -> tuple[str, int]:
