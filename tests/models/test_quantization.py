@@ -441,8 +441,7 @@ def test_sequential_gptq_of_a_moe_model_carries_router_logits_state_and_segments
     config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=32, mlp_pattern=("moe",),
                          moe=moe)  # fmt: skip
     tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
-    variables = jax.jit(DecoderLM(config).init)(jax.random.key(0), tokens)
-    params = jax.jit(lambda v: perturbed(nn.meta.unbox(v["params"])))(variables)
+    params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(0), tokens)["params"])
     router = params["layers"]["block_0"]["moe"]["router"]
     router["residual"] = 30 * router["residual"]  # the carried logits change which experts layer 1 picks
     state = {"balance": {"layers": {"block_0": {"moe": {"router_bias": jnp.array([[0.0, 0, 0, -1e9]] * 2)}}}}}
