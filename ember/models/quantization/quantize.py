@@ -268,9 +268,23 @@ def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Arr
         stored = [store_matrix(quantize_matrix(m, config.format, group), out_shape) for m in matrices]
     parts = jax.tree.map(lambda *xs: jnp.stack(xs).reshape(*lead, *xs[0].shape), *stored)
     if isinstance(leaf, nn.Partitioned):
-        names = (*leaf.names[: layout.lead], leaf.names[layout.lead], *leaf.names[layout.lead + layout.in_dims :])
-        parts = {key: nn.Partitioned(part, _part_names(key, names, layout.lead)) for key, part in parts.items()}
+        axes = stored_part_axes(path, leaf, parts)
+        parts = {key: nn.Partitioned(part, axes[key]) for key, part in parts.items()}
     return parts
+
+
+def stored_part_axes(path: str, leaf: nn.Partitioned, keys: Iterable[str]) -> dict[str, tuple[str | None, ...]]:
+    """``{part key: logical axes}`` of the stored parts ``keys`` (``ember.models.quantization.stored``)
+    of the float weight ``leaf`` at ``path``, boxed with its logical axes ``[*lead, *in, *out]``:
+    the codes and scales ``[*lead, K-rows, *out]`` take the lead and output axes and, for their
+    rows, the first input axis (``K`` flattens the inputs row-major, so splitting its rows splits
+    that axis); NF4's ``absmax_scale [*lead, blocks]`` keeps its blocks whole and ``absmax_mean
+    [*lead]`` has the lead axes only. The names quantizing a boxed weight gives its parts, and
+    those a quantized model is placed by (``ember.serving.model_program.weight_axes``)."""
+    layout = weight_layout(path, leaf)
+    names = tuple(leaf.names)
+    stored = (*names[: layout.lead], names[layout.lead], *names[layout.lead + layout.in_dims :])
+    return {key: _part_names(key, stored, layout.lead) for key in keys}
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "group", "damp"))
@@ -371,6 +385,7 @@ __all__ = [
     "quantize_params",
     "quantize_weights",
     "quantized_paths",
+    "stored_part_axes",
     "target_weights",
     "uncalibrated_matrices",
     "warn_uncalibrated",
