@@ -6,7 +6,8 @@
 
 The step is compiled with explicit shardings (``ember.serving.model_program.step_placement``):
 the weights are placed by their logical axes under the default rules (``ember.core.sharding``:
-heads, key heads, MLP columns and vocabulary split over ``tensor``), the cache by its entries'
+heads, key heads, MLP columns and vocabulary split over ``tensor``; a quantized weight's codes
+and scales as the float weight they store), the cache by its entries'
 (``ember.models.cache.layer_state_axes``: the pages over their key heads), and the step's
 inputs (the token budget, the sampling settings) and outputs are replicated. A mesh axis that
 does not divide a dimension leaves it whole, as everywhere in Ember (four devices and two key

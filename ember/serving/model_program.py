@@ -29,6 +29,8 @@ from ember.models.adapters.stacking import stack_adapters
 from ember.models.cache import cache_layer_axes, init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.models.quantization.quantize import stored_part_axes
+from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import as_variables, serving_weights, split_variables
 from ember.serving.mesh import StepPlacement, check_serving_mesh
 from ember.serving.program import DeviceProgram, narrowed_weights, resolve_token_buckets, step_argument_specs
@@ -143,16 +145,28 @@ def step_placement(config: ModelConfig, params: Any, kv: Any, mesh: Mesh) -> Ste
 
 def weight_axes(config: ModelConfig, params: Any) -> Any:
     """``params``' tree with each leaf's logical axes (a ``PartitionSpec`` of logical names):
-    those ``DecoderLM(config).init`` gives the weight at its path and shape; a leaf the model's
+    those ``DecoderLM(config).init`` gives the weight at its path and shape, and a stored
+    quantized weight's parts those its quantized layout implies (``stored_part_axes``: its codes
+    and scales split as the float weight's columns and first input axis); a leaf the model's
     own init has not (a stacked adapter's factors, another layout) stays replicated."""
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     abstract = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)
     declared = param_paths(serving_weights(*split_variables(abstract)))
+    flat = param_paths(params)
+    stored = {
+        path: stored_part_axes(path, declared[path], [p.rsplit("/", 1)[1] for p in flat if p.startswith(f"{path}/")])
+        for path in stored_weight_paths(flat)
+        if isinstance(declared.get(path), nn.Partitioned)
+    }
 
     def axes(path: str, leaf: Any) -> PartitionSpec:
         box = declared.get(path)
         if isinstance(box, nn.Partitioned) and tuple(box.value.shape) == tuple(jnp.shape(leaf)):
             return PartitionSpec(*box.names)
+        weight, _, key = path.rpartition("/")
+        names = stored.get(weight, {}).get(key)
+        if names is not None and len(names) == len(jnp.shape(leaf)):
+            return PartitionSpec(*names)
         return PartitionSpec()
 
     return map_paths(axes, params)

@@ -17,6 +17,7 @@ from ember.core.sharding import MeshConfig, make_mesh
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.models.quantization import QuantizeConfig, quantize_params
 from ember.serving.engine import Engine
 from ember.serving.mesh import serving_mesh
 from ember.serving.model_program import build_program
@@ -423,3 +424,35 @@ def test_a_mesh_that_splits_the_batch_is_refused(params):
     with pytest.raises(ConfigError, match=r"mesh.data=2: serving splits only the model, over mesh.tensor") as error:
         build_program(CONFIG, params, num_slots=4, token_budget=8, mesh=mesh)
     assert error.value.key == "mesh.data"
+
+
+@pytest.fixture(scope="module")
+def int4_programs(params, tmp_path_factory):
+    """``params`` stored int4 (32 rows per scale), compiled for one device (as ``program``) and
+    split over a tensor=2 mesh (as ``mesh_program``); one bucket each."""
+    # Jitted: op by op, quantizing compiled a program per op and weight shape (4 s).
+    quantized = jax.jit(quantize_params, static_argnums=1)(params, QuantizeConfig(format="int4", group_size=32))
+    options = dict(num_slots=4, token_buckets=(16,), max_context=MAX_CONTEXT, num_pages=NUM_PAGES)
+    mesh, config = serving_mesh(MeshConfig(data=1, tensor=2)), dataclasses.replace(CONFIG, attention_impl="interpret")
+    with one_at_a_time(tmp_path_factory, "serving-engine-int4-programs"):
+        return build_program(CONFIG, quantized, **options), build_program(config, quantized, mesh=mesh, **options)
+
+
+def test_a_quantized_model_on_a_mesh_keeps_its_codes_split_and_serves_the_single_device_s_tokens(int4_programs, rng):
+    """A quantized weight's stored parts (codes, scales) are placed by the logical axes the
+    quantized layout implies, not replicated: each device holds half of each projection's
+    codes and scales, the step gathers none of them (its quantized matmuls run per shard), and
+    the engine serves the single-device engine's greedy and sampled tokens and logprobs. Before,
+    the parts' shapes matched no weight of the model's init, and every device held them whole."""
+    program, mesh_program = int4_programs
+    weights = mesh_program.params["layers"]["block_0"]
+    # Parts [groups, K rows, *out]: q and up split by their columns (heads, mlp), o and down by their rows.
+    split = ((weights["attn"]["q"]["kernel"], 2), (weights["mlp"]["up"], 2))
+    for stored, dim in (*split, (weights["attn"]["o"]["kernel"], 1), (weights["mlp"]["down"], 1)):
+        for part in stored.values():
+            half = tuple(size // 2 if axis == dim else size for axis, size in enumerate(part.shape))
+            assert [shard.data.shape for shard in part.addressable_shards] == [half, half]
+    found = collectives(mesh_program.steps[16])
+    assert found and all(op == "all-reduce" and result.startswith("f32[1,16,64]") for result, op in found), found
+    seed = int(jax.random.randint(rng, (), 0, 2**31 - 1))
+    assert_serves_alike(Engine(mesh_program.fresh_copy()), Engine(program.fresh_copy()), seed, MAX_CONTEXT, 16)

@@ -19,7 +19,8 @@ from ember.core.sharding import MeshConfig
 from ember.models import hf
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
-from ember.serving.loading import load_model
+from ember.models.quantization import QuantizeConfig, quantize_params
+from ember.serving.loading import load_model, sharded_targets
 from ember.serving.mesh import serving_mesh
 from tests.tolerances import assert_allclose
 
@@ -149,3 +150,23 @@ def test_a_precision_with_another_parameter_dtype_loads_the_weights_in_it(run_di
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got), np.asarray(saved.astype(jnp.bfloat16)))
     assert {leaf.dtype for leaf in jax.tree.leaves(load_model(path, precision="bf16").params)} == {jnp.dtype("float32")}
+
+
+def test_a_quantized_checkpoint_s_parts_are_restored_into_the_shards_of_the_weights_they_store():
+    """``load_model(..., mesh=...)`` restores ``ember quantize`` output (NF4 here: codes, absmax
+    and the absmax blocks' scales and mean) split as its float weights would be: each device reads
+    half of q's codes and absmax (their heads) and of down's (their mlp rows); the blocks' scales
+    and mean, a few floats per layer, whole. Before, every part was restored whole on each device."""
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    config = QuantizeConfig(format="nf4", group_size=16)
+    saved = jax.eval_shape(
+        lambda key: nn.meta.unbox(quantize_params(DecoderLM(CONFIG).init(key, tokens)["params"], config)),
+        jax.random.key(0),
+    )
+    targets = sharded_targets({"params": saved}, CONFIG, serving_mesh(MeshConfig(data=1, tensor=2)))["params"]
+    block = targets["layers"]["block_0"]
+    for stored, split in ((block["attn"]["q"]["kernel"], 2), (block["mlp"]["down"], 1)):  # [layers, K, heads.. | embed]
+        for key, part in stored.items():
+            halved = key in ("nf4", "absmax")
+            expected = tuple(size // 2 if axis == split and halved else size for axis, size in enumerate(part.shape))
+            assert part.sharding.shard_shape(part.shape) == expected, key
