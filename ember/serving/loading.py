@@ -39,7 +39,6 @@ from ember.core.checkpoint import CheckpointManager
 from ember.core.config import load_config, read_key, run_kind
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
-from ember.core.sharding import DEFAULT_RULES, tree_shardings
 from ember.core.tokenizer import ByteTokenizer
 from ember.core.tree import map_paths, param_paths
 from ember.models.config import ModelConfig, runtime_overrides
@@ -47,7 +46,7 @@ from ember.models.decoder import saved_layout
 from ember.models.linearize import LinearizeConfig, linearized_config
 from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import serving_weights
-from ember.serving.model_program import weight_axes
+from ember.serving.model_program import weight_shardings
 from ember.serving.scheduler import eos_ids_of
 
 
@@ -201,7 +200,7 @@ def restore_weights(path: Path, step: int | None, config: ModelConfig, mesh: Mes
 def sharded_targets(saved: Any, config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
     """``{"params", "model_state"}`` restore targets for a checkpoint's ``saved`` metadata: the
     saved shapes and dtypes in the shardings a program on ``mesh`` serves them in
-    (``ember.serving.model_program.weight_axes``, in the saved layer layout), so no device
+    (``ember.serving.model_program.weight_shardings``, in the saved layer layout), so no device
     holds a whole weight the mesh splits."""
     shapes = {
         part: jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), saved[part])
@@ -211,7 +210,7 @@ def sharded_targets(saved: Any, config: ModelConfig, mesh: Mesh) -> dict[str, An
     layout = saved_layout(config, shapes["params"])
     saved_config = config if layout is None else layout[0]
     weights = serving_weights(shapes["params"], shapes.get("model_state"))
-    shardings = tree_shardings(mesh, weight_axes(saved_config, weights), DEFAULT_RULES, shapes=weights)
+    shardings = weight_shardings(saved_config, weights, mesh)
     placed = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), weights, shardings
     )

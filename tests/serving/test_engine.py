@@ -13,14 +13,15 @@ import pytest
 
 from ember.core.errors import ConfigError
 from ember.core.hf_tokenizer import load_hf_tokenizer
-from ember.core.sharding import MeshConfig, make_mesh
+from ember.core.sharding import MeshConfig, make_mesh, unbox
 from ember.core.tokenizer import ByteTokenizer
+from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization import QuantizeConfig, quantize_params
 from ember.serving.engine import Engine
 from ember.serving.mesh import serving_mesh
-from ember.serving.model_program import build_program
+from ember.serving.model_program import build_program, step_placement
 from ember.serving.requests import SamplingParams
 from tests.collectives import collectives
 from tests.once_per_session import one_at_a_time
@@ -427,11 +428,17 @@ def test_a_mesh_that_splits_the_batch_is_refused(params):
 
 
 @pytest.fixture(scope="module")
-def int4_programs(params, tmp_path_factory):
-    """``params`` stored int4 (32 rows per scale), compiled for one device (as ``program``) and
-    split over a tensor=2 mesh (as ``mesh_program``); one bucket each."""
+def int4_params(params):
+    """``params`` stored int4, 32 rows per scale."""
     # Jitted: op by op, quantizing compiled a program per op and weight shape (4 s).
-    quantized = jax.jit(quantize_params, static_argnums=1)(params, QuantizeConfig(format="int4", group_size=32))
+    return jax.jit(quantize_params, static_argnums=1)(params, QuantizeConfig(format="int4", group_size=32))
+
+
+@pytest.fixture(scope="module")
+def int4_programs(int4_params, tmp_path_factory):
+    """``int4_params`` compiled for one device (as ``program``) and split over a tensor=2 mesh
+    (as ``mesh_program``); one bucket each."""
+    quantized = int4_params
     options = dict(num_slots=4, token_buckets=(16,), max_context=MAX_CONTEXT, num_pages=NUM_PAGES)
     mesh, config = serving_mesh(MeshConfig(data=1, tensor=2)), dataclasses.replace(CONFIG, attention_impl="interpret")
     with one_at_a_time(tmp_path_factory, "serving-engine-int4-programs"):
@@ -456,3 +463,22 @@ def test_a_quantized_model_on_a_mesh_keeps_its_codes_split_and_serves_the_single
     assert found and all(op == "all-reduce" and result.startswith("f32[1,16,64]") for result, op in found), found
     seed = int(jax.random.randint(rng, (), 0, 2**31 - 1))
     assert_serves_alike(Engine(mesh_program.fresh_copy()), Engine(program.fresh_copy()), seed, MAX_CONTEXT, 16)
+
+
+def test_a_quantized_weights_parts_split_their_rows_alike_or_not_at_all(int4_params):
+    """On tensor=4, ``o``'s 64 input rows in groups of 32 give 2 scale rows, which four devices
+    cannot split: its codes' 32 (packed) rows stay whole too, where they were split four ways
+    beside whole scales (the per-shard quantized matmul then split neither: the step gathered the
+    codes). ``down``'s 128 rows (4 scale rows) split four
+    ways in every part; ``q``'s columns (4 heads) split in every part. Placement only: nothing compiles."""
+    params = unbox(int4_params)
+    kv = jax.eval_shape(lambda: init_cache_layers(CONFIG, 4, NUM_PAGES))
+    placement = step_placement(CONFIG, params, kv, serving_mesh(MeshConfig(data=1, tensor=4)))
+    block = placement.params["layers"]["block_0"]
+
+    def split_dims(stored):  # {part: the dimensions the tensor axis splits}
+        return {key: [d for d, axes in enumerate(part.spec) if "tensor" in str(axes)] for key, part in stored.items()}
+
+    assert split_dims(block["attn"]["o"]["kernel"]) == {"int4": [], "scales": []}
+    assert split_dims(block["mlp"]["down"]) == {"int4": [1], "scales": [1]}
+    assert split_dims(block["attn"]["q"]["kernel"]) == {"int4": [2], "scales": [2]}
