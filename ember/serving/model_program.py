@@ -29,6 +29,7 @@ from ember.models.adapters.stacking import stack_adapters
 from ember.models.cache import cache_layer_axes, init_cache_layers
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.models.quantization.placement import split_alike_shapes
 from ember.models.quantization.quantize import stored_part_axes
 from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import as_variables, serving_weights, split_variables
@@ -146,35 +147,9 @@ def step_placement(config: ModelConfig, params: Any, kv: Any, mesh: Mesh) -> Ste
 def weight_shardings(config: ModelConfig, params: Any, mesh: Mesh) -> Any:
     """``NamedSharding``s of the weights ``params`` (arrays or ``ShapeDtypeStruct``s) of
     ``DecoderLM(config)`` on ``mesh``: by :func:`weight_axes` under the default rules, each
-    stored quantized weight's parts split alike (:func:`split_alike_shapes`)."""
+    stored quantized weight's parts split alike (``ember.models.quantization.placement``)."""
     axes = weight_axes(config, params)
     return tree_shardings(mesh, axes, DEFAULT_RULES, shapes=split_alike_shapes(params, axes))
-
-
-def split_alike_shapes(params: Any, axes: Any) -> Any:
-    """``params``' shapes (``ShapeDtypeStruct``s) for placing them by ``axes``, where the parts of
-    each stored quantized weight give, in every dimension that holds the same logical axis, the
-    greatest common divisor of their sizes there: a mesh axis then splits that dimension of all
-    the parts or of none (``tree_shardings`` leaves whole a dimension a mesh axis does not
-    divide). An int4 ``o`` of 64 input rows in groups of 32 on tensor=4: its two scale rows stay
-    whole, and so must its codes' rows, which split beside whole scales were gathered every step."""
-    flat_axes, flat = param_paths(axes), param_paths(params)
-    common: dict[tuple[str, str], int] = {}
-    for weight in stored_weight_paths(flat):
-        for path in (p for p in flat if p.rsplit("/", 1)[0] == weight):
-            for name, size in zip(flat_axes[path], jnp.shape(flat[path])):
-                if name is not None:
-                    common[weight, name] = math.gcd(common.get((weight, name), 0), size)
-
-    def shape(path: str, leaf: Any) -> jax.ShapeDtypeStruct:
-        weight = path.rsplit("/", 1)[0]
-        sizes = [
-            size if name is None else common.get((weight, name), size)
-            for name, size in zip((*flat_axes[path], *[None] * jnp.ndim(leaf)), jnp.shape(leaf))
-        ]
-        return jax.ShapeDtypeStruct(tuple(sizes), jnp.result_type(leaf))
-
-    return map_paths(shape, params)
 
 
 def weight_axes(config: ModelConfig, params: Any) -> Any:
@@ -251,7 +226,6 @@ __all__ = [
     "model_step",
     "program_layout",
     "read_weight_dtypes",
-    "split_alike_shapes",
     "step_placement",
     "weight_axes",
     "weight_shardings",

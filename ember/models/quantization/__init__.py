@@ -7,9 +7,9 @@
 How values and scales are chosen (through qwix): ``numerics``; GPTQ: ``gptq``; GPTQ of a whole
 ``DecoderLM`` a group of layers at a time, each calibrated on the outputs of the groups quantized
 before it (what ``ember quantize`` runs): ``sequential`` (not imported here: it imports the
-decoder, which imports this package); how a
-quantized weight sits in the tree and how a layer multiplies by it: ``stored``; the matmul
-itself: ``ember.kernels_pallas.quantized_matmul``; quantization-aware training:
+decoder, which imports this package); how a quantized weight sits in the tree and how a layer
+multiplies by it: ``stored``; where its parts go on a mesh: ``placement``; the matmul itself:
+``ember.kernels_pallas.quantized_matmul``; quantization-aware training:
 ``ember.models.quantization.fake``.
 """
 
