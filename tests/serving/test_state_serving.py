@@ -25,6 +25,7 @@ from ember.serving.export import export_program, load_artifact
 from ember.serving.mesh import serving_mesh
 from ember.serving.model_program import build_program
 from ember.serving.requests import SamplingParams
+from tests.collectives import collectives
 from tests.host_random import numpy_rng
 from tests.once_per_session import one_at_a_time
 from tests.serving.greedy_reference import greedy_reference
@@ -206,3 +207,13 @@ def test_a_hybrid_split_four_ways_serves_the_single_device_engine_s_tokens_and_l
         }, (kind, entry)
     pages = kv[state_blocks("global")[0]]["k_pages"]
     assert len(pages.addressable_shards) == 4 and shard_shapes(pages) == {pages.shape}
+    # Replicated, the attention layers' page pools are read where they lie: XLA's partitioning of
+    # the ragged attention split the query heads four ways and gathered every pool at every step.
+    pools = {
+        f"f32[{','.join(map(str, kv[block]['k_pages'].shape))}]"
+        for block in state_blocks("global") + state_blocks("local")
+    }
+    gathered = {
+        result.split("{")[0] for result, op in collectives(mesh_program.steps[max(BUCKETS)]) if op == "all-gather"
+    }
+    assert not pools & gathered, pools & gathered

@@ -26,7 +26,6 @@ from ember.kernels_pallas.attention_math import default_sigmoid_bias
 from ember.kernels_pallas.block_mask import LocalGlobalMask
 from ember.kernels_pallas.flash_attention import KERNEL_BACKENDS as FLASH_KERNEL_BACKENDS
 from ember.kernels_pallas.flash_attention import flash_attention
-from ember.kernels_pallas.ragged_paged_attention import KERNEL_BACKENDS as RAGGED_KERNEL_BACKENDS
 from ember.kernels_pallas.ragged_paged_attention import ragged_paged_attention
 from ember.models.cache import Paging, write_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
@@ -110,8 +109,9 @@ def _attend_ragged(q, k, v, pages, *, config, kind, paging, positions, valid, op
         )
 
     # Under a tensor-parallel mesh each device attends with the key heads of the pages it holds
-    # (the page writes above are XLA's, which partitions them).
-    kernel = runs_per_shard(options["impl"], op="ragged_paged_attention", kernel_backends=RAGGED_KERNEL_BACKENDS)
+    # (the page writes above are XLA's, which partitions them), whatever the impl: XLA's own
+    # partitioning of its path, on a mesh wider than the key heads (tensor=4, 2 key heads), split the
+    # query heads and gathered every layer's whole page pool onto each device at every step.
     out = per_head_group_shard(
         attention,
         (
@@ -126,7 +126,7 @@ def _attend_ragged(q, k, v, pages, *, config, kind, paging, positions, valid, op
         ("sh.", "..h.", "..h.", "..", ".", ".", "."),
         out_layout="sh.",
         groups=k.shape[2],
-        kernel=kernel,
+        kernel=True,
     )
     return out[None], pages
 
