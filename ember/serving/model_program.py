@@ -162,8 +162,12 @@ def weight_axes(config: ModelConfig, params: Any) -> Any:
     abstract = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)
     declared = param_paths(serving_weights(*split_variables(abstract)))
     flat = param_paths(params)
+    parts: dict[str, list[str]] = {}  # stored weight path -> its parts' keys
+    for path in flat:
+        weight, _, key = path.rpartition("/")
+        parts.setdefault(weight, []).append(key)
     stored = {
-        path: stored_part_axes(path, declared[path], [p.rsplit("/", 1)[1] for p in flat if p.startswith(f"{path}/")])
+        path: stored_part_axes(path, declared[path], parts[path])
         for path in stored_weight_paths(flat)
         if isinstance(declared.get(path), nn.Partitioned)
     }

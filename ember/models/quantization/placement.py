@@ -32,10 +32,12 @@ def split_alike_shapes(params: Any, axes: Any) -> Any:
     divide). An int4 ``o`` of 64 input rows in groups of 32 on tensor=4: its two scale rows stay
     whole, and so must its codes' rows, which split beside whole scales were gathered every step."""
     flat_axes, flat = param_paths(axes), param_paths(params)
+    weights = set(stored_weight_paths(flat))
     common: dict[tuple[str, str], int] = {}
-    for weight in stored_weight_paths(flat):
-        for path in (p for p in flat if p.rsplit("/", 1)[0] == weight):
-            for name, size in zip(flat_axes[path], jnp.shape(flat[path])):
+    for path, leaf in flat.items():
+        weight = path.rsplit("/", 1)[0]
+        if weight in weights:
+            for name, size in zip(flat_axes[path], jnp.shape(leaf)):
                 if name is not None:
                     common[weight, name] = math.gcd(common.get((weight, name), 0), size)
 
