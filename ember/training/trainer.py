@@ -43,6 +43,7 @@ from tqdm import tqdm
 from ember.core.checkpoint import CheckpointManager, abstract_with_shardings
 from ember.core.errors import ConfigError, DataError, EmberError
 from ember.core.files import write_text_atomic
+from ember.core.host_memory import reuse_freed_host_memory
 from ember.core.sharding import (
     DEFAULT_RULES,
     drop_empty_boxes,
@@ -145,6 +146,8 @@ class Trainer:
         self.loop, self.optim = loop or LoopConfig(), optim or OptimConfig()
         self.checkpoint_config, self.logging = checkpoint or CheckpointConfig(), logging or LoggingConfig()
         self.run_dir, self.mesh, self.rules = Path(run_dir), mesh or make_mesh(), rules
+        if self.mesh.devices.flat[0].platform == "cpu":
+            reuse_freed_host_memory()  # each step's temporaries: one large block (ember.core.host_memory)
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(self.optim, self.loop.steps)
         self.loss_scaled = uses_loss_scaling(self.loop.loss_scale, task.compute_dtype())

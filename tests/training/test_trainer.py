@@ -20,6 +20,7 @@ from ember.core.errors import ConfigError, DataError, EmberError
 from ember.core.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 from ember.models.config import ModelConfig, SSMConfig
 from ember.models.decoder import DecoderLM
+from ember.training import trainer as trainer_module
 from ember.training.config import CheckpointConfig, LoggingConfig, LoopConfig
 from ember.training.loss_scaling import LossScaleState
 from ember.training.mesh_checks import undivided_axes_message
@@ -139,6 +140,14 @@ def test_custom_task_trains_checkpoints_and_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         make_trainer(Regression(), tmp_path / "reference")
+
+
+def test_a_trainer_on_cpu_devices_has_glibc_reuse_freed_host_memory(tmp_path, monkeypatch):
+    """XLA:CPU's steps take their temporaries as one large block each (ember.core.host_memory)."""
+    calls = []
+    monkeypatch.setattr(trainer_module, "reuse_freed_host_memory", lambda: calls.append("reuse"))
+    make_trainer(Regression(), tmp_path / "run")
+    assert calls == ["reuse"]
 
 
 def test_a_checkpoint_of_another_train_state_is_a_data_error(tmp_path):
