@@ -264,21 +264,23 @@ def test_routed_experts_are_stored_quantized_and_read_back_exactly(scan_layers):
     config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=32, mlp_pattern=("moe",),
                          moe=moe, scan_layers=scan_layers)  # fmt: skip
     model, tokens = DecoderLM(config), jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
-    params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
+    # One program each, not one per op and weight (op by op, this test compiled ~200 programs).
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
     logits = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
-    store = jax.jit(quantize_params, static_argnums=1)  # one program, not one per op and weight
+    store = jax.jit(quantize_params, static_argnums=1)
     experts = {f"moe/experts/{name}" for name in ("gate", "up", "down")}
     for fmt in ("int8", "int4", "nf4") if scan_layers else ("nf4",):  # unrolled: the format with most parts
         quantized = store(params, QuantizeConfig(format=fmt))
         stored = {p.rsplit("/", 1)[0] for p in param_paths(quantized) if p.endswith(f"/{fmt}")}
         assert {p.split("/", 2)[-1] for p in stored if "/experts/" in p} == experts, stored
-        assert_allclose(logits(quantized), logits(dequantize_params(quantized, params)), dtype=np.float32)
+        assert_allclose(logits(quantized), logits(jax.jit(dequantize_params)(quantized, params)), dtype=np.float32)
         assert 0 < float(jnp.abs(logits(quantized) - logits(params)).max()) < 0.1, fmt  # rounded, near the float
     up = next(p for p in param_paths(params) if p.endswith("moe/experts/up"))
     grams = {p: jnp.eye(32) for p in quantized_paths(params, QuantizeConfig()) if "/experts/" not in p}
     with pytest.raises(ConfigError, match=r"no calibration statistics for .*moe/experts/"):
         quantize_params(params, QuantizeConfig(format="int8", method="gptq"), grams=grams)
-    assert not np.array_equal(param_paths(fake_quantize_params(params, "int8"))[up], param_paths(params)[up])
+    fake = jax.jit(fake_quantize_params, static_argnums=1)(params, "int8")
+    assert not np.array_equal(param_paths(fake)[up], param_paths(params)[up])
 
 
 def test_gptq_quantizes_each_routed_expert_with_the_grams_of_its_own_tokens():
