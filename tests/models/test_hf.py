@@ -2,6 +2,7 @@
 the same logits as Ember after ``ember.models.hf.load``, and greedy decoding through Ember's
 serving engine (its one decode path) matches ``generate`` token for token."""
 
+import functools
 import json
 
 import jax
@@ -66,6 +67,18 @@ def pair(request, tmp_path_factory):
     return name, model, path, config, jax.tree.map(jnp.asarray, params)
 
 
+def initial_params(config, seed=0, *, boxed=False):
+    """``DecoderLM(config)``'s initial parameters (unboxed unless ``boxed``), in one program: op by
+    op, an init compiled ~40 programs per model shape."""
+    params = jax.jit(DecoderLM(config).init)(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
+    return params if boxed else unbox(params)
+
+
+@functools.partial(jax.jit, static_argnums=0)  # one program per model: op by op a forward compiled ~40
+def ember_logits(config, params, tokens):
+    return DecoderLM(config).apply({"params": params}, tokens)[0]
+
+
 def hf_logits(model, tokens):
     with torch.no_grad():
         return model(torch.as_tensor(np.array(tokens))).logits.numpy()
@@ -87,7 +100,7 @@ def test_config_maps_the_architecture(pair):
 def test_logits_match_transformers(pair, rng):
     _name, model, _, config, params = pair
     tokens = jax.random.randint(rng, (2, 40), 0, config.vocab_size)
-    ours, _ = DecoderLM(config).apply({"params": params}, tokens)
+    ours = ember_logits(config, params, tokens)
     # The issue's bar is 1e-4 on float32 logits: torch and XLA sum the matmuls in different orders.
     assert_allclose(ours, hf_logits(model, tokens), scale=10)
 
@@ -112,7 +125,7 @@ def test_save_round_trips_through_transformers(pair, tmp_path, rng):
     hf.save(tmp_path, config, params, model_type=name)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     tokens = jax.random.randint(rng, (1, 24), 0, config.vocab_size)
-    ours, _ = DecoderLM(config).apply({"params": params}, tokens)
+    ours = ember_logits(config, params, tokens)
     assert_allclose(ours, hf_logits(reloaded, tokens), scale=10)  # same reason as above
     config_again, params_again = hf.load(tmp_path, attention_impl="xla")
     assert config_again == config
@@ -123,13 +136,14 @@ def test_save_refuses_adapters_and_quantized_weights(tmp_path):
     """Adapter leaves were dropped without a word (the base written as the fine-tuned model) and
     a quantized weight failed in a numpy reshape."""
     config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32, tie_embeddings=False)
-    params = unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
-    adapted = add_lora(params, LoraConfig(rank=2, targets=("q",)), jax.random.key(1))
+    params = initial_params(config)
+    # Jitted: op by op, adding the adapters, quantizing and merging compiled ~50 programs.
+    adapted = jax.jit(lambda p: add_lora(p, LoraConfig(rank=2, targets=("q",)), jax.random.key(1)))(params)
     with pytest.raises(DataError, match=r"carry adapters.*merged_weights"):
         hf.save(tmp_path, config, adapted)
     with pytest.raises(DataError, match=r"stored quantized.*dequantize_params"):
-        hf.save(tmp_path, config, quantize_params(params, QuantizeConfig(format="int8")))
-    merged = merged_weights(adapted)  # plain weights again
+        hf.save(tmp_path, config, jax.jit(quantize_params, static_argnums=1)(params, QuantizeConfig(format="int8")))
+    merged = jax.jit(merged_weights)(adapted)  # plain weights again
     hf.save(tmp_path, config, merged)
     q = [tree["layers"]["block_0"]["attn"]["q"]["kernel"] for tree in (hf.load(tmp_path)[1], merged)]
     np.testing.assert_array_equal(*q)
@@ -161,9 +175,7 @@ def test_save_over_a_sharded_checkpoint_loads_the_new_weights(tmp_path):
     old index, and ``transformers`` reads the single file first. ``load`` read the stale shards
     instead: the old weights, without a word."""
     config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32, tie_embeddings=False)
-    old, new = (
-        unbox(DecoderLM(config).init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]) for seed in (0, 1)
-    )
+    old, new = (initial_params(config, seed) for seed in (0, 1))
     hf.save(tmp_path, config, old)
     shard = tmp_path / "model-00001-of-00001.safetensors"
     (tmp_path / "model.safetensors").rename(shard)
@@ -188,14 +200,14 @@ def test_a_geglu_model_exports_with_gelu_pytorch_tanh(tmp_path, rng):
         mlp="geglu",
         qkv_bias=True,
     )
-    params = unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
-    params = jax.tree.map(
-        lambda x: x + 0.1 * jax.random.normal(rng, x.shape), params
-    )  # biases and norms off their init
+    # biases and norms off their init (one program: op by op, ~10 per leaf shape)
+    params = jax.jit(lambda p: jax.tree.map(lambda x: x + 0.1 * jax.random.normal(rng, x.shape), p))(
+        initial_params(config)
+    )
     hf.save(tmp_path, config, params, model_type="qwen2")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     tokens = jax.random.randint(rng, (1, 16), 0, config.vocab_size)
-    ours, _ = DecoderLM(config).apply({"params": params}, tokens)
+    ours = ember_logits(config, params, tokens)
     assert_allclose(ours, hf_logits(reloaded, tokens), scale=10)  # as in test_logits_match_transformers
     assert hf.load(tmp_path)[0] == config
     # transformers' gelu_new and gelu_fast are the same tanh GELU; Ember refused them.
@@ -211,7 +223,7 @@ def test_a_truncated_or_torn_checkpoint_is_a_data_error(tmp_path):
     """An interrupted download raised safetensors' own SafetensorError (not naming the file) and an
     index without a weight_map a KeyError: tracebacks from `ember generate`, not one-line errors."""
     config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32)
-    hf.save(tmp_path, config, unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+    hf.save(tmp_path, config, initial_params(config))
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(DataError, match=r"model\.safetensors is not a complete safetensors file"):
@@ -230,7 +242,7 @@ def test_weights_of_another_config_are_a_data_error_naming_the_tensor(tmp_path):
     """A config.json that does not describe its weights failed in a numpy reshape ("cannot reshape
     array of size 512 into shape (32,4,8)") or loaded and failed in the first forward."""
     config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48)
-    hf.save(tmp_path, config, unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+    hf.save(tmp_path, config, initial_params(config))
     saved = json.loads((tmp_path / "config.json").read_text())
     for field, value, tensor, shapes in (
         ("num_key_value_heads", 4, "model.layers.0.self_attn.k_proj.weight", r"\(16, 32\).*\(32, 32\)"),
@@ -245,7 +257,7 @@ def test_save_takes_the_boxed_params_init_returns(tmp_path):
     """``model.init(...)["params"]`` (``nn.Partitioned`` leaves) failed in a numpy reshape ("cannot
     reshape array of size 1 into shape (32,newaxis)"), as ``save_peft_adapter`` takes them."""
     config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32)
-    boxed = DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    boxed = initial_params(config, boxed=True)
     hf.save(tmp_path, config, boxed)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), hf.load(tmp_path)[1], unbox(boxed))
 
@@ -282,11 +294,11 @@ def test_load_gives_the_parameter_dtype_precision_asks_for(tmp_path):
     run trained (and a LoRA run froze) a float32 base, twice the memory asked for, silently.
     The default dtype is now the config's parameter dtype, the dtype ``init`` gives."""
     config = ModelConfig(vocab_size=31, d_model=32, num_layers=1, num_heads=2, mlp_dim=32)
-    params = unbox(DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    params = initial_params(config)
     hf.save(tmp_path, config, params, dtype=jnp.bfloat16)
     for precision, expected in (("pure_bf16", jnp.bfloat16), ("bf16", jnp.float32), ("f32", jnp.float32)):
         loaded_config, loaded = hf.load(tmp_path, precision=precision)
-        init = DecoderLM(loaded_config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+        init = initial_params(loaded_config)
         assert {np.asarray(x).dtype for x in jax.tree.leaves(loaded)} == {np.dtype(expected)}
-        jax.tree.map(lambda a, b: np.testing.assert_equal(np.asarray(a).dtype, b.dtype), loaded, unbox(init))
+        jax.tree.map(lambda a, b: np.testing.assert_equal(np.asarray(a).dtype, b.dtype), loaded, init)
     assert hf.load(tmp_path, precision="pure_bf16", dtype=np.float32)[1]["embed"]["embedding"].dtype == np.float32
