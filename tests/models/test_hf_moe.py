@@ -5,6 +5,7 @@ greedy decoding through the serving engine (Qwen2-MoE) and ``ember generate --ch
 (Mixtral) equals a full-recompute argmax loop over the ``transformers`` forward."""
 
 import dataclasses
+import functools
 import json
 import re
 
@@ -134,6 +135,11 @@ def test_save_round_trips_through_transformers(pair, tmp_path, rng):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params_again, params)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program per model: op by op a forward compiled ~50
+def ember_logits(config, params, tokens):
+    return DecoderLM(config).apply({"params": params}, tokens)[0]
+
+
 def hf_greedy(model, prompts, new_tokens):
     """Full-recompute greedy decoding: the argmax of the transformers forward, token by token."""
     results = []
@@ -195,7 +201,7 @@ def test_qwen2_moe_without_qkv_bias_round_trips(pair, tmp_path, rng):
     tokens = jax.random.randint(rng, (1, 16), 0, config.vocab_size)
     with torch.no_grad():
         expected = reloaded(torch.as_tensor(np.array(tokens))).logits.numpy()
-    assert_allclose(DecoderLM(config).apply({"params": params}, tokens)[0], expected, scale=10)
+    assert_allclose(ember_logits(config, params, tokens), expected, scale=10)
     assert hf.load(tmp_path, attention_impl="xla", moe_impl="xla")[0] == config
 
 
@@ -232,7 +238,7 @@ def test_qwen2_moe_without_a_shared_expert_loads(tmp_path, rng):
     tokens = jax.random.randint(rng, (1, 12), 0, config.vocab_size)
     with torch.no_grad():
         expected = model(torch.as_tensor(np.array(tokens))).logits.numpy()
-    assert_allclose(DecoderLM(config).apply({"params": params}, tokens)[0], expected, scale=10)
+    assert_allclose(ember_logits(config, params, tokens), expected, scale=10)
 
 
 @pytest.mark.parametrize("field,value", [("num_experts", 0), ("mlp_only_layers", [0, 1, 2])])
@@ -246,4 +252,4 @@ def test_qwen2_moe_with_no_sparse_layer_loads_as_dense(field, value, tmp_path, r
     tokens = jax.random.randint(rng, (1, 12), 0, config.vocab_size)
     with torch.no_grad():
         expected = model(torch.as_tensor(np.array(tokens))).logits.numpy()
-    assert_allclose(DecoderLM(config).apply({"params": params}, tokens)[0], expected, scale=10)
+    assert_allclose(ember_logits(config, params, tokens), expected, scale=10)
