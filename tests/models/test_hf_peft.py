@@ -403,14 +403,15 @@ def test_adapters_on_a_mamba2_layer_are_refused_not_written_as_attention(tmp_pat
         vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48, max_seq_len=32,
         block_pattern=("mamba2", "global"), mlp_pattern=("none", "dense"), attention_impl="xla", scan_layers=False,
     )  # fmt: skip
-    params = DecoderLM(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    adapted = add_lora(
-        jax.tree.map(np.asarray, nn.meta.unbox(params)), LoraConfig(rank=2, targets=("o",)), jax.random.key(1)
-    )
+    # Jitted: op by op, the init and the adapters compiled ~120 programs.
+    params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+
+    def adapted_by(lora):
+        return jax.jit(lambda p: trained(add_lora(p, lora, jax.random.key(1)), 0))(params)
+
     with pytest.raises(DataError, match=r"attn/o/kernel of a mamba2 layer has no PEFT equivalent"):
-        save_peft_adapter(tmp_path / "o", config, trained(adapted, 0))
-    only_attention = LoraConfig(rank=2, targets=(r"block_1/attn/o/kernel$", "up"))
-    adapted = trained(add_lora(nn.meta.unbox(params), only_attention, jax.random.key(1)), 0)
+        save_peft_adapter(tmp_path / "o", config, adapted_by(LoraConfig(rank=2, targets=("o",))))
+    adapted = adapted_by(LoraConfig(rank=2, targets=(r"block_1/attn/o/kernel$", "up")))
     save_peft_adapter(tmp_path / "attention", config, adapted)
     loaded = param_paths(load_peft_adapter(tmp_path / "attention", config))
     for path, value in loaded.items():
