@@ -94,18 +94,29 @@ def test_equals_reference_values_and_gradients(impl, fmt, m, k, n, group, k_spli
     rng = numpy_rng(rng)  # seeded by the test's id: hash() of a str changes with each process's PYTHONHASHSEED
     weight = random_weight(rng, fmt, k, n, group)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
-    blocks = QuantizedMatmulBlockSizes(block_m=16, block_n=32, block_k=32, k_splits=k_splits, one_row=one_row)
-    expected = quantized_matmul_reference(x, weight)
-    got = quantized_matmul(x, weight, impl=impl, block_sizes=blocks)
-    assert got.shape == (m, n) and got.dtype == jnp.float32
-    scale = float(jnp.max(jnp.abs(expected)))
-    assert_allclose(got / scale, expected / scale)
     d_out = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
-    grad = jax.grad(lambda x: jnp.sum(quantized_matmul(x, weight, impl=impl, block_sizes=blocks) * d_out))(x)
-    assert_allclose(grad, d_out @ dequantize(weight).T, scale=10)
-    bf16 = quantized_matmul(x.astype(jnp.bfloat16), weight, impl=impl, block_sizes=blocks)
+    blocks = QuantizedMatmulBlockSizes(block_m=16, block_n=32, block_k=32, k_splits=k_splits, one_row=one_row)
+
+    # Each side in one program: op by op, the reference, the gradients and the casts compiled ~30 per case.
+    @jax.jit
+    def reference(x, weight, d_out):
+        return quantized_matmul_reference(x, weight), d_out @ dequantize(weight).T
+
+    @jax.jit
+    def kernel(x, weight, d_out):
+        def product(x):
+            return quantized_matmul(x, weight, impl=impl, block_sizes=blocks)
+
+        return product(x), jax.grad(lambda x: jnp.sum(product(x) * d_out))(x), product(x.astype(jnp.bfloat16))
+
+    expected, expected_grad = reference(x, weight, d_out)
+    got, grad, bf16 = kernel(x, weight, d_out)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    scale = float(np.max(np.abs(expected)))
+    assert_allclose(np.asarray(got) / scale, np.asarray(expected) / scale)
+    assert_allclose(grad, expected_grad, scale=10)
     assert bf16.dtype == jnp.bfloat16
-    assert_allclose(bf16.astype(jnp.float32) / scale, expected / scale, dtype=jnp.bfloat16)
+    assert_allclose(np.asarray(bf16, np.float32) / scale, np.asarray(expected) / scale, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("fmt, group", [("int8", 96), ("nf4", 32)])
