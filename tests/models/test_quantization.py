@@ -4,8 +4,10 @@ NF4's double-quantised scales round-trip; GPTQ beats round-to-nearest on correla
 (matrix and whole model); fake quantization's forward is the round trip and its gradient the
 identity; LoRA on a quantized base equals LoRA on its dequantised weights."""
 
+import contextlib
 import dataclasses
 import weakref
+from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
@@ -250,6 +252,42 @@ def test_mixlora_mlps_are_not_stored_quantized():
     with pytest.raises(ConfigError, match="a MixLoRA MLP's weight") as error:
         jax.eval_shape(lambda p: quantize_params(p, QuantizeConfig(format="int8")), jax.eval_shape(shapes))
     assert error.value.key == "quantize.targets"
+
+
+@contextlib.contextmanager
+def programs_lowered() -> Iterator[list[str]]:
+    """Yields a list that collects one entry per XLA program lowered in the ``with`` body (each
+    program JAX had not built in this process yet: a jitted function's or one eager op's)."""
+    lowered = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield lowered
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int4"])
+def test_each_weight_shape_is_stored_and_read_back_by_one_program(fmt):
+    """Op by op, storing this model's weights in NF4 built 168 programs (some 10 per matrix shape and
+    stored part; reading them back, as many again). Now one per weight shape each way, whatever the
+    number of layers and experts."""
+    config = ModelConfig(vocab_size=40, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=80,
+                         scan_layers=False)  # fmt: skip
+    params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    flat = param_paths(params)
+    shapes = {np.shape(flat[path]) for path in quantized_paths(params, QuantizeConfig())}
+    assert len(shapes) == 5  # q; k and v; o; gate and up; down
+    with programs_lowered() as lowered:
+        stored = quantize_params(params, QuantizeConfig(format=fmt, group_size=16))
+    assert len(lowered) <= len(shapes), lowered
+    with programs_lowered() as lowered:
+        dequantize_params(stored, params)
+    assert len(lowered) <= len(shapes), lowered
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -38,7 +38,7 @@ import numpy as np
 from ember.core.errors import ConfigError
 from ember.core.tree import param_paths, tree_from_paths
 from ember.kernels_pallas.quantized_formats import FORMATS
-from ember.models.adapters.layout import TARGETS, leaf_value, weight_layout
+from ember.models.adapters.layout import TARGETS, WeightLayout, leaf_value, weight_layout
 from ember.models.quantization.gptq import gptq_matrix
 from ember.models.quantization.numerics import DEFAULT_GROUP_SIZES, quantize_matrix
 from ember.models.quantization.stored import dequantized, store_matrix, stored_format, stored_weight_paths
@@ -253,20 +253,16 @@ def _check_read_quantized(flat: Mapping[str, Any], paths: list[str]) -> None:
 def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Array | None) -> Any:
     layout = weight_layout(path, leaf)
     value = jnp.asarray(leaf_value(leaf), jnp.float32)
-    lead, in_shape, out_shape = layout.split(value.shape)
-    k, n = math.prod(in_shape), math.prod(out_shape)
+    lead, in_shape, _ = layout.split(value.shape)
+    k = math.prod(in_shape)
     group = weight_group(path, k, config.format, config.rows_per_scale, key="quantize.group_size")
-    matrices = value.reshape(-1, k, n)
+    shape_only = dataclasses.replace(layout, names=None)  # one program for every weight of one shape
     if config.method == "gptq" and gram is not None:
         # [*lead, k, k]: one Gram per layer and expert (one [k, k] serves all)
-        grams = jnp.broadcast_to(gram.astype(jnp.float32), (*lead, k, k)).reshape(-1, k, k)
-        stored = [
-            store_matrix(_gptq_or_rounded(m, g, config.format, group, config.damp), out_shape)
-            for m, g in zip(matrices, grams)
-        ]
+        grams = jnp.broadcast_to(gram.astype(jnp.float32), (*lead, k, k))
+        parts = _stored_gptq_or_rounded(value, grams, config.format, group, config.damp, shape_only)
     else:
-        stored = [store_matrix(quantize_matrix(m, config.format, group), out_shape) for m in matrices]
-    parts = jax.tree.map(lambda *xs: jnp.stack(xs).reshape(*lead, *xs[0].shape), *stored)
+        parts = _stored_rounded(value, config.format, group, shape_only)
     if isinstance(leaf, nn.Partitioned):
         axes = stored_part_axes(path, leaf, parts)
         parts = {key: nn.Partitioned(part, axes[key]) for key, part in parts.items()}
@@ -287,17 +283,38 @@ def stored_part_axes(path: str, leaf: nn.Partitioned, keys: Iterable[str]) -> di
     return {key: _part_names(key, stored, layout.lead) for key in keys}
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "group", "damp"))
-def _gptq_or_rounded(matrix: jax.Array, gram: jax.Array, fmt: str, group: int | None, damp: float):
-    """GPTQ's quantization of ``matrix [k, n]``, or round to nearest when ``gram`` is zero (no input
-    reached it: GPTQ would zero every row)."""
-    return jax.lax.cond(
-        jnp.trace(gram) == 0,
-        lambda m, g: quantize_matrix(m, fmt, group),
-        lambda m, g: gptq_matrix(m, g, fmt, group, damp),
-        matrix,
-        gram,
-    )
+# One compiled program per weight shape and format, its layers and experts quantized one after another
+# (op by op, storing each matrix dispatched and compiled some 10 programs of its own).
+@functools.partial(jax.jit, static_argnames=("fmt", "group", "layout"))
+def _stored_rounded(weight: jax.Array, fmt: str, group: int | None, layout: WeightLayout) -> dict[str, jax.Array]:
+    """The stored parts of ``weight [*lead, *in, *out]`` (as ``layout`` splits it), each of its
+    ``[prod(in), prod(out)]`` matrices rounded to nearest."""
+    lead, in_shape, out_shape = layout.split(weight.shape)
+    matrices = weight.reshape(-1, math.prod(in_shape), math.prod(out_shape))
+    parts = jax.lax.map(lambda m: store_matrix(quantize_matrix(m, fmt, group), out_shape), matrices)
+    return {key: part.reshape(*lead, *part.shape[1:]) for key, part in parts.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group", "damp", "layout"))
+def _stored_gptq_or_rounded(
+    weight: jax.Array, grams: jax.Array, fmt: str, group: int | None, damp: float, layout: WeightLayout
+) -> dict[str, jax.Array]:
+    """As :func:`_stored_rounded`, each matrix quantized by GPTQ with its Gram ``grams [*lead, k, k]``,
+    or rounded to nearest when its Gram is zero (no input reached it: GPTQ would zero every row)."""
+    lead, in_shape, out_shape = layout.split(weight.shape)
+    k = math.prod(in_shape)
+
+    def stored(matrix_and_gram):
+        matrix = jax.lax.cond(
+            jnp.trace(matrix_and_gram[1]) == 0,
+            lambda m, g: quantize_matrix(m, fmt, group),
+            lambda m, g: gptq_matrix(m, g, fmt, group, damp),
+            *matrix_and_gram,
+        )
+        return store_matrix(matrix, out_shape)
+
+    parts = jax.lax.map(stored, (weight.reshape(-1, k, math.prod(out_shape)), grams.reshape(-1, k, k)))
+    return {key: part.reshape(*lead, *part.shape[1:]) for key, part in parts.items()}
 
 
 def weight_group(path: str, k: int, fmt: str, group: int | None, *, key: str) -> int | None:
@@ -343,15 +360,22 @@ def dequantize_params(params: Mapping[str, Any], like: Mapping[str, Any]) -> dic
 
 def _dequantized_weight(path: str, stored: Mapping[str, Any], like: Any) -> jax.Array:
     """The float weight (``like``'s shape and dtype) of one stored weight, layer by layer."""
-    parts = {key: leaf_value(part) for key, part in stored.items()}
     target = leaf_value(like)
-    lead, in_shape, _ = weight_layout(path, like).split(target.shape)
+    layout = weight_layout(path, like)
+    parts = {key: leaf_value(part) for key, part in stored.items()}
+    shape_only = dataclasses.replace(layout, names=None)
+    return _dequantized_layers(parts, tuple(target.shape), jnp.dtype(target.dtype), shape_only)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "layout"))
+def _dequantized_layers(
+    parts: Mapping[str, jax.Array], shape: tuple[int, ...], dtype: Any, layout: WeightLayout
+) -> jax.Array:
+    """The float weight ``shape`` (as ``layout`` splits it) of stored ``parts`` ``[*lead, ...]``,
+    one layer and expert after another, in one program per weight shape."""
+    lead, in_shape, _ = layout.split(shape)
     per_layer = {key: part.reshape(-1, *part.shape[len(lead) :]) for key, part in parts.items()}
-    floats = [
-        dequantized({key: part[i] for key, part in per_layer.items()}, in_shape, target.dtype)
-        for i in range(math.prod(lead))
-    ]
-    return jnp.stack(floats).reshape(target.shape)
+    return jax.lax.map(lambda layer: dequantized(layer, in_shape, dtype), per_layer).reshape(shape)
 
 
 def weight_bytes(params: Any) -> int:
