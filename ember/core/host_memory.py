@@ -1,9 +1,10 @@
 """Host memory for XLA:CPU's steps: freed blocks kept for the next step, not handed back.
 
 XLA:CPU takes each execution's temporaries as one block from the C allocator, and a training
-step's block is large (over 32 MB for the tiny preset at batch 16 x 128 tokens). glibc's malloc
-serves a block above its mmap threshold (32 MB at most, however it adapts) with a fresh ``mmap``
-and unmaps it when it is freed, so every step faults every page of its temporaries in again:
+step's block is large (for the tiny preset at batch 16 x 128 tokens, raising glibc's threshold to
+its 32 MB limit did not stop what follows). glibc's malloc serves a block above its mmap threshold
+with a fresh ``mmap`` and unmaps it when it is freed, so every step faults every page of its
+temporaries in again:
 200 steps of that preset took 3.0 million minor page faults and 8.6 s of system time, a quarter
 of the run's CPU time. :func:`reuse_freed_host_memory` has glibc serve large blocks from its heap
 and keep what is freed there, so the next step reuses the same pages (245 thousand faults, 1.0 s
