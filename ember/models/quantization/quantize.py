@@ -256,13 +256,12 @@ def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Arr
     lead, in_shape, _ = layout.split(value.shape)
     k = math.prod(in_shape)
     group = weight_group(path, k, config.format, config.rows_per_scale, key="quantize.group_size")
-    shape_only = dataclasses.replace(layout, names=None)  # one program for every weight of one shape
+    grams = None
     if config.method == "gptq" and gram is not None:
         # [*lead, k, k]: one Gram per layer and expert (one [k, k] serves all)
         grams = jnp.broadcast_to(gram.astype(jnp.float32), (*lead, k, k))
-        parts = _stored_gptq_or_rounded(value, grams, config.format, group, config.damp, shape_only)
-    else:
-        parts = _stored_rounded(value, config.format, group, shape_only)
+    shape_only = dataclasses.replace(layout, names=None)  # one program for every weight of one shape
+    parts = _stored_matrices(value, grams, config.format, group, config.damp, shape_only)
     if isinstance(leaf, nn.Partitioned):
         axes = stored_part_axes(path, leaf, parts)
         parts = {key: nn.Partitioned(part, axes[key]) for key, part in parts.items()}
@@ -285,35 +284,31 @@ def stored_part_axes(path: str, leaf: nn.Partitioned, keys: Iterable[str]) -> di
 
 # One compiled program per weight shape and format, its layers and experts quantized one after another
 # (op by op, storing each matrix dispatched and compiled some 10 programs of its own).
-@functools.partial(jax.jit, static_argnames=("fmt", "group", "layout"))
-def _stored_rounded(weight: jax.Array, fmt: str, group: int | None, layout: WeightLayout) -> dict[str, jax.Array]:
-    """The stored parts of ``weight [*lead, *in, *out]`` (as ``layout`` splits it), each of its
-    ``[prod(in), prod(out)]`` matrices rounded to nearest."""
-    lead, in_shape, out_shape = layout.split(weight.shape)
-    matrices = weight.reshape(-1, math.prod(in_shape), math.prod(out_shape))
-    parts = jax.lax.map(lambda m: store_matrix(quantize_matrix(m, fmt, group), out_shape), matrices)
-    return {key: part.reshape(*lead, *part.shape[1:]) for key, part in parts.items()}
-
-
 @functools.partial(jax.jit, static_argnames=("fmt", "group", "damp", "layout"))
-def _stored_gptq_or_rounded(
-    weight: jax.Array, grams: jax.Array, fmt: str, group: int | None, damp: float, layout: WeightLayout
+def _stored_matrices(
+    weight: jax.Array, grams: jax.Array | None, fmt: str, group: int | None, damp: float, layout: WeightLayout
 ) -> dict[str, jax.Array]:
-    """As :func:`_stored_rounded`, each matrix quantized by GPTQ with its Gram ``grams [*lead, k, k]``,
-    or rounded to nearest when its Gram is zero (no input reached it: GPTQ would zero every row)."""
+    """The stored parts of ``weight [*lead, *in, *out]`` (as ``layout`` splits it), each of its
+    ``[prod(in), prod(out)]`` matrices rounded to nearest or, given ``grams [*lead, k, k]``, quantized
+    by GPTQ with its Gram, but rounded to nearest where its Gram is zero (no input reached it: GPTQ
+    would zero every row)."""
     lead, in_shape, out_shape = layout.split(weight.shape)
-    k = math.prod(in_shape)
+    k, n = math.prod(in_shape), math.prod(out_shape)
 
     def stored(matrix_and_gram):
-        matrix = jax.lax.cond(
-            jnp.trace(matrix_and_gram[1]) == 0,
+        matrix, gram = matrix_and_gram
+        if gram is None:
+            return store_matrix(quantize_matrix(matrix, fmt, group), out_shape)
+        quantized = jax.lax.cond(
+            jnp.trace(gram) == 0,
             lambda m, g: quantize_matrix(m, fmt, group),
             lambda m, g: gptq_matrix(m, g, fmt, group, damp),
-            *matrix_and_gram,
+            matrix,
+            gram,
         )
-        return store_matrix(matrix, out_shape)
+        return store_matrix(quantized, out_shape)
 
-    parts = jax.lax.map(stored, (weight.reshape(-1, k, math.prod(out_shape)), grams.reshape(-1, k, k)))
+    parts = jax.lax.map(stored, (weight.reshape(-1, k, n), None if grams is None else grams.reshape(-1, k, k)))
     return {key: part.reshape(*lead, *part.shape[1:]) for key, part in parts.items()}
 
 
