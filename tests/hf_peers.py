@@ -1,7 +1,18 @@
 """Tiny random Hugging Face ``transformers`` models for the parity tests, built here from a
-config (nothing is downloaded)."""
+config (nothing is downloaded), and Ember's forward to hold against them."""
 
+import functools
 from typing import Any
+
+import jax
+
+from ember.models.decoder import DecoderLM
+
+
+@functools.partial(jax.jit, static_argnums=0)  # one program per model: op by op a forward compiled ~40
+def ember_logits(config: Any, params: Any, tokens: jax.Array) -> jax.Array:
+    """``DecoderLM(config)``'s logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
+    return DecoderLM(config).apply({"params": params}, tokens)[0]
 
 
 def random_hf_model(config: Any, *, seed: int, scale: float = 0.1) -> Any:

@@ -2,7 +2,6 @@
 the same logits as Ember after ``ember.models.hf.load``, and greedy decoding through Ember's
 serving engine (its one decode path) matches ``generate`` token for token."""
 
-import functools
 import json
 
 import jax
@@ -19,7 +18,7 @@ from ember.models.decoder import DecoderLM
 from ember.models.quantization import QuantizeConfig, quantize_params
 from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
-from tests.hf_peers import random_hf_model
+from tests.hf_peers import ember_logits, random_hf_model
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
@@ -72,11 +71,6 @@ def initial_params(config, seed=0, *, boxed=False):
     op, an init compiled ~40 programs per model shape."""
     params = jax.jit(DecoderLM(config).init)(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
     return params if boxed else unbox(params)
-
-
-@functools.partial(jax.jit, static_argnums=0)  # one program per model: op by op a forward compiled ~40
-def ember_logits(config, params, tokens):
-    return DecoderLM(config).apply({"params": params}, tokens)[0]
 
 
 def hf_logits(model, tokens):

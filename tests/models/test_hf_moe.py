@@ -5,7 +5,6 @@ greedy decoding through the serving engine (Qwen2-MoE) and ``ember generate --ch
 (Mixtral) equals a full-recompute argmax loop over the ``transformers`` forward."""
 
 import dataclasses
-import functools
 import json
 import re
 
@@ -22,7 +21,7 @@ from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
-from tests.hf_peers import random_hf_model
+from tests.hf_peers import ember_logits, random_hf_model
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
@@ -133,11 +132,6 @@ def test_save_round_trips_through_transformers(pair, tmp_path, rng):
     config_again, params_again = hf.load(tmp_path, attention_impl="xla", moe_impl="xla")
     assert config_again == config
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params_again, params)
-
-
-@functools.partial(jax.jit, static_argnums=0)  # one program per model: op by op a forward compiled ~50
-def ember_logits(config, params, tokens):
-    return DecoderLM(config).apply({"params": params}, tokens)[0]
 
 
 def hf_greedy(model, prompts, new_tokens):
