@@ -4,9 +4,8 @@ XLA:CPU takes each execution's temporaries as one block from the C allocator, an
 step's block is large (for the tiny preset at batch 16 x 128 tokens, raising glibc's threshold to
 its 32 MB limit did not stop what follows). glibc's malloc serves a block above its mmap threshold
 with a fresh ``mmap`` and unmaps it when it is freed, so every step faults every page of its
-temporaries in again:
-200 steps of that preset took 3.0 million minor page faults and 8.6 s of system time, a quarter
-of the run's CPU time. :func:`reuse_freed_host_memory` has glibc serve large blocks from its heap
+temporaries in again: 200 steps of that preset took 3.0 million minor page faults and 8.6 s of
+system time, a quarter of the run's CPU time. :func:`reuse_freed_host_memory` has glibc serve large blocks from its heap
 and keep what is freed there, so the next step reuses the same pages (245 thousand faults, 1.0 s
 of system time; the run 38.5 -> 28.9 CPU seconds, 21 -> 16 s on two cores). The price: the
 process keeps the memory it freed, so its resident size stays near its peak (604 -> 719 MB there).
