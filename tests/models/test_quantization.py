@@ -61,7 +61,7 @@ def model_and_params(request):
 def test_the_model_reads_quantized_weights_as_their_float_values(model_and_params, fmt, group):
     model, params, tokens = model_and_params
     forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
-    # One program each: op by op, quantizing and dequantizing the tree compiled up to ~60 programs.
+    # One program each for the whole tree (unjitted, one per weight shape each way).
     quantized = jax.jit(lambda p: quantize_params(p, QuantizeConfig(format=fmt, group_size=group)))(params)
     float_of_quantized = jax.jit(dequantize_params)(quantized, params)
     assert jax.tree.structure(float_of_quantized) == jax.tree.structure(params)  # every weight a float again

@@ -430,7 +430,7 @@ def test_a_mesh_that_splits_the_batch_is_refused(params):
 @pytest.fixture(scope="module")
 def int4_params(params):
     """``params`` stored int4, 32 rows per scale."""
-    # Jitted: op by op, quantizing compiled a program per op and weight shape (4 s).
+    # Jitted: one program for the tree, not one per weight shape.
     return jax.jit(quantize_params, static_argnums=1)(params, QuantizeConfig(format="int4", group_size=32))
 
 

@@ -146,7 +146,7 @@ def test_qlora_keeps_the_base_nf4_and_learns(problem):
     trainer = make_trainer(config, task=task)
     summary = trainer.train()
     params = jax.device_get(trainer.state.params)
-    store = jax.jit(quantize_params, static_argnums=1)  # one program, not one per op and weight shape
+    store = jax.jit(quantize_params, static_argnums=1)  # one program, not one per weight shape
     stored = param_paths(store(task.base_params, config.base_model.quantization()))
     trained = param_paths(params)
     floats = param_paths(task.base_params)
