@@ -131,7 +131,7 @@ def test_save_refuses_adapters_and_quantized_weights(tmp_path):
     a quantized weight failed in a numpy reshape."""
     config = ModelConfig(vocab_size=31, d_model=32, num_layers=2, num_heads=2, mlp_dim=32, tie_embeddings=False)
     params = initial_params(config)
-    # Jitted: op by op, adding the adapters, quantizing and merging compiled ~50 programs.
+    # Jitted: one program each (unjitted, adding the adapters and merging run op by op).
     adapted = jax.jit(lambda p: add_lora(p, LoraConfig(rank=2, targets=("q",)), jax.random.key(1)))(params)
     with pytest.raises(DataError, match=r"carry adapters.*merged_weights"):
         hf.save(tmp_path, config, adapted)

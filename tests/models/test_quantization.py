@@ -135,7 +135,7 @@ def test_gptq_on_a_model_from_calibration_grams(model_and_params):
     for gram in grams.values():
         assert_allclose(gram, jnp.swapaxes(gram, -1, -2), scale=10)
     config = QuantizeConfig(format="int4", group_size=32, method="gptq")
-    # Jitted: op by op, quantizing the tree compiled ~60 programs.
+    # Jitted: one program for the tree (unjitted, one per weight shape).
     gptq = jax.jit(lambda p, g: quantize_params(p, config, grams=g))(params, grams)
     rtn = jax.jit(lambda p: quantize_params(p, QuantizeConfig(format="int4", group_size=32)))(params)
     forward = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
@@ -185,7 +185,7 @@ def test_fake_quantization_refuses_the_groups_ember_quantize_cannot_store(model_
 def test_lora_on_a_quantized_base_equals_lora_on_its_float_values(model_and_params):
     model, params, tokens = model_and_params
 
-    # Jitted: op by op, adding the adapters and quantizing compiled ~150 programs.
+    # Jitted: one program (unjitted, adding the adapters runs op by op, quantizing one program per weight shape).
     @jax.jit
     def adapted_params(p):
         adapted = add_lora(p, LoraConfig(rank=4, targets=("q", "v", "up", "down")), jax.random.key(5))
@@ -302,7 +302,7 @@ def test_routed_experts_are_stored_quantized_and_read_back_exactly(scan_layers):
     config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=32, mlp_pattern=("moe",),
                          moe=moe, scan_layers=scan_layers)  # fmt: skip
     model, tokens = DecoderLM(config), jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
-    # One program each, not one per op and weight (op by op, this test compiled ~200 programs).
+    # One program each (unjitted, the init runs op by op and quantizing builds one program per weight shape).
     params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
     logits = jax.jit(lambda p: model.apply({"params": p}, tokens)[0])
     store = jax.jit(quantize_params, static_argnums=1)
