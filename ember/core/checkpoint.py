@@ -133,7 +133,7 @@ class CheckpointManager:
             state = _data_to_keys(_with_empty(state, jax.tree.map(_abstract_leaf, target)), target)
         return RestoredCheckpoint(step=step, state=state, extra=dict(restored[_EXTRA] or {}))
 
-    def restore_part(self, part: str, step: int | None = None, *, target: Any = None) -> Any:
+    def restore_part(self, part: str, step: int | None = None, *, target: Any = None, host: bool = False) -> Any:
         """Restores only entry ``part`` of a saved state that is a dict (or a struct saved as
         one, such as a train state's ``params``); the other entries are never read.
 
@@ -142,6 +142,8 @@ class CheckpointManager:
           step: which step; ``None`` for the latest.
           target: like :meth:`restore`'s, for the entry alone; ``None`` restores onto the
             default device with the saved shapes and dtypes.
+          host: with no ``target``, restore NumPy arrays instead, no device touched (for a
+            caller that places them itself, on a mesh where no one device could hold them).
 
         Raises:
           FileNotFoundError: no complete checkpoint, or not ``step``.
@@ -154,12 +156,15 @@ class CheckpointManager:
                 f"the checkpoint at step {step} in {self.directory} has no {part!r} entry "
                 f"(it has {', '.join(sorted(saved))})"
             )
-        item = {part: jax.tree.map(_abstract_leaf, target) if target is not None else _on_default_device(saved[part])}
+        if target is not None:
+            item = {part: jax.tree.map(_abstract_leaf, target)}
+        else:
+            item = {part: _on_host(saved[part]) if host else _on_default_device(saved[part])}
         restore_args = jax.tree.map(
             lambda leaf: (
                 ocp.ArrayRestoreArgs(sharding=leaf.sharding)
                 if getattr(leaf, "sharding", None) is not None
-                else ocp.RestoreArgs()
+                else ocp.RestoreArgs(restore_type=np.ndarray if host else None)
             ),
             item,
         )
@@ -249,6 +254,11 @@ def _on_default_device(metadata: Any) -> Any:
     return jax.tree.map(
         lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m, metadata
     )
+
+
+def _on_host(metadata: Any) -> Any:
+    """``ShapeDtypeStruct``s without a sharding (restored as NumPy arrays) for saved array metadata."""
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype) if hasattr(m, "shape") else m, metadata)
 
 
 def _is_empty(leaf: Any) -> bool:

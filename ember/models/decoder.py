@@ -27,13 +27,15 @@ With ``moe.bias_balancing_rate`` the ``balance`` collection must be passed to ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ember.core.sharding import constrain
 from ember.kernels_pallas.attention_math import soft_cap
@@ -361,23 +363,52 @@ def layers_to_list(config: ModelConfig, params: dict[str, Any]) -> list[dict[str
     return result
 
 
-def layers_from_list(config: ModelConfig, layers: list[dict[str, Any]]) -> dict[str, Any]:
+def layers_from_list(config: ModelConfig, layers: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The inverse of :func:`layers_to_list`: the top-level entries holding the layers
-    (``{"layers": ...}`` scanned, ``{"group_<g>": ...}`` otherwise)."""
-    if len(layers) != config.num_layers:
-        raise ValueError(f"expected {config.num_layers} layer trees, got {len(layers)}")
-    period = config.layer_period
-    if config.scan_layers:
-        return {
-            "layers": {
-                f"block_{j}": jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers[j::period]) for j in range(period)
-            }
-        }
-    result: dict[str, Any] = {}
+    (``{"layers": ...}`` scanned, ``{"group_<g>": ...}`` otherwise).
+
+    ``layers`` may be an iterator. Scanned, layers of host (NumPy) arrays are copied into NumPy
+    stacks as they come, so an iterator that builds each layer (``ember.models.hf`` reading a
+    checkpoint) holds one layer beside the stacks, never the model twice; layers of jax arrays
+    are stacked on their device (``jnp.stack``).
+    """
+    period, result = config.layer_period, {}
+    on_device: dict[str, list[dict[str, Any]]] = {}
+    count = 0
     for layer, tree in enumerate(layers):
-        container, _, block = layer_location(config, layer)
-        result.setdefault(container, {})[block] = tree
+        if layer >= config.num_layers:
+            raise ValueError(f"expected {config.num_layers} layer trees, got more")
+        count = layer + 1
+        container, group, block = layer_location(config, layer)
+        blocks = result.setdefault(container, {})
+        if group < 0:
+            blocks[block] = tree
+        elif block in on_device or (block not in blocks and not _on_host(tree)):
+            on_device.setdefault(block, []).append(tree)
+        else:
+            if block not in blocks:
+                depth = len(range(layer, config.num_layers, period))
+                blocks[block] = jax.tree.map(lambda leaf, depth=depth: np.empty((depth, *leaf.shape), leaf.dtype), tree)
+            jax.tree.map(functools.partial(_fill_layer, group=group, layer=layer), blocks[block], tree)
+    if count != config.num_layers:
+        raise ValueError(f"expected {config.num_layers} layer trees, got {count}")
+    for block, trees in on_device.items():
+        result["layers"][block] = jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
     return result
+
+
+def _on_host(tree: Any) -> bool:
+    return all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(tree))
+
+
+def _fill_layer(stack: np.ndarray, leaf: np.ndarray, *, group: int, layer: int) -> None:
+    """Copies layer ``layer``'s ``leaf`` into row ``group`` of its block's ``stack``."""
+    if leaf.shape != stack.shape[1:] or leaf.dtype != stack.dtype:
+        raise ValueError(
+            f"layer {layer} has a {leaf.dtype}{list(leaf.shape)} leaf where the layers before it in its block have "
+            f"{stack.dtype}{list(stack.shape[1:])}: layers stacked into one scan must agree"
+        )
+    stack[group] = leaf
 
 
 def _holds_layers(node: Any) -> bool:

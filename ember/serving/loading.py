@@ -61,19 +61,32 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, *, step: int | None = None, mesh: Mesh | None = None, **config_overrides: Any
+    path: str | Path,
+    *,
+    step: int | None = None,
+    mesh: Mesh | None = None,
+    host: bool = False,
+    **config_overrides: Any,
 ) -> LoadedModel:
     """The model at ``path`` (see the module docstring); ``step`` picks an Ember checkpoint
-    (default the latest); ``config_overrides`` replace ``ModelConfig`` fields. ``mesh``: the
-    mesh the model will be served on (``ember.serving.mesh``): an Ember checkpoint's weights are
-    restored straight into the shards they are served in (a Hugging Face directory's are placed
-    by ``build_program``).
+    (default the latest); ``config_overrides`` replace ``ModelConfig`` fields.
+
+    Where the weights go: by default whole onto the default device. ``mesh``: the mesh the model
+    will be served on (``ember.serving.mesh``): each weight goes straight into the shards it is
+    served in (an Ember checkpoint's restored into them, a Hugging Face tensor placed from the
+    host), so no device holds a weight the mesh splits. ``host``: NumPy arrays, no device touched,
+    for a caller that places them itself (a trainer on its mesh).
 
     Raises:
       PathNotFoundError: ``path`` holds no model, or not checkpoint ``step``.
       ConfigError: its config is invalid (or names an architecture Ember does not support), or
         ``step`` is given for a Hugging Face directory (which has no checkpoint steps).
+      ValueError: both ``mesh`` and ``host``.
     """
+    if mesh is not None and host:
+        raise ValueError(
+            "load_model takes a mesh to place the weights on or host=True to keep them on the host, not both"
+        )
     path = Path(path)
     config_overrides = {**serving_overrides(), **config_overrides}
     if (path / "config.json").is_file():
@@ -83,19 +96,21 @@ def load_model(
                 "(--step, base_model.step) applies to an Ember run directory's checkpoints",
                 key="step",
             )
-        return _load_hf(path, config_overrides)
+        return _load_hf(path, config_overrides, mesh, host)
     if (path / "config.yaml").is_file():
-        return _load_run(path, step, config_overrides, mesh)
+        return _load_run(path, step, config_overrides, mesh, host)
     raise PathNotFoundError(
         f"{path} is neither an Ember run directory (config.yaml + checkpoints/) nor a Hugging Face "
         "model directory (config.json + safetensors)"
     )
 
 
-def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any], mesh: Mesh | None) -> LoadedModel:
+def _load_run(
+    path: Path, step: int | None, config_overrides: dict[str, Any], mesh: Mesh | None, host: bool
+) -> LoadedModel:
     kind = run_kind(path)
     if kind in ("finetune", "grpo", "linearize"):
-        return _load_finetune_run(path, step, config_overrides, mesh, linearized=kind == "linearize")
+        return _load_finetune_run(path, step, config_overrides, mesh, host, linearized=kind == "linearize")
     section = read_key(path / "config.yaml", "model")
     if section is None:
         raise ConfigError(f"{path / 'config.yaml'} has no model: section", key="model")
@@ -103,7 +118,7 @@ def _load_run(path: Path, step: int | None, config_overrides: dict[str, Any], me
         config = dataclasses.replace(load_config(ModelConfig, section), **config_overrides)
     except ConfigError as error:  # keyed within the section: name it as the run's config.yaml does
         raise ConfigError(f"{path / 'config.yaml'}, model.{error}", key=f"model.{error.key}") from None
-    params, model_state = restore_weights(path, step, config, mesh)
+    params, model_state = restore_weights(path, step, config, mesh, host=host)
     params = in_param_dtype(params, config)
     if kind == "quantized" and read_key(path / "config.yaml", "tokenizer") == "hf":
         tokenizer = _hf_tokenizer(path)
@@ -152,7 +167,13 @@ def serving_overrides() -> dict[str, Any]:
 
 
 def _load_finetune_run(
-    path: Path, step: int | None, config_overrides: dict[str, Any], mesh: Mesh | None, *, linearized: bool = False
+    path: Path,
+    step: int | None,
+    config_overrides: dict[str, Any],
+    mesh: Mesh | None,
+    host: bool,
+    *,
+    linearized: bool = False,
 ) -> LoadedModel:
     """A ``kind: finetune`` (or ``grpo``, or with ``linearized`` ``linearize``) run: the base
     model's config (``base_model:`` of its config.yaml; linearised by its ``linear:`` section)
@@ -165,28 +186,34 @@ def _load_finetune_run(
         base["path"],
         step=None if base_step is None or base_step < 0 else base_step,
         mesh=mesh,
+        host=host,
         **{**runtime_overrides({"scan_layers": True, **base}), **config_overrides},
     )
     config = loaded.config
     if linearized:
         config = linearized_config(config, load_config(LinearizeConfig, read_key(path / "config.yaml", "linear") or {}))
-    params, model_state = restore_weights(path, step, config, mesh)
+    params, model_state = restore_weights(path, step, config, mesh, host=host)
     return LoadedModel(config, serving_weights(params, model_state), loaded.tokenizer, loaded.eos_ids)
 
 
-def restore_weights(path: Path, step: int | None, config: ModelConfig, mesh: Mesh | None = None) -> tuple[Any, Any]:
+def restore_weights(
+    path: Path, step: int | None, config: ModelConfig, mesh: Mesh | None = None, *, host: bool = False
+) -> tuple[Any, Any]:
     """``(params, model state)`` of checkpoint ``step`` of the run in ``path``, in ``config``'s layer
-    layout; with ``mesh``, each array read straight into its shards (``sharded_targets``)."""
+    layout; with ``mesh``, each array read straight into its shards (``sharded_targets``); with
+    ``host``, as NumPy arrays."""
     try:
         if not (path / "checkpoints").is_dir():  # nothing to open (opening would create it)
             raise PathNotFoundError(f"no complete checkpoint in {path / 'checkpoints'}")
         with CheckpointManager(path / "checkpoints", read_only=True) as manager:  # the run may be training
             saved = manager.state_metadata(step)
             targets = sharded_targets(saved, config, mesh) if mesh is not None and "params" in saved else {}
-            params = manager.restore_part("params", step, target=targets.get("params"))
+            params = manager.restore_part("params", step, target=targets.get("params"), host=host)
             has_state = "model_state" in saved
             model_state = (
-                manager.restore_part("model_state", step, target=targets.get("model_state")) if has_state else {}
+                manager.restore_part("model_state", step, target=targets.get("model_state"), host=host)
+                if has_state
+                else {}
             )
     except KeyError as error:
         raise DataError(error.args[0]) from None
@@ -238,11 +265,15 @@ def in_param_dtype(params: Any, config: ModelConfig) -> Any:
     return map_paths(cast, params)
 
 
-def _load_hf(path: Path, config_overrides: dict[str, Any]) -> LoadedModel:
+def _load_hf(path: Path, config_overrides: dict[str, Any], mesh: Mesh | None, host: bool) -> LoadedModel:
     from ember.models import hf
 
-    config, params = hf.load(path, **config_overrides)
-    return LoadedModel(config, jax.tree.map(jnp.asarray, params), _hf_tokenizer(path), _hf_eos_ids(path))
+    config, params = hf.load(path, **config_overrides)  # NumPy, read tensor by tensor
+    if mesh is not None:
+        params = jax.device_put(params, weight_shardings(config, params, mesh))
+    elif not host:
+        params = jax.tree.map(jnp.asarray, params)
+    return LoadedModel(config, params, _hf_tokenizer(path), _hf_eos_ids(path))
 
 
 def _hf_eos_ids(path: Path) -> tuple[int, ...]:

@@ -139,6 +139,39 @@ def test_a_checkpoint_step_for_a_hugging_face_directory_is_an_error(run_dir, tmp
         load_model(tmp_path / "hf", step=5)
 
 
+def test_on_a_mesh_a_hugging_face_model_s_weights_go_straight_into_their_shards(run_dir, tmp_path):
+    """``load_model(HF_DIR, mesh=...)`` put every weight whole on the default device (the mesh was
+    for Ember checkpoints only), so a model served tensor-parallel because no one device holds it
+    could not be loaded. Each tensor now goes from the host into the shards it is served in."""
+    _, params = run_dir
+    hf.save(tmp_path, CONFIG, params)
+    mesh = serving_mesh(MeshConfig(data=1, tensor=2))
+    loaded = load_model(tmp_path, mesh=mesh)
+    q = loaded.params["layers"]["block_0"]["attn"]["q"]["kernel"]  # [layers, embed, heads, head_dim]
+    layers, embed, heads, head_dim = q.shape
+    assert [shard.data.shape for shard in q.addressable_shards] == [(layers, embed, heads // 2, head_dim)] * 2
+    assert {shard.device for shard in q.addressable_shards} == set(mesh.devices.flat)
+    for got, saved in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
+
+
+def test_on_the_host_a_model_is_read_without_a_device(run_dir, tmp_path):
+    """``load_model(..., host=True)`` (a fine-tuning run's base, which its trainer places on its
+    mesh) restored an Ember checkpoint and put a Hugging Face directory whole on the default
+    device, to be copied back: a model no one device holds could not be a base. Now NumPy
+    arrays are read with no transfer to any device."""
+    path, params = run_dir
+    hf.save(tmp_path / "hf", CONFIG, params)
+    for source in (path, tmp_path / "hf"):
+        with jax.transfer_guard_host_to_device("disallow_explicit"):
+            loaded = load_model(source, host=True)
+        assert {type(leaf) for leaf in jax.tree.leaves(loaded.params)} == {np.ndarray}, source
+        for got, saved in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(got, np.asarray(saved))
+    with pytest.raises(ValueError, match="not both"):
+        load_model(path, host=True, mesh=serving_mesh(MeshConfig(data=1, tensor=2)))
+
+
 def test_a_precision_with_another_parameter_dtype_loads_the_weights_in_it(run_dir):
     """A run trained with float32 master weights loaded with ``precision="pure_bf16"`` (a
     fine-tuning run's ``base_model.precision``) kept its float32 weights: the run trained (or a

@@ -1,14 +1,23 @@
-"""Reading and writing Hugging Face checkpoint directories (``config.json`` + safetensors)."""
+"""Reading and writing Hugging Face checkpoint directories (``config.json`` + safetensors).
+
+Reading never holds the checkpoint in memory beside its conversion: each tensor is read from its
+memory-mapped file when it is converted, and scanned layers are stacked on the host layer by
+layer (``ember.models.decoder.layers_from_list``): loading takes about the model's own size in
+host memory and touches no device (``ember.serving.loading`` places the NumPy arrays: on one
+device, into their shards on a mesh, or nowhere for a trainer, which places them itself).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from ember.core.errors import DataError, PathNotFoundError
 from ember.models.config import ModelConfig
@@ -49,7 +58,8 @@ def load(path: str | Path, *, dtype: Any = None, **config_overrides: Any) -> tup
         raise DataError(f"{config_file} is not a JSON object")
     config = config_from_hf(hf_config, **config_overrides)
     dtype = config.policy.param_dtype if dtype is None else dtype
-    return config, params_from_hf(config, read_state(path), dtype=dtype, model_type=hf_config["model_type"])
+    with open_state(path) as state:
+        return config, params_from_hf(config, state, dtype=dtype, model_type=hf_config["model_type"])
 
 
 def save(
@@ -71,28 +81,55 @@ def save(
 
 
 def read_state(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of the checkpoint in ``path`` (single file or sharded with an index; the
-    single file first where both are there, as ``transformers`` reads them)."""
+    """All tensors of the checkpoint in ``path`` (see :func:`open_state`), read into memory."""
+    with open_state(path) as state:
+        return dict(state)
+
+
+@contextlib.contextmanager
+def open_state(path: Path) -> Iterator[Mapping[str, np.ndarray]]:
+    """The tensors of the checkpoint in ``path`` by name (single file or sharded with an index;
+    the single file first where both are there, as ``transformers`` reads them), each read from
+    its memory-mapped file when it is looked up: a caller that converts one tensor at a time
+    holds one tensor at a time, not the whole checkpoint beside its own copy."""
     if (path / SINGLE_FILE).is_file():
-        return _read_safetensors(path / SINGLE_FILE)
-    index = path / INDEX_FILE
-    if index.is_file():
+        files = [path / SINGLE_FILE]
+    elif (index := path / INDEX_FILE).is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            shards = sorted(set(weight_map.values()))
+            files = [path / shard for shard in sorted(set(weight_map.values()))]
         except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or no {"weight_map": {name: shard}}
             raise DataError(f"{index} is not a safetensors index (a JSON object with a 'weight_map')") from None
-        state: dict[str, np.ndarray] = {}
-        for shard in shards:
-            state.update(_read_safetensors(path / shard))
-        return state
-    raise PathNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    else:
+        raise PathNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for file in files:
+            handle = stack.enter_context(_open_safetensors(file))
+            handles.update(dict.fromkeys(handle.keys(), handle))
+        yield _LazyState(handles)
 
 
-def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+class _LazyState(Mapping[str, np.ndarray]):
+    """Tensor name -> array, read from its open safetensors file on each lookup."""
+
+    def __init__(self, handles: dict[str, Any]):
+        self._handles = handles
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._handles[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+def _open_safetensors(file: Path) -> Any:
     if not file.is_file():
         raise PathNotFoundError(f"no {file.name} in {file.parent} (the checkpoint's index names it)")
     try:
-        return load_file(str(file))
+        return safe_open(str(file), framework="numpy")
     except SafetensorError as error:  # a truncated or corrupt file (an interrupted download)
         raise DataError(f"{file} is not a complete safetensors file: {error}") from None

@@ -143,8 +143,8 @@ def mamba2_params_from_hf(config: ModelConfig, take: Callable[..., np.ndarray]) 
     sizes = {"z": inner, "x": inner, "B": groups * state, "C": groups * state, "dt": heads}
     shapes = {"z": (heads, head_dim), "x": (heads, head_dim), "B": (groups, state), "C": (groups, state)}
     conv_dim, width = inner + 2 * groups * state, config.ssm.conv_kernel
-    layers = []
-    for i in range(config.num_layers):
+
+    def layer(i: int) -> dict[str, Any]:
         prefix = f"backbone.layers.{i}."
         in_proj = take(prefix + "mixer.in_proj.weight", shape=(sum(sizes.values()), d_model)).T  # [embed, projection]
         parts = np.split(in_proj, np.cumsum(list(sizes.values()))[:-1], axis=1)
@@ -165,12 +165,13 @@ def mamba2_params_from_hf(config: ModelConfig, take: Callable[..., np.ndarray]) 
         )
         if ssm.use_conv_bias:
             mixer["conv_bias"] = take(prefix + "mixer.conv1d.bias", shape=(conv_dim,))
-        layers.append({"attn_norm": {"scale": take(prefix + "norm.weight", shape=(d_model,))}, "attn": mixer})
+        return {"attn_norm": {"scale": take(prefix + "norm.weight", shape=(d_model,))}, "attn": mixer}
+
     vocab = (config.vocab_size, d_model)
     params: dict[str, Any] = {
         "embed": {"embedding": take("backbone.embeddings.weight", shape=vocab)},
         "final_norm": {"scale": take("backbone.norm_f.weight", shape=(d_model,))},
-        **layers_from_list(config, layers),
+        **layers_from_list(config, (layer(i) for i in range(config.num_layers))),  # read one layer at a time
     }
     if not config.tie_embeddings:
         params["head"] = {"kernel": take("lm_head.weight", shape=vocab).T}

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from ember.core.errors import DataError
@@ -64,8 +65,8 @@ def params_from_hf(
         params = mamba2_params_from_hf(config, take)
         check_all_used(config, state, used)
         return params
-    layers = []
-    for i in range(config.num_layers):
+
+    def layer(i: int) -> dict[str, Any]:
         prefix = f"model.layers.{i}."
         attn = {}
         for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
@@ -76,21 +77,21 @@ def params_from_hf(
                 attn[name]["bias"] = bias.reshape(n, head_dim)
         o = take(prefix + "self_attn.o_proj.weight", shape=(d_model, heads * head_dim))
         attn["o"] = {"kernel": o.T.reshape(heads, head_dim, d_model)}
-        layers.append(
-            {
-                "attn_norm": {"scale": take(prefix + "input_layernorm.weight", shape=(d_model,))},
-                "attn": attn,
-                "mlp_norm": {"scale": take(prefix + "post_attention_layernorm.weight", shape=(d_model,))},
-            }
-        )
+        tree = {
+            "attn_norm": {"scale": take(prefix + "input_layernorm.weight", shape=(d_model,))},
+            "attn": attn,
+            "mlp_norm": {"scale": take(prefix + "post_attention_layernorm.weight", shape=(d_model,))},
+        }
         if config.layer_mlps[i] == "moe":
-            layers[-1]["moe"] = _moe_from_hf(take, state, prefix, config, model_type)
+            tree["moe"] = _moe_from_hf(take, state, prefix, config, model_type)
         else:
-            layers[-1]["mlp"] = _mlp_from_hf(take, prefix + "mlp.", d_model, config.mlp_dim)
+            tree["mlp"] = _mlp_from_hf(take, prefix + "mlp.", d_model, config.mlp_dim)
+        return tree
+
     params: dict[str, Any] = {
         "embed": {"embedding": take("model.embed_tokens.weight", shape=(config.vocab_size, d_model))},
         "final_norm": {"scale": take("model.norm.weight", shape=(d_model,))},
-        **layers_from_list(config, layers),
+        **layers_from_list(config, (layer(i) for i in range(config.num_layers))),  # read one layer at a time
     }
     if not config.tie_embeddings:
         params["head"] = {"kernel": take("lm_head.weight", shape=(config.vocab_size, d_model)).T}
@@ -205,6 +206,7 @@ def params_to_hf(
     """
     params = unbox(params)
     _check_plain_weights(params)
+    params = jax.device_get(params)  # sliced per layer on the host, not by a device op per layer and leaf
     d_model = config.d_model
 
     def out(x) -> np.ndarray:

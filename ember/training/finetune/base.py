@@ -29,8 +29,9 @@ no merged export (a fine-tuning run does: ``export.merged``, and is refused as a
 
 def load_base(config: BaseModelConfig) -> LoadedModel:
     """The model ``config.path`` names (its tokenizer required: runs read text), its weights as
-    host arrays (a restored checkpoint's sit committed to one device; trainers place them on
-    their mesh). A linearising or GRPO run's LoRA adapters are merged into its weights.
+    host (NumPy) arrays, read without a device (trainers place them on their mesh, where no one
+    device need hold the model). A linearising or GRPO run's LoRA adapters are merged into its
+    weights.
 
     Raises:
       ConfigError: the model has no tokenizer, its weights are stored quantized, or it carries
@@ -39,7 +40,7 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
     """
     step = None if config.step < 0 else config.step
     try:
-        base = load_model(config.path, step=step, **config.overrides())
+        base = load_model(config.path, step=step, host=True, **config.overrides())
     except ConfigError as error:  # load_model keys its own argument "step": here it is base_model.step
         if error.key != "step":
             raise
@@ -64,7 +65,7 @@ def load_base(config: BaseModelConfig) -> LoadedModel:
             "merged export (a run with export.merged true writes it to run_dir/merged) instead",
             key="base_model.path",
         )
-    return dataclasses.replace(base, params=jax.device_get(base.params))
+    return base
 
 
 def boxed_variables(model: DecoderLM, seq_len: int, pretrained: dict[str, Any]) -> dict[str, Any]:
