@@ -2,5 +2,6 @@
 
 Modules: ``config`` (typed YAML configs), ``sharding`` (meshes and logical axes),
 ``precision`` (dtype policies), ``registry`` (named registries), ``checkpoint`` (orbax),
-``tree`` (parameter counting and summaries), ``errors``.
+``tree`` (parameter counting and summaries), ``cache_dir`` (where Ember's caches live),
+``errors``.
 """

@@ -14,12 +14,12 @@ problems never appear in the pretraining corpus or among reinforcement-learning 
 from __future__ import annotations
 
 import dataclasses
-import os
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from ember.core.cache_dir import ember_cache_dir
 from ember.core.errors import ConfigError
 from ember.training.data.token_files import META_FILE, prepare_token_files
 
@@ -83,7 +83,7 @@ def arithmetic_corpus_dir(
     reward that checks answers can teach it which one is right)."""
     if not 0 <= wrong_fraction < 1:
         raise ConfigError(f"wrong_fraction must be in [0, 1), got {wrong_fraction}", key="wrong_fraction")
-    cache = Path(cache_dir or os.environ.get("EMBER_CACHE", Path.home() / ".cache" / "ember"))
+    cache = ember_cache_dir(cache_dir)
     name = f"arithmetic-{operators.replace('+', 'plus').replace('-', 'minus')}-{max_operand}"
     directory = cache / "corpora" / f"{name}-h{held_out_fraction:g}-w{wrong_fraction:g}-r{repeats}-s{seed}"
     if not (directory / META_FILE).is_file():

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ember.core.cache_dir import ember_cache_dir
 from ember.training.data.token_files import META_FILE, prepare_token_files
 
 
@@ -39,7 +39,7 @@ def stdlib_documents() -> Iterator[tuple[str, str]]:
 def stdlib_corpus_dir(cache_dir: str | Path | None = None, tokenizer: Any = None) -> Path:
     """The prepared stdlib dataset directory, preparing it on first use; ``tokenizer`` (default:
     Ember's byte tokenizer) tokenizes it, each tokenizer into its own directory."""
-    cache = Path(cache_dir or os.environ.get("EMBER_CACHE", Path.home() / ".cache" / "ember"))
+    cache = ember_cache_dir(cache_dir)
     name = f"python-stdlib-{platform.python_version()}"
     if tokenizer is not None and tokenizer.describe()["type"] != "bytes":
         digest = hashlib.sha256(json.dumps(tokenizer.describe(), sort_keys=True).encode()).hexdigest()[:12]
