@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import platform
 
 import numpy as np
 import pytest
@@ -10,8 +11,19 @@ from ember.cli import main
 from ember.core.errors import ConfigError, DataError
 from ember.core.hf_tokenizer import load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
-from ember.training.data import PackedBatches, TokenDataset, pack_window, prepare_token_files, stdlib_documents
-from ember.training.data.token_files import validation_split
+from ember.training.data import (
+    PackedBatches,
+    TokenDataset,
+    corpus,
+    corpus_cache,
+    pack_window,
+    prepare_token_files,
+    stdlib_corpus_dir,
+    stdlib_documents,
+    token_files,
+)
+from ember.training.data.arithmetic import arithmetic_corpus_dir, arithmetic_problems, split_problems
+from ember.training.data.token_files import PREPARATION_FORMAT, validation_split
 from ember.training.lm.task import LMTask
 from tests.pipes import pipe_holding
 from tests.training.lm_runs import small_config
@@ -63,6 +75,7 @@ def test_prepare_and_open(tmp_path):
     )
     np.testing.assert_array_equal(np.asarray(data.train), expected_train)
     assert data.meta == json.loads((tmp_path / "ds" / "meta.json").read_text())
+    assert data.meta["format"] == PREPARATION_FORMAT
     assert not list((tmp_path / "ds").glob(".*partial"))
     # The split of a document depends on its name only, not on what else is in the corpus.
     meta_subset = prepare_token_files(documents[:30], tmp_path / "ds2", val_fraction=0.2)
@@ -286,6 +299,71 @@ def test_stdlib_corpus_is_real_sorted_python():
     names = [name for name, _ in documents]
     assert names == sorted(names) and len(set(names)) == 40
     assert sum("import" in text or "def " in text for _, text in documents) > 20
+
+
+def texts_in(directory):
+    """The documents of a prepared byte-tokenized dataset, train split then validation."""
+    data, texts = TokenDataset.open(directory), []
+    for ids in (np.asarray(data.train), np.asarray(data.val)):
+        texts += [ByteTokenizer().decode(doc) for doc in np.split(ids, np.flatnonzero(ids == EOS) + 1)[:-1]]
+    return texts
+
+
+def stale_preparation(directory, format_=None):
+    """What another Ember left in ``directory``: other documents, and meta.json recording
+    preparation format ``format_`` (``None``: no format, as before it was recorded)."""
+    prepare_token_files([("stale.py", "stale = True\n")], directory, val_fraction=0.0)
+    meta = json.loads((directory / "meta.json").read_text())
+    meta.pop("format", None)
+    (directory / "meta.json").write_text(json.dumps(meta if format_ is None else {**meta, "format": format_}))
+
+
+def test_the_stdlib_cache_of_another_preparation_is_prepared_again(tmp_path, monkeypatch):
+    """The stdlib cache was keyed by the Python version alone: a directory an older Ember had
+    prepared (another format, other byte ids) was reused forever, and training read data the
+    current code would not produce. Now it is keyed by the preparation too; the old directory,
+    which an older Ember's process may be reading, is left as it was, and still opens."""
+    fresh = [("a.py", "x = 1\n"), ("b.py", "def f():\n    return 2\n")]
+    monkeypatch.setattr(corpus, "stdlib_documents", lambda: iter(fresh))
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
+    old = tmp_path / "cache" / "corpora" / f"python-stdlib-{platform.python_version()}"
+    stale_preparation(old)
+    directory = stdlib_corpus_dir()
+    assert directory.parent == tmp_path / "cache" / "corpora" and directory != old
+    assert sorted(texts_in(directory)) == sorted(text for _, text in fresh)
+    assert texts_in(old) == ["stale = True\n"] and "format" not in TokenDataset.open(old).meta
+    # The byte tokenizer is part of the key: a change of its description prepares again.
+    described = ByteTokenizer().describe()
+    monkeypatch.setattr(ByteTokenizer, "describe", lambda self: {**described, "eos_id": 1000})
+    assert stdlib_corpus_dir() not in (directory, old)
+
+
+@pytest.mark.parametrize("recorded", [None, PREPARATION_FORMAT - 1, PREPARATION_FORMAT + 1])
+def test_a_cached_corpus_is_reused_only_while_it_records_this_preparation(tmp_path, monkeypatch, recorded):
+    """The arithmetic cache (its directory given as an argument, not $EMBER_CACHE): reused as
+    long as its meta.json records this preparation, without preparing anything; prepared again
+    in place when it records another format or none; and a later Ember's format prepares a
+    directory of its own."""
+    directory = arithmetic_corpus_dir(max_operand=4, repeats=1, cache_dir=tmp_path)
+    assert directory.parent == tmp_path / "corpora"
+    expected = texts_in(directory)
+    train, held_out = split_problems(arithmetic_problems(4))
+    assert sorted(expected) == sorted(p.prompt + p.answer for p in train) and held_out
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached corpus was prepared again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(corpus_cache, "prepare_token_files", refuse)
+        assert arithmetic_corpus_dir(max_operand=4, repeats=1, cache_dir=tmp_path) == directory
+    stale_preparation(directory, recorded)
+    assert arithmetic_corpus_dir(max_operand=4, repeats=1, cache_dir=tmp_path) == directory
+    assert texts_in(directory) == expected and TokenDataset.open(directory).meta["format"] == PREPARATION_FORMAT
+    for module in (corpus_cache, token_files):
+        monkeypatch.setattr(module, "PREPARATION_FORMAT", PREPARATION_FORMAT + 1)
+    later = arithmetic_corpus_dir(max_operand=4, repeats=1, cache_dir=tmp_path)
+    assert later != directory and TokenDataset.open(later).meta["format"] == PREPARATION_FORMAT + 1
+    assert texts_in(later) == expected and TokenDataset.open(directory).meta["format"] == PREPARATION_FORMAT
 
 
 def test_cli_prepare(tmp_path, capsys):

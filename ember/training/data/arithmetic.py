@@ -9,6 +9,11 @@ together (``"17+25=42"``), followed by the tokenizer's end-of-document token, so
 pretrained on it stops after the answer. Which problems are held out is decided by a hash of
 the prompt, so the split does not depend on the order or range of generation: held-out
 problems never appear in the pretraining corpus or among reinforcement-learning prompts.
+
+The corpus is prepared once into Ember's cache directory, keyed by its generation arguments
+and by how it was prepared (``ember.training.data.corpus_cache``): a change to the documents
+generated here bumps ``token_files.PREPARATION_FORMAT``, so caches of the old ones are
+prepared again.
 """
 
 from __future__ import annotations
@@ -19,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.core.cache_dir import ember_cache_dir
 from ember.core.errors import ConfigError
-from ember.training.data.token_files import META_FILE, prepare_token_files
+from ember.training.data.corpus_cache import cached_corpus
 
 OPERATORS = ("+", "-")
 
@@ -77,26 +81,29 @@ def arithmetic_corpus_dir(
     cache_dir: str | Path | None = None,
 ) -> Path:
     """The prepared pretraining dataset of the train problems (``repeats`` shuffled passes),
-    generated into ``$EMBER_CACHE/corpora`` on first use and reused after. A
-    ``wrong_fraction`` of the documents carry a systematic mistake, the answer plus one (a
-    corpus with errors in it, like text from the web: the model learns both answers, and a
-    reward that checks answers can teach it which one is right)."""
+    generated into ``$EMBER_CACHE/corpora`` on first use and reused after (prepared again when
+    the cached one was prepared another way). A ``wrong_fraction`` of the documents carry a
+    systematic mistake, the answer plus one (a corpus with errors in it, like text from the
+    web: the model learns both answers, and a reward that checks answers can teach it which
+    one is right)."""
     if not 0 <= wrong_fraction < 1:
         raise ConfigError(f"wrong_fraction must be in [0, 1), got {wrong_fraction}", key="wrong_fraction")
-    cache = ember_cache_dir(cache_dir)
-    name = f"arithmetic-{operators.replace('+', 'plus').replace('-', 'minus')}-{max_operand}"
-    directory = cache / "corpora" / f"{name}-h{held_out_fraction:g}-w{wrong_fraction:g}-r{repeats}-s{seed}"
-    if not (directory / META_FILE).is_file():
+
+    def documents() -> list[tuple[str, str]]:
         train, _ = split_problems(arithmetic_problems(max_operand, operators), held_out_fraction)
         rng = np.random.default_rng(seed)
-        documents = []
+        generated = []
         for round_ in range(repeats):
             for index in rng.permutation(len(train)):
                 problem = train[index]
                 answer = str(int(problem.answer) + 1) if rng.random() < wrong_fraction else problem.answer
-                documents.append((f"{problem.prompt}#{round_}", problem.prompt + answer))
-        prepare_token_files(documents, directory, val_fraction=0.02)
-    return directory
+                generated.append((f"{problem.prompt}#{round_}", problem.prompt + answer))
+        return generated
+
+    name = f"arithmetic-{operators.replace('+', 'plus').replace('-', 'minus')}-{max_operand}"
+    return cached_corpus(
+        f"{name}-h{held_out_fraction:g}-w{wrong_fraction:g}-r{repeats}-s{seed}", documents, cache_dir=cache_dir
+    )
 
 
 __all__ = ["OPERATORS", "Problem", "arithmetic_corpus_dir", "arithmetic_problems", "is_held_out", "split_problems"]

@@ -2,10 +2,15 @@
 
 A prepared dataset directory holds ``train.bin`` and ``val.bin`` (token ids, each document
 followed by the tokenizer's end-of-document id: uint16 for vocabularies of up to 65,536 ids,
-uint32 for larger ones such as Llama-3's or Qwen2's) and ``meta.json`` (tokenizer description,
-id dtype, token and document counts, and a fingerprint of the sources). Files are written
-under a temporary name and renamed, so an interrupted preparation never leaves a dataset
-that looks complete.
+uint32 for larger ones such as Llama-3's or Qwen2's) and ``meta.json`` (the preparation
+format, tokenizer description, id dtype, token and document counts, and a fingerprint of the
+sources). Files are written under a temporary name and renamed, so an interrupted preparation
+never leaves a dataset that looks complete.
+
+``TokenDataset.open`` reads a directory whatever format its metadata records, or none (one
+prepared before the format was recorded): a user's dataset keeps opening across Ember
+versions. Only the built-in corpora's caches are keyed by the format and prepared again when
+it changes (``ember.training.data.corpus_cache``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
 """The id dtypes of token files, narrowest first; directories without ``token_dtype`` in
 their metadata (written before uint32) hold uint16."""
 META_FILE = "meta.json"
+PREPARATION_FORMAT = 1
+"""How Ember turns documents into token files, recorded as ``format`` in ``meta.json``. Bump it
+with any change that makes the same documents prepare into other files: the files or their
+metadata here, the validation split rule, the byte tokenizer's ids beyond what its
+``describe()`` shows, or the documents a built-in corpus generates (``corpus.py``,
+``arithmetic.py``); the built-in corpora cached by an older format are then prepared again."""
 SPLITS = ("train", "val")
 
 
@@ -100,6 +111,7 @@ def prepare_token_files(
     for split, path in temporary.items():
         os.replace(path, out_dir / f"{split}.bin")
     meta = {
+        "format": PREPARATION_FORMAT,
         "tokenizer": tokenizer.describe(),
         "token_dtype": dtype.name,
         "splits": counts,

@@ -1,0 +1,70 @@
+"""Built-in corpora, prepared once into Ember's cache and reused, keyed by how they were prepared.
+
+    directory = cached_corpus("python-stdlib-3.11.9", stdlib_documents)
+
+A built-in corpus (``stdlib``, ``arithmetic``) lives in ``<cache>/corpora/<name>-<key>``
+(``<cache>``: ``ember.core.cache_dir.ember_cache_dir``). ``name`` says what the corpus holds
+(its source and generation arguments); ``key`` is a digest of how Ember prepared it: the
+preparation format (``token_files.PREPARATION_FORMAT``), the tokenizer's ``describe()`` (the
+byte tokenizer's too, so a change of its vocabulary or end-of-document id prepares again) and
+the validation fraction. A directory is reused only when its ``meta.json`` records exactly that
+preparation; one that records another (or no) format, another tokenizer, or that has no
+readable ``meta.json`` (a preparation interrupted before its last rename) is prepared again.
+
+Another Ember version's preparations have another key, so they stay in their own directories,
+untouched: a process of that version may be reading them (delete stale ones by hand to reclaim
+the space). A directory is only ever prepared again at its own key's name, which no process
+reads while its ``meta.json`` records another preparation; processes preparing it at once
+(those of one run) each write the same files and rename them into place whole.
+
+Only these caches are keyed: a directory a user prepared (``ember data prepare``) opens with
+``TokenDataset.open`` whatever format it records, or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from ember.core.cache_dir import ember_cache_dir
+from ember.core.tokenizer import ByteTokenizer
+from ember.training.data.token_files import META_FILE, PREPARATION_FORMAT, prepare_token_files
+
+CORPORA_DIR = "corpora"
+"""The subdirectory of Ember's cache that holds the prepared built-in corpora."""
+
+
+def cached_corpus(
+    name: str,
+    documents: Callable[[], Iterable[tuple[str, str]]],
+    *,
+    cache_dir: str | Path | None = None,
+    tokenizer: Any = None,
+    val_fraction: float = 0.02,
+) -> Path:
+    """The directory of corpus ``name`` prepared from ``documents()`` (``(name, text)`` pairs,
+    only called when the corpus must be prepared) with ``tokenizer`` (default: Ember's byte
+    tokenizer) and ``val_fraction``, preparing it unless this preparation is already cached."""
+    tokenizer = tokenizer or ByteTokenizer()
+    recipe = {"format": PREPARATION_FORMAT, "tokenizer": tokenizer.describe(), "val_fraction": val_fraction}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    directory = ember_cache_dir(cache_dir) / CORPORA_DIR / f"{name}-{key}"
+    if _recipe_of(directory) != recipe:
+        prepare_token_files(documents(), directory, val_fraction=val_fraction, tokenizer=tokenizer)
+    return directory
+
+
+def _recipe_of(directory: Path) -> dict[str, Any] | None:
+    """The preparation ``directory``'s ``meta.json`` records (``None`` fields where it records
+    none), or ``None`` when it has no readable ``meta.json``."""
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+    except (OSError, ValueError):  # JSONDecodeError is a ValueError
+        return None
+    return {key: meta.get(key) for key in ("format", "tokenizer", "val_fraction")} if isinstance(meta, dict) else None
+
+
+__all__ = ["CORPORA_DIR", "cached_corpus"]
