@@ -318,6 +318,10 @@ def stale_preparation(directory, format_=None):
     (directory / "meta.json").write_text(json.dumps(meta if format_ is None else {**meta, "format": format_}))
 
 
+def refuse_to_prepare(*args, **kwargs):
+    raise AssertionError("a cached corpus was prepared again")
+
+
 def test_the_stdlib_cache_of_another_preparation_is_prepared_again(tmp_path, monkeypatch):
     """The stdlib cache was keyed by the Python version alone: a directory an older Ember had
     prepared (another format, other byte ids) was reused forever, and training read data the
@@ -332,10 +336,14 @@ def test_the_stdlib_cache_of_another_preparation_is_prepared_again(tmp_path, mon
     assert directory.parent == tmp_path / "cache" / "corpora" and directory != old
     assert sorted(texts_in(directory)) == sorted(text for _, text in fresh)
     assert texts_in(old) == ["stale = True\n"] and "format" not in TokenDataset.open(old).meta
-    # The byte tokenizer is part of the key: a change of its description prepares again.
+    # The byte tokenizer is part of the key: a change of its description prepares again, once
+    # (a description JSON does not hold as it is, here a tuple, is compared as meta.json reads back).
     described = ByteTokenizer().describe()
-    monkeypatch.setattr(ByteTokenizer, "describe", lambda self: {**described, "eos_id": 1000})
-    assert stdlib_corpus_dir() not in (directory, old)
+    monkeypatch.setattr(ByteTokenizer, "describe", lambda self: {**described, "eos_id": 1000, "merges": ()})
+    changed = stdlib_corpus_dir()
+    assert changed not in (directory, old) and TokenDataset.open(changed).meta["tokenizer"]["eos_id"] == 1000
+    monkeypatch.setattr(corpus_cache, "prepare_token_files", refuse_to_prepare)
+    assert stdlib_corpus_dir() == changed
 
 
 @pytest.mark.parametrize("recorded", [None, PREPARATION_FORMAT - 1, PREPARATION_FORMAT + 1])
@@ -350,11 +358,8 @@ def test_a_cached_corpus_is_reused_only_while_it_records_this_preparation(tmp_pa
     train, held_out = split_problems(arithmetic_problems(4))
     assert sorted(expected) == sorted(p.prompt + p.answer for p in train) and held_out
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("a cached corpus was prepared again")
-
     with monkeypatch.context() as patch:
-        patch.setattr(corpus_cache, "prepare_token_files", refuse)
+        patch.setattr(corpus_cache, "prepare_token_files", refuse_to_prepare)
         assert arithmetic_corpus_dir(max_operand=4, repeats=1, cache_dir=tmp_path) == directory
     stale_preparation(directory, recorded)
     assert arithmetic_corpus_dir(max_operand=4, repeats=1, cache_dir=tmp_path) == directory

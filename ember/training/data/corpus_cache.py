@@ -50,6 +50,7 @@ def cached_corpus(
     tokenizer) and ``val_fraction``, preparing it unless this preparation is already cached."""
     tokenizer = tokenizer or ByteTokenizer()
     recipe = {"format": PREPARATION_FORMAT, "tokenizer": tokenizer.describe(), "val_fraction": val_fraction}
+    recipe = json.loads(json.dumps(recipe))  # as meta.json holds it back: a tuple in a description reads as a list
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     directory = ember_cache_dir(cache_dir) / CORPORA_DIR / f"{name}-{key}"
     if _recipe_of(directory) != recipe:
