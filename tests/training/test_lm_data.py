@@ -371,6 +371,30 @@ def test_a_cached_corpus_is_reused_only_while_it_records_this_preparation(tmp_pa
     assert texts_in(later) == expected and TokenDataset.open(directory).meta["format"] == PREPARATION_FORMAT
 
 
+PREPARED = {
+    1: {
+        "format": 1,
+        "tokenizer": {"type": "bytes", "vocab_size": 257, "eos_id": 256},
+        "token_dtype": "uint16",
+        "splits": {"train": {"tokens": 547, "documents": 89}, "val": {"tokens": 6, "documents": 1}},
+        "fingerprint": "5ca3cd8e787be58f419e7c540df9ad18d78c6ca3402a042a5d86c5f858442c52",
+        "val_fraction": 0.02,
+    },
+}
+"""The meta.json each preparation format writes for the small arithmetic corpus below."""
+
+
+def test_a_change_to_what_is_prepared_comes_with_a_new_preparation_format(tmp_path):
+    """A small arithmetic corpus as PREPARATION_FORMAT prepares it: its generated documents, the
+    byte ids and end-of-document id, the split rule and the metadata. A change that moves any of
+    it must bump PREPARATION_FORMAT (and add its figures to PREPARED): with the old format, every
+    built-in corpus cached before the change would still be reused as if current."""
+    directory = arithmetic_corpus_dir(5, "+-", repeats=2, wrong_fraction=0.3, seed=1, cache_dir=tmp_path)
+    assert TokenDataset.open(directory).meta == PREPARED.get(PREPARATION_FORMAT), (
+        f"the built-in corpora now prepare differently from PREPARATION_FORMAT {PREPARATION_FORMAT}: bump it"
+    )
+
+
 def test_cli_prepare(tmp_path, capsys):
     files = []
     for name, text in make_documents(12):

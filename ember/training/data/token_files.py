@@ -40,7 +40,9 @@ PREPARATION_FORMAT = 1
 with any change that makes the same documents prepare into other files: the files or their
 metadata here, the validation split rule, the byte tokenizer's ids beyond what its
 ``describe()`` shows, or the documents a built-in corpus generates (``corpus.py``,
-``arithmetic.py``); the built-in corpora cached by an older format are then prepared again."""
+``arithmetic.py``); the built-in corpora cached by an older format are then prepared again.
+``PREPARED`` in tests/training/test_lm_data.py pins what each format makes of a small
+arithmetic corpus, so a change that forgets the bump fails there."""
 SPLITS = ("train", "val")
 
 
