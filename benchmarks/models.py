@@ -25,8 +25,9 @@ import optax
 from benchmarks.harness import device_label, on_gpu, print_table, time_fn, write_results
 from ember.core.config import load_config
 from ember.models.config import ModelConfig
-from ember.models.decoder import DecoderLM, layers_to_list
+from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
+from ember.models.layer_layout import layers_to_list
 from ember.models.layers.rope import apply_rope, rope_inverse_frequencies
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"

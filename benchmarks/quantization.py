@@ -50,7 +50,8 @@ from ember.core.config import load_config
 from ember.kernels_pallas.quantized_formats import FORMATS
 from ember.kernels_pallas.quantized_matmul import quantized_matmul
 from ember.models.config import ModelConfig
-from ember.models.decoder import DecoderLM, convert_layer_layout
+from ember.models.decoder import DecoderLM
+from ember.models.layer_layout import convert_layer_layout
 from ember.models.quantization import QuantizeConfig, quantize_params, weight_bytes
 from ember.models.quantization.numerics import quantize_matrix
 from ember.serving.loading import serving_overrides

@@ -10,8 +10,9 @@ Hugging Face checkpoints: ``ember.models.hf.load`` / ``ember.models.hf.save``.
 
 from ember.models.cache import init_cache_layers
 from ember.models.config import ModelConfig, RopeConfig
-from ember.models.decoder import DecoderLM, layers_from_list, layers_to_list
+from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
+from ember.models.layer_layout import layers_from_list, layers_to_list
 
 __all__ = [
     "DecoderLM",

@@ -10,10 +10,8 @@ Layers follow ``config.block_pattern`` and ``config.mlp_pattern`` (together peri
 ``scan_layers`` the groups are one ``nn.scan`` (parameters ``params["layers"]["block_<j>"]``
 with a leading ``[groups]`` axis, logical name
 ``layers``), so compile time does not grow with depth; otherwise ``params["group_<g>"]
-["block_<j>"]``. :func:`layers_to_list` / :func:`layers_from_list` convert either layout
-to a per-layer list (checkpoint conversion, LoRA surgery); :func:`convert_layer_layout`
-moves params and optimizer state between the layouts (``scan_layers`` is a runtime setting),
-and :func:`saved_layout` says whether and how a saved tree must be moved to a config's.
+["block_<j>"]``; ``ember.models.layer_layout`` finds layers in either layout and moves
+trees between them.
 
 MoE layers (``mlp_pattern`` entry ``moe``), and dense MLPs given MixLoRA experts
 (``ember.models.adapters.mixlora``), sow, when the collections are mutable: the global
@@ -26,22 +24,18 @@ With ``moe.bias_balancing_rate`` the ``balance`` collection must be passed to ``
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ember.core.sharding import constrain
 from ember.kernels_pallas.attention_math import soft_cap
 from ember.kernels_pallas.ragged_paged_attention import token_owners
 from ember.models.cache import PAGE_ENTRIES, Paging, fold_pages, unfold_pages
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
+from ember.models.layer_layout import group_span, num_groups
 from ember.models.layers.attention import Attention
 from ember.models.layers.cca import CompressedConvAttention
 from ember.models.layers.embedding import Embed, OutputHead
@@ -324,134 +318,3 @@ def initial_router_logits(config: ModelConfig, x: jax.Array) -> jax.Array | None
     if config.moe.gating_residual and "moe" in config.layer_mlps:
         return jnp.zeros((*x.shape[:2], config.moe.total_experts), jnp.float32)
     return None
-
-
-def num_groups(config: ModelConfig) -> int:
-    """How many groups (periods of the block pattern, the last possibly partial) the layers form."""
-    return math.ceil(config.num_layers / config.layer_period)
-
-
-def group_span(config: ModelConfig, group: int) -> tuple[int, int]:
-    """``(first_layer, num_blocks)`` of the ``BlockGroup`` that runs group ``group``: scanned,
-    every group runs the module of group 0 (``(0, period)``); unscanned, its own layers."""
-    if not 0 <= group < num_groups(config):
-        raise ValueError(f"group must be in [0, {num_groups(config)}), got {group}")
-    period = config.layer_period
-    if config.scan_layers:
-        return 0, period
-    return group * period, min(period, config.num_layers - group * period)
-
-
-def layer_location(config: ModelConfig, layer: int) -> tuple[str, int, str]:
-    """``(container, group, block)`` of layer ``layer``: ``("layers", g, "block_j")`` when
-    scanned (index ``g`` of the leading axis), ``("group_g", -1, "block_j")`` otherwise."""
-    if not 0 <= layer < config.num_layers:
-        raise ValueError(f"layer must be in [0, {config.num_layers}), got {layer}")
-    group, block = divmod(layer, config.layer_period)
-    if config.scan_layers:
-        return "layers", group, f"block_{block}"
-    return f"group_{group}", -1, f"block_{block}"
-
-
-def layers_to_list(config: ModelConfig, params: dict[str, Any]) -> list[dict[str, Any]]:
-    """The per-layer parameter trees of ``params``, in layer order (either layout)."""
-    result = []
-    for layer in range(config.num_layers):
-        container, group, block = layer_location(config, layer)
-        tree = params[container][block]
-        result.append(jax.tree.map(lambda leaf, group=group: leaf[group], tree) if group >= 0 else tree)
-    return result
-
-
-def layers_from_list(config: ModelConfig, layers: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """The inverse of :func:`layers_to_list`: the top-level entries holding the layers
-    (``{"layers": ...}`` scanned, ``{"group_<g>": ...}`` otherwise).
-
-    ``layers`` may be an iterator. Scanned, layers of host (NumPy) arrays are copied into NumPy
-    stacks as they come, so an iterator that builds each layer (``ember.models.hf`` reading a
-    checkpoint) holds one layer beside the stacks, never the model twice; layers of jax arrays
-    are stacked on their device (``jnp.stack``).
-    """
-    period, result = config.layer_period, {}
-    on_device: dict[str, list[dict[str, Any]]] = {}
-    count = 0
-    for layer, tree in enumerate(layers):
-        if layer >= config.num_layers:
-            raise ValueError(f"expected {config.num_layers} layer trees, got more")
-        count = layer + 1
-        container, group, block = layer_location(config, layer)
-        blocks = result.setdefault(container, {})
-        if group < 0:
-            blocks[block] = tree
-        elif block in on_device or (block not in blocks and not _on_host(tree)):
-            on_device.setdefault(block, []).append(tree)
-        else:
-            if block not in blocks:
-                depth = len(range(layer, config.num_layers, period))
-                blocks[block] = jax.tree.map(lambda leaf, depth=depth: np.empty((depth, *leaf.shape), leaf.dtype), tree)
-            jax.tree.map(functools.partial(_fill_layer, group=group, layer=layer), blocks[block], tree)
-    if count != config.num_layers:
-        raise ValueError(f"expected {config.num_layers} layer trees, got {count}")
-    for block, trees in on_device.items():
-        result["layers"][block] = jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
-    return result
-
-
-def _on_host(tree: Any) -> bool:
-    return all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(tree))
-
-
-def _fill_layer(stack: np.ndarray, leaf: np.ndarray, *, group: int, layer: int) -> None:
-    """Copies layer ``layer``'s ``leaf`` into row ``group`` of its block's ``stack``."""
-    if leaf.shape != stack.shape[1:] or leaf.dtype != stack.dtype:
-        raise ValueError(
-            f"layer {layer} has a {leaf.dtype}{list(leaf.shape)} leaf where the layers before it in its block have "
-            f"{stack.dtype}{list(stack.shape[1:])}: layers stacked into one scan must agree"
-        )
-    stack[group] = leaf
-
-
-def _holds_layers(node: Any) -> bool:
-    return isinstance(node, dict) and any(key == "layers" or key.startswith("group_") for key in node)
-
-
-def saved_scan_layers(params: Any) -> bool:
-    """Whether a parameter tree (or its checkpoint metadata) has the scanned layer layout."""
-    return "layers" in params
-
-
-def convert_layer_layout(tree: Any, source: ModelConfig, target: ModelConfig) -> Any:
-    """``tree`` with every parameter-shaped dict in it (the params, and the optimizer moments
-    mirroring them) moved from ``source.scan_layers``'s layer layout to ``target``'s.
-
-    Raises:
-      ValueError: a parameter-shaped dict holds only some layers (a trainable mask that picks
-        individual layers), which has no stacked equivalent.
-    """
-
-    def convert(node):
-        if not _holds_layers(node):
-            return node
-        rest = {key: value for key, value in node.items() if key != "layers" and not key.startswith("group_")}
-        try:
-            layers = layers_to_list(source, node)
-        except (KeyError, IndexError):
-            raise ValueError(
-                "cannot change scan_layers for a tree that holds only some of the layers (a trainable "
-                "mask that selects individual layers); keep scan_layers as the run started"
-            ) from None
-        return {**rest, **layers_from_list(target, layers)}
-
-    return jax.tree.map(convert, tree, is_leaf=_holds_layers)
-
-
-def saved_layout(config: ModelConfig, saved_params: Any) -> tuple[ModelConfig, Callable[[Any], Any]] | None:
-    """``None`` when ``saved_params`` (a parameter tree or its checkpoint metadata) has the layer
-    layout of ``config``; otherwise ``(saved_config, convert)``: ``config`` with the saved
-    ``scan_layers``, and ``convert(tree)`` moving a tree (params, the optimizer moments or model
-    state mirroring them) from that layout to ``config``'s (:func:`convert_layer_layout`)."""
-    saved_scan = saved_scan_layers(saved_params)
-    if saved_scan == config.scan_layers:
-        return None
-    saved_config = dataclasses.replace(config, scan_layers=saved_scan)
-    return saved_config, lambda tree: convert_layer_layout(tree, saved_config, config)

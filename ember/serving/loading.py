@@ -42,7 +42,7 @@ from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
 from ember.core.tree import map_paths, param_paths
 from ember.models.config import ModelConfig, runtime_overrides
-from ember.models.decoder import saved_layout
+from ember.models.layer_layout import saved_layout
 from ember.models.linearize import LinearizeConfig, linearized_config
 from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import serving_weights

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from ember.models.config import LAYER_KINDS, ModelConfig
-from ember.models.decoder import DecoderLM, layers_from_list, layers_to_list, saved_layout
+from ember.models.decoder import DecoderLM
+from ember.models.layer_layout import layers_from_list, layers_to_list, saved_layout
 from tests.host_random import perturbed
 from tests.tolerances import assert_allclose
 

@@ -12,8 +12,9 @@ import pytest
 from ember.core.errors import ConfigError
 from ember.core.tree import param_count
 from ember.models.config import ModelConfig, SSMConfig
-from ember.models.decoder import DecoderLM, layers_to_list
+from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
+from ember.models.layer_layout import layers_to_list
 from tests.host_random import perturbed
 from tests.tolerances import assert_allclose
 

@@ -24,7 +24,8 @@ from ember.models.adapters import (
     without_adapters,
 )
 from ember.models.config import ModelConfig, MoEConfig
-from ember.models.decoder import DecoderLM, layers_to_list
+from ember.models.decoder import DecoderLM
+from ember.models.layer_layout import layers_to_list
 from ember.models.layers.mlp import mlp
 from ember.models.layers.router import load_balancing_loss
 from ember.training.task import apply_model

@@ -12,7 +12,8 @@ import pytest
 
 from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig, MoEConfig
-from ember.models.decoder import DecoderLM, layers_from_list, layers_to_list
+from ember.models.decoder import DecoderLM
+from ember.models.layer_layout import layers_from_list, layers_to_list
 from ember.models.layers.mlp import mlp
 from ember.models.layers.moe import MoeMlp
 from ember.models.layers.moe_dispatch import apply_capacity, routed_expert_mlp

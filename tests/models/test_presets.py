@@ -11,8 +11,9 @@ import pytest
 from ember.core.config import load_config
 from ember.core.tree import param_count
 from ember.models.config import ModelConfig
-from ember.models.decoder import DecoderLM, layers_to_list
+from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token, mean_visible_keys
+from ember.models.layer_layout import layers_to_list
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "models"
 

@@ -412,7 +412,7 @@ def _assert_sequential_gptq_matches_its_reference(model_config, variables, batch
     whole model) of the model whose groups before ``g`` are their quantized weights dequantized,
     and its result equals ``quantize_params`` given those Grams. Before, ``ember quantize`` took
     every group's Grams from one pass of the float model, all at once."""
-    from ember.models.decoder import layers_from_list, layers_to_list, num_groups
+    from ember.models.layer_layout import layers_from_list, layers_to_list, num_groups
     from ember.models.quantization import sequential
 
     recorded, earlier = [], []

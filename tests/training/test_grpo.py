@@ -19,7 +19,8 @@ from ember.core.config import load_config
 from ember.core.errors import ConfigError, DataError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths
-from ember.models.decoder import DecoderLM, convert_layer_layout
+from ember.models.decoder import DecoderLM
+from ember.models.layer_layout import convert_layer_layout
 from ember.models.variables import as_variables
 from ember.serving.engine import Engine
 from ember.serving.loading import load_model

@@ -2,7 +2,7 @@
 
 Reading never holds the checkpoint in memory beside its conversion: each tensor is read from its
 memory-mapped file when it is converted, and scanned layers are stacked on the host layer by
-layer (``ember.models.decoder.layers_from_list``): loading takes about the model's own size in
+layer (``ember.models.layer_layout.layers_from_list``): loading takes about the model's own size in
 host memory and touches no device (``ember.serving.loading`` places the NumPy arrays: on one
 device, into their shards on a mesh, or nowhere for a trainer, which places them itself).
 """

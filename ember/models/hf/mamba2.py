@@ -21,8 +21,8 @@ import numpy as np
 
 from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig, SSMConfig
-from ember.models.decoder import layers_from_list, layers_to_list
 from ember.models.hf.defaults import with_transformers_defaults
+from ember.models.layer_layout import layers_from_list, layers_to_list
 
 
 def _json_float(value: Any) -> float:

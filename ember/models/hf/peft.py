@@ -41,8 +41,8 @@ from ember.core.tree import param_paths, tree_from_paths
 from ember.models.adapters.leaves import adapted_paths, factors_on_original_base
 from ember.models.adapters.lowrank import MIXLORA_ROUTER, part_name
 from ember.models.config import SOFTMAX_FAMILY, ModelConfig
-from ember.models.decoder import layer_location, layers_from_list, layers_to_list
 from ember.models.hf.weights import check_all_used
+from ember.models.layer_layout import layer_location, layers_from_list, layers_to_list
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -23,8 +23,8 @@ from ember.core.sharding import unbox
 from ember.core.tree import param_paths
 from ember.models.adapters.leaves import adapter_part
 from ember.models.config import ModelConfig
-from ember.models.decoder import layers_from_list, layers_to_list
 from ember.models.hf.mamba2 import mamba2_params_from_hf, mamba2_params_to_hf
+from ember.models.layer_layout import layers_from_list, layers_to_list
 from ember.models.quantization.stored import stored_weight_paths
 
 # The MoE block's module name and its experts' (gate, up, down) names, per model type.

@@ -31,14 +31,8 @@ import jax.numpy as jnp
 from ember.core.errors import ConfigError
 from ember.core.sharding import constrain
 from ember.models.config import ModelConfig
-from ember.models.decoder import (
-    BlockGroup,
-    group_span,
-    initial_router_logits,
-    layer_location,
-    num_groups,
-    token_embedding,
-)
+from ember.models.decoder import BlockGroup, initial_router_logits, token_embedding
+from ember.models.layer_layout import group_span, layer_location, num_groups
 from ember.models.quantization.quantize import (
     QuantizeConfig,
     calibration_grams,

@@ -15,7 +15,8 @@ from ember.core.errors import ConfigError
 from ember.core.sharding import box_like
 from ember.core.tree import param_paths
 from ember.models.adapters import adapter_leaves, merged_weights
-from ember.models.decoder import DecoderLM, convert_layer_layout, saved_layout
+from ember.models.decoder import DecoderLM
+from ember.models.layer_layout import convert_layer_layout, saved_layout
 from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import as_variables, serving_weights, split_variables
 from ember.serving.loading import LoadedModel, load_model

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from ember.core.errors import ConfigError
 from ember.core.sharding import addressable_here
 from ember.models.config import ModelConfig
-from ember.models.decoder import DecoderLM, saved_layout
+from ember.models.decoder import DecoderLM
 from ember.models.flops import flops_per_token
+from ember.models.layer_layout import saved_layout
 from ember.models.variables import serving_weights
 from ember.training.data import PackedBatches, TokenDataset
 from ember.training.lm.config import BUILTIN_DATASETS, LMConfig
