@@ -21,7 +21,7 @@ from ember.core.sharding import unbox
 from ember.core.tree import param_paths
 from ember.models.decoder import DecoderLM
 from ember.models.layer_layout import convert_layer_layout
-from ember.models.variables import as_variables
+from ember.models.variables import as_variables, serving_weights
 from ember.serving.engine import Engine
 from ember.serving.loading import load_model
 from ember.serving.requests import SamplingParams
@@ -442,10 +442,53 @@ def test_the_engine_takes_the_policy_whole_when_processes_share_it(monkeypatch):
     state = SimpleNamespace(params=params, model_state={})
     received = []
     task = SimpleNamespace(
-        mask={"q": {"kernel": False, "lora_a": True}}, engine=SimpleNamespace(update_params=received.append)
+        mask={"q": {"kernel": False, "lora_a": True}},
+        engine=SimpleNamespace(update_params=received.append),
+        engine_mesh=None,
     )
     task_module.GRPOTask._sync(task, SimpleNamespace(state=state))
     assert list(received[0]["q"]) == ["lora_a"] and gathered == [params["q"]["lora_a"]]
     np.testing.assert_array_equal(received[0]["q"]["lora_a"], lora_a)
     whole = task_module._engine_weights(state)  # what the engine starts from
     np.testing.assert_array_equal(whole["q"]["kernel"], kernel)
+
+
+def completion_length(prompt: str, completion: str) -> float:
+    """A reward the tiny random model's completions spread over."""
+    return float(len(completion))
+
+
+def test_a_tensor_parallel_policy_rolls_out_on_an_engine_split_over_its_tensor_axis(tiny_base, tmp_path):
+    """On a data=4 x tensor=2 mesh the engine was built on one device, the policy gathered whole
+    onto it after every step. It is now split over the mesh's first tensor row (devices 0 and 1):
+    its q kernel in two shards of two heads. After two steps (the second rollout sampled by the
+    trained policy) it serves the trained weights, samples as the training forward scores, and the
+    run's rewards, loss, gradient and KL are those of the same run with mesh.tensor=1."""
+    overrides = ["train.steps=2", "train.log_every=1", "grpo.max_tokens=4", "grpo.kl_coef=0.1", "optim.lr=0.01",
+                 "reward=tests.training.test_grpo:completion_length"]  # fmt: skip
+    logged = {}
+    for tensor in (1, 2):
+        config = tiny_config(tiny_base, tmp_path / f"tensor{tensor}", *overrides, f"mesh.tensor={tensor}")
+        trainer = make_trainer(config, task=task_module.GRPOTask(config))
+        engine = trainer.task.engine
+        q = engine.program.params["layers"]["block_0"]["attn"]["q"]["kernel"]  # [layers, embed, heads, head_dim]
+        devices = {shard.device: shard.data.shape for shard in q.addressable_shards}
+        expected = [trainer.mesh.devices.flat[0]] if tensor == 1 else list(trainer.mesh.devices[0, 0, :, 0])
+        assert list(devices) == expected and all(shape[2] == 4 // tensor for shape in devices.values()), devices
+        trainer.train()
+        trained = param_paths(serving_weights(trainer.state.params, trainer.state.model_state))
+        for path, weight in param_paths(engine.program.params).items():
+            np.testing.assert_array_equal(weight, trained[path], err_msg=path)
+        records = [
+            json.loads(line) for line in (tmp_path / f"tensor{tensor}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert max(r["logprob_mismatch_max"] for r in records if "logprob_mismatch_max" in r) < 1e-5
+        logged[tensor] = {
+            (r["step"], k): r[k]
+            for r in records
+            for k in ("reward_mean", "reward_std", "loss", "grad_norm", "kl")
+            if k in r
+        }
+    assert logged[2].keys() == logged[1].keys() and len(logged[1]) == 10
+    for key, value in logged[1].items():
+        assert_allclose(logged[2][key], value, dtype=np.float32, err_msg=str(key))

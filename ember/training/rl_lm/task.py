@@ -26,26 +26,30 @@ prompts, greedy) is logged every ``train.eval_every`` steps and at the start; th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ember.core.errors import ConfigError, DataError
-from ember.core.sharding import addressable_here
+from ember.core.sharding import addressable_here, unbox, use_sharding
 from ember.models.adapters import adapter_mask, add_lora
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables, serving_weights, split_variables
 from ember.serving.engine import Engine, prompt_tokens
 from ember.serving.loading import LoadedModel
+from ember.serving.model_program import weight_shardings
 from ember.serving.program import owned_copy
 from ember.serving.requests import SamplingParams
 from ember.training.finetune.base import boxed_variables, load_base, restore_base_layout
 from ember.training.lm.task import BATCH_AXES
 from ember.training.metrics import METRICS_FILE, read_metrics
 from ember.training.rl_lm.config import GRPOConfig
+from ember.training.rl_lm.engine_mesh import held_on, rollout_mesh
 from ember.training.rl_lm.losses import policy_loss, token_logprobs
 from ember.training.rl_lm.prompts import load_prompts
 from ember.training.rl_lm.rewards import resolve_reward, score
@@ -83,6 +87,7 @@ class GRPOTask(Task):
             process_count=jax.process_count(),
         )
         self.engine: Engine | None = None
+        self.engine_mesh: Any = None  # the engine's (engine_mesh.rollout_mesh); None: one device
         self.mask: Any = None
 
     def _seq_len(self) -> int:
@@ -196,9 +201,10 @@ class GRPOTask(Task):
     def add_hooks(self, trainer) -> None:
         """Builds the rollout engine on the trainer's current policy, then keeps it in step:
         syncs after every step, logs rollout statistics and evaluates on held-out prompts."""
-        self.mask = trainer.mask
-        device = jax.local_devices()[0]
-        weights = owned_copy(_engine_weights(trainer.state), device)  # the trainer donates its own buffers every step
+        self.mask, self.engine_mesh = trainer.mask, rollout_mesh(trainer.mesh)
+        weights = _engine_weights(trainer.state, mesh=self.engine_mesh)
+        # The trainer donates its own buffers every step: the engine keeps copies.
+        weights = jax.tree.map(owned_copy, weights, self._engine_placement(weights))
         grpo = self.config.grpo
         self.engine = Engine.from_model(
             self.base.config,
@@ -208,12 +214,17 @@ class GRPOTask(Task):
             num_slots=grpo.num_slots,
             token_budget=grpo.token_budget,
             max_context=self.seq_len,
+            mesh=self.engine_mesh,
         )
-        reference = jax.device_put(self.base.params, device) if grpo.kl_coef > 0 else None
+        reference = None
+        if grpo.kl_coef > 0:
+            reference = unbox(self.base.params)
+            reference = jax.device_put(reference, self._engine_placement(reference))
         # The scorer's forward takes at most a training micro-batch's rows (what train.grad_accum sizes to fit).
         rows = self.data.batch_spec()["advantages"].shape[0]
         micro = rows // trainer.loop.grad_accum if rows % trainer.loop.grad_accum == 0 else rows
-        self.data.attach(self.engine, _scorer(self.model, self.engine, reference, grpo.temperature, micro))
+        scorer = _scorer(self.model, self.engine, reference, grpo.temperature, micro, mesh=self.engine_mesh)
+        self.data.attach(self.engine, scorer)
         monitor = _RolloutMonitor(self, trainer)
         trainer.add_hook(self._sync, every=1)
         # The held-out rewards before training are written at step 1, and the rollouts' statistics
@@ -224,9 +235,16 @@ class GRPOTask(Task):
             trainer.add_hook(monitor.evaluate, every=trainer.loop.eval_every, on_last=True)
             monitor.start_values()
 
+    def _engine_placement(self, weights: Any) -> Any:
+        """Where the engine keeps ``weights`` (the policy's or the reference's serving weights),
+        leaf by leaf: this process's first device, or their shardings on the engine's mesh."""
+        if self.engine_mesh is None:
+            return jax.tree.map(lambda _: jax.local_devices()[0], weights)
+        return weight_shardings(self.base.config, weights, self.engine_mesh)
+
     def _sync(self, info) -> None:
         """Copies the trainable leaves (and any model state) into the engine."""
-        self.engine.update_params(_engine_weights(info.state, self.mask))
+        self.engine.update_params(_engine_weights(info.state, self.mask, self.engine_mesh))
 
     def evaluate(self, prompts: list[str] | None = None) -> dict[str, float]:
         """Mean rewards on ``prompts`` (default the held-out ones) under the engine's current
@@ -253,19 +271,27 @@ class GRPOTask(Task):
         return values
 
 
-def _engine_weights(state: Any, mask: Any = None) -> Any:
+def _engine_weights(state: Any, mask: Any = None, mesh: Any = None) -> Any:
     """The policy's serving weights in the train ``state`` (with ``mask``: its selected params
-    only) as this process's engine takes them: whole, gathered where a mesh over several
-    processes shards or replicates them (a collective: every process runs the task's hooks)."""
+    only) as this process's engine takes them: with the engine's ``mesh``, each weight the
+    trainer splits only over ``tensor`` as the shards it has on that mesh's devices
+    (``engine_mesh.held_on``: sharing the trainer's buffers, which the engine copies); every
+    other weight whole, gathered where a mesh over several processes shards or replicates it
+    (a collective: every process runs the task's hooks)."""
     params = state.params if mask is None else select(state.params, mask)
-    return addressable_here(serving_weights(params, state.model_state))
+    weights = serving_weights(params, state.model_state)
+    if mesh is not None:
+        weights = jax.tree.map(lambda x: held_on(x, mesh), weights)
+    return addressable_here(weights)
 
 
-def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float, rows_per_call: int):
+def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float, rows_per_call: int, mesh: Any = None):
     """``rows -> {"old_logprobs", "engine_view", ("ref_logprobs")}``: the training forward's
     log-probs of the rows' targets under the engine's current weights (at ``temperature``,
-    and untempered as the engine reports them) and under ``reference`` (if given), computed
-    ``rows_per_call`` rows at a time (a whole rollout's logits at once need not fit)."""
+    and untempered as the engine reports them) and under ``reference`` (if given, placed as
+    the engine's weights), computed ``rows_per_call`` rows at a time (a whole rollout's logits
+    at once need not fit). With the engine's ``mesh`` the forward runs split over it as the
+    engine's step does: the weights in their shards, the rows replicated."""
 
     @jax.jit
     def logprobs(weights, rows):
@@ -278,10 +304,13 @@ def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float
         parts = []
         for start in range(0, len(rows["tokens"]), rows_per_call):
             inputs = {name: rows[name][start : start + rows_per_call] for name in ROW_FIELDS}
-            old, untempered = logprobs(engine.program.params, inputs)
-            scored = {"old_logprobs": old, "engine_view": untempered}
-            if reference is not None:
-                scored["ref_logprobs"] = logprobs(reference, inputs)[0]
+            with contextlib.nullcontext() if mesh is None else use_sharding(mesh):
+                if mesh is not None:
+                    inputs = jax.device_put(inputs, NamedSharding(mesh, PartitionSpec()))
+                old, untempered = logprobs(engine.program.params, inputs)
+                scored = {"old_logprobs": old, "engine_view": untempered}
+                if reference is not None:
+                    scored["ref_logprobs"] = logprobs(reference, inputs)[0]
             parts.append(scored)
         parts = jax.device_get(parts)
         return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
