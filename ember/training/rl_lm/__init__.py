@@ -6,6 +6,7 @@ the rollout engine (``kind: grpo`` configs for ``ember train``).
 - ``prompts``: the prompts a run learns from and its held-out prompts.
 - ``rollouts``: sampling through the engine, turned into the trainer's batches.
 - ``task``: the trainer task that keeps the engine serving the policy being trained.
+- ``engine_mesh``: where the engine runs when the policy trains tensor-parallel.
 """
 
 from ember.training.rl_lm.config import GRPOConfig

@@ -9,8 +9,16 @@ The trainer runs its ordinary loop: each step takes a batch from :class:`Rollout
 being trained. After every optimizer step the trainable leaves are copied into the engine,
 device to device, shapes unchanged, so its compiled steps run them as they are (LoRA: only
 the adapters move). The reference policy is the base model as loaded (LoRA: the base
-without its adapters), kept on the engine's device beside it; the KL term is computed
-against it.
+without its adapters), kept beside the engine's weights and placed as they are; the KL term
+is computed against it.
+
+Where the engine runs: with the training mesh's ``tensor`` axis of 1, on this process's first
+device (the policy whole there); with ``mesh.tensor`` = n > 1, tensor-parallel over the n
+devices of the mesh's tensor row that holds this process's first device
+(``ember.training.rl_lm.engine_mesh``): the weights in the engine's shardings, each copied from
+the shards the trainer already has on those devices, the reference split the same way and the
+scorer's forward run split over them. Each process of a multi-process run samples its own
+share on its own devices.
 
 Logged beside the loss: ``reward_mean``, ``reward_std``, ``kl`` (when ``grpo.kl_coef`` > 0),
 ``clip_fraction``, ``ratio`` and ``completion_tokens`` (per step), and per logging interval the rollouts'
