@@ -1,8 +1,8 @@
 """Where GRPO's rollout engine runs when the policy trains tensor-parallel.
 
     mesh = rollout_mesh(trainer.mesh)          # None: the trainer's mesh.tensor is 1
-    engine = Engine.from_model(config, owned_copy(weights, weight_shardings(config, weights, mesh)), mesh=mesh)
-    engine.update_params(jax.tree.map(lambda x: held_on(x, mesh), trained))   # after a step
+    weights = jax.tree.map(lambda x: held_on(x, mesh), trained)       # the trainer's own buffers
+    engine.update_params(weights)                                     # copied into the engine's shards
 
 With ``mesh.tensor`` = n > 1 the engine is split over the n devices of the training mesh's
 tensor row that holds this process's first device of the mesh (index 0 of every other axis in
