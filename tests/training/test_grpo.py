@@ -490,5 +490,6 @@ def test_a_tensor_parallel_policy_rolls_out_on_an_engine_split_over_its_tensor_a
             if k in r
         }
     assert logged[2].keys() == logged[1].keys() and len(logged[1]) == 10
+    assert logged[1][2, "kl"] > 1e-4  # step 2's policy has moved from the reference
     for key, value in logged[1].items():
         assert_allclose(logged[2][key], value, dtype=np.float32, err_msg=str(key))
