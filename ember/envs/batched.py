@@ -58,6 +58,10 @@ class BatchedEnv(Wrapper):
         """Each sub-environment's legal actions: ``{agent: bool [num_envs, num_actions]}``."""
         return jax.vmap(self.env.action_masks, in_axes=(0, None))(state, params)
 
+    def global_state(self, state, params):
+        """Each sub-environment's global state: ``[num_envs, *global_state_space(params).shape]``."""
+        return jax.vmap(self.env.global_state, in_axes=(0, None))(state, params)
+
     def render(self, state, params, index: int = 0):
         """The picture of sub-environment ``index``."""
         return self.env.render(jax.tree.map(lambda leaf: leaf[index], state), params)

@@ -122,7 +122,7 @@ class Environment:
         reset_obs, reset_state = self.reset_env(reset_noise, params)
         reset_state = self.carry_over(next_state, reset_state)
         done = self.episode_terminated(terminated) | truncated
-        info = {**info, "final_observation": obs}
+        info = {**info, "final_observation": obs, **self.final_info(next_state, params)}
         reward, terminated, truncated = self.transition_outputs(reward, terminated, truncated)
         return (
             select_tree(done, reset_obs, obs),
@@ -132,6 +132,12 @@ class Environment:
             truncated,
             info,
         )
+
+    def final_info(self, next_state: EnvState, params: EnvParams) -> dict[str, Any]:
+        """What ``step`` adds to ``info`` about the state the transition reached, kept past an
+        auto-reset as ``info["final_observation"]`` is: nothing here; a multi-agent environment
+        with a global state adds ``"final_global_state"`` (``ember.envs.multi_agent``)."""
+        return {}
 
     def episode_terminated(self, terminated: Any) -> jax.Array:
         """The episode's termination (bool scalar) from ``step_env``'s ``terminated``;

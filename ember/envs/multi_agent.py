@@ -29,6 +29,17 @@ Agents that end one by one and act under masks (SMAX, Hanabi):
   ``masks_actions(env)`` tells whether an environment (under any wrappers) has masks; one
   without them (``masks_actions = False``, the default) has every action legal, and its masks
   are all true.
+
+A global state for a centralised critic (SMAX's ``world_state``: every unit, enemies included):
+
+* ``global_state(state, params) -> [*global_state_space(params).shape]``: what the whole
+  environment is in ``state`` (one array, the same for every agent, never among the agents'
+  observations), for learners that may read more than the agents see (MAPPO's critic).
+  ``step`` adds ``info["final_global_state"]``, the global state of the state the transition
+  reached before any auto-reset (as ``info["final_observation"]``). Wrappers and
+  ``BatchedEnv`` pass it on (``[num_envs, ...]`` for a batch). ``has_global_state(env)``
+  tells whether an environment (under any wrappers) offers one; one without it
+  (``has_global_state = False``, the default) refuses ``global_state`` with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from ember.envs.environment import Environment
+from ember.envs.spaces import Box
 
 
 def episode_over(terminated, truncated):
@@ -61,6 +73,9 @@ class MultiAgentEnvironment(Environment):
 
     #: whether the agents' legal actions change from step to step (``action_masks``)
     masks_actions: bool = False
+
+    #: whether the environment offers ``global_state`` (a centralised critic's input)
+    has_global_state: bool = False
 
     def episode_terminated(self, terminated):
         """``terminated["__all__"]`` of per-agent flags, or the one flag of every agent."""
@@ -92,6 +107,25 @@ class MultiAgentEnvironment(Environment):
             masks[agent] = jnp.ones(int(spaces[agent].n), jnp.bool_)
         return masks
 
+    def global_state(self, state, params) -> jax.Array:
+        """The global state of ``state``: one array of ``global_state_space(params)``'s shape
+        (environments with ``has_global_state`` implement it)."""
+        raise ValueError(self._no_global_state("global_state"))
+
+    def global_state_space(self, params) -> Box:
+        """The space of ``global_state`` (environments with ``has_global_state`` implement it)."""
+        raise ValueError(self._no_global_state("global_state_space"))
+
+    def _no_global_state(self, method: str) -> str:
+        return (
+            f"{type(self).__name__}.{method}: this environment offers no global state (has_global_state is False); "
+            "read the agents' observations instead"
+        )
+
+    def final_info(self, next_state, params) -> dict:
+        """``info["final_global_state"]`` where the environment offers one."""
+        return {"final_global_state": self.global_state(next_state, params)} if self.has_global_state else {}
+
     def step_env(self, noise, state, actions, params):
         """One transition: ``(obs dict, next_state, rewards dict, terminated (bool, all
         agents), info)``; ``actions`` is a dict already clipped into the action spaces."""
@@ -103,10 +137,16 @@ def is_multi_agent(env: Environment) -> bool:
     return isinstance(getattr(env, "unwrapped", env), MultiAgentEnvironment)
 
 
+def has_global_state(env: Environment) -> bool:
+    """Whether ``env``, under any wrappers, is a multi-agent environment that offers a
+    ``global_state`` (whose ``step`` adds ``info["final_global_state"]``)."""
+    return is_multi_agent(env) and getattr(env, "unwrapped", env).has_global_state
+
+
 def masks_actions(env: Environment) -> bool:
     """Whether ``env``, under any wrappers, is a multi-agent environment whose agents' legal
     actions change from step to step (its ``action_masks`` are not all true)."""
     return is_multi_agent(env) and getattr(env, "unwrapped", env).masks_actions
 
 
-__all__ = ["MultiAgentEnvironment", "episode_over", "is_multi_agent", "masks_actions"]
+__all__ = ["MultiAgentEnvironment", "episode_over", "has_global_state", "is_multi_agent", "masks_actions"]

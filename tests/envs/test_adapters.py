@@ -301,7 +301,10 @@ def test_jaxmarl_masks_and_agent_ends_are_jaxmarls_own(rng, env_id, kwargs, limi
     returns (the auto-reset one where an episode ended) are JaxMARL's ``get_avail_actions`` /
     ``get_legal_moves`` of the state JaxMARL reaches (or resets to) from the same words, and
     ``terminated[agent]`` is JaxMARL's ``dones[agent]`` (a dead SMAX unit, every Hanabi player at
-    the game's end). Refused before (UnsupportedEnvironment)."""
+    the game's end). Refused before (UnsupportedEnvironment). SMAX offers its ``world_state`` as
+    the global state (``global_state`` of the returned state and ``info["final_global_state"]``
+    of the state reached, JaxMARL's own of the same states; the adapter dropped it before),
+    Hanabi none."""
     config = ember.envs.EnvConfig(id=env_id, source="jaxmarl", kwargs=kwargs, params={"max_steps_in_episode": limit})
     env, params = ember.envs.make_from_config(config)
     reference = env.jaxmarl_env
@@ -317,13 +320,25 @@ def test_jaxmarl_masks_and_agent_ends_are_jaxmarls_own(rng, env_id, kwargs, limi
         _, next_state, _, terminated, truncated, info = envs.step_from_noise(words, state, actions, params)
         # JaxMARL's own transition and reset from the same words (2 per key), and its masks
         ref_obs, ref_state, _, dones, _ = jax.vmap(reference.step_env)(to_keys(words[:, :2]), state.env_state, actions)
-        _, reset_state = jax.vmap(reference.reset)(to_keys(words[:, 2:]))
+        reset_obs, reset_state = jax.vmap(reference.reset)(to_keys(words[:, 2:]))
         ended = terminated["__all__"] | truncated["__all__"]
-        expected_state = jax.tree.map(
-            lambda r, s: jnp.where(ended.reshape(-1, *[1] * (s.ndim - 1)), r, s), reset_state, ref_state
+        expected_state, expected_obs = jax.tree.map(
+            lambda r, s: jnp.where(ended.reshape(-1, *[1] * (s.ndim - 1)), r, s),
+            (reset_state, reset_obs),
+            (ref_state, ref_obs),
         )
         expected_masks = jax.vmap(reference_masks)(expected_state)
-        return next_state, {
+        assert ("final_global_state" in info) == env.has_global_state
+        world_states = {}
+        if env_id == "SMAX":
+            world_states = {
+                "global_state": envs.global_state(next_state, params),
+                "expected_global_state": expected_obs["world_state"],
+                "final_global_state": info["final_global_state"],
+                "ref_world_state": ref_obs["world_state"],
+                "get_world_state": jax.vmap(reference.get_world_state)(expected_state),
+            }
+        return next_state, world_states | {
             "masks": envs.action_masks(next_state, params),
             "expected_masks": {agent: expected_masks[agent].astype(bool) for agent in env.agents},
             "terminated": terminated,
@@ -350,6 +365,17 @@ def test_jaxmarl_masks_and_agent_ends_are_jaxmarls_own(rng, env_id, kwargs, limi
     if env_id == "SMAX":
         alone = [out["terminated"][agent] & ~out["terminated"]["__all__"] for agent in env.agents]
         assert np.any(alone), "some unit died before its episode ended"
+        assert env.has_global_state and env.global_state_space(params).shape == (72,)  # 6 units x (10 + 2)
+        assert out["global_state"].shape == (steps, 8, 72)
+        np.testing.assert_array_equal(out["global_state"], out["expected_global_state"])
+        np.testing.assert_array_equal(out["global_state"], out["get_world_state"])
+        np.testing.assert_array_equal(out["final_global_state"], out["ref_world_state"])
+        # the enemies' health is in it (3 allies, then 3 enemies of 10 features each)
+        assert np.unique(out["global_state"][..., 30:60:10]).size > 2, "enemies were hurt"
+    else:
+        assert not env.has_global_state
+        with pytest.raises(ValueError, match="offers no global state"):
+            env.global_state(None, params)
 
 
 def test_jaxmarl_masks_of_non_discrete_actions_are_refused():
@@ -372,3 +398,12 @@ def test_jaxmarl_kwargs_reach_the_library_and_name_smax_scenarios():
     with pytest.raises(ConfigError, match="kwargs are constructor arguments of a gymnax or JaxMARL") as info:
         ember.envs.EnvConfig(id="CartPole-v1", kwargs={"x": 1})
     assert info.value.key == "kwargs"
+
+
+def test_jaxmarl_per_agent_world_states_are_not_a_global_state():
+    """MPE simple_facmac's ``get_world_state`` is a dict of per-agent observations, not one flat
+    array as SMAX's: it is not offered as the global state."""
+    env = JaxMARLEnv(jaxmarl.make("MPE_simple_facmac_3a_v1"))
+    assert not env.has_global_state
+    with pytest.raises(ValueError, match=r"JaxMARLEnv\.global_state_space: this environment offers no global state"):
+        env.global_state_space(env.default_params)

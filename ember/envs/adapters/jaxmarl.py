@@ -19,9 +19,15 @@ for the episode; an agent that ended earlier stays terminated), and an environme
 action-mask method of its own (``get_avail_actions``: SMAX, ``HeuristicEnemySMAX``;
 ``get_legal_moves``: Hanabi) gives it as ``action_masks(state, params)``. Observations and
 rewards keep the agents' entries only (SMAX adds ``"world_state"`` to its observations, Hanabi
-``"__all__"`` to its rewards). Masks of agents whose actions are not discrete (SMAX with
-``action_type="continuous"``, JaxNav) cannot restrict a categorical policy: such an
-environment is refused with :class:`UnsupportedEnvironment`.
+``"__all__"`` to its rewards). An environment whose ``get_world_state(state)`` is one flat array
+offers it as its global state, ``global_state(state, params)`` and ``info["final_global_state"]``
+(``ember.envs.multi_agent``): SMAX's ``world_state``, every living unit's health, position,
+weapon cooldown and type (enemies included; zeros for a dead unit), then every unit's team and
+type. Other ``get_world_state`` shapes are per-agent views, not one global state (MPE
+simple_facmac's dict of observations, JaxNav's ``[agents, ...]`` with agent ids), and are not
+offered. Masks of agents whose actions are not discrete (SMAX with ``action_type="continuous"``,
+JaxNav) cannot restrict a categorical policy: such an environment is refused with
+:class:`UnsupportedEnvironment`.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from ember.envs import noise as noise_lib
 from ember.envs.adapters.gymnax import from_library_space
 from ember.envs.environment import EnvParams, EnvState
 from ember.envs.multi_agent import MultiAgentEnvironment
-from ember.envs.spaces import Dict
+from ember.envs.spaces import Box, Dict
 
 
 class UnsupportedEnvironment(ValueError):
@@ -53,6 +59,19 @@ def _action_mask_method(jaxmarl_env: Any) -> str | None:
             if name in vars(cls):
                 return name
     return None
+
+
+def _world_state_shape(jaxmarl_env: Any, noise_words: int) -> jax.ShapeDtypeStruct | None:
+    """The shape and dtype of ``jaxmarl_env.get_world_state`` of a state it resets to, where it
+    has that method and it gives one flat array; None otherwise (traced, not run)."""
+    if not callable(getattr(jaxmarl_env, "get_world_state", None)):
+        return None
+
+    def world_state(noise):
+        return jaxmarl_env.get_world_state(jaxmarl_env.reset(noise_lib.to_key(noise))[1])
+
+    shape = jax.eval_shape(world_state, jax.ShapeDtypeStruct((noise_words,), jnp.uint32))
+    return shape if isinstance(shape, jax.ShapeDtypeStruct) and len(shape.shape) == 1 else None
 
 
 @struct.dataclass
@@ -100,6 +119,8 @@ class JaxMARLEnv(MultiAgentEnvironment):
             )
         self.max_steps = int(limit)
         self.own_max_steps = None if own_limit is None else int(own_limit)
+        self._world_state = _world_state_shape(jaxmarl_env, self.reset_noise_words)
+        self.has_global_state = self._world_state is not None
 
     @property
     def default_params(self) -> EnvParams:
@@ -141,6 +162,20 @@ class JaxMARLEnv(MultiAgentEnvironment):
             return super().action_masks(state, params)
         masks = getattr(self.jaxmarl_env, self.mask_method)(state.env_state)
         return {agent: jnp.asarray(masks[agent]).astype(jnp.bool_) for agent in self.agents}
+
+    def global_state(self, state, params):
+        """JaxMARL's ``get_world_state`` of ``state.env_state`` (SMAX: what its observations carry
+        as ``"world_state"``), ``[state_dim]``."""
+        if not self.has_global_state:
+            return super().global_state(state, params)
+        return self.jaxmarl_env.get_world_state(state.env_state)
+
+    def global_state_space(self, params):
+        """An unbounded ``Box`` of ``get_world_state``'s shape and dtype (SMAX's positions are in
+        map units, its unit types integers)."""
+        if not self.has_global_state:
+            return super().global_state_space(params)
+        return Box(-jnp.inf, jnp.inf, self._world_state.shape, self._world_state.dtype)
 
     def _agents_only(self, per_agent: dict) -> dict:
         return {agent: per_agent[agent] for agent in self.agents}

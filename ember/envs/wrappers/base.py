@@ -63,6 +63,13 @@ class Wrapper(Environment):
         """The wrapped multi-agent environment's legal actions in ``state`` (``ember.envs.multi_agent``)."""
         return self.env.action_masks(state.env_state if self.wraps_state else state, params)
 
+    def global_state(self, state, params):
+        """The wrapped multi-agent environment's global state of ``state`` (``ember.envs.multi_agent``)."""
+        return self.env.global_state(state.env_state if self.wraps_state else state, params)
+
+    def global_state_space(self, params):
+        return self.env.global_state_space(params)
+
     @property
     def name(self) -> str:
         return self.env.name
