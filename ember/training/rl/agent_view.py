@@ -2,7 +2,7 @@
 (JaxMARL's dict API) stacked along an agent axis for a policy shared by all of them.
 
     view = multi_agent_view(list(env.agents), centralised_critic=False)   # IPPO, ISAC
-    obs = view.observe(obs_dict)                                         # [N, agents, ...]
+    obs = view.observation(obs_dict, envs, env_state, env_params)        # [N, agents, ...]
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ class AgentView:
       legal_actions: ``(envs, env_state, env_params)`` -> bool ``[N, ..., num_actions]``, the
         legal actions of the observation that goes with ``env_state`` (an environment's
         ``action_masks``, stacked as the observations); ``None`` where every action is legal.
+      reads_global_state: the policy reads the environment's global state (MAPPO's critic,
+        ``ember.envs.multi_agent``) as well: what the loop keeps of an observation, and gives
+        ``policy_inputs``/``value_inputs``, is then the pair ``(observe(obs), global_state
+        [N, state_dim])`` (:meth:`observation`, :meth:`final_observation`).
     """
 
     observe: Callable[[Any], Any] = lambda obs: obs
@@ -46,6 +50,19 @@ class AgentView:
     policy_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
     value_inputs: Callable[[Any], tuple] = lambda obs: (obs,)
     legal_actions: Callable[[Any, Any, Any], jax.Array] | None = None
+    reads_global_state: bool = False
+
+    def observation(self, obs: Any, envs: Any, env_state: Any, env_params: Any) -> Any:
+        """What the loop keeps of ``obs``, the (batched) environment's observation that goes
+        with ``env_state`` (as a reset or step returns them)."""
+        seen = self.observe(obs)
+        return (seen, envs.global_state(env_state, env_params)) if self.reads_global_state else seen
+
+    def final_observation(self, info: dict[str, Any]) -> Any:
+        """What the loop keeps of the observation a step reached before any auto-reset (its
+        ``info["final_observation"]`` and ``info["final_global_state"]``), to bootstrap from."""
+        seen = self.observe(info["final_observation"])
+        return (seen, info["final_global_state"]) if self.reads_global_state else seen
 
 
 def stack_agents(per_agent: dict[str, Any], agents: list[str]) -> Any:
@@ -58,22 +75,47 @@ def unstack_agents(stacked: Any, agents: list[str] | tuple[str, ...]) -> dict[st
     return {agent: stacked[:, i] for i, agent in enumerate(agents)}
 
 
-def global_state(obs: jax.Array) -> jax.Array:
-    """MAPPO's critic input ``[..., agents, agents * obs_dim + agents]`` from stacked
-    observations ``[..., agents, obs_dim]``: all observations plus a one-hot agent id."""
-    *batch, agents, obs_dim = obs.shape
-    everyone = jnp.broadcast_to(obs.reshape(*batch, 1, agents * obs_dim), (*batch, agents, agents * obs_dim))
-    identity = jnp.broadcast_to(jnp.eye(agents, dtype=obs.dtype), (*batch, agents, agents))
+def with_agent_ids(state: jax.Array, agents: int) -> jax.Array:
+    """A critic input per agent ``[..., agents, state_dim + agents]`` from one state of all
+    of them ``[..., state_dim]``: the state, then the agent's one-hot id (so that a critic
+    shared by the agents can predict each one's own rewards)."""
+    *batch, state_dim = state.shape
+    everyone = jnp.broadcast_to(state[..., None, :], (*batch, agents, state_dim))
+    identity = jnp.broadcast_to(jnp.eye(agents, dtype=state.dtype), (*batch, agents, agents))
     return jnp.concatenate([everyone, identity], axis=-1)
 
 
-def multi_agent_view(agents: list[str], *, centralised_critic: bool, action_masks: bool = False) -> AgentView:
+def concatenated_observations(obs: jax.Array) -> jax.Array:
+    """MAPPO's critic input ``[..., agents, agents * obs_dim + agents]`` from stacked
+    observations ``[..., agents, obs_dim]`` of an environment without a global state: all
+    observations plus a one-hot agent id."""
+    *batch, agents, obs_dim = obs.shape
+    return with_agent_ids(obs.reshape(*batch, agents * obs_dim), agents)
+
+
+def multi_agent_view(
+    agents: list[str], *, centralised_critic: bool, action_masks: bool = False, global_state: bool = False
+) -> AgentView:
     """The view of a multi-agent environment: observations, rewards, actions and each agent's
     own ``terminated`` stacked along an agent axis (``[N, agents, ...]``; ``truncated`` is the
-    episode's); the critic sees :func:`global_state` (MAPPO) or the agent's own observation
-    (IPPO). With ``action_masks`` the policy acts under the environment's ``action_masks``
-    (``ember.envs.multi_agent``)."""
-    critic_input = global_state if centralised_critic else (lambda obs: obs)
+    episode's). The critic sees the agent's own observation (IPPO) or, centralised (MAPPO), the
+    environment's global state where it offers one (``global_state``; ``ember.envs.multi_agent``)
+    with :func:`with_agent_ids`, otherwise :func:`concatenated_observations`. With
+    ``action_masks`` the policy acts under the environment's ``action_masks``."""
+    reads_global_state = centralised_critic and global_state
+    if reads_global_state:  # the loop keeps (observations, global state) pairs
+
+        def actor_input(seen):
+            return seen[0]
+
+        def critic_input(seen):
+            return with_agent_ids(seen[1], len(agents))
+    else:
+
+        def actor_input(seen):
+            return seen
+
+        critic_input = concatenated_observations if centralised_critic else actor_input
 
     def step_arrays(rewards, terminated, truncated):
         reward = stack_agents(rewards, agents).astype(jnp.float32)  # [N, A]
@@ -87,9 +129,10 @@ def multi_agent_view(agents: list[str], *, centralised_critic: bool, action_mask
         observe=lambda obs: stack_agents(obs, agents),
         env_action=lambda action: unstack_agents(action, agents),
         step_arrays=step_arrays,
-        policy_inputs=lambda obs: (obs, critic_input(obs)),
-        value_inputs=lambda obs: (critic_input(obs),),
+        policy_inputs=lambda seen: (actor_input(seen), critic_input(seen)),
+        value_inputs=lambda seen: (critic_input(seen),),
         legal_actions=legal_actions if action_masks else None,
+        reads_global_state=reads_global_state,
     )
 
 
@@ -109,4 +152,12 @@ def shared_action_head(env, env_params, policy: PolicyConfig) -> Any:
     return heads.pop()
 
 
-__all__ = ["AgentView", "global_state", "multi_agent_view", "shared_action_head", "stack_agents", "unstack_agents"]
+__all__ = [
+    "AgentView",
+    "concatenated_observations",
+    "multi_agent_view",
+    "shared_action_head",
+    "stack_agents",
+    "unstack_agents",
+    "with_agent_ids",
+]

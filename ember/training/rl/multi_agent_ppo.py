@@ -9,8 +9,10 @@ axis, so a rollout is ``[T, num_envs, agents, ...]`` and GAE and the PPO loss
 (:mod:`.gae`, :mod:`.losses`) run on it unchanged:
 
 - **IPPO**: the critic sees the agent's own observation;
-- **MAPPO**: the critic sees the global state -- every agent's observation concatenated,
-  plus a one-hot agent id so that per-agent rewards stay predictable.
+- **MAPPO**: the critic sees the global state, plus a one-hot agent id so that per-agent
+  rewards stay predictable: the environment's own where it offers one (``global_state``,
+  ``ember.envs.multi_agent``; SMAX's ``world_state`` of every unit, enemies included, as
+  JaxMARL's MAPPO feeds its critic), otherwise every agent's observation concatenated (MPE).
 
 Agents may end one by one and act under masks (``ember.envs.multi_agent``: SMAX, Hanabi
 through ``JaxMARLEnv``): each agent's GAE stops at its own ``terminated`` (a dead unit does not
@@ -19,12 +21,10 @@ gradient), and with ``action_masks`` the actions are sampled from the logits of 
 actions only, the masks stored with the rollout so the PPO loss recomputes log-probabilities
 and entropy under the same masks. (JaxMARL's own SMAX baselines cut GAE at the episode's end
 instead, so rewards a team earns after a unit died still reach that unit's earlier actions.)
-MAPPO's critic sees the agents' observations concatenated (for SMAX: what the allies see, not
-SMAX's ``world_state`` of every unit that JaxMARL's MAPPO feeds its critic). The
-``episode_return`` metric is the return per agent (the episode's rewards averaged over
+The ``episode_return`` metric is the return per agent (the episode's rewards averaged over
 agents, summed over time: ``LogWrapper``'s multi-agent statistics). The update loop is
 PPO's own (:func:`.ppo.make_ppo_train`); this module gives it the :func:`~.agent_view.multi_agent_view`
-of stacked agents.
+of stacked agents (:func:`make_view`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ember.core.errors import ConfigError
-from ember.envs.multi_agent import masks_actions
+from ember.envs.multi_agent import has_global_state, masks_actions
 from ember.models.policies import CentralisedActorCritic
-from ember.training.rl.agent_view import multi_agent_view, shared_action_head
+from ember.training.rl.agent_view import AgentView, multi_agent_view, shared_action_head
 from ember.training.rl.policy_act import PolicyAct
 from ember.training.rl.ppo import PPOConfig, make_ppo_train
 
@@ -58,6 +58,18 @@ def make_policy(config: PPOConfig, env, env_params) -> CentralisedActorCritic:
     return CentralisedActorCritic(shared_action_head(env, env_params, config.policy), config.policy)
 
 
+def make_view(env, *, centralised_critic: bool) -> AgentView:
+    """How PPO's loop sees ``env``'s agents (:func:`.agent_view.multi_agent_view`): acting under
+    its ``action_masks`` where it has them, and, with ``centralised_critic`` (MAPPO), the critic
+    on its ``global_state`` where it offers one."""
+    return multi_agent_view(
+        list(env.agents),
+        centralised_critic=centralised_critic,
+        action_masks=masks_actions(env),
+        global_state=has_global_state(env),
+    )
+
+
 def make_train(
     config: PPOConfig,
     env,
@@ -71,7 +83,7 @@ def make_train(
     ``centralised_critic`` selects MAPPO over IPPO."""
     check_config(config)
     policy = make_policy(config, env, env_params)
-    view = multi_agent_view(list(env.agents), centralised_critic=centralised_critic, action_masks=masks_actions(env))
+    view = make_view(env, centralised_critic=centralised_critic)
     return make_ppo_train(config, env, env_params, policy, view, on_update=on_update)
 
 
@@ -85,4 +97,4 @@ def make_act(
     return PolicyAct(policy, params, deterministic=deterministic, agents=tuple(agents))
 
 
-__all__ = ["check_config", "make_act", "make_policy", "make_train"]
+__all__ = ["check_config", "make_act", "make_policy", "make_train", "make_view"]

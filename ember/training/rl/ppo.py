@@ -247,7 +247,7 @@ def make_ppo_train(
         envs = learner_envs(config, env, hp.gamma)
         rng, init_key, reset_key = jax.random.split(rng, 3)
         env_obs, env_state = envs.reset(reset_key, env_params)
-        obs = view.observe(env_obs)
+        obs = view.observation(env_obs, envs, env_state, env_params)
         params = policy.init(init_key, *view.policy_inputs(obs))
         optimizer = make_optimizer(hp.learning_rate, hp.max_grad_norm, anneal_steps=config.anneal_steps)
         train_state = TrainState.create(apply_fn=policy.apply, params=params, tx=optimizer)
@@ -273,13 +273,13 @@ def make_ppo_train(
                 reward=reward,
                 terminated=terminated,
                 truncated=truncated,
-                final_obs=view.observe(info["final_observation"]),
+                final_obs=view.final_observation(info),
                 episode_done=info["returned_episode"],
                 episode_return=info["returned_episode_returns"],
                 episode_length=info["returned_episode_lengths"],
                 legal_actions=legal_actions,
             )
-            return (params, env_state, view.observe(next_obs)), transition
+            return (params, env_state, view.observation(next_obs, envs, env_state, env_params)), transition
 
         def loss_fn(params, minibatch):
             dist, value = policy.apply(params, *minibatch["inputs"])

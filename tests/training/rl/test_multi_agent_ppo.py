@@ -16,21 +16,21 @@ from ember.envs import EnvParams, EnvState, MultiAgentEnvironment, make_from_con
 from ember.envs.spaces import Box, Dict, Discrete
 from ember.models.policies import Categorical, PolicyConfig
 from ember.training.rl import multi_agent_ppo
-from ember.training.rl.agent_view import global_state, multi_agent_view
+from ember.training.rl.agent_view import concatenated_observations, multi_agent_view
 from ember.training.rl.config import RLConfig
 from ember.training.rl.evaluate import evaluate
 from ember.training.rl.experiment import ALGORITHMS
 from ember.training.rl.losses import ppo_loss
-from ember.training.rl.ppo import PPOConfig, PPOHyperparams, minibatch_loss
+from ember.training.rl.ppo import PPOConfig, PPOHyperparams, learner_envs, minibatch_loss
 from tests import xla_settings
 from tests.tolerances import assert_allclose
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "rl"
 
 
-def test_global_state_concatenates_every_observation_and_the_agent_id(rng):
+def test_concatenated_observations_are_every_observation_and_the_agent_id(rng):
     obs = jax.random.normal(rng, (2, 3, 4))  # [batch, agents, obs_dim]
-    state = np.asarray(global_state(obs))
+    state = np.asarray(concatenated_observations(obs))
     assert state.shape == (2, 3, 3 * 4 + 3)
     for agent in range(3):
         np.testing.assert_array_equal(state[:, agent, :12], np.asarray(obs).reshape(2, 12))
@@ -172,16 +172,64 @@ def test_ippo_and_mappo_act_under_masks_and_learn_among_the_legal_actions(algo):
     assert float(trained.max()) <= 3.0 + 1e-5
 
 
-@pytest.mark.parametrize(("algo", "critic_features"), [("ippo", 18), ("mappo", 3 * 18 + 3)])
-def test_algo_selects_the_critic_input(algo, critic_features):
-    """The launcher's ``mappo`` trains a critic on the global state (3 agents' 18-dim
-    observations and a one-hot id), ``ippo`` one on the agent's own observation."""
-    config = load_config(RLConfig, CONFIGS / f"{algo}_simple_spread.yaml")
+@pytest.mark.parametrize(
+    ("name", "critic_features"),
+    [("ippo_simple_spread", 18), ("mappo_simple_spread", 3 * 18 + 3), ("ippo_smax_3m", 75), ("mappo_smax_3m", 72 + 3)],
+)
+def test_algo_selects_the_critic_input(name, critic_features):
+    """The launcher's ``mappo`` trains a critic on the global state and a one-hot id: on MPE
+    (no global state of its own) the 3 agents' 18-dim observations, on SMAX 3m its 72-dim
+    ``world_state`` (it was the 3 allies' 75-dim observations, 228 features); ``ippo`` one on
+    the agent's own observation (SMAX 3m: 75)."""
+    config = load_config(RLConfig, CONFIGS / f"{name}.yaml")
     env, env_params = make_from_config(config.env)
     train = ALGORITHMS[config.algo].make_train(config.ppo, env, env_params, None)
     result = jax.eval_shape(train, jax.random.key(0))  # traced, not compiled or run
     first_layer = result["params"]["params"]["critic"]["torso"]["Dense_0"]["kernel"]
     assert first_layer.shape[0] == critic_features
+
+
+def test_mappo_critic_reads_the_smax_world_state_of_enemies_no_ally_sees(rng):
+    """On SMAX 3m, MAPPO's critic (the view ``make_train`` uses, on the learner's batched
+    environments) reads JaxMARL's ``world_state`` and the agent id: its values change with the
+    health of an enemy that no ally sees at the start (the allies' observations, which IPPO's
+    critic and, concatenated, MAPPO's before read, stay the same)."""
+    config = load_config(RLConfig, CONFIGS / "mappo_smax_3m.yaml", ["ppo.num_envs=4"])
+    env, params = make_from_config(config.env)
+    envs = learner_envs(config.ppo, env, config.ppo.gamma)
+    policy = multi_agent_ppo.make_policy(config.ppo, env, params)
+    views = {
+        "mappo": multi_agent_ppo.make_view(env, centralised_critic=True),
+        "ippo": multi_agent_ppo.make_view(env, centralised_critic=False),
+        "concatenated": multi_agent_view(env.agents, centralised_critic=True),
+    }
+
+    @jax.jit
+    def critic_values(key):
+        obs, state = envs.reset(key, params)
+        smax = state.env_state.env_state  # LogEnvState > JaxMARLState > HeuristicEnemySMAX's state
+        health = smax.state.unit_health.at[:, 3].multiply(0.5)  # units: 3 allies, then enemy_0
+        hurt_smax = smax.replace(state=smax.state.replace(unit_health=health))
+        hurt = state.replace(env_state=state.env_state.replace(env_state=hurt_smax))
+        hurt_obs = jax.vmap(env.jaxmarl_env.get_obs)(hurt_smax)
+        out = {"obs": obs, "hurt_obs": hurt_obs, "world_state": envs.global_state(state, params)}
+        for name, view in views.items():
+            seen = view.observation(obs, envs, state, params)
+            hurt_seen = view.observation(hurt_obs, envs, hurt, params)
+            policy_params = policy.init(jax.random.key(1), *view.policy_inputs(seen))
+            out[name] = [policy.apply(policy_params, *view.value_inputs(s), method="value") for s in (seen, hurt_seen)]
+            out[f"{name}_input"] = view.value_inputs(seen)[0]
+        return out
+
+    out = jax.device_get(critic_values(rng))
+    for agent in env.agents:  # no ally sees enemy_0
+        np.testing.assert_array_equal(out["hurt_obs"][agent], out["obs"][agent])
+    mappo_input = out["mappo_input"]  # [envs, agents, 72 + 3]
+    np.testing.assert_array_equal(mappo_input[..., :72], np.repeat(out["world_state"][:, None], 3, axis=1))
+    np.testing.assert_array_equal(mappo_input[..., 72:], np.broadcast_to(np.eye(3), (4, 3, 3)))
+    assert np.all(np.abs(out["mappo"][0] - out["mappo"][1]) > 1e-6), "MAPPO's values read enemy_0's health"
+    for name in ("ippo", "concatenated"):
+        np.testing.assert_array_equal(out[name][0], out[name][1])
 
 
 @pytest.mark.parametrize("option", ["normalize_rewards", "normalize_observations"])
