@@ -209,8 +209,14 @@ def uncalibrated_matrices(grams: Mapping[str, jax.Array]) -> dict[str, int]:
     count one matrix each; paths with none are left out): the matrices GPTQ rounds to nearest,
     routed experts no calibration token reached. Concrete Grams only (not while tracing)."""
     # Counted where the Grams lie: only the counts come to the host, not [*lead, K, K] Grams.
-    counts = {path: int(jnp.sum(jnp.trace(g, axis1=-2, axis2=-1) == 0)) for path, g in grams.items()}
-    return {path: count for path, count in counts.items() if count}
+    counts = jax.device_get(_zero_traces(list(grams.values())))
+    return {path: int(count) for path, count in zip(grams, counts) if count}
+
+
+@jax.jit
+def _zero_traces(grams: list[jax.Array]) -> list[jax.Array]:
+    # A list, not the dict: one program for the groups of layers whose Grams differ in their paths only.
+    return [jnp.sum(jnp.trace(gram, axis1=-2, axis2=-1) == 0) for gram in grams]
 
 
 def warn_uncalibrated(counts: Mapping[str, int], matrices: Mapping[str, int]) -> None:
@@ -252,14 +258,10 @@ def _check_read_quantized(flat: Mapping[str, Any], paths: list[str]) -> None:
 
 def _quantize_weight(path: str, leaf: Any, config: QuantizeConfig, gram: jax.Array | None) -> Any:
     layout = weight_layout(path, leaf)
-    value = jnp.asarray(leaf_value(leaf), jnp.float32)
-    lead, in_shape, _ = layout.split(value.shape)
-    k = math.prod(in_shape)
-    group = weight_group(path, k, config.format, config.rows_per_scale, key="quantize.group_size")
-    grams = None
-    if config.method == "gptq" and gram is not None:
-        # [*lead, k, k]: one Gram per layer and expert (one [k, k] serves all)
-        grams = jnp.broadcast_to(gram.astype(jnp.float32), (*lead, k, k))
+    value = leaf_value(leaf)
+    _, in_shape, _ = layout.split(np.shape(value))
+    group = weight_group(path, math.prod(in_shape), config.format, config.rows_per_scale, key="quantize.group_size")
+    grams = gram if config.method == "gptq" else None
     shape_only = dataclasses.replace(layout, names=None)  # one program for every weight of one shape
     parts = _stored_matrices(value, grams, config.format, group, config.damp, shape_only)
     if isinstance(leaf, nn.Partitioned):
@@ -283,17 +285,21 @@ def stored_part_axes(path: str, leaf: nn.Partitioned, keys: Iterable[str]) -> di
 
 
 # One compiled program per weight shape and format, its layers and experts quantized one after another
-# (op by op, storing each matrix dispatched and compiled some 10 programs of its own).
+# (op by op, storing each matrix dispatched and compiled some 10 programs of its own). The casts and the
+# Grams' broadcast are in it too: eager, each compiled a program per shape.
 @functools.partial(jax.jit, static_argnames=("fmt", "group", "damp", "layout"))
 def _stored_matrices(
     weight: jax.Array, grams: jax.Array | None, fmt: str, group: int | None, damp: float, layout: WeightLayout
 ) -> dict[str, jax.Array]:
-    """The stored parts of ``weight [*lead, *in, *out]`` (as ``layout`` splits it), each of its
-    ``[prod(in), prod(out)]`` matrices rounded to nearest or, given ``grams [*lead, k, k]``, quantized
-    by GPTQ with its Gram, but rounded to nearest where its Gram is zero (no input reached it: GPTQ
-    would zero every row)."""
+    """The stored parts of ``weight [*lead, *in, *out]`` (any float dtype; as ``layout`` splits it),
+    each of its ``[prod(in), prod(out)]`` matrices rounded to nearest in float32 or, given ``grams``
+    (``[*lead, k, k]``, one per layer and expert, or ``[k, k]`` for all), quantized by GPTQ with its
+    Gram, but rounded to nearest where its Gram is zero (no input reached it: GPTQ would zero every row)."""
     lead, in_shape, out_shape = layout.split(weight.shape)
     k, n = math.prod(in_shape), math.prod(out_shape)
+    weight = weight.astype(jnp.float32)
+    if grams is not None:
+        grams = jnp.broadcast_to(grams.astype(jnp.float32), (*lead, k, k))
 
     def stored(matrix_and_gram):
         matrix, gram = matrix_and_gram
@@ -389,10 +395,16 @@ def calibration_grams(apply_fn, variables: Mapping[str, Any], batches: Iterable[
     total = None
     for batch in batches:
         sown = step(variables, batch)
-        total = sown if total is None else jax.tree.map(jnp.add, total, sown)
+        total = sown if total is None else _summed(total, sown)
     if total is None:
         raise ConfigError("GPTQ calibration got no batches", key="quantize.calibration")
     return {path[: -len("_gram")]: gram for path, gram in param_paths(total).items()}
+
+
+@jax.jit
+def _summed(a: Any, b: Any) -> Any:
+    # One program for every group and batch (added op by op, each Gram shape compiled its own).
+    return jax.tree.map(jnp.add, a, b)
 
 
 __all__ = [
