@@ -145,7 +145,7 @@ def _windows(ids: np.ndarray, count: int, seq_len: int, source: str) -> np.ndarr
 
 def _batches(windows: np.ndarray, batch_size: int):
     for start in range(0, len(windows), batch_size):
-        yield jnp.asarray(windows[start : start + batch_size])
+        yield jax.device_put(windows[start : start + batch_size])  # a copy: jnp.asarray compiles a program per shape
 
 
 def validation_figures(
@@ -201,7 +201,7 @@ def quantize_model(
     params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     calibration, validation = token_splits(loaded, text, windows, _run_dataset(Path(source)))
     if config.method == "gptq":
-        inputs = (tokens[:, :-1] for tokens in _batches(calibration, windows.batch_size))
+        inputs = _batches(calibration[:, :-1], windows.batch_size)  # sliced on the host: no program per shape
         quantized, uncalibrated = sequential_gptq(loaded.config, variables, inputs, config)
     else:
         quantized, uncalibrated = quantize_params(params, config), {}
