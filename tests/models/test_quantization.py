@@ -4,10 +4,8 @@ NF4's double-quantised scales round-trip; GPTQ beats round-to-nearest on correla
 (matrix and whole model); fake quantization's forward is the round trip and its gradient the
 identity; LoRA on a quantized base equals LoRA on its dequantised weights."""
 
-import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
@@ -34,6 +32,7 @@ from ember.models.quantization.fake import fake_quantize_params
 from ember.models.quantization.gptq import gptq_matrix
 from ember.models.quantization.numerics import quantize_matrix, round_trip
 from ember.models.quantization.stored import absmax_values, double_quantize
+from tests.programs import programs_lowered
 from tests.tolerances import assert_allclose
 
 FORMATS = [("int8", None), ("int4", 32), ("nf4", 16)]
@@ -254,23 +253,6 @@ def test_mixlora_mlps_are_not_stored_quantized():
     assert error.value.key == "quantize.targets"
 
 
-@contextlib.contextmanager
-def programs_lowered() -> Iterator[list[str]]:
-    """Yields a list that collects one entry per XLA program lowered in the ``with`` body (each
-    program JAX had not built in this process yet: a jitted function's or one eager op's)."""
-    lowered = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield lowered
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-
-
 @pytest.mark.parametrize("fmt", ["nf4", "int4"])
 def test_each_weight_shape_is_stored_and_read_back_by_one_program(fmt):
     """Op by op, storing this model's weights in NF4 built 168 programs (some 10 per matrix shape and
@@ -288,6 +270,31 @@ def test_each_weight_shape_is_stored_and_read_back_by_one_program(fmt):
     with programs_lowered() as lowered:
         dequantize_params(stored, params)
     assert len(lowered) <= len(shapes), lowered
+
+
+def test_gptq_group_by_group_builds_one_program_per_step():
+    """GPTQ of a 3-layer scanned model a group (layer) at a time, on two batches. Before, each
+    group's weights were sliced and squeezed leaf by leaf, the batches embedded and the Grams
+    added and counted op by op, and the quantized groups concatenated leaf by leaf: an XLA
+    program per op and leaf shape, 31 for this model (8 squeezes, 6 concatenations, ...). Now
+    one program each to embed a batch shape, slice any group, calibrate, add Grams, count the
+    zero ones, run a quantized group and concatenate the groups, and one per stored weight shape."""
+    from ember.models.quantization.sequential import sequential_gptq
+
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=2, mlp_dim=32, scan_layers=True)
+    tokens = jax.random.randint(jax.random.key(1), (4, 8), 0, 64)
+    params = nn.meta.unbox(jax.jit(DecoderLM(config).init)(jax.random.key(0), tokens)["params"])
+    quantize = QuantizeConfig(format="int8", method="gptq", targets=("q", "k", "v", "o"))
+    flat = param_paths(params)
+    shapes = {np.shape(flat[path]) for path in quantized_paths(params, quantize)}
+    assert len(shapes) == 2  # q, k and v; o
+    batches = [tokens[:2], tokens[2:]]
+    with programs_lowered() as lowered:
+        quantized, uncalibrated = sequential_gptq(config, {"params": params}, batches, quantize)
+    assert len(lowered) <= 7 + len(shapes), lowered
+    assert uncalibrated == {}
+    stored = [path.removesuffix("/int8") for path in param_paths(quantized) if path.endswith("/int8")]
+    assert sorted(stored) == sorted(quantized_paths(params, quantize))
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
