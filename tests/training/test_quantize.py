@@ -25,6 +25,7 @@ from ember.training.lm.config import LMConfig
 from ember.training.lm.task import LMTask
 from ember.training.quantization.ptq import EvalConfig, quantize_model
 from tests.notebooks import executed_notebook
+from tests.programs import programs_lowered
 from tests.tolerances import assert_allclose
 from tests.training.lm_runs import small_config
 
@@ -428,12 +429,18 @@ def test_gptq_holds_the_grams_of_one_group_of_layers_at_a_time(tmp_path, monkeyp
     quantize_weight = quantize._quantize_weight
     monkeypatch.setattr(quantize, "_quantize_weight", recording)
     windows = EvalConfig(seq_len=16, calibration_windows=2, eval_windows=2, batch_size=2)
-    summary = quantize_model(
-        run,
-        tmp_path / "int8",
-        QuantizeConfig(format="int8", method="gptq", targets=("q", "k", "v", "o")),
-        text=text,
-        windows=windows,
-    )
+    with programs_lowered() as lowered:
+        summary = quantize_model(
+            run,
+            tmp_path / "int8",
+            QuantizeConfig(format="int8", method="gptq", targets=("q", "k", "v", "o")),
+            text=text,
+            windows=windows,
+        )
     assert len(seen) == 2 * 4 and summary["uncalibrated_matrices"] == 0
+    # And it builds an XLA program per step, not per op: embed the windows, slice a group, calibrate, count
+    # the zero Grams, run a quantized group, concatenate the groups, validate, and store each weight shape
+    # (q, k and v; o). Before, 38: the windows converted and sliced on the device, the groups sliced,
+    # squeezed and concatenated leaf by leaf, the Grams counted op by op, calibrate and forward built twice.
+    assert len(lowered) <= 7 + 2, lowered
     assert abs(summary["val_loss_delta"]) < 0.01 * summary["float_val_loss"]
