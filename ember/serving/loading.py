@@ -272,7 +272,7 @@ def _load_hf(path: Path, config_overrides: dict[str, Any], mesh: Mesh | None, ho
     if mesh is not None:
         params = jax.device_put(params, weight_shardings(config, params, mesh))
     elif not host:
-        params = jax.tree.map(jnp.asarray, params)
+        params = jax.device_put(params)  # jnp.asarray would compile a program per leaf shape
     return LoadedModel(config, params, _hf_tokenizer(path), _hf_eos_ids(path))
 
 

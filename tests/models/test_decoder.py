@@ -2,7 +2,6 @@
 policies do not change gradients, packed documents do not see each other."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import pytest
 
 from ember.models.config import LAYER_KINDS, ModelConfig
 from ember.models.decoder import DecoderLM
-from ember.models.layer_layout import layers_from_list, layers_to_list, saved_layout
+from ember.models.layer_layout import layers_from_list, layers_to_list
 from tests.host_random import perturbed
 from tests.tolerances import assert_allclose
 
@@ -44,24 +43,6 @@ def test_scanned_and_unrolled_layouts_agree(rng):
     assert_allclose(got, expected)
     again = layers_from_list(CONFIG, layers_to_list(unrolled_config, unrolled_params))["layers"]
     jax.tree.map(np.testing.assert_array_equal, again, params["layers"])
-
-
-def test_saved_layout_names_the_saved_config_and_converts_to_this_one():
-    """One function decides a checkpoint's layer layout and the conversion to the run's (the LM,
-    fine-tuning and GRPO resumes and the serving loader use it): nothing for the same layout, else
-    the config with the saved ``scan_layers`` and a conversion of params and moments alike."""
-    unrolled_config = dataclasses.replace(CONFIG, scan_layers=False)
-    draw = functools.partial(np.random.default_rng(0).standard_normal, dtype=np.float32)
-    layers = [{"attn": {"q": draw((3, 2))}, "norm": draw(3)} for _ in range(CONFIG.num_layers)]
-    embed = draw((5, 3))
-    trees = {c.scan_layers: {"embed": embed, **layers_from_list(c, layers)} for c in (CONFIG, unrolled_config)}
-    for config, other in ((CONFIG, unrolled_config), (unrolled_config, CONFIG)):
-        assert saved_layout(config, trees[config.scan_layers]) is None
-        saved_config, convert = saved_layout(config, trees[other.scan_layers])
-        assert saved_config == other
-        state = (trees[other.scan_layers], {"mu": trees[other.scan_layers]})  # params and a moment mirroring them
-        expected = (trees[config.scan_layers], {"mu": trees[config.scan_layers]})
-        jax.tree.map(np.testing.assert_array_equal, convert(state), expected)
 
 
 def test_remat_keeps_gradients(rng):

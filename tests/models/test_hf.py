@@ -20,6 +20,7 @@ from ember.models.quantization import QuantizeConfig, quantize_params
 from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
 from tests.hf_peers import ember_logits, random_hf_model
+from tests.programs import programs_lowered
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
@@ -306,13 +307,17 @@ def test_load_reads_the_checkpoint_tensor_by_tensor_into_host_arrays(tmp_path):
     memory-mapped file when it converts it, and fills NumPy stacks layer by layer: the model
     once, plus the layer being read and the one before it (~0.4x here, 6 layers)."""
     config = ModelConfig(vocab_size=32, d_model=64, num_layers=6, num_heads=4, mlp_dim=128)
-    hf.save(tmp_path, config, initial_params(config))
-    tracemalloc.start()
-    try:
-        _, params = hf.load(tmp_path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    leaves = jax.tree.leaves(params)
+    params = initial_params(config)
+    with programs_lowered() as lowered:  # saving and loading slice and stack on the host: 10 programs each before
+        hf.save(tmp_path, config, params)
+        tracemalloc.start()
+        try:
+            _, loaded = hf.load(tmp_path)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert not lowered
+    leaves = jax.tree.leaves(loaded)
     assert {type(leaf) for leaf in leaves} == {np.ndarray}
     assert peak < 1.6 * sum(leaf.nbytes for leaf in leaves)  # all at once: 2.4x
+    jax.tree.map(np.testing.assert_array_equal, loaded, jax.device_get(params))

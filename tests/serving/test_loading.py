@@ -22,6 +22,7 @@ from ember.models.decoder import DecoderLM
 from ember.models.quantization import QuantizeConfig, quantize_params
 from ember.serving.loading import load_model, sharded_targets
 from ember.serving.mesh import serving_mesh
+from tests.programs import programs_lowered
 from tests.tolerances import assert_allclose
 
 CONFIG = ModelConfig(
@@ -162,6 +163,11 @@ def test_on_the_host_a_model_is_read_without_a_device(run_dir, tmp_path):
     arrays are read with no transfer to any device."""
     path, params = run_dir
     hf.save(tmp_path / "hf", CONFIG, params)
+    with programs_lowered() as lowered:  # placed by device_put, not converted by jnp.asarray leaf by leaf
+        on_device = load_model(tmp_path / "hf")
+    assert not lowered
+    for got, saved in zip(jax.tree.leaves(on_device.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
     for source in (path, tmp_path / "hf"):
         with jax.transfer_guard_host_to_device("disallow_explicit"):
             loaded = load_model(source, host=True)
