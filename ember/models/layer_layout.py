@@ -91,7 +91,7 @@ def layers_from_list(config: ModelConfig, layers: Iterable[dict[str, Any]]) -> d
     ``layers`` may be an iterator. Scanned, layers of host (NumPy) arrays are copied into NumPy
     stacks as they come, so an iterator that builds each layer (``ember.models.hf`` reading a
     checkpoint) holds one layer beside the stacks, never the model twice; layers of jax arrays
-    are stacked on their device (``jnp.stack``).
+    are stacked on their device, by one program per block.
     """
     period, result = config.layer_period, {}
     on_device: dict[str, list[dict[str, Any]]] = {}
@@ -114,8 +114,14 @@ def layers_from_list(config: ModelConfig, layers: Iterable[dict[str, Any]]) -> d
     if count != config.num_layers:
         raise ValueError(f"expected {config.num_layers} layer trees, got {count}")
     for block, trees in on_device.items():
-        result["layers"][block] = jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+        result["layers"][block] = _stacked(trees)
     return result
+
+
+@jax.jit
+def _stacked(trees: list[Any]) -> Any:
+    # One program for the block (stacked leaf by leaf, each leaf shape compiled its own).
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 def _on_host(tree: Any) -> bool:

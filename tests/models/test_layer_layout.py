@@ -19,9 +19,10 @@ CONFIG = ModelConfig(
 UNROLLED = dataclasses.replace(CONFIG, scan_layers=False)
 
 
-def host_layers(seed=0):
-    draw = functools.partial(np.random.default_rng(seed).standard_normal, dtype=np.float32)
-    return [{"attn": {"q": draw((3, 2))}, "norm": draw(3)} for _ in range(CONFIG.num_layers)]
+def host_layers(q_shape=(3, 2)):
+    """Per-layer trees of NumPy arrays: ``q`` of ``q_shape``, ``norm`` of its first dimension."""
+    draw = functools.partial(np.random.default_rng(0).standard_normal, dtype=np.float32)
+    return [{"attn": {"q": draw(q_shape)}, "norm": draw(q_shape[:1])} for _ in range(CONFIG.num_layers)]
 
 
 def test_saved_layout_names_the_saved_config_and_converts_to_this_one():
@@ -70,13 +71,19 @@ def test_layers_that_do_not_stack_are_named():
 def test_scanned_device_layers_come_apart_in_one_program():
     """``layers_to_list`` of a scanned tree of jax arrays (the params and optimizer moments of a
     run resumed or served in the other layout) indexed each leaf of each layer on the device:
-    a program per leaf shape and index kind, 4 here. Now one program takes each block apart."""
-    scanned = jax.device_put(layers_from_list(CONFIG, host_layers()))
+    a program per leaf shape and index kind, 4 here. Now one program takes each block apart, and
+    one stacks it again (``jnp.stack`` leaf by leaf: a program per leaf shape, 2)."""
+    shape = (5, 7)  # leaf shapes no other test of this process moves, so nothing is compiled yet
+    scanned = jax.device_put(layers_from_list(CONFIG, host_layers(shape)))
     with programs_lowered() as lowered:
         layers = layers_to_list(CONFIG, scanned)
         jax.block_until_ready(layers)
     assert len(lowered) <= 1, lowered  # block_0 and block_1 have one structure and shapes
-    for got, expected in zip(layers, host_layers(), strict=True):
+    for got, expected in zip(layers, host_layers(shape), strict=True):
         jax.tree.map(np.testing.assert_array_equal, got, expected)
     converted = convert_layer_layout({"mu": scanned}, CONFIG, UNROLLED)["mu"]
-    jax.tree.map(np.testing.assert_array_equal, converted, layers_from_list(UNROLLED, host_layers()))
+    jax.tree.map(np.testing.assert_array_equal, converted, layers_from_list(UNROLLED, host_layers(shape)))
+    with programs_lowered() as lowered:  # and back: stacked by one program (jnp.stack per leaf shape: 2)
+        again = convert_layer_layout({"mu": converted}, UNROLLED, CONFIG)["mu"]
+    assert len(lowered) <= 1, lowered
+    jax.tree.map(np.testing.assert_array_equal, again, scanned)
