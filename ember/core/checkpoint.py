@@ -250,15 +250,18 @@ def _save_each_array_whole_on_cpu() -> None:
 
 def _on_default_device(metadata: Any) -> Any:
     """``ShapeDtypeStruct``s on the default device for a tree of saved array metadata."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(
-        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device) if hasattr(m, "shape") else m, metadata
-    )
+    return _abstract_arrays(metadata, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
 def _on_host(metadata: Any) -> Any:
     """``ShapeDtypeStruct``s without a sharding (restored as NumPy arrays) for saved array metadata."""
-    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype) if hasattr(m, "shape") else m, metadata)
+    return _abstract_arrays(metadata, None)
+
+
+def _abstract_arrays(metadata: Any, sharding: Any) -> Any:
+    return jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding) if hasattr(m, "shape") else m, metadata
+    )
 
 
 def _is_empty(leaf: Any) -> bool:
