@@ -65,23 +65,25 @@ def layers_to_list(config: ModelConfig, params: dict[str, Any]) -> list[dict[str
             result.append(tree)
             continue
         if block not in rows:
-            depth = len(range(layer, config.num_layers, config.layer_period))
-            rows[block] = _rows(tree, depth)
+            leaves = jax.tree.leaves(tree)
+            on_device = leaves and all(isinstance(leaf, jax.Array) for leaf in leaves)
+            rows[block] = (_device_rows if on_device else _rows)(tree, _block_depth(config, layer))
         result.append(rows[block][group])
     return result
 
 
 def _rows(tree: Any, depth: int) -> list[Any]:
     """``tree``'s leaves indexed ``0 .. depth - 1`` along their leading axis, as ``depth`` trees."""
-    leaves = jax.tree.leaves(tree)
-    if leaves and all(isinstance(leaf, jax.Array) for leaf in leaves):
-        return _device_rows(tree, depth)
     return [jax.tree.map(lambda leaf, row=row: leaf[row], tree) for row in range(depth)]
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _device_rows(tree: Any, depth: int) -> list[Any]:
-    return [jax.tree.map(lambda leaf, row=row: leaf[row], tree) for row in range(depth)]
+_device_rows = jax.jit(_rows, static_argnums=1)
+""":func:`_rows` of jax arrays in one program."""
+
+
+def _block_depth(config: ModelConfig, first_layer: int) -> int:
+    """How many layers the block whose first layer is ``first_layer`` stacks when scanned."""
+    return len(range(first_layer, config.num_layers, config.layer_period))
 
 
 def layers_from_list(config: ModelConfig, layers: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -93,7 +95,7 @@ def layers_from_list(config: ModelConfig, layers: Iterable[dict[str, Any]]) -> d
     checkpoint) holds one layer beside the stacks, never the model twice; layers of jax arrays
     are stacked on their device, by one program per block.
     """
-    period, result = config.layer_period, {}
+    result = {}
     on_device: dict[str, list[dict[str, Any]]] = {}
     count = 0
     for layer, tree in enumerate(layers):
@@ -108,7 +110,7 @@ def layers_from_list(config: ModelConfig, layers: Iterable[dict[str, Any]]) -> d
             on_device.setdefault(block, []).append(tree)
         else:
             if block not in blocks:
-                depth = len(range(layer, config.num_layers, period))
+                depth = _block_depth(config, layer)
                 blocks[block] = jax.tree.map(lambda leaf, depth=depth: np.empty((depth, *leaf.shape), leaf.dtype), tree)
             jax.tree.map(functools.partial(_fill_layer, group=group, layer=layer), blocks[block], tree)
     if count != config.num_layers:
