@@ -216,7 +216,13 @@ def uncalibrated_matrices(grams: Mapping[str, jax.Array]) -> dict[str, int]:
 @jax.jit
 def _zero_traces(grams: list[jax.Array]) -> list[jax.Array]:
     # A list, not the dict: one program for the groups of layers whose Grams differ in their paths only.
-    return [jnp.sum(jnp.trace(gram, axis1=-2, axis2=-1) == 0) for gram in grams]
+    return [jnp.sum(_unreached(gram)) for gram in grams]
+
+
+def _unreached(grams: jax.Array) -> jax.Array:
+    """Whether no calibration input reached each matrix of Grams ``[..., k, k]`` (its Gram is zero,
+    so is its trace: the Gram is a sum of outer products of inputs with themselves)."""
+    return jnp.trace(grams, axis1=-2, axis2=-1) == 0
 
 
 def warn_uncalibrated(counts: Mapping[str, int], matrices: Mapping[str, int]) -> None:
@@ -306,7 +312,7 @@ def _stored_matrices(
         if gram is None:
             return store_matrix(quantize_matrix(matrix, fmt, group), out_shape)
         quantized = jax.lax.cond(
-            jnp.trace(gram) == 0,
+            _unreached(gram),
             lambda m, g: quantize_matrix(m, fmt, group),
             lambda m, g: gptq_matrix(m, g, fmt, group, damp),
             matrix,
