@@ -53,19 +53,19 @@ def cached_corpus(
     recipe = json.loads(json.dumps(recipe))  # as meta.json holds it back: a tuple in a description reads as a list
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     directory = ember_cache_dir(cache_dir) / CORPORA_DIR / f"{name}-{key}"
-    if _recipe_of(directory) != recipe:
+    if _recorded(directory, recipe) != recipe:
         prepare_token_files(documents(), directory, val_fraction=val_fraction, tokenizer=tokenizer)
     return directory
 
 
-def _recipe_of(directory: Path) -> dict[str, Any] | None:
-    """The preparation ``directory``'s ``meta.json`` records (``None`` fields where it records
-    none), or ``None`` when it has no readable ``meta.json``."""
+def _recorded(directory: Path, recipe: dict[str, Any]) -> dict[str, Any] | None:
+    """What ``directory``'s ``meta.json`` records of the fields of ``recipe`` (``None`` fields where it
+    records none), or ``None`` when it has no readable ``meta.json``."""
     try:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError):  # JSONDecodeError is a ValueError
         return None
-    return {key: meta.get(key) for key in ("format", "tokenizer", "val_fraction")} if isinstance(meta, dict) else None
+    return {key: meta.get(key) for key in recipe} if isinstance(meta, dict) else None
 
 
 __all__ = ["CORPORA_DIR", "cached_corpus"]
