@@ -19,6 +19,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from ember.core.byte_sizes import format_bytes
+
 
 def leaves_with_paths(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
     """``(path names, leaf)`` for the array leaves of ``tree`` (boxes unboxed), in ``jax.tree.leaves`` order."""
@@ -41,15 +43,6 @@ def param_count(tree: Any) -> int:
 def param_bytes(tree: Any) -> int:
     """Bytes held by the array leaves of ``tree`` (``ShapeDtypeStruct`` leaves count too)."""
     return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for _, leaf in leaves_with_paths(tree))
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(num_bytes) < 1024 or unit == "TiB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    raise AssertionError("unreachable")
 
 
 def summary_rows(tree: Any, depth: int = 2) -> list[dict[str, Any]]:
