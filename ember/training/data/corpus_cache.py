@@ -49,23 +49,41 @@ def cached_corpus(
     only called when the corpus must be prepared) with ``tokenizer`` (default: Ember's byte
     tokenizer) and ``val_fraction``, preparing it unless this preparation is already cached."""
     tokenizer = tokenizer or ByteTokenizer()
-    recipe = {"format": PREPARATION_FORMAT, "tokenizer": tokenizer.describe(), "val_fraction": val_fraction}
+    recipe = {**_this_format(), "tokenizer": tokenizer.describe(), "val_fraction": val_fraction}
     recipe = json.loads(json.dumps(recipe))  # as meta.json holds it back: a tuple in a description reads as a list
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     directory = ember_cache_dir(cache_dir) / CORPORA_DIR / f"{name}-{key}"
-    if _recorded(directory, recipe) != recipe:
+    if not _records(recorded_meta(directory), recipe):
         prepare_token_files(documents(), directory, val_fraction=val_fraction, tokenizer=tokenizer)
     return directory
 
 
-def _recorded(directory: Path, recipe: dict[str, Any]) -> dict[str, Any] | None:
-    """What ``directory``'s ``meta.json`` records of the fields of ``recipe`` (``None`` fields where it
-    records none), or ``None`` when it has no readable ``meta.json``."""
+def recorded_meta(directory: Path) -> dict[str, Any] | None:
+    """``directory``'s ``meta.json``, or ``None`` when it has none that reads as a JSON object (a
+    preparation interrupted before its last rename)."""
     try:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError):  # JSONDecodeError is a ValueError
         return None
-    return {key: meta.get(key) for key in recipe} if isinstance(meta, dict) else None
+    return meta if isinstance(meta, dict) else None
 
 
-__all__ = ["CORPORA_DIR", "cached_corpus"]
+def is_current(meta: dict[str, Any] | None) -> bool:
+    """Whether a cached corpus whose ``meta.json`` reads as ``meta`` (``recorded_meta``) is one this
+    Ember reuses, for the tokenizer and validation fraction its key stands for: it records the
+    preparation format this version writes. Any other is stale: this Ember never reads it (it
+    prepares it again in place, if its key is one this Ember asks for)."""
+    return _records(meta, _this_format())
+
+
+def _this_format() -> dict[str, int]:
+    """The part of a recipe that says which Ember prepared it (read at call time: tests move it)."""
+    return {"format": PREPARATION_FORMAT}
+
+
+def _records(meta: dict[str, Any] | None, recipe: dict[str, Any]) -> bool:
+    """Whether ``meta`` records each field of ``recipe`` at its value (never when ``meta`` is ``None``)."""
+    return meta is not None and {key: meta.get(key) for key in recipe} == recipe
+
+
+__all__ = ["CORPORA_DIR", "cached_corpus", "is_current", "recorded_meta"]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
-from ember.core.files import write_text_atomic
+from ember.core.files import PARTIAL_SUFFIX, write_text_atomic
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 
 TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
@@ -91,7 +91,7 @@ def prepare_token_files(
     # Names of this call's own: processes of one run preparing a shared cache at once (each
     # process opens the stdlib corpus) each write whole files and rename them into place.
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    temporary = {split: out_dir / f".{split}.bin.{tag}.partial" for split in SPLITS}
+    temporary = {split: out_dir / f".{split}.bin.{tag}{PARTIAL_SUFFIX}" for split in SPLITS}
     handles = {split: open(path, "wb") for split, path in temporary.items()}
     try:
         for name, text in documents:
