@@ -39,7 +39,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "ember.training.rl.eval_command",
         "run a trained RL policy for N episodes: ember eval RUN_DIR --episodes N [--gif out.gif]",
     ),
-    "data": ("ember.training.data.cli", "prepare text files as memory-mapped token files for LM training"),
+    "data": (
+        "ember.training.data.cli",
+        "prepare text files as memory-mapped token files for LM training; list or prune the corpora cache",
+    ),
     "generate": (
         "ember.serving.cli",
         "batch inference: ember generate --checkpoint PATH --prompts in.jsonl --out out.jsonl",

@@ -12,10 +12,13 @@ preparation; one that records another (or no) format, another tokenizer, or that
 readable ``meta.json`` (a preparation interrupted before its last rename) is prepared again.
 
 Another Ember version's preparations have another key, so they stay in their own directories,
-untouched: a process of that version may be reading them (delete stale ones by hand to reclaim
-the space). A directory is only ever prepared again at its own key's name, which no process
-reads while its ``meta.json`` records another preparation; processes preparing it at once
-(those of one run) each write the same files and rename them into place whole.
+untouched: a process of that version may be reading them. A directory is only ever prepared
+again at its own key's name, which no process reads while its ``meta.json`` records another
+preparation; processes preparing it at once (those of one run) each write the same files and
+rename them into place whole. To reclaim the space of stale directories, ``ember data cache``
+lists every directory with its size and whether this Ember reads it (``is_current``), and
+``ember data cache prune`` deletes the stale ones, leaving any written in the last minutes
+(``ember.training.data.cache_scan``).
 
 Only these caches are keyed: a directory a user prepared (``ember data prepare``) opens with
 ``TokenDataset.open`` whatever format it records, or none.
