@@ -110,7 +110,6 @@ def map_paths(fn: Callable[[str, Any], Any], tree: Mapping[str, Any], prefix: st
 
 
 __all__ = [
-    "format_bytes",
     "leaves_with_paths",
     "map_paths",
     "param_bytes",

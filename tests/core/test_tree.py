@@ -4,7 +4,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ember.core.tree import format_bytes, param_bytes, param_count, summary, summary_rows
+from ember.core.byte_sizes import format_bytes
+from ember.core.tree import param_bytes, param_count, summary, summary_rows
 
 
 def params():
