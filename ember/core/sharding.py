@@ -297,7 +297,7 @@ def per_shard(
     in_axes: Sequence[Sequence[str | None]],
     out_axes: Sequence[str | None],
     *,
-    sum_over: str | None = None,
+    sum_over: str | Sequence[str | None] | None = None,
 ):
     """``fn`` run on each device's shard of its arguments under the current mesh (``jax.shard_map``,
     specs from the logical axes and rules, a mesh axis that does not divide a dimension dropped for
@@ -312,10 +312,11 @@ def per_shard(
       fn: a function of array pytrees (None leaves pass through) returning one array.
       in_axes: logical axes per argument, applied to each array of that argument.
       out_axes: logical axes of the result.
-      sum_over: a logical axis ``fn`` contracts (a matmul's ``k``): split where it names a
-        dimension, ``fn``'s results are summed over its mesh axes (``psum``, as XLA's own
-        row-parallel matmul). Where those dimensions would not all split the same way (an axis
-        that divides one and not another), none of them is split.
+      sum_over: a logical axis ``fn`` contracts (a matmul's ``k``), or several (an MoE's
+        experts and their hidden columns; None entries ignored): split where it names a
+        dimension, ``fn``'s results are summed over its mesh axes (one ``psum`` over all of
+        them, as XLA's own row-parallel matmul). Where the dimensions one axis names would not
+        all split the same way (an axis that divides one and not another), none of them is split.
     """
     mesh = _current_mesh()
     rules = nn.get_logical_axis_rules()
@@ -332,22 +333,28 @@ def per_shard(
         def specs(axes_of):
             return tuple(jax.tree.map(functools.partial(spec, axes), arg) for axes, arg in zip(axes_of, args))
 
-        in_specs, summed = specs(in_axes), None
-        if sum_over is not None:
+        in_specs, summed, whole = specs(in_axes), [], set()
+        for contracted in (sum_over,) if sum_over is None or isinstance(sum_over, str) else sum_over:
+            if contracted is None:
+                continue
             splits = {
                 entry
                 for axes, arg_specs in zip(in_axes, in_specs)
                 for leaf_spec in jax.tree.leaves(arg_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
                 for name, entry in zip(axes, leaf_spec)
-                if name == sum_over
+                if name == contracted
             }
-            summed = next(iter(splits)) if len(splits) == 1 else None
-            if summed is None:  # not split, or not alike: every argument whole along it
-                in_specs = specs([[None if name == sum_over else name for name in axes] for axes in in_axes])
-            elif math.prod(mesh.shape[axis] for axis in ((summed,) if isinstance(summed, str) else summed)) == 1:
-                summed = None  # a size-1 axis: nothing to sum (a psum would still be an all-reduce)
+            entry = next(iter(splits)) if len(splits) == 1 else None
+            if entry is None:  # not split, or not alike: every argument whole along it
+                whole.add(contracted)
+            else:
+                summed += [entry] if isinstance(entry, str) else entry
+        if whole:
+            in_specs = specs([[None if name in whole else name for name in axes] for axes in in_axes])
+        # A size-1 axis has nothing to sum (a psum over it would still be an all-reduce).
+        summed = tuple(axis for axis in dict.fromkeys(summed) if mesh.shape[axis] > 1)
         out_spec = spec(out_axes, jax.eval_shape(fn, *args))
-        body = fn if summed is None else lambda *shards: jax.lax.psum(fn(*shards), summed)
+        body = fn if not summed else lambda *shards: jax.lax.psum(fn(*shards), summed)
         return jax.shard_map(body, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
 
     return mapped

@@ -9,7 +9,8 @@
 ``--adapter NAME=DIR`` (repeatable) serves PEFT LoRA adapters at once beside the base model;
 a request line picks one with ``"adapter": "NAME"`` (see ``ember.serving.batch_io``), and
 one naming an unknown adapter gets an ``error`` record while the rest complete. ``--mesh tensor=N``
-splits the model tensor-parallel over the first ``N`` devices (:mod:`ember.serving.mesh`).
+splits the model tensor-parallel over the first ``N`` devices, ``--mesh expert=E,tensor=N`` an
+MoE model's experts ``E`` ways too, over ``E * N`` devices (:mod:`ember.serving.mesh`).
 
 See :mod:`ember.serving.batch_io` for the JSONL contract: records are written in input order
 as they finish, so an interrupted batch keeps those it finished. With ``--artifact`` the model
@@ -76,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh",
         default=None,
-        metavar="tensor=N",
-        help="split the model tensor-parallel over the first N devices (--checkpoint; see 'ember.serving.mesh')",
+        metavar="tensor=N[,expert=E]",
+        help="split the model tensor-parallel (and an MoE's experts E ways) over the first N*E devices "
+        "(--checkpoint; see 'ember.serving.mesh')",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

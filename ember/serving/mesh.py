@@ -1,21 +1,26 @@
-"""Serving one model tensor-parallel over the devices of a mesh.
+"""Serving one model split over the devices of a mesh: tensor-parallel, and its experts expert-parallel.
 
     mesh = serving_mesh(MeshConfig(data=1, tensor=4))       # over the first 4 devices
+    mesh = serving_mesh(MeshConfig(data=1, expert=2, tensor=2))  # an MoE model over 4
     loaded = load_model("runs/tiny", mesh=mesh)             # read straight into the shards
     engine = Engine.from_model(loaded.config, loaded.params, mesh=mesh)
 
 The step is compiled with explicit shardings (``ember.serving.model_program.step_placement``):
 the weights are placed by their logical axes under the default rules (``ember.core.sharding``:
-heads, key heads, MLP columns and vocabulary split over ``tensor``; a quantized weight's codes
-and scales as the float weight they store), the cache by its entries'
-(``ember.models.cache.layer_state_axes``: the pages over their key heads), and the step's
-inputs (the token budget, the sampling settings) and outputs are replicated. A mesh axis that
-does not divide a dimension leaves it whole, as everywhere in Ember (four devices and two key
-heads: every device holds both key heads' pages).
+heads, key heads, MLP columns and vocabulary split over ``tensor``, routed experts over
+``expert``; a quantized weight's codes and scales as the float weight they store), the cache by
+its entries' (``ember.models.cache.layer_state_axes``: the pages over their key heads), and the
+step's inputs (the token budget, the sampling settings) and outputs are replicated. A mesh axis
+that does not divide a dimension leaves it whole, as everywhere in Ember (four devices and two
+key heads: every device holds both key heads' pages).
 
 Only the model is split: one step is one flat token budget, with no batch dimension to split
-over ``data`` or ``fsdp`` (nor experts over ``expert``: not supported here); every mesh axis
-but ``tensor`` must have size 1.
+over ``data`` or ``fsdp``, so the step runs under :data:`SERVING_RULES` (the batch whole). Over
+``expert`` the tokens are therefore not exchanged: every device holds the step's tokens, runs its
+own experts on the slots routed to them and the partial outputs are summed with the tensor
+axis's (``ember.models.layers.moe_dispatch.routed_expert_mlp_per_shard``), one all-reduce per MoE
+layer; the rest of the model is replicated over ``expert`` (attention is split by ``tensor``
+only). Every mesh axis but :data:`SPLIT_AXES` must have size 1.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from ember.core.errors import ConfigError
-from ember.core.sharding import MeshConfig, make_mesh
+from ember.core.sharding import MeshConfig, logical_rules, make_mesh
 
-SPLIT_AXES: tuple[str, ...] = ("tensor",)
+SPLIT_AXES: tuple[str, ...] = ("tensor", "expert")
 """The mesh axes a served model may be split over."""
+
+SERVING_RULES = logical_rules({"batch": ()})
+"""The logical rules a step runs under: the defaults, with the batch (one step's flat token
+budget) whole on every device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,19 +68,21 @@ def check_serving_mesh(sizes: Mapping[str, int]) -> None:
     for axis, size in sizes.items():
         if axis not in SPLIT_AXES and size != 1:
             raise ConfigError(
-                f"mesh.{axis}={size}: serving splits only the model, over mesh.tensor (one step's flat "
-                f"token budget has no batch to split over mesh.{axis}); give mesh.{axis}=1",
+                f"mesh.{axis}={size}: serving splits only the model, over mesh.tensor and mesh.expert (one "
+                f"step's flat token budget has no batch to split over mesh.{axis}); give mesh.{axis}=1",
                 key=f"mesh.{axis}",
             )
 
 
 def serving_mesh(config: MeshConfig) -> Mesh:
     """The mesh of ``config`` (checked by :func:`check_serving_mesh`) over the first devices
-    it needs (``tensor=-1``: all of them)."""
-    check_serving_mesh(config.sizes())
+    it needs (``tensor=-1`` or ``expert=-1``: all of them)."""
+    sizes = config.sizes()
+    check_serving_mesh(sizes)
     devices = jax.devices()
-    size = config.resolve(len(devices))["tensor"] if config.tensor == -1 else config.tensor
-    return make_mesh(config, devices[:size])
+    if -1 in sizes.values():
+        sizes = config.resolve(len(devices))
+    return make_mesh(config, devices[: sizes["tensor"] * sizes["expert"]])
 
 
-__all__ = ["SPLIT_AXES", "StepPlacement", "check_serving_mesh", "serving_mesh"]
+__all__ = ["SERVING_RULES", "SPLIT_AXES", "StepPlacement", "check_serving_mesh", "serving_mesh"]

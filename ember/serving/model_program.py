@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ember.core.errors import ConfigError
 from ember.core.read_dtypes import read_dtypes
-from ember.core.sharding import DEFAULT_RULES, tree_shardings, unbox, use_sharding
+from ember.core.sharding import tree_shardings, unbox, use_sharding
 from ember.core.tree import leaves_with_paths, map_paths, param_paths
 from ember.models.adapters.stacking import stack_adapters
 from ember.models.cache import cache_layer_axes, init_cache_layers
@@ -33,7 +33,7 @@ from ember.models.quantization.placement import split_alike_shapes
 from ember.models.quantization.quantize import stored_part_axes
 from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import as_variables, serving_weights, split_variables
-from ember.serving.mesh import StepPlacement, check_serving_mesh
+from ember.serving.mesh import SERVING_RULES, StepPlacement, check_serving_mesh
 from ember.serving.program import DeviceProgram, narrowed_weights, resolve_token_buckets, step_argument_specs
 from ember.serving.sampling import sample_tokens
 
@@ -91,8 +91,8 @@ def build_program(
       kv_dtype: page (and convolution-tail) dtype; default the model's compute dtype.
       adapters: name -> adapter leaves (``ember.models.adapters``) to serve at once, stacked
         onto ``params`` (``ember.models.adapters.stacking``); each request names one or none.
-      mesh: serve the model split over this mesh's ``tensor`` axis (``ember.serving.mesh``:
-        its other axes must have size 1); default one device.
+      mesh: serve the model split over this mesh's ``tensor`` and ``expert`` axes
+        (``ember.serving.mesh``: its other axes must have size 1); default one device.
     """
     names: tuple[str, ...] = ()
     if adapters:
@@ -110,7 +110,7 @@ def build_program(
     kv = empty_cache() if placement is None else jax.jit(empty_cache, out_shardings=placement.kv)()
     step = jitted_step(config, placement)
     pages_per_seq, with_adapters = layout["pages_per_seq"], bool(names)
-    with contextlib.nullcontext() if mesh is None else use_sharding(mesh):
+    with contextlib.nullcontext() if mesh is None else use_sharding(mesh, SERVING_RULES):
         weight_dtypes = read_weight_dtypes(step, params, kv, num_slots, pages_per_seq, adapters=with_adapters)
         params = narrowed_weights(params, weight_dtypes)
         steps = {
@@ -134,22 +134,30 @@ def build_program(
 
 def step_placement(config: ModelConfig, params: Any, kv: Any, mesh: Mesh) -> StepPlacement:
     """The shardings of a step of ``DecoderLM(config)`` on ``mesh`` (checked by
-    :func:`check_serving_mesh`), for ``params`` (unboxed, as ``serving_weights`` gives them)
-    and the cache ``kv`` (``ember.models.cache.init_cache_layers``)."""
+    :func:`check_serving_mesh`; an ``expert`` axis needs a model with MoE layers), for
+    ``params`` (unboxed, as ``serving_weights`` gives them) and the cache ``kv``
+    (``ember.models.cache.init_cache_layers``)."""
     check_serving_mesh(mesh.shape)
+    experts = mesh.shape.get("expert", 1)
+    if experts > 1 and "moe" not in config.layer_mlps:
+        raise ConfigError(
+            f"mesh.expert={experts}: the model has no mixture-of-experts layer to split over it (every device "
+            "would hold and compute the same); give mesh.expert=1",
+            key="mesh.expert",
+        )
     return StepPlacement(
         params=weight_shardings(config, params, mesh),
-        kv=tree_shardings(mesh, cache_layer_axes(config), DEFAULT_RULES, shapes=kv),
+        kv=tree_shardings(mesh, cache_layer_axes(config), SERVING_RULES, shapes=kv),
         replicated=NamedSharding(mesh, PartitionSpec()),
     )
 
 
 def weight_shardings(config: ModelConfig, params: Any, mesh: Mesh) -> Any:
     """``NamedSharding``s of the weights ``params`` (arrays or ``ShapeDtypeStruct``s) of
-    ``DecoderLM(config)`` on ``mesh``: by :func:`weight_axes` under the default rules, each
+    ``DecoderLM(config)`` on ``mesh``: by :func:`weight_axes` under ``SERVING_RULES``, each
     stored quantized weight's parts split alike (``ember.models.quantization.placement``)."""
     axes = weight_axes(config, params)
-    return tree_shardings(mesh, axes, DEFAULT_RULES, shapes=split_alike_shapes(params, axes))
+    return tree_shardings(mesh, axes, SERVING_RULES, shapes=split_alike_shapes(params, axes))
 
 
 def weight_axes(config: ModelConfig, params: Any) -> Any:

@@ -2,7 +2,8 @@
 per-expert loop (values and every gradient) on meshes with expert = 1, 2, 4, 8 and combined
 with fsdp and tensor axes, for random and maximally skewed routing (every slot to the experts
 of one rank: the dropless worst case); a tiny MoE trained 20 steps has the same loss curve
-on every mesh."""
+on every mesh. Under rules whose batch is whole over ``expert`` (serving's), the experts stay
+split and the tokens replicated: the per-shard dispatch, one all-reduce."""
 
 import functools
 
@@ -13,10 +14,12 @@ import optax
 import pytest
 
 from ember.core.errors import ConfigError, EmberError
-from ember.core.sharding import MeshConfig, make_mesh, use_sharding
+from ember.core.sharding import MeshConfig, logical_rules, make_mesh, use_sharding
 from ember.models.layers import expert_parallel
-from ember.models.layers.expert_parallel import expert_parallel_routed_mlp
+from ember.models.layers.expert_parallel import expert_parallel_ranks, expert_parallel_routed_mlp
 from ember.models.layers.mlp import mlp
+from ember.models.layers.moe_dispatch import routed_expert_mlp_per_shard
+from tests.collectives import collectives
 from tests.tolerances import assert_allclose
 
 TOKENS, EMBED, HIDDEN, EXPERTS, TOP_K = 32, 8, 12, 8, 2
@@ -148,6 +151,35 @@ def test_out_of_range_slots_add_nothing_whatever_rows_past_the_groups_hold(cases
             x, expert_ids, combine_weights, gate, up, down
         )
     assert_allclose(out, expected)
+
+
+@pytest.mark.parametrize("mesh_name", ["fsdp2-tensor2-expert2", "expert8"])
+def test_with_the_batch_whole_over_experts_each_device_runs_its_experts_on_every_token(cases, mesh_name):
+    """Serving's rules keep a step's tokens whole on every device: there is nothing to exchange,
+    so the layer takes the per-shard dispatch (no expert-parallel ranks), which keeps the experts
+    split over ``expert`` (and their columns over ``tensor``), shifts the ids by each shard's
+    first expert and sums every shard's partial outputs in one all-reduce: the loop's values and
+    gradients, padding and MoE++ ids (>= E) included. Before, the layer exchanged tokens
+    all-to-all whatever the rules (splitting the replicated tokens over ``expert``), and the
+    per-shard dispatch, given split experts, read global ids as local ones and summed nothing."""
+    inputs, cotangent, _ = cases["random"]
+    x, expert_ids, combine_weights, gate, up, down = inputs
+    expert_ids = expert_ids.at[::3, 1].set(EXPERTS).at[::5, 0].set(EXPERTS + 3)
+    inputs = (x, expert_ids, combine_weights, gate, up, down)
+    expected, expected_grads = value_and_grads(
+        functools.partial(loop_reference, activation="swiglu"), inputs, cotangent
+    )
+    dispatch = functools.partial(routed_expert_mlp_per_shard, activation="swiglu", impl="xla")
+    forward = jax.jit(dispatch)
+    with use_sharding(make_mesh(MESHES[mesh_name]), logical_rules({"batch": ()})):
+        assert expert_parallel_ranks() == 1
+        compiled = forward.lower(*inputs).compile()
+        out, grads = jax.jit(functools.partial(value_and_grads, dispatch))(inputs, cotangent)
+    assert [op for _, op in collectives(compiled)] == ["all-reduce"]
+    assert_allclose(compiled(*inputs), expected, err_msg="compiled forward")
+    assert_allclose(out, expected, err_msg="output")
+    for name, grad, want in zip(("x", "combine_weights", "gate", "up", "down"), grads, expected_grads):
+        assert_allclose(grad, want, scale=4, err_msg=f"d{name}")
 
 
 def tiny_moe_loss(params, x, y):

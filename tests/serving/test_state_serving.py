@@ -81,8 +81,9 @@ def program(params, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh_program(params, tmp_path_factory):
-    """``program`` split over a tensor=4 mesh: four query heads and the recurrent states' heads
-    split four ways; the two key heads' pages (and CCA's one) whole on every device."""
+    """``program`` split over an expert=2 x tensor=4 mesh: four query heads and the recurrent
+    states' heads split four ways; the two key heads' pages (and CCA's one) whole on every
+    device; the four experts of each MoE layer two per device pair, their columns four ways."""
     with one_at_a_time(tmp_path_factory, "state-serving-mesh-program"):
         return build_program(
             CONFIG,
@@ -91,7 +92,7 @@ def mesh_program(params, tmp_path_factory):
             token_buckets=BUCKETS,
             max_context=MAX_CONTEXT,
             num_pages=NUM_PAGES,
-            mesh=serving_mesh(MeshConfig(data=1, tensor=4)),
+            mesh=serving_mesh(MeshConfig(data=1, expert=2, tensor=4)),
         )
 
 
@@ -186,11 +187,21 @@ def test_a_preempted_sequence_restarts_its_state_from_position_zero(program, ref
     assert_allclose(poisoned.logprobs, clean.logprobs, dtype=np.float32)
 
 
-def test_a_hybrid_split_four_ways_serves_the_single_device_engine_s_tokens_and_logprobs(mesh_program, program, rng):
-    """On a tensor=4 mesh the hybrid gives the single-device engine's greedy and sampled tokens
-    and log-probabilities. Each device holds a quarter of every state kind's heads (the linear
-    and Mamba-2 states, CCA's query tail) and, two key heads not splitting four ways, the
-    attention layers' pages whole."""
+def test_a_hybrid_split_over_heads_and_experts_serves_the_single_device_engine_s_tokens_and_logprobs(
+    mesh_program, program, rng
+):
+    """On an expert=2 x tensor=4 mesh the hybrid gives the single-device engine's greedy and
+    sampled tokens and log-probabilities. Each device holds a quarter of every state kind's heads
+    (the linear and Mamba-2 states, CCA's query tail) and, two key heads not splitting four ways,
+    the attention layers' pages whole; and half the routed experts, a quarter of their columns
+    (each device runs its experts on the step's tokens, summed over both axes). Before, serving
+    refused an expert axis."""
+    experts = mesh_program.params["layers"]["block_0"]["moe"]["experts"]
+    for name, leaf in experts.items():  # [groups, experts, embed, f] (down: [groups, experts, f, embed])
+        groups, total, rows, columns = leaf.shape
+        local = (groups, total // 2, rows // 4, columns) if name == "down" else (groups, total // 2, rows, columns // 4)
+        assert {shard.data.shape for shard in leaf.addressable_shards} == {local}, name
+        assert len({str(shard.index) for shard in leaf.addressable_shards}) == 8, name
     assert_serves_alike(
         Engine(mesh_program.fresh_copy()),
         Engine(program.fresh_copy()),
@@ -206,7 +217,7 @@ def test_a_hybrid_split_four_ways_serves_the_single_device_engine_s_tokens_and_l
             tuple(size // 4 if axis == dim else size for axis, size in enumerate(whole))
         }, (kind, entry)
     pages = kv[state_blocks("global")[0]]["k_pages"]
-    assert len(pages.addressable_shards) == 4 and shard_shapes(pages) == {pages.shape}
+    assert len(pages.addressable_shards) == 8 and shard_shapes(pages) == {pages.shape}
     # Replicated, the attention layers' page pools are read where they lie: XLA's partitioning of
     # the ragged attention split the query heads four ways and gathered every pool at every step.
     pools = {

@@ -41,11 +41,16 @@ EXPERT_AXIS = "expert"
 
 
 def expert_parallel_ranks() -> int:
-    """The size of the current mesh's ``expert`` axis (1 without a mesh or without that axis)."""
+    """The ranks that exchange tokens over the current mesh's ``expert`` axis: its size where the
+    current logical rules split the batch over it (the default rules, as training runs), else 1
+    (no mesh, no such axis, or rules whose batch is whole over it, as serving's replicated token
+    budget: ``moe_dispatch.routed_expert_mlp_per_shard`` then runs each device's experts on the
+    tokens every device holds, and sums)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
         return 1
-    return mesh.shape[EXPERT_AXIS]
+    rules = nn.get_logical_axis_rules() or DEFAULT_RULES
+    return mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in dict(rules).get("batch", ()) else 1
 
 
 def expert_parallel_routed_mlp(

@@ -174,8 +174,9 @@ class MoeMlp(nn.Module):
         experts = ExpertWeights(config, name="experts")
         gate, up, down = experts()
         experts.record_inputs(flat, expert_ids, gate, up)
-        # Experts sharded over a current mesh's expert axis exchange tokens with all_to_all; other
-        # meshes dispatch each device's tokens (the capacity drops above are the whole batch's).
+        # Tokens split over a current mesh's expert axis are exchanged with all_to_all; otherwise
+        # each device dispatches its tokens to its experts (the capacity drops above are the
+        # whole batch's).
         dispatch = expert_parallel_routed_mlp if expert_parallel_ranks() > 1 else routed_expert_mlp_per_shard
         y = dispatch(flat, expert_ids, routing.weights, gate, up, down, activation=config.mlp, impl=config.moe_impl)
         y = y + self._zero_computation_experts(flat, expert_ids, routing.weights)

@@ -1,8 +1,9 @@
 """Dropless expert dispatch: token-slots sorted by expert, grouped matmuls, unsorted, combined.
 
 :func:`routed_expert_mlp` is the single-device dispatch; :func:`routed_expert_mlp_per_shard` runs
-it on each device's tokens under a mesh without an expert axis; ``expert_parallel.py`` has a twin
-with the same signature that exchanges token-slots over the ``expert`` mesh axis.
+it on each device's tokens under a mesh whose tokens are not split over the ``expert`` axis (none,
+or serving's replicated tokens over experts split there); ``expert_parallel.py`` has a twin with
+the same signature that exchanges token-slots over the ``expert`` mesh axis that splits them.
 :func:`apply_capacity` turns dropless routing into capacity-factor routing by marking the slots
 past each expert's capacity as dropped.
 
@@ -13,7 +14,6 @@ experts) contribute nothing and cost no matmul rows.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -161,7 +161,7 @@ def routed_expert_mlp(
 
 
 def routed_expert_mlp_per_shard(x, expert_ids, combine_weights, gate, up, down, *, activation: str, impl: str):
-    """:func:`routed_expert_mlp` on each device's tokens under the current mesh (``per_shard``).
+    """:func:`routed_expert_mlp` on each device's tokens and experts under the current mesh (``per_shard``).
 
     The dispatch sorts slots by expert, a global permutation XLA cannot partition: on a mesh
     every device built the whole batch's sorted slots (all-reduced forward and backward) and ran
@@ -169,17 +169,38 @@ def routed_expert_mlp_per_shard(x, expert_ids, combine_weights, gate, up, down, 
     expert ids (capacity drops already decided on the whole batch) each token's output is its
     own, so each device dispatches its batch rows alone: the experts' hidden columns split as
     the ``mlp`` axis, the down projection's partial products summed (in f32), as XLA splits a
-    dense MLP. An expert-weight axis whose mesh axes the batch takes too (FSDP's ``embed``) is
-    whole on every device, gathered as XLA gathers an FSDP weight.
+    dense MLP. The experts' ``embed`` axis (FSDP's) is whole on every device, as the rows' is,
+    gathered as XLA gathers an FSDP weight; so is an axis whose mesh axes the batch takes too.
+
+    Experts split over a mesh axis the batch does not take (serving's ``expert`` axis: one
+    step's token budget is replicated, so tokens need no exchange) are summed like the hidden
+    columns: each device runs its own experts on the slots routed to them (its experts' global
+    numbers shift the ids; every other slot is out of its range and costs nothing) and the
+    partial outputs of every expert shard and column shard are summed in one ``psum``.
     """
     rows = ("batch", None)
-    columns = unshared_with(("batch",), ("expert", "embed", "mlp"))
-    down_axes = unshared_with(("batch",), ("expert", "mlp", "embed"))
-    hidden = columns[2]
-    summed = functools.partial(routed_expert_mlp, activation=activation, impl=impl, out_dtype=jnp.float32)
-    in_axes = [rows, rows, rows, columns, columns, down_axes]
-    out = per_shard(summed, in_axes, rows, sum_over=hidden)(x, expert_ids, combine_weights, gate, up, down)
-    return out.astype(x.dtype)
+    columns = unshared_with(("batch",), ("expert", None, "mlp"))
+    down_axes = unshared_with(("batch",), ("expert", "mlp", None))
+    experts, hidden = columns[0], columns[2]
+
+    def local_experts(x, expert_ids, combine_weights, gate, up, down, numbers):
+        # numbers [local experts]: the global numbers of this shard's experts, in order.
+        return routed_expert_mlp(
+            x,
+            expert_ids - numbers[0],
+            combine_weights,
+            gate,
+            up,
+            down,
+            activation=activation,
+            impl=impl,
+            out_dtype=jnp.float32,
+        )
+
+    in_axes = [rows, rows, rows, columns, columns, down_axes, (experts,)]
+    numbers = jnp.arange(up.shape[0], dtype=expert_ids.dtype)
+    summed = per_shard(local_experts, in_axes, rows, sum_over=(experts, hidden))
+    return summed(x, expert_ids, combine_weights, gate, up, down, numbers).astype(x.dtype)
 
 
 def slot_capacity(capacity_factor: float, tokens: int | jax.Array, top_k: int, num_experts: int) -> int | jax.Array:
