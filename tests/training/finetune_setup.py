@@ -26,16 +26,21 @@ def write_tokenizer(path: Path, words: list[str] = WORDS) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_base_model(path: Path, *, seed: int = 0) -> Path:
-    """A tiny random Llama and its tokenizer in ``path`` (nothing downloaded)."""
+def write_base_model(path: Path, *, seed: int = 0, experts: int = 0) -> Path:
+    """A tiny random Llama and its tokenizer in ``path`` (nothing downloaded); with ``experts``,
+    a Mixtral of that many experts (top-2, each 32 wide) alike in all else."""
     import transformers
 
     from tests.hf_peers import random_hf_model
 
-    config = transformers.LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None,
+    common = dict(
+        vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None,
     )  # fmt: skip
+    if experts:
+        config = transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=experts)
+    else:
+        config = transformers.LlamaConfig(**common, intermediate_size=64)
     random_hf_model(config, seed=seed).save_pretrained(path)
     write_tokenizer(path)
     return path

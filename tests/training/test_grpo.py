@@ -458,32 +458,43 @@ def completion_length(prompt: str, completion: str) -> float:
     return float(len(completion))
 
 
-def test_a_tensor_parallel_policy_rolls_out_on_an_engine_split_over_its_tensor_axis(tiny_base, tmp_path):
-    """On a data=4 x tensor=2 mesh the engine was built on one device, the policy gathered whole
-    onto it after every step. It is now split over the mesh's first tensor row (devices 0 and 1):
-    its q kernel in two shards of two heads. After two steps (the second rollout sampled by the
-    trained policy) it serves the trained weights, samples as the training forward scores, and the
-    run's rewards, loss, gradient and KL are those of the same run with mesh.tensor=1."""
+@pytest.fixture(scope="module")
+def tiny_moe_base(tmp_path_factory):
+    """``tiny_base`` as a Mixtral of 4 experts (top-2)."""
+    return write_base_model(tmp_path_factory.mktemp("grpo-moe") / "base", experts=4)
+
+
+def test_an_moe_policy_rolls_out_on_an_engine_split_over_its_tensor_and_expert_axes(tiny_moe_base, tmp_path):
+    """On a data=2 x tensor=2 x expert=2 mesh the engine of a tensor-parallel policy was built
+    on its first tensor row, and serving refused an expert axis: an MoE policy's experts went
+    whole onto each of those devices. It is now split over the mesh's first tensor x expert
+    block (devices 0-3): its q kernel in two shards of two heads, its experts in two shards of
+    two. After two steps (the second rollout sampled by the trained policy) it serves the
+    trained weights, samples as the training forward scores, and the run's rewards, loss,
+    gradient and KL are those of the same run on one device's engine (tensor=1, expert=1)."""
     overrides = ["train.steps=2", "train.log_every=1", "grpo.max_tokens=4", "grpo.kl_coef=0.1", "optim.lr=0.01",
-                 "reward=tests.training.test_grpo:completion_length"]  # fmt: skip
+                 "reward=tests.training.test_grpo:completion_length", "train.aux_loss_weights.load_balance=0",
+                 "train.aux_loss_weights.router_z=0"]  # fmt: skip
     logged = {}
-    for tensor in (1, 2):
-        config = tiny_config(tiny_base, tmp_path / f"tensor{tensor}", *overrides, f"mesh.tensor={tensor}")
+    for split in (1, 2):
+        run_dir = tmp_path / f"split{split}"
+        config = tiny_config(tiny_moe_base, run_dir, *overrides, f"mesh.tensor={split}", f"mesh.expert={split}")
         trainer = make_trainer(config, task=task_module.GRPOTask(config))
         engine = trainer.task.engine
-        q = engine.program.params["layers"]["block_0"]["attn"]["q"]["kernel"]  # [layers, embed, heads, head_dim]
-        devices = {shard.device: shard.data.shape for shard in q.addressable_shards}
-        expected = [trainer.mesh.devices.flat[0]] if tensor == 1 else list(trainer.mesh.devices[0, 0, :, 0])
-        assert list(devices) == expected and all(shape[2] == 4 // tensor for shape in devices.values()), devices
+        block = engine.program.params["layers"]["block_0"]
+        q = block["attn"]["q"]["kernel"]  # [layers, embed, heads, head_dim]
+        up = block["moe"]["experts"]["up"]  # [layers, experts, embed, expert_dim]
+        expected = [trainer.mesh.devices.flat[0]] if split == 1 else list(trainer.mesh.devices[0, 0].flat)
+        for weight, dim, size in ((q, 2, 4), (up, 1, 4)):
+            devices = {shard.device: shard.data.shape for shard in weight.addressable_shards}
+            assert list(devices) == expected and all(shape[dim] == size // split for shape in devices.values()), devices
         trainer.train()
         trained = param_paths(serving_weights(trainer.state.params, trainer.state.model_state))
         for path, weight in param_paths(engine.program.params).items():
             np.testing.assert_array_equal(weight, trained[path], err_msg=path)
-        records = [
-            json.loads(line) for line in (tmp_path / f"tensor{tensor}" / "metrics.jsonl").read_text().splitlines()
-        ]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert max(r["logprob_mismatch_max"] for r in records if "logprob_mismatch_max" in r) < 1e-5
-        logged[tensor] = {
+        logged[split] = {
             (r["step"], k): r[k]
             for r in records
             for k in ("reward_mean", "reward_std", "loss", "grad_norm", "kl")

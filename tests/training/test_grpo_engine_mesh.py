@@ -1,5 +1,6 @@
-"""Where GRPO's rollout engine runs on a tensor-parallel training mesh (``ember.training.rl_lm.
-engine_mesh``); the run itself: tests/training/test_grpo.py (a tensor-parallel policy)."""
+"""Where GRPO's rollout engine runs on a tensor- or expert-parallel training mesh
+(``ember.training.rl_lm.engine_mesh``); the run itself: tests/training/test_grpo.py (an MoE
+policy on tensor and expert axes)."""
 
 from types import SimpleNamespace
 
@@ -10,7 +11,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig, make_mesh
+from ember.models.config import ModelConfig
 from ember.training.rl_lm.engine_mesh import held_on, rollout_mesh
+
+DENSE = ModelConfig()
+MOE = ModelConfig(mlp_pattern=("moe",))
 
 
 def buffers(array: jax.Array) -> dict:
@@ -24,7 +29,7 @@ def test_the_engine_takes_the_shards_its_tensor_row_already_holds():
     (nothing moves between devices); one split over fsdp too is left whole for a device_put to
     gather; a mesh of tensor=1 gives no engine mesh (one device, as before)."""
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    row = rollout_mesh(mesh)
+    row = rollout_mesh(mesh, DENSE)
     assert list(row.devices.flat) == list(mesh.devices[0, 0, :, 0]) and dict(row.shape) == {
         "data": 1, "fsdp": 1, "tensor": 2, "expert": 1
     }  # fmt: skip
@@ -36,16 +41,39 @@ def test_the_engine_takes_the_shards_its_tensor_row_already_holds():
     np.testing.assert_array_equal(held, values)
     both = jax.device_put(values, NamedSharding(mesh, PartitionSpec("fsdp", "tensor")))
     assert held_on(both, row) is both
-    assert rollout_mesh(make_mesh(MeshConfig(data=-1))) is None
+    assert rollout_mesh(make_mesh(MeshConfig(data=-1)), DENSE) is None
 
 
-def test_a_tensor_row_across_processes_is_refused():
-    """Each process samples on its own devices: a tensor row with another process's device (the
-    trainer refuses such a mesh first, ``ember.training.mesh_checks.check_process_rows``)."""
+def test_an_moe_policy_s_engine_spans_the_tensor_x_expert_block():
+    """data=2 x tensor=2 x expert=2: an MoE policy's engine is the block of devices 0-3 (its experts
+    split as the trainer splits them, so a weight split over tensor and expert is taken as the
+    buffers there); a dense policy's, the tensor row only (serving refuses an expert axis with no
+    experts to split), and none where tensor is 1. With tensor=1 an MoE policy's is its expert row."""
+    mesh = make_mesh(MeshConfig(data=2, tensor=2, expert=2))
+    block = rollout_mesh(mesh, MOE)
+    assert list(block.devices.flat) == list(mesh.devices[0, 0].flat) and dict(block.shape) == {
+        "data": 1, "fsdp": 1, "tensor": 2, "expert": 2
+    }  # fmt: skip
+    values = np.random.default_rng(1).normal(size=(4, 6)).astype(np.float32)
+    split = jax.device_put(values, NamedSharding(mesh, PartitionSpec("expert", "tensor")))
+    held = held_on(split, block)
+    assert buffers(held) == {device: address for device, address in buffers(split).items() if device in held.devices()}
+    np.testing.assert_array_equal(held, values)
+    assert list(rollout_mesh(mesh, DENSE).devices.flat) == list(mesh.devices[0, 0, :, 0])
+    experts_only = make_mesh(MeshConfig(data=4, expert=2))
+    assert rollout_mesh(experts_only, DENSE) is None
+    assert list(rollout_mesh(experts_only, MOE).devices.flat) == list(experts_only.devices[0, 0, 0])
+
+
+def test_a_block_across_processes_is_refused():
+    """Each process samples on its own devices: a tensor row (or an MoE policy's expert row) with
+    another process's device (the trainer refuses a tensor axis across processes first,
+    ``ember.training.mesh_checks.check_process_rows``)."""
     here, there = SimpleNamespace(process_index=0), SimpleNamespace(process_index=1)
-    mesh = SimpleNamespace(
-        shape={"data": 1, "tensor": 2}, devices=np.array([[here, there]], dtype=object), axis_names=("data", "tensor")
-    )
-    with pytest.raises(ConfigError, match=r"^mesh.tensor=2 spans processes") as error:
-        rollout_mesh(mesh)
-    assert error.value.key == "mesh.tensor"
+    for axis in ("tensor", "expert"):
+        mesh = SimpleNamespace(
+            shape={"data": 1, axis: 2}, devices=np.array([[here, there]], dtype=object), axis_names=("data", axis)
+        )
+        with pytest.raises(ConfigError, match=rf"^mesh.{axis}=2 spans processes") as error:
+            rollout_mesh(mesh, MOE)
+        assert error.value.key == f"mesh.{axis}"

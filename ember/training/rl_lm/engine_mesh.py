@@ -1,22 +1,24 @@
-"""Where GRPO's rollout engine runs when the policy trains tensor-parallel.
+"""Where GRPO's rollout engine runs when the policy trains tensor- or expert-parallel.
 
-    mesh = rollout_mesh(trainer.mesh)          # None: the trainer's mesh.tensor is 1
+    mesh = rollout_mesh(trainer.mesh, config)  # None: the trainer's mesh.tensor (and mesh.expert) is 1
     weights = jax.tree.map(lambda x: held_on(x, mesh), trained)       # the trainer's own buffers
     engine.update_params(weights)                                     # copied into the engine's shards
 
-With ``mesh.tensor`` = n > 1 the engine is split over the n devices of the training mesh's
-tensor row that holds this process's first device of the mesh (index 0 of every other axis in
-a one-process run), as a mesh of its own whose other axes have size 1
-(``ember.serving.mesh``). Why that row: the engine splits its weights by the same logical rules
-as the trainer (heads, key heads, MLP columns and vocabulary over ``tensor``), so under the
-default rules every weight the trainer splits only over ``tensor`` already has the engine's
-shards on these devices: syncing copies each shard on its own device, with no transfer between
-devices and no gather onto one device or the host (:func:`held_on`). A weight the trainer also
-splits over another axis (``fsdp``, ``expert``) is gathered over it, device to device in one
-process (a ``device_put`` into the engine's shardings), through the host where that axis
-spans processes (``ember.core.sharding.addressable_here``). Each process of a multi-process run
-samples its share on its own row; a tensor axis across processes is refused by the trainer
-(``ember.training.mesh_checks.check_process_rows``) before the engine is built.
+The engine is split over the axes serving splits a model over (``ember.serving.mesh``:
+``tensor``, and ``expert`` for a model with MoE layers). Where they have more than one device,
+it runs on the block of the training mesh spanning them that holds this process's first device
+of the mesh (index 0 of every other axis in a one-process run: the tensor row, or the tensor x
+expert block), as a mesh of its own whose other axes have size 1. Why that block: the engine
+splits its weights by the same logical rules as the trainer (heads, key heads, MLP columns and
+vocabulary over ``tensor``, routed experts over ``expert``), so under the default rules every
+weight the trainer splits only over those axes already has the engine's shards on these devices:
+syncing copies each shard on its own device, with no transfer between devices and no gather onto
+one device or the host (:func:`held_on`). A weight the trainer also splits over another axis
+(``fsdp``) is gathered over it, device to device in one process (a ``device_put`` into the
+engine's shardings), through the host where that axis spans processes
+(``ember.core.sharding.addressable_here``). Each process of a multi-process run samples its share
+on its own block; a block across processes is refused (the trainer refuses a tensor axis across
+processes first: ``ember.training.mesh_checks.check_process_rows``).
 """
 
 from __future__ import annotations
@@ -26,32 +28,38 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ember.core.errors import ConfigError
+from ember.models.config import ModelConfig
+from ember.serving.mesh import SPLIT_AXES
 
 
-def rollout_mesh(mesh: Mesh) -> Mesh | None:
-    """The engine's mesh for a policy trained on ``mesh`` (see the module docstring): None when
-    its ``tensor`` axis has size 1 (the engine is then on one device), else the tensor row
-    holding this process's first device of ``mesh``, with ``mesh``'s axis names (size 1 but
-    ``tensor``) and device order.
+def rollout_mesh(mesh: Mesh, config: ModelConfig) -> Mesh | None:
+    """The engine's mesh for a policy ``DecoderLM(config)`` trained on ``mesh`` (see the module
+    docstring): None when the axes it is served over (``tensor``, and ``expert`` where ``config``
+    has MoE layers) all have size 1 (the engine is then on one device), else the block spanning
+    them that holds this process's first device of ``mesh``, with ``mesh``'s axis names (size 1
+    but those) and device order.
 
     Raises:
-      ConfigError: (keyed ``mesh.tensor``) that row has devices of other processes.
+      ConfigError: (keyed ``mesh.<axis>``) that block has devices of other processes.
     """
-    size = mesh.shape.get("tensor", 1)
-    if size == 1:
+    served = [axis for axis in SPLIT_AXES if axis != "expert" or "moe" in config.layer_mlps]
+    split = [axis for axis in served if mesh.shape.get(axis, 1) > 1]
+    if not split:
         return None
     here = jax.process_index()
     first = next(device for device in mesh.devices.flat if device.process_index == here)
     position = np.argwhere(mesh.devices == first)[0]
-    axis = mesh.axis_names.index("tensor")
-    row = mesh.devices[tuple(slice(None) if i == axis else slice(p, p + 1) for i, p in enumerate(position))]
-    if any(device.process_index != here for device in row.flat):
+    block = mesh.devices[
+        tuple(slice(None) if name in split else slice(p, p + 1) for name, p in zip(mesh.axis_names, position))
+    ]
+    if any(device.process_index != here for device in block.flat):
+        axes = " x ".join(f"mesh.{axis}={mesh.shape[axis]}" for axis in split)
         raise ConfigError(
-            f"mesh.tensor={size} spans processes: each process samples its GRPO rollouts on its own devices, "
-            f"so the tensor axis must stay within one process's {jax.local_device_count()} devices",
-            key="mesh.tensor",
+            f"{axes} spans processes: each process samples its GRPO rollouts on its own devices, "
+            f"so the axes the engine is split over must stay within one process's {jax.local_device_count()} devices",
+            key=f"mesh.{split[0]}",
         )
-    return Mesh(row, mesh.axis_names, axis_types=mesh.axis_types)
+    return Mesh(block, mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def held_on(x: jax.Array, mesh: Mesh) -> jax.Array:

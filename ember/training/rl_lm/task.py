@@ -12,13 +12,13 @@ the adapters move). The reference policy is the base model as loaded (LoRA: the 
 without its adapters), kept beside the engine's weights and placed as they are; the KL term
 is computed against it.
 
-Where the engine runs: with the training mesh's ``tensor`` axis of 1, on this process's first
-device (the policy whole there); with ``mesh.tensor`` = n > 1, tensor-parallel over the n
-devices of the mesh's tensor row that holds this process's first device
-(``ember.training.rl_lm.engine_mesh``): the weights in the engine's shardings, each copied from
-the shards the trainer already has on those devices, the reference split the same way and the
-scorer's forward run split over them. Each process of a multi-process run samples its own
-share on its own devices.
+Where the engine runs: with the training mesh's ``tensor`` axis of 1 (and ``expert``, for an
+MoE policy), on this process's first device (the policy whole there); with ``mesh.tensor`` = n
+(``mesh.expert`` = e) > 1, split over the n x e devices of the mesh's tensor x expert block that
+holds this process's first device (``ember.training.rl_lm.engine_mesh``): the weights in the
+engine's shardings, each copied from the shards the trainer already has on those devices, the
+reference split the same way and the scorer's forward run split over them. Each process of a
+multi-process run samples its own share on its own devices.
 
 Logged beside the loss: ``reward_mean``, ``reward_std``, ``kl`` (when ``grpo.kl_coef`` > 0),
 ``clip_fraction``, ``ratio`` and ``completion_tokens`` (per step), and per logging interval the rollouts'
@@ -50,6 +50,7 @@ from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables, serving_weights, split_variables
 from ember.serving.engine import Engine, prompt_tokens
 from ember.serving.loading import LoadedModel
+from ember.serving.mesh import SERVING_RULES
 from ember.serving.model_program import weight_shardings
 from ember.serving.program import owned_copy
 from ember.serving.requests import SamplingParams
@@ -209,7 +210,7 @@ class GRPOTask(Task):
     def add_hooks(self, trainer) -> None:
         """Builds the rollout engine on the trainer's current policy, then keeps it in step:
         syncs after every step, logs rollout statistics and evaluates on held-out prompts."""
-        self.mask, self.engine_mesh = trainer.mask, rollout_mesh(trainer.mesh)
+        self.mask, self.engine_mesh = trainer.mask, rollout_mesh(trainer.mesh, self.base.config)
         weights = _engine_weights(trainer.state, mesh=self.engine_mesh)
         # The trainer donates its own buffers every step: the engine keeps copies.
         weights = jax.tree.map(owned_copy, weights, self._engine_placement(weights))
@@ -282,7 +283,7 @@ class GRPOTask(Task):
 def _engine_weights(state: Any, mask: Any = None, mesh: Any = None) -> Any:
     """The policy's serving weights in the train ``state`` (with ``mask``: its selected params
     only) as this process's engine takes them: with the engine's ``mesh``, each weight the
-    trainer splits only over ``tensor`` as the shards it has on that mesh's devices
+    trainer splits only over the engine's axes as the shards it has on that mesh's devices
     (``engine_mesh.held_on``: sharing the trainer's buffers, which the engine copies); every
     other weight whole, gathered where a mesh over several processes shards or replicates it
     (a collective: every process runs the task's hooks)."""
@@ -312,7 +313,7 @@ def _scorer(model: DecoderLM, engine: Engine, reference: Any, temperature: float
         parts = []
         for start in range(0, len(rows["tokens"]), rows_per_call):
             inputs = {name: rows[name][start : start + rows_per_call] for name in ROW_FIELDS}
-            with contextlib.nullcontext() if mesh is None else use_sharding(mesh):
+            with contextlib.nullcontext() if mesh is None else use_sharding(mesh, SERVING_RULES):
                 if mesh is not None:
                     inputs = jax.device_put(inputs, NamedSharding(mesh, PartitionSpec()))
                 old, untempered = logprobs(engine.program.params, inputs)
