@@ -8,9 +8,10 @@ the batch-inference command (DESIGN.md section 7). Never imports ``ember.trainin
 Files: ``requests`` (SamplingParams, Request, results), ``sampling`` (on-device sampling),
 ``pages`` (page free list), ``scheduler`` (stall-free continuous batching), ``program``
 (the compiled device side), ``model_program`` (it, built from a ``DecoderLM``), ``mesh``
-(one model split tensor-parallel over several devices),
-``engine`` (Engine), ``loading`` (run or Hugging Face directories), ``export`` (jax.export
-artifacts, ``ember export``), ``batch_io`` + ``cli`` (``ember generate``).
+(one model split tensor- and expert-parallel over several devices), ``replicas`` (several
+engines of one model serving a batch together, data-parallel), ``engine`` (Engine),
+``loading`` (run or Hugging Face directories), ``export`` (jax.export artifacts,
+``ember export``), ``batch_io`` + ``cli`` (``ember generate``).
 This package's ``__init__`` imports no model code, so artifacts serve without it.
 """
 

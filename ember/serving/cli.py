@@ -10,7 +10,9 @@
 a request line picks one with ``"adapter": "NAME"`` (see ``ember.serving.batch_io``), and
 one naming an unknown adapter gets an ``error`` record while the rest complete. ``--mesh tensor=N``
 splits the model tensor-parallel over the first ``N`` devices, ``--mesh expert=E,tensor=N`` an
-MoE model's experts ``E`` ways too, over ``E * N`` devices (:mod:`ember.serving.mesh`).
+MoE model's experts ``E`` ways too, over ``E * N`` devices (:mod:`ember.serving.mesh`), and
+``--mesh data=D,...`` serves the batch on ``D`` such engines at once, each on devices of its own
+(:mod:`ember.serving.replicas`).
 
 See :mod:`ember.serving.batch_io` for the JSONL contract: records are written in input order
 as they finish, so an interrupted batch keeps those it finished. With ``--artifact`` the model
@@ -77,9 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh",
         default=None,
-        metavar="tensor=N[,expert=E]",
-        help="split the model tensor-parallel (and an MoE's experts E ways) over the first N*E devices "
-        "(--checkpoint; see 'ember.serving.mesh')",
+        metavar="[data=D,]tensor=N[,expert=E]",
+        help="split the model tensor-parallel (and an MoE's experts E ways) over N*E devices, D engines at once on "
+        "devices of their own (--checkpoint; see 'ember.serving.mesh')",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -160,14 +162,15 @@ def mesh_config(text: str) -> Any:
 
     try:
         config = load_config(MeshConfig, {"data": 1}, overrides=[pair.strip() for pair in text.split(",")])
-        check_serving_mesh(config.sizes())
+        check_serving_mesh(config.sizes(), replicas=True)
     except ConfigError as error:
         raise ConfigError(f"--mesh {text}: {error}", key="--mesh") from None
     return config
 
 
 def build_engine(args: argparse.Namespace):
-    """The engine for ``--checkpoint`` or ``--artifact``."""
+    """The engine for ``--checkpoint`` or ``--artifact``: an ``Engine``, or with ``--mesh data=N``
+    (N > 1) the ``Replicas`` of N engines (each generates as one)."""
     from ember.serving.engine import Engine
 
     if args.artifact:
@@ -176,31 +179,34 @@ def build_engine(args: argparse.Namespace):
         program, tokenizer, eos_ids = load_artifact(args.artifact)
         return Engine(program, tokenizer=tokenizer, eos_id=eos_ids)
     from ember.serving.loading import load_model, weights_fit_model
+    from ember.serving.mesh import replica_meshes
 
-    mesh = None
+    meshes = [None]
     if args.mesh is not None:
-        from ember.serving.mesh import serving_mesh
-
         try:
-            mesh = serving_mesh(mesh_config(args.mesh))
+            meshes = replica_meshes(mesh_config(args.mesh))
         except ConfigError as error:  # more devices than there are
             raise ConfigError(f"--mesh {args.mesh}: {error}", key="--mesh") from None
-    loaded = load_model(args.checkpoint, step=args.step, mesh=mesh)
+    replicated = len(meshes) > 1
+    # One mesh: the weights read straight into its shards; several: once onto the host, then each replica's.
+    loaded = load_model(args.checkpoint, step=args.step, mesh=None if replicated else meshes[0], host=replicated)
     adapters = None
     if args.adapter:
         from ember.models.hf.peft import load_peft_adapter
 
         adapters = {name: load_peft_adapter(path, loaded.config) for name, path in adapter_dirs(args).items()}
+    options = dict(
+        tokenizer=loaded.tokenizer,
+        eos_id=loaded.eos_ids,
+        adapters=adapters,
+        **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
+    )
     with engine_options_named(), weights_fit_model(args.checkpoint):
-        return Engine.from_model(
-            loaded.config,
-            loaded.params,
-            tokenizer=loaded.tokenizer,
-            eos_id=loaded.eos_ids,
-            adapters=adapters,
-            mesh=mesh,
-            **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
-        )
+        if replicated:
+            from ember.serving.replicas import Replicas
+
+            return Replicas.from_model(loaded.config, loaded.params, meshes, **options)
+        return Engine.from_model(loaded.config, loaded.params, mesh=meshes[0], **options)
 
 
 @contextlib.contextmanager

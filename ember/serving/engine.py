@@ -281,7 +281,7 @@ class Engine:
         runs). Tokens are streamed as sampled: the tail of a stop sequence appears in the
         stream although the final result leaves it out. Closing the stream early aborts its
         unfinished requests."""
-        params_list = _params_per_prompt(prompts, params)
+        params_list = params_per_prompt(prompts, params)
         requests = [self._prepare(prompt, p) for prompt, p in zip(prompts, params_list)]
         ids = [self._enqueue(request) for request in requests]
         try:
@@ -305,7 +305,7 @@ class Engine:
         ``progress``: an optional tqdm-like bar, advanced by one per generated token.
         ``on_result(index, result)``: called with each prompt's result as soon as it is known
         (a bad prompt's first, the others as they finish), so a caller can keep what is done."""
-        params_list = _params_per_prompt(prompts, params)
+        params_list = params_per_prompt(prompts, params)
         prepared: list[Request | str] = []
         for prompt, p in zip(prompts, params_list):
             try:
@@ -391,7 +391,9 @@ def _before_stop_string(tokenizer: Tokenizer, output: list[int], stops: Sequence
     return len(output) - len(tail) + kept
 
 
-def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingParams]:
+def params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt (``None`` entries: the defaults) from what ``generate`` and
+    ``stream`` take: one for all, a list of them, or ``None``; ``ValueError`` for anything else."""
     if isinstance(prompts, str):
         raise ValueError("prompts must be a list of prompts (text or token lists), got a single string")
     if params is None or isinstance(params, SamplingParams):
@@ -407,4 +409,4 @@ def _params_per_prompt(prompts: Sequence[Prompt], params: Any) -> list[SamplingP
     return params
 
 
-__all__ = ["Engine", "Prompt", "Tokenizer", "prompt_tokens"]
+__all__ = ["Engine", "Prompt", "Tokenizer", "params_per_prompt", "prompt_tokens"]

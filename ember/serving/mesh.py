@@ -20,7 +20,9 @@ over ``data`` or ``fsdp``, so the step runs under :data:`SERVING_RULES` (the bat
 own experts on the slots routed to them and the partial outputs are summed with the tensor
 axis's (``ember.models.layers.moe_dispatch.routed_expert_mlp_per_shard``), one all-reduce per MoE
 layer; the rest of the model is replicated over ``expert`` (attention is split by ``tensor``
-only). Every mesh axis but :data:`SPLIT_AXES` must have size 1.
+only). Every mesh axis but :data:`SPLIT_AXES` must have size 1, except ``data`` for
+:func:`replica_meshes`: ``data`` replicas of the engine, each on ``tensor x expert`` devices of
+its own, serving one batch together (``ember.serving.replicas``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from ember.core.sharding import MeshConfig, logical_rules, make_mesh
 
 SPLIT_AXES: tuple[str, ...] = ("tensor", "expert")
 """The mesh axes a served model may be split over."""
+
+REPLICA_AXIS = "data"
+"""The mesh axis whose size is the number of replicas of one engine (``ember.serving.replicas``)."""
 
 SERVING_RULES = logical_rules({"batch": ()})
 """The logical rules a step runs under: the defaults, with the batch (one step's flat token
@@ -62,16 +67,24 @@ class StepPlacement:
         return self.kv, self.replicated, self.replicated
 
 
-def check_serving_mesh(sizes: Mapping[str, int]) -> None:
-    """Raises ``ConfigError`` (keyed ``mesh.<axis>``) for a mesh axis other than
-    :data:`SPLIT_AXES` whose size (``mesh.shape``, or ``MeshConfig.sizes()``) is not 1."""
+def check_serving_mesh(sizes: Mapping[str, int], *, replicas: bool = False) -> None:
+    """Raises ``ConfigError`` (keyed ``mesh.<axis>``) for a mesh axis other than :data:`SPLIT_AXES`
+    (and, with ``replicas``, :data:`REPLICA_AXIS`) whose size (``mesh.shape``, or
+    ``MeshConfig.sizes()``) is not 1."""
     for axis, size in sizes.items():
-        if axis not in SPLIT_AXES and size != 1:
+        if size == 1 or axis in SPLIT_AXES or (replicas and axis == REPLICA_AXIS):
+            continue
+        if axis == REPLICA_AXIS:
             raise ConfigError(
-                f"mesh.{axis}={size}: serving splits only the model, over mesh.tensor and mesh.expert (one "
-                f"step's flat token budget has no batch to split over mesh.{axis}); give mesh.{axis}=1",
+                f"mesh.{axis}={size}: one engine splits only the model, over mesh.tensor and mesh.expert; replicas "
+                f"of it over mesh.{axis} are served by ember.serving.replicas (ember generate --mesh {axis}=N)",
                 key=f"mesh.{axis}",
             )
+        raise ConfigError(
+            f"mesh.{axis}={size}: serving splits only the model, over mesh.tensor and mesh.expert (one "
+            f"step's flat token budget has no batch to split over mesh.{axis}); give mesh.{axis}=1",
+            key=f"mesh.{axis}",
+        )
 
 
 def serving_mesh(config: MeshConfig) -> Mesh:
@@ -85,4 +98,36 @@ def serving_mesh(config: MeshConfig) -> Mesh:
     return make_mesh(config, devices[: sizes["tensor"] * sizes["expert"]])
 
 
-__all__ = ["SERVING_RULES", "SPLIT_AXES", "StepPlacement", "check_serving_mesh", "serving_mesh"]
+def replica_meshes(config: MeshConfig) -> list[Mesh]:
+    """The meshes of ``config.data`` replicas of one engine (checked by :func:`check_serving_mesh`
+    with ``replicas``), each over ``tensor x expert`` devices of its own, in device order
+    (``data=-1``: as many as the devices hold).
+
+    Raises:
+      ConfigError: keyed ``mesh.data``, the replicas need more devices than there are.
+    """
+    sizes = config.sizes()
+    check_serving_mesh(sizes, replicas=True)
+    devices = jax.devices()
+    if -1 in sizes.values():
+        sizes = config.resolve(len(devices))
+    each = sizes["tensor"] * sizes["expert"]
+    if sizes[REPLICA_AXIS] * each > len(devices):
+        raise ConfigError(
+            f"mesh.{REPLICA_AXIS}={sizes[REPLICA_AXIS]} replicas of {each} device(s) each need "
+            f"{sizes[REPLICA_AXIS] * each} devices; there are {len(devices)}",
+            key=f"mesh.{REPLICA_AXIS}",
+        )
+    one = dataclasses.replace(config, **{REPLICA_AXIS: 1})
+    return [make_mesh(one, devices[i * each : (i + 1) * each]) for i in range(sizes[REPLICA_AXIS])]
+
+
+__all__ = [
+    "REPLICA_AXIS",
+    "SERVING_RULES",
+    "SPLIT_AXES",
+    "StepPlacement",
+    "check_serving_mesh",
+    "replica_meshes",
+    "serving_mesh",
+]

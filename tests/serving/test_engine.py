@@ -419,11 +419,12 @@ def test_updated_weights_on_a_mesh_keep_their_shards_and_serve_like_the_single_d
 
 
 def test_a_mesh_that_splits_the_batch_or_a_dense_model_s_experts_is_refused(params):
-    """Serving splits only the model: a data (or fsdp) axis of more than one device is a
-    ConfigError naming it, before anything compiles; so is an expert axis for a model without
-    MoE layers (every device would hold and compute the same)."""
+    """One engine splits only the model: a data (or fsdp) axis of more than one device is a
+    ConfigError naming it (data: replicas of the engine are ``ember.serving.replicas``), before
+    anything compiles; so is an expert axis for a model without MoE layers (every device would
+    hold and compute the same)."""
     mesh = make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
-    with pytest.raises(ConfigError, match=r"mesh.data=2: serving splits only the model, over mesh.tensor") as error:
+    with pytest.raises(ConfigError, match=r"mesh.data=2: one engine splits only the model.* serving.replicas") as error:
         build_program(CONFIG, params, num_slots=4, token_budget=8, mesh=mesh)
     assert error.value.key == "mesh.data"
     with pytest.raises(ConfigError, match=r"mesh.expert=2: the model has no mixture-of-experts layer") as error:

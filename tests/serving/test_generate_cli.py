@@ -164,9 +164,10 @@ def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
     assert capsys.readouterr().err.strip().endswith("--prompt: the prompt has 50 tokens, more than the context of 40")
 
 
-def test_mesh_splits_the_model_over_devices_with_the_same_text(run_dir, capsys, monkeypatch):
-    """``--mesh tensor=2`` serves the run's model split over two devices (its cache lives in
-    their shards) and prints the single device's greedy text."""
+def test_mesh_serves_on_replicas_each_split_over_devices_with_the_same_text(run_dir, tmp_path, monkeypatch):
+    """``--mesh data=2,tensor=2`` serves a batch on two engines at once, each with the run's model
+    split over two devices of its own (its cache in their shards), and writes the single
+    device's greedy texts in input order."""
     from ember.serving import cli
 
     path, params = run_dir
@@ -174,21 +175,26 @@ def test_mesh_splits_the_model_over_devices_with_the_same_text(run_dir, capsys, 
     monkeypatch.setattr(
         cli, "build_engine", lambda args, build=cli.build_engine: engines.append(build(args)) or engines[-1]
     )
-    flags = ["--max-tokens", "4", "--token-budget", "1", "--num-slots", "1", "--no-progress"]
-    assert main(["generate", "--checkpoint", str(path), "--prompt", "Once", "--mesh", "tensor=2", *flags]) == 0
-    expected = greedy_reference(CONFIG, params, 40)([list(b"Once")], [4])[0]
-    expected = expected[: expected.index(256)] if 256 in expected else expected  # EOS ends it unprinted
-    assert capsys.readouterr().out == ByteTokenizer().decode(expected) + "\n"
-    pages = engines[0].program.kv["block_0"]["k_pages"]
-    assert (
-        pages.sharding.mesh.shape["tensor"] == 2 and pages.addressable_shards[0].data.shape[3] == CONFIG.kv_heads // 2
-    )
+    prompts = write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": text}) for text in ("Once", "Twice", "A")])
+    flags = ["--max-tokens", "4", "--token-budget", "2", "--num-slots", "1", "--no-progress"]
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *flags]
+    assert main([*args, "--mesh", "data=2,tensor=2"]) == 0
+    expected = greedy_reference(CONFIG, params, 40)([list(b"Once"), list(b"Twice"), list(b"A")], [4, 4, 4])
+    expected = [tokens[: tokens.index(256)] if 256 in tokens else tokens for tokens in expected]  # EOS unprinted
+    assert [record["text"] for record in read_records(out)] == [ByteTokenizer().decode(t) for t in expected]
+    replicas = engines[0].engines
+    for engine, devices in zip(replicas, (jax.devices()[:2], jax.devices()[2:4])):
+        pages = engine.program.kv["block_0"]["k_pages"]
+        assert list(pages.sharding.mesh.devices.flat) == devices and engine.tokens_generated > 0
+        assert pages.addressable_shards[0].data.shape[3] == CONFIG.kv_heads // 2
 
 
 @pytest.mark.parametrize(
     ("source", "mesh", "message"),
     [
-        ("--checkpoint", "data=2,tensor=2", "--mesh data=2,tensor=2: mesh.data=2: serving splits only the model"),
+        ("--checkpoint", "fsdp=2,tensor=2", "--mesh fsdp=2,tensor=2: mesh.fsdp=2: serving splits only the model"),
+        ("--checkpoint", "data=3,tensor=4", "mesh.data=3 replicas of 4 device(s) each need 12 devices; there are 8"),
         ("--checkpoint", "tensors=2", "unknown config key 'tensors'"),
         ("--artifact", "tensor=2", "--mesh applies to --checkpoint: an exported --artifact runs on one device"),
     ],

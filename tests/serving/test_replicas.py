@@ -1,0 +1,98 @@
+"""Several engines of one model serving one batch together (``ember.serving.replicas``), against
+one of them serving it alone: the same tokens and log-probabilities in prompt order, the work
+spread over both, each result reported once as it finishes; a failure stops every engine."""
+
+import jax
+import numpy as np
+import pytest
+
+from ember.core.errors import ConfigError
+from ember.core.sharding import MeshConfig
+from ember.core.tokenizer import ByteTokenizer
+from ember.models.config import ModelConfig
+from ember.serving.mesh import replica_meshes
+from ember.serving.replicas import Replicas, balanced_shares
+from ember.serving.requests import SamplingParams
+from tests.serving.random_weights import random_weights
+from tests.serving.random_workload import random_prompts
+from tests.tolerances import assert_allclose
+
+CONFIG = ModelConfig(
+    vocab_size=257, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64, page_size=4, max_seq_len=32
+)
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    """Two single-device engines (devices 0 and 1) of one random model, read from the host."""
+    params = jax.device_get(random_weights(CONFIG, seed=20261207, spread=0.3))
+    meshes = replica_meshes(MeshConfig(data=2))
+    assert [list(mesh.devices.flat) for mesh in meshes] == [[device] for device in jax.devices()[:2]]
+    options = dict(tokenizer=ByteTokenizer(), num_slots=3, token_buckets=(8,), max_context=32)
+    return Replicas.from_model(CONFIG, params, meshes, **options)
+
+
+def workload(seed):
+    """12 byte prompts (one empty: an error result), every other sampled with its own seed."""
+    generator = np.random.default_rng(seed)
+    prompts = random_prompts(generator, 12, high=20)
+    prompts[5] = []
+    params = [
+        SamplingParams(max_tokens=int(generator.integers(1, 9)), ignore_eos=True, logprobs=True,
+                       **(dict(temperature=0.8, top_k=20, seed=int(generator.integers(2**31))) if i % 2 else {}))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    return prompts, params
+
+
+def test_replicas_serve_one_engine_s_tokens_in_prompt_order_with_the_work_spread(replicas):
+    prompts, params = workload(7)
+    reported = []
+    before = [engine.tokens_generated for engine in replicas.engines]
+    results = replicas.generate(prompts, params, on_result=lambda index, result: reported.append(index))
+    assert sorted(reported) == list(range(len(prompts)))
+    assert all(engine.tokens_generated > count for engine, count in zip(replicas.engines, before))
+    alone = replicas.engines[1].generate(prompts, params)
+    assert results[5].finish_reason == "error" and "empty" in results[5].error
+    for index, (result, expected) in enumerate(zip(results, alone)):
+        assert result.tokens == expected.tokens and result.error == expected.error, index
+        if result.error is None:
+            assert_allclose(result.logprobs, expected.logprobs, dtype=np.float32, err_msg=str(index))
+
+
+def test_a_failure_in_one_engine_s_thread_stops_them_all(replicas):
+    """``on_result`` raising on the third result (in whichever engine's thread finished it): the
+    error reaches the caller once both engines stopped, with no request left queued or holding
+    pages in either. The other engine stops at its next token: it reports at most the one result
+    it was finishing (left running, it would report its whole share, 5 or 6 more)."""
+    prompts, params = workload(8)
+    params = [SamplingParams(max_tokens=8, ignore_eos=True) for _ in params]
+    seen = []
+
+    def fail_on_third(index, result):
+        seen.append(index)
+        if len(seen) == 3:
+            raise RuntimeError("the caller's storage is full")
+
+    with pytest.raises(RuntimeError, match="storage is full"):
+        replicas.generate(prompts, params, on_result=fail_on_third)
+    for engine in replicas.engines:
+        assert not engine.has_unfinished
+        assert engine.scheduler.allocator.num_free == engine.program.num_pages
+    assert len(seen) <= 4, seen
+
+
+def test_shares_balance_the_work_largest_first():
+    assert balanced_shares([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]  # 5 + 2 + 1 and 4 + 3
+    assert balanced_shares([1, 1], 3) == [[0], [1], []]
+
+
+def test_replica_meshes_need_the_devices_and_split_no_batch():
+    with pytest.raises(ConfigError, match=r"mesh.data=5 replicas of 2 device\(s\) each need 10 devices; there are 8"):
+        replica_meshes(MeshConfig(data=5, tensor=2))
+    with pytest.raises(ConfigError, match=r"mesh.fsdp=2: serving splits only the model") as error:
+        replica_meshes(MeshConfig(data=2, fsdp=2))
+    assert error.value.key == "mesh.fsdp"
+    meshes = replica_meshes(MeshConfig(data=-1, tensor=4))
+    assert [list(mesh.devices.flat) for mesh in meshes] == [jax.devices()[:4], jax.devices()[4:]]
+    assert all(dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 4, "expert": 1} for mesh in meshes)
