@@ -45,11 +45,19 @@ class Replicas:
     def from_model(cls, config: Any, params: Any, meshes: Sequence[Mesh], **engine_options: Any) -> Replicas:
         """An engine of ``DecoderLM(config)`` with ``params`` (host arrays: each replica places
         its own copy) on each of ``meshes``; ``engine_options`` go to every ``Engine.from_model``
-        (``tokenizer``, ``num_slots``, ``token_budget``, ...). The replicas compile in threads of
-        their own, at once."""
-        with ThreadPoolExecutor(len(meshes)) as pool:
-            futures = [pool.submit(Engine.from_model, config, params, mesh=mesh, **engine_options) for mesh in meshes]
-            return cls([future.result() for future in futures])
+        (``tokenizer``, ``num_slots``, ``token_budget``, ...)."""
+        return cls.build(lambda mesh: Engine.from_model(config, params, mesh=mesh, **engine_options), meshes)
+
+    @classmethod
+    def build(cls, engine_of: Callable[[Any], Engine], replicas: Sequence[Any]) -> Replicas:
+        """The engines ``engine_of(replica)`` of ``replicas`` (what each is built from: its mesh,
+        say), compiled in threads of their own, at once."""
+        with ThreadPoolExecutor(len(replicas)) as pool:
+            return cls(list(pool.map(engine_of, replicas)))
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """``Engine.encode_prompt`` (every replica encodes alike)."""
+        return self.engines[0].encode_prompt(prompt)
 
     @property
     def tokens_generated(self) -> int:

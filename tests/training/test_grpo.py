@@ -443,8 +443,8 @@ def test_the_engine_takes_the_policy_whole_when_processes_share_it(monkeypatch):
     received = []
     task = SimpleNamespace(
         mask={"q": {"kernel": False, "lora_a": True}},
-        engine=SimpleNamespace(update_params=received.append),
-        engine_mesh=None,
+        engines=[SimpleNamespace(update_params=received.append)],
+        engine_meshes=[None],
     )
     task_module.GRPOTask._sync(task, SimpleNamespace(state=state))
     assert list(received[0]["q"]) == ["lora_a"] and gathered == [params["q"]["lora_a"]]
@@ -464,34 +464,41 @@ def tiny_moe_base(tmp_path_factory):
     return write_base_model(tmp_path_factory.mktemp("grpo-moe") / "base", experts=4)
 
 
-def test_an_moe_policy_rolls_out_on_an_engine_split_over_its_tensor_and_expert_axes(tiny_moe_base, tmp_path):
+def test_an_moe_policy_rolls_out_on_engines_split_over_its_tensor_and_expert_axes(tiny_moe_base, tmp_path):
     """On a data=2 x tensor=2 x expert=2 mesh the engine of a tensor-parallel policy was built
     on its first tensor row, and serving refused an expert axis: an MoE policy's experts went
-    whole onto each of those devices. It is now split over the mesh's first tensor x expert
-    block (devices 0-3): its q kernel in two shards of two heads, its experts in two shards of
-    two. After two steps (the second rollout sampled by the trained policy) it serves the
-    trained weights, samples as the training forward scores, and the run's rewards, loss,
-    gradient and KL are those of the same run on one device's engine (tensor=1, expert=1)."""
+    whole onto each of those devices. With grpo.engine_replicas=2 the rollouts are now sampled
+    by two engines at once, one on each tensor x expert block (devices 0-3 and 4-7): in each,
+    the q kernel in two shards of two heads, the experts in two shards of two. After two steps
+    (the second rollout sampled by the trained policy) both serve the trained weights, sample as
+    the training forward scores, and the run's rewards, loss, gradient and KL are those of the
+    same run on one device's engine (tensor=1, expert=1)."""
     overrides = ["train.steps=2", "train.log_every=1", "grpo.max_tokens=4", "grpo.kl_coef=0.1", "optim.lr=0.01",
                  "reward=tests.training.test_grpo:completion_length", "train.aux_loss_weights.load_balance=0",
                  "train.aux_loss_weights.router_z=0"]  # fmt: skip
     logged = {}
     for split in (1, 2):
         run_dir = tmp_path / f"split{split}"
-        config = tiny_config(tiny_moe_base, run_dir, *overrides, f"mesh.tensor={split}", f"mesh.expert={split}")
+        mesh = [f"mesh.tensor={split}", f"mesh.expert={split}", f"grpo.engine_replicas={split}"]
+        config = tiny_config(tiny_moe_base, run_dir, *overrides, *mesh)
         trainer = make_trainer(config, task=task_module.GRPOTask(config))
-        engine = trainer.task.engine
-        block = engine.program.params["layers"]["block_0"]
-        q = block["attn"]["q"]["kernel"]  # [layers, embed, heads, head_dim]
-        up = block["moe"]["experts"]["up"]  # [layers, experts, embed, expert_dim]
-        expected = [trainer.mesh.devices.flat[0]] if split == 1 else list(trainer.mesh.devices[0, 0].flat)
-        for weight, dim, size in ((q, 2, 4), (up, 1, 4)):
-            devices = {shard.device: shard.data.shape for shard in weight.addressable_shards}
-            assert list(devices) == expected and all(shape[dim] == size // split for shape in devices.values()), devices
+        engines = trainer.task.engines
+        devices = trainer.mesh.devices
+        blocks = [[devices.flat[0]]] if split == 1 else [list(devices[i, 0].flat) for i in (0, 1)]
+        assert len(engines) == len(blocks) and (split == 1) == (trainer.task.engine is engines[0])
+        for engine, expected in zip(engines, blocks):
+            block = engine.program.params["layers"]["block_0"]
+            q = block["attn"]["q"]["kernel"]  # [layers, embed, heads, head_dim]
+            up = block["moe"]["experts"]["up"]  # [layers, experts, embed, expert_dim]
+            for weight, dim, size in ((q, 2, 4), (up, 1, 4)):
+                shards = {shard.device: shard.data.shape for shard in weight.addressable_shards}
+                assert list(shards) == expected and all(shape[dim] == size // split for shape in shards.values())
         trainer.train()
         trained = param_paths(serving_weights(trainer.state.params, trainer.state.model_state))
-        for path, weight in param_paths(engine.program.params).items():
-            np.testing.assert_array_equal(weight, trained[path], err_msg=path)
+        for engine in engines:
+            for path, weight in param_paths(engine.program.params).items():
+                np.testing.assert_array_equal(weight, trained[path], err_msg=path)
+        assert all(engine.tokens_generated > 0 for engine in engines)
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert max(r["logprob_mismatch_max"] for r in records if "logprob_mismatch_max" in r) < 1e-5
         logged[split] = {

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ember.core.errors import ConfigError
 from ember.core.sharding import MeshConfig, make_mesh
 from ember.models.config import ModelConfig
-from ember.training.rl_lm.engine_mesh import held_on, rollout_mesh
+from ember.training.rl_lm.engine_mesh import held_on, rollout_mesh, rollout_meshes
 
 DENSE = ModelConfig()
 MOE = ModelConfig(mlp_pattern=("moe",))
@@ -77,3 +77,24 @@ def test_a_block_across_processes_is_refused():
         with pytest.raises(ConfigError, match=rf"^mesh.{axis}=2 spans processes") as error:
             rollout_mesh(mesh, MOE)
         assert error.value.key == f"mesh.{axis}"
+
+
+def test_replicas_take_the_blocks_of_this_process_s_devices_in_order():
+    """grpo.engine_replicas: one engine per tensor x expert block along the other axes (an MoE
+    policy on data=2 x tensor=2 x expert=2: devices 0-3 and 4-7), one device each where nothing
+    splits the engine; 1 is the single engine's mesh; more than the blocks is a ConfigError."""
+    mesh = make_mesh(MeshConfig(data=2, tensor=2, expert=2))
+    meshes = rollout_meshes(mesh, MOE, replicas=-1)
+    assert [list(block.devices.flat) for block in meshes] == [list(mesh.devices[i, 0].flat) for i in (0, 1)]
+    assert rollout_meshes(mesh, MOE, replicas=1) == [rollout_mesh(mesh, MOE)]
+    dense = rollout_meshes(mesh, DENSE, replicas=3)  # tensor rows: 4 of them, the first 3
+    assert [list(block.devices.flat) for block in dense] == [
+        list(mesh.devices[0, 0, :, 0]),
+        list(mesh.devices[0, 0, :, 1]),
+        list(mesh.devices[1, 0, :, 0]),
+    ]
+    single = rollout_meshes(make_mesh(MeshConfig(data=8)), DENSE, replicas=-1)
+    assert [list(block.devices.flat) for block in single] == [[device] for device in jax.devices()]
+    with pytest.raises(ConfigError, match=r"grpo.engine_replicas=3: this process holds 2 block\(s\)") as error:
+        rollout_meshes(mesh, MOE, replicas=3)
+    assert error.value.key == "grpo.engine_replicas"

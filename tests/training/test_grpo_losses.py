@@ -162,6 +162,7 @@ def test_a_reward_module_that_is_not_importable_says_where_python_looks(tmp_path
         (["grpo.kl_coef=nan"], "grpo.kl_coef must be a finite number >= 0"),
         (["grpo.kl_coef=inf"], "grpo.kl_coef must be a finite number >= 0"),
         (["grpo.temperature=inf"], "grpo.temperature must be a finite number > 0"),
+        (["grpo.engine_replicas=0"], r"grpo.engine_replicas must be a positive integer or -1"),
         (["method=mixlora"], "method must be one of lora, full"),
         (["adapter.init=pissa"], "adapter.init must be lora or gaussian"),
         (["base_model.quantize=nf4"], "GRPO trains a float policy"),

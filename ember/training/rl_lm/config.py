@@ -110,7 +110,9 @@ class GRPOSection:
     rollouts: every rollout samples ``group_size`` completions of each of ``prompts_per_step``
     prompts (at most ``max_tokens`` each, at ``temperature`` / ``top_k`` / ``top_p``) through
     the serving engine (``num_slots`` sequences at once, ``token_budget`` tokens per engine
-    step), and is trained on in ``updates_per_rollout`` optimizer steps of equal shares.
+    step; ``engine_replicas`` engines sampling each rollout together, each on its own block of
+    this process's devices, -1: every block: ``ember.training.rl_lm.engine_mesh``), and is
+    trained on in ``updates_per_rollout`` optimizer steps of equal shares.
     ``clip_eps`` bounds the policy ratio; ``kl_coef`` weighs the KL to the reference (0:
     no reference pass). The loss's log-probabilities ignore ``top_k`` / ``top_p`` (see
     ``ember.training.rl_lm.losses`` for what that means)."""
@@ -127,6 +129,7 @@ class GRPOSection:
     kl_coef: float = 0.04
     num_slots: int = 64
     token_budget: int = 256
+    engine_replicas: int = 1
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -162,6 +165,12 @@ class GRPOSection:
             raise ConfigError(f"grpo.clip_eps must be in (0, 1), got {self.clip_eps}", key="grpo.clip_eps")
         if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
             raise ConfigError(f"grpo.kl_coef must be a finite number >= 0, got {self.kl_coef}", key="grpo.kl_coef")
+        if self.engine_replicas < 1 and self.engine_replicas != -1:
+            raise ConfigError(
+                f"grpo.engine_replicas must be a positive integer or -1 (every block of this process's devices), "
+                f"got {self.engine_replicas}",
+                key="grpo.engine_replicas",
+            )
         if self.token_budget < self.num_slots:
             raise ConfigError(
                 f"grpo.token_budget ({self.token_budget}) must be at least grpo.num_slots ({self.num_slots})",
@@ -257,6 +266,7 @@ class GRPOConfig:
             *RUNTIME_KEYS,
             "grpo.num_slots",
             "grpo.token_budget",
+            "grpo.engine_replicas",
             "prompts.eval_prompts",
             "prompts.eval_samples",
             *BASE_MODEL_RUNTIME_KEYS,

@@ -3,6 +3,7 @@
     mesh = rollout_mesh(trainer.mesh, config)  # None: the trainer's mesh.tensor (and mesh.expert) is 1
     weights = jax.tree.map(lambda x: held_on(x, mesh), trained)       # the trainer's own buffers
     engine.update_params(weights)                                     # copied into the engine's shards
+    meshes = rollout_meshes(trainer.mesh, config, replicas=-1)        # one engine per block (grpo.engine_replicas)
 
 The engine is split over the axes serving splits a model over (``ember.serving.mesh``:
 ``tensor``, and ``expert`` for a model with MoE layers). Where they have more than one device,
@@ -19,6 +20,12 @@ engine's shardings), through the host where that axis spans processes
 (``ember.core.sharding.addressable_here``). Each process of a multi-process run samples its share
 on its own block; a block across processes is refused (the trainer refuses a tensor axis across
 processes first: ``ember.training.mesh_checks.check_process_rows``).
+
+With ``grpo.engine_replicas`` > 1 (-1: all) a process samples each rollout on several engines at
+once (``ember.serving.replicas``), one per block of its devices along the other axes (``data``,
+``fsdp``): on one host of 8 devices and ``mesh.tensor`` = 2, four engines of two devices each
+rather than one. Each holds its own copy of the policy's serving weights and its own cache beside
+the training state on its devices.
 """
 
 from __future__ import annotations
@@ -42,8 +49,7 @@ def rollout_mesh(mesh: Mesh, config: ModelConfig) -> Mesh | None:
     Raises:
       ConfigError: (keyed ``mesh.<axis>``) that block has devices of other processes.
     """
-    served = [axis for axis in SPLIT_AXES if axis != "expert" or "moe" in config.layer_mlps]
-    split = [axis for axis in served if mesh.shape.get(axis, 1) > 1]
+    split = _split_axes(mesh, config)
     if not split:
         return None
     here = jax.process_index()
@@ -60,6 +66,45 @@ def rollout_mesh(mesh: Mesh, config: ModelConfig) -> Mesh | None:
             key=f"mesh.{split[0]}",
         )
     return Mesh(block, mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def rollout_meshes(mesh: Mesh, config: ModelConfig, replicas: int = 1) -> list[Mesh | None]:
+    """The meshes of this process's ``replicas`` rollout engines (``ember.serving.replicas``; -1:
+    one per block it holds) for a policy ``DecoderLM(config)`` trained on ``mesh``. One engine:
+    ``[rollout_mesh(mesh, config)]``. Several: the blocks spanning the axes the engine is split
+    over (one device each where those all have size 1) whose devices are all this process's, the
+    first ``replicas`` in the mesh's device order, each a mesh with ``mesh``'s axis names.
+
+    Raises:
+      ConfigError: (keyed ``grpo.engine_replicas``) this process holds fewer blocks.
+    """
+    if replicas == 1:
+        return [rollout_mesh(mesh, config)]
+    split, here = _split_axes(mesh, config), jax.process_index()
+    others = [i for i, name in enumerate(mesh.axis_names) if name not in split]
+    blocks = []
+    for position in np.ndindex(*(mesh.devices.shape[i] for i in others)):
+        index = [slice(None)] * mesh.devices.ndim
+        for axis, at in zip(others, position):
+            index[axis] = slice(at, at + 1)
+        block = mesh.devices[tuple(index)]
+        if all(device.process_index == here for device in block.flat):
+            blocks.append(Mesh(block, mesh.axis_names, axis_types=mesh.axis_types))
+    if not blocks or len(blocks) < replicas:
+        each = " x ".join(f"mesh.{axis}={mesh.shape[axis]}" for axis in split) or "one device"
+        raise ConfigError(
+            f"grpo.engine_replicas={replicas}: this process holds {len(blocks)} block(s) of {each} for rollout "
+            f"engines; give at most {len(blocks)} (or -1 for all of them)",
+            key="grpo.engine_replicas",
+        )
+    return blocks if replicas == -1 else blocks[:replicas]
+
+
+def _split_axes(mesh: Mesh, config: ModelConfig) -> list[str]:
+    """The axes of ``mesh`` of more than one device that the engine of ``DecoderLM(config)`` is split
+    over: those serving splits a model over (``tensor``; ``expert`` where ``config`` has MoE layers)."""
+    served = [axis for axis in SPLIT_AXES if axis != "expert" or "moe" in config.layer_mlps]
+    return [axis for axis in served if mesh.shape.get(axis, 1) > 1]
 
 
 def held_on(x: jax.Array, mesh: Mesh) -> jax.Array:
@@ -82,4 +127,4 @@ def held_on(x: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, target, [shards[d] for d in mesh.devices.flat])
 
 
-__all__ = ["held_on", "rollout_mesh"]
+__all__ = ["held_on", "rollout_mesh", "rollout_meshes"]

@@ -53,12 +53,13 @@ from ember.serving.loading import LoadedModel
 from ember.serving.mesh import SERVING_RULES
 from ember.serving.model_program import weight_shardings
 from ember.serving.program import owned_copy
+from ember.serving.replicas import Replicas
 from ember.serving.requests import SamplingParams
 from ember.training.finetune.base import boxed_variables, load_base, restore_base_layout
 from ember.training.lm.task import BATCH_AXES
 from ember.training.metrics import METRICS_FILE, read_metrics
 from ember.training.rl_lm.config import GRPOConfig
-from ember.training.rl_lm.engine_mesh import held_on, rollout_mesh
+from ember.training.rl_lm.engine_mesh import held_on, rollout_meshes
 from ember.training.rl_lm.losses import policy_loss, token_logprobs
 from ember.training.rl_lm.prompts import load_prompts
 from ember.training.rl_lm.rewards import resolve_reward, score
@@ -95,8 +96,10 @@ class GRPOTask(Task):
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-        self.engine: Engine | None = None
-        self.engine_mesh: Any = None  # the engine's (engine_mesh.rollout_mesh); None: one device
+        self.engine: Engine | Replicas | None = None  # the rollouts' (Replicas: grpo.engine_replicas > 1)
+        self.engines: list[Engine] = []
+        self.engine_meshes: list[Any] = []  # each engine's (engine_mesh.rollout_meshes); None: one device
+        self.engine_mesh: Any = None  # the first engine's: the scorer's and the reference's
         self.mask: Any = None
 
     def _seq_len(self) -> int:
@@ -210,29 +213,39 @@ class GRPOTask(Task):
     def add_hooks(self, trainer) -> None:
         """Builds the rollout engine on the trainer's current policy, then keeps it in step:
         syncs after every step, logs rollout statistics and evaluates on held-out prompts."""
-        self.mask, self.engine_mesh = trainer.mask, rollout_mesh(trainer.mesh, self.base.config)
-        weights = _engine_weights(trainer.state, mesh=self.engine_mesh)
-        # The trainer donates its own buffers every step: the engine keeps copies.
-        weights = jax.tree.map(owned_copy, weights, self._engine_placement(weights))
         grpo = self.config.grpo
-        self.engine = Engine.from_model(
-            self.base.config,
-            weights,
+        self.mask = trainer.mask
+        self.engine_meshes = rollout_meshes(trainer.mesh, self.base.config, grpo.engine_replicas)
+        self.engine_mesh = self.engine_meshes[0]  # the scorer's and the reference's
+        # The trainer donates its own buffers every step: the engines keep copies (taken here, in
+        # turn: gathering a weight over processes is a collective).
+        copies = []
+        for mesh in self.engine_meshes:
+            weights = _engine_weights(trainer.state, mesh=mesh)
+            copies.append(jax.tree.map(owned_copy, weights, self._engine_placement(weights, mesh)))
+        options = dict(
             tokenizer=self.base.tokenizer,
             eos_id=self.base.eos_ids,
             num_slots=grpo.num_slots,
             token_budget=grpo.token_budget,
             max_context=self.seq_len,
-            mesh=self.engine_mesh,
         )
+        engines = Replicas.build(
+            lambda mesh_and_weights: Engine.from_model(
+                self.base.config, mesh_and_weights[1], mesh=mesh_and_weights[0], **options
+            ),
+            list(zip(self.engine_meshes, copies)),
+        ).engines
+        self.engines = engines
+        self.engine = engines[0] if len(engines) == 1 else Replicas(engines)
         reference = None
         if grpo.kl_coef > 0:
             reference = unbox(self.base.params)
-            reference = jax.device_put(reference, self._engine_placement(reference))
+            reference = jax.device_put(reference, self._engine_placement(reference, self.engine_mesh))
         # The scorer's forward takes at most a training micro-batch's rows (what train.grad_accum sizes to fit).
         rows = self.data.batch_spec()["advantages"].shape[0]
         micro = rows // trainer.loop.grad_accum if rows % trainer.loop.grad_accum == 0 else rows
-        scorer = _scorer(self.model, self.engine, reference, grpo.temperature, micro, mesh=self.engine_mesh)
+        scorer = _scorer(self.model, engines[0], reference, grpo.temperature, micro, mesh=self.engine_mesh)
         self.data.attach(self.engine, scorer)
         monitor = _RolloutMonitor(self, trainer)
         trainer.add_hook(self._sync, every=1)
@@ -244,16 +257,17 @@ class GRPOTask(Task):
             trainer.add_hook(monitor.evaluate, every=trainer.loop.eval_every, on_last=True)
             monitor.start_values()
 
-    def _engine_placement(self, weights: Any) -> Any:
-        """Where the engine keeps ``weights`` (the policy's or the reference's serving weights),
-        leaf by leaf: this process's first device, or their shardings on the engine's mesh."""
-        if self.engine_mesh is None:
+    def _engine_placement(self, weights: Any, mesh: Any) -> Any:
+        """Where an engine on ``mesh`` keeps ``weights`` (the policy's or the reference's serving
+        weights), leaf by leaf: this process's first device (``mesh`` None), or their shardings on it."""
+        if mesh is None:
             return jax.tree.map(lambda _: jax.local_devices()[0], weights)
-        return weight_shardings(self.base.config, weights, self.engine_mesh)
+        return weight_shardings(self.base.config, weights, mesh)
 
     def _sync(self, info) -> None:
-        """Copies the trainable leaves (and any model state) into the engine."""
-        self.engine.update_params(_engine_weights(info.state, self.mask, self.engine_mesh))
+        """Copies the trainable leaves (and any model state) into every engine."""
+        for engine, mesh in zip(self.engines, self.engine_meshes):
+            engine.update_params(_engine_weights(info.state, self.mask, mesh))
 
     def evaluate(self, prompts: list[str] | None = None) -> dict[str, float]:
         """Mean rewards on ``prompts`` (default the held-out ones) under the engine's current
