@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ember.core.errors import DataError, PathNotFoundError
@@ -31,6 +30,7 @@ from ember.core.tokenizer import tokenizer_from_description
 from ember.serving.program import (
     LAYOUT_FIELDS,
     DeviceProgram,
+    empty_cache,
     narrowed_weights,
     resolve_token_buckets,
     step_argument_specs,
@@ -115,9 +115,9 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, tuple[int,
     params_tree, kv_tree, _, _ = jax.tree_util.treedef_children(args_tree)
     param_avals = first.in_avals[: params_tree.num_leaves]
     leaves = _read_part(directory / "params.npz", lambda path: _read_leaves(path, param_avals))
-    params = jax.tree_util.tree_unflatten(params_tree, leaves)
+    params = jax.tree_util.tree_unflatten(params_tree, jax.device_put(leaves))  # placed, not compiled per leaf
     kv_avals = first.in_avals[params_tree.num_leaves : params_tree.num_leaves + kv_tree.num_leaves]
-    kv = jax.tree_util.tree_unflatten(kv_tree, [jnp.zeros(aval.shape, aval.dtype) for aval in kv_avals])
+    kv = empty_cache(jax.tree_util.tree_unflatten(kv_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in kv_avals]))
     steps = {}
     for size, function in exported.items():
         specs = jax.tree_util.tree_unflatten(
@@ -144,8 +144,8 @@ def _read_part(path: Path, read: Any) -> Any:
         ) from None
 
 
-def _read_leaves(path: Path, avals: Sequence[Any]) -> list[jax.Array]:
-    """The parameter leaves in ``params.npz``, checked against the shapes the steps take."""
+def _read_leaves(path: Path, avals: Sequence[Any]) -> list[np.ndarray]:
+    """The parameter leaves in ``params.npz`` (NumPy), checked against the shapes the steps take."""
     leaves = []
     with np.load(path) as stored:
         for i, aval in enumerate(avals):
@@ -153,7 +153,7 @@ def _read_leaves(path: Path, avals: Sequence[Any]) -> list[jax.Array]:
             leaf = stored[f"leaf_{i:05d}"].view(aval.dtype)
             if leaf.shape != aval.shape:
                 raise ValueError(f"leaf_{i:05d} has shape {leaf.shape}; the exported steps take {aval.shape}")
-            leaves.append(jnp.asarray(leaf))
+            leaves.append(leaf)
     return leaves
 
 

@@ -34,7 +34,13 @@ from ember.models.quantization.quantize import stored_part_axes
 from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import as_variables, serving_weights, split_variables
 from ember.serving.mesh import SERVING_RULES, StepPlacement, check_serving_mesh
-from ember.serving.program import DeviceProgram, narrowed_weights, resolve_token_buckets, step_argument_specs
+from ember.serving.program import (
+    DeviceProgram,
+    empty_cache,
+    narrowed_weights,
+    resolve_token_buckets,
+    step_argument_specs,
+)
 from ember.serving.sampling import sample_tokens
 
 
@@ -101,13 +107,12 @@ def build_program(
         params = serving_weights(weights, state)
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
     layout = program_layout(config, num_slots, max_context, num_pages)
-    empty_cache = functools.partial(init_cache_layers, config, num_slots, layout["num_pages"], kv_dtype)
+    kv_shapes = jax.eval_shape(functools.partial(init_cache_layers, config, num_slots, layout["num_pages"], kv_dtype))
     placement = None
     if mesh is not None:
         params = unbox(params)
-        placement = step_placement(config, params, jax.eval_shape(empty_cache), mesh)
-    # On a mesh the cache is made in its shards: whole, it may not fit one device.
-    kv = empty_cache() if placement is None else jax.jit(empty_cache, out_shardings=placement.kv)()
+        placement = step_placement(config, params, kv_shapes, mesh)
+    kv = empty_cache(kv_shapes, None if placement is None else placement.kv)
     step = jitted_step(config, placement)
     pages_per_seq, with_adapters = layout["pages_per_seq"], bool(names)
     with contextlib.nullcontext() if mesh is None else use_sharding(mesh, SERVING_RULES):

@@ -26,6 +26,7 @@ request, and each step uses the smallest bucket that holds its tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -75,7 +76,7 @@ class DeviceProgram:
         """A program sharing these compiled steps with its own empty cache (and ``params``
         instead of these, of the same shapes, if given): engines on copies run independently.
         Both are placed as this program's (on a mesh, each leaf in its shards)."""
-        kv = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), self.kv)
+        kv = empty_cache(self.kv)
         if params is not None:
             params = self.stored(params)
             if self.inputs is not None:  # compiled for weights in the shards of the program's own
@@ -132,13 +133,49 @@ def owned_copy(tree: Any, placement: Any) -> Any:
 
 def narrowed_weights(weights: Any, dtypes: Mapping[str, Any]) -> Any:
     """``weights`` (nested dicts) with the float leaves at the paths of ``dtypes`` converted to
-    theirs (a boxed leaf keeps its box)."""
-    narrowed = {
-        path: _unboxed(leaf).astype(dtypes[path])
-        for path, leaf in param_paths(weights).items()
-        if path in dtypes and jnp.issubdtype(_unboxed(leaf).dtype, jnp.floating)
-    }
+    theirs (a boxed leaf keeps its box): NumPy leaves on the host, jax arrays by one program for
+    all those on the same devices (converted leaf by leaf, each weight shape compiled its own)."""
+    targets = {}
+    for path, leaf in param_paths(weights).items():
+        leaf = _unboxed(leaf)
+        if path in dtypes and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtypes[path]:
+            targets[path] = leaf
+    narrowed, on_devices = {}, {}
+    for path, leaf in targets.items():
+        if isinstance(leaf, jax.Array):  # one program may take arrays of one device set only
+            devices = None if isinstance(leaf, jax.core.Tracer) else frozenset(leaf.sharding.device_set)
+            on_devices.setdefault(devices, {})[path] = leaf
+        else:
+            narrowed[path] = leaf.astype(dtypes[path])
+    for leaves in on_devices.values():
+        narrowed.update(_converted(leaves, tuple((path, np.dtype(dtypes[path])) for path in sorted(leaves))))
     return _with_leaves(weights, narrowed) if narrowed else weights
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _converted(leaves: dict[str, jax.Array], dtypes: tuple[tuple[str, np.dtype], ...]) -> dict[str, jax.Array]:
+    """``leaves`` (by path) converted to the dtypes of ``dtypes``' ``(path, dtype)`` pairs."""
+    return {path: leaves[path].astype(dtype) for path, dtype in dtypes}
+
+
+def empty_cache(like: Any, shardings: Any = None) -> Any:
+    """A cache of zeros with the shapes and dtypes of ``like``'s leaves (arrays or
+    ``ShapeDtypeStruct``s), placed by ``shardings`` (a tree of them) if given, else where each
+    leaf is: by its ``sharding``, or uncommitted on the default device for an array committed to
+    none (a program's own cache as ``build_program`` makes it, so copies share its program).
+    One program makes the whole tree (zeroed leaf by leaf, each leaf shape compiled its own), and
+    a cache split over a mesh is made in its shards (whole, it may not fit one device)."""
+    leaves, treedef = jax.tree.flatten(like)
+    shapes = tuple((tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in leaves)
+    if shardings is None:
+        shardings = [leaf.sharding if getattr(leaf, "committed", True) else None for leaf in leaves]
+    else:
+        shardings = treedef.flatten_up_to(shardings)
+    return jax.tree.unflatten(treedef, jax.jit(_zeros, static_argnums=0, out_shardings=shardings)(shapes))
+
+
+def _zeros(shapes: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> list[jax.Array]:
+    return [jnp.zeros(shape, dtype) for shape, dtype in shapes]
 
 
 def _unboxed(leaf: Any) -> Any:
@@ -218,6 +255,7 @@ __all__ = [
     "DeviceProgram",
     "StepFunction",
     "batch_arrays",
+    "empty_cache",
     "narrowed_weights",
     "owned_copy",
     "resolve_token_buckets",

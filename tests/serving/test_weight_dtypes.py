@@ -18,6 +18,7 @@ from ember.models.config import ModelConfig, MoEConfig, SSMConfig
 from ember.serving import model_program
 from ember.serving.engine import Engine
 from ember.serving.export import export_program, load_artifact
+from ember.serving.program import narrowed_weights
 from ember.serving.requests import SamplingParams
 from tests.once_per_session import one_at_a_time
 from tests.serving.random_weights import random_weights
@@ -74,6 +75,9 @@ def test_projections_are_stored_in_bf16_and_what_is_read_in_float32_stays(progra
         expected = jnp.float32 if path.endswith(READ_IN_FLOAT32) else jnp.bfloat16
         assert dtype == expected, path
     assert program.weight_dtypes == {path: jnp.dtype(jnp.bfloat16) for path, d in stored.items() if d == jnp.bfloat16}
+    # Traced too (benchmarks/deviceless_compile.py converts shapes): traced arrays lie on no devices.
+    traced = jax.eval_shape(lambda p: narrowed_weights(p, program.weight_dtypes), params)
+    assert {path: leaf.dtype for path, leaf in param_paths(traced).items()} == stored
     assert float32_program.weight_dtypes == {}
     assert {leaf.dtype for leaf in jax.tree.leaves(float32_program.params)} == {jnp.dtype(jnp.float32)}
 
