@@ -32,7 +32,6 @@ from typing import Any
 
 import flax.errors
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ember.core.checkpoint import CheckpointManager
@@ -40,13 +39,14 @@ from ember.core.config import load_config, read_key, run_kind
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer
-from ember.core.tree import map_paths, param_paths
+from ember.core.tree import param_paths
 from ember.models.config import ModelConfig, runtime_overrides
 from ember.models.layer_layout import saved_layout
 from ember.models.linearize import LinearizeConfig, linearized_config
 from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import serving_weights
 from ember.serving.model_program import weight_shardings
+from ember.serving.program import narrowed_weights
 from ember.serving.scheduler import eos_ids_of
 
 
@@ -253,16 +253,11 @@ def in_param_dtype(params: Any, config: ModelConfig) -> Any:
     """``params`` with every float weight in ``config``'s parameter dtype (``precision``'s
     ``params``), as ``DecoderLM(config).init`` gives them: a run trained with float32 master
     weights loaded with ``precision=pure_bf16`` (a fine-tuning run's ``base_model.precision``)
-    holds bfloat16 weights. Stored quantized weights' parts are kept as they are."""
-    dtype = config.policy.param_dtype
-    quantized = tuple(f"{path}/" for path in stored_weight_paths(param_paths(params)))
-
-    def cast(path: str, leaf: Any) -> Any:
-        if path.startswith(quantized) or not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.dtype == dtype:
-            return leaf
-        return leaf.astype(dtype)
-
-    return map_paths(cast, params)
+    holds bfloat16 weights. Stored quantized weights' parts are kept as they are. Converted by
+    ``narrowed_weights`` (which also widens): in one program, not one per weight shape."""
+    flat, dtype = param_paths(params), config.policy.param_dtype
+    quantized = tuple(f"{path}/" for path in stored_weight_paths(flat))
+    return narrowed_weights(params, {path: dtype for path in flat if not path.startswith(quantized)})
 
 
 def _load_hf(path: Path, config_overrides: dict[str, Any], mesh: Mesh | None, host: bool) -> LoadedModel:

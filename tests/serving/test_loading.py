@@ -181,9 +181,12 @@ def test_on_the_host_a_model_is_read_without_a_device(run_dir, tmp_path):
 def test_a_precision_with_another_parameter_dtype_loads_the_weights_in_it(run_dir):
     """A run trained with float32 master weights loaded with ``precision="pure_bf16"`` (a
     fine-tuning run's ``base_model.precision``) kept its float32 weights: the run trained (or a
-    LoRA run froze) twice the bytes asked for. They are now the config's parameter dtype."""
+    LoRA run froze) twice the bytes asked for. They are now the config's parameter dtype,
+    converted by one program (op by op: one per weight shape, 7 here)."""
     path, params = run_dir
-    loaded = load_model(path, precision="pure_bf16")
+    with programs_lowered() as lowered:
+        loaded = load_model(path, precision="pure_bf16")
+    assert len(lowered) == 1, lowered
     assert loaded.config.policy.param_dtype == jnp.bfloat16
     for got, saved in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
         assert got.dtype == jnp.bfloat16
