@@ -424,7 +424,7 @@ def test_a_mesh_that_splits_the_batch_or_a_dense_model_s_experts_is_refused(para
     anything compiles; so is an expert axis for a model without MoE layers (every device would
     hold and compute the same)."""
     mesh = make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
-    with pytest.raises(ConfigError, match=r"mesh.data=2: one engine splits only the model.* serving.replicas") as error:
+    with pytest.raises(ConfigError, match=r"mesh.data=2: one engine splits only the model.*serving.replicas") as error:
         build_program(CONFIG, params, num_slots=4, token_budget=8, mesh=mesh)
     assert error.value.key == "mesh.data"
     with pytest.raises(ConfigError, match=r"mesh.expert=2: the model has no mixture-of-experts layer") as error:
