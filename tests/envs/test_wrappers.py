@@ -5,11 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 from gymnasium.wrappers.utils import RunningMeanStd
 from jax.experimental import checkify
 
 import ember.envs
-from ember.envs import wrappers
+from ember.envs import EnvParams, EnvState, MultiAgentEnvironment, wrappers
+from ember.envs import noise as noise_lib
+from ember.envs.spaces import Box, Dict, Discrete
 from tests.tolerances import assert_allclose
 
 
@@ -178,3 +181,124 @@ def test_legacy_step_returns_five_values(rng):
     assert set(done) == set(env.agents) | {"__all__"} and all(bool(flag) for flag in done.values())
     assert set(rewards) == set(env.agents) and bool(info["truncated"]["__all__"])
     assert_allclose(info["discount"]["__all__"], 1.0)
+
+
+@struct.dataclass
+class ScoutState(EnvState):
+    obs: jax.Array  # [agents, 3]
+    world: jax.Array  # [5]
+
+
+class TwoScouts(MultiAgentEnvironment):
+    """Two agents see 3 random values each (agent_1's around 4, agent_0's around 0) and the
+    environment has a 5-value random global state; ``agent_1`` ends after its 2nd step and sees
+    zeros from then on (as a dead SMAX unit). Episodes last 4 steps."""
+
+    reset_noise_words = 11
+    transition_noise_words = 11
+    has_global_state = True
+
+    def __init__(self):
+        self.agents = ["agent_0", "agent_1"]
+
+    @property
+    def default_params(self):
+        return EnvParams(max_steps_in_episode=4)
+
+    def _draw(self, noise, time):
+        values = noise_lib.uniform(noise[:6], -1.0, 1.0).reshape(2, 3) + jnp.array([[0.0], [4.0]])
+        values = values.at[1].multiply(time < 2)
+        return ScoutState(time=time, obs=values, world=noise_lib.uniform(noise[6:], -3.0, 5.0))
+
+    def _obs(self, state):
+        return {agent: state.obs[i] for i, agent in enumerate(self.agents)}
+
+    def reset_env(self, noise, params):
+        state = self._draw(noise, jnp.int32(0))
+        return self._obs(state), state
+
+    def step_env(self, noise, state, actions, params):
+        state = self._draw(noise, state.time + 1)
+        rewards = {agent: jnp.float32(0.0) for agent in self.agents}
+        terminated = {"__all__": jnp.bool_(False), "agent_0": jnp.bool_(False), "agent_1": state.time >= 2}
+        return self._obs(state), state, rewards, terminated, self.final_info(state, params)
+
+    def global_state(self, state, params):
+        return state.world
+
+    def global_state_space(self, params):
+        return Box(-3.0, 5.0, (5,))
+
+    def observation_space(self, params):
+        return Dict({agent: Box(-1.0, 5.0, (3,)) for agent in self.agents})
+
+    def action_space(self, params):
+        return Dict({agent: Discrete(2) for agent in self.agents})
+
+
+def test_multi_agent_normalize_observation_shares_statistics_over_living_agents(rng):
+    """Around a batch of a multi-agent environment: one set of statistics for every agent's
+    observations, except an ended agent's placeholder zeros, and one for the global state (NumPy's
+    mean and var of the values returned, reset and steps: agent_1's observations around 4 and
+    its zeros after its end would pull the mean well off); what reset, step, ``global_state``
+    and the final observations return is normalised with the statistics after that step.
+    (The wrapper refused dict observations before.)"""
+    env = TwoScouts()
+    params = env.default_params
+    plain = ember.envs.BatchedEnv(env, 3)
+    wrapped = wrappers.NormalizeObservation(plain)
+    space = wrapped.observation_space(params)
+    assert all(not s.bounded and s.shape == (3,) for s in space.spaces.values())
+    assert not wrapped.global_state_space(params).bounded
+
+    @jax.jit
+    def rollout(key):
+        reset_key, key = jax.random.split(key)
+        outputs = []
+        for env_ in (wrapped, plain):
+            obs, state = env_.reset(reset_key, params)
+            steps = [(obs, env_.global_state(state, params), {}, None)]
+            for t in range(6):  # an auto-reset after step 4
+                actions = {agent: jnp.zeros(3, jnp.int32) for agent in env.agents}
+                obs, state, _, terminated, truncated, info = env_.step(
+                    jax.random.fold_in(key, t), state, actions, params
+                )
+                stats = getattr(state, "stats", None)
+                steps.append((obs, env_.global_state(state, params), info, (terminated, truncated, stats)))
+            outputs.append(steps)
+        return outputs
+
+    normalised, raw = jax.device_get(rollout(rng))
+    living_obs, states = [], []
+    for t, ((obs, world, info, flags), (raw_obs, raw_world, raw_info, raw_flags)) in enumerate(zip(normalised, raw)):
+        for agent in env.agents:
+            alive = np.ones(3, bool)
+            if t > 0:
+                terminated, truncated, _ = raw_flags
+                alive = ~terminated[agent] | terminated["__all__"] | truncated["__all__"]
+            living_obs.append(raw_obs[agent][alive])
+        states.append(raw_world)
+        every_obs, every_state = np.concatenate(living_obs), np.concatenate(states)
+        # agents living after each step (agent_1 ends on step 2 of an episode; step 4 starts a new one)
+        assert len(every_obs) == 3 * [2, 4, 5, 6, 8, 10, 11][t]
+        if t == 0:
+            continue
+        stats = flags[2]  # (NumPy's statistics within 10x float32's tolerance: the prior weighs 1e-4)
+        assert_allclose(stats.agents.mean, every_obs.mean(axis=0), scale=10)
+        assert_allclose(stats.agents.var, every_obs.var(axis=0), scale=10)
+        assert_allclose(stats.agents.count, 1e-4 + len(every_obs))
+        assert_allclose(stats.global_state.mean, every_state.mean(axis=0), scale=10)
+        assert_allclose(stats.global_state.var, every_state.var(axis=0), scale=10)
+        scale = np.sqrt(stats.agents.var + 1e-8)
+        for agent in env.agents:
+            assert_allclose(obs[agent], (raw_obs[agent] - stats.agents.mean) / scale)
+            assert_allclose(
+                info["final_observation"][agent], (raw_info["final_observation"][agent] - stats.agents.mean) / scale
+            )
+        state_scale = np.sqrt(stats.global_state.var + 1e-8)
+        assert_allclose(world, (raw_world - stats.global_state.mean) / state_scale)
+        assert_allclose(
+            info["final_global_state"], (raw_info["final_global_state"] - stats.global_state.mean) / state_scale
+        )
+    # the rollout reached an auto-reset: final observations differ from the next episode's first
+    assert not np.allclose(raw[4][2]["final_observation"]["agent_0"], raw[4][0]["agent_0"])

@@ -7,7 +7,12 @@ from ember.envs.wrappers.action import CheckActions, ClipAction, RescaleAction
 from ember.envs.wrappers.base import Wrapper
 from ember.envs.wrappers.legacy import LegacyStep
 from ember.envs.wrappers.log import LogEnvState, LogWrapper
-from ember.envs.wrappers.normalize import NormalizeObservation, NormalizeReward, RunningMeanVar
+from ember.envs.wrappers.normalize import (
+    MultiAgentObsStats,
+    NormalizeObservation,
+    NormalizeReward,
+    RunningMeanVar,
+)
 from ember.envs.wrappers.observation import FlattenObservation, FrameStack
 from ember.envs.wrappers.time_limit import TimeLimit, max_episode_steps
 
@@ -19,6 +24,7 @@ __all__ = [
     "LegacyStep",
     "LogEnvState",
     "LogWrapper",
+    "MultiAgentObsStats",
     "NormalizeObservation",
     "NormalizeReward",
     "RescaleAction",

@@ -7,7 +7,9 @@ A run directory holds:
     metrics.jsonl     one record per update: step (env steps), update, episode_return, losses...
     tensorboard/      the same metrics as TensorBoard event files
     checkpoints/      the final parameters (``ember.core.checkpoint``): ``{"params": ...}``, plus
-                      ``"obs_stats": {mean, var, count}`` when ``ppo.normalize_observations``
+                      ``"obs_stats"`` when ``ppo.normalize_observations``: ``{mean, var, count}``
+                      (ppo), ``{"agents": {mean, var, count}, "global_state": {...}}`` (ippo,
+                      mappo; ``global_state`` only for an environment that has one)
     eval.json         the final evaluation: mean_return, std_return, episodes, ...
 """
 
@@ -30,7 +32,7 @@ from ember.core.errors import ConfigError, EmberError, PathNotFoundError
 from ember.core.files import write_text_atomic
 from ember.envs.config import EnvConfig, make_from_config
 from ember.envs.environment import Environment
-from ember.envs.wrappers import RunningMeanVar, Wrapper
+from ember.envs.wrappers import MultiAgentObsStats, RunningMeanVar, Wrapper
 from ember.training.launcher import DEFAULT_KIND
 from ember.training.metrics import MetricsWriter
 from ember.training.rl import dqn, multi_agent_ppo, ppo, pqn, sac
@@ -40,6 +42,9 @@ from ember.training.rl.evaluate import evaluate, record
 CONFIG_FILE = "config.yaml"
 EVAL_FILE = "eval.json"
 CHECKPOINT_DIR = "checkpoints"
+
+#: A run's frozen observation statistics: ppo's, or ippo's and mappo's (agents and global state).
+ObsStats = RunningMeanVar | MultiAgentObsStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +72,7 @@ def _without_obs_stats(make_act: Callable[..., Callable]) -> Callable[..., Calla
 
     def checked(section, env, env_params, params, deterministic, obs_stats):
         if obs_stats is not None:
-            raise ValueError("obs_stats: only algo 'ppo' trains with normalised observations")
+            raise ValueError("obs_stats: only algos 'ppo', 'ippo' and 'mappo' train with normalised observations")
         return make_act(section, env, env_params, params, deterministic)
 
     return checked
@@ -81,13 +86,12 @@ def _multi_agent(centralised_critic: bool) -> Algorithm:
         ),
         steps_per_update=lambda section: section.num_envs * section.num_steps,
         num_updates=lambda section: section.num_updates,
-        make_act=_without_obs_stats(
-            lambda section, env, env_params, params, deterministic: multi_agent_ppo.make_act(
-                multi_agent_ppo.make_policy(section, env, env_params),
-                params,
-                list(env.agents),
-                deterministic=deterministic,
-            )
+        make_act=lambda section, env, env_params, params, deterministic, obs_stats: multi_agent_ppo.make_act(
+            multi_agent_ppo.make_policy(section, env, env_params),
+            params,
+            list(env.agents),
+            deterministic=deterministic,
+            obs_stats=obs_stats,
         ),
     )
 
@@ -212,13 +216,13 @@ def run_experiment(config: RLConfig, *, resume: bool = False, progress: bool = T
     obs_stats = result.get("obs_stats")
     saved = {"params": result["params"]}
     if obs_stats is not None:
-        saved["obs_stats"] = {"mean": obs_stats.mean, "var": obs_stats.var, "count": obs_stats.count}
+        saved["obs_stats"] = _saved_stats(obs_stats)
     with CheckpointManager(run_dir / CHECKPOINT_DIR, max_to_keep=1) as manager:
         manager.save(num_updates, saved, extra={"algo": config.algo, "env_id": config.env.id})
     return _evaluate_run(config, run_dir, result["params"], obs_stats)
 
 
-def _evaluate_run(config: RLConfig, run_dir: Path, params: Any, obs_stats: RunningMeanVar | None) -> dict[str, Any]:
+def _evaluate_run(config: RLConfig, run_dir: Path, params: Any, obs_stats: ObsStats | None) -> dict[str, Any]:
     """The run's final evaluation, written to ``eval.json``; returns its summary and ``run_dir``."""
     summary = evaluate_params(config, params, config.eval.episodes, seed=config.seed + 1, obs_stats=obs_stats)
     write_text_atomic(run_dir / EVAL_FILE, json.dumps(summary, indent=2) + "\n")
@@ -243,10 +247,30 @@ def _finish_evaluation(config: RLConfig, run_dir: Path) -> dict[str, Any]:
     return _evaluate_run(config, run_dir, params, obs_stats)
 
 
-def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]:
+def _saved_stats(stats: ObsStats) -> dict[str, Any]:
+    """How a checkpoint holds ``stats`` (module docstring): nested dicts of arrays, no ``None``."""
+    if isinstance(stats, MultiAgentObsStats):
+        saved = {"agents": _saved_stats(stats.agents)}
+        if stats.global_state is not None:
+            saved["global_state"] = _saved_stats(stats.global_state)
+        return saved
+    return {"mean": stats.mean, "var": stats.var, "count": stats.count}
+
+
+def _restored_stats(saved: dict[str, Any]) -> ObsStats:
+    """The inverse of :func:`_saved_stats`."""
+    if "agents" in saved:
+        global_state = saved.get("global_state")
+        return MultiAgentObsStats(
+            _restored_stats(saved["agents"]), None if global_state is None else _restored_stats(global_state)
+        )
+    return RunningMeanVar(**{k: jnp.asarray(v) for k, v in saved.items()})
+
+
+def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, ObsStats | None]:
     """The config, final parameters and frozen observation statistics (``None`` for runs
-    without ``ppo.normalize_observations``, and for runs saved before it existed) of a
-    finished run."""
+    without ``ppo.normalize_observations``, and for runs saved before it existed; a
+    ``MultiAgentObsStats`` for ippo and mappo) of a finished run."""
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise PathNotFoundError(f"{run_dir} is not a run directory: it has no {CONFIG_FILE}")
@@ -259,8 +283,9 @@ def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, RunningMeanVar | None]
     config = load_config(RLConfig, run_dir / CONFIG_FILE)
     state = CheckpointManager(run_dir / CHECKPOINT_DIR, read_only=True).restore().state
     saved_stats = state.get("obs_stats")
-    obs_stats = None if saved_stats is None else RunningMeanVar(**{k: jnp.asarray(v) for k, v in saved_stats.items()})
-    if obs_stats is None and config.algo == "ppo" and config.ppo.normalize_observations:
+    obs_stats = None if saved_stats is None else _restored_stats(saved_stats)
+    normalized = getattr(ALGORITHMS[config.algo].section(config), "normalize_observations", False)
+    if obs_stats is None and normalized:
         raise EmberError(
             f"{run_dir} was trained with ppo.normalize_observations but its checkpoint holds no "
             "observation statistics (obs_stats); its policy cannot be evaluated without them"
@@ -281,7 +306,7 @@ def evaluate_params(
     *,
     seed: int,
     deterministic: bool | None = None,
-    obs_stats: RunningMeanVar | None = None,
+    obs_stats: ObsStats | None = None,
 ) -> dict[str, Any]:
     """Runs the policy ``params`` of ``config`` for ``episodes`` episodes; a JSON-ready summary.
     ``obs_stats``: the run's observation statistics, applied frozen (see :func:`load_run`)."""
@@ -309,7 +334,7 @@ def record_episode(
     *,
     seed: int,
     deterministic: bool | None = None,
-    obs_stats: RunningMeanVar | None = None,
+    obs_stats: ObsStats | None = None,
 ) -> np.ndarray:
     """Frames ``[time, height, width, 3]`` (uint8) of one episode of the policy, from the
     first observation to the last state before the episode ended.

@@ -22,7 +22,14 @@ actions only, the masks stored with the rollout so the PPO loss recomputes log-p
 and entropy under the same masks. (JaxMARL's own SMAX baselines cut GAE at the episode's end
 instead, so rewards a team earns after a unit died still reach that unit's earlier actions.)
 The ``episode_return`` metric is the return per agent (the episode's rewards averaged over
-agents, summed over time: ``LogWrapper``'s multi-agent statistics). The update loop is
+agents, summed over time: ``LogWrapper``'s multi-agent statistics).
+
+With ``normalize_observations`` the learner's environments are wrapped in
+``NormalizeObservation`` as for one agent: every agent's observation is normalised with one
+set of running statistics of all living agents' observations (the shared actor sees them all),
+and the global state MAPPO's critic reads with statistics of its own; ``train`` returns both
+as ``obs_stats``, a :class:`~ember.envs.wrappers.MultiAgentObsStats`, and :func:`make_act`
+applies the agents' statistics frozen. The update loop is
 PPO's own (:func:`.ppo.make_ppo_train`); this module gives it the :func:`~.agent_view.multi_agent_view`
 of stacked agents (:func:`make_view`).
 """
@@ -34,12 +41,14 @@ from typing import Any
 
 from ember.core.errors import ConfigError
 from ember.envs.multi_agent import has_global_state, masks_actions
+from ember.envs.wrappers import MultiAgentObsStats
 from ember.models.policies import CentralisedActorCritic
 from ember.training.rl.agent_view import AgentView, multi_agent_view, shared_action_head
 from ember.training.rl.policy_act import PolicyAct
 from ember.training.rl.ppo import PPOConfig, make_ppo_train
 
-UNSUPPORTED_OPTIONS = ("normalize_rewards", "normalize_observations")
+#: Per-agent rewards are a dict: ``NormalizeReward`` scales one reward per environment.
+UNSUPPORTED_OPTIONS = ("normalize_rewards",)
 
 
 def check_config(config: PPOConfig) -> None:
@@ -78,9 +87,12 @@ def make_train(
     centralised_critic: bool = False,
     on_update: Callable[[Any], None] | None = None,
 ) -> Callable[..., dict[str, Any]]:
-    """``train(rng, hyperparams=None) -> {"params", "obs_stats" (None), "metrics"}`` as
+    """``train(rng, hyperparams=None) -> {"params", "obs_stats", "metrics"}`` as
     :func:`.ppo.make_train` (the same loop), for a multi-agent environment;
-    ``centralised_critic`` selects MAPPO over IPPO."""
+    ``centralised_critic`` selects MAPPO over IPPO. ``obs_stats`` is ``None``, or with
+    ``normalize_observations`` a :class:`~ember.envs.wrappers.MultiAgentObsStats`: ``agents``
+    (mean and var of one agent's observation shape, over every agent) and ``global_state``
+    (of the global state's shape; ``None`` for an environment without one)."""
     check_config(config)
     policy = make_policy(config, env, env_params)
     view = make_view(env, centralised_critic=centralised_critic)
@@ -88,13 +100,26 @@ def make_train(
 
 
 def make_act(
-    policy: CentralisedActorCritic, params: Any, agents: list[str], *, deterministic: bool = True
+    policy: CentralisedActorCritic,
+    params: Any,
+    agents: list[str],
+    *,
+    deterministic: bool = True,
+    obs_stats: MultiAgentObsStats | None = None,
 ) -> PolicyAct:
     """``act(obs_dict, key, legal_actions=None) -> actions_dict`` for a batch of environments
     (``obs_dict`` values ``[batch, obs_dim]``; ``legal_actions`` the environment's
     ``action_masks``, ``{agent: bool [batch, num_actions]}``): the shared actor's mode, or a
-    sample, among the legal actions (a :class:`.PolicyAct`)."""
-    return PolicyAct(policy, params, deterministic=deterministic, agents=tuple(agents))
+    sample, among the legal actions (a :class:`.PolicyAct`). A policy trained with
+    ``normalize_observations`` needs the run's ``obs_stats``: every agent's raw observation is
+    normalised with its ``agents`` statistics, frozen (the actor never reads the global state)."""
+    if obs_stats is not None and not isinstance(obs_stats, MultiAgentObsStats):
+        raise ValueError(
+            f"obs_stats: a multi-agent policy takes the MultiAgentObsStats its training returned, got "
+            f"{type(obs_stats).__name__}"
+        )
+    agent_stats = None if obs_stats is None else obs_stats.agents
+    return PolicyAct(policy, params, agent_stats, deterministic=deterministic, agents=tuple(agents))
 
 
 __all__ = ["check_config", "make_act", "make_policy", "make_train", "make_view"]

@@ -35,7 +35,8 @@ class PolicyAct:
         (``ActorCritic``, ``CentralisedActorCritic``) whose ``actor`` is run alone. Static.
       params: the network's variables (a pytree of arrays).
       obs_stats: observation statistics the observations are normalised with, frozen
-        (PPO's ``normalize_observations``); ``None`` for raw observations.
+        (PPO's ``normalize_observations``; with ``agents``, the statistics every agent's
+        observation shares, ``MultiAgentObsStats.agents``); ``None`` for raw observations.
       deterministic: the mode (True) or a sample from ``key`` (False). Static.
       agents: a multi-agent environment's agents (static): observations and actions are
         dicts ``{agent: [N, ...]}``, stacked to ``[N, agents, ...]`` for the shared network.

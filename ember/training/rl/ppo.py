@@ -21,7 +21,8 @@ optionally annealed Adam learning rate).
 With ``normalize_observations`` the policy sees observations normalised by running
 statistics shared over the ``num_envs`` environments (``NormalizeObservation``); ``train``
 returns the final statistics as ``obs_stats`` and the trained policy is run with them frozen:
-``make_act(policy, result["params"], obs_stats=result["obs_stats"])``.
+``make_act(policy, result["params"], obs_stats=result["obs_stats"])`` (IPPO/MAPPO: one set of
+statistics for all agents and one for the global state, :mod:`.multi_agent_ppo`).
 """
 
 from __future__ import annotations

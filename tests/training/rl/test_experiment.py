@@ -164,6 +164,55 @@ def test_observation_statistics_are_saved_and_evaluated_frozen(tmp_path, capsys)
         load_run(old)
 
 
+def test_multi_agent_observation_statistics_are_saved_and_evaluated_frozen(tmp_path, capsys):
+    """A mappo run with ``ppo.normalize_observations`` (refused before) saves the agents'
+    statistics, and ``ember eval`` applies them frozen: the saved policy evaluates as the plain
+    policy on observations normalised by hand."""
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", "ppo.normalize_observations=true", "ppo.num_envs=4", "ppo.num_steps=16",
+                 "ppo.total_timesteps=128", "ppo.num_minibatches=2", "ppo.update_epochs=1",
+                 "ppo.policy.hidden_sizes=[8]", "eval.episodes=4"]  # fmt: skip
+    assert main(["train", str(CONFIGS / "mappo_simple_spread.yaml"), *overrides]) == 0
+    capsys.readouterr()
+    saved = json.loads((run_dir / "eval.json").read_text())
+    config, params, stats = load_run(run_dir)
+    # every agent's observations (3 agents in 4 environments: reset and 2 updates of 16 steps);
+    # simple_spread has no global state
+    assert_allclose(stats.agents.count, 1e-4 + 4 * 3 * (1 + 2 * 16))
+    assert stats.agents.mean.shape == (18,) and stats.global_state is None
+    assert main(["eval", str(run_dir), "--episodes", "4", "--seed", str(config.seed + 1), "--json"]) == 0
+    assert_allclose(json.loads(capsys.readouterr().out)["mean_return"], saved["mean_return"])
+    env, env_params = ember.envs.make_from_config(config.env)
+    plain = multi_agent_ppo.make_act(multi_agent_ppo.make_policy(config.ppo, env, env_params), params, env.agents)
+    mean, std = np.asarray(stats.agents.mean), np.sqrt(np.asarray(stats.agents.var) + 1e-8)
+    returns, _ = evaluate(
+        lambda obs, key: plain({agent: (o - mean) / std for agent, o in obs.items()}, key),
+        env,
+        env_params,
+        jax.random.key(config.seed + 1),
+        4,
+    )
+    assert_allclose(returns.mean(), saved["mean_return"], scale=10)
+    assert not np.isclose(evaluate_params(config, params, 4, seed=config.seed + 1)["mean_return"], saved["mean_return"])
+
+    # the documented checkpoint format with a global state (SMAX's) restores, and one without
+    # statistics under a config asking for them is refused
+    for name, obs_stats in [("state", {"agents": {"mean": mean, "var": std, "count": 5.0},
+                                       "global_state": {"mean": mean[:7], "var": std[:7], "count": 2.0}}),
+                            ("old", None)]:  # fmt: skip
+        other = tmp_path / name
+        other.mkdir()
+        (other / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+        with CheckpointManager(other / "checkpoints") as manager:
+            manager.save(1, {"params": params} | ({"obs_stats": obs_stats} if obs_stats else {}))
+    restored = load_run(tmp_path / "state")[2]
+    np.testing.assert_array_equal(restored.agents.mean, mean)
+    np.testing.assert_array_equal(restored.global_state.var, std[:7])
+    assert float(restored.global_state.count) == 2.0
+    with pytest.raises(EmberError, match="obs_stats"):
+        load_run(tmp_path / "old")
+
+
 def test_record_episode_of_a_multi_agent_run(rng):
     """``ember eval RUN_DIR --gif`` of an ippo/mappo run: the episode ends with ``"__all__"``."""
     overrides = ["env.params.max_steps_in_episode=5", "ppo.policy.hidden_sizes=[8]"]

@@ -14,6 +14,7 @@ from ember.core.config import load_config
 from ember.core.errors import ConfigError
 from ember.envs import EnvParams, EnvState, MultiAgentEnvironment, make_from_config
 from ember.envs.spaces import Box, Dict, Discrete
+from ember.envs.wrappers import MultiAgentObsStats, RunningMeanVar
 from ember.models.policies import Categorical, PolicyConfig
 from ember.training.rl import multi_agent_ppo
 from ember.training.rl.agent_view import concatenated_observations, multi_agent_view
@@ -180,13 +181,24 @@ def test_algo_selects_the_critic_input(name, critic_features):
     """The launcher's ``mappo`` trains a critic on the global state and a one-hot id: on MPE
     (no global state of its own) the 3 agents' 18-dim observations, on SMAX 3m its 72-dim
     ``world_state`` (it was the 3 allies' 75-dim observations, 228 features); ``ippo`` one on
-    the agent's own observation (SMAX 3m: 75)."""
-    config = load_config(RLConfig, CONFIGS / f"{name}.yaml")
+    the agent's own observation (SMAX 3m: 75). With ``normalize_observations`` (refused before)
+    ``train`` returns one set of statistics for every agent's observation (SMAX 3m: 75 values,
+    simple_spread: 18) and one for the global state where the environment has one (SMAX's
+    72-value world_state, kept for IPPO too)."""
+    config = load_config(RLConfig, CONFIGS / f"{name}.yaml", ["ppo.normalize_observations=true"])
     env, env_params = make_from_config(config.env)
     train = ALGORITHMS[config.algo].make_train(config.ppo, env, env_params, None)
     result = jax.eval_shape(train, jax.random.key(0))  # traced, not compiled or run
     first_layer = result["params"]["params"]["critic"]["torso"]["Dense_0"]["kernel"]
     assert first_layer.shape[0] == critic_features
+    stats = result["obs_stats"]
+    assert isinstance(stats, MultiAgentObsStats)
+    obs_shape = (75,) if "smax" in name else (18,)
+    assert stats.agents.mean.shape == stats.agents.var.shape == obs_shape
+    if "smax" in name:
+        assert stats.global_state.mean.shape == stats.global_state.var.shape == (72,)
+    else:
+        assert stats.global_state is None
 
 
 def test_mappo_critic_reads_the_smax_world_state_of_enemies_no_ally_sees(rng):
@@ -232,16 +244,46 @@ def test_mappo_critic_reads_the_smax_world_state_of_enemies_no_ally_sees(rng):
         np.testing.assert_array_equal(out[name][0], out[name][1])
 
 
-@pytest.mark.parametrize("option", ["normalize_rewards", "normalize_observations"])
-def test_normalisation_options_are_refused_for_multi_agent_training(option):
+def test_reward_normalisation_is_refused_for_multi_agent_training():
     """Refused when the config loads (keyed by the full path), and by ``make_train`` itself."""
-    with pytest.raises(ConfigError, match=f"ppo.{option} is not supported for multi-agent") as info:
-        load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml", [f"ppo.{option}=true"])
-    assert info.value.key == f"ppo.{option}"
+    with pytest.raises(ConfigError, match=r"ppo\.normalize_rewards is not supported for multi-agent") as info:
+        load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml", ["ppo.normalize_rewards=true"])
+    assert info.value.key == "ppo.normalize_rewards"
     config = load_config(RLConfig, CONFIGS / "ippo_simple_spread.yaml")
     env, env_params = make_from_config(config.env)
-    with pytest.raises(ConfigError, match=f"{option} is not supported for multi-agent"):
-        multi_agent_ppo.make_train(dataclasses.replace(config.ppo, **{option: True}), env, env_params)
+    with pytest.raises(ConfigError, match="normalize_rewards is not supported for multi-agent"):
+        multi_agent_ppo.make_train(dataclasses.replace(config.ppo, normalize_rewards=True), env, env_params)
+
+
+def test_make_act_normalises_every_agents_observation_with_the_frozen_statistics(rng):
+    """``make_act(..., obs_stats=...)`` acts as the plain policy on observations normalised by
+    hand with the agents' statistics (the global state's are the critic's, not the actor's)."""
+    config = load_config(RLConfig, CONFIGS / "mappo_simple_spread.yaml", ["ppo.policy.hidden_sizes=[16]"])
+    env, env_params = make_from_config(config.env)
+    policy = multi_agent_ppo.make_policy(config.ppo, env, env_params)
+    keys = jax.random.split(rng, 6)
+    obs = {agent: 3.0 + 2.0 * jax.random.normal(k, (64, 18)) for agent, k in zip(env.agents, keys)}
+    stacked = jnp.stack([obs[agent] for agent in env.agents], axis=1)
+    params = policy.init(keys[3], stacked, concatenated_observations(stacked))
+    agent_stats = RunningMeanVar(
+        3.0 + jax.random.normal(keys[4], (18,)), jax.random.uniform(keys[5], (18,), minval=1.0, maxval=8.0), 1e4
+    )
+
+    @jax.jit
+    def actions(obs, params, agent_stats):
+        stats = MultiAgentObsStats(agent_stats, RunningMeanVar.create((7,)))
+        act = multi_agent_ppo.make_act(policy, params, env.agents, obs_stats=stats)
+        plain = multi_agent_ppo.make_act(policy, params, env.agents)
+        scale = jnp.sqrt(agent_stats.var + 1e-8)
+        by_hand = plain({agent: (o - agent_stats.mean) / scale for agent, o in obs.items()}, rng)
+        return act(obs, rng), by_hand, plain(obs, rng)
+
+    actions, by_hand, raw_actions = actions(obs, params, agent_stats)
+    for agent in env.agents:
+        np.testing.assert_array_equal(actions[agent], by_hand[agent])
+    assert any(np.any(actions[a] != raw_actions[a]) for a in env.agents), "the statistics change some action"
+    with pytest.raises(ValueError, match="MultiAgentObsStats"):
+        multi_agent_ppo.make_act(policy, params, env.agents, obs_stats=agent_stats)
 
 
 @pytest.mark.parametrize(("name", "section"), [("ippo_simple_spread.yaml", "ppo"), ("mappo_simple_spread.yaml", "ppo"),
