@@ -54,10 +54,7 @@ def rollout_mesh(mesh: Mesh, config: ModelConfig) -> Mesh | None:
         return None
     here = jax.process_index()
     first = next(device for device in mesh.devices.flat if device.process_index == here)
-    position = np.argwhere(mesh.devices == first)[0]
-    block = mesh.devices[
-        tuple(slice(None) if name in split else slice(p, p + 1) for name, p in zip(mesh.axis_names, position))
-    ]
+    block = next(block for block in _blocks(mesh, split) if first in block.flat)
     if any(device.process_index != here for device in block.flat):
         axes = " x ".join(f"mesh.{axis}={mesh.shape[axis]}" for axis in split)
         raise ConfigError(
@@ -81,15 +78,11 @@ def rollout_meshes(mesh: Mesh, config: ModelConfig, replicas: int = 1) -> list[M
     if replicas == 1:
         return [rollout_mesh(mesh, config)]
     split, here = _split_axes(mesh, config), jax.process_index()
-    others = [i for i, name in enumerate(mesh.axis_names) if name not in split]
-    blocks = []
-    for position in np.ndindex(*(mesh.devices.shape[i] for i in others)):
-        index = [slice(None)] * mesh.devices.ndim
-        for axis, at in zip(others, position):
-            index[axis] = slice(at, at + 1)
-        block = mesh.devices[tuple(index)]
-        if all(device.process_index == here for device in block.flat):
-            blocks.append(Mesh(block, mesh.axis_names, axis_types=mesh.axis_types))
+    blocks = [
+        Mesh(block, mesh.axis_names, axis_types=mesh.axis_types)
+        for block in _blocks(mesh, split)
+        if all(device.process_index == here for device in block.flat)
+    ]
     if not blocks or len(blocks) < replicas:
         each = " x ".join(f"mesh.{axis}={mesh.shape[axis]}" for axis in split) or "one device"
         raise ConfigError(
@@ -98,6 +91,19 @@ def rollout_meshes(mesh: Mesh, config: ModelConfig, replicas: int = 1) -> list[M
             key="grpo.engine_replicas",
         )
     return blocks if replicas == -1 else blocks[:replicas]
+
+
+def _blocks(mesh: Mesh, split: list[str]) -> list[np.ndarray]:
+    """The devices of every block of ``mesh`` spanning the axes ``split`` (one position on each
+    other axis: size 1 there), in the mesh's device order."""
+    others = [i for i, name in enumerate(mesh.axis_names) if name not in split]
+    blocks = []
+    for position in np.ndindex(*(mesh.devices.shape[i] for i in others)):
+        index = [slice(None)] * mesh.devices.ndim
+        for axis, at in zip(others, position):
+            index[axis] = slice(at, at + 1)
+        blocks.append(mesh.devices[tuple(index)])
+    return blocks
 
 
 def _split_axes(mesh: Mesh, config: ModelConfig) -> list[str]:

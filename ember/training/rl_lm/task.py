@@ -99,7 +99,6 @@ class GRPOTask(Task):
         self.engine: Engine | Replicas | None = None  # the rollouts' (Replicas: grpo.engine_replicas > 1)
         self.engines: list[Engine] = []
         self.engine_meshes: list[Any] = []  # each engine's (engine_mesh.rollout_meshes); None: one device
-        self.engine_mesh: Any = None  # the first engine's: the scorer's and the reference's
         self.mask: Any = None
 
     def _seq_len(self) -> int:
@@ -216,7 +215,6 @@ class GRPOTask(Task):
         grpo = self.config.grpo
         self.mask = trainer.mask
         self.engine_meshes = rollout_meshes(trainer.mesh, self.base.config, grpo.engine_replicas)
-        self.engine_mesh = self.engine_meshes[0]  # the scorer's and the reference's
         # The trainer donates its own buffers every step: the engines keep copies (taken here, in
         # turn: gathering a weight over processes is a collective).
         copies = []
@@ -230,22 +228,23 @@ class GRPOTask(Task):
             token_budget=grpo.token_budget,
             max_context=self.seq_len,
         )
-        engines = Replicas.build(
+        replicas = Replicas.build(
             lambda mesh_and_weights: Engine.from_model(
                 self.base.config, mesh_and_weights[1], mesh=mesh_and_weights[0], **options
             ),
             list(zip(self.engine_meshes, copies)),
-        ).engines
-        self.engines = engines
-        self.engine = engines[0] if len(engines) == 1 else Replicas(engines)
+        )
+        self.engines = replicas.engines
+        self.engine = replicas if len(self.engines) > 1 else self.engines[0]
+        first, first_mesh = self.engines[0], self.engine_meshes[0]  # the scorer's and the reference's
         reference = None
         if grpo.kl_coef > 0:
             reference = unbox(self.base.params)
-            reference = jax.device_put(reference, self._engine_placement(reference, self.engine_mesh))
+            reference = jax.device_put(reference, self._engine_placement(reference, first_mesh))
         # The scorer's forward takes at most a training micro-batch's rows (what train.grad_accum sizes to fit).
         rows = self.data.batch_spec()["advantages"].shape[0]
         micro = rows // trainer.loop.grad_accum if rows % trainer.loop.grad_accum == 0 else rows
-        scorer = _scorer(self.model, engines[0], reference, grpo.temperature, micro, mesh=self.engine_mesh)
+        scorer = _scorer(self.model, first, reference, grpo.temperature, micro, mesh=first_mesh)
         self.data.attach(self.engine, scorer)
         monitor = _RolloutMonitor(self, trainer)
         trainer.add_hook(self._sync, every=1)
