@@ -90,12 +90,8 @@ def check_serving_mesh(sizes: Mapping[str, int], *, replicas: bool = False) -> N
 def serving_mesh(config: MeshConfig) -> Mesh:
     """The mesh of ``config`` (checked by :func:`check_serving_mesh`) over the first devices
     it needs (``tensor=-1`` or ``expert=-1``: all of them)."""
-    sizes = config.sizes()
-    check_serving_mesh(sizes)
-    devices = jax.devices()
-    if -1 in sizes.values():
-        sizes = config.resolve(len(devices))
-    return make_mesh(config, devices[: sizes["tensor"] * sizes["expert"]])
+    sizes = _checked_sizes(config, replicas=False)
+    return make_mesh(config, jax.devices()[: sizes["tensor"] * sizes["expert"]])
 
 
 def replica_meshes(config: MeshConfig) -> list[Mesh]:
@@ -106,11 +102,7 @@ def replica_meshes(config: MeshConfig) -> list[Mesh]:
     Raises:
       ConfigError: keyed ``mesh.data``, the replicas need more devices than there are.
     """
-    sizes = config.sizes()
-    check_serving_mesh(sizes, replicas=True)
-    devices = jax.devices()
-    if -1 in sizes.values():
-        sizes = config.resolve(len(devices))
+    sizes, devices = _checked_sizes(config, replicas=True), jax.devices()
     each = sizes["tensor"] * sizes["expert"]
     if sizes[REPLICA_AXIS] * each > len(devices):
         raise ConfigError(
@@ -120,6 +112,14 @@ def replica_meshes(config: MeshConfig) -> list[Mesh]:
         )
     one = dataclasses.replace(config, **{REPLICA_AXIS: 1})
     return [make_mesh(one, devices[i * each : (i + 1) * each]) for i in range(sizes[REPLICA_AXIS])]
+
+
+def _checked_sizes(config: MeshConfig, *, replicas: bool) -> dict[str, int]:
+    """``config``'s axis sizes, checked by :func:`check_serving_mesh` (``replicas`` as there), a
+    ``-1`` resolved over every device."""
+    sizes = config.sizes()
+    check_serving_mesh(sizes, replicas=replicas)
+    return config.resolve(len(jax.devices())) if -1 in sizes.values() else sizes
 
 
 __all__ = [
