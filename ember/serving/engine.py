@@ -131,7 +131,7 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
         """Queues a request and returns its id; raises ``ValueError`` for a bad prompt."""
-        return self._enqueue(self._prepare(prompt, params))
+        return self.enqueue(self.prepare(prompt, params))
 
     def abort(self, request_id: int) -> None:
         """Stops a request, waiting or running (its pages and slot are freed), and forgets it
@@ -140,9 +140,10 @@ class Engine:
         if request is not None:
             self.scheduler.abort(request)
 
-    def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> Request:
-        """The request of ``prompt``, checked but not queued (its id is set by ``_enqueue``);
-        raises ``ValueError`` for what is wrong with it."""
+    def prepare(self, prompt: Prompt, params: SamplingParams | None) -> Request:
+        """The request of ``prompt``, checked but not queued (its id is set by :meth:`enqueue`),
+        which any engine of the same model and adapters may serve; raises ``ValueError`` for
+        what is wrong with it."""
         params = SamplingParams() if params is None else params
         if params.adapter is not None and params.adapter not in self.program.adapter_names:
             known = ", ".join(self.program.adapter_names) or (
@@ -164,7 +165,8 @@ class Engine:
             stops = stops + tuple(tuple(int(t) for t in ids) for ids in encoded)
         return Request(-1, tokens, params, stop_sequences=stops)
 
-    def _enqueue(self, request: Request) -> int:
+    def enqueue(self, request: Request) -> int:
+        """Queues a request of :meth:`prepare` (an unseeded one seeded with its id); returns its id."""
         request.request_id = self._next_id
         self._next_id += 1
         if request.params.seed is None:
@@ -176,6 +178,12 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    @property
+    def room(self) -> int:
+        """How many more requests the next step could start: its free slots, or 0 while any
+        request waits (for a slot, or for pages)."""
+        return 0 if self.scheduler.waiting else self.scheduler.num_free_slots
 
     def result(self, request_id: int) -> GenerationResult:
         """The result of a finished request (which the engine then forgets)."""
@@ -282,8 +290,8 @@ class Engine:
         stream although the final result leaves it out. Closing the stream early aborts its
         unfinished requests."""
         params_list = params_per_prompt(prompts, params)
-        requests = [self._prepare(prompt, p) for prompt, p in zip(prompts, params_list)]
-        ids = [self._enqueue(request) for request in requests]
+        requests = [self.prepare(prompt, p) for prompt, p in zip(prompts, params_list)]
+        ids = [self.enqueue(request) for request in requests]
         try:
             yield from self.run_until_done(ids)
         finally:
@@ -309,7 +317,7 @@ class Engine:
         prepared: list[Request | str] = []
         for prompt, p in zip(prompts, params_list):
             try:
-                prepared.append(self._prepare(prompt, p))
+                prepared.append(self.prepare(prompt, p))
             except ValueError as error:
                 prepared.append(str(error))
         results: list[GenerationResult | None] = [
@@ -319,7 +327,7 @@ class Engine:
             for index, result in enumerate(results):
                 if result is not None:
                     on_result(index, result)
-        index_of = {self._enqueue(r): i for i, r in enumerate(prepared) if isinstance(r, Request)}
+        index_of = {self.enqueue(r): i for i, r in enumerate(prepared) if isinstance(r, Request)}
 
         def finished(request_id: int) -> None:
             index = index_of[request_id]

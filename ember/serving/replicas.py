@@ -6,31 +6,32 @@
 
 Batch inference on more devices than one model needs: ``mesh.data`` replicas of the engine, each
 split over its own ``tensor`` x ``expert`` devices (:func:`ember.serving.mesh.replica_meshes`).
-:meth:`Replicas.generate` spreads the requests over the engines, balanced by the work each asks
-for (its prompt's length plus ``max_tokens``; the largest first, each to the engine with the
-least so far), and runs each engine's share with ``Engine.generate`` in a thread of its own: the
-devices compute at once while the host's scheduling of each step takes turns. A request's tokens
-are those any one engine gives it (sampling is seeded per request, never per engine or slot).
-Results come back in prompt order, and each is reported to ``on_result`` as soon as it is known,
-from whichever thread finished it (the calls, and the progress bar's, one at a time).
+:meth:`Replicas.generate` queues the requests for :class:`~ember.serving.workers.EngineWorkers`: each
+engine, stepped in a thread of its own, takes the next request whenever it can start one, so an
+engine whose requests end early (on EOS, say) takes more and none waits idle while requests
+queue; the devices compute at once while the host's scheduling of each step takes turns. A
+request's tokens are those any one engine gives it (sampling is seeded per request, unseeded
+ones by their order in the calls to ``generate``, never per engine or slot). Results come back
+in prompt order, and each is reported to ``on_result`` as soon as it is known, in the caller's
+thread.
 
-A bad prompt is an error result, as on one engine. An exception in any engine's thread (or in
-``on_result``), or an interrupt of the caller, stops every engine at its next token, their
+A bad prompt is an error result, as on one engine. An engine failing, an exception in
+``on_result`` or an interrupt of the caller stops every engine at its next token, their
 unfinished requests aborted, and is raised once they all stopped.
 """
 
 from __future__ import annotations
 
-import threading
+import queue
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from types import NoneType
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jax.sharding import Mesh
 
 from ember.serving.engine import Engine, Prompt, params_per_prompt
-from ember.serving.requests import GenerationResult, SamplingParams
+from ember.serving.requests import FINISH_ERROR, GenerationResult, SamplingParams
+from ember.serving.workers import EngineWorkers, Update
 
 
 class Replicas:
@@ -40,6 +41,7 @@ class Replicas:
         if not engines:
             raise ValueError("Replicas needs at least one engine")
         self.engines = list(engines)
+        self._submitted = 0  # requests given to the engines so far: the next unseeded one's seed
 
     @classmethod
     def from_model(cls, config: Any, params: Any, meshes: Sequence[Mesh], **engine_options: Any) -> Replicas:
@@ -69,76 +71,37 @@ class Replicas:
     ) -> list[GenerationResult]:
         """``Engine.generate`` over the replicas: results in prompt order; ``progress`` (a
         tqdm-like bar) advanced by one per generated token and ``on_result(index, result)``
-        called as each prompt's result is known, index into ``prompts``. A bad prompt gets an
-        error result, as on one engine; results' ``request_id`` are each engine's own."""
+        called as each prompt's result is known (a bad prompt's first), index into ``prompts``,
+        both in the caller's thread. A bad prompt gets an error result, as on one engine;
+        results' ``request_id`` are each engine's own."""
         params_list = params_per_prompt(prompts, params)
-        shares = balanced_shares([_work(prompt, p) for prompt, p in zip(prompts, params_list)], len(self.engines))
         results: list[GenerationResult | None] = [None] * len(prompts)
-        lock, stop = threading.Lock(), threading.Event()
-
-        def serve(engine: Engine, share: list[int]) -> None:
-            def reported(index: int, result: GenerationResult) -> None:
-                with lock:
-                    results[share[index]] = result
-                    if on_result is not None:
-                        on_result(share[index], result)
-
-            bar = _StoppableProgress(progress, lock, stop)
-            try:
-                engine.generate([prompts[i] for i in share], [params_list[i] for i in share], progress=bar,
-                                on_result=reported)  # fmt: skip
-            except BaseException:
-                stop.set()  # now: the other engines stop at their next token
-                raise
-
-        with ThreadPoolExecutor(len(self.engines)) as pool:  # leaving it waits for every thread
-            futures = [pool.submit(serve, e, share) for e, share in zip(self.engines, shares) if share]
-            try:
-                wait(futures)
-            except BaseException:  # an interrupt of the caller: every engine stops
-                stop.set()
-                raise
-        failures = [f.exception() for f in futures if not isinstance(f.exception(), (_Stopped, NoneType))]
-        if failures:
-            raise failures[0]
+        updates: queue.Queue[Update] = queue.Queue()
+        with EngineWorkers(self.engines, first_seed=self._submitted) as workers:  # leaving it stops every engine
+            for index, (prompt, p) in enumerate(zip(prompts, params_list)):
+                try:
+                    workers.submit(prompt, p, updates, tag=index)
+                except ValueError as error:
+                    results[index] = GenerationResult(-1, [], FINISH_ERROR, error=str(error))
+            self._submitted += workers.submitted
+            if on_result is not None:
+                for index, result in enumerate(results):
+                    if result is not None:
+                        on_result(index, result)
+            finished = 0
+            while finished < workers.submitted:
+                update = updates.get()
+                if progress is not None and update.event is not None and update.event.token is not None:
+                    progress.update(1)
+                if update.result is None:
+                    continue
+                if workers.failures:  # an engine failed: its error, once every engine stopped
+                    raise workers.failures[0]
+                finished += 1
+                results[update.tag] = update.result
+                if on_result is not None:
+                    on_result(update.tag, update.result)
         return results  # type: ignore[return-value]
 
 
-def balanced_shares(work: Sequence[float], count: int) -> list[list[int]]:
-    """``count`` lists of indices into ``work`` (each share in index order) whose sums of work
-    are near equal: the largest first, each to the share with the least so far."""
-    shares: list[list[int]] = [[] for _ in range(count)]
-    loads = [0.0] * count
-    for index in sorted(range(len(work)), key=lambda i: -work[i]):
-        least = min(range(count), key=loads.__getitem__)
-        shares[least].append(index)
-        loads[least] += work[index]
-    return [sorted(share) for share in shares]
-
-
-def _work(prompt: Prompt, params: SamplingParams | None) -> float:
-    """What a request asks of an engine, roughly: its prompt's length (characters or tokens) and
-    the tokens it may generate."""
-    return len(prompt) + (params or SamplingParams()).max_tokens
-
-
-class _Stopped(Exception):
-    """Raised in an engine's thread to stop it because another failed (or the caller was interrupted)."""
-
-
-class _StoppableProgress:
-    """An engine's progress bar: advances the shared one (``bar``, under ``lock``) and raises
-    ``_Stopped`` once ``stop`` is set, which ends that engine's ``generate`` at its next token."""
-
-    def __init__(self, bar: Any, lock: threading.Lock, stop: threading.Event):
-        self._bar, self._lock, self._stop = bar, lock, stop
-
-    def update(self, count: int = 1) -> None:
-        if self._stop.is_set():
-            raise _Stopped
-        if self._bar is not None:
-            with self._lock:
-                self._bar.update(count)
-
-
-__all__ = ["Replicas", "balanced_shares"]
+__all__ = ["Replicas"]

@@ -96,6 +96,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_free_slots(self) -> int:
+        """Slots no running request holds."""
+        return len(self._free_slots)
+
     def add(self, request: Request) -> None:
         """Queues ``request`` (validated by the caller: non-empty prompt within the context)."""
         bisect.insort(self.waiting, request, key=lambda r: r.request_id)

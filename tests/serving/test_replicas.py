@@ -1,6 +1,9 @@
 """Several engines of one model serving one batch together (``ember.serving.replicas``), against
 one of them serving it alone: the same tokens and log-probabilities in prompt order, the work
-spread over both, each result reported once as it finishes; a failure stops every engine."""
+spread over both (more to an engine whose requests end sooner), each result reported once as it
+finishes; a failure stops every engine."""
+
+import time
 
 import jax
 import numpy as np
@@ -11,7 +14,7 @@ from ember.core.sharding import MeshConfig
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.serving.mesh import replica_meshes
-from ember.serving.replicas import Replicas, balanced_shares
+from ember.serving.replicas import Replicas
 from ember.serving.requests import SamplingParams
 from tests.serving.random_weights import random_weights
 from tests.serving.random_workload import random_prompts
@@ -60,11 +63,9 @@ def test_replicas_serve_one_engine_s_tokens_in_prompt_order_with_the_work_spread
             assert_allclose(result.logprobs, expected.logprobs, dtype=np.float32, err_msg=str(index))
 
 
-def test_a_failure_in_one_engine_s_thread_stops_them_all(replicas):
-    """``on_result`` raising on the third result (in whichever engine's thread finished it): the
-    error reaches the caller once both engines stopped, with no request left queued or holding
-    pages in either. The other engine stops at its next token: it reports at most the one result
-    it was finishing (left running, it would report its whole share, 5 or 6 more)."""
+def test_a_failure_in_on_result_stops_every_engine(replicas):
+    """``on_result`` raising on the third result: the error reaches the caller once both engines
+    stopped, with no request left queued or holding pages in either, and nothing more reported."""
     prompts, params = workload(8)
     params = [SamplingParams(max_tokens=8, ignore_eos=True) for _ in params]
     seen = []
@@ -76,15 +77,54 @@ def test_a_failure_in_one_engine_s_thread_stops_them_all(replicas):
 
     with pytest.raises(RuntimeError, match="storage is full"):
         replicas.generate(prompts, params, on_result=fail_on_third)
+    assert_idle(replicas)
+    assert len(seen) == 3, seen
+
+
+def test_an_engine_failing_stops_every_engine(replicas, monkeypatch):
+    """Engine 0's third step raises (a device lost): ``generate`` raises that error once engine 1
+    stopped too, both left with nothing queued."""
+    prompts, params = workload(9)
+    steps = []
+    step = replicas.engines[0].step
+
+    def failing_step(*args):
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("device lost")
+        return step(*args)
+
+    monkeypatch.setattr(replicas.engines[0], "step", failing_step)
+    with pytest.raises(RuntimeError, match="device lost"):
+        replicas.generate(prompts, [SamplingParams(max_tokens=8, ignore_eos=True) for _ in params])
+    assert_idle(replicas)
+
+
+def test_an_engine_whose_requests_end_sooner_takes_more(replicas, monkeypatch):
+    """Engine 0 made slow (each step 0.3 s longer): it takes one slot-full of requests at the start
+    and engine 1 the other nine, instead of half each (a split made before anything ran)."""
+    prompts, params = workload(10)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True) for _ in params]
+    served = [0, 0]
+    for index, engine in enumerate(replicas.engines):
+        enqueue = engine.enqueue
+
+        def counted(request, index=index, enqueue=enqueue):
+            served[index] += 1
+            return enqueue(request)
+
+        monkeypatch.setattr(engine, "enqueue", counted)
+    step = replicas.engines[0].step
+    monkeypatch.setattr(replicas.engines[0], "step", lambda *args: time.sleep(0.3) or step(*args))
+    results = replicas.generate(prompts, params)
+    assert [r.finish_reason for r in results] == ["length"] * 5 + ["error"] + ["length"] * 6
+    assert served[0] <= 3 and served[1] >= 8, served
+
+
+def assert_idle(replicas):
     for engine in replicas.engines:
         assert not engine.has_unfinished
         assert engine.scheduler.allocator.num_free == engine.program.num_pages
-    assert len(seen) <= 4, seen
-
-
-def test_shares_balance_the_work_largest_first():
-    assert balanced_shares([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]  # 5 + 2 + 1 and 4 + 3
-    assert balanced_shares([1, 1], 3) == [[0], [1], []]
 
 
 def test_replica_meshes_need_the_devices_and_split_no_batch():
