@@ -47,6 +47,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "ember.serving.cli",
         "batch inference: ember generate --checkpoint PATH --prompts in.jsonl --out out.jsonl",
     ),
+    "serve": (
+        "ember.serving.serve_cli",
+        "the OpenAI API over HTTP: ember serve --checkpoint PATH [--port 8000] [--adapter NAME=DIR]",
+    ),
     "quantize": (
         "ember.training.quantization.command",
         "quantize a model's weights: ember quantize SRC OUT --format int8|int4|nf4 [--method rtn|gptq]",

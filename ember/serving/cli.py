@@ -42,21 +42,28 @@ ENGINE_OPTIONS = {"num_slots": "--num-slots", "token_budget": "--token-budget", 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="an Ember LM run directory or a Hugging Face model directory")
-    source.add_argument("--artifact", help="a directory written by 'ember export'")
+    add_model_arguments(parser)
     inputs = parser.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--prompts", help="JSONL file of requests (see 'ember.serving.batch_io')")
     inputs.add_argument("--prompt", help="a single text prompt; the generated text is printed")
     parser.add_argument("--out", help="JSONL output file (with --prompts; default: standard output)")
-    parser.add_argument(
-        "--step", type=int, default=None, help="checkpoint step of a run directory (default: latest; --checkpoint)"
-    )
     parser.add_argument("--max-tokens", type=int, default=64, help="default max_tokens of a request")
     parser.add_argument("--temperature", type=float, default=0.0, help="default temperature (0 = greedy)")
     parser.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="default top_p (1 = off)")
     parser.add_argument("--seed", type=int, default=0, help="base seed (line n without a seed uses seed + n - 1)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options saying what to serve and how (``ember generate`` and ``ember serve``): the
+    model, its adapters, the engine's sizes and the mesh; checked by :func:`check_model_options`."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="an Ember LM run directory or a Hugging Face model directory")
+    source.add_argument("--artifact", help="a directory written by 'ember export'")
+    parser.add_argument(
+        "--step", type=int, default=None, help="checkpoint step of a run directory (default: latest; --checkpoint)"
+    )
     # No argparse defaults for the engine sizes: None tells an option left out from one given, which
     # --artifact refuses (its sizes were fixed by 'ember export'); the engine's defaults apply.
     parser.add_argument("--num-slots", type=int, default=None, help="requests served at once (default 8; --checkpoint)")
@@ -83,7 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="split the model tensor-parallel (and an MoE's experts E ways) over N*E devices, D engines at once on "
         "devices of their own (--checkpoint; see 'ember.serving.mesh')",
     )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def check_engine_options(args: argparse.Namespace) -> None:
@@ -102,8 +108,29 @@ def check_engine_options(args: argparse.Namespace) -> None:
 
 def check_options(args: argparse.Namespace) -> dict[str, Any]:
     """Validates the options before any model is loaded; returns the default sampling fields
-    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``; ``--step`` or an
-    engine size with ``--artifact``, whose weights and sizes ``ember export`` fixed)."""
+    of a request. Raises ``ConfigError`` keyed by the option (``--top-p``, ``--out``; those of
+    :func:`check_model_options`)."""
+    check_model_options(args)
+    if args.out and not args.prompts:
+        raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
+    if args.out and Path(args.out).is_dir():  # found now, not after the whole batch has run
+        raise ConfigError(f"--out {args.out} is a directory; give the path of the JSONL file to write", key="--out")
+    defaults = dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    for name, value in defaults.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as error:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag}: {error}", key=flag) from None
+    return defaults
+
+
+def check_model_options(args: argparse.Namespace) -> None:
+    """The options of :func:`add_model_arguments`, checked before any model is loaded
+    (``ConfigError`` keyed by the option: a bad size or step, ``--step`` or an engine size with
+    ``--artifact``, whose weights and sizes ``ember export`` fixed, a bad ``--mesh`` or ``--adapter``)."""
     check_engine_options(args)
     if args.artifact:
         checkpoint_only = {"--step": args.step, **{flag: getattr(args, name) for name, flag in ENGINE_OPTIONS.items()}}
@@ -116,21 +143,7 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
         if args.artifact:
             raise ConfigError("--mesh applies to --checkpoint: an exported --artifact runs on one device", key="--mesh")
         mesh_config(args.mesh)
-    if args.out and not args.prompts:
-        raise ConfigError("--out goes with --prompts (a --prompt's text is printed)", key="--out")
-    if args.out and Path(args.out).is_dir():  # found now, not after the whole batch has run
-        raise ConfigError(f"--out {args.out} is a directory; give the path of the JSONL file to write", key="--out")
     adapter_dirs(args)
-    defaults = dict(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-    )
-    for name, value in defaults.items():
-        try:
-            SamplingParams(**{name: value})
-        except ValueError as error:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag}: {error}", key=flag) from None
-    return defaults
 
 
 def adapter_dirs(args: argparse.Namespace) -> dict[str, Path]:
@@ -264,8 +277,10 @@ def run(args: argparse.Namespace) -> int:
 __all__ = [
     "adapter_dirs",
     "add_arguments",
+    "add_model_arguments",
     "build_engine",
     "check_engine_options",
+    "check_model_options",
     "check_options",
     "mesh_config",
     "read_prompts",

@@ -63,8 +63,10 @@ class Ticket:
         self.request, self.updates, self.tag = request, updates, tag
         self.worker: int | None = None
         self.request_id: int | None = None
+        self.ended = False
 
     def end(self, result: GenerationResult, event: TokenEvent | None = None) -> None:
+        self.ended = True
         self.updates.put(Update(self.tag, event, result))
 
 
@@ -129,6 +131,8 @@ class EngineWorkers:
         """Stops a submitted request, waiting or running, with an ``"abort"`` result (unless it
         ended meanwhile: then nothing more comes)."""
         with self._lock:
+            if ticket.ended:
+                return
             if ticket in self._waiting:
                 self._waiting.remove(ticket)
                 ticket.end(_ended(ticket, FINISH_ABORT))

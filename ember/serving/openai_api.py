@@ -1,0 +1,355 @@
+"""The OpenAI API's completions and chat completions, as ``ember serve`` speaks them.
+
+:func:`parse_call` turns a request body into an :class:`ApiCall` (a prompt and its
+``SamplingParams`` per choice) or an :class:`ApiError` naming the field at fault; the other
+functions write the response bodies and the stream's chunks. The fields:
+
+- both: ``model`` (the served model's name, or an adapter's: its requests generate with it;
+  default the base model), ``max_tokens``, ``temperature`` (default 1, as OpenAI's), ``top_p``,
+  ``n`` (choices per prompt), ``stop`` (a string or a list), ``seed`` (choice ``i`` of a prompt
+  samples with ``seed + i``), ``stream`` with ``stream_options.include_usage``, ``user``
+  (ignored); ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` only at their
+  neutral values. Ember's own, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+- ``/v1/completions``: ``prompt`` (a string, a list of token ids, or a list of either: one
+  prompt each), ``max_tokens`` default 16; ``logprobs`` 0 gives each sampled token's
+  log-probability (no alternatives: a larger number is refused), ``echo`` false.
+- ``/v1/chat/completions``: ``messages`` (``system``/``user``/``assistant`` turns whose
+  ``content`` is a string or a list of text parts), rendered as the model was fine-tuned on
+  them (:func:`ember.core.chat.chat_prompt_tokens`); ``max_tokens`` or
+  ``max_completion_tokens``, default what the context leaves; ``logprobs`` true gives each
+  sampled token's log-probability (``top_logprobs`` 0 only).
+
+Any other field is refused, naming it, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from ember.core.errors import EmberError
+from ember.serving.engine import Prompt
+from ember.serving.requests import MAX_SEED, GenerationResult, SamplingParams
+
+COMMON_FIELDS = frozenset(
+    {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
+     "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "ignore_eos", "stop_token_ids"}
+)  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+MAX_CHOICES = 128
+ONLY_SAMPLED = "only the sampled token's log-probability is given (no alternatives)"
+
+
+class ApiError(Exception):
+    """A request the server refuses: the HTTP ``status``, a ``message`` saying what is wrong and
+    what is allowed, and the request's field at fault (``param``)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """The names requests may give as ``model``: the base model's and its adapters'."""
+
+    base: str
+    adapters: tuple[str, ...] = ()
+
+    def adapter(self, name: Any) -> str | None:
+        """The adapter a request's ``model`` names (None: the base model); ``ApiError`` 404 for
+        a name not served."""
+        if name is None or name == self.base:
+            return None
+        if isinstance(name, str) and name in self.adapters:
+            return name
+        served = ", ".join([self.base, *self.adapters])
+        raise ApiError(404, f"the model {name!r} is not served here; served: {served}", "model", "not_found_error")
+
+    def listing(self) -> dict[str, Any]:
+        """The body of ``GET /v1/models``."""
+        created = int(time.time())
+        entries = [{"id": self.base, "object": "model", "created": created, "owned_by": "ember", "parent": None}]
+        entries += [
+            {"id": name, "object": "model", "created": created, "owned_by": "ember", "parent": self.base}
+            for name in self.adapters
+        ]
+        return {"object": "list", "data": entries}
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiCall:
+    """One API request: ``prompts[i]`` and ``params[i]`` are choice ``i``'s (``n`` choices per
+    prompt, prompt by prompt)."""
+
+    chat: bool
+    model: str
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+
+def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_context: int) -> ApiCall:
+    """The call a request ``body`` asks for (``chat``: to ``/v1/chat/completions``).
+    ``tokenizer`` renders a conversation; ``max_context`` is a chat's default ``max_tokens``.
+    Raises ``ApiError`` for what is wrong with it."""
+    try:
+        fields = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"the request body is not JSON: {error}") from None
+    if not isinstance(fields, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(fields).__name__}")
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise ApiError(
+            400, f"unsupported field(s) {', '.join(unknown)}; supported: {', '.join(sorted(allowed))}", unknown[0]
+        )
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}), ("echo", False)):
+        if fields.get(name) not in (None, neutral):
+            raise ApiError(400, f"{name} is not supported: give {json.dumps(neutral)} or leave it out", name)
+    model = fields.get("model")
+    adapter = models.adapter(model)
+    n = _choices(fields)
+    stream = _flag(fields, "stream")
+    options = fields.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise ApiError(400, 'stream_options must be {"include_usage": true|false}', "stream_options")
+    include_usage = bool(options and _flag(options, "include_usage"))
+    if chat:
+        prompts = [_chat_prompt(fields.get("messages"), tokenizer)]
+        logprobs = _flag(fields, "logprobs")
+        if fields.get("top_logprobs") not in (None, 0):
+            raise ApiError(400, f"top_logprobs must be 0: {ONLY_SAMPLED}", "top_logprobs")
+        if "max_tokens" in fields and "max_completion_tokens" in fields:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+        max_tokens = max_context if max_tokens is None else max_tokens
+    else:
+        prompts = _completion_prompts(fields.get("prompt"))
+        if fields.get("best_of") not in (None, n):
+            raise ApiError(400, "best_of must equal n (each choice is returned)", "best_of")
+        logprobs = fields.get("logprobs") is not None
+        if fields.get("logprobs") not in (None, 0):
+            raise ApiError(400, f"logprobs must be 0: {ONLY_SAMPLED}", "logprobs")
+        max_tokens = fields.get("max_tokens", 16)
+    seed = fields.get("seed")
+    if seed is not None:
+        _sampling_params({"seed": seed})
+    params = []
+    for _ in prompts:
+        for choice in range(n):
+            sampling = dict(
+                max_tokens=max_tokens,
+                temperature=fields.get("temperature", 1.0),
+                top_p=fields.get("top_p", 1.0),
+                top_k=fields.get("top_k", 0),
+                seed=None if seed is None else (seed + choice) % (MAX_SEED + 1),
+                stop=fields.get("stop") or (),
+                stop_token_ids=fields.get("stop_token_ids", ()),
+                ignore_eos=fields.get("ignore_eos", False),
+                logprobs=logprobs,
+                adapter=adapter,
+            )
+            params.append(_sampling_params({k: v for k, v in sampling.items() if v is not None}))
+    return ApiCall(
+        chat=chat,
+        model=models.base if model is None else model,
+        prompts=[prompt for prompt in prompts for _ in range(n)],
+        params=params,
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+    )
+
+
+def _choices(fields: dict[str, Any]) -> int:
+    n = fields.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
+    return n
+
+
+def _flag(fields: dict[str, Any], name: str) -> bool:
+    value = fields.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**sampling)
+    except (TypeError, ValueError) as error:
+        name = str(error).split(" ", 1)[0]
+        raise ApiError(400, str(error), name if name in sampling else None) from None
+
+
+def _completion_prompts(prompt: Any) -> list[Prompt]:
+    """A completion's prompts: a string, a list of token ids, or a non-empty list of either."""
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        return list(prompt)
+    raise ApiError(
+        400,
+        "prompt must be a string, a list of token ids, or a non-empty list of strings or of token-id lists",
+        "prompt",
+    )
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _chat_prompt(messages: Any, tokenizer: Any) -> list[int]:
+    """The prompt tokens of a chat's ``messages``: each turn's content a string or a list of
+    ``{"type": "text", "text": ...}`` parts (joined), rendered by the model's chat template."""
+    from ember.core.chat import chat_prompt_tokens
+
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    turns = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(400, f"messages[{index}] must be an object with role and content", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+                raise ApiError(
+                    400, f'messages[{index}].content: only text parts ({{"type": "text", "text": ...}}) are served',
+                    "messages",
+                )  # fmt: skip
+            content = "".join(str(part.get("text", "")) for part in content)
+        turns.append({**{k: v for k, v in message.items() if k != "name"}, "content": content})
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer to render messages with; use /v1/completions", "messages")
+    try:
+        return [int(t) for t in chat_prompt_tokens(turns, tokenizer)]
+    except (ValueError, EmberError) as error:
+        raise ApiError(400, f"messages: {error}", "messages") from None
+
+
+# Responses ------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def response_body(
+    call: ApiCall, results: Sequence[GenerationResult], prompt_tokens: int, tokenizer: Any
+) -> dict[str, Any]:
+    """The body of a call's whole response: one choice per result, in order."""
+    choices = []
+    for index, result in enumerate(results):
+        text = result.text if result.text is not None else ""
+        choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason}
+        logprobs = _logprobs(call, result.tokens, result.logprobs, tokenizer) if call.logprobs else None
+        if call.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choices.append(choice)
+    return {
+        "id": call.response_id,
+        "object": "chat.completion" if call.chat else "text_completion",
+        "created": call.created,
+        "model": call.model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, sum(len(r.tokens) for r in results)),
+    }
+
+
+def chunk_body(
+    call: ApiCall,
+    index: int,
+    text: str | None,
+    *,
+    finish_reason: str | None = None,
+    tokens: Sequence[int] = (),
+    logprobs: Sequence[float] = (),
+    tokenizer: Any = None,
+) -> dict[str, Any]:
+    """One stream chunk of choice ``index``: a piece of its text (``None``: a chat's first chunk,
+    which gives the role), its finish reason on the last; the tokens sampled since the last chunk
+    and their log-probabilities when the call asked for them."""
+    choice: dict[str, Any] = {"index": index}
+    if call.chat:
+        choice["delta"] = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+    else:
+        choice["text"] = text or ""
+    choice["logprobs"] = _logprobs(call, tokens, logprobs, tokenizer) if call.logprobs and tokens else None
+    choice["finish_reason"] = finish_reason
+    return _chunk(call, [choice])
+
+
+def usage_chunk(call: ApiCall, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The last chunk of a stream asked with ``include_usage``: no choices, the usage."""
+    return {**_chunk(call, []), "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _chunk(call: ApiCall, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    chunk = {
+        "id": call.response_id,
+        "object": "chat.completion.chunk" if call.chat else "text_completion",
+        "created": call.created,
+        "model": call.model,
+        "choices": choices,
+    }
+    if call.include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def _logprobs(call: ApiCall, tokens: Sequence[int], logprobs: Sequence[float] | None, tokenizer: Any) -> Any:
+    """The log-probabilities of ``tokens`` in the API's form (each token's text its own decoding)."""
+    pieces = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in tokens]
+    values = list(logprobs or [])
+    if call.chat:
+        return {
+            "content": [
+                {"token": piece, "logprob": value, "bytes": list(piece.encode()), "top_logprobs": []}
+                for piece, value in zip(pieces, values)
+            ]
+        }
+    offsets = [0, *itertools.accumulate(len(piece) for piece in pieces)][:-1]
+    return {"tokens": pieces, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+
+__all__ = [
+    "ApiCall",
+    "ApiError",
+    "Models",
+    "chunk_body",
+    "parse_call",
+    "response_body",
+    "usage",
+    "usage_chunk",
+]

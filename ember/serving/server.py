@@ -1,0 +1,234 @@
+"""``ember serve``'s HTTP server: the OpenAI API over continuous batching.
+
+    server = Server(engines, Models("tiny", adapters=("sql",)), port=8000)
+    server.serve_forever()        # or in a thread: threading.Thread(target=server.serve_forever).start()
+    server.close()
+
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(:mod:`ember.serving.openai_api`), ``GET /v1/models`` (the model and its adapters) and
+``GET /health``. Each HTTP request is handled in a thread of its own and hands its prompts to
+:class:`~ember.serving.workers.EngineWorkers`: a request arriving while others run joins their
+batch at the next step (continuous batching) and, with several engines (``--mesh data=D``), goes
+to whichever can start it first.
+
+``"stream": true`` sends server-sent events as tokens are sampled (text held back only while it
+may still turn out to begin a stop string or to end inside a character), then ``data: [DONE]``.
+A client that goes away mid-stream has its requests aborted at once, their slots and pages freed.
+A refused request gets the API's error body: 400 naming the field (404 for an unknown model or
+path); a request whose engine failed 500; once every engine failed, 503.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from ember.core.errors import ConfigError
+from ember.serving.engine import Engine
+from ember.serving.openai_api import (
+    ApiCall,
+    ApiError,
+    Models,
+    chunk_body,
+    parse_call,
+    response_body,
+    usage_chunk,
+)
+from ember.serving.requests import FINISH_ABORT, FINISH_ERROR, GenerationResult
+from ember.serving.text_deltas import TextDeltas
+from ember.serving.workers import EngineWorkers, Ticket, Update
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MAX_BODY_BYTES = 16 * 2**20
+NOT_FOUND = "not_found_error"
+log = logging.getLogger(__name__)
+
+
+class Server:
+    """The OpenAI API served on ``engines`` (one model's, with the same adapters) at ``host:port``
+    (port 0: any free one; :attr:`url` tells which)."""
+
+    def __init__(self, engines: Sequence[Engine], models: Models, *, host: str = "127.0.0.1", port: int = 8000):
+        engine = engines[0]
+        if engine.tokenizer is None:
+            raise ConfigError("ember serve needs the model's tokenizer (text in, text out); this engine has none")
+        if set(models.adapters) != set(engine.program.adapter_names):
+            raise ValueError(f"models.adapters {models.adapters} are not the engine's {engine.program.adapter_names}")
+        self.models = models
+        self.tokenizer = engine.tokenizer
+        self.max_context = engine.program.max_context
+        self.workers = EngineWorkers(engines)
+        self._http = ThreadingHTTPServer((host, port), _Handler)
+        self._http.daemon_threads = True
+        self._http.app = self  # type: ignore[attr-defined]
+        self._serving = False
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the server (the API under ``/v1``)."""
+        host, port = self._http.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def serve_forever(self) -> None:
+        """Serves until :meth:`close` (from another thread) or an interrupt."""
+        self._serving = True
+        try:
+            self._http.serve_forever(poll_interval=0.1)
+        finally:
+            self._serving = False
+
+    def close(self) -> None:
+        """Stops taking connections, aborts the requests in flight (their streams end with an
+        error event) and stops the engines' threads."""
+        if self._serving:
+            self._http.shutdown()
+        self._http.server_close()
+        self.workers.close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "ember"
+
+    @property
+    def app(self) -> Server:
+        return self.server.app  # type: ignore[attr-defined]
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.info("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == "/v1/models":
+            self._json(200, self.app.models.listing())
+        elif path == "/health":
+            alive = self.app.workers.alive
+            self._json(200 if alive else 503, {"status": "ok" if alive else "every engine failed"})
+        else:
+            self._error(ApiError(404, f"no route GET {path}; GET serves /v1/models and /health", kind=NOT_FOUND))
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        try:
+            if path not in (COMPLETIONS, CHAT):
+                raise ApiError(404, f"no route POST {path}; POST serves {COMPLETIONS} and {CHAT}", kind=NOT_FOUND)
+            app = self.app
+            call = parse_call(
+                self._body(), chat=path == CHAT, models=app.models, tokenizer=app.tokenizer, max_context=app.max_context
+            )
+            self._complete(call)
+        except ApiError as error:
+            self._error(error)
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: its requests were aborted
+            self.close_connection = True
+
+    def _body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise ApiError(411, "a request body with its Content-Length is required")
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is not read
+            raise ApiError(413, f"the request body is {length} bytes; at most {MAX_BODY_BYTES} are read")
+        return self.rfile.read(int(length))
+
+    def _complete(self, call: ApiCall) -> None:
+        workers = self.app.workers
+        updates: queue.Queue[Update] = queue.Queue()
+        tickets: list[Ticket] = []
+        try:
+            for index, (prompt, params) in enumerate(zip(call.prompts, call.params)):
+                try:
+                    tickets.append(workers.submit(prompt, params, updates, tag=index))
+                except ValueError as error:
+                    raise ApiError(400, str(error), "messages" if call.chat else "prompt") from None
+                except RuntimeError as error:  # every engine failed
+                    raise ApiError(503, str(error), kind="service_unavailable_error") from None
+            prompt_tokens = sum(len(ticket.request.prompt) for ticket in tickets[:: call.n])
+            if call.stream:
+                self._stream(call, updates, prompt_tokens)
+            else:
+                results: list[GenerationResult] = [None] * len(tickets)  # type: ignore[list-item]
+                for _ in tickets:
+                    while (update := updates.get()).result is None:
+                        pass
+                    _check_ended(update.result)
+                    results[update.tag] = update.result
+                self._json(200, response_body(call, results, prompt_tokens, self.app.tokenizer))
+        finally:
+            for ticket in tickets:  # those still running when the client went away (or an error)
+                workers.abort(ticket)
+
+    def _stream(self, call: ApiCall, updates: queue.Queue[Update], prompt_tokens: int) -> None:
+        tokenizer = self.app.tokenizer
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream's end is the connection's
+        self.end_headers()
+        self.close_connection = True
+        deltas = [TextDeltas(tokenizer, params.stop) for params in call.params]
+        if call.chat:
+            for index in range(len(deltas)):
+                self._event(chunk_body(call, index, None))
+        open_choices, completion_tokens = len(deltas), 0
+        while open_choices:
+            update = updates.get()
+            index, event, result = update.tag, update.event, update.result
+            sampled = [event.token] if event is not None and event.token is not None else []
+            logprobs = [event.logprob] if sampled and call.logprobs else []
+            if result is None:
+                piece = deltas[index].add(sampled[0])
+                if piece or logprobs:
+                    self._event(chunk_body(call, index, piece, tokens=sampled, logprobs=logprobs, tokenizer=tokenizer))
+                continue
+            try:
+                _check_ended(result)
+            except ApiError as error:
+                self._event(error.body())
+                return
+            open_choices -= 1
+            completion_tokens += len(result.tokens)
+            # The last event's token may belong to a stop sequence: the final text says what is kept.
+            piece = deltas[index].finish(result.text)
+            self._event(
+                chunk_body(
+                    call, index, piece, finish_reason=result.finish_reason, tokens=sampled, logprobs=logprobs,
+                    tokenizer=tokenizer,
+                )
+            )  # fmt: skip
+        if call.include_usage:
+            self._event(usage_chunk(call, prompt_tokens, completion_tokens))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def _event(self, data: dict[str, Any]) -> None:
+        self.wfile.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _json(self, status: int, data: dict[str, Any]) -> None:
+        body = json.dumps(data, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, error: ApiError) -> None:
+        self._json(error.status, error.body())
+
+
+def _check_ended(result: GenerationResult) -> None:
+    """Raises the ``ApiError`` of a result that did not come from generating: its engine failed
+    (500) or the server is closing (503)."""
+    if result.finish_reason == FINISH_ERROR:
+        raise ApiError(500, result.error or "the engine failed", kind="server_error")
+    if result.finish_reason == FINISH_ABORT:
+        raise ApiError(503, "the server is shutting down", kind="service_unavailable_error")
+
+
+__all__ = ["CHAT", "COMPLETIONS", "Server"]

@@ -1,0 +1,173 @@
+"""``ember.serving.server`` through the official ``openai`` client (and raw HTTP for what a client
+hides): completions equal a full-recompute greedy loop, streams give the text the whole response
+gives, concurrent requests share the engine's batches, a client leaving a stream frees its slot,
+and a bad request is the API's error naming the field."""
+
+import http.client
+import json
+import re
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import openai
+import pytest
+
+from ember.core.tokenizer import ByteTokenizer
+from ember.models.config import ModelConfig
+from ember.serving.engine import Engine
+from ember.serving.openai_api import Models
+from ember.serving.server import Server
+from tests.serving.greedy_reference import greedy_reference
+from tests.serving.random_weights import random_weights
+from tests.tolerances import assert_allclose
+
+CONFIG = ModelConfig(
+    vocab_size=257, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64, page_size=4, max_seq_len=48
+)
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def served():
+    params = random_weights(CONFIG, seed=20261207, spread=0.3)
+    engine = Engine.from_model(CONFIG, params, tokenizer=ByteTokenizer(), num_slots=4, token_buckets=(8, 16))
+    running = []  # requests running in each step
+    step = engine.step
+    engine.step = lambda *args: running.append(len(engine.scheduler.running)) or step(*args)
+    server = Server([engine], Models("tiny"), port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    yield SimpleNamespace(
+        server=server, engine=engine, client=client, running=running, greedy=greedy_reference(CONFIG, params, 48)
+    )
+    server.close()
+    thread.join()
+
+
+def expected_greedy(served, prompts, max_tokens):
+    tokens = served.greedy([list(ByteTokenizer().encode(p)) for p in prompts], [max_tokens] * len(prompts))
+    return [ByteTokenizer().decode(t) for t in tokens]
+
+
+def test_completions_equal_a_greedy_loop_whole_or_streamed(served):
+    prompts = ["Once upon", "The quick brown"]
+    expected = expected_greedy(served, prompts, 12)
+    response = served.client.completions.create(model="tiny", prompt=prompts, max_tokens=12, **GREEDY)
+    assert [choice.text for choice in response.choices] == expected
+    assert [choice.finish_reason for choice in response.choices] == ["length", "length"]
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (9 + 15, 24)
+    pieces, usages = {0: [], 1: []}, []
+    stream = served.client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=12, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    for chunk in stream:
+        usages.append(chunk.usage)
+        for choice in chunk.choices:
+            pieces[choice.index].append(choice.text)
+    assert ["".join(pieces[0]), "".join(pieces[1])] == expected
+    assert usages[-1].completion_tokens == 24 and all(usage is None for usage in usages[:-1])
+
+
+def test_sampled_choices_follow_their_seeds_streamed_or_not(served):
+    """``n=2`` with ``seed`` 5: the choices sample with seeds 5 and 6 (a request of its own with
+    seed 6 gives choice 1), the stream gives the same text and log-probabilities."""
+    asked = dict(model="tiny", prompt="Hello", max_tokens=10, temperature=0.9, seed=5, logprobs=0, n=2)
+    whole = served.client.completions.create(**asked)
+    texts = [choice.text for choice in whole.choices]
+    assert texts[0] != texts[1]
+    alone = served.client.completions.create(**{**asked, "n": 1, "seed": 6})
+    assert alone.choices[0].text == texts[1]
+    expected = whole.choices[1].logprobs.token_logprobs
+    assert_allclose(alone.choices[0].logprobs.token_logprobs, expected, dtype=np.float32)
+    pieces, logprobs = {0: [], 1: []}, {0: [], 1: []}
+    for chunk in served.client.completions.create(**asked, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index].append(choice.text)
+            logprobs[choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
+    for index in range(2):
+        assert "".join(pieces[index]) == texts[index]
+        assert_allclose(logprobs[index], whole.choices[index].logprobs.token_logprobs, dtype=np.float32)
+        assert len(logprobs[index]) == 10
+
+
+def test_requests_arriving_together_share_the_engine_s_steps(served):
+    prompts = [f"request {i}: " + "ab" * i for i in range(6)]
+    expected = expected_greedy(served, prompts, 10)
+    served.running.clear()
+    texts = [None] * len(prompts)
+
+    def ask(index):
+        response = served.client.completions.create(model="tiny", prompt=prompts[index], max_tokens=10, **GREEDY)
+        texts[index] = response.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert texts == expected
+    assert max(served.running) > 1, served.running  # one request at a time would be 1 throughout
+
+
+def test_a_client_leaving_a_stream_frees_its_slot(served, monkeypatch):
+    """The client reads one event and closes: the request is aborted within a few tokens (each
+    step slowed to 50 ms, so 40 tokens would take 2 s), its slot and pages freed."""
+    step = served.engine.step
+    monkeypatch.setattr(served.engine, "step", lambda *args: time.sleep(0.05) or step(*args))
+    before = served.engine.tokens_generated
+    connection = post(served, "/v1/completions", {"prompt": "Go", "max_tokens": 40, "stream": True, "ignore_eos": True})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    response.close()  # the response holds the socket open too
+    connection.close()
+    deadline = time.monotonic() + 10
+    while served.engine.has_unfinished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not served.engine.has_unfinished
+    assert served.engine.scheduler.allocator.num_free == served.engine.program.num_pages
+    assert served.engine.tokens_generated - before < 20
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "param", "message"),
+    [
+        ({"prompt": "x", "max_token": 3}, 400, "max_token", "unsupported field.*max_token; supported: best_of"),
+        ({"prompt": "x", "model": "big"}, 404, "model", "'big' is not served here; served: tiny"),
+        ({"prompt": "x" * 60}, 400, "prompt", "the prompt has 60 tokens, more than the context of 48"),
+        ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported: give 0"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be a finite number >= 0"),
+        ({"prompt": "x", "logprobs": 3}, 400, "logprobs", "logprobs must be 0: only the sampled"),
+        ({"prompt": ["x", 3]}, 400, "prompt", "prompt must be a string, a list of token ids"),
+        ({"prompt": "x", "n": 0}, 400, "n", r"n must be an integer in \[1, 128\]"),
+    ],
+)
+def test_a_bad_request_is_the_api_s_error_naming_the_field(served, fields, status, param, message):
+    response = post(served, "/v1/completions", fields).getresponse()
+    error = json.loads(response.read())["error"]
+    assert (response.status, error["param"]) == (status, param)
+    assert re.search(message, error["message"]), error["message"]
+
+
+def test_the_client_sees_the_errors_and_the_routes(served):
+    with pytest.raises(openai.BadRequestError, match="temperature must be"):
+        served.client.completions.create(model="tiny", prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="served: tiny"):
+        served.client.completions.create(model="big", prompt="x")
+    assert [model.id for model in served.client.models.list()] == ["tiny"]
+    for method, path, status in (("GET", "/health", 200), ("GET", "/v2", 404), ("POST", "/v1/embeddings", 404)):
+        connection = http.client.HTTPConnection(served.server.url.removeprefix("http://"), timeout=30)
+        connection.request(method, path, body=b"{}" if method == "POST" else None)
+        assert connection.getresponse().status == status, path
+    connection = post(served, "/v1/completions", None, body=b"{not json")
+    response = connection.getresponse()
+    assert response.status == 400 and "not JSON" in json.loads(response.read())["error"]["message"]
+
+
+def post(served, path, fields, body=None):
+    connection = http.client.HTTPConnection(served.server.url.removeprefix("http://"), timeout=30)
+    body = json.dumps(fields).encode() if body is None else body
+    connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    return connection
