@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
+from ember.core.chat import plain_chat
 from ember.core.errors import ConfigError, DataError, PathNotFoundError
 from ember.core.hf_tokenizer import load_hf_tokenizer
 from ember.core.tokenizer import ByteTokenizer, tokenizer_from_description
 from ember.training.data.instructions import (
     InstructionBatches,
     pack_examples,
-    plain_chat,
     read_instructions,
     tokenize_example,
 )

@@ -18,10 +18,11 @@ Each JSONL line is one example, either form:
   text is that turn's) and up to its generation prompt (the turn's header, not trained), as
   ``return_assistant_tokens_mask`` would. A template with ``{% generation %}`` blocks says
   itself which text is the assistant's: exactly ``return_assistant_tokens_mask``'s mask.
-  Without a template, turns are written by :func:`plain_chat`, which writes no end of
-  turn, so there the tokenizer's EOS follows each assistant turn, trained (as it follows a
-  completion): a model fine-tuned on such conversations learns to stop after its answer; the
-  text between EOS tokens is tokenized whole.
+  Without a template, turns are written by :func:`ember.core.chat.plain_chat`, which writes
+  no end of turn, so there the tokenizer's EOS follows each assistant turn, trained (as it
+  follows a completion): a model fine-tuned on such conversations learns to stop after its
+  answer; the text between EOS tokens is tokenized whole. Serving prompts a conversation
+  with :func:`ember.core.chat.chat_prompt_tokens`, the same tokens up to an answer.
 
 Packing: examples are taken in a seeded order (a new permutation each epoch) and placed into
 rows of ``seq_len`` input tokens one after another, an example that does not fit the row's
@@ -43,13 +44,12 @@ from typing import Any
 
 import numpy as np
 
+from ember.core.chat import check_messages, plain_chat, plain_chat_pieces
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.hf_tokenizer import GENERATION_TAG
 from ember.core.jsonl import jsonl_lines, lone_surrogate
 from ember.training.data.iterator import check_process_split
 from ember.training.data.packing import empty_row
-
-ROLES = ("system", "user", "assistant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +59,6 @@ class Example:
 
     tokens: np.ndarray
     trained: np.ndarray
-
-
-def plain_chat(messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
-    """The conversation template of a tokenizer without ``chat_template``: each turn as
-    ``<|role|>\\ncontent\\n``; the generation prompt is ``<|assistant|>\\n``."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-    return text + "<|assistant|>\n" if add_generation_prompt else text
 
 
 def read_instructions(
@@ -147,29 +140,30 @@ def tokenize_example(record: Any, tokenizer: Any, where: str = "example") -> Exa
 
 
 def _conversation(messages: Any, tokenizer: Any, where: str) -> Example:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: messages must be a non-empty list")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise DataError(f"{where}: messages[{index}] needs a role and a string content")
-        if message.get("role") not in ROLES:
-            raise DataError(f"{where}: messages[{index}] has role {message.get('role')!r}; roles: {', '.join(ROLES)}")
+    try:
+        messages = check_messages(messages)
+    except ValueError as error:
+        raise DataError(f"{where}: {error}") from None
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
     if getattr(tokenizer, "chat_template", None):
         return _chat_template_example(messages, tokenizer, where)
     # plain_chat writes no end of turn: the tokenizer's EOS follows each assistant turn, trained.
     _check_eos(tokenizer, where, "each assistant turn (the tokenizer has no chat_template to write one)")
-    text, spans = _assistant_spans(messages, plain_chat, where)
+    _, spans = _assistant_spans(messages, plain_chat, where)
+    pieces = plain_chat_pieces(messages)  # the text to the end of each answer, then the turns after the last
     eos = np.array([tokenizer.eos_id], np.int32)
     tokens, trained, start = [], [], 0
-    for begin, end in spans:  # the text to the end of each answer, then its EOS
-        piece, marked = _marked(tokenizer, text[start:end], [(begin - start, end - start)], first=not start)
-        tokens += [piece, eos]
-        trained += [marked, np.ones(eos.size, bool)]
-        start = end
-    piece, marked = _marked(tokenizer, text[start:], [], first=False)  # the turns after the last answer
-    return Example(np.concatenate([*tokens, piece]).astype(np.int32), np.concatenate([*trained, marked]))
+    for index, text in enumerate(pieces):
+        if index:  # the EOS after the answer ending the piece before
+            tokens.append(eos)
+            trained.append(np.ones(eos.size, bool))
+        own = [(begin - start, end - start) for begin, end in spans if start <= begin and end <= start + len(text)]
+        piece, marked = _marked(tokenizer, text, own, first=not index)
+        tokens.append(piece)
+        trained.append(marked)
+        start += len(text)
+    return Example(np.concatenate(tokens).astype(np.int32), np.concatenate(trained))
 
 
 def _check_eos(tokenizer: Any, where: str, ends: str) -> None:
@@ -362,7 +356,6 @@ __all__ = [
     "InstructionBatches",
     "cut_counts",
     "pack_examples",
-    "plain_chat",
     "read_instructions",
     "tokenize_example",
 ]
