@@ -1,8 +1,12 @@
 """The JSONL contract of ``ember generate``.
 
-Input: one JSON object per line with ``prompt`` (text) or ``prompt_tokens`` (token ids),
-an optional ``id`` and optional sampling fields (``max_tokens``, ``temperature``,
-``top_k``, ``top_p``, ``seed``, ``stop``, ``adapter``, ...: :class:`~ember.serving.requests.SamplingParams`);
+Input: one JSON object per line with exactly one of ``prompt`` (text), ``prompt_tokens`` (token
+ids) or ``messages`` (a conversation, ``[{"role": "system" | "user" | "assistant", "content":
+"..."}, ...]``, prompted as a chat model fine-tuned on it expects: the engine's tokenizer's chat
+template, else Ember's plain one, then the assistant turn's header, by
+:func:`ember.core.chat.chat_prompt_tokens`), an optional ``id`` and optional sampling fields
+(``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``adapter``, ...:
+:class:`~ember.serving.requests.SamplingParams`);
 a line without a ``seed`` samples with ``--seed`` plus its line number less one, so repeated
 prompts give different samples and a rerun the same ones.
 Blank lines are skipped. Output: one object per request, in input order, with ``id`` (the
@@ -18,6 +22,7 @@ import json
 from collections.abc import Iterable
 from typing import Any, TextIO
 
+from ember.core.chat import chat_prompt_tokens, check_messages
 from ember.core.integers import is_integer
 from ember.serving.requests import MAX_SEED, GenerationResult, SamplingParams
 
@@ -25,13 +30,15 @@ from ember.serving.requests import MAX_SEED, GenerationResult, SamplingParams
 @dataclasses.dataclass
 class InputLine:
     """One parsed request line: a prompt and its params, or the error that rejects it (without
-    the line number, which :func:`output_record` puts before it)."""
+    the line number, which :func:`output_record` puts before it). A conversation is checked
+    ``messages`` and no ``prompt`` until :func:`with_chat_prompts` gives it its tokens."""
 
     line_number: int
     request_id: Any
     prompt: str | list[int] | None = None
     params: SamplingParams | None = None
     error: str | None = None
+    messages: list[dict[str, str]] | None = None
 
 
 def parse_lines(lines: Iterable[str], defaults: dict[str, Any] | None = None) -> list[InputLine]:
@@ -53,20 +60,40 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> InputLine:
     if not isinstance(record, dict):
         return InputLine(number, number, error=f"expected a JSON object, got {type(record).__name__}")
     request_id = record.pop("id", number)
-    prompt, tokens = record.pop("prompt", None), record.pop("prompt_tokens", None)
+    prompt, tokens, messages = (record.pop(key, None) for key in ("prompt", "prompt_tokens", "messages"))
     try:
-        if (prompt is None) == (tokens is None):
-            raise ValueError("give exactly one of 'prompt' (text) or 'prompt_tokens' (a list of token ids)")
+        if sum(form is not None for form in (prompt, tokens, messages)) != 1:
+            raise ValueError(
+                "give exactly one of 'prompt' (text), 'prompt_tokens' (a list of token ids) or 'messages' "
+                '(a conversation: [{"role": "system" | "user" | "assistant", "content": "..."}, ...])'
+            )
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
         if tokens is not None and (not isinstance(tokens, list) or not all(is_integer(t) for t in tokens)):
             raise ValueError("'prompt_tokens' must be a list of integers")
+        if messages is not None:
+            messages = check_messages(messages)
         if "seed" in defaults:
             defaults = {**defaults, "seed": (defaults["seed"] + number - 1) % (MAX_SEED + 1)}
         params = SamplingParams.from_dict({**defaults, **record})
     except (TypeError, ValueError) as error:
         return InputLine(number, request_id, error=str(error))
-    return InputLine(number, request_id, prompt if prompt is not None else tokens, params)
+    return InputLine(number, request_id, prompt if prompt is not None else tokens, params, messages=messages)
+
+
+def with_chat_prompts(lines: list[InputLine], tokenizer: Any) -> list[InputLine]:
+    """``lines`` with each valid conversation's ``prompt`` its chat prompt's token ids
+    (:func:`ember.core.chat.chat_prompt_tokens` with ``tokenizer``, None when the model has
+    none), or its ``error`` saying why there is none (no tokenizer, a failing chat template)."""
+    rendered = []
+    for line in lines:
+        if line.messages is not None and line.error is None:
+            try:
+                line = dataclasses.replace(line, prompt=chat_prompt_tokens(line.messages, tokenizer))
+            except ValueError as error:
+                line = dataclasses.replace(line, error=str(error))
+        rendered.append(line)
+    return rendered
 
 
 def output_record(line: InputLine, result: GenerationResult | None) -> dict[str, Any]:
@@ -109,4 +136,4 @@ class InOrderRecords:
         self._stream.flush()
 
 
-__all__ = ["InOrderRecords", "InputLine", "output_record", "parse_line", "parse_lines"]
+__all__ = ["InOrderRecords", "InputLine", "output_record", "parse_line", "parse_lines", "with_chat_prompts"]

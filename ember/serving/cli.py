@@ -15,11 +15,13 @@ MoE model's experts ``E`` ways too, over ``E * N`` devices (:mod:`ember.serving.
 (:mod:`ember.serving.replicas`).
 
 See :mod:`ember.serving.batch_io` for the JSONL contract: records are written in input order
-as they finish, so an interrupted batch keeps those it finished. With ``--artifact`` the model
-runs from a ``jax.export`` artifact (``ember export``) without Ember's model code. Bad
-options fail before any model loads (``ConfigError`` naming the option); a rejected request
-line is an ``error`` record in the output, except for ``--prompt``, whose rejection is the
-command's error.
+as they finish, so an interrupted batch keeps those it finished; a line's ``messages`` (a
+conversation) is prompted by the model's tokenizer, with its chat template or else Ember's plain
+one (:mod:`ember.core.chat`). With ``--artifact`` the model runs from a ``jax.export`` artifact
+(``ember export``) without Ember's model code; its tokenizer, chat template included, travels
+in it. Bad options fail before any model loads (``ConfigError`` naming the option); a rejected
+request line is an ``error`` record in the output, except for ``--prompt``, whose rejection is
+the command's error.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 from ember.core.errors import ConfigError, EmberError, PathNotFoundError
 from ember.core.jsonl import jsonl_lines, readable
-from ember.serving.batch_io import InOrderRecords, InputLine, parse_lines
+from ember.serving.batch_io import InOrderRecords, InputLine, parse_lines, with_chat_prompts
 from ember.serving.requests import SamplingParams
 
 # Engine.from_model's arguments that the options set (their ConfigErrors are keyed by these)
@@ -236,6 +238,11 @@ def engine_options_named() -> Iterator[None]:
         raise ConfigError(f"{flag}: {error}", key=flag) from None
 
 
+def engine_tokenizer(engine: Any) -> Any:
+    """The tokenizer (or None) of an ``Engine``, or of ``Replicas``' engines (all built with one)."""
+    return engine.engines[0].tokenizer if hasattr(engine, "engines") else engine.tokenizer
+
+
 def read_prompts(args: argparse.Namespace, defaults: dict[str, Any]) -> list[InputLine]:
     """The request lines of ``--prompts`` (a JSONL file) or ``--prompt``."""
     if args.prompt is not None:
@@ -251,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
 
     lines = read_prompts(args, check_options(args))
     engine = build_engine(args)
+    lines = with_chat_prompts(lines, engine_tokenizer(engine))
     valid = [i for i, line in enumerate(lines) if line.error is None]
     total = sum(lines[i].params.max_tokens for i in valid)
     prompts, params = [lines[i].prompt for i in valid], [lines[i].params for i in valid]
@@ -282,6 +290,7 @@ __all__ = [
     "check_engine_options",
     "check_model_options",
     "check_options",
+    "engine_tokenizer",
     "mesh_config",
     "read_prompts",
     "run",

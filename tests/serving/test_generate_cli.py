@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from ember.cli import main
+from ember.core.chat import chat_prompt_tokens
 from ember.core.checkpoint import CheckpointManager
 from ember.core.config import to_yaml
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
+from ember.serving.batch_io import output_record, with_chat_prompts
 from ember.serving.cli import read_prompts
 from ember.serving.engine import Engine
 from ember.serving.export import export_program
@@ -33,6 +35,7 @@ from tests.serving.random_weights import random_weights
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, page_size=8, max_seq_len=40)
+CHAT = [{"role": "user", "content": "Hi"}]  # 26 tokens with plain_chat's turn and generation prompt
 ENGINE_FLAGS = ["--num-slots", "3", "--token-budget", "4", "--no-progress"]
 
 
@@ -96,6 +99,8 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
             json.dumps({"prompt": "x", "max_tokens": 0}),
             json.dumps({"prompt_tokens": list(range(41))}),
             json.dumps({"prompt": "abc", "temperature": 0.8, "seed": 5, "max_tokens": 7}),
+            json.dumps({"id": "chat", "messages": CHAT, "max_tokens": 4}),
+            json.dumps({"messages": []}),
         ],
     )
     out = tmp_path / "out.jsonl"
@@ -103,8 +108,9 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
         main(["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *ENGINE_FLAGS]) == 0
     )
     records = read_records(out)
-    assert [r["id"] for r in records] == ["a", 2, 3, 5, 9, 7, 8, 9]
-    expected = greedy_reference(CONFIG, params, 40)([list(b"Hello"), tokens], [6, 5])
+    assert [r["id"] for r in records] == ["a", 2, 3, 5, 9, 7, 8, 9, "chat", 11]
+    chat = chat_prompt_tokens(CHAT, ByteTokenizer())
+    expected = greedy_reference(CONFIG, params, 40)([list(b"Hello"), tokens, chat], [6, 5, 4])
     assert records[0]["tokens"] == expected[0] and records[0]["text"] == ByteTokenizer().decode(expected[0])
     assert records[0]["finish_reason"] in ("length", "stop")
     # Greedy up to an EOS or the stop string "zz", which end the output early.
@@ -115,6 +121,9 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
     assert "line 7" in records[5]["error"] and "max_tokens" in records[5]["error"]
     assert "line 8" in records[6]["error"] and "41 tokens" in records[6]["error"]
     assert len(records[7]["tokens"]) <= 7 and "error" not in records[7]
+    # The conversation is prompted as a chat model fine-tuned on it was trained (ember.core.chat).
+    assert records[8]["tokens"] == expected[2][: len(records[8]["tokens"])] and "text" in records[8]
+    assert records[9]["error"].startswith("line 11: messages must be a non-empty list")
 
     artifact = tmp_path / "artifact"
     assert main(["export", str(path), str(artifact), "--num-slots", "2", "--token-budget", "4"]) == 0
@@ -175,12 +184,14 @@ def test_mesh_serves_on_replicas_each_split_over_devices_with_the_same_text(run_
     monkeypatch.setattr(
         cli, "build_engine", lambda args, build=cli.build_engine: engines.append(build(args)) or engines[-1]
     )
-    prompts = write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": text}) for text in ("Once", "Twice", "A")])
+    lines = [json.dumps({"prompt": text}) for text in ("Once", "Twice", "A")]
+    prompts = write_lines(tmp_path / "in.jsonl", [*lines, json.dumps({"messages": CHAT})])  # the replicas' tokenizer
     flags = ["--max-tokens", "4", "--token-budget", "2", "--num-slots", "1", "--no-progress"]
     out = tmp_path / "out.jsonl"
     args = ["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *flags]
     assert main([*args, "--mesh", "data=2,tensor=2"]) == 0
-    expected = greedy_reference(CONFIG, params, 40)([list(b"Once"), list(b"Twice"), list(b"A")], [4, 4, 4])
+    chat = chat_prompt_tokens(CHAT, ByteTokenizer())
+    expected = greedy_reference(CONFIG, params, 40)([list(b"Once"), list(b"Twice"), list(b"A"), chat], [4] * 4)
     expected = [tokens[: tokens.index(256)] if 256 in tokens else tokens for tokens in expected]  # EOS unprinted
     assert [record["text"] for record in read_records(out)] == [ByteTokenizer().decode(t) for t in expected]
     replicas = engines[0].engines
@@ -267,6 +278,28 @@ def test_prompt_lines_split_at_newlines_only(tmp_path):
     parsed = read_prompts(args, {})
     assert [(line.request_id, line.prompt, line.error) for line in parsed] == [(1, text, None), (2, [1], None)]
     assert parsed[0].params.max_tokens == 2
+
+
+def test_request_lines_with_messages_are_prompted_as_chat_fine_tuning_trained(tmp_path):
+    """A third prompt form, a conversation: checked when parsed, prompted with the engine's
+    tokenizer (ember.core.chat); a bad one, or one without a tokenizer, is its line's error.
+    Before, "messages" was an unknown sampling field and the line was refused."""
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    lines = [
+        json.dumps({"id": "c", "messages": chat, "max_tokens": 3}),
+        json.dumps({"prompt": "hi", "messages": chat}),
+        json.dumps({"messages": [{"role": "bot", "content": "x"}]}),
+        json.dumps({"prompt_tokens": [1]}),
+    ]
+    args = argparse.Namespace(prompt=None, prompts=str(write_lines(tmp_path / "in.jsonl", lines)))
+    parsed = with_chat_prompts(read_prompts(args, {}), ByteTokenizer())
+    assert parsed[0].prompt == chat_prompt_tokens(chat, ByteTokenizer()) and parsed[0].params.max_tokens == 3
+    assert parsed[3].prompt == [1] and parsed[3].error is None
+    errors = [output_record(line, None)["error"] for line in parsed[1:3]]
+    assert errors[0].startswith("line 2: give exactly one of 'prompt' (text), 'prompt_tokens' (a list of token ids) or")
+    assert errors[1] == "line 3: messages[0] has role 'bot'; roles: system, user, assistant"
+    (untokenized,) = with_chat_prompts(parsed[:1], None)  # an artifact exported without a tokenizer
+    assert output_record(untokenized, None)["error"].startswith('line 1: a conversation ("messages") needs a tokenizer')
 
 
 def test_prompts_from_a_pipe(tmp_path):
