@@ -238,11 +238,6 @@ def engine_options_named() -> Iterator[None]:
         raise ConfigError(f"{flag}: {error}", key=flag) from None
 
 
-def engine_tokenizer(engine: Any) -> Any:
-    """The tokenizer (or None) of an ``Engine``, or of ``Replicas``' engines (all built with one)."""
-    return engine.engines[0].tokenizer if hasattr(engine, "engines") else engine.tokenizer
-
-
 def read_prompts(args: argparse.Namespace, defaults: dict[str, Any]) -> list[InputLine]:
     """The request lines of ``--prompts`` (a JSONL file) or ``--prompt``."""
     if args.prompt is not None:
@@ -258,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
     lines = read_prompts(args, check_options(args))
     engine = build_engine(args)
-    lines = with_chat_prompts(lines, engine_tokenizer(engine))
+    lines = with_chat_prompts(lines, engine.tokenizer)
     valid = [i for i, line in enumerate(lines) if line.error is None]
     total = sum(lines[i].params.max_tokens for i in valid)
     prompts, params = [lines[i].prompt for i in valid], [lines[i].params for i in valid]
@@ -290,7 +285,6 @@ __all__ = [
     "check_engine_options",
     "check_model_options",
     "check_options",
-    "engine_tokenizer",
     "mesh_config",
     "read_prompts",
     "run",

@@ -57,6 +57,11 @@ class Replicas:
         with ThreadPoolExecutor(len(replicas)) as pool:
             return cls(list(pool.map(engine_of, replicas)))
 
+    @property
+    def tokenizer(self) -> Any:
+        """The engines' tokenizer (every replica's is the same), or None."""
+        return self.engines[0].tokenizer
+
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """``Engine.encode_prompt`` (every replica encodes alike)."""
         return self.engines[0].encode_prompt(prompt)

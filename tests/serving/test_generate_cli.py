@@ -8,22 +8,16 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ember.cli import main
 from ember.core.chat import chat_prompt_tokens
-from ember.core.checkpoint import CheckpointManager
-from ember.core.config import to_yaml
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
-from ember.models.decoder import DecoderLM
 from ember.serving.batch_io import output_record, with_chat_prompts
 from ember.serving.cli import read_prompts
 from ember.serving.engine import Engine
@@ -32,6 +26,7 @@ from tests.hf_peers import random_hf_model
 from tests.pipes import pipe_holding
 from tests.serving.greedy_reference import greedy_reference
 from tests.serving.random_weights import random_weights
+from tests.serving.run_dirs import write_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, page_size=8, max_seq_len=40)
@@ -43,12 +38,7 @@ ENGINE_FLAGS = ["--num-slots", "3", "--token-budget", "4", "--no-progress"]
 def run_dir(tmp_path_factory):
     """An Ember LM run directory as the trainer leaves it: config.yaml + checkpoints/."""
     path = tmp_path_factory.mktemp("run")
-    boxed = DecoderLM(CONFIG).init(jax.random.PRNGKey(7), jnp.zeros((1, 4), jnp.int32))["params"]
-    params = nn.meta.unbox(boxed)  # the trainer checkpoints plain arrays
-    (path / "config.yaml").write_text("model:\n" + textwrap.indent(to_yaml(CONFIG), "  "))
-    with CheckpointManager(path / "checkpoints", async_save=False) as manager:
-        manager.save(3, {"params": params, "step": jnp.int32(3)})
-    return path, params
+    return path, write_run_dir(path, CONFIG)
 
 
 def write_lines(path, lines):

@@ -14,6 +14,7 @@ import numpy as np
 import openai
 import pytest
 
+from ember.core.chat import chat_prompt_tokens
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.serving.engine import Engine
@@ -24,7 +25,7 @@ from tests.serving.random_weights import random_weights
 from tests.tolerances import assert_allclose
 
 CONFIG = ModelConfig(
-    vocab_size=257, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64, page_size=4, max_seq_len=48
+    vocab_size=257, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64, page_size=4, max_seq_len=96
 )
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
@@ -41,7 +42,7 @@ def served():
     thread.start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120)
     yield SimpleNamespace(
-        server=server, engine=engine, client=client, running=running, greedy=greedy_reference(CONFIG, params, 48)
+        server=server, engine=engine, client=client, running=running, greedy=greedy_reference(CONFIG, params, 96)
     )
     server.close()
     thread.join()
@@ -71,6 +72,18 @@ def test_completions_equal_a_greedy_loop_whole_or_streamed(served):
     assert usages[-1].completion_tokens == 24 and all(usage is None for usage in usages[:-1])
 
 
+def test_a_stream_with_a_stop_string_gives_the_text_before_it(served):
+    """The stop string is two characters of the greedy answer: the stream gives exactly the
+    whole response's text (what precedes the stop string's first appearance), never the stop."""
+    text = expected_greedy(served, ["Once upon"], 12)[0]
+    stop = text[5:7]
+    asked = dict(model="tiny", prompt="Once upon", max_tokens=12, stop=[stop], **GREEDY)
+    whole = served.client.completions.create(**asked).choices[0]
+    assert (whole.text, whole.finish_reason) == (text[: text.index(stop)], "stop")
+    pieces = [chunk.choices[0].text for chunk in served.client.completions.create(**asked, stream=True)]
+    assert "".join(pieces) == whole.text
+
+
 def test_sampled_choices_follow_their_seeds_streamed_or_not(served):
     """``n=2`` with ``seed`` 5: the choices sample with seeds 5 and 6 (a request of its own with
     seed 6 gives choice 1), the stream gives the same text and log-probabilities."""
@@ -91,6 +104,35 @@ def test_sampled_choices_follow_their_seeds_streamed_or_not(served):
         assert "".join(pieces[index]) == texts[index]
         assert_allclose(logprobs[index], whole.choices[index].logprobs.token_logprobs, dtype=np.float32)
         assert len(logprobs[index]) == 10
+
+
+def test_a_chat_is_the_completion_of_its_chat_prompt(served):
+    """A conversation is prompted as fine-tuning tokenized it (``chat_prompt_tokens``): the chat's
+    answer is the completion of those tokens, whole or streamed (the role first), content given
+    as a string or as text parts alike, with each sampled token's log-probability."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    prompt = chat_prompt_tokens(messages, ByteTokenizer())
+    completion = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, logprobs=0, **GREEDY)
+    chat = served.client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, logprobs=True, **GREEDY)
+    answer = chat.choices[0]
+    assert (answer.message.role, answer.message.content) == ("assistant", completion.choices[0].text)
+    assert_allclose(
+        [entry.logprob for entry in answer.logprobs.content], completion.choices[0].logprobs.token_logprobs,
+        dtype=np.float32,
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == len(prompt)
+    parts = [
+        messages[0],
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+    ]
+    chunks = list(
+        served.client.chat.completions.create(model="tiny", messages=parts, max_tokens=8, stream=True, **GREEDY)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == answer.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\] has role 'robot'"):
+        served.client.chat.completions.create(model="tiny", messages=[messages[0], {"role": "robot", "content": "x"}])
 
 
 def test_requests_arriving_together_share_the_engine_s_steps(served):
@@ -136,7 +178,7 @@ def test_a_client_leaving_a_stream_frees_its_slot(served, monkeypatch):
     [
         ({"prompt": "x", "max_token": 3}, 400, "max_token", "unsupported field.*max_token; supported: best_of"),
         ({"prompt": "x", "model": "big"}, 404, "model", "'big' is not served here; served: tiny"),
-        ({"prompt": "x" * 60}, 400, "prompt", "the prompt has 60 tokens, more than the context of 48"),
+        ({"prompt": "x" * 100}, 400, "prompt", "the prompt has 100 tokens, more than the context of 96"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported: give 0"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be a finite number >= 0"),
         ({"prompt": "x", "logprobs": 3}, 400, "logprobs", "logprobs must be 0: only the sampled"),
