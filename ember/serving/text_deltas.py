@@ -4,10 +4,14 @@
     for event in events: send(deltas.add(event.token))
     send(deltas.finish(result.text))
 
-A new piece is the decoded text of every token so far past what was given out, short of a
-trailing U+FFFD (a character whose bytes have not all arrived) and, while the request has stop
-strings, of the last ``len(longest stop string) - 1`` characters (they may begin a stop string,
-which the final text leaves out). :meth:`TextDeltas.finish` gives the rest of the final text.
+The text grows by what a token adds to the decoding of the few tokens before it (decoding
+the whole output again for every token would cost its length squared; decoding a token alone
+would lose what a tokenizer writes across tokens: SentencePiece's leading space, a character
+whose bytes two tokens hold), once that no longer ends in U+FFFD (a character whose bytes have
+not all arrived). A piece is that text past what was given out, short of the last
+``len(longest stop string) - 1`` characters while the request has stop strings (they may begin
+a stop string, which the final text leaves out). :meth:`TextDeltas.finish` gives the rest of the
+final text.
 """
 
 from __future__ import annotations
@@ -27,18 +31,25 @@ class TextDeltas:
         self._tokenizer = tokenizer
         self._held = max((len(s) for s in stop), default=1) - 1
         self._tokens: list[int] = []
+        self._context = self._read = 0  # tokens[context:read] were decoded into text; the rest not yet
+        self.text = ""
+        """The text of the tokens so far, as far as it is known."""
         self.sent = ""
         """The text given out so far."""
 
     def add(self, token: int) -> str:
         """The piece of text ``token`` completes (often empty)."""
         self._tokens.append(token)
-        text = self._tokenizer.decode(self._tokens)
-        end = len(text.rstrip(INCOMPLETE)) - self._held
-        if end <= len(self.sent) or not text.startswith(self.sent):
+        before = self._tokenizer.decode(self._tokens[self._context : self._read])
+        after = self._tokenizer.decode(self._tokens[self._context :])
+        if len(after) > len(before) and after.startswith(before) and not after.endswith(INCOMPLETE):
+            self.text += after[len(before) :]
+            self._context, self._read = self._read, len(self._tokens)
+        end = len(self.text) - self._held
+        if end <= len(self.sent):
             return ""
-        piece = text[len(self.sent) : end]
-        self.sent = text[:end]
+        piece = self.text[len(self.sent) : end]
+        self.sent = self.text[:end]
         return piece
 
     def finish(self, text: str) -> str:
