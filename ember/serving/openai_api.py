@@ -139,7 +139,7 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
         logprobs = _flag(fields, "logprobs")
         if fields.get("top_logprobs") not in (None, 0):
             raise ApiError(400, f"top_logprobs must be 0: {ONLY_SAMPLED}", "top_logprobs")
-        if "max_tokens" in fields and "max_completion_tokens" in fields:
+        if fields.get("max_tokens") is not None and fields.get("max_completion_tokens") is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
         max_tokens = max_context if max_tokens is None else max_tokens
@@ -150,7 +150,7 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
         logprobs = fields.get("logprobs") is not None
         if fields.get("logprobs") not in (None, 0):
             raise ApiError(400, f"logprobs must be 0: {ONLY_SAMPLED}", "logprobs")
-        max_tokens = fields.get("max_tokens", 16)
+        max_tokens = _given(fields, "max_tokens", 16)
     seed = fields.get("seed")
     if seed is not None:
         _sampling_params({"seed": seed})
@@ -159,17 +159,17 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
         for choice in range(n):
             sampling = dict(
                 max_tokens=max_tokens,
-                temperature=fields.get("temperature", 1.0),
-                top_p=fields.get("top_p", 1.0),
-                top_k=fields.get("top_k", 0),
+                temperature=_given(fields, "temperature", 1.0),
+                top_p=_given(fields, "top_p", 1.0),
+                top_k=_given(fields, "top_k", 0),
                 seed=None if seed is None else (seed + choice) % (MAX_SEED + 1),
                 stop=fields.get("stop") or (),
-                stop_token_ids=fields.get("stop_token_ids", ()),
-                ignore_eos=fields.get("ignore_eos", False),
+                stop_token_ids=_given(fields, "stop_token_ids", ()),
+                ignore_eos=_given(fields, "ignore_eos", False),
                 logprobs=logprobs,
                 adapter=adapter,
             )
-            params.append(_sampling_params({k: v for k, v in sampling.items() if v is not None}))
+            params.append(_sampling_params(sampling))
     return ApiCall(
         chat=chat,
         model=models.base if model is None else model,
@@ -182,8 +182,14 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
     )
 
 
+def _given(fields: dict[str, Any], name: str, default: Any) -> Any:
+    """A field's value; its default when it is left out or null (as OpenAI reads a null)."""
+    value = fields.get(name)
+    return default if value is None else value
+
+
 def _choices(fields: dict[str, Any]) -> int:
-    n = fields.get("n", 1)
+    n = _given(fields, "n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
     return n
