@@ -9,15 +9,18 @@ Any OpenAI client works against it (``OpenAI(base_url="http://127.0.0.1:8000/v1"
 completions and chat completions, streamed or not; ``model`` is ``--served-model-name`` (default
 the checkpoint directory's name) or an adapter's name (:mod:`ember.serving.openai_api`). The model
 options are ``ember generate``'s (:func:`ember.serving.cli.add_model_arguments`); requests arriving
-together are batched continuously (:mod:`ember.serving.server`). Ctrl-C stops it.
+together are batched continuously (:mod:`ember.serving.server`). Ctrl-C or SIGTERM (a service
+manager's stop) stops it: the requests in flight are aborted and it exits with code 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from ember.core.errors import ConfigError
 from ember.serving.cli import add_model_arguments, build_engine, check_model_options
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"ember serve: {name} at {server.url}/v1, {len(engines)} engine(s); Ctrl-C stops", file=sys.stderr, flush=True
     )
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -60,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.close()
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM's handler: stops the server as Ctrl-C does."""
+    raise KeyboardInterrupt
 
 
 __all__ = ["add_arguments", "run"]

@@ -19,7 +19,9 @@ from tests.serving.run_dirs import write_run_dir
 CONFIG = ModelConfig(vocab_size=257, d_model=32, num_layers=1, num_heads=2, mlp_dim=64, page_size=4, max_seq_len=32)
 
 
-def test_a_served_run_answers_an_openai_client_until_ctrl_c(tmp_path):
+def test_a_served_run_answers_an_openai_client_until_sigterm(tmp_path):
+    """SIGTERM, a service manager's stop, as Ctrl-C (which pytest-xdist's workers ignore, and so
+    the processes they start)."""
     params = write_run_dir(tmp_path, CONFIG)
     command = [sys.executable, "-m", "ember", "serve", "--checkpoint", str(tmp_path), "--port", "0", "--quiet",
                "--num-slots", "2", "--token-budget", "8", "--served-model-name", "tiny"]  # fmt: skip
@@ -35,7 +37,7 @@ def test_a_served_run_answers_an_openai_client_until_ctrl_c(tmp_path):
                                            extra_body={"ignore_eos": True})  # fmt: skip
         expected = greedy_reference(CONFIG, params, 32)([list(ByteTokenizer().encode("Hi"))], [6])[0]
         assert answer.choices[0].text == ByteTokenizer().decode(expected)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:
         process.kill()
