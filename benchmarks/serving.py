@@ -9,6 +9,11 @@ output tokens/s and time-to-first-token (TTFT) / time-between-tokens (TBT) perce
   requests admitted as soon as a slot and pages are free).
 - static: the same engine and compiled steps, but a batch of up to ``num_slots`` arrived
   requests is admitted only when the previous batch has entirely finished.
+- ember serve: the same engine behind ``ember serve``'s HTTP server (in this process), each
+  request a client thread's streamed completion sent at its arrival from another process; token
+  times are when its server-sent events arrive (one per token: log-probabilities asked), so the
+  row is what the HTTP layer and the engine's worker thread cost beside ``continuous`` (the
+  clients' process shares the machine's cores).
 - transformers: ``generate`` one request at a time in arrival order (greedy, KV cache).
 
     python -m benchmarks.serving          # CPU: tiny model; GPU: tiny and ~125M
@@ -31,9 +36,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import itertools
+import json
+import multiprocessing
 import tempfile
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import flax.linen as nn
 import jax
@@ -41,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import on_gpu, print_table, time_fn, write_results
+from ember.core.tokenizer import ByteTokenizer
 from ember.models.config import ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.serving.engine import Engine
@@ -122,6 +133,49 @@ def run_engine(engine: Engine, workload: Workload, *, static: bool) -> tuple[lis
     return token_times, time.perf_counter() - start
 
 
+def run_server(engine: Engine, workload: Workload) -> tuple[list[list[float]], float]:
+    """Replays ``workload`` through ``ember serve``'s server on ``engine`` (in this process),
+    its clients in another process (:func:`replay_http`), as a server's clients are elsewhere;
+    returns each request's token times (its events' arrivals) and the span."""
+    from ember.serving.openai_api import Models
+    from ember.serving.server import Server
+
+    server = Server([engine], Models("bench"), port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+            return clients.submit(replay_http, server.url.removeprefix("http://"), workload).result()
+    finally:
+        server.close()
+
+
+def replay_http(address: str, workload: Workload) -> tuple[list[list[float]], float]:
+    """One thread per request of ``workload`` posting a streamed completion to ``address`` at its
+    arrival time; each request's token times and the span."""
+    token_times: list[list[float]] = [[] for _ in workload.prompts]
+    start = time.perf_counter()
+
+    def client(index: int) -> None:
+        time.sleep(max(0.0, workload.arrivals[index] - (time.perf_counter() - start)))
+        body = {"prompt": workload.prompts[index], "max_tokens": workload.output_lens[index], "temperature": 0,
+                "ignore_eos": True, "logprobs": 0, "stream": True}  # fmt: skip
+        connection = http.client.HTTPConnection(address, timeout=3600)
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        for line in connection.getresponse():
+            if line.startswith(b"data: {"):
+                stamp = time.perf_counter() - start
+                (choice,) = json.loads(line[len(b"data: ") :])["choices"]
+                token_times[index] += [stamp] * len((choice["logprobs"] or {}).get("token_logprobs", []))
+        connection.close()
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(workload.prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return token_times, time.perf_counter() - start
+
+
 def run_transformers(config: ModelConfig, params, workload: Workload) -> tuple[list[list[float]], float] | None:
     try:
         import torch
@@ -168,7 +222,8 @@ def bench_model(
     max_context = max(len(p) for p in workload.prompts) + max(workload.output_lens)
     max_context = -(-max_context // config.page_size) * config.page_size
     compile_start = time.perf_counter()
-    engine = Engine.from_model(config, params, num_slots=num_slots, token_budget=token_budget, max_context=max_context)
+    sizes = dict(num_slots=num_slots, token_budget=token_budget, max_context=max_context)
+    engine = Engine.from_model(config, params, tokenizer=ByteTokenizer(), **sizes)  # ember serve needs a tokenizer
     compile_seconds = time.perf_counter() - compile_start
     warm = Workload([0.0], [workload.prompts[0]], [2])
     run_engine(engine, warm, static=False)
@@ -176,6 +231,7 @@ def bench_model(
     for system, static in (("ember continuous", False), ("ember static", True)):
         token_times, elapsed = run_engine(engine, workload, static=static)
         rows.append(summarize(system, workload, token_times, elapsed))
+    rows.append(summarize("ember serve (HTTP, streamed)", workload, *run_server(engine, workload)))
     if with_hf:
         measured = run_transformers(config, params, workload)
         if measured is not None:
@@ -255,7 +311,7 @@ def main() -> None:
     for name in dict.fromkeys(row["model"] for row in rows):
         mine = {row["system"]: row for row in rows if row["model"] == name}
         continuous = mine["ember continuous"]["output_tok_s"]
-        for other in ("ember static", "transformers generate (torch cpu)"):
+        for other in ("ember static", "ember serve (HTTP, streamed)", "transformers generate (torch cpu)"):
             if other in mine:
                 print(f"{name}: continuous / {other} throughput = {continuous / mine[other]['output_tok_s']:.2f}x")
     if gpu:

@@ -20,6 +20,7 @@ path); a request whose engine failed 500; once every engine failed, 503.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -173,41 +174,46 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         deltas = [TextDeltas(tokenizer, params.stop) for params in call.params]
         if call.chat:
-            for index in range(len(deltas)):
-                self._event(chunk_body(call, index, None))
+            self._events([chunk_body(call, index, None) for index in range(len(deltas))])
         open_choices, completion_tokens = len(deltas), 0
         while open_choices:
-            update = updates.get()
-            index, event, result = update.tag, update.event, update.result
-            sampled = [event.token] if event is not None and event.token is not None else []
-            logprobs = [event.logprob] if sampled and call.logprobs else []
-            if result is None:
-                piece = deltas[index].add(sampled[0])
-                if piece or logprobs:
-                    self._event(chunk_body(call, index, piece, tokens=sampled, logprobs=logprobs, tokenizer=tokenizer))
-                continue
-            try:
-                _check_ended(result)
-            except ApiError as error:
-                self._event(error.body())
-                return
-            open_choices -= 1
-            completion_tokens += len(result.tokens)
-            # The last event's token may belong to a stop sequence: the final text says what is kept.
-            piece = deltas[index].finish(result.text)
-            self._event(
-                chunk_body(
-                    call, index, piece, finish_reason=result.finish_reason, tokens=sampled, logprobs=logprobs,
-                    tokenizer=tokenizer,
-                )
+            # Everything that arrived since the last write goes out in one: a client falling behind
+            # the engine gets fewer, larger chunks rather than holding its worker back.
+            pending: dict[int, _Chunk] = {}
+            for update in _drain(updates):
+                index, event, result = update.tag, update.event, update.result
+                chunk = pending.setdefault(index, _Chunk())
+                if call.logprobs and event is not None and event.token is not None:
+                    chunk.tokens.append(event.token)
+                    chunk.logprobs.append(event.logprob)
+                if result is None:
+                    chunk.text += deltas[index].add(event.token)
+                    continue
+                try:
+                    _check_ended(result)
+                except ApiError as error:
+                    self._events([error.body()])
+                    return
+                open_choices -= 1
+                completion_tokens += len(result.tokens)
+                # The last event's token may belong to a stop sequence: the final text says what is kept.
+                chunk.text += deltas[index].finish(result.text)
+                chunk.finish_reason = result.finish_reason
+            self._events(
+                [
+                    chunk_body(call, index, c.text, finish_reason=c.finish_reason, tokens=c.tokens,
+                               logprobs=c.logprobs, tokenizer=tokenizer)
+                    for index, c in pending.items()
+                    if c.text or c.tokens or c.finish_reason
+                ]
             )  # fmt: skip
-        if call.include_usage:
-            self._event(usage_chunk(call, prompt_tokens, completion_tokens))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+        final = [usage_chunk(call, prompt_tokens, completion_tokens)] if call.include_usage else []
+        self._events(final, done=True)
 
-    def _event(self, data: dict[str, Any]) -> None:
-        self.wfile.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+    def _events(self, chunks: list[dict[str, Any]], *, done: bool = False) -> None:
+        """Sends ``chunks`` as server-sent events in one write (then ``[DONE]`` if ``done``)."""
+        data = b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in chunks)
+        self.wfile.write(data + (b"data: [DONE]\n\n" if done else b""))
         self.wfile.flush()
 
     def _json(self, status: int, data: dict[str, Any]) -> None:
@@ -220,6 +226,27 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, error: ApiError) -> None:
         self._json(error.status, error.body())
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """What one stream chunk of a choice carries: its new text, and the tokens and
+    log-probabilities (when asked for) and finish reason since the last chunk."""
+
+    text: str = ""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def _drain(updates: queue.Queue[Update]) -> list[Update]:
+    """The next update (waiting for it) and every one already queued behind it."""
+    drained = [updates.get()]
+    while True:
+        try:
+            drained.append(updates.get_nowait())
+        except queue.Empty:
+            return drained
 
 
 def _check_ended(result: GenerationResult) -> None:
