@@ -39,9 +39,10 @@ class SamplingParams:
     0 keeps every token; ``top_p`` 1 keeps every token. Top-k is applied first, then top-p
     on the renormalised top-k distribution. The ``i``-th generated token of a request is
     drawn with ``fold_in(PRNGKey(seed), i)``, so a seed gives the same tokens whatever else
-    is in the batch. ``seed`` None (the default) is the request's id in its engine, so
-    repeated prompts sample differently and a fresh engine given the same requests in the
-    same order samples the same tokens again. ``stop`` holds text stop sequences: a request
+    is in the batch. ``seed`` None (the default) is the request's id in its engine (its
+    submission's number when :class:`~ember.serving.workers.EngineWorkers` spread requests over
+    several), so repeated prompts sample differently and a fresh engine given the same requests
+    in the same order samples the same tokens again. ``stop`` holds text stop sequences: a request
     ends when the text of its output holds one, however the tokens split it (the output
     keeps the tokens before the one where it starts); ``stop_token_ids`` holds stop
     sequences as token ids.
