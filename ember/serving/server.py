@@ -13,7 +13,8 @@ to whichever can start it first.
 
 ``"stream": true`` sends server-sent events as tokens are sampled (text held back only while it
 may still turn out to begin a stop string or to end inside a character), then ``data: [DONE]``.
-A client that goes away mid-stream has its requests aborted at once, their slots and pages freed.
+A client that goes away has its requests aborted, their slots and pages freed: mid-stream at the
+next event, waiting for a whole response within a quarter of a second.
 A refused request gets the API's error body: 400 naming the field (404 for an unknown model or
 path); a request whose engine failed 500; once every engine failed, 503.
 """
@@ -24,6 +25,9 @@ import dataclasses
 import json
 import logging
 import queue
+import select
+import socket
+import time
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -46,6 +50,7 @@ from ember.serving.workers import EngineWorkers, Ticket, Update
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_BODY_BYTES = 16 * 2**20
+CLIENT_CHECK_SECONDS = 0.25
 NOT_FOUND = "not_found_error"
 log = logging.getLogger(__name__)
 
@@ -95,6 +100,7 @@ class Server:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "ember"
+    _client_check_at = 0.0  # when _next_update looks at the connection next
 
     @property
     def app(self) -> Server:
@@ -155,7 +161,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 results: list[GenerationResult] = [None] * len(tickets)  # type: ignore[list-item]
                 for _ in tickets:
-                    while (update := updates.get()).result is None:
+                    while (update := self._next_update(updates)).result is None:
                         pass
                     _check_ended(update.result)
                     results[update.tag] = update.result
@@ -163,6 +169,21 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             for ticket in tickets:  # those still running when the client went away (or an error)
                 workers.abort(ticket)
+
+    def _next_update(self, updates: queue.Queue[Update]) -> Update:
+        """The next update; every :data:`CLIENT_CHECK_SECONDS` meanwhile, a look at whether the
+        client went away (nothing is written to it until the response is whole): then
+        ``ConnectionResetError``, whose handling aborts the requests."""
+        while True:
+            now = time.monotonic()
+            if now >= self._client_check_at:
+                self._client_check_at = now + CLIENT_CHECK_SECONDS
+                if _closed_by_peer(self.connection):
+                    raise ConnectionResetError("the client closed the connection")
+            try:
+                return updates.get(timeout=CLIENT_CHECK_SECONDS)
+            except queue.Empty:
+                pass
 
     def _stream(self, call: ApiCall, updates: queue.Queue[Update], prompt_tokens: int) -> None:
         tokenizer = self.app.tokenizer
@@ -237,6 +258,20 @@ class _Chunk:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+
+
+def _closed_by_peer(connection: socket.socket) -> bool:
+    """Whether the client closed (or reset) ``connection``: it reads as ready with nothing to read.
+    A client that sent more (a pipelined request) is not taken for gone."""
+    readable, _, _ = select.select([connection], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
 
 
 def _drain(updates: queue.Queue[Update]) -> list[Update]:

@@ -154,16 +154,22 @@ def test_requests_arriving_together_share_the_engine_s_steps(served):
     assert max(served.running) > 1, served.running  # one request at a time would be 1 throughout
 
 
-def test_a_client_leaving_a_stream_frees_its_slot(served, monkeypatch):
-    """The client reads one event and closes: the request is aborted within a few tokens (each
-    step slowed to 50 ms, so 40 tokens would take 2 s), its slot and pages freed."""
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_client_leaving_frees_its_slot(served, monkeypatch, stream):
+    """The client closes the connection (after one event of a stream, or while waiting for the
+    whole response): the request is aborted within a few tokens (each step slowed to 50 ms, so 40
+    tokens would take 2 s), its slot and pages freed."""
     step = served.engine.step
     monkeypatch.setattr(served.engine, "step", lambda *args: time.sleep(0.05) or step(*args))
     before = served.engine.tokens_generated
-    connection = post(served, "/v1/completions", {"prompt": "Go", "max_tokens": 40, "stream": True, "ignore_eos": True})
-    response = connection.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data: ")
-    response.close()  # the response holds the socket open too
+    fields = {"prompt": "Go", "max_tokens": 40, "stream": stream, "ignore_eos": True}
+    connection = post(served, "/v1/completions", fields)
+    if stream:
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        response.close()  # the response holds the socket open too
+    else:
+        time.sleep(0.2)
     connection.close()
     deadline = time.monotonic() + 10
     while served.engine.has_unfinished and time.monotonic() < deadline:
