@@ -10,16 +10,20 @@ import threading
 import time
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import openai
 import pytest
 
 from ember.core.chat import chat_prompt_tokens
 from ember.core.tokenizer import ByteTokenizer
+from ember.models.adapters import LoraConfig, adapter_leaves, add_lora, merged_weights
 from ember.models.config import ModelConfig
+from ember.models.hf.peft import with_adapter
 from ember.serving.engine import Engine
 from ember.serving.openai_api import Models
 from ember.serving.server import Server
+from tests.moved_adapters import moved
 from tests.serving.greedy_reference import greedy_reference
 from tests.serving.random_weights import random_weights
 from tests.tolerances import assert_allclose
@@ -33,23 +37,33 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def served():
     params = random_weights(CONFIG, seed=20261207, spread=0.3)
-    engine = Engine.from_model(CONFIG, params, tokenizer=ByteTokenizer(), num_slots=4, token_buckets=(8, 16))
+    lora = LoraConfig(rank=2, alpha=4, targets=("q", "v"))
+    adapter = adapter_leaves(moved(add_lora(params, lora, jax.random.key(1)), 1, 0.3))
+    engine = Engine.from_model(
+        CONFIG, params, tokenizer=ByteTokenizer(), num_slots=4, token_buckets=(8, 16), adapters={"qv": adapter}
+    )
     running = []  # requests running in each step
     step = engine.step
     engine.step = lambda *args: running.append(len(engine.scheduler.running)) or step(*args)
-    server = Server([engine], Models("tiny"), port=0)
+    server = Server([engine], Models("tiny", adapters=("qv",)), port=0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120)
     yield SimpleNamespace(
-        server=server, engine=engine, client=client, running=running, greedy=greedy_reference(CONFIG, params, 96)
+        server=server,
+        engine=engine,
+        client=client,
+        running=running,
+        greedy=greedy_reference(CONFIG, params, 96),
+        greedy_qv=greedy_reference(CONFIG, merged_weights(with_adapter(params, adapter)), 96),
     )
     server.close()
     thread.join()
 
 
-def expected_greedy(served, prompts, max_tokens):
-    tokens = served.greedy([list(ByteTokenizer().encode(p)) for p in prompts], [max_tokens] * len(prompts))
+def expected_greedy(served, prompts, max_tokens, greedy=None):
+    greedy = served.greedy if greedy is None else greedy
+    tokens = greedy([list(ByteTokenizer().encode(p)) for p in prompts], [max_tokens] * len(prompts))
     return [ByteTokenizer().decode(t) for t in tokens]
 
 
@@ -70,6 +84,15 @@ def test_completions_equal_a_greedy_loop_whole_or_streamed(served):
             pieces[choice.index].append(choice.text)
     assert ["".join(pieces[0]), "".join(pieces[1])] == expected
     assert usages[-1].completion_tokens == 24 and all(usage is None for usage in usages[:-1])
+
+
+def test_an_adapter_is_a_model_of_its_own(served):
+    """``model: "qv"`` generates with the adapter: its merged model's greedy loop, not the base's."""
+    assert [model.id for model in served.client.models.list()] == ["tiny", "qv"]
+    expected = expected_greedy(served, ["Once upon"], 12, served.greedy_qv)
+    assert expected != expected_greedy(served, ["Once upon"], 12)
+    response = served.client.completions.create(model="qv", prompt="Once upon", max_tokens=12, **GREEDY)
+    assert [response.choices[0].text] == expected and response.model == "qv"
 
 
 def test_a_stream_with_a_stop_string_gives_the_text_before_it(served):
@@ -183,7 +206,7 @@ def test_a_client_leaving_frees_its_slot(served, monkeypatch, stream):
     ("fields", "status", "param", "message"),
     [
         ({"prompt": "x", "max_token": 3}, 400, "max_token", "unsupported field.*max_token; supported: best_of"),
-        ({"prompt": "x", "model": "big"}, 404, "model", "'big' is not served here; served: tiny"),
+        ({"prompt": "x", "model": "big"}, 404, "model", "'big' is not served here; served: tiny, qv"),
         ({"prompt": "x" * 100}, 400, "prompt", "the prompt has 100 tokens, more than the context of 96"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported: give 0"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be a finite number >= 0"),
@@ -204,7 +227,6 @@ def test_the_client_sees_the_errors_and_the_routes(served):
         served.client.completions.create(model="tiny", prompt="x", temperature=-1)
     with pytest.raises(openai.NotFoundError, match="served: tiny"):
         served.client.completions.create(model="big", prompt="x")
-    assert [model.id for model in served.client.models.list()] == ["tiny"]
     for method, path, status in (("GET", "/health", 200), ("GET", "/v2", 404), ("POST", "/v1/embeddings", 404)):
         connection = http.client.HTTPConnection(served.server.url.removeprefix("http://"), timeout=30)
         connection.request(method, path, body=b"{}" if method == "POST" else None)
