@@ -2,6 +2,7 @@
 
     ember serve --checkpoint RUN_OR_HF_DIR                      # http://127.0.0.1:8000/v1
     ember serve --checkpoint HF_DIR --adapter sql=out/sql --mesh data=2,tensor=4 --port 9000
+    EMBER_API_KEY=... ember serve --checkpoint RUN_DIR --host 0.0.0.0   # others may connect: give a key
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "Once upon a time", "max_tokens": 32}'
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -33,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="the base model's name in requests (default: the directory's name)"
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("EMBER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EMBER_API_KEY; none: open)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no line per HTTP request on standard error")
 
 
@@ -47,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     engines = getattr(engine, "engines", [engine])  # Replicas hold several
     try:
-        server = Server(engines, Models(name, tuple(engines[0].program.adapter_names)), host=args.host, port=args.port)
+        models = Models(name, tuple(engines[0].program.adapter_names))
+        server = Server(engines, models, host=args.host, port=args.port, api_key=args.api_key or None)
     except OSError as error:  # the port is taken, say
         reason = error.strerror or error
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {reason}", key="--port") from None

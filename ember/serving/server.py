@@ -22,6 +22,7 @@ path); a request whose engine failed 500; once every engine failed, 503.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
 import queue
@@ -59,13 +60,24 @@ class Server:
     """The OpenAI API served on ``engines`` (one model's, with the same adapters) at ``host:port``
     (port 0: any free one; :attr:`url` tells which)."""
 
-    def __init__(self, engines: Sequence[Engine], models: Models, *, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        models: Models,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: str | None = None,
+    ):
+        """``api_key``: when given, every ``/v1`` request must carry ``Authorization: Bearer
+        <api_key>`` (401 otherwise), as OpenAI clients send their key; ``/health`` stays open."""
         engine = engines[0]
         if engine.tokenizer is None:
             raise ConfigError("ember serve needs the model's tokenizer (text in, text out); this engine has none")
         if set(models.adapters) != set(engine.program.adapter_names):
             raise ValueError(f"models.adapters {models.adapters} are not the engine's {engine.program.adapter_names}")
         self.models = models
+        self.api_key = api_key
         self.tokenizer = engine.tokenizer
         self.max_context = engine.program.max_context
         self.workers = EngineWorkers(engines)
@@ -111,6 +123,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
+        if path.startswith("/v1/") and not self._authorized():
+            return
         if path == "/v1/models":
             self._json(200, self.app.models.listing())
         elif path == "/health":
@@ -121,6 +135,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = urlsplit(self.path).path
+        if not self._authorized():
+            return
         try:
             if path not in (COMPLETIONS, CHAT):
                 raise ApiError(404, f"no route POST {path}; POST serves {COMPLETIONS} and {CHAT}", kind=NOT_FOUND)
@@ -133,6 +149,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(error)
         except (BrokenPipeError, ConnectionResetError):  # the client went away: its requests were aborted
             self.close_connection = True
+
+    def _authorized(self) -> bool:
+        """Whether the request carries the server's API key (always, without one); else answers 401."""
+        key = self.app.api_key
+        if key is None or hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {key}"):
+            return True
+        self.close_connection = True  # its body is not read
+        self._error(
+            ApiError(401, "a valid API key is required: Authorization: Bearer <key>", kind="authentication_error")
+        )
+        return False
 
     def _body(self) -> bytes:
         length = self.headers.get("Content-Length")

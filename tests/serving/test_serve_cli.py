@@ -25,13 +25,13 @@ def test_a_served_run_answers_an_openai_client_until_sigterm(tmp_path):
     params = write_run_dir(tmp_path, CONFIG)
     command = [sys.executable, "-m", "ember", "serve", "--checkpoint", str(tmp_path), "--port", "0", "--quiet",
                "--num-slots", "2", "--token-budget", "8", "--served-model-name", "tiny"]  # fmt: skip
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "EMBER_API_KEY": "k1"})
     try:
         lines = []
         while not (match := re.search(r"ember serve: tiny at (http://\S+/v1)", lines[-1] if lines else "")):
             lines.append(process.stderr.readline())
             assert lines[-1] or process.poll() is None, "".join(lines)
-        client = openai.OpenAI(base_url=match.group(1), api_key="-", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=match.group(1), api_key="k1", max_retries=0, timeout=120)  # $EMBER_API_KEY
         assert [model.id for model in client.models.list()] == ["tiny"]
         answer = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0,
                                            extra_body={"ignore_eos": True})  # fmt: skip

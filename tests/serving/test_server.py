@@ -31,6 +31,7 @@ from tests.tolerances import assert_allclose
 CONFIG = ModelConfig(
     vocab_size=257, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64, page_size=4, max_seq_len=96
 )
+KEY = "sk-ember-test"
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
@@ -45,10 +46,10 @@ def served():
     running = []  # requests running in each step
     step = engine.step
     engine.step = lambda *args: running.append(len(engine.scheduler.running)) or step(*args)
-    server = Server([engine], Models("tiny", adapters=("qv",)), port=0)
+    server = Server([engine], Models("tiny", adapters=("qv",)), port=0, api_key=KEY)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     yield SimpleNamespace(
         server=server,
         engine=engine,
@@ -227,9 +228,18 @@ def test_the_client_sees_the_errors_and_the_routes(served):
         served.client.completions.create(model="tiny", prompt="x", temperature=-1)
     with pytest.raises(openai.NotFoundError, match="served: tiny"):
         served.client.completions.create(model="big", prompt="x")
-    for method, path, status in (("GET", "/health", 200), ("GET", "/v2", 404), ("POST", "/v1/embeddings", 404)):
+    stranger = openai.OpenAI(base_url=served.server.url + "/v1", api_key="sk-guess", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="a valid API key is required"):
+        stranger.completions.create(model="tiny", prompt="x")
+    for method, path, key, status in (
+        ("GET", "/health", None, 200),
+        ("GET", "/v1/models", None, 401),
+        ("GET", "/v2", KEY, 404),
+        ("POST", "/v1/embeddings", KEY, 404),
+    ):
         connection = http.client.HTTPConnection(served.server.url.removeprefix("http://"), timeout=30)
-        connection.request(method, path, body=b"{}" if method == "POST" else None)
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        connection.request(method, path, body=b"{}" if method == "POST" else None, headers=headers)
         assert connection.getresponse().status == status, path
     connection = post(served, "/v1/completions", None, body=b"{not json")
     response = connection.getresponse()
@@ -239,5 +249,6 @@ def test_the_client_sees_the_errors_and_the_routes(served):
 def post(served, path, fields, body=None):
     connection = http.client.HTTPConnection(served.server.url.removeprefix("http://"), timeout=30)
     body = json.dumps(fields).encode() if body is None else body
-    connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    connection.request("POST", path, body=body, headers=headers)
     return connection
