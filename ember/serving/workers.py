@@ -155,6 +155,7 @@ class EngineWorkers:
     def _serve(self, index: int) -> None:
         engine = self.engines[index]
         running: dict[int, Ticket] = {}  # engine request id -> ticket
+        taken: list[Ticket] = []
         try:
             while True:
                 with self._lock:
@@ -183,13 +184,16 @@ class EngineWorkers:
                         del running[event.request_id]
                         ticket.end(engine.result(event.request_id), event)
         except BaseException as error:  # the engine's state is unknown: this worker stops
-            self._fail(index, error, running)
+            self._fail(index, error, running, [ticket for ticket in taken if ticket.request_id is None])
             return
         for request_id, ticket in running.items():  # closed
             engine.abort(request_id)
             ticket.end(_ended(ticket, FINISH_ABORT))
 
-    def _fail(self, index: int, error: BaseException, running: dict[int, Ticket]) -> None:
+    def _fail(self, index: int, error: BaseException, running: dict[int, Ticket], unqueued: list[Ticket]) -> None:
+        """Ends the requests of a worker whose engine raised ``error`` (those ``running`` and
+        those it took but had not queued yet) with error results; the waiting ones too when no
+        worker is left."""
         message = f"engine {index} failed: {type(error).__name__}: {error}"
         for request_id in running:  # the host's bookkeeping, so nothing stays queued there
             self.engines[index].abort(request_id)
@@ -199,7 +203,7 @@ class EngineWorkers:
             stranded = []
             if not self.alive:  # nobody will take the waiting requests
                 stranded, self._waiting = list(self._waiting), collections.deque()
-        for ticket in [*running.values(), *stranded]:
+        for ticket in [*running.values(), *unqueued, *stranded]:
             ticket.end(_ended(ticket, FINISH_ERROR, error=message))
 
 

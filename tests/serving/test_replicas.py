@@ -3,6 +3,7 @@ one of them serving it alone: the same tokens and log-probabilities in prompt or
 spread over both (more to an engine whose requests end sooner), each result reported once as it
 finishes; a failure stops every engine."""
 
+import queue
 import time
 
 import jax
@@ -16,6 +17,7 @@ from ember.models.config import ModelConfig
 from ember.serving.mesh import replica_meshes
 from ember.serving.replicas import Replicas
 from ember.serving.requests import SamplingParams
+from ember.serving.workers import EngineWorkers
 from tests.serving.random_weights import random_weights
 from tests.serving.random_workload import random_prompts
 from tests.tolerances import assert_allclose
@@ -97,6 +99,26 @@ def test_an_engine_failing_stops_every_engine(replicas, monkeypatch):
     monkeypatch.setattr(replicas.engines[0], "step", failing_step)
     with pytest.raises(RuntimeError, match="device lost"):
         replicas.generate(prompts, [SamplingParams(max_tokens=8, ignore_eos=True) for _ in params])
+    assert_idle(replicas)
+
+
+def test_an_engine_failing_to_queue_what_it_took_ends_those_requests_too(replicas, monkeypatch):
+    """One worker whose engine raises as it queues the requests it took from the shared queue:
+    each ends with an error result naming the failure (unended, their submitters would wait
+    forever), and the worker's failure is kept."""
+
+    def refuse(request):
+        raise RuntimeError("host memory exhausted")
+
+    monkeypatch.setattr(replicas.engines[0], "enqueue", refuse)
+    updates = queue.Queue()
+    with EngineWorkers(replicas.engines[:1]) as workers:
+        for index in range(2):
+            workers.submit([1, 2, 3], SamplingParams(max_tokens=4), updates, tag=index)
+        results = [updates.get(timeout=60).result for _ in range(2)]
+    assert {r.finish_reason for r in results} == {"error"}
+    assert all("engine 0 failed: RuntimeError: host memory exhausted" in r.error for r in results)
+    assert [str(f) for f in workers.failures] == ["host memory exhausted"] and workers.alive == 0
     assert_idle(replicas)
 
 
