@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("EMBER_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EMBER_API_KEY; none: open)",
+        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EMBER_API_KEY, which other users "
+        "cannot read in the process list as they can a command line; none: open)",
     )
     parser.add_argument("--quiet", action="store_true", help="no line per HTTP request on standard error")
 
