@@ -248,7 +248,8 @@ def test_a_run_on_a_built_in_corpus_is_calibrated_on_that_corpus(tmp_path, monke
     from ember.core.tokenizer import ByteTokenizer
     from ember.serving.loading import LoadedModel
     from ember.training.data import TokenDataset
-    from ember.training.quantization.ptq import _run_dataset, token_splits
+    from ember.training.lm.eval_windows import run_dataset
+    from ember.training.quantization.ptq import token_splits
 
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
     config = load_config(LMConfig, None, ["data.dataset=arithmetic", "data.arithmetic.max_operand=30"])
@@ -257,7 +258,7 @@ def test_a_run_on_a_built_in_corpus_is_calibrated_on_that_corpus(tmp_path, monke
     (run / "config.yaml").write_text(to_yaml(config))
     loaded = LoadedModel(config.model, None, ByteTokenizer(), (ByteTokenizer.eos_id,))
     calibration, validation = token_splits(loaded, None, EvalConfig(seq_len=8, calibration_windows=2, eval_windows=2),
-                                           _run_dataset(run))  # fmt: skip
+                                           run_dataset(run))  # fmt: skip
     corpus = TokenDataset.open(config.data.arithmetic.directory(config.data.seed))
     np.testing.assert_array_equal(calibration.reshape(-1), corpus.train[:18])
     np.testing.assert_array_equal(validation.reshape(-1), corpus.val[:18])
@@ -323,8 +324,8 @@ def test_a_run_trained_on_a_relative_dataset_path_quantizes_from_another_directo
     """``data.dataset`` given relative to the directory the run was started from is stored
     absolute in the run's config.yaml. Before, the relative name was saved as it was given, and
     'ember quantize RUN' from another directory failed: "data is not a prepared dataset"."""
+    from ember.training.lm.eval_windows import run_dataset
     from ember.training.lm.trainer import train
-    from ember.training.quantization.ptq import _run_dataset
 
     monkeypatch.chdir(dataset.parent)
     train(small_config(tmp_path, dataset.name, "train.steps=2"))
@@ -333,7 +334,7 @@ def test_a_run_trained_on_a_relative_dataset_path_quantizes_from_another_directo
     monkeypatch.chdir(elsewhere)
     run = tmp_path / "run"
     assert f"dataset: {dataset}\n" in (run / "config.yaml").read_text()
-    assert _run_dataset(run) == dataset
+    assert run_dataset(run) == dataset
     windows = EvalConfig(seq_len=16, calibration_windows=2, eval_windows=2, batch_size=2)
     summary = quantize_model(run, "int8", QuantizeConfig(format="int8"), windows=windows)
     assert summary["eval_tokens"] == 2 * 16 and np.isfinite(summary["float_val_loss"])

@@ -34,7 +34,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from ember.core.checkpoint import CheckpointManager
-from ember.core.config import from_yaml, read_key, run_kind, to_dict
+from ember.core.config import read_key, run_kind, to_dict
 from ember.core.errors import ConfigError, DataError
 from ember.core.hf_tokenizer import HFTokenizer
 from ember.core.jsonl import readable, utf8_text
@@ -46,8 +46,8 @@ from ember.models.variables import as_variables
 from ember.serving.loading import LoadedModel, load_model
 from ember.training.data import TokenDataset, stdlib_corpus_dir
 from ember.training.data.corpus import stdlib_documents
-from ember.training.lm.config import BUILTIN_DATASETS, LMConfig
-from ember.training.task import next_token_kl, next_token_loss
+from ember.training.lm.eval_windows import check_seq_len, cut_windows, device_batches, run_dataset, window_loss
+from ember.training.task import next_token_kl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,19 +93,9 @@ def token_splits(
         half = len(ids) // 2
         train, val = ids[:half][:need], ids[half:][:need]
         sources = ("the text", "the text")
-    return _windows(train, windows.calibration_windows, windows.seq_len, sources[0]), _windows(
+    return cut_windows(train, windows.calibration_windows, windows.seq_len, sources[0]), cut_windows(
         val, windows.eval_windows, windows.seq_len, sources[1]
     )
-
-
-def _run_dataset(source: Path) -> Path | None:
-    """The directory of the prepared dataset an Ember LM run trained on (its config.yaml's
-    ``data``: a built-in corpus, such as ``arithmetic`` with its settings, or a directory)."""
-    config = source / "config.yaml"
-    if not config.is_file() or run_kind(source) not in (None, "lm"):
-        return None
-    data = from_yaml(LMConfig, config.read_text()).data
-    return BUILTIN_DATASETS.get(data.dataset, lambda _: Path(data.dataset))(data)
 
 
 def qat_settings(source: str | Path, fmt: str) -> dict[str, Any]:
@@ -132,22 +122,6 @@ def _stdlib_text(chars: int) -> str:
     return "\n".join(parts)
 
 
-def _windows(ids: np.ndarray, count: int, seq_len: int, source: str) -> np.ndarray:
-    available = len(ids) // (seq_len + 1)
-    if available < 1:
-        raise DataError(
-            f"{source} has {len(ids)} tokens, fewer than one window of {seq_len + 1}; "
-            "give a calibration/validation text file with --text, or a smaller --seq-len"
-        )
-    count = min(count, available)
-    return ids[: count * (seq_len + 1)].reshape(count, seq_len + 1).astype(np.int32)
-
-
-def _batches(windows: np.ndarray, batch_size: int):
-    for start in range(0, len(windows), batch_size):
-        yield jax.device_put(windows[start : start + batch_size])  # a copy: jnp.asarray compiles a program per shape
-
-
 def validation_figures(
     model: DecoderLM,
     float_variables: dict[str, Any],
@@ -162,15 +136,13 @@ def validation_figures(
 
     @jax.jit
     def sums(float_variables, quantized_variables, tokens):
+        float_logits, float_loss, count = window_loss(model, float_variables, tokens)
+        quantized_logits, quantized_loss, _ = window_loss(model, quantized_variables, tokens)
         mask = jnp.ones(tokens[:, 1:].shape)
-        float_logits, _ = model.apply(float_variables, tokens[:, :-1])
-        quantized_logits, _ = model.apply(quantized_variables, tokens[:, :-1])
-        float_loss, count = next_token_loss(float_logits, tokens[:, 1:], mask)
-        quantized_loss, _ = next_token_loss(quantized_logits, tokens[:, 1:], mask)
         return float_loss, quantized_loss, next_token_kl(quantized_logits, float_logits, mask), count
 
     totals = np.zeros(4)
-    for batch in _batches(windows, batch_size):
+    for batch in device_batches(windows, batch_size):
         totals += np.array([float(x) for x in sums(float_variables, quantized_variables, batch)])
     float_loss, quantized_loss, kl, count = totals
     return dict(float_val_loss=float_loss / count, quantized_val_loss=quantized_loss / count, kl_to_float=kl / count)
@@ -190,18 +162,13 @@ def quantize_model(
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; choose a new output directory", key="out")
     loaded = load_model(source)
-    if windows.seq_len > loaded.config.max_seq_len:  # as train.seq_len: positions the model never saw
-        raise ConfigError(
-            f"seq_len ({windows.seq_len}) exceeds the model's max_seq_len ({loaded.config.max_seq_len}); "
-            f"give --seq-len {loaded.config.max_seq_len} or less",
-            key="seq_len",
-        )
+    check_seq_len(windows.seq_len, loaded.config)
     model = DecoderLM(loaded.config)
     variables = as_variables(loaded.params)
     params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
-    calibration, validation = token_splits(loaded, text, windows, _run_dataset(Path(source)))
+    calibration, validation = token_splits(loaded, text, windows, run_dataset(source))
     if config.method == "gptq":
-        inputs = _batches(calibration[:, :-1], windows.batch_size)  # sliced on the host: no program per shape
+        inputs = device_batches(calibration[:, :-1], windows.batch_size)  # sliced on the host: no program per shape
         quantized, uncalibrated = sequential_gptq(loaded.config, variables, inputs, config)
     else:
         quantized, uncalibrated = quantize_params(params, config), {}
