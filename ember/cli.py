@@ -36,8 +36,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "plot": ("ember.training.plot", "draw a run's metrics (loss, returns, ...) against the step into a PNG"),
     "eval": (
-        "ember.training.rl.eval_command",
-        "run a trained RL policy for N episodes: ember eval RUN_DIR --episodes N [--gif out.gif]",
+        "ember.training.eval_command",
+        "a language model's loss on a text (ember eval MODEL [--text FILE]), or an RL policy's return "
+        "(ember eval RL_RUN_DIR --episodes N [--gif out.gif])",
     ),
     "data": (
         "ember.training.data.cli",

@@ -58,7 +58,8 @@ TINY_LM = [
 def workspace(tmp_path_factory):
     """A directory with a dataset, an LM config on it, run directories holding a checkpoint
     (``existing``), one started with a wider model (``wider``), one with no checkpoint
-    (``untrained``) and one with metrics (``plotted``)."""
+    (``untrained``), one with metrics (``plotted``), an RL run's config alone (``policy``) and a
+    5-byte text (``short.txt``)."""
     root = tmp_path_factory.mktemp("cli_errors")
     documents = []
     for name, text in stdlib_documents():
@@ -79,6 +80,9 @@ def workspace(tmp_path_factory):
     (root / "plotted" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.5}) + "\n")
     (root / "untrained").mkdir()
     (root / "untrained" / "config.yaml").write_text(to_yaml(config))
+    (root / "policy").mkdir()
+    (root / "policy" / "config.yaml").write_text("kind: rl\n")
+    (root / "short.txt").write_text("def f")
     return root
 
 
@@ -100,7 +104,7 @@ SUBPROCESS_FAILURES = {
         ["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "ppo.num_envs=0"],
         "ppo.num_envs must be a positive integer, got 0",
     ),
-    "eval bad episodes": (["eval", "{root}/existing", "--episodes", "0"], "--episodes must be a positive integer"),
+    "eval bad episodes": (["eval", "{root}/policy", "--episodes", "0"], "--episodes must be a positive integer"),
     "generate bad option": (
         ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--top-p", "0"],
         "--top-p: top_p must be a number in (0, 1], got 0.0 (float)",
@@ -202,8 +206,25 @@ IN_PROCESS_FAILURES = {
         "ppo.policy.torso 'mlp' takes observations of 1 dimension(s) ([obs_dim]); env.id 'Breakout-MinAtar' gives",
     ),
     "rl resume": (["train", str(RL_CONFIGS / "ppo_cartpole.yaml"), "run_dir={root}/rl", "--resume"], "cannot --resume"),
-    "eval no run dir": (["eval", "{root}/nowhere"], "is not a run directory"),
-    "eval an lm run": (["eval", "{root}/existing"], "is a 'lm' run, not an RL one (kind: rl)"),
+    "eval no run dir": (["eval", "{root}/nowhere"], "nowhere is neither an Ember run directory"),
+    "eval an RL option with an LM": (
+        ["eval", "{root}/existing", "--text", "{root}/short.txt", "--episodes", "5", "--gif", "{root}/x.gif"],
+        "--episodes, --gif apply to RL run directories; ",
+    ),
+    "eval an LM option with an RL run": (
+        ["eval", "{root}/policy", "--text", "{root}/short.txt"],
+        "--text applies to language models; ",
+    ),
+    "eval missing text": (["eval", "{root}/existing", "--text", "{root}/nowhere.txt"], "--text: no such file: "),
+    "eval text shorter than a window": (
+        ["eval", "{root}/existing", "--text", "{root}/short.txt", "--seq-len", "16"],
+        "short.txt has 5 tokens, fewer than one window of 17; give a longer text with --text",
+    ),
+    "eval window past the model's context": (
+        ["eval", "{root}/existing", "--text", "{root}/short.txt"],
+        "seq_len (128) exceeds the model's max_seq_len (32); give --seq-len 32 or less",
+    ),
+    "eval bad max windows": (["eval", "{root}/existing", "--max-windows", "0"], "--max-windows must be a positive"),
     "generate bad budget": (
         ["generate", "--checkpoint", "{root}/existing", "--prompt", "hi", "--token-budget", "0"],
         "--token-budget must be a positive integer",

@@ -12,5 +12,5 @@ for each algorithm a ``make_train`` that wires it into one jittable, vmappable `
 - :mod:`.config`, :mod:`.experiment`, :mod:`.entry`: the ``rl`` kind of ``ember train``
   (the environment comes from ``ember.envs.make_from_config``)
   (run directory with config, metrics, checkpoint, ``eval.json``); :mod:`.eval_command`:
-  ``ember eval``.
+  ``ember eval`` of an RL run.
 """

@@ -277,8 +277,8 @@ def load_run(run_dir: str | Path) -> tuple[RLConfig, Any, ObsStats | None]:
     kind = run_kind(run_dir, default=DEFAULT_KIND)
     if kind != "rl":
         raise EmberError(
-            f"{run_dir} is a {kind!r} run, not an RL one (kind: rl); 'ember eval' runs RL policies, "
-            f"'ember generate --checkpoint {run_dir} --prompt TEXT' samples a language model"
+            f"{run_dir} is a {kind!r} run, not an RL one (kind: rl); 'ember eval {run_dir}' gives a language "
+            f"model's loss on a text, 'ember generate --checkpoint {run_dir} --prompt TEXT' samples it"
         )
     config = load_config(RLConfig, run_dir / CONFIG_FILE)
     state = CheckpointManager(run_dir / CHECKPOINT_DIR, read_only=True).restore().state
