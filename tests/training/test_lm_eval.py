@@ -92,7 +92,8 @@ def test_an_adapter_gives_the_loss_of_the_merged_model(hf_model, tmp_path, capsy
     assert abs(figures["loss"] - evaluate(capsys, *args)["loss"]) > 0.01
 
 
-def test_an_ember_run_is_evaluated_on_its_validation_split_as_quantize_reports_it(tmp_path, monkeypatch, capsys):
+def test_an_ember_run_and_its_quantized_version_are_evaluated_on_its_validation_split(tmp_path, monkeypatch, capsys):
+    """The losses 'ember quantize' reports (float_val_loss, quantized_val_loss) on the same windows."""
     from ember.models.variables import as_variables
     from ember.serving.loading import load_model
     from ember.training.lm.eval_windows import run_dataset
@@ -116,6 +117,15 @@ def test_an_ember_run_is_evaluated_on_its_validation_split_as_quantize_reports_i
     assert_allclose(figures["loss"], quantize_figures["float_val_loss"], dtype=np.float32)
     assert figures["text"].startswith("the validation split of ") and figures["tokens"] == 5 * 16
     assert figures["bytes"] == int(np.sum(validation[:, 1:] < 256))  # end-of-document tokens spell no bytes
+    # Its quantized version is held to the same text: its source's validation split.
+    from ember.models.quantization import QuantizeConfig
+    from ember.training.quantization.ptq import quantize_model
+
+    windows = EvalConfig(seq_len=16, calibration_windows=2, eval_windows=5, batch_size=2)
+    summary = quantize_model(run, tmp_path / "int8", QuantizeConfig(format="int8"), windows=windows)
+    quantized = evaluate(capsys, tmp_path / "int8", "--seq-len", 16, "--max-windows", 5, "--batch-size", 2)
+    assert quantized["text"] == figures["text"]
+    assert_allclose(quantized["loss"], summary["quantized_val_loss"], dtype=np.float32)
 
 
 def test_a_jsonl_text_is_its_documents_each_ended_as_data_prepare_ends_them(tmp_path):

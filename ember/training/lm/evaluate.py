@@ -7,9 +7,11 @@ Definitions (what ``evaluate_tokens`` reports):
   ``tokenizer.encode`` does (with the tokenizer's special tokens: a Hugging Face tokenizer's
   BOS); in a JSONL file each document is followed by the end-of-document id, as
   ``ember data prepare`` writes documents, and the documents' tokens are concatenated. Without
-  a text, a byte-level model (an Ember LM run) reads the validation split of the prepared
-  dataset it trained on (``eval_windows.run_dataset``, as ``ember quantize`` does; the stdlib
-  corpus for a byte-level model that names none).
+  a text, a byte-level model reads the validation split of the prepared dataset of the Ember
+  LM run it is or descends from (:func:`lineage_dataset`: a quantized model's source, a
+  fine-tuned or linearised run's base; the dataset found as ``ember quantize`` finds it,
+  ``eval_windows.run_dataset``), so a run and its quantized, fine-tuned and linearised
+  versions are held to the same text; the stdlib corpus for a byte-level model with none.
 - **Windows.** The token stream is cut into non-overlapping windows of ``seq_len + 1`` tokens
   from its start (``eval_windows.cut_windows``; at most ``max_windows``; a remainder shorter
   than a window is left out). In each window tokens ``1 .. seq_len`` are predicted from the
@@ -37,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ember.core.config import read_key, run_kind
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.jsonl import jsonl_lines, readable, utf8_text
 from ember.core.tokenizer import BYTE_VOCAB, ByteTokenizer
@@ -44,7 +47,7 @@ from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables
 from ember.serving.loading import LoadedModel
 from ember.training.data import TokenDataset, stdlib_corpus_dir
-from ember.training.lm.eval_windows import cut_windows, device_batches, window_loss
+from ember.training.lm.eval_windows import cut_windows, device_batches, run_dataset, window_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +120,25 @@ def _encoded(tokenizer: Any, text: str, *, end_of_document: bool) -> tuple[np.nd
     return np.asarray(ids, np.int64), ends, int(char_starts[-1])
 
 
+def lineage_dataset(model: str | Path) -> Path | None:
+    """The prepared dataset of the Ember LM run that ``model`` is (``run_dataset``) or descends
+    from: a quantized model's ``source``, a fine-tuned, GRPO or linearising run's
+    ``base_model.path``, followed back to an LM run; ``None`` when the line ends elsewhere (a
+    Hugging Face directory, a path that no longer exists)."""
+    model = Path(model)
+    kind = run_kind(model)
+    if kind == "quantized":
+        parent = read_key(model / "config.yaml", "source")
+    elif kind in ("finetune", "grpo", "linearize"):
+        parent = (read_key(model / "config.yaml", "base_model") or {}).get("path")
+    else:
+        return run_dataset(model)
+    return lineage_dataset(parent) if parent is not None and Path(parent).is_dir() else None
+
+
 def default_text(loaded: LoadedModel, dataset: Path | None, need: int | None) -> TokenText:
     """The text a model is evaluated on when ``--text`` is not given: for a byte-level model the
-    validation split of ``dataset`` (its run's, see :func:`dataset_split`)."""
+    validation split of ``dataset`` (:func:`lineage_dataset`, see :func:`dataset_split`)."""
     if not isinstance(loaded.tokenizer, ByteTokenizer):
         raise DataError(
             "the model reads text with a Hugging Face tokenizer and has no validation split of its own "
@@ -167,4 +186,4 @@ def evaluate_tokens(
     }
 
 
-__all__ = ["TokenText", "dataset_split", "default_text", "evaluate_tokens", "read_text"]
+__all__ = ["TokenText", "dataset_split", "default_text", "evaluate_tokens", "lineage_dataset", "read_text"]

@@ -34,7 +34,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--text",
         default=None,
-        help='a UTF-8 text file, or a .jsonl of {"text": ...} lines (default: an Ember LM run\'s validation split)',
+        help='a UTF-8 text file, or a .jsonl of {"text": ...} lines (default for a byte-level model: the '
+        "validation split of the Ember LM run it is or descends from)",
     )
     group.add_argument("--seq-len", type=int, default=None, help="tokens predicted per window (default 128)")
     group.add_argument("--batch-size", type=int, default=None, help="windows per batch (default 8)")
@@ -61,8 +62,8 @@ def _checked(args: argparse.Namespace) -> dict[str, int | None]:
 def run(args: argparse.Namespace) -> int:
     from ember.core.jsonl import readable
     from ember.serving.loading import load_model, weights_fit_model
-    from ember.training.lm.eval_windows import check_seq_len, run_dataset
-    from ember.training.lm.evaluate import default_text, evaluate_tokens, read_text
+    from ember.training.lm.eval_windows import check_seq_len
+    from ember.training.lm.evaluate import default_text, evaluate_tokens, lineage_dataset, read_text
 
     sizes = _checked(args)
     if args.text is not None and not readable(args.text):  # before the model loads
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         text = read_text(args.text, loaded.tokenizer)
     else:
         need = None if sizes["max_windows"] is None else sizes["max_windows"] * (sizes["seq_len"] + 1)
-        text = default_text(loaded, run_dataset(args.model), need)
+        text = default_text(loaded, lineage_dataset(args.model), need)
     with weights_fit_model(args.model):
         figures = evaluate_tokens(loaded, text, **sizes, progress=not args.no_progress)
     figures = {"model": str(args.model), **({"adapter": str(args.adapter)} if args.adapter else {}), **figures}
