@@ -134,3 +134,17 @@ def test_a_jsonl_text_is_its_documents_each_ended_as_data_prepare_ends_them(tmp_
     text = read_text(path, ByteTokenizer())
     np.testing.assert_array_equal(text.ids, [*"h\u00e9llo".encode(), 256, *b"ab", 256])
     np.testing.assert_array_equal(text.byte_ends, [1, 2, 3, 4, 5, 6, 6, 7, 8, 8])
+
+
+def test_a_token_past_the_model_s_vocabulary_is_a_data_error(tmp_path):
+    # JAX clamps an embedding lookup past the table and the loss of such a target is no loss of the text.
+    from ember.core.errors import DataError
+    from ember.models.config import ModelConfig
+    from ember.serving.loading import LoadedModel
+    from ember.training.lm.evaluate import evaluate_tokens
+
+    path = tmp_path / "text.txt"
+    path.write_text("\u0218" * 20)  # UTF-8 bytes 0xC8 0x98: 200 and 152
+    loaded = LoadedModel(ModelConfig(vocab_size=200), None, ByteTokenizer(), (ByteTokenizer.eos_id,))
+    with pytest.raises(DataError, match=r"text\.txt holds token id 200, past the model's vocab_size \(200\)"):
+        evaluate_tokens(loaded, read_text(path, ByteTokenizer()), seq_len=8, batch_size=2)

@@ -162,6 +162,11 @@ def evaluate_tokens(
 
     count = max_windows if max_windows is not None else len(text.ids)
     windows = cut_windows(text.ids, count, seq_len, text.source)
+    if windows.max() >= loaded.config.vocab_size:  # an embedding lookup past the table is no error in JAX
+        raise DataError(
+            f"{text.source} holds token id {windows.max()}, past the model's vocab_size ({loaded.config.vocab_size}): "
+            "its tokenizer has tokens the model has no embedding for"
+        )
     ends = text.byte_ends[: windows.size].reshape(windows.shape)
     covered = int(np.sum(ends[:, -1] - ends[:, 0]))
     model, variables = DecoderLM(loaded.config), as_variables(loaded.params)
