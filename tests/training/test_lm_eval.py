@@ -18,7 +18,7 @@ from ember.core.config import load_config, to_yaml
 from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
 from ember.training.lm.config import LMConfig
-from ember.training.lm.evaluate import read_text
+from ember.training.lm.evaluate import read_documents, tokenized
 from tests.tolerances import assert_allclose
 from tests.training.finetune_setup import ANIMALS, WORDS, write_base_model
 
@@ -131,7 +131,7 @@ def test_an_ember_run_and_its_quantized_version_are_evaluated_on_its_validation_
 def test_a_jsonl_text_is_its_documents_each_ended_as_data_prepare_ends_them(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"text": "h\u00e9llo"}) + "\n\n" + json.dumps({"text": "ab"}) + "\n")
-    text = read_text(path, ByteTokenizer())
+    text = tokenized(read_documents(path), ByteTokenizer())
     np.testing.assert_array_equal(text.ids, [*"h\u00e9llo".encode(), 256, *b"ab", 256])
     np.testing.assert_array_equal(text.byte_ends, [1, 2, 3, 4, 5, 6, 6, 7, 8, 8])
 
@@ -147,4 +147,17 @@ def test_a_token_past_the_model_s_vocabulary_is_a_data_error(tmp_path):
     path.write_text("\u0218" * 20)  # UTF-8 bytes 0xC8 0x98: 200 and 152
     loaded = LoadedModel(ModelConfig(vocab_size=200), None, ByteTokenizer(), (ByteTokenizer.eos_id,))
     with pytest.raises(DataError, match=r"text\.txt holds token id 200, past the model's vocab_size \(200\)"):
-        evaluate_tokens(loaded, read_text(path, ByteTokenizer()), seq_len=8, batch_size=2)
+        evaluate_tokens(loaded, tokenized(read_documents(path), ByteTokenizer()), seq_len=8, batch_size=2)
+
+
+def test_a_hugging_face_model_without_a_tokenizer_cannot_read_a_text(hf_model, tmp_path, capsys):
+    # Before, AttributeError: 'NoneType' object has no attribute 'encode_offsets' (a traceback).
+    import shutil
+
+    base, text = hf_model
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(base / name, bare / name)
+    assert main(["eval", str(bare), "--text", str(text), "--seq-len", "8"]) == 2
+    assert "the model has no tokenizer (a Hugging Face directory without tokenizer.json)" in capsys.readouterr().err

@@ -61,25 +61,42 @@ class TokenText:
     source: str
 
 
-def read_text(path: str | Path, tokenizer: Any) -> TokenText:
-    """The tokens of the text file or ``.jsonl`` file of ``{"text": ...}`` lines at ``path`` (see
-    the module docstring). Raises ``PathNotFoundError`` (no such file) or ``DataError`` (not UTF-8,
-    a JSONL line that is no ``{"text": string}``)."""
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """The documents of a ``--text`` file; ``ended``: each is followed by the end-of-document id
+    (a JSONL file's documents, as ``ember data prepare`` writes them)."""
+
+    texts: list[str]
+    ended: bool
+    source: str
+
+
+def read_documents(path: str | Path) -> Documents:
+    """The text file (one document) or ``.jsonl`` file of ``{"text": ...}`` lines at ``path``.
+    Raises ``PathNotFoundError`` (no such file) or ``DataError`` (not UTF-8, a JSONL line that is
+    no ``{"text": string}``, no document)."""
     path = Path(path)
     if not readable(path):  # a file or a pipe
         raise PathNotFoundError(f"--text: no such file: {path}")
-    if path.suffix == ".jsonl":
-        pieces = [_encoded(tokenizer, text, end_of_document=True) for text in _jsonl_texts(path)]
-    else:
-        pieces = [_encoded(tokenizer, utf8_text(path, "--text: "), end_of_document=False)]
+    if path.suffix != ".jsonl":
+        return Documents([utf8_text(path, "--text: ")], False, str(path))
+    texts = list(_jsonl_texts(path))
+    if not texts:
+        raise DataError(f"--text: {path} holds no JSONL line")
+    return Documents(texts, True, str(path))
+
+
+def tokenized(documents: Documents, tokenizer: Any) -> TokenText:
+    """The documents' tokens with ``tokenizer``, concatenated (see the module docstring)."""
+    if tokenizer is None:
+        raise DataError("the model has no tokenizer (a Hugging Face directory without tokenizer.json) to read --text")
     ids, offsets, total = [], [], 0
-    for piece_ids, piece_ends, piece_bytes in pieces:
+    for text in documents.texts:
+        piece_ids, piece_ends, piece_bytes = _encoded(tokenizer, text, end_of_document=documents.ended)
         ids.append(piece_ids)
         offsets.append(piece_ends + total)
         total += piece_bytes
-    if not ids:
-        raise DataError(f"--text: {path} holds no text")
-    return TokenText(np.concatenate(ids), np.concatenate(offsets), str(path))
+    return TokenText(np.concatenate(ids), np.concatenate(offsets), documents.source)
 
 
 def dataset_split(dataset: str | Path | None, need: int | None) -> TokenText:
@@ -191,4 +208,13 @@ def evaluate_tokens(
     }
 
 
-__all__ = ["TokenText", "dataset_split", "default_text", "evaluate_tokens", "lineage_dataset", "read_text"]
+__all__ = [
+    "Documents",
+    "TokenText",
+    "dataset_split",
+    "default_text",
+    "evaluate_tokens",
+    "lineage_dataset",
+    "read_documents",
+    "tokenized",
+]

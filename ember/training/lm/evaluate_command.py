@@ -60,20 +60,18 @@ def _checked(args: argparse.Namespace) -> dict[str, int | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ember.core.jsonl import readable
     from ember.serving.loading import load_model, weights_fit_model
     from ember.training.lm.eval_windows import check_seq_len
-    from ember.training.lm.evaluate import default_text, evaluate_tokens, lineage_dataset, read_text
+    from ember.training.lm.evaluate import default_text, evaluate_tokens, lineage_dataset, read_documents, tokenized
 
     sizes = _checked(args)
-    if args.text is not None and not readable(args.text):  # before the model loads
-        raise ConfigError(f"--text: no such file: {args.text}", key="--text")
+    documents = read_documents(args.text) if args.text is not None else None  # before the model loads
     loaded = load_model(args.model, step=args.step)
     check_seq_len(sizes["seq_len"], loaded.config)
     if args.adapter is not None:
         loaded = with_merged_adapter(loaded, args.adapter)
-    if args.text is not None:
-        text = read_text(args.text, loaded.tokenizer)
+    if documents is not None:
+        text = tokenized(documents, loaded.tokenizer)
     else:
         need = None if sizes["max_windows"] is None else sizes["max_windows"] * (sizes["seq_len"] + 1)
         text = default_text(loaded, lineage_dataset(args.model), need)
