@@ -161,3 +161,17 @@ def test_a_hugging_face_model_without_a_tokenizer_cannot_read_a_text(hf_model, t
         shutil.copy(base / name, bare / name)
     assert main(["eval", str(bare), "--text", str(text), "--seq-len", "8"]) == 2
     assert "the model has no tokenizer (a Hugging Face directory without tokenizer.json)" in capsys.readouterr().err
+
+
+def test_the_default_dataset_is_followed_back_through_quantized_and_fine_tuned_runs(tmp_path):
+    from ember.training.lm.evaluate import lineage_dataset
+
+    run, tuned, quantized = (tmp_path / name for name in ("run", "tuned", "quantized"))
+    for path in (run, tuned, quantized):
+        path.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(LMConfig, None, [f"data.dataset={tmp_path / 'data'}"])))
+    (tuned / "config.yaml").write_text(f"kind: finetune\nbase_model:\n  path: {run}\n")
+    (quantized / "config.yaml").write_text(f"kind: quantized\nsource: {tuned}\n")
+    assert lineage_dataset(quantized) == lineage_dataset(tuned) == lineage_dataset(run) == tmp_path / "data"
+    (tuned / "config.yaml").write_text(f"kind: finetune\nbase_model:\n  path: {tmp_path / 'gone'}\n")
+    assert lineage_dataset(quantized) is None  # the stdlib corpus, then
