@@ -21,10 +21,16 @@ Definitions (what ``evaluate_tokens`` reports):
 - **bits_per_byte**: the summed loss of the predicted tokens / ln 2 / the UTF-8 bytes of the
   text those tokens cover. A window's predicted tokens cover the text from the end of its first
   token to the end of its last (per the tokenizer's character offsets; a special token such as
-  BOS or end-of-document covers no bytes), so the bytes counted are exactly those the predicted
-  tokens spell, and a byte-level model and a BPE model are charged for the same text. For a
-  byte-level model every predicted byte token covers one byte. ``None`` when the predicted
-  tokens cover no bytes.
+  BOS or end-of-document covers no bytes), so the bytes counted are those the predicted tokens
+  spell (each window's first token's bytes are not counted, as its loss is not), and the figure
+  is per byte of text whatever the tokenization: comparable between a byte-level and a BPE
+  model. For a byte-level model every predicted byte token covers one byte. Tokens that share a
+  character (byte-fallback pieces of one character) end where the character does. ``None`` when
+  the predicted tokens cover no bytes.
+
+The windows are not the trainer's ``val_loss`` windows (those share a token and are packed with
+segment ids, see ``eval_windows``); on the same windows the loss is ``ember quantize``'s
+``float_val_loss``.
 """
 
 from __future__ import annotations
