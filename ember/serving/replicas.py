@@ -82,12 +82,15 @@ class Replicas:
         params_list = params_per_prompt(prompts, params)
         results: list[GenerationResult | None] = [None] * len(prompts)
         updates: queue.Queue[Update] = queue.Queue()
+        prepared, tags = [], []
+        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
+            try:
+                prepared.append(self.engines[0].prepare(prompt, p))
+                tags.append(index)
+            except ValueError as error:
+                results[index] = GenerationResult(-1, [], FINISH_ERROR, error=str(error))
         with EngineWorkers(self.engines, first_seed=self._submitted) as workers:  # leaving it stops every engine
-            for index, (prompt, p) in enumerate(zip(prompts, params_list)):
-                try:
-                    workers.submit(prompt, p, updates, tag=index)
-                except ValueError as error:
-                    results[index] = GenerationResult(-1, [], FINISH_ERROR, error=str(error))
+            workers.submit_prepared(prepared, updates, tags)  # at once: each engine takes its share
             self._submitted += workers.submitted
             if on_result is not None:
                 for index, result in enumerate(results):

@@ -175,13 +175,15 @@ class _Handler(BaseHTTPRequestHandler):
         updates: queue.Queue[Update] = queue.Queue()
         tickets: list[Ticket] = []
         try:
-            for index, (prompt, params) in enumerate(zip(call.prompts, call.params)):
-                try:
-                    tickets.append(workers.submit(prompt, params, updates, tag=index))
-                except ValueError as error:
-                    raise ApiError(400, str(error), "messages" if call.chat else "prompt") from None
-                except RuntimeError as error:  # every engine failed
-                    raise ApiError(503, str(error), kind="service_unavailable_error") from None
+            engine = workers.engines[0]
+            try:
+                prepared = [engine.prepare(prompt, params) for prompt, params in zip(call.prompts, call.params)]
+            except ValueError as error:
+                raise ApiError(400, str(error), "messages" if call.chat else "prompt") from None
+            try:  # at once: the engines share them
+                tickets = workers.submit_prepared(prepared, updates, range(len(prepared)))
+            except RuntimeError as error:  # every engine failed
+                raise ApiError(503, str(error), kind="service_unavailable_error") from None
             prompt_tokens = sum(len(ticket.request.prompt) for ticket in tickets[:: call.n])
             if call.stream:
                 self._stream(call, updates, prompt_tokens)

@@ -9,8 +9,10 @@
 An engine is not thread-safe, so only its worker's thread calls it: the worker steps its
 engine while anything runs there and, between steps, takes requests from one shared queue
 (first come first served) as far as the engine can start them at its next step
-(:attr:`Engine.room <ember.serving.engine.Engine.room>`). An engine whose requests finish
-early takes more; the work balances itself, whatever it turns out to be. Each request's
+(:attr:`Engine.room <ember.serving.engine.Engine.room>`), and no more than its share of those
+waiting (in proportion to its room among the rooms the workers last reported: a burst of
+requests is spread over the idle engines, not given to the first to look). An engine whose
+requests finish early takes more; the work balances itself, whatever it turns out to be. Each request's
 updates go to the queue its submitter gave, tagged with the submitter's ``tag``.
 
 Unseeded requests are seeded by submission order (``first_seed`` plus the submissions before),
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import queue
 import threading
 from collections.abc import Sequence
@@ -89,6 +92,7 @@ class EngineWorkers:
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._aborts: list[set[Ticket]] = [set() for _ in self.engines]
         self._alive = [True] * len(self.engines)
+        self._rooms = [engine.room for engine in self.engines]  # each worker's Engine.room as last reported
         self._closed = False
         self._threads = [
             threading.Thread(target=self._serve, args=(index,), name=f"ember-engine-{index}", daemon=True)
@@ -112,20 +116,27 @@ class EngineWorkers:
         """Queues a request; its :class:`Update` s go to ``updates``. Raises ``ValueError`` for a
         bad prompt or parameters (nothing queued) and ``RuntimeError`` once closed or when every
         engine failed."""
-        request = self.engines[0].prepare(prompt, params)
+        return self.submit_prepared([self.engines[0].prepare(prompt, params)], updates, [tag])[0]
+
+    def submit_prepared(self, requests: Sequence[Request], updates: queue.Queue, tags: Sequence[Any]) -> list[Ticket]:
+        """Queues requests checked by ``Engine.prepare`` all at once (so a worker looking sees them
+        all and takes only its share); ``tags[i]`` tags ``requests[i]``'s updates. Raises
+        ``RuntimeError`` once closed or when every engine failed (nothing queued)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("these engine workers are closed")
             if not self.alive:
                 raise RuntimeError(f"every engine failed; the first: {self.failures[0]!r}")
-            if request.params.seed is None:
-                request.params = dataclasses.replace(request.params, seed=self._next_seed % (MAX_SEED + 1))
-            self._next_seed += 1
-            self.submitted += 1
-            ticket = Ticket(request, updates, tag)
-            self._waiting.append(ticket)
+            tickets = []
+            for request, tag in zip(requests, tags, strict=True):
+                if request.params.seed is None:
+                    request.params = dataclasses.replace(request.params, seed=self._next_seed % (MAX_SEED + 1))
+                self._next_seed += 1
+                tickets.append(Ticket(request, updates, tag))
+            self.submitted += len(tickets)
+            self._waiting.extend(tickets)
             self._lock.notify_all()
-        return ticket
+        return tickets
 
     def abort(self, ticket: Ticket) -> None:
         """Stops a submitted request, waiting or running, with an ``"abort"`` result (unless it
@@ -159,6 +170,7 @@ class EngineWorkers:
         try:
             while True:
                 with self._lock:
+                    self._rooms[index] = engine.room
                     while not (
                         self._closed or self._aborts[index] or engine.has_unfinished or (self._waiting and engine.room)
                     ):
@@ -166,7 +178,8 @@ class EngineWorkers:
                     if self._closed:
                         break
                     aborts, self._aborts[index] = self._aborts[index], set()
-                    taken = [self._waiting.popleft() for _ in range(min(engine.room, len(self._waiting)))]
+                    taken = [self._waiting.popleft() for _ in range(self._share(index))]
+                    self._rooms[index] -= len(taken)
                     for ticket in taken:
                         ticket.worker = index
                 for ticket in aborts:
@@ -190,6 +203,14 @@ class EngineWorkers:
             engine.abort(request_id)
             ticket.end(_ended(ticket, FINISH_ABORT))
 
+    def _share(self, index: int) -> int:
+        """How many waiting requests worker ``index`` takes (under the lock): its part of them in
+        proportion to its room among the rooms the workers last reported, at least one while it
+        has room, never more than its room. So requests arriving together are spread over the
+        idle engines rather than filling the first to look."""
+        room, waiting, rooms = self._rooms[index], len(self._waiting), sum(self._rooms)
+        return min(room, waiting, math.ceil(waiting * room / rooms)) if room else 0
+
     def _fail(self, index: int, error: BaseException, running: dict[int, Ticket], unqueued: list[Ticket]) -> None:
         """Ends the requests of a worker whose engine raised ``error`` (those ``running`` and
         those it took but had not queued yet) with error results; the waiting ones too when no
@@ -200,6 +221,7 @@ class EngineWorkers:
         with self._lock:
             self.failures.append(error)
             self._alive[index] = False
+            self._rooms[index] = 0
             stranded = []
             if not self.alive:  # nobody will take the waiting requests
                 stranded, self._waiting = list(self._waiting), collections.deque()

@@ -122,11 +122,17 @@ def test_an_engine_failing_to_queue_what_it_took_ends_those_requests_too(replica
     assert_idle(replicas)
 
 
-def test_an_engine_whose_requests_end_sooner_takes_more(replicas, monkeypatch):
-    """Engine 0 made slow (each step 0.3 s longer): it takes one slot-full of requests at the start
-    and engine 1 the other nine, instead of half each (a split made before anything ran)."""
-    prompts, params = workload(10)
-    params = [SamplingParams(max_tokens=6, ignore_eos=True) for _ in params]
+def test_a_burst_smaller_than_one_engine_s_slots_is_spread_over_both(replicas, monkeypatch):
+    """Two requests at once, three slots in each engine: one each (the first engine to look would
+    otherwise take both, leaving the other idle)."""
+    served = count_served(replicas, monkeypatch)
+    prompts = workload(12)[0][:2]
+    results = replicas.generate(prompts, [SamplingParams(max_tokens=3) for _ in prompts])
+    assert [len(r.tokens) > 0 for r in results] == [True, True] and served == [1, 1]
+
+
+def count_served(replicas, monkeypatch):
+    """``[requests queued on engine 0, on engine 1]``, counted as they are."""
     served = [0, 0]
     for index, engine in enumerate(replicas.engines):
         enqueue = engine.enqueue
@@ -136,6 +142,15 @@ def test_an_engine_whose_requests_end_sooner_takes_more(replicas, monkeypatch):
             return enqueue(request)
 
         monkeypatch.setattr(engine, "enqueue", counted)
+    return served
+
+
+def test_an_engine_whose_requests_end_sooner_takes_more(replicas, monkeypatch):
+    """Engine 0 made slow (each step 0.3 s longer): it takes one slot-full of requests at the start
+    and engine 1 the other nine, instead of half each (a split made before anything ran)."""
+    prompts, params = workload(10)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True) for _ in params]
+    served = count_served(replicas, monkeypatch)
     step = replicas.engines[0].step
     monkeypatch.setattr(replicas.engines[0], "step", lambda *args: time.sleep(0.3) or step(*args))
     results = replicas.generate(prompts, params)
