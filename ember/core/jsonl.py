@@ -1,4 +1,4 @@
-"""JSON Lines input: the lines of a file, and the text check its strings need (and
+"""JSON Lines input: the lines of a file, their records, and the text check its strings need (and
 :func:`utf8_text`, the UTF-8 reading it rests on, for other text inputs).
 
 A JSONL file is UTF-8 text (JSON's encoding, RFC 8259; a leading byte-order mark, which some
@@ -10,7 +10,10 @@ surrogates, which are not Unicode text: no tokenizer encodes them (:func:`lone_s
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ember.core.errors import DataError
 
@@ -30,6 +33,25 @@ def jsonl_lines(path: str | Path, label: str = "") -> list[str]:
       DataError: the file is not UTF-8 text (the message starts with ``label``, e.g. ``"--prompts: "``).
     """
     return utf8_text(path, label).split("\n")
+
+
+def jsonl_records(path: str | Path, label: str = "") -> Iterator[tuple[Any, str]]:
+    """``(record, "file:line")`` of every non-blank line of the JSONL file at ``path``, parsed
+    (any JSON value: the caller says which it takes).
+
+    Raises:
+      DataError: the file is not UTF-8 text, or a line is not JSON (naming the file and line; the
+        message starts with ``label``).
+    """
+    for number, line in enumerate(jsonl_lines(path, label), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{label}{where} is not JSON ({error.msg})") from None
+        yield record, where
 
 
 def utf8_text(path: str | Path, label: str = "") -> str:
@@ -54,4 +76,4 @@ def lone_surrogate(text: str) -> tuple[int, str] | None:
     return None
 
 
-__all__ = ["jsonl_lines", "lone_surrogate", "utf8_text"]
+__all__ = ["jsonl_lines", "jsonl_records", "lone_surrogate", "utf8_text"]

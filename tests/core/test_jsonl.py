@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ember.core.errors import DataError
-from ember.core.jsonl import jsonl_lines, lone_surrogate, readable
+from ember.core.jsonl import jsonl_lines, jsonl_records, lone_surrogate, readable
 
 
 def test_lines_end_at_newlines_only_and_blank_lines_keep_their_numbers(tmp_path):
@@ -42,3 +42,12 @@ def test_readable_takes_files_and_pipes_not_directories_or_missing_paths(tmp_pat
     os.mkfifo(tmp_path / "in.fifo")  # what /dev/stdin or a shell's <(...) is
     assert readable(tmp_path / "a.jsonl") and readable(str(tmp_path / "in.fifo"))
     assert not readable(tmp_path) and not readable(tmp_path / "missing.jsonl")
+
+
+def test_records_are_parsed_lines_named_by_file_and_line_blank_ones_skipped(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"a": 1}\n\n  \n[2, "x"]\n', encoding="utf-8")
+    assert list(jsonl_records(path)) == [({"a": 1}, f"{path}:1"), ([2, "x"], f"{path}:4")]
+    path.write_text('{"a": 1}\n{"a": \n', encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^--text: {path}:2 is not JSON \(Expecting value\)$"):
+        list(jsonl_records(path, "--text: "))

@@ -47,7 +47,7 @@ import numpy as np
 from ember.core.chat import check_messages, plain_chat, plain_chat_pieces
 from ember.core.errors import DataError, PathNotFoundError
 from ember.core.hf_tokenizer import GENERATION_TAG
-from ember.core.jsonl import jsonl_lines, lone_surrogate
+from ember.core.jsonl import jsonl_records, lone_surrogate
 from ember.training.data.iterator import check_process_split
 from ember.training.data.packing import empty_row
 
@@ -100,20 +100,13 @@ def read_jsonl(path: str | Path) -> list[tuple[dict[str, Any], str]]:
     if not path.is_file():
         raise PathNotFoundError(f"no JSONL file {path}")
     records = []
-    for number, line in enumerate(jsonl_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number} is not JSON ({error.msg})") from None
+    for record, where in jsonl_records(path):
         surrogate = lone_surrogate(json.dumps(record, ensure_ascii=False))
         if surrogate:
             raise DataError(
-                f"{path}:{number} holds a lone surrogate {surrogate[1]} (an unpaired \\ud800-\\udfff escape): "
-                "not Unicode text"
+                f"{where} holds a lone surrogate {surrogate[1]} (an unpaired \\ud800-\\udfff escape): not Unicode text"
             )
-        records.append((record, f"{path}:{number}"))
+        records.append((record, where))
     if not records:
         raise DataError(f"{path} has no examples")
     return records

@@ -36,7 +36,6 @@ segment ids, see ``eval_windows``); on the same windows the loss is ``ember quan
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -47,7 +46,7 @@ import numpy as np
 
 from ember.core.config import read_key, run_kind
 from ember.core.errors import DataError, PathNotFoundError
-from ember.core.jsonl import jsonl_lines, readable, utf8_text
+from ember.core.jsonl import jsonl_records, readable, utf8_text
 from ember.core.tokenizer import BYTE_VOCAB, ByteTokenizer
 from ember.models.decoder import DecoderLM
 from ember.models.variables import as_variables
@@ -114,15 +113,9 @@ def dataset_split(dataset: str | Path | None, need: int | None) -> TokenText:
 
 
 def _jsonl_texts(path: Path) -> Iterable[str]:
-    for number, line in enumerate(jsonl_lines(path, "--text: "), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"--text: {path} line {number} is not JSON ({error})") from None
+    for record, where in jsonl_records(path, "--text: "):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f'--text: {path} line {number} is not a {{"text": string}} object')
+            raise DataError(f'--text: {where} is not a {{"text": string}} object')
         yield record["text"]
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ember.core.errors import DataError, PathNotFoundError
-from ember.core.jsonl import jsonl_lines, lone_surrogate, readable
+from ember.core.jsonl import jsonl_records, lone_surrogate, readable
 from ember.training.data.arithmetic import arithmetic_problems, split_problems
 from ember.training.rl_lm.config import PromptsConfig
 
@@ -36,19 +35,13 @@ def read_prompts(path: str | Path) -> list[str]:
     if not readable(path):  # a file or a pipe
         raise PathNotFoundError(f'prompts file {path} does not exist (JSONL lines of {{"prompt": "..."}})')
     prompts = []
-    for number, line in enumerate(jsonl_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: not JSON ({error.msg})") from None
+    for record, where in jsonl_records(path):
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(prompt, str) or not prompt:
-            raise DataError(f'{path}:{number}: expected an object with a non-empty string "prompt"')
+            raise DataError(f'{where}: expected an object with a non-empty string "prompt"')
         surrogate = lone_surrogate(prompt)
         if surrogate:
-            raise DataError(f"{path}:{number}: the prompt holds a lone surrogate {surrogate[1]}: not Unicode text")
+            raise DataError(f"{where}: the prompt holds a lone surrogate {surrogate[1]}: not Unicode text")
         prompts.append(prompt)
     if not prompts:
         raise DataError(f"{path} holds no prompts")
