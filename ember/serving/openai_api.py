@@ -32,7 +32,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from ember.core.errors import EmberError
 from ember.serving.engine import Prompt
 from ember.serving.requests import MAX_SEED, GenerationResult, SamplingParams
 
@@ -230,31 +229,36 @@ def _is_token_list(value: Any) -> bool:
 
 
 def _chat_prompt(messages: Any, tokenizer: Any) -> list[int]:
-    """The prompt tokens of a chat's ``messages``: each turn's content a string or a list of
-    ``{"type": "text", "text": ...}`` parts (joined), rendered by the model's chat template."""
+    """The prompt tokens of a chat's ``messages`` (:func:`ember.core.chat.chat_prompt_tokens`,
+    which checks the conversation), a turn's content given as ``{"type": "text", "text": ...}``
+    parts joined into its string first."""
     from ember.core.chat import chat_prompt_tokens
 
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    try:
+        return chat_prompt_tokens(_joined_text_parts(messages), tokenizer)
+    except ValueError as error:  # a chat template's failure too (DataError)
+        raise ApiError(400, f"messages: {error}", "messages") from None
+
+
+def _joined_text_parts(messages: Any) -> Any:
+    """``messages`` with each content given as a list of text parts joined into one string;
+    anything else as it is, for ``check_messages`` to judge. Raises ``ValueError`` for a part that
+    is not text (an image, say)."""
+    if not isinstance(messages, list):
+        return messages
     turns = []
     for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ApiError(400, f"messages[{index}] must be an object with role and content", "messages")
-        content = message.get("content")
+        content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-                raise ApiError(
-                    400, f'messages[{index}].content: only text parts ({{"type": "text", "text": ...}}) are served',
-                    "messages",
-                )  # fmt: skip
-            content = "".join(str(part.get("text", "")) for part in content)
-        turns.append({**{k: v for k, v in message.items() if k != "name"}, "content": content})
-    if tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer to render messages with; use /v1/completions", "messages")
-    try:
-        return [int(t) for t in chat_prompt_tokens(turns, tokenizer)]
-    except (ValueError, EmberError) as error:
-        raise ApiError(400, f"messages: {error}", "messages") from None
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise ValueError(
+                    f'messages[{index}].content: only text parts ({{"type": "text", "text": ...}}) are served'
+                )
+            message = {**message, "content": "".join(part["text"] for part in content)}
+        turns.append(message)
+    return turns
 
 
 # Responses ------------------------------------------------------------------------------------
