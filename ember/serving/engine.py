@@ -15,7 +15,6 @@ device, so a step runs under ``jax.transfer_guard("disallow")``.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -28,7 +27,6 @@ from ember.serving.program import DeviceProgram, batch_arrays
 from ember.serving.requests import (
     FINISH_ERROR,
     FINISH_STOP,
-    MAX_SEED,
     GenerationResult,
     Request,
     SamplingParams,
@@ -169,8 +167,7 @@ class Engine:
         """Queues a request of :meth:`prepare` (an unseeded one seeded with its id); returns its id."""
         request.request_id = self._next_id
         self._next_id += 1
-        if request.params.seed is None:
-            request.params = dataclasses.replace(request.params, seed=request.request_id % (MAX_SEED + 1))
+        request.params = request.params.seeded(request.request_id)
         self._requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id

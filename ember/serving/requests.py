@@ -93,6 +93,11 @@ class SamplingParams:
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
             raise ValueError(f"adapter must be an adapter's name, got {_shown(self.adapter)}")
 
+    def seeded(self, number: int) -> SamplingParams:
+        """These params, or, when ``seed`` is None, them with ``seed`` ``number`` (wrapped into
+        ``[0, MAX_SEED]``): an unseeded request's seed is its number in order of arrival."""
+        return self if self.seed is not None else dataclasses.replace(self, seed=number % (MAX_SEED + 1))
+
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
         """From a JSON object's sampling fields; unknown names raise ``ValueError``."""

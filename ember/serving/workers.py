@@ -39,7 +39,6 @@ from ember.serving.engine import Engine, Prompt
 from ember.serving.requests import (
     FINISH_ABORT,
     FINISH_ERROR,
-    MAX_SEED,
     GenerationResult,
     Request,
     SamplingParams,
@@ -129,8 +128,7 @@ class EngineWorkers:
                 raise RuntimeError(f"every engine failed; the first: {self.failures[0]!r}")
             tickets = []
             for request, tag in zip(requests, tags, strict=True):
-                if request.params.seed is None:
-                    request.params = dataclasses.replace(request.params, seed=self._next_seed % (MAX_SEED + 1))
+                request.params = request.params.seeded(self._next_seed)
                 self._next_seed += 1
                 tickets.append(Ticket(request, updates, tag))
             self.submitted += len(tickets)
