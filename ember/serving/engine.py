@@ -9,7 +9,9 @@ and prefill chunks), packs them back to back into the smallest compiled token bu
 holds them (one flat budget, each slot's chunk a run of it), transfers the step's inputs in
 one explicit ``device_put``, runs the compiled step (cache pages donated) and fetches the
 sampled tokens in one explicit ``device_get``. Nothing else crosses between host and
-device, so a step runs under ``jax.transfer_guard("disallow")``.
+device, so a step runs under ``jax.transfer_guard("disallow")``. A step that holds a request
+asking for prompt log-probabilities or alternatives (``SamplingParams.prompt_logprobs``,
+``top_logprobs``) runs the program's scoring step instead, which also fetches every row's scores.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from ember.serving.program import DeviceProgram, batch_arrays
 from ember.serving.requests import (
     FINISH_ERROR,
     FINISH_STOP,
+    Alternatives,
     GenerationResult,
     Request,
     SamplingParams,
     TokenEvent,
 )
 from ember.serving.sampling import fill_settings, settings_array
-from ember.serving.scheduler import Scheduler, SchedulerConfig, eos_ids_of
+from ember.serving.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, eos_ids_of
 
 
 class Tokenizer(Protocol):
@@ -149,6 +152,11 @@ class Engine:
                 "ember generate --adapter NAME=DIR with a run or model directory)"
             )
             raise ValueError(f"unknown adapter {params.adapter!r}; this engine's adapters: {known}")
+        if (params.prompt_logprobs or params.top_logprobs) and self.program.scoring_steps is None:
+            raise ValueError(
+                "prompt_logprobs and top_logprobs need the model's scoring steps, which this engine's program "
+                "(an exported one) has not; serve the model itself (a run or Hugging Face directory)"
+            )
         tokens = self.encode_prompt(prompt)
         stops = params.stop_token_ids
         # Stop strings are matched in the output's text (_end_on_stop_strings) and also as their
@@ -188,13 +196,19 @@ class Engine:
         if not request.finished:
             raise ValueError(f"request {request_id} has not finished")
         del self._requests[request_id]
+        params = request.params
         return GenerationResult(
             request_id=request_id,
             tokens=list(request.output),
             finish_reason=request.finish_reason,
             text=self.tokenizer.decode(request.output) if self.tokenizer is not None else None,
-            logprobs=list(request.logprobs) if request.params.logprobs else None,
+            logprobs=list(request.logprobs) if params.logprobs else None,
             eos_token=request.eos_token,
+            top_logprobs=list(request.top_logprobs) if params.logprobs and params.top_logprobs else None,
+            prompt_logprobs=list(request.prompt_logprobs) if params.prompt_logprobs else None,
+            prompt_top_logprobs=(
+                list(request.prompt_top_logprobs) if params.prompt_logprobs and params.top_logprobs else None
+            ),
         )
 
     # Running ------------------------------------------------------------------------------
@@ -211,12 +225,18 @@ class Engine:
         program = self.program
         used = sum(len(chunk.tokens) for chunk in chunks)
         bucket = next(size for size in program.token_buckets if size >= used)
-        batch = batch_arrays(program.num_slots, bucket, program.pages_per_seq, adapters=bool(program.adapter_names))
+        scoring = any(_wants_scores(chunk) for chunk in chunks)
+        batch = batch_arrays(
+            program.num_slots, bucket, program.pages_per_seq, adapters=bool(program.adapter_names), targets=scoring
+        )
         settings = settings_array(program.num_slots)
         offset = 0
         for chunk in chunks:
             request, slot, count = chunk.request, chunk.request.slot, len(chunk.tokens)
             batch["tokens"][offset : offset + count] = chunk.tokens
+            if scoring:  # each row is scored for the token after it
+                following = request.tokens[chunk.start + 1 : chunk.start + count + 1]
+                batch["targets"][offset : offset + len(following)] = following
             batch["query_starts"][slot] = offset
             batch["query_lens"][slot] = count
             batch["kv_lens"][slot] = chunk.start + count
@@ -226,10 +246,12 @@ class Engine:
                 batch["adapters"][slot] = program.adapter_names.index(request.params.adapter)
             offset += count
         batch, settings = jax.device_put((batch, settings), program.inputs)
-        program.kv, tokens, logprobs = program.steps[bucket](program.params, program.kv, batch, settings)
-        tokens, logprobs = jax.device_get((tokens, logprobs))
+        step = program.scoring_steps[bucket] if scoring else program.steps[bucket]
+        program.kv, tokens, logprobs, *scores = step(program.params, program.kv, batch, settings)
+        tokens, logprobs, scores = jax.device_get((tokens, logprobs, scores))
+        alternatives = _record_scores(chunks, scores[0]) if scoring else None
         slots = [chunk.request.slot for chunk in chunks]
-        events = self.scheduler.commit(chunks, tokens[slots].tolist(), logprobs[slots].tolist())
+        events = self.scheduler.commit(chunks, tokens[slots].tolist(), logprobs[slots].tolist(), alternatives)
         self._end_on_stop_strings(events)
         for event in events:
             if event.request_id in self._queues:
@@ -248,8 +270,7 @@ class Engine:
                 continue
             kept = _before_stop_string(self.tokenizer, request.output, request.params.stop)
             if kept is not None:
-                del request.output[kept:]
-                del request.logprobs[kept:]
+                request.keep_output(kept)
                 self.scheduler.finish(request, FINISH_STOP)
                 event.finish_reason = FINISH_STOP
 
@@ -380,6 +401,44 @@ def prompt_tokens(
     if max_context is not None and len(tokens) > max_context:
         raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context of {max_context}")
     return tokens
+
+
+def _wants_scores(chunk: ScheduledChunk) -> bool:
+    """Whether ``chunk`` needs the scoring step: it samples a token whose alternatives its request
+    asks for, or runs prompt tokens whose log-probabilities it asks for and has not got."""
+    request, params = chunk.request, chunk.request.params
+    if params.logprobs and params.top_logprobs and chunk.samples:
+        return True
+    first = max(chunk.start, len(request.prompt_logprobs))
+    return params.prompt_logprobs and first < min(chunk.start + len(chunk.tokens), len(request.prompt) - 1)
+
+
+def _record_scores(chunks: list[ScheduledChunk], scores: dict[str, np.ndarray]) -> list[Alternatives | None]:
+    """Appends each chunk's new prompt scores to its request (a row at position ``p`` scores
+    ``prompt[p + 1]``; rows a recompute after preemption runs again are not appended twice) and
+    returns, per chunk, the alternatives of its sampled token (None where not asked for)."""
+    sampled: list[Alternatives | None] = []
+    offset = 0
+    for chunk in chunks:
+        request, params, count = chunk.request, chunk.request.params, len(chunk.tokens)
+        top = params.top_logprobs
+        if params.prompt_logprobs:
+            for position in range(
+                max(chunk.start, len(request.prompt_logprobs)), min(chunk.start + count, len(request.prompt) - 1)
+            ):
+                row = offset + position - chunk.start
+                request.prompt_logprobs.append(float(scores["target_logprobs"][row]))
+                if top:
+                    request.prompt_top_logprobs.append(_alternatives(scores, row, top))
+        asked = params.logprobs and top and chunk.samples
+        sampled.append(_alternatives(scores, offset + count - 1, top) if asked else None)
+        offset += count
+    return sampled
+
+
+def _alternatives(scores: dict[str, np.ndarray], row: int, top: int) -> Alternatives:
+    """The ``top`` most likely tokens of budget row ``row`` with their log-probabilities."""
+    return list(zip(scores["top_tokens"][row, :top].tolist(), scores["top_logprobs"][row, :top].tolist()))
 
 
 def _before_stop_string(tokenizer: Tokenizer, output: list[int], stops: Sequence[str]) -> int | None:

@@ -4,7 +4,8 @@ The step runs the model once over the step's flat token budget (prefill chunks a
 tokens of every slot, through the model's ragged cache: ``ragged_paged_attention`` for
 softmax-family layers, per-slot state for CCA and linear attention), computes logits only
 at each slot's last token and samples on device. Cache pages and state slots are donated
-and every token bucket is compiled here, once.
+and every token bucket is compiled here, once. The scoring steps (logits at every row of the
+budget) are compiled when an engine first needs them.
 """
 
 from __future__ import annotations
@@ -35,19 +36,30 @@ from ember.models.quantization.stored import stored_weight_paths
 from ember.models.variables import as_variables, serving_weights, split_variables
 from ember.serving.mesh import SERVING_RULES, StepPlacement, check_serving_mesh
 from ember.serving.program import (
+    TOP_ALTERNATIVES,
     DeviceProgram,
+    ScoringSteps,
     empty_cache,
     narrowed_weights,
     resolve_token_buckets,
     step_argument_specs,
 )
-from ember.serving.sampling import sample_tokens
+from ember.serving.sampling import row_scores, sample_tokens
 
 
-def model_step(model: DecoderLM, params: Any, kv: Any, batch: dict[str, jax.Array], settings: dict[str, jax.Array]):
+def model_step(
+    model: DecoderLM,
+    params: Any,
+    kv: Any,
+    batch: dict[str, jax.Array],
+    settings: dict[str, jax.Array],
+    *,
+    scoring: bool = False,
+):
     """One serving step of ``model`` (the ``StepFunction`` signature of ``ember.serving.program``);
     ``params`` are the model's weights as ``ember.models.variables.serving_weights`` gives them
-    (the param tree, or the parameters with the model state, such as an MoE balancing bias)."""
+    (the param tree, or the parameters with the model state, such as an MoE balancing bias).
+    ``scoring``: a scoring step (logits at every row of the budget, each row scored)."""
     cache = {
         name: batch[name]
         for name in ("page_table", "query_starts", "query_lens", "kv_lens", "adapters")
@@ -55,20 +67,32 @@ def model_step(model: DecoderLM, params: Any, kv: Any, batch: dict[str, jax.Arra
     }
     last = jnp.maximum(batch["query_starts"] + batch["query_lens"] - 1, 0)  # [slots]
     logits, cache = model.apply(
-        as_variables(params), batch["tokens"][None], cache={**cache, "layers": kv}, logits_at=last[None]
+        as_variables(params),
+        batch["tokens"][None],
+        cache={**cache, "layers": kv},
+        logits_at=None if scoring else last[None],
     )
-    next_tokens, logprobs = sample_tokens(logits[0], settings)
-    return cache["layers"], next_tokens, logprobs
+    if not scoring:
+        next_tokens, logprobs = sample_tokens(logits[0], settings)
+        return cache["layers"], next_tokens, logprobs
+    log_probs = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)  # [num_tokens, vocab]
+    next_tokens, _ = sample_tokens(logits[0][last], settings)
+    # The sampled tokens' log-probabilities from the rows the alternatives come from: equal to the
+    # first alternative's, to the bit, when the greedy token is drawn.
+    logprobs = log_probs[last, next_tokens]
+    scores = row_scores(log_probs, batch["targets"], min(TOP_ALTERNATIVES, log_probs.shape[-1]))
+    return cache["layers"], next_tokens, logprobs, scores
 
 
-def jitted_step(config: ModelConfig, placement: StepPlacement | None = None):
-    """The jitted ``model_step`` of ``DecoderLM(config)`` with the cache (pages, state slots)
-    donated; with ``placement``, its arguments and results sharded so (the donated cache comes
-    back with the sharding it went in with, step after step)."""
-    step = functools.partial(model_step, DecoderLM(config))
+def jitted_step(config: ModelConfig, placement: StepPlacement | None = None, *, scoring: bool = False):
+    """The jitted ``model_step`` of ``DecoderLM(config)`` (``scoring``: its scoring step) with the
+    cache (pages, state slots) donated; with ``placement``, its arguments and results sharded so
+    (the donated cache comes back with the sharding it went in with, step after step)."""
+    step = functools.partial(model_step, DecoderLM(config), scoring=scoring)
     if placement is None:
         return jax.jit(step, donate_argnums=1)
-    return jax.jit(step, donate_argnums=1, in_shardings=placement.in_shardings, out_shardings=placement.out_shardings)
+    outputs = placement.out_shardings + ((placement.replicated,) if scoring else ())
+    return jax.jit(step, donate_argnums=1, in_shardings=placement.in_shardings, out_shardings=outputs)
 
 
 def build_program(
@@ -124,6 +148,16 @@ def build_program(
             ).compile()
             for size in buckets
         }
+    param_specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    kv_specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), kv)
+
+    def compile_scoring(size: int):
+        specs = step_argument_specs(
+            param_specs, kv_specs, num_slots, size, pages_per_seq, adapters=with_adapters, targets=True
+        )
+        with contextlib.nullcontext() if mesh is None else use_sharding(mesh, SERVING_RULES):
+            return jitted_step(config, placement, scoring=True).lower(*specs).compile()
+
     if placement is not None:
         params = jax.device_put(params, placement.params)
     return DeviceProgram(
@@ -133,6 +167,7 @@ def build_program(
         adapter_names=names,
         weight_dtypes=weight_dtypes,
         inputs=None if placement is None else placement.replicated,
+        scoring_steps=ScoringSteps(compile_scoring),
         **layout,
     )
 

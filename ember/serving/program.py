@@ -21,12 +21,21 @@ and ``settings`` the per-slot sampling arrays of :mod:`ember.serving.sampling`. 
 token is sampled from the logits of its run's last token. One function exists per budget
 size ``num_tokens`` (a *bucket*); all are compiled before the engine serves its first
 request, and each step uses the smallest bucket that holds its tokens.
+
+A program built from the model also has *scoring* steps (:class:`ScoringSteps`), for requests
+that ask for prompt log-probabilities or alternatives: they take one more batch array,
+
+    targets       int32 [num_tokens]              the token each row is scored for
+
+and return ``(kv, tokens, logprobs, scores)``, ``scores`` the ``row_scores`` of every row of
+the budget (:func:`ember.serving.sampling.row_scores`, :data:`TOP_ALTERNATIVES` of them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,9 +47,29 @@ import numpy as np
 from ember.core.errors import ConfigError
 from ember.core.sharding import unbox
 from ember.core.tree import param_paths
+from ember.serving.requests import MAX_TOP_LOGPROBS
 from ember.serving.sampling import settings_spec
 
-StepFunction = Callable[[Any, Any, dict[str, jax.Array], dict[str, jax.Array]], tuple[Any, jax.Array, jax.Array]]
+StepFunction = Callable[[Any, Any, dict[str, jax.Array], dict[str, jax.Array]], tuple[Any, ...]]
+TOP_ALTERNATIVES = MAX_TOP_LOGPROBS
+"""Alternatives a scoring step gives per row (fewer for a smaller vocabulary): every request's."""
+
+
+class ScoringSteps:
+    """A program's scoring steps (module docstring), each bucket's compiled when first asked for:
+    few requests ask for prompt log-probabilities or alternatives, and compiling them with the
+    others would double every engine's start-up. Engines on copies of a program share them."""
+
+    def __init__(self, compile_bucket: Callable[[int], StepFunction]):
+        self._compile_bucket = compile_bucket
+        self._steps: dict[int, StepFunction] = {}
+        self._lock = threading.Lock()  # engines in threads may ask for the same bucket at once
+
+    def __getitem__(self, bucket: int) -> StepFunction:
+        with self._lock:
+            if bucket not in self._steps:
+                self._steps[bucket] = self._compile_bucket(bucket)
+            return self._steps[bucket]
 
 
 @dataclasses.dataclass
@@ -71,6 +100,8 @@ class DeviceProgram:
     inputs: Any = None
     """Where each step's ``batch`` and ``settings`` go: the default device (None) or, for a
     program split over a mesh (``ember.serving.mesh``), replicated over it."""
+    scoring_steps: ScoringSteps | None = None
+    """The scoring steps (module docstring); None for a program without them (an exported one)."""
 
     def fresh_copy(self, params: Any = None) -> DeviceProgram:
         """A program sharing these compiled steps with its own empty cache (and ``params``
@@ -202,15 +233,17 @@ def _with_leaves(tree: Any, leaves: dict[str, Any], prefix: str = "") -> Any:
 LAYOUT_FIELDS: tuple[str, ...] = tuple(
     field.name
     for field in dataclasses.fields(DeviceProgram)
-    if field.name not in ("steps", "params", "kv", "adapter_names", "weight_dtypes", "inputs")
+    if field.name not in ("steps", "params", "kv", "adapter_names", "weight_dtypes", "inputs", "scoring_steps")
 )
 """``DeviceProgram``'s size fields: ``num_slots``, ``pages_per_seq``, ``page_size``, ``num_pages``,
 ``vocab_size``, ``max_context``."""
 
 
-def batch_arrays(slots: int, num_tokens: int, pages_per_seq: int, *, adapters: bool = False) -> dict[str, np.ndarray]:
+def batch_arrays(
+    slots: int, num_tokens: int, pages_per_seq: int, *, adapters: bool = False, targets: bool = False
+) -> dict[str, np.ndarray]:
     """Zeroed host buffers of one step's ``batch`` argument (``adapters``: with the slots'
-    adapter indices, all -1)."""
+    adapter indices, all -1; ``targets``: with a scoring step's targets)."""
     arrays = {
         "tokens": np.zeros((num_tokens,), np.int32),
         "query_starts": np.zeros((slots,), np.int32),
@@ -220,15 +253,25 @@ def batch_arrays(slots: int, num_tokens: int, pages_per_seq: int, *, adapters: b
     }
     if adapters:
         arrays["adapters"] = np.full((slots,), -1, np.int32)
+    if targets:
+        arrays["targets"] = np.zeros((num_tokens,), np.int32)
     return arrays
 
 
 def step_argument_specs(
-    params: Any, kv: Any, slots: int, num_tokens: int, pages_per_seq: int, *, adapters: bool = False
+    params: Any,
+    kv: Any,
+    slots: int,
+    num_tokens: int,
+    pages_per_seq: int,
+    *,
+    adapters: bool = False,
+    targets: bool = False,
 ) -> tuple[Any, ...]:
-    """``jax.ShapeDtypeStruct``s of a step's four arguments (for lowering and export)."""
+    """``jax.ShapeDtypeStruct``s of a step's four arguments (for lowering and export;
+    ``targets``: a scoring step's)."""
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    arrays = batch_arrays(slots, num_tokens, pages_per_seq, adapters=adapters)
+    arrays = batch_arrays(slots, num_tokens, pages_per_seq, adapters=adapters, targets=targets)
     batch = {name: spec(array) for name, array in arrays.items()}
     return jax.tree.map(spec, params), jax.tree.map(spec, kv), batch, settings_spec(slots)
 
@@ -252,7 +295,9 @@ def resolve_token_buckets(num_slots: int, token_budget: int, buckets: tuple[int,
 
 __all__ = [
     "LAYOUT_FIELDS",
+    "TOP_ALTERNATIVES",
     "DeviceProgram",
+    "ScoringSteps",
     "StepFunction",
     "batch_arrays",
     "empty_cache",

@@ -29,6 +29,11 @@ FINISH_ABORT = "abort"
 """Stopped by its caller before it finished (``Engine.abort``, a stream closed early)."""
 
 MAX_SEED = 2**31 - 1
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives ``SamplingParams.top_logprobs`` may ask for per token (OpenAI's limit)."""
+
+Alternatives = list[tuple[int, float]]
+"""A token's most likely alternatives: ``(token, log-probability)`` pairs, most likely first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +52,12 @@ class SamplingParams:
     keeps the tokens before the one where it starts); ``stop_token_ids`` holds stop
     sequences as token ids.
     ``logprobs`` asks for the model's log-probability of each generated token (of the
-    unmodified distribution, before temperature/top-k/top-p). ``adapter`` names one of the
+    unmodified distribution, before temperature/top-k/top-p); ``prompt_logprobs`` for that of
+    each prompt token after the first, given the tokens before it (scoring a text: with it,
+    ``max_tokens`` may be 0, and the request ends once its prompt is read); ``top_logprobs``
+    for as many most likely alternatives of each (up to :data:`MAX_TOP_LOGPROBS`), with their
+    log-probabilities. Both need the model's steps (an engine of an exported program has only
+    the sampled tokens'). ``adapter`` names one of the
     engine's adapters to generate with (None: the base model). A field of the wrong value or
     type (a bool for a number, a string for a number) raises ``ValueError`` saying what it allows.
     """
@@ -60,11 +70,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
     logprobs: bool = False
+    prompt_logprobs: bool = False
+    top_logprobs: int = 0
     ignore_eos: bool = False
     adapter: str | None = None
 
     def __post_init__(self):
-        _check("max_tokens", self.max_tokens, numbers.Integral, lambda v: v >= 1, "a positive integer")
+        for name in ("logprobs", "prompt_logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {_shown(getattr(self, name))}")
+        if self.prompt_logprobs:
+            _check("max_tokens", self.max_tokens, numbers.Integral, lambda v: v >= 0, "an integer >= 0")
+        else:
+            _check("max_tokens", self.max_tokens, numbers.Integral, lambda v: v >= 1, "a positive integer")
         _check(
             "temperature",
             self.temperature,
@@ -76,9 +94,18 @@ class SamplingParams:
         _check("top_p", self.top_p, numbers.Real, lambda v: 0 < v <= 1, "a number in (0, 1]")
         if self.seed is not None:
             _check("seed", self.seed, numbers.Integral, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]")
-        for name in ("logprobs", "ignore_eos"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {_shown(getattr(self, name))}")
+        _check(
+            "top_logprobs",
+            self.top_logprobs,
+            numbers.Integral,
+            lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+            f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
+            raise ValueError(
+                f"top_logprobs={self.top_logprobs} gives alternatives to the log-probabilities that logprobs "
+                "(generated tokens) or prompt_logprobs (prompt tokens) asks for; set one of them"
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not _is_list(stop) or any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {_shown(self.stop)}")
@@ -138,6 +165,11 @@ class Request:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[Alternatives] = dataclasses.field(default_factory=list)
+    """Each output token's alternatives, when ``params.top_logprobs`` asks for them."""
+    prompt_logprobs: list[float] = dataclasses.field(default_factory=list)
+    """``prompt[1:]``'s log-probabilities so far, when ``params.prompt_logprobs`` asks for them."""
+    prompt_top_logprobs: list[Alternatives] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
@@ -158,6 +190,10 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def keep_output(self, count: int) -> None:
+        """Drops the output after its first ``count`` tokens (with their log-probabilities)."""
+        del self.output[count:], self.logprobs[count:], self.top_logprobs[count:]
+
 
 @dataclasses.dataclass
 class TokenEvent:
@@ -168,6 +204,7 @@ class TokenEvent:
     token: int | None
     logprob: float | None = None
     finish_reason: str | None = None
+    top_logprobs: Alternatives | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -177,8 +214,9 @@ class TokenEvent:
 class GenerationResult:
     """A finished request: generated ``tokens`` (without EOS or a matched stop sequence),
     ``text`` when the engine knows a tokenizer, ``finish_reason``, ``eos_token`` (the
-    end-of-sequence id it stopped on, if it did) and, on request, per-token ``logprobs``; or
-    ``error`` (with ``finish_reason`` ``"error"``)."""
+    end-of-sequence id it stopped on, if it did) and, on request, per-token ``logprobs``, their
+    ``top_logprobs`` alternatives, and ``prompt_logprobs`` (of ``prompt[1:]``) with their
+    ``prompt_top_logprobs``; or ``error`` (with ``finish_reason`` ``"error"``)."""
 
     request_id: int
     tokens: list[int]
@@ -187,6 +225,9 @@ class GenerationResult:
     logprobs: list[float] | None = None
     error: str | None = None
     eos_token: int | None = None
+    top_logprobs: list[Alternatives] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[Alternatives] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A dict of JSON types, without the fields that do not apply."""
@@ -198,6 +239,8 @@ __all__ = [
     "FINISH_ERROR",
     "FINISH_LENGTH",
     "FINISH_STOP",
+    "MAX_TOP_LOGPROBS",
+    "Alternatives",
     "GenerationResult",
     "Request",
     "SamplingParams",

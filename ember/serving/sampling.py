@@ -41,6 +41,27 @@ def sample_tokens(logits: jax.Array, settings: dict[str, jax.Array]) -> tuple[ja
     return tokens, logprobs
 
 
+def row_scores(log_probs: jax.Array, targets: jax.Array, top: int) -> dict[str, jax.Array]:
+    """Each row's log-probability of its target token and its ``top`` most likely tokens.
+
+    Args:
+      log_probs: float32 ``[rows, vocab]``: ``log_softmax(logits)`` (the distribution
+        ``sample_tokens`` gives log-probabilities of).
+      targets: int32 ``[rows]``: the token each row is scored for (any id where none is).
+      top: alternatives per row (at most the vocabulary).
+
+    Returns:
+      ``target_logprobs`` float32 ``[rows]``, ``top_tokens`` int32 ``[rows, top]`` and
+      ``top_logprobs`` float32 ``[rows, top]``, most likely first.
+    """
+    top_logprobs, top_tokens = jax.lax.top_k(log_probs, top)
+    return {
+        "target_logprobs": jnp.take_along_axis(log_probs, targets[:, None], axis=-1)[:, 0],
+        "top_tokens": top_tokens.astype(jnp.int32),
+        "top_logprobs": top_logprobs,
+    }
+
+
 def _draw(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
     """A random draw per row from ``logits [rows, vocab]`` at the row's temperature, within
     its top-k and top-p (meaningless for rows with temperature 0)."""
@@ -103,4 +124,4 @@ def settings_spec(rows: int) -> dict[str, Any]:
     return {name: jax.ShapeDtypeStruct(array.shape, array.dtype) for name, array in settings_array(rows).items()}
 
 
-__all__ = ["fill_settings", "sample_tokens", "settings_array", "settings_spec"]
+__all__ = ["fill_settings", "row_scores", "sample_tokens", "settings_array", "settings_spec"]

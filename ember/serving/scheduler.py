@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 from ember.core.errors import ConfigError
 from ember.serving.pages import PageAllocator, pages_needed
-from ember.serving.requests import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request, TokenEvent
+from ember.serving.requests import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Alternatives, Request, TokenEvent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,16 +141,27 @@ class Scheduler:
             budget -= count
         return chunks
 
-    def commit(self, chunks: list[ScheduledChunk], tokens: list[int], logprobs: list[float]) -> list[TokenEvent]:
-        """Records a step's results: ``tokens[i]``/``logprobs[i]`` were sampled after
-        ``chunks[i]``. Returns one event per request that got a token or finished."""
+    def commit(
+        self,
+        chunks: list[ScheduledChunk],
+        tokens: list[int],
+        logprobs: list[float],
+        alternatives: list[Alternatives | None] | None = None,
+    ) -> list[TokenEvent]:
+        """Records a step's results: ``tokens[i]``/``logprobs[i]`` (and ``alternatives[i]``, where
+        given) were sampled after ``chunks[i]``. A request with ``max_tokens`` 0 finishes at its
+        prompt's end instead. Returns one event per request that got a token or finished."""
         events = []
-        for chunk, token, logprob in zip(chunks, tokens, logprobs, strict=True):
+        alternatives = [None] * len(chunks) if alternatives is None else alternatives
+        for chunk, token, logprob, top in zip(chunks, tokens, logprobs, alternatives, strict=True):
             request = chunk.request
-            sampled = chunk.samples
             request.num_computed = chunk.start + len(chunk.tokens)
-            if sampled:
-                events.append(self._append(request, int(token), float(logprob)))
+            if not chunk.samples:
+                continue
+            if request.params.max_tokens == 0:  # a prompt scored alone
+                events.append(self._finish(request, FINISH_LENGTH, token=None, logprob=None))
+            else:
+                events.append(self._append(request, int(token), float(logprob), top))
         return events
 
     def _chunk(self, request: Request, count: int) -> ScheduledChunk:
@@ -202,27 +213,36 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=lambda r: r.request_id)
 
-    def _append(self, request: Request, token: int, logprob: float) -> TokenEvent:
+    def _append(self, request: Request, token: int, logprob: float, top: Alternatives | None) -> TokenEvent:
         params = request.params
         if token in self.config.eos_ids and not params.ignore_eos:
             request.eos_token = token
             return self._finish(request, FINISH_STOP, token=None, logprob=None)
         request.output.append(token)
         request.logprobs.append(logprob)
+        if top is not None:
+            request.top_logprobs.append(top)
         for sequence in request.stop_sequences:
             if tuple(request.output[-len(sequence) :]) == sequence:
-                del request.output[-len(sequence) :]
-                del request.logprobs[-len(sequence) :]
-                return self._finish(request, FINISH_STOP, token=token, logprob=logprob)
+                request.keep_output(len(request.output) - len(sequence))
+                return self._finish(request, FINISH_STOP, token=token, logprob=logprob, top=top)
         # The next step would feed the new token at position num_tokens - 1.
         if len(request.output) >= params.max_tokens or request.num_tokens > self.config.max_context:
-            return self._finish(request, FINISH_LENGTH, token=token, logprob=logprob)
-        return TokenEvent(request.request_id, token, logprob)
+            return self._finish(request, FINISH_LENGTH, token=token, logprob=logprob, top=top)
+        return TokenEvent(request.request_id, token, logprob, top_logprobs=top)
 
-    def _finish(self, request: Request, reason: str, *, token: int | None, logprob: float | None) -> TokenEvent:
+    def _finish(
+        self,
+        request: Request,
+        reason: str,
+        *,
+        token: int | None,
+        logprob: float | None,
+        top: Alternatives | None = None,
+    ) -> TokenEvent:
         request.finish_reason = reason
         self._release(request)
-        return TokenEvent(request.request_id, token, logprob, finish_reason=reason)
+        return TokenEvent(request.request_id, token, logprob, finish_reason=reason, top_logprobs=top)
 
     def _release(self, request: Request) -> None:
         self.allocator.free(request.pages)

@@ -28,3 +28,21 @@ def greedy_reference(config, params, max_context):
         return [seq[len(p) :] for seq, p in zip(sequences, prompts)]
 
     return run
+
+
+def log_prob_reference(config, params, max_context):
+    """``run(sequences) -> [log_softmax [len(sequence), vocab] per sequence]``: each position's
+    next-token distribution by a full forward pass (one batch padded to ``max_context``)."""
+    model = DecoderLM(config)
+    forward = jax.jit(
+        lambda tokens: jax.nn.log_softmax(model.apply({"params": params}, tokens)[0].astype(jnp.float32), axis=-1)
+    )
+
+    def run(sequences):
+        padded = np.zeros((len(sequences), max_context), np.int32)
+        for row, seq in enumerate(sequences):
+            padded[row, : len(seq)] = seq
+        log_probs = np.asarray(forward(jnp.asarray(padded)))
+        return [log_probs[row, : len(seq)] for row, seq in enumerate(sequences)]
+
+    return run

@@ -25,7 +25,7 @@ from ember.serving.model_program import build_program, step_placement
 from ember.serving.requests import SamplingParams
 from tests.collectives import collectives
 from tests.once_per_session import one_at_a_time
-from tests.serving.greedy_reference import greedy_reference
+from tests.serving.greedy_reference import greedy_reference, log_prob_reference
 from tests.serving.random_workload import assert_serves_alike, random_prompts, run_random_arrivals
 from tests.tolerances import assert_allclose
 from tests.training.finetune_setup import BOS, WORDS, write_tokenizer
@@ -76,6 +76,74 @@ def engine(program):
 @pytest.fixture(scope="module")
 def reference_greedy(params):
     return greedy_reference(CONFIG, params, MAX_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def reference_log_probs(params):
+    return log_prob_reference(CONFIG, params, MAX_CONTEXT)
+
+
+def test_prompt_and_alternative_logprobs_equal_a_full_forward_pass(engine, reference_greedy, reference_log_probs, rng):
+    """Prompt log-probabilities (prefilled in chunks of random budgets, one request preempted
+    mid-prompt and again mid-output), alternatives of prompt and generated tokens and a prompt
+    scored alone (``max_tokens`` 0), beside a request that asks for none of them, equal the
+    ``log_softmax`` of a full forward pass over the finished sequence."""
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    prompts = [*random_prompts(generator, 3, low=2), generator.integers(0, 256, size=30).tolist()]
+    asks = [
+        SamplingParams(max_tokens=5, ignore_eos=True, logprobs=True, prompt_logprobs=True, top_logprobs=3),
+        SamplingParams(max_tokens=5, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=0, prompt_logprobs=True, top_logprobs=2),
+        SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True, prompt_logprobs=True, top_logprobs=1),
+    ]
+    ids = [engine.add_request(prompt, ask) for prompt, ask in zip(prompts, asks)]
+    preempted = engine.scheduler.waiting[-1]
+    preemptions = 0
+    while engine.has_unfinished:
+        engine.step(token_budget=int(generator.integers(1, 9)))
+        scored, generated = len(preempted.prompt_logprobs), len(preempted.output)
+        if (preemptions == 0 and 0 < scored < 29) or (preemptions == 1 and generated == 2):
+            engine.scheduler.preempt(preempted)
+            preemptions += 1
+    assert preemptions == 2
+    results = [engine.result(i) for i in ids]
+    assert [r.tokens for r in results] == [
+        *reference_greedy(prompts[:2], [5, 5]),
+        [],
+        *reference_greedy(prompts[3:], [4]),
+    ]
+    assert results[2].finish_reason == "length"
+    log_probs = reference_log_probs([prompt + result.tokens for prompt, result in zip(prompts, results)])
+    for index, (prompt, ask, result, rows) in enumerate(zip(prompts, asks, results, log_probs)):
+        sequence = prompt + result.tokens
+        given = [rows[p, sequence[p + 1]] for p in range(len(sequence) - 1)]
+        top = [sorted(enumerate(row), key=lambda pair: -pair[1])[: ask.top_logprobs] for row in rows[:-1]]
+        message = f"request {index}"
+        if ask.prompt_logprobs:
+            assert_allclose(result.prompt_logprobs, given[: len(prompt) - 1], dtype=np.float32, err_msg=message)
+            assert [[t for t, _ in a] for a in result.prompt_top_logprobs] == [
+                [t for t, _ in a] for a in top[: len(prompt) - 1]
+            ], message
+            assert_allclose(
+                [[v for _, v in a] for a in result.prompt_top_logprobs],
+                [[v for _, v in a] for a in top[: len(prompt) - 1]],
+                dtype=np.float32,
+                err_msg=message,
+            )
+        else:
+            assert result.prompt_logprobs is None and result.prompt_top_logprobs is None
+        if ask.logprobs:
+            assert_allclose(result.logprobs, given[len(prompt) - 1 :], dtype=np.float32, err_msg=message)
+        if ask.logprobs and ask.top_logprobs:
+            assert [[t for t, _ in a] for a in result.top_logprobs] == [
+                [t for t, _ in a] for a in top[len(prompt) - 1 :]
+            ], message
+            # A greedy token's log-probability is its first alternative's, to the bit (what
+            # lm-evaluation-harness's is_greedy compares).
+            assert [a[0] for a in result.top_logprobs] == list(zip(result.tokens, result.logprobs)), message
+        else:
+            assert result.top_logprobs is None
+    assert engine.scheduler.allocator.num_free == NUM_PAGES
 
 
 def test_continuous_batching_with_random_chunks_and_arrivals_equals_full_recompute(engine, reference_greedy, rng):
@@ -372,6 +440,19 @@ def test_a_tensor_parallel_engine_serves_the_single_device_engine_s_tokens_and_l
     seed = int(jax.random.randint(rng, (), 0, 2**31 - 1))
     assert_serves_alike(engine, Engine(program.fresh_copy()), seed, MAX_CONTEXT, max_budget=16)
     placed = lambda tree: jax.tree.map(lambda leaf: leaf.sharding, tree)  # noqa: E731
+    assert placed(engine.program.kv) == placed(mesh_program.kv)
+    # Its scoring step too: prompt log-probabilities and alternatives, the cache left in its shards.
+    prompts = random_prompts(np.random.default_rng(seed), 2, low=20)
+    asks = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=True, prompt_logprobs=True, top_logprobs=2)
+    split, single = (e.generate(prompts, asks) for e in (engine, Engine(program.fresh_copy())))
+    for result, want in zip(split, single):
+        assert result.tokens == want.tokens
+        assert [[t for t, _ in a] for a in result.prompt_top_logprobs + result.top_logprobs] == [
+            [t for t, _ in a] for a in want.prompt_top_logprobs + want.top_logprobs
+        ]
+        assert_allclose(
+            result.prompt_logprobs + result.logprobs, want.prompt_logprobs + want.logprobs, dtype=np.float32
+        )
     assert placed(engine.program.kv) == placed(mesh_program.kv)
 
 

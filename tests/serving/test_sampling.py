@@ -137,11 +137,19 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch_position(rng):
         (dict(stop_token_ids=[[]]), "stop_token_ids must be"),
         (dict(stop=5), r"stop must be a string or a list of non-empty strings, got 5 \(int\)"),
         (dict(logprobs="yes"), r"logprobs must be true or false, got 'yes' \(str\)"),
+        (dict(prompt_logprobs=1), r"prompt_logprobs must be true or false, got 1 \(int\)"),
+        (dict(logprobs=True, top_logprobs=21), r"top_logprobs must be an integer in \[0, 20\], got 21 \(int\)"),
+        (dict(top_logprobs=2), r"top_logprobs=2 gives alternatives .*; set one of them"),
+        (dict(max_tokens=-1, prompt_logprobs=True), r"max_tokens must be an integer >= 0, got -1 \(int\)"),
     ],
 )
 def test_sampling_params_reject_bad_values(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
+
+
+def test_a_prompt_may_be_scored_without_generating():
+    assert SamplingParams(max_tokens=0, prompt_logprobs=True, top_logprobs=20).max_tokens == 0
 
 
 def test_a_wrongly_typed_field_rejects_its_jsonl_line_only():

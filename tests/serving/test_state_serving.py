@@ -28,7 +28,7 @@ from ember.serving.requests import SamplingParams
 from tests.collectives import collectives
 from tests.host_random import numpy_rng
 from tests.once_per_session import one_at_a_time
-from tests.serving.greedy_reference import greedy_reference
+from tests.serving.greedy_reference import greedy_reference, log_prob_reference
 from tests.serving.random_weights import random_weights
 from tests.serving.random_workload import assert_serves_alike, run_random_arrivals
 from tests.tolerances import assert_allclose
@@ -134,6 +134,26 @@ def test_hybrid_with_arrivals_chunks_and_preemption_equals_full_recompute(progra
     assert_serves_like_full_recompute(program, reference, rng)
 
 
+def test_hybrid_prompt_logprobs_over_chunks_equal_a_full_forward_pass(program, params, rng):
+    """Prompt log-probabilities and alternatives of prompts prefilled in chunks of random budgets
+    (each state carried from chunk to chunk) equal the ``log_softmax`` of a full forward pass."""
+    generator = numpy_rng(rng)
+    prompts = [generator.integers(0, 256, size=int(n)).tolist() for n in generator.integers(20, 40, size=3)]
+    engine = Engine(program.fresh_copy())
+    asks = SamplingParams(max_tokens=0, prompt_logprobs=True, top_logprobs=2)
+    ids = [engine.add_request(prompt, asks) for prompt in prompts]
+    while engine.has_unfinished:
+        engine.step(token_budget=int(generator.integers(1, max(BUCKETS) + 1)))
+    results = [engine.result(i) for i in ids]
+    for prompt, result, rows in zip(prompts, results, log_prob_reference(CONFIG, params, MAX_CONTEXT)(prompts)):
+        assert_allclose(
+            result.prompt_logprobs, [rows[p, prompt[p + 1]] for p in range(len(prompt) - 1)], dtype=np.float32
+        )
+        assert [[t for t, _ in a] for a in result.prompt_top_logprobs] == np.argsort(-rows[:-1], axis=-1)[
+            :, :2
+        ].tolist()
+
+
 def test_exported_hybrid_artifact_serves_the_same_tokens(params, reference, tmp_path, rng):
     export_program(
         CONFIG,
@@ -151,6 +171,8 @@ def test_exported_hybrid_artifact_serves_the_same_tokens(params, reference, tmp_
         lambda leaf: (leaf.shape, leaf.dtype), expected_cache
     )
     assert_serves_like_full_recompute(artifact, reference, rng)
+    with pytest.raises(ValueError, match=r"prompt_logprobs and top_logprobs need the model's scoring steps"):
+        Engine(artifact).add_request([1, 2], SamplingParams(max_tokens=0, prompt_logprobs=True))
 
 
 def preempted_generation(program, prompt, poison_kind, generator):
