@@ -11,7 +11,10 @@ a line without a ``seed`` samples with ``--seed`` plus its line number less one,
 prompts give different samples and a rerun the same ones.
 Blank lines are skipped. Output: one object per request, in input order, with ``id`` (the
 input's, else its 1-based line number), ``tokens``, ``text`` when a tokenizer is known and
-``finish_reason`` — or ``id`` and ``error``; each written as soon as it and every line before
+``finish_reason`` (and the log-probabilities the line asked for: ``logprobs``, ``top_logprobs``
+as ``[token, logprob]`` pairs, ``prompt_logprobs`` of its prompt's tokens after the first,
+``prompt_top_logprobs``; a line with ``prompt_logprobs`` and ``max_tokens`` 0 scores a text)
+— or ``id`` and ``error``; each written as soon as it and every line before
 it are done (:class:`InOrderRecords`).
 """
 
@@ -105,8 +108,9 @@ def output_record(line: InputLine, result: GenerationResult | None) -> dict[str,
     if result.text is not None:
         record["text"] = result.text
     record["finish_reason"] = result.finish_reason
-    if result.logprobs is not None:
-        record["logprobs"] = result.logprobs
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"):
+        if getattr(result, name) is not None:
+            record[name] = getattr(result, name)
     return record
 
 

@@ -11,13 +11,16 @@ functions write the response bodies and the stream's chunks. The fields:
   (ignored); ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` only at their
   neutral values. Ember's own, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
 - ``/v1/completions``: ``prompt`` (a string, a list of token ids, or a list of either: one
-  prompt each), ``max_tokens`` default 16; ``logprobs`` 0 gives each sampled token's
-  log-probability (no alternatives: a larger number is refused), ``echo`` false.
+  prompt each), ``max_tokens`` default 16; ``logprobs`` ``k`` gives each sampled token's
+  log-probability and its ``k`` most likely alternatives (up to 20); ``echo`` puts the prompt
+  before the completion, with the log-probability of each prompt token after the first when
+  ``logprobs`` is given, and allows ``max_tokens`` 0: a prompt scored, nothing generated
+  (what lm-evaluation-harness's log-likelihood tasks ask of ``local-completions``).
 - ``/v1/chat/completions``: ``messages`` (``system``/``user``/``assistant`` turns whose
   ``content`` is a string or a list of text parts), rendered as the model was fine-tuned on
   them (:func:`ember.core.chat.chat_prompt_tokens`); ``max_tokens`` or
   ``max_completion_tokens``, default what the context leaves; ``logprobs`` true gives each
-  sampled token's log-probability (``top_logprobs`` 0 only).
+  sampled token's log-probability, with its ``top_logprobs`` most likely alternatives.
 
 Any other field is refused, naming it, rather than silently ignored.
 """
@@ -33,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ember.serving.engine import Prompt
-from ember.serving.requests import MAX_SEED, GenerationResult, SamplingParams
+from ember.serving.requests import MAX_SEED, MAX_TOP_LOGPROBS, Alternatives, GenerationResult, SamplingParams
 
 COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
@@ -42,7 +45,6 @@ COMMON_FIELDS = frozenset(
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 MAX_CHOICES = 128
-ONLY_SAMPLED = "only the sampled token's log-probability is given (no alternatives)"
 
 
 class ApiError(Exception):
@@ -97,7 +99,10 @@ class ApiCall:
     n: int
     stream: bool
     include_usage: bool
-    logprobs: bool
+    logprobs: int | None
+    """Alternatives per token when the call asks for log-probabilities (None: it does not)."""
+    echo: bool = False
+    """A completion's text (and log-probabilities) begin with its prompt's."""
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -122,7 +127,7 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
         raise ApiError(
             400, f"unsupported field(s) {', '.join(unknown)}; supported: {', '.join(sorted(allowed))}", unknown[0]
         )
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}), ("echo", False)):
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {})):
         if fields.get(name) not in (None, neutral):
             raise ApiError(400, f"{name} is not supported: give {json.dumps(neutral)} or leave it out", name)
     model = fields.get("model")
@@ -133,11 +138,13 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise ApiError(400, 'stream_options must be {"include_usage": true|false}', "stream_options")
     include_usage = bool(options and _flag(options, "include_usage"))
+    echo = False
     if chat:
         prompts = [_chat_prompt(fields.get("messages"), tokenizer)]
-        logprobs = _flag(fields, "logprobs")
-        if fields.get("top_logprobs") not in (None, 0):
-            raise ApiError(400, f"top_logprobs must be 0: {ONLY_SAMPLED}", "top_logprobs")
+        top = _alternatives(fields, "top_logprobs")
+        if not _flag(fields, "logprobs") and top:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = top if _flag(fields, "logprobs") else None
         if fields.get("max_tokens") is not None and fields.get("max_completion_tokens") is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
@@ -146,10 +153,13 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
         prompts = _completion_prompts(fields.get("prompt"))
         if fields.get("best_of") not in (None, n):
             raise ApiError(400, "best_of must equal n (each choice is returned)", "best_of")
-        logprobs = fields.get("logprobs") is not None
-        if fields.get("logprobs") not in (None, 0):
-            raise ApiError(400, f"logprobs must be 0: {ONLY_SAMPLED}", "logprobs")
+        logprobs = None if fields.get("logprobs") is None else _alternatives(fields, "logprobs")
+        echo = _flag(fields, "echo")
         max_tokens = _given(fields, "max_tokens", 16)
+        if max_tokens == 0 and not echo:
+            raise ApiError(
+                400, "max_tokens must be a positive integer (0 only with echo: a prompt scored)", "max_tokens"
+            )
     seed = fields.get("seed")
     if seed is not None:
         _sampling_params({"seed": seed})
@@ -165,7 +175,10 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
                 stop=fields.get("stop") or (),
                 stop_token_ids=_given(fields, "stop_token_ids", ()),
                 ignore_eos=_given(fields, "ignore_eos", False),
-                logprobs=logprobs,
+                logprobs=logprobs is not None,
+                top_logprobs=logprobs or 0,
+                # A prompt alone (max_tokens 0) is read as a scored one: the engine's one way to end there.
+                prompt_logprobs=echo and (logprobs is not None or max_tokens == 0),
                 adapter=adapter,
             )
             params.append(_sampling_params(sampling))
@@ -178,6 +191,7 @@ def parse_call(body: bytes, *, chat: bool, models: Models, tokenizer: Any, max_c
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
+        echo=echo,
     )
 
 
@@ -192,6 +206,16 @@ def _choices(fields: dict[str, Any]) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
     return n
+
+
+def _alternatives(fields: dict[str, Any], name: str) -> int:
+    """The number of alternatives per token a field asks for (0 when null or left out)."""
+    value = _given(fields, name, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400, f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got {value!r}", name
+        )
+    return value
 
 
 def _flag(fields: dict[str, Any], name: str) -> bool:
@@ -273,19 +297,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def response_body(
-    call: ApiCall, results: Sequence[GenerationResult], prompt_tokens: int, tokenizer: Any
+    call: ApiCall, results: Sequence[GenerationResult], prompt_ids: Sequence[list[int]], tokenizer: Any
 ) -> dict[str, Any]:
-    """The body of a call's whole response: one choice per result, in order."""
+    """The body of a call's whole response: one choice per result, in order (``prompt_ids``: each
+    choice's prompt tokens)."""
     choices = []
-    for index, result in enumerate(results):
+    for index, (result, ids) in enumerate(zip(results, prompt_ids, strict=True)):
         text = result.text if result.text is not None else ""
         choice: dict[str, Any] = {"index": index, "finish_reason": result.finish_reason}
-        logprobs = _logprobs(call, result.tokens, result.logprobs, tokenizer) if call.logprobs else None
         if call.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
-        choice["logprobs"] = logprobs
+            choice["text"] = (echo_text(call, index, ids, tokenizer) if call.echo else "") + text
+        tokens, values, alternatives = list(result.tokens), result.logprobs, result.top_logprobs
+        if call.echo:
+            tokens = ids + tokens
+            values = prompt_scores(ids, result.prompt_logprobs) + (values or [])
+            alternatives = prompt_scores(ids, result.prompt_top_logprobs) + (
+                alternatives or [None] * len(result.tokens)
+            )
+        choice["logprobs"] = None if call.logprobs is None else _logprobs(call, tokens, values, alternatives, tokenizer)
         choices.append(choice)
     return {
         "id": call.response_id,
@@ -293,8 +324,21 @@ def response_body(
         "created": call.created,
         "model": call.model,
         "choices": choices,
-        "usage": usage(prompt_tokens, sum(len(r.tokens) for r in results)),
+        "usage": usage(sum(len(ids) for ids in prompt_ids[:: call.n]), sum(len(r.tokens) for r in results)),
     }
+
+
+def echo_text(call: ApiCall, index: int, ids: list[int], tokenizer: Any) -> str:
+    """The prompt a completion's choice ``index`` echoes: the text it was given as, or the
+    decoding of its token ids ``ids``."""
+    prompt = call.prompts[index]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+
+
+def prompt_scores(ids: list[int], scores: list[Any] | None) -> list[Any]:
+    """A prompt's log-probabilities (or alternatives) per token, as echoed: None for its first
+    token (nothing precedes it) and for all where none were asked for."""
+    return [None, *scores] if scores is not None else [None] * len(ids)
 
 
 def chunk_body(
@@ -304,18 +348,21 @@ def chunk_body(
     *,
     finish_reason: str | None = None,
     tokens: Sequence[int] = (),
-    logprobs: Sequence[float] = (),
+    logprobs: Sequence[float | None] = (),
+    alternatives: Sequence[Alternatives | None] = (),
     tokenizer: Any = None,
 ) -> dict[str, Any]:
     """One stream chunk of choice ``index``: a piece of its text (``None``: a chat's first chunk,
-    which gives the role), its finish reason on the last; the tokens sampled since the last chunk
-    and their log-probabilities when the call asked for them."""
+    which gives the role), its finish reason on the last; the tokens since the last chunk (an
+    echoed prompt's, then those sampled) with their log-probabilities and alternatives when the
+    call asked for them."""
     choice: dict[str, Any] = {"index": index}
     if call.chat:
         choice["delta"] = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
     else:
         choice["text"] = text or ""
-    choice["logprobs"] = _logprobs(call, tokens, logprobs, tokenizer) if call.logprobs and tokens else None
+    asked = call.logprobs is not None and tokens
+    choice["logprobs"] = _logprobs(call, tokens, logprobs, alternatives, tokenizer) if asked else None
     choice["finish_reason"] = finish_reason
     return _chunk(call, [choice])
 
@@ -338,19 +385,50 @@ def _chunk(call: ApiCall, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return chunk
 
 
-def _logprobs(call: ApiCall, tokens: Sequence[int], logprobs: Sequence[float] | None, tokenizer: Any) -> Any:
-    """The log-probabilities of ``tokens`` in the API's form (each token's text its own decoding)."""
-    pieces = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in tokens]
+def _logprobs(
+    call: ApiCall,
+    tokens: Sequence[int],
+    logprobs: Sequence[float | None] | None,
+    alternatives: Sequence[Alternatives | None] | None,
+    tokenizer: Any,
+) -> Any:
+    """The log-probabilities of ``tokens`` (None: an echoed prompt's first token's) and their
+    alternatives (None where there are none) in the API's form, each token's text its own decoding."""
+    piece = lambda token: tokenizer.decode([token]) if tokenizer is not None else str(token)  # noqa: E731
+    pieces = [piece(t) for t in tokens]
     values = list(logprobs or [])
+    others = list(alternatives or [None] * len(pieces))
     if call.chat:
         return {
             "content": [
-                {"token": piece, "logprob": value, "bytes": list(piece.encode()), "top_logprobs": []}
-                for piece, value in zip(pieces, values)
+                {
+                    "token": text,
+                    "logprob": value,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())} for t, lp in top or ()
+                    ],
+                }
+                for text, value, top in zip(pieces, values, others)
             ]
         }
-    offsets = [0, *itertools.accumulate(len(piece) for piece in pieces)][:-1]
-    return {"tokens": pieces, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+    offsets = [0, *itertools.accumulate(len(text) for text in pieces)][:-1]
+    top = [None if a is None else _by_text(a, piece) for a in others]
+    return {
+        "tokens": pieces,
+        "token_logprobs": values,
+        "top_logprobs": top if call.logprobs else None,
+        "text_offset": offsets,
+    }
+
+
+def _by_text(alternatives: Alternatives, piece: Any) -> dict[str, float]:
+    """A completion's alternatives: log-probabilities by the text of their tokens, most likely
+    first (of two that decode alike, the likelier one's)."""
+    by_text: dict[str, float] = {}
+    for token, logprob in alternatives:
+        by_text.setdefault(piece(token), logprob)
+    return by_text
 
 
 __all__ = [
@@ -358,7 +436,9 @@ __all__ = [
     "ApiError",
     "Models",
     "chunk_body",
+    "echo_text",
     "parse_call",
+    "prompt_scores",
     "response_body",
     "usage",
     "usage_chunk",

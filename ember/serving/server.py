@@ -41,11 +41,13 @@ from ember.serving.openai_api import (
     ApiError,
     Models,
     chunk_body,
+    echo_text,
     parse_call,
+    prompt_scores,
     response_body,
     usage_chunk,
 )
-from ember.serving.requests import FINISH_ABORT, FINISH_ERROR, GenerationResult
+from ember.serving.requests import FINISH_ABORT, FINISH_ERROR, Alternatives, GenerationResult, Request
 from ember.serving.text_deltas import TextDeltas
 from ember.serving.workers import EngineWorkers, Ticket, Update
 
@@ -184,9 +186,8 @@ class _Handler(BaseHTTPRequestHandler):
                 tickets = workers.submit_prepared(prepared, updates, range(len(prepared)))
             except RuntimeError as error:  # every engine failed
                 raise ApiError(503, str(error), kind="service_unavailable_error") from None
-            prompt_tokens = sum(len(ticket.request.prompt) for ticket in tickets[:: call.n])
             if call.stream:
-                self._stream(call, updates, prompt_tokens)
+                self._stream(call, updates, tickets)
             else:
                 results: list[GenerationResult] = [None] * len(tickets)  # type: ignore[list-item]
                 for _ in tickets:
@@ -194,7 +195,8 @@ class _Handler(BaseHTTPRequestHandler):
                         pass
                     _check_ended(update.result)
                     results[update.tag] = update.result
-                self._json(200, response_body(call, results, prompt_tokens, self.app.tokenizer))
+                prompts = [ticket.request.prompt for ticket in tickets]
+                self._json(200, response_body(call, results, prompts, self.app.tokenizer))
         finally:
             for ticket in tickets:  # those still running when the client went away (or an error)
                 workers.abort(ticket)
@@ -214,8 +216,9 @@ class _Handler(BaseHTTPRequestHandler):
             except queue.Empty:
                 pass
 
-    def _stream(self, call: ApiCall, updates: queue.Queue[Update], prompt_tokens: int) -> None:
+    def _stream(self, call: ApiCall, updates: queue.Queue[Update], tickets: list[Ticket]) -> None:
         tokenizer = self.app.tokenizer
+        prompt_tokens = sum(len(ticket.request.prompt) for ticket in tickets[:: call.n])
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -226,6 +229,7 @@ class _Handler(BaseHTTPRequestHandler):
         if call.chat:
             self._events([chunk_body(call, index, None) for index in range(len(deltas))])
         open_choices, completion_tokens = len(deltas), 0
+        echoed: set[int] = set()
         while open_choices:
             # Everything that arrived since the last write goes out in one: a client falling behind
             # the engine gets fewer, larger chunks rather than holding its worker back.
@@ -233,9 +237,13 @@ class _Handler(BaseHTTPRequestHandler):
             for update in _drain(updates):
                 index, event, result = update.tag, update.event, update.result
                 chunk = pending.setdefault(index, _Chunk())
-                if call.logprobs and event is not None and event.token is not None:
+                if call.echo and index not in echoed:  # its first update: its prompt is read and scored
+                    echoed.add(index)
+                    self._echo(call, index, tickets[index].request, chunk)
+                if call.logprobs is not None and event is not None and event.token is not None:
                     chunk.tokens.append(event.token)
                     chunk.logprobs.append(event.logprob)
+                    chunk.alternatives.append(event.top_logprobs)
                 if result is None:
                     chunk.text += deltas[index].add(event.token)
                     continue
@@ -252,13 +260,25 @@ class _Handler(BaseHTTPRequestHandler):
             self._events(
                 [
                     chunk_body(call, index, c.text, finish_reason=c.finish_reason, tokens=c.tokens,
-                               logprobs=c.logprobs, tokenizer=tokenizer)
+                               logprobs=c.logprobs, alternatives=c.alternatives, tokenizer=tokenizer)
                     for index, c in pending.items()
                     if c.text or c.tokens or c.finish_reason
                 ]
             )  # fmt: skip
         final = [usage_chunk(call, prompt_tokens, completion_tokens)] if call.include_usage else []
         self._events(final, done=True)
+
+    def _echo(self, call: ApiCall, index: int, request: Request, chunk: _Chunk) -> None:
+        """Puts choice ``index``'s prompt at the start of ``chunk``: its text and, when asked for,
+        its tokens' log-probabilities and alternatives (read from ``request``, whose prompt the
+        engine has scored by the time the first update comes)."""
+        chunk.text += echo_text(call, index, request.prompt, self.app.tokenizer)
+        if call.logprobs is not None:
+            params = request.params
+            chunk.tokens += request.prompt
+            chunk.logprobs += prompt_scores(request.prompt, request.prompt_logprobs if params.prompt_logprobs else None)
+            top = request.prompt_top_logprobs if params.prompt_logprobs and params.top_logprobs else None
+            chunk.alternatives += prompt_scores(request.prompt, top)
 
     def _events(self, chunks: list[dict[str, Any]], *, done: bool = False) -> None:
         """Sends ``chunks`` as server-sent events in one write (then ``[DONE]`` if ``done``)."""
@@ -285,7 +305,8 @@ class _Chunk:
 
     text: str = ""
     tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    alternatives: list[Alternatives | None] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
 
 

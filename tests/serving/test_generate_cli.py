@@ -24,9 +24,10 @@ from ember.serving.engine import Engine
 from ember.serving.export import export_program
 from tests.hf_peers import random_hf_model
 from tests.pipes import pipe_holding
-from tests.serving.greedy_reference import greedy_reference
+from tests.serving.greedy_reference import greedy_reference, log_prob_reference
 from tests.serving.random_weights import random_weights
 from tests.serving.run_dirs import write_run_dir
+from tests.tolerances import assert_allclose
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = ModelConfig(vocab_size=257, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, page_size=8, max_seq_len=40)
@@ -131,6 +132,25 @@ def test_generate_jsonl_from_a_run_directory_then_from_its_artifact(run_dir, tmp
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert read_records(tmp_path / "artifact.jsonl") == records
+
+
+def test_a_request_line_may_score_its_prompt(run_dir, tmp_path):
+    """``prompt_logprobs`` with ``max_tokens`` 0 scores a text: the record holds the
+    log-probability of each prompt token after the first and, with ``top_logprobs``, the most
+    likely alternatives as ``[token, logprob]`` pairs."""
+    path, params = run_dir
+    asked = {"prompt": "Hello there", "max_tokens": 0, "prompt_logprobs": True, "top_logprobs": 1}
+    prompts = write_lines(tmp_path / "in.jsonl", [json.dumps(asked)])
+    out = tmp_path / "out.jsonl"
+    assert (
+        main(["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *ENGINE_FLAGS]) == 0
+    )
+    (record,) = read_records(out)
+    text = list(b"Hello there")
+    rows = log_prob_reference(CONFIG, params, 40)([text])[0]
+    assert (record["tokens"], record["finish_reason"]) == ([], "length")
+    assert_allclose(record["prompt_logprobs"], [rows[p, text[p + 1]] for p in range(len(text) - 1)], dtype=np.float32)
+    assert [token for ((token, _),) in record["prompt_top_logprobs"]] == np.argmax(rows[:-1], axis=-1).tolist()
 
 
 def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):

@@ -37,3 +37,22 @@ def test_a_chat_is_its_chat_prompt_and_may_run_to_the_context():
     with pytest.raises(ApiError, match="only text parts") as error:
         parsed({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True)
     assert (error.value.status, error.value.param) == (400, "messages")
+
+
+def test_logprobs_ask_for_alternatives_and_echo_for_the_prompt_s_scores():
+    (scored,) = parsed({"prompt": "x", "logprobs": 3, "echo": True}).params
+    assert (scored.logprobs, scored.top_logprobs, scored.prompt_logprobs) == (True, 3, True)
+    (echoed,) = parsed({"prompt": "x", "echo": True}).params  # the text only: nothing scored
+    assert (echoed.logprobs, echoed.prompt_logprobs) == (False, False)
+    (alone,) = parsed({"prompt": "x", "echo": True, "max_tokens": 0}).params
+    assert (alone.max_tokens, alone.prompt_logprobs) == (0, True)
+    (chat,) = parsed(
+        {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2}, True
+    ).params
+    assert (chat.logprobs, chat.top_logprobs, chat.prompt_logprobs) == (True, 2, False)
+    with pytest.raises(ApiError, match="top_logprobs needs logprobs: true"):
+        parsed({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, chat=True)
+    with pytest.raises(
+        ApiError, match=r"logprobs must be an integer in \[0, 20\] \(alternatives per token\), got True"
+    ):
+        parsed({"prompt": "x", "logprobs": True})

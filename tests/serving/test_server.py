@@ -24,7 +24,7 @@ from ember.serving.engine import Engine
 from ember.serving.openai_api import Models
 from ember.serving.server import Server
 from tests.moved_adapters import moved
-from tests.serving.greedy_reference import greedy_reference
+from tests.serving.greedy_reference import greedy_reference, log_prob_reference
 from tests.serving.random_weights import random_weights
 from tests.tolerances import assert_allclose
 
@@ -56,6 +56,7 @@ def served():
         client=client,
         running=running,
         greedy=greedy_reference(CONFIG, params, 96),
+        log_probs=log_prob_reference(CONFIG, params, 96),
         greedy_qv=greedy_reference(CONFIG, merged_weights(with_adapter(params, adapter)), 96),
     )
     server.close()
@@ -130,6 +131,52 @@ def test_sampled_choices_follow_their_seeds_streamed_or_not(served):
         assert len(logprobs[index]) == 10
 
 
+def test_an_echoed_prompt_is_scored_as_lm_evaluation_harness_asks(served):
+    """``echo`` with ``logprobs`` (lm-evaluation-harness's log-likelihood request: token ids,
+    ``max_tokens`` 1, ``logprobs`` 1, its ``top_logprobs[ctxlen:-1]`` compared with
+    ``token_logprobs``): the prompt's tokens, each after the first with its log-probability and
+    alternatives, then the completion's, equal to a full forward pass's ``log_softmax``; the
+    stream gives the same; ``max_tokens`` 0 scores the prompt alone."""
+    prompt = [int(t) for t in ByteTokenizer().encode("Once upon a time")]
+    asked = dict(model="tiny", prompt=prompt, max_tokens=1, logprobs=2, echo=True, **GREEDY)
+    choice = served.client.completions.create(**asked).choices[0]
+    sequence = prompt + served.greedy([prompt], [1])[0]
+    assert choice.text == "Once upon a time" + ByteTokenizer().decode(sequence[-1:])
+    rows = served.log_probs([sequence])[0]
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [ByteTokenizer().decode([t]) for t in sequence]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert_allclose(
+        logprobs.token_logprobs[1:], [rows[p, sequence[p + 1]] for p in range(len(prompt))], dtype=np.float32
+    )
+    expected = []  # by text, most likely first: of two bytes that decode alike ("\ufffd"), the likelier
+    for row in rows[:-1]:
+        by_text = {}
+        for token in np.argsort(-row)[:2].tolist():
+            by_text.setdefault(ByteTokenizer().decode([token]), row[token])
+        expected.append(by_text)
+    assert [list(top) for top in logprobs.top_logprobs[1:]] == [list(top) for top in expected]
+    assert_allclose(
+        [v for top in logprobs.top_logprobs[1:] for v in top.values()],
+        [v for top in expected for v in top.values()],
+        dtype=np.float32,
+    )
+    assert logprobs.text_offset == list(np.cumsum([0, *map(len, logprobs.tokens[:-1])]))
+    # The completion is greedy: its log-probability is its first alternative's.
+    assert logprobs.token_logprobs[-1] == max(logprobs.top_logprobs[-1].values())
+    streamed = {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for chunk in served.client.completions.create(**asked, stream=True):
+        for piece in chunk.choices:
+            streamed["text"] += piece.text
+            for name in ("tokens", "token_logprobs", "top_logprobs"):
+                streamed[name] += getattr(piece.logprobs, name) if piece.logprobs else []
+    assert streamed == {"text": choice.text} | {name: getattr(logprobs, name) for name in streamed if name != "text"}
+    alone = served.client.completions.create(**{**asked, "max_tokens": 0, "prompt": "Once upon a time"})
+    assert (alone.choices[0].text, alone.choices[0].finish_reason) == ("Once upon a time", "length")
+    assert alone.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:-1]
+    assert (alone.usage.prompt_tokens, alone.usage.completion_tokens) == (len(prompt), 0)
+
+
 def test_a_chat_is_the_completion_of_its_chat_prompt(served):
     """A conversation is prompted as fine-tuning tokenized it (``chat_prompt_tokens``): the chat's
     answer is the completion of those tokens, whole or streamed (the role first), content given
@@ -137,8 +184,15 @@ def test_a_chat_is_the_completion_of_its_chat_prompt(served):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     prompt = chat_prompt_tokens(messages, ByteTokenizer())
     completion = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, logprobs=0, **GREEDY)
-    chat = served.client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, logprobs=True, **GREEDY)
+    chat = served.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, logprobs=True, top_logprobs=3, **GREEDY
+    )
     answer = chat.choices[0]
+    # Greedy tokens: each is its first alternative, with the same log-probability.
+    assert [(e.top_logprobs[0].token, e.top_logprobs[0].logprob) for e in answer.logprobs.content] == [
+        (e.token, e.logprob) for e in answer.logprobs.content
+    ]
+    assert {len(e.top_logprobs) for e in answer.logprobs.content} == {3}
     assert (answer.message.role, answer.message.content) == ("assistant", completion.choices[0].text)
     assert_allclose(
         [entry.logprob for entry in answer.logprobs.content], completion.choices[0].logprobs.token_logprobs,
@@ -211,7 +265,8 @@ def test_a_client_leaving_frees_its_slot(served, monkeypatch, stream):
         ({"prompt": "x" * 100}, 400, "prompt", "the prompt has 100 tokens, more than the context of 96"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported: give 0"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be a finite number >= 0"),
-        ({"prompt": "x", "logprobs": 3}, 400, "logprobs", "logprobs must be 0: only the sampled"),
+        ({"prompt": "x", "logprobs": 21}, 400, "logprobs", r"logprobs must be an integer in \[0, 20\]"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", r"0 only with echo"),
         ({"prompt": ["x", 3]}, 400, "prompt", "prompt must be a string, a list of token ids"),
         ({"prompt": "x", "n": 0}, 400, "n", r"n must be an integer in \[1, 128\]"),
     ],
