@@ -18,8 +18,11 @@ TRIMMED = {
     "llama": DENSE,
     "mistral": GROUPED,
     "qwen2": GROUPED,
+    "qwen3": GROUPED,  # no head_dim: transformers' is 128, not hidden_size / num_attention_heads
     "mixtral": GROUPED,
     "qwen2_moe": dict(GROUPED, num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    # transformers writes num_experts as num_local_experts (its attribute_map); the released configs as num_experts
+    "qwen3_moe": dict(GROUPED, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32),
     "mamba2": dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16),
 }
 
@@ -43,7 +46,7 @@ def test_every_default_is_the_installed_transformers_one(model_type):
 def test_a_trimmed_config_json_reads_as_the_transformers_config_it_builds(model_type):
     """Ember reads the trimmed dict as it reads the full one transformers writes for it:
     Mixtral's eps 1e-5 and theta 1e6, Mistral's 4096-token window, Qwen2-MoE's top-4 routing,
-    Mamba-2's 8 groups (each differed from Ember's own fallbacks before)."""
+    Mamba-2's 8 groups (each differed from Ember's own fallbacks before), Qwen3's 128-wide heads."""
     trimmed = {"model_type": model_type, **TRIMMED[model_type]}
     full = transformers.AutoConfig.for_model(model_type, **TRIMMED[model_type]).to_dict()
     assert hf.config_from_hf(trimmed) == hf.config_from_hf(full)
@@ -66,3 +69,12 @@ def test_null_kv_heads_and_window_read_as_transformers_reads_them():
     fields = dict(GROUPED, sliding_window=None)
     assert transformers.AutoConfig.for_model("mistral", **fields).sliding_window is None
     assert set(hf.config_from_hf({"model_type": "mistral", **fields}).layer_kinds) == {"global"}
+
+
+def test_qwen3_moe_reads_num_experts_under_either_key_as_transformers_does():
+    """``num_local_experts`` (what ``save_pretrained`` writes) wins over ``num_experts`` where both are there."""
+    fields = dict(TRIMMED["qwen3_moe"])
+    del fields["num_experts"]
+    for keys in ({"num_local_experts": 6}, {"num_experts": 4, "num_local_experts": 6}, {"num_experts": 6}):
+        assert transformers.Qwen3MoeConfig.from_dict({**fields, **keys}).num_experts == 6
+        assert hf.config_from_hf({"model_type": "qwen3_moe", **fields, **keys}).moe.num_experts == 6

@@ -1,5 +1,5 @@
-"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE
-and Mamba-2 (the last in ``ember.models.hf.mamba2``).
+"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral, Qwen2, Qwen3, Mixtral,
+Qwen2-MoE, Qwen3-MoE and Mamba-2 (the last in ``ember.models.hf.mamba2``).
 
 Only fields that change the computation are mapped; a field Ember cannot honour (an
 architecture, activation, rope type or bias it does not implement) raises ``ConfigError``
@@ -16,8 +16,13 @@ from ember.models.config import ModelConfig, MoEConfig, RopeConfig
 from ember.models.hf.defaults import with_transformers_defaults
 from ember.models.hf.mamba2 import mamba2_config_from_hf, mamba2_config_to_hf
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "mamba2")
-MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
+    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mamba2",
+)  # fmt: skip
+MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe")
+"""Types whose attention RMS-normalises each head's q and k over head_dim before rotary
+embedding (``self_attn.q_norm`` / ``k_norm``, eps ``rms_norm_eps``): Ember's ``qk_norm``."""
 # gelu_new and gelu_fast are the tanh approximation of GELU too, written out differently.
 _ACTIVATIONS = {
     "silu": "swiglu",
@@ -31,10 +36,16 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _QKV_BIAS = ("qwen2", "qwen2_moe")
+_QWEN3_MOE_SLIDING = (
+    "qwen3_moe with use_sliding_window=true: transformers releases disagree on which layers slide (4.x those from "
+    "max_window_layers on, 5.x every layer, and neither reads layer_types)"
+)
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
@@ -88,6 +99,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         max_seq_len=int(hf["max_position_embeddings"]),
         tie_embeddings=bool(hf["tie_word_embeddings"]),
         qkv_bias=model_type in _QKV_BIAS and bool(hf.get("qkv_bias", True)),
+        qk_norm=model_type in QK_NORM_MODEL_TYPES,
         block_pattern=_shortest_period(kinds),
         sliding_window=int(hf.get("sliding_window") or 4096),
         init_std=float(hf["initializer_range"]),
@@ -105,16 +117,17 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     if model_type == "mamba2":
         return mamba2_config_to_hf(config)
     kinds = set(config.layer_kinds)
-    if (
-        not kinds <= {"global", "local"}
-        or config.score != "softmax"
-        or config.qk_norm
-        or config.attn_soft_cap
-        or config.final_soft_cap
-    ):
+    if not kinds <= {"global", "local"} or config.score != "softmax" or config.attn_soft_cap or config.final_soft_cap:
         raise ConfigError(
-            f"only softmax global/local attention without QK-norm or soft-caps exports to {model_type}; "
-            f"this config has layer kinds {sorted(kinds)}, score={config.score!r}, qk_norm={config.qk_norm}"
+            f"only softmax global/local attention without soft-caps exports to {model_type}; "
+            f"this config has layer kinds {sorted(kinds)}, score={config.score!r}, "
+            f"attn_soft_cap={config.attn_soft_cap}, final_soft_cap={config.final_soft_cap}"
+        )
+    if config.qk_norm != (model_type in QK_NORM_MODEL_TYPES):
+        raise ConfigError(
+            f"qk_norm={config.qk_norm} cannot be expressed as {model_type}: qwen3 and qwen3_moe always have "
+            "QK-norm (self_attn.q_norm / k_norm), the other model types never",
+            key="qk_norm",
         )
     if config.norm != "rmsnorm" or config.mlp not in _HIDDEN_ACTS:
         raise ConfigError(
@@ -127,12 +140,13 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
             "qwen2_moe has them or not, the others never)",
             key="qkv_bias",
         )
-    placements = {"mixtral": {"moe"}, "qwen2_moe": {"moe", "dense"}}.get(model_type, {"dense"})
-    if not set(config.layer_mlps) <= placements or ("moe" in config.layer_mlps) != (model_type in MOE_MODEL_TYPES):
+    placements = {"mixtral": {"moe"}, "qwen2_moe": {"moe", "dense"}, "qwen3_moe": {"moe", "dense"}}
+    allowed = placements.get(model_type, {"dense"})
+    if not set(config.layer_mlps) <= allowed or ("moe" in config.layer_mlps) != (model_type in MOE_MODEL_TYPES):
         raise ConfigError(
             f"{model_type} cannot express mlp placements {sorted(set(config.layer_mlps))}: mixtral has an moe MLP "
-            "in every layer, qwen2_moe moe layers and dense ones (so moe with dense layers exports as qwen2_moe), "
-            "the others dense layers only",
+            "in every layer, qwen2_moe and qwen3_moe moe layers and dense ones (so moe with dense layers exports as "
+            "qwen2_moe or qwen3_moe), the others dense layers only",
             key="mlp_pattern",
         )
     hf: dict[str, Any] = {
@@ -161,7 +175,13 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         if kinds == {"global", "local"}:
             raise ConfigError("mistral applies one sliding window to every layer; a mixed pattern exports as qwen2")
         hf["sliding_window"] = config.sliding_window if "local" in kinds else None
+    elif model_type == "qwen3_moe":
+        if "local" in kinds:
+            raise ConfigError(_QWEN3_MOE_SLIDING + "; Ember exports qwen3_moe without sliding-window layers only")
+        hf.update(use_sliding_window=False, sliding_window=None, attention_bias=False)
     else:
+        if model_type == "qwen3":
+            hf["attention_bias"] = False
         hf["use_sliding_window"] = "local" in kinds
         hf["sliding_window"] = config.sliding_window if "local" in kinds else None
         hf["layer_types"] = ["sliding_attention" if k == "local" else "full_attention" for k in config.layer_kinds]
@@ -184,8 +204,10 @@ def _first_of_sliding_suffix(kinds: Sequence[str]) -> int:
 
 
 def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The MoE fields of a Mixtral (every layer sparse) or Qwen2-MoE (``decoder_sparse_step``,
-    ``mlp_only_layers``, a sigmoid-gated shared expert) config."""
+    """The MoE fields of a Mixtral (every layer sparse), Qwen2-MoE (``decoder_sparse_step``,
+    ``mlp_only_layers``, a sigmoid-gated shared expert) or Qwen3-MoE (the same layout, no shared
+    expert) config. ``router_aux_loss_coef`` is a training weight, not architecture: Ember's is
+    ``train.aux_loss_weights.load_balance``."""
     top_k = int(hf["num_experts_per_tok"])
     if model_type == "mixtral":
         moe = MoEConfig(num_experts=int(hf["num_local_experts"]), top_k=top_k, expert_dim=int(hf["intermediate_size"]))
@@ -194,7 +216,7 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dic
     step, dense_layers = int(hf["decoder_sparse_step"]), set(hf.get("mlp_only_layers") or ())
     if step < 1:  # layer i is sparse when (i + 1) % decoder_sparse_step == 0
         raise ConfigError(
-            f"qwen2_moe config field decoder_sparse_step must be a positive integer (every n-th layer sparse), "
+            f"{model_type} config field decoder_sparse_step must be a positive integer (every n-th layer sparse), "
             f"got {step}",
             key="decoder_sparse_step",
         )
@@ -202,7 +224,8 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str, num_layers: int) -> dic
     mlps = ["moe" if is_sparse else "dense" for is_sparse in sparse]
     if not any(sparse):  # num_experts 0, or every layer in mlp_only_layers: a dense model
         return {"mlp_pattern": ("dense",)}
-    shared_dim = int(hf.get("shared_expert_intermediate_size") or 0)
+    # Qwen3-MoE has no shared expert (transformers ignores the field there).
+    shared_dim = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
     moe = MoEConfig(
         num_experts=max(num_experts, 1),
         top_k=top_k,
@@ -221,6 +244,11 @@ def _moe_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         shared_ok = moe.shared_experts == 1 and moe.shared_expert_gate
     else:
         shared_ok = not moe.shared_experts
+    needs = {
+        "mixtral": "renormalize=true and no shared experts",
+        "qwen2_moe": "one gated shared expert",
+        "qwen3_moe": "no shared experts",
+    }[model_type]
     if (
         moe.score != "softmax"
         or moe.routed_scaling != 1.0
@@ -233,8 +261,7 @@ def _moe_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     ):
         raise ConfigError(
             f"this moe config does not export to {model_type}: it needs softmax scores, routed_scaling 1, no "
-            "capacity factor, no MoE++ experts or gating residual, no bias balancing, "
-            + ("renormalize=true and no shared experts" if model_type == "mixtral" else "one gated shared expert"),
+            "capacity factor, no MoE++ experts or gating residual, no bias balancing, " + needs,
             key="moe",
         )
     hf: dict[str, Any] = {"num_experts_per_tok": moe.top_k, "output_router_logits": False}
@@ -244,12 +271,12 @@ def _moe_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     hf.update(
         num_experts=moe.num_experts,
         moe_intermediate_size=config.expert_dim,
-        shared_expert_intermediate_size=moe.shared_expert_dim or config.expert_dim,
         norm_topk_prob=moe.renormalize,
         decoder_sparse_step=1,
         mlp_only_layers=[i for i, placement in enumerate(config.layer_mlps) if placement == "dense"],
-        qkv_bias=config.qkv_bias,
     )
+    if model_type == "qwen2_moe":
+        hf.update(shared_expert_intermediate_size=moe.shared_expert_dim or config.expert_dim, qkv_bias=config.qkv_bias)
     return hf
 
 
@@ -258,6 +285,13 @@ def _layer_kinds(hf: Mapping[str, Any], model_type: str, num_layers: int) -> lis
         return ["global"] * num_layers
     if model_type in ("mistral", "mixtral"):
         return ["local" if hf.get("sliding_window") else "global"] * num_layers
+    if model_type == "qwen3_moe":  # transformers 5 reads no layer_types for it
+        if hf.get("use_sliding_window") and hf.get("sliding_window"):
+            raise ConfigError(
+                _QWEN3_MOE_SLIDING + "; Ember reads qwen3_moe with use_sliding_window=false only (as released)",
+                key="use_sliding_window",
+            )
+        return ["global"] * num_layers
     layer_types = hf.get("layer_types")
     if layer_types is None:
         sliding = bool(hf.get("use_sliding_window")) and hf.get("sliding_window")
@@ -274,7 +308,9 @@ def _layer_kinds(hf: Mapping[str, Any], model_type: str, num_layers: int) -> lis
     known = {"full_attention": "global", "sliding_attention": "local"}
     for layer_type in layer_types:
         if layer_type not in known:
-            raise ConfigError(f"unsupported qwen2 layer_types entry {layer_type!r}; supported: {', '.join(known)}")
+            raise ConfigError(
+                f"unsupported {model_type} layer_types entry {layer_type!r}; supported: {', '.join(known)}"
+            )
     return [known[t] for t in layer_types]
 
 

@@ -4,9 +4,10 @@
 transformers then builds the model from its config class's defaults. Ember reads such a
 config the same way (:func:`with_transformers_defaults`), so that both compute the same
 model: Mixtral's ``rms_norm_eps`` is 1e-5 and its rope theta 1e6, Mistral slides a 4096-token
-window, Qwen2-MoE routes each token to 4 of 60 experts beside a shared one, Mamba-2 has 8
-groups. Only the fields Ember maps are listed; tests/models/test_hf_defaults.py checks every
-value against the installed transformers' config classes (read from transformers 5.24).
+window, Qwen2-MoE routes each token to 4 of 60 experts beside a shared one, Qwen3's heads are
+128 wide whatever ``hidden_size / num_attention_heads`` is, Mamba-2 has 8 groups. Only the fields
+Ember maps are listed; tests/models/test_hf_defaults.py checks every value against the installed
+transformers' config classes (read from transformers 5.24; Qwen3 and Qwen3-MoE from 5.25).
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "max_window_layers": 28,
     },
+    "qwen3": {
+        **_DECODER,
+        "vocab_size": 151936,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+    },
     "mixtral": {
         **_DECODER,
         "num_key_value_heads": 8,
@@ -76,6 +87,21 @@ TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 5632,
         "norm_topk_prob": False,
     },
+    "qwen3_moe": {
+        **_DECODER,
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 4,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+    },
     "mamba2": {
         "hidden_act": "silu",
         "vocab_size": 32768,
@@ -99,6 +125,11 @@ TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
 derives from others when it is absent, Llama's ``num_key_value_heads`` and ``head_dim``, is
 left out: Ember derives it the same way)."""
 
+ALIASES: dict[str, dict[str, str]] = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+"""Per ``model_type``, transformers' ``attribute_map``: a key a ``config.json`` may hold a field
+under instead (Qwen3-MoE's ``save_pretrained`` writes ``num_local_experts``, the released
+configs ``num_experts``); where both are there the alias wins, as transformers reads them."""
+
 
 _NULLABLE = ("sliding_window", "num_key_value_heads")
 """Numeric fields transformers reads null as something else: no window, as many KV heads as heads."""
@@ -106,10 +137,14 @@ _NULLABLE = ("sliding_window", "num_key_value_heads")
 
 def with_transformers_defaults(hf: Mapping[str, Any]) -> dict[str, Any]:
     """``hf`` (a ``config.json`` dict of a supported ``model_type``) with every field it leaves
-    out that Ember maps set to transformers' default; fields it sets, even to null, are kept.
+    out that Ember maps set to transformers' default and its :data:`ALIASES` under their field's
+    name; fields it sets, even to null, are kept.
     ``ConfigError`` if a numeric field is null (other than those in ``_NULLABLE``) or not a number."""
     defaults = TRANSFORMERS_DEFAULTS.get(hf.get("model_type"), {})
     merged = {**defaults, **hf}
+    for alias, key in ALIASES.get(hf.get("model_type"), {}).items():
+        if alias in merged:
+            merged[key] = merged.pop(alias)
     for key, default in defaults.items():
         value = merged[key]
         if _is_number(default) and not _is_number(value) and not (value is None and key in _NULLABLE):
@@ -121,4 +156,4 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-__all__ = ["TRANSFORMERS_DEFAULTS", "with_transformers_defaults"]
+__all__ = ["ALIASES", "TRANSFORMERS_DEFAULTS", "with_transformers_defaults"]

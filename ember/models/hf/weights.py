@@ -1,9 +1,12 @@
-"""Hugging Face state-dict names <-> Ember parameter trees (Llama / Mistral / Qwen2 layout,
-plus the MoE layers of Mixtral and Qwen2-MoE; Mamba-2's in ``ember.models.hf.mamba2``).
+"""Hugging Face state-dict names <-> Ember parameter trees (Llama / Mistral / Qwen2 / Qwen3
+layout, plus the MoE layers of Mixtral, Qwen2-MoE and Qwen3-MoE; Mamba-2's in
+``ember.models.hf.mamba2``).
 
 HF linear weights are ``[out, in]``; Ember kernels are ``[in, ...out]`` with heads split:
 ``q/kernel [embed, heads, head_dim]``, ``o/kernel [heads, head_dim, embed]``. Rotary
-embedding uses the same "rotate half" channel order, so no permutation is needed.
+embedding uses the same "rotate half" channel order, so no permutation is needed. Qwen3's
+QK-norm weights ``self_attn.{q,k}_norm.weight [head_dim]`` are ``attn/{q,k}_norm/scale``
+(both a plain multiplier, initialised to one).
 
 MoE experts load from either layout: per-expert tensors (``experts.<e>.w1`` / ``gate_proj``,
 what ``save_pretrained`` writes) or the fused ``experts.gate_up_proj [E, 2f, embed]`` and
@@ -31,6 +34,7 @@ from ember.models.quantization.stored import stored_weight_paths
 _MOE_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -77,6 +81,9 @@ def params_from_hf(
                 attn[name]["bias"] = bias.reshape(n, head_dim)
         o = take(prefix + "self_attn.o_proj.weight", shape=(d_model, heads * head_dim))
         attn["o"] = {"kernel": o.T.reshape(heads, head_dim, d_model)}
+        if config.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                attn[name] = {"scale": take(prefix + f"self_attn.{name}.weight", shape=(head_dim,))}
         tree = {
             "attn_norm": {"scale": take(prefix + "input_layernorm.weight", shape=(d_model,))},
             "attn": attn,
@@ -233,6 +240,9 @@ def params_to_hf(
             if config.qkv_bias:
                 state[prefix + f"self_attn.{name}_proj.bias"] = out(np.asarray(attn[name]["bias"]).reshape(-1))
         state[prefix + "self_attn.o_proj.weight"] = out(np.asarray(attn["o"]["kernel"]).reshape(-1, d_model).T)
+        if config.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                state[prefix + f"self_attn.{name}.weight"] = out(attn[name]["scale"])
         if "moe" in layer:
             state.update(_moe_to_hf(layer, prefix, model_type, out))
             continue
