@@ -417,3 +417,26 @@ def test_adapters_on_a_mamba2_layer_are_refused_not_written_as_attention(tmp_pat
     for path, value in loaded.items():
         assert_allclose(value, param_paths(adapted)[path], scale=1)
     assert {p.split("/attn/")[0] for p in loaded if "/attn/" in p} == {"group_0/block_1"}
+
+
+def test_a_qwen3_adapter_loads_both_ways_with_peft_s_logits(tmp_path):
+    """Qwen3's adapted modules are Llama's (``q_proj`` ... ``down_proj``); its QK-norm, between
+    the adapted q/k projections and rotary embedding, is not adapted. Qwen3 was not loadable."""
+    hf_config = transformers.Qwen3Config(**{**HF_CONFIG, "head_dim": 12})
+    random_hf_model(hf_config, seed=4).save_pretrained(tmp_path / "base")
+    config, params = hf.load(tmp_path / "base", attention_impl="xla")
+    torch.manual_seed(6)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "down_proj"], init_lora_weights=False)
+    peft_model = peft.get_peft_model(fresh_hf(tmp_path / "base"), lora).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    expected = peft_logits(peft_model)
+    adapted = with_adapter(params, load_peft_adapter(tmp_path / "adapter", config))
+    assert_allclose(ember_logits(config, adapted), expected, scale=10)
+    assert not np.allclose(expected, ember_logits(config, params), atol=1e-3)
+    # ...and Ember's adapters (moved off their init) back into PEFT.
+    ours = jax.jit(lambda p: trained(add_lora(p, LoraConfig(rank=2, targets=("k", "up")), jax.random.key(1)), 3))(
+        params
+    )
+    save_peft_adapter(tmp_path / "ours", config, ours, base_model=str(tmp_path / "base"))
+    peft_model = peft.PeftModel.from_pretrained(fresh_hf(tmp_path / "base"), tmp_path / "ours").eval()
+    assert_allclose(peft_logits(peft_model), ember_logits(config, ours), scale=10)

@@ -7,8 +7,9 @@ What ``peft.PeftModel.from_pretrained(transformers_model, dir)`` reads: per adap
 ``<module>.lora_A.weight [r, in]``, ``<module>.lora_B.weight [out, r]`` and, with DoRA,
 ``<module>.lora_magnitude_vector [out]``, under ``base_model.model.``; the config gives
 ``r`` / ``lora_alpha`` (per module through ``rank_pattern`` / ``alpha_pattern``),
-``use_rslora`` and ``use_dora``. Modules: the attention projections (``q_proj`` ...), the
-dense MLP's and Qwen2-MoE's shared expert's ``gate_proj`` / ``up_proj`` / ``down_proj``.
+``use_rslora`` and ``use_dora``. Modules: the attention projections (``q_proj`` ...; Qwen3's
+``q_norm`` / ``k_norm`` are not adapted), the dense MLP's and Qwen2-MoE's shared expert's
+``gate_proj`` / ``up_proj`` / ``down_proj``.
 Routed experts are not exchanged (PEFT targets them as fused parameters, a different layout).
 An adapter with anything else (trained biases, ``modules_to_save``, LoRA on the embedding or
 head, the options in :data:`PLAIN_LORA`) is refused, never loaded without its extra parts.
