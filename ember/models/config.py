@@ -139,8 +139,8 @@ class MoEConfig:
     ``gating_residual``, a learned projection of the previous MoE layer's logits: MoE++);
     scores ``softmax`` or ``sigmoid`` of them; the ``top_k`` highest scores (plus the
     ``balance`` bias with ``bias_balancing_rate``, for the choice only) pick the experts; their
-    scores, divided by their sum when ``renormalize`` (Mixtral: yes, Qwen2-MoE: no), times
-    ``routed_scaling``, weight the expert outputs.
+    scores, divided by their sum when ``renormalize`` (Mixtral: yes, Qwen2-MoE: no, Qwen3-MoE:
+    its ``norm_topk_prob``), times ``routed_scaling``, weight the expert outputs.
 
     - ``expert_dim``: hidden width of one expert; 0 means the model's ``mlp_dim``.
     - ``capacity_factor``: 0 is dropless; otherwise each expert takes at most
@@ -150,7 +150,7 @@ class MoEConfig:
       to no expert, so a padded batch computes what the same documents packed without padding
       do. A serving step's capacity comes from its own real tokens too: a decode step of a few
       sequences has a slot or two per expert and drops what more of its tokens choose (the
-      Mixtral and Qwen2-MoE imports are dropless).
+      Mixtral, Qwen2-MoE and Qwen3-MoE imports are dropless).
     - ``shared_experts`` (of ``shared_expert_dim`` each, 0 = ``expert_dim``): always-on
       experts, one MLP of ``shared_experts * shared_expert_dim`` channels, scaled by
       ``sigmoid(x @ shared_gate)`` when ``shared_expert_gate`` (Qwen2-MoE).

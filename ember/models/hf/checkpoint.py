@@ -29,8 +29,8 @@ SINGLE_FILE = "model.safetensors"
 
 
 def load(path: str | Path, *, dtype: Any = None, **config_overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
-    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE /
-    Mamba-2 directory.
+    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
+    Qwen2-MoE / Qwen3-MoE / Mamba-2 directory.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or a sharded
@@ -68,8 +68,9 @@ def save(
     """Writes ``config.json`` and ``model.safetensors`` (one file) loadable by
     ``transformers`` ``AutoModelForCausalLM.from_pretrained(path)`` and by :func:`load`.
 
-    ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``mixtral``, ``qwen2_moe`` or ``mamba2`` (must
-    express ``config``).
+    ``model_type``: one of :data:`~ember.models.hf.SUPPORTED_MODEL_TYPES` (``llama``, ``mistral``,
+    ``qwen2``, ``qwen3``, ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``mamba2``) that can express
+    ``config`` (a QK-norm model is ``qwen3`` or ``qwen3_moe``).
     """
     path = Path(path)
     hf_config = config_to_hf(config, model_type)
