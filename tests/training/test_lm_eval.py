@@ -19,6 +19,7 @@ from ember.core.tokenizer import ByteTokenizer
 from ember.models.decoder import DecoderLM
 from ember.training.lm.config import LMConfig
 from ember.training.lm.evaluate import read_documents, tokenized
+from ember.training.lm.evaluate_command import figures_json
 from tests.tolerances import assert_allclose
 from tests.training.finetune_setup import ANIMALS, WORDS, write_base_model
 
@@ -175,3 +176,15 @@ def test_the_default_dataset_is_followed_back_through_quantized_and_fine_tuned_r
     assert lineage_dataset(quantized) == lineage_dataset(tuned) == lineage_dataset(run) == tmp_path / "data"
     (tuned / "config.yaml").write_text(f"kind: finetune\nbase_model:\n  path: {tmp_path / 'gone'}\n")
     assert lineage_dataset(quantized) is None  # the stdlib corpus, then
+
+
+def test_json_figures_are_strict_json_when_a_figure_is_no_finite_number():
+    """A loss past ``exp``'s range has an infinite perplexity, a diverged model a NaN loss: JSON
+    has neither (``json.dumps`` would write ``Infinity``, which strict readers such as ``jq`` refuse)."""
+    text = figures_json({"loss": math.nan, "perplexity": math.inf, "bits_per_byte": None, "tokens": 3})
+    assert json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}")) == {
+        "loss": None,
+        "perplexity": None,
+        "bits_per_byte": None,
+        "tokens": 3,
+    }

@@ -4,7 +4,8 @@ MODEL is anything ``ember.serving.loading.load_model`` reads: an Ember LM run of
 (``lm``, ``finetune``, ``linearize``, ``quantized``, ...) or a Hugging Face directory;
 ``--adapter DIR`` merges a PEFT LoRA adapter into it first. Prints the mean next-token loss
 (nats per token), the perplexity, bits per byte and the tokens evaluated; ``--json`` prints
-them as a JSON object.
+them as a JSON object (a figure that is no finite number, the perplexity of a loss past
+``exp``'s range or a diverged model's NaN loss, as null: JSON has no infinity).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from ember.core.errors import ConfigError
@@ -78,8 +80,16 @@ def run(args: argparse.Namespace) -> int:
     with weights_fit_model(args.model):
         figures = evaluate_tokens(loaded, text, **sizes, progress=not args.no_progress)
     figures = {"model": str(args.model), **({"adapter": str(args.adapter)} if args.adapter else {}), **figures}
-    print(json.dumps(figures, indent=2) if args.json else format_figures(figures))
+    print(figures_json(figures) if args.json else format_figures(figures))
     return 0
+
+
+def figures_json(figures: dict) -> str:
+    """The figures of ``evaluate_tokens`` as a JSON object, a float that is no finite number as null."""
+    finite = {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in figures.items()
+    }
+    return json.dumps(finite, indent=2, allow_nan=False)
 
 
 def with_merged_adapter(loaded, adapter: str | Path):
