@@ -8,7 +8,9 @@
 
 Any OpenAI client works against it (``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")``):
 completions and chat completions, streamed or not; ``model`` is ``--served-model-name`` (default
-the checkpoint directory's name) or an adapter's name (:mod:`ember.serving.openai_api`). The model
+the checkpoint directory's name) or an adapter's name (:mod:`ember.serving.openai_api`).
+``GET /health`` answers a load balancer, ``GET /metrics`` a Prometheus scraper
+(:mod:`ember.serving.metrics`). The model
 options are ``ember generate``'s (:func:`ember.serving.cli.add_model_arguments`); requests arriving
 together are batched continuously (:mod:`ember.serving.server`). Ctrl-C or SIGTERM (a service
 manager's stop) stops it: the requests in flight are aborted and it exits with code 0.

@@ -5,8 +5,9 @@
     server.close()
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``
-(:mod:`ember.serving.openai_api`), ``GET /v1/models`` (the model and its adapters) and
-``GET /health``. Each HTTP request is handled in a thread of its own and hands its prompts to
+(:mod:`ember.serving.openai_api`), ``GET /v1/models`` (the model and its adapters),
+``GET /health`` and ``GET /metrics`` (Prometheus: :mod:`ember.serving.metrics`). Each HTTP
+request is handled in a thread of its own and hands its prompts to
 :class:`~ember.serving.workers.EngineWorkers`: a request arriving while others run joins their
 batch at the next step (continuous batching) and, with several engines (``--mesh data=D``), goes
 to whichever can start it first.
@@ -36,6 +37,7 @@ from urllib.parse import urlsplit
 
 from ember.core.errors import ConfigError
 from ember.serving.engine import Engine
+from ember.serving.metrics import CallTracker, ServerMetrics
 from ember.serving.openai_api import (
     ApiCall,
     ApiError,
@@ -72,7 +74,8 @@ class Server:
         api_key: str | None = None,
     ):
         """``api_key``: when given, every ``/v1`` request must carry ``Authorization: Bearer
-        <api_key>`` (401 otherwise), as OpenAI clients send their key; ``/health`` stays open."""
+        <api_key>`` (401 otherwise), as OpenAI clients send their key; ``/health`` and
+        ``/metrics`` stay open (as a monitoring system scrapes them)."""
         engine = engines[0]
         if engine.tokenizer is None:
             raise ConfigError("ember serve needs the model's tokenizer (text in, text out); this engine has none")
@@ -83,6 +86,7 @@ class Server:
         self.tokenizer = engine.tokenizer
         self.max_context = engine.program.max_context
         self.workers = EngineWorkers(engines)
+        self.metrics = ServerMetrics(self.workers, models.base)
         self._http = ThreadingHTTPServer((host, port), _Handler)
         self._http.daemon_threads = True
         self._http.app = self  # type: ignore[attr-defined]
@@ -132,8 +136,11 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/health":
             alive = self.app.workers.alive
             self._json(200 if alive else 503, {"status": "ok" if alive else "every engine failed"})
+        elif path == "/metrics":
+            self._send(200, *self.app.metrics.exposition())
         else:
-            self._error(ApiError(404, f"no route GET {path}; GET serves /v1/models and /health", kind=NOT_FOUND))
+            message = f"no route GET {path}; GET serves /v1/models, /health and /metrics"
+            self._error(ApiError(404, message, kind=NOT_FOUND))
 
     def do_POST(self) -> None:
         path = urlsplit(self.path).path
@@ -176,6 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
         workers = self.app.workers
         updates: queue.Queue[Update] = queue.Queue()
         tickets: list[Ticket] = []
+        tracker: CallTracker | None = None
         try:
             engine = workers.engines[0]
             try:
@@ -186,12 +194,13 @@ class _Handler(BaseHTTPRequestHandler):
                 tickets = workers.submit_prepared(prepared, updates, range(len(prepared)))
             except RuntimeError as error:  # every engine failed
                 raise ApiError(503, str(error), kind="service_unavailable_error") from None
+            tracker = self.app.metrics.track(tickets)
             if call.stream:
-                self._stream(call, updates, tickets)
+                self._stream(call, updates, tickets, tracker)
             else:
                 results: list[GenerationResult] = [None] * len(tickets)  # type: ignore[list-item]
                 for _ in tickets:
-                    while (update := self._next_update(updates)).result is None:
+                    while (update := self._next_update(updates, tracker)).result is None:
                         pass
                     _check_ended(update.result)
                     results[update.tag] = update.result
@@ -200,8 +209,10 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             for ticket in tickets:  # those still running when the client went away (or an error)
                 workers.abort(ticket)
+            if tracker is not None:
+                tracker.close()
 
-    def _next_update(self, updates: queue.Queue[Update]) -> Update:
+    def _next_update(self, updates: queue.Queue[Update], tracker: CallTracker) -> Update:
         """The next update; every :data:`CLIENT_CHECK_SECONDS` meanwhile, a look at whether the
         client went away (nothing is written to it until the response is whole): then
         ``ConnectionResetError``, whose handling aborts the requests."""
@@ -212,11 +223,13 @@ class _Handler(BaseHTTPRequestHandler):
                 if _closed_by_peer(self.connection):
                     raise ConnectionResetError("the client closed the connection")
             try:
-                return updates.get(timeout=CLIENT_CHECK_SECONDS)
+                update = updates.get(timeout=CLIENT_CHECK_SECONDS)
             except queue.Empty:
-                pass
+                continue
+            tracker.seen(update)
+            return update
 
-    def _stream(self, call: ApiCall, updates: queue.Queue[Update], tickets: list[Ticket]) -> None:
+    def _stream(self, call: ApiCall, updates: queue.Queue[Update], tickets: list[Ticket], tracker: CallTracker) -> None:
         tokenizer = self.app.tokenizer
         prompt_tokens = sum(len(ticket.request.prompt) for ticket in tickets[:: call.n])
         self.send_response(200)
@@ -235,6 +248,7 @@ class _Handler(BaseHTTPRequestHandler):
             # the engine gets fewer, larger chunks rather than holding its worker back.
             pending: dict[int, _Chunk] = {}
             for update in _drain(updates):
+                tracker.seen(update)
                 index, event, result = update.tag, update.event, update.result
                 chunk = pending.setdefault(index, _Chunk())
                 if call.echo and index not in echoed:  # its first update: its prompt is read and scored
@@ -287,9 +301,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _json(self, status: int, data: dict[str, Any]) -> None:
-        body = json.dumps(data, ensure_ascii=False).encode()
+        self._send(status, json.dumps(data, ensure_ascii=False).encode(), "application/json")
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

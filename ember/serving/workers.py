@@ -111,6 +111,11 @@ class EngineWorkers:
         """Workers whose engine has not failed."""
         return sum(self._alive)
 
+    @property
+    def num_unassigned(self) -> int:
+        """Requests submitted that no worker has taken yet."""
+        return len(self._waiting)
+
     def submit(self, prompt: Prompt, params: SamplingParams | None, updates: queue.Queue, tag: Any = None) -> Ticket:
         """Queues a request; its :class:`Update` s go to ``updates``. Raises ``ValueError`` for a
         bad prompt or parameters (nothing queued) and ``RuntimeError`` once closed or when every

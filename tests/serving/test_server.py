@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ember.core.chat import chat_prompt_tokens
 from ember.core.tokenizer import ByteTokenizer
@@ -288,6 +289,7 @@ def test_the_client_sees_the_errors_and_the_routes(served):
         stranger.completions.create(model="tiny", prompt="x")
     for method, path, key, status in (
         ("GET", "/health", None, 200),
+        ("GET", "/metrics", None, 200),
         ("GET", "/v1/models", None, 401),
         ("GET", "/v2", KEY, 404),
         ("POST", "/v1/embeddings", KEY, 404),
@@ -299,6 +301,82 @@ def test_the_client_sees_the_errors_and_the_routes(served):
     connection = post(served, "/v1/completions", None, body=b"{not json")
     response = connection.getresponse()
     assert response.status == 400 and "not JSON" in json.loads(response.read())["error"]["message"]
+
+
+def test_metrics_count_requests_tokens_and_times_and_read_the_engine(served, monkeypatch):
+    """``GET /metrics`` (open without the key, as a scraper reads it), Prometheus's text format:
+    a request held before its first step waits, after one step runs with pages in use; requests
+    count their prompt and generated tokens, their end by reason (a stream left early: abort), a
+    first-token time and a latency each; once all ended, nothing runs or waits and no page is used."""
+    steps, step = threading.Semaphore(0), served.engine.step
+    monkeypatch.setattr(served.engine, "step", lambda *args: steps.acquire(timeout=30) and step(*args))
+    before = scrape(served)
+    asked = dict(model="tiny", prompt=["Once upon", "The"], max_tokens=5, **GREEDY)
+    answer = []
+    thread = threading.Thread(target=lambda: answer.append(served.client.completions.create(**asked)))
+    thread.start()
+    assert wait_for(lambda: scrape(served)["ember_num_requests_waiting"] == 2)
+    assert scrape(served)["ember_num_requests_running"] == 0
+    steps.release()  # one step: both prompts prefilled, a first token each
+    assert wait_for(lambda: scrape(served)["ember_num_requests_running"] == 2)
+    assert 0 < scrape(served)["ember_kv_cache_usage_perc"] < 1
+    monkeypatch.setattr(served.engine, "step", step)
+    steps.release(1000)
+    thread.join(60)
+    assert [choice.text for choice in answer[0].choices] == expected_greedy(served, asked["prompt"], 5)
+    stream = served.client.completions.create(model="tiny", prompt="Hello", max_tokens=80, stream=True, **GREEDY)
+    next(iter(stream))
+    stream.close()
+    assert wait_for(
+        lambda: (
+            scrape(served).get(("ember_requests_finished_total", "abort"), 0)
+            > before.get(("ember_requests_finished_total", "abort"), 0)
+        )
+    )
+    after = scrape(served)
+    grown = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    assert grown["ember_prompt_tokens_total"] == 9 + 3 + 5
+    assert 10 < grown["ember_generation_tokens_total"] < 10 + 80
+    assert (grown[("ember_requests_finished_total", "length")], grown[("ember_requests_finished_total", "abort")]) == (
+        2,
+        1,
+    )
+    assert grown["ember_time_to_first_token_seconds_count"] == 3
+    assert grown["ember_e2e_request_latency_seconds_count"] == 2 == grown["ember_time_per_output_token_seconds_count"]
+    assert wait_for(lambda: not served.engine.has_unfinished)
+    idle = scrape(served)
+    assert (
+        idle["ember_num_requests_running"],
+        idle["ember_num_requests_waiting"],
+        idle["ember_kv_cache_usage_perc"],
+    ) == (0, 0, 0)
+    assert idle["ember_engines_alive"] == 1
+
+
+def scrape(served):
+    """``GET /metrics`` as ``{name: value}`` (``{(name, finished_reason): value}`` for the finished
+    requests), the model's samples only."""
+    connection = http.client.HTTPConnection(served.server.url.removeprefix("http://"), timeout=30)
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.read().decode()):
+        for sample in family.samples:
+            if sample.labels.get("model_name") != "tiny" or "le" in sample.labels:
+                continue
+            reason = sample.labels.get("finished_reason")
+            samples[(sample.name, reason) if reason else sample.name] = sample.value
+    return samples
+
+
+def wait_for(condition, seconds=30):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def post(served, path, fields, body=None):
