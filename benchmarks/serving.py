@@ -27,7 +27,10 @@ to continuous batching is the slots static batching leaves idle while its batch'
 request finishes (with outputs uniform in 16-256 and 8 slots, at most about 1.7x).
 
 Also: one decode step at batch 64 (GPU; 8 on CPU) over a full context, as the bytes it
-must read (weights + K/V) per second against the measured bandwidth of a large copy.
+must read (weights + K/V) per second against the measured bandwidth of a large copy; and
+group sampling as GRPO does it (8 prompts of 256-512 tokens, 8 samples of each, submitted at
+once) with prefix caching and without: the same engine program, the seconds to finish and the
+prompt tokens computed.
 
 Results: ``benchmarks/results/serving-<device>.json``.
 """
@@ -241,6 +244,57 @@ def bench_model(
     return rows
 
 
+def bench_prefix_sharing(name: str, config: ModelConfig, *, num_slots: int, token_budget: int) -> list[dict]:
+    """Group sampling (8 prompts x 8 samples at temperature 1, 32-64 tokens each) on engines
+    with and without prefix caching over one compiled program: seconds and prompt tokens computed."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, config.vocab_size, size=int(rng.integers(256, 513))).tolist() for _ in range(8)]
+    group = [prompt for prompt in prompts for _ in range(8)]
+    settings = [
+        SamplingParams(max_tokens=int(rng.integers(32, 65)), temperature=1.0, seed=i, ignore_eos=True)
+        for i in range(len(group))
+    ]
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    program = build_program(config, params, num_slots=num_slots, token_budget=token_budget, max_context=576)
+    rows = []
+    for caching in (True, False):
+        engine = Engine(program.fresh_copy(), prefix_caching=caching)
+        engine.generate(group[:1], settings[:1])  # warm: its pages are not in the other engine's cache
+        engine = Engine(program.fresh_copy(), prefix_caching=caching)
+        fed = count_fed_tokens(engine)
+        start = time.perf_counter()
+        results = engine.generate(group, settings)
+        seconds = time.perf_counter() - start
+        generated = sum(len(r.tokens) for r in results)
+        rows.append(
+            dict(
+                model=name,
+                prefix_caching=caching,
+                seconds=seconds,
+                output_tok_s=generated / seconds,
+                prompt_tokens=sum(map(len, group)),
+                tokens_fed=sum(fed),
+                cached_tokens=engine.scheduler.pages.hit_tokens,
+                num_slots=num_slots,
+                token_budget=token_budget,
+            )
+        )
+    return rows
+
+
+def count_fed_tokens(engine: Engine) -> list[int]:
+    """A list that gets the number of tokens of each step ``engine`` runs from now on."""
+    fed, schedule = [], engine.scheduler.schedule
+
+    def counted(*args):
+        chunks = schedule(*args)
+        fed.append(sum(len(chunk.tokens) for chunk in chunks))
+        return chunks
+
+    engine.scheduler.schedule = counted
+    return fed
+
+
 def decode_step_seconds(config: ModelConfig, params, rows: int, context: int) -> tuple[float, DeviceProgram]:
     """Median seconds of one serving decode step (and the program it ran): ``rows`` sequences,
     one new token each, every one ``context`` tokens into its pages (the engine's jitted
@@ -319,7 +373,13 @@ def main() -> None:
     else:
         bandwidth = [decode_bandwidth("tiny", TINY, rows=8, context=256, copy_bytes=2**26)]
     print_table(bandwidth, ["model", "rows", "context", "step_ms", "achieved_gb_s", "copy_gb_s", "fraction_of_copy"])
-    path = write_results("serving", {"workload": shape, "rows": rows, "decode_bandwidth": bandwidth})
+    name, config, num_slots, token_budget = cases[-1]
+    sharing = bench_prefix_sharing(name, config, num_slots=num_slots, token_budget=token_budget)
+    print_table(sharing, ["model", "prefix_caching", "seconds", "output_tok_s", "tokens_fed", "cached_tokens"])
+    speedup = sharing[1]["seconds"] / sharing[0]["seconds"]
+    print(f"{name}: group sampling with / without prefix caching = {speedup:.2f}x")
+    results = {"workload": shape, "rows": rows, "decode_bandwidth": bandwidth, "prefix_sharing": sharing}
+    path = write_results("serving", results)
     print(f"wrote {path}")
 
 

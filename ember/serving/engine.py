@@ -63,6 +63,7 @@ class Engine:
         token_budget: int | None = None,
         tokenizer: Tokenizer | None = None,
         eos_id: int | Sequence[int] | None = None,
+        prefix_caching: bool = True,
     ):
         """Args:
         program: the compiled steps and their cache.
@@ -72,6 +73,9 @@ class Engine:
         eos_id: the end-of-sequence token, or several (any of them ends a request, as
           Llama-3-Instruct's three do); default the tokenizer's, else none. The engine holds
           them as ``eos_ids``.
+        prefix_caching: requests whose sequences begin alike share the cache pages of that
+          beginning (:mod:`ember.serving.prefix_cache`), where the program allows it (a model
+          whose every layer keeps its cache in the pages); False: every request computes all.
         """
         self.program = program
         self.tokenizer = tokenizer
@@ -90,6 +94,7 @@ class Engine:
                 num_pages=program.num_pages,
                 max_context=program.max_context,
                 eos_ids=self.eos_ids,
+                prefix_caching=prefix_caching and program.shares_prefixes,
             )
         )
         self._requests: dict[int, Request] = {}
@@ -105,6 +110,7 @@ class Engine:
         *,
         tokenizer: Tokenizer | None = None,
         eos_id: int | Sequence[int] | None = None,
+        prefix_caching: bool = True,
         **program_options: Any,
     ) -> Engine:
         """An engine for ``DecoderLM(config)`` with ``params``; ``program_options`` go to
@@ -114,15 +120,18 @@ class Engine:
         ``mesh``: a ``jax.sharding.Mesh`` to split the model over, tensor-parallel)."""
         from ember.serving.model_program import build_program  # keeps artifact serving free of model code
 
-        return cls(build_program(config, params, **program_options), tokenizer=tokenizer, eos_id=eos_id)
+        program = build_program(config, params, **program_options)
+        return cls(program, tokenizer=tokenizer, eos_id=eos_id, prefix_caching=prefix_caching)
 
     def update_params(self, params: Any) -> None:
         """Serves ``params`` from the next step on (the whole weight tree or a nested-dict part
         of it, e.g. the leaves a training step updated): copied device to device, same shapes
         and dtypes, so the compiled steps run them without recompiling. Requests in flight
         continue on the new weights; their cached keys and values stay as computed.
-        Raises ``ValueError`` for a weight the engine does not serve or a shape/dtype change."""
+        Raises ``ValueError`` for a weight the engine does not serve or a shape/dtype change.
+        The prefix cache forgets the pages computed with the old weights."""
         self.program.load_params(params)
+        self.scheduler.pages.forget()
 
     # Requests -----------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ def export_program(
     (sizes as in :func:`ember.serving.model_program.build_program`; ``eos_id``: one
     end-of-sequence id or several, as ``Engine`` takes them)."""
     from ember.models.cache import init_cache_layers  # model code: export side only
-    from ember.serving.model_program import jitted_step, program_layout, read_weight_dtypes
+    from ember.serving.model_program import jitted_step, program_layout, read_weight_dtypes, shares_prefixes
 
     buckets = resolve_token_buckets(num_slots, token_budget, token_buckets)
     layout = program_layout(config, num_slots, max_context, num_pages)
@@ -80,6 +80,7 @@ def export_program(
         **layout,
         tokenizer=description,
         eos_ids=list(eos_ids_of(eos_id)),
+        shares_prefixes=shares_prefixes(config),
     )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out
@@ -124,7 +125,11 @@ def load_artifact(directory: str | Path) -> tuple[DeviceProgram, Any, tuple[int,
             args_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in function.in_avals]
         )
         steps[size] = jax.jit(function.call, donate_argnums=1).lower(*specs).compile()
-    program = DeviceProgram(steps=steps, params=params, kv=kv, **{name: manifest[name] for name in LAYOUT_FIELDS})
+    layout = {name: manifest[name] for name in LAYOUT_FIELDS}
+    # An artifact written before prefix caching does not say: its pages are not shared.
+    program = DeviceProgram(
+        steps=steps, params=params, kv=kv, shares_prefixes=bool(manifest.get("shares_prefixes")), **layout
+    )
     tokenizer = tokenizer_from_description(manifest["tokenizer"]) if manifest["tokenizer"] else None
     eos_ids = eos_ids_of(manifest[eos_key])
     return program, tokenizer, eos_ids

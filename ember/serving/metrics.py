@@ -17,7 +17,9 @@ Read from the engines at each scrape (:class:`EngineCollector`):
 
 - ``ember_num_requests_running``, ``ember_num_requests_waiting`` (gauges; waiting: queued in an
   engine, or not yet taken by one);
-- ``ember_kv_cache_usage_perc`` (gauge): the fraction of the engines' cache pages in use, 0 to 1;
+- ``ember_kv_cache_usage_perc`` (gauge): the fraction of the engines' cache pages in use, 0 to 1
+  (a page kept only by the prefix cache counts as free);
+- ``ember_prefix_cache_hit_tokens_total`` (counter): prompt tokens found cached, not computed;
 - ``ember_num_preemptions_total`` (counter);
 - ``ember_engines_alive`` (gauge): engines that have not failed.
 
@@ -144,7 +146,7 @@ class EngineCollector:
         engines = self._workers.engines
         schedulers = [engine.scheduler for engine in engines]
         total_pages = sum(engine.program.num_pages for engine in engines)
-        free_pages = sum(scheduler.allocator.num_free for scheduler in schedulers)
+        free_pages = sum(scheduler.pages.num_free for scheduler in schedulers)
         gauges = {
             "ember_num_requests_running": ("Requests an engine is running.", sum(len(s.running) for s in schedulers)),
             "ember_num_requests_waiting": (
@@ -166,6 +168,13 @@ class EngineCollector:
         )
         preemptions.add_metric(self._labels, sum(s.num_preemptions for s in schedulers))
         yield preemptions
+        hits = CounterMetricFamily(
+            "ember_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache (their keys and values shared, not computed).",
+            labels=["model_name"],
+        )
+        hits.add_metric(self._labels, sum(s.pages.hit_tokens for s in schedulers))
+        yield hits
 
 
 __all__ = ["CallTracker", "EngineCollector", "ServerMetrics"]

@@ -28,7 +28,7 @@ from ember.core.sharding import tree_shardings, unbox, use_sharding
 from ember.core.tree import leaves_with_paths, map_paths, param_paths
 from ember.models.adapters.stacking import stack_adapters
 from ember.models.cache import cache_layer_axes, init_cache_layers
-from ember.models.config import ModelConfig
+from ember.models.config import SOFTMAX_FAMILY, ModelConfig
 from ember.models.decoder import DecoderLM
 from ember.models.quantization.placement import split_alike_shapes
 from ember.models.quantization.quantize import stored_part_axes
@@ -168,8 +168,16 @@ def build_program(
         weight_dtypes=weight_dtypes,
         inputs=None if placement is None else placement.replicated,
         scoring_steps=ScoringSteps(compile_scoring),
+        shares_prefixes=shares_prefixes(config),
         **layout,
     )
+
+
+def shares_prefixes(config: ModelConfig) -> bool:
+    """Whether a serving program of ``DecoderLM(config)`` may share the cache pages of sequences
+    that begin alike: every layer keeps its cache in the pages (a recurrent layer's state at the
+    end of a prefix is not kept)."""
+    return set(config.layer_kinds) <= set(SOFTMAX_FAMILY)
 
 
 def step_placement(config: ModelConfig, params: Any, kv: Any, mesh: Mesh) -> StepPlacement:
@@ -278,6 +286,7 @@ __all__ = [
     "model_step",
     "program_layout",
     "read_weight_dtypes",
+    "shares_prefixes",
     "step_placement",
     "weight_axes",
     "weight_shardings",

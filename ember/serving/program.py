@@ -102,6 +102,9 @@ class DeviceProgram:
     program split over a mesh (``ember.serving.mesh``), replicated over it."""
     scoring_steps: ScoringSteps | None = None
     """The scoring steps (module docstring); None for a program without them (an exported one)."""
+    shares_prefixes: bool = False
+    """Whether sequences that begin alike may share cache pages: every layer of the model keeps
+    its cache in the pages (``ember.serving.prefix_cache``)."""
 
     def fresh_copy(self, params: Any = None) -> DeviceProgram:
         """A program sharing these compiled steps with its own empty cache (and ``params``
@@ -233,7 +236,8 @@ def _with_leaves(tree: Any, leaves: dict[str, Any], prefix: str = "") -> Any:
 LAYOUT_FIELDS: tuple[str, ...] = tuple(
     field.name
     for field in dataclasses.fields(DeviceProgram)
-    if field.name not in ("steps", "params", "kv", "adapter_names", "weight_dtypes", "inputs", "scoring_steps")
+    if field.name
+    not in ("steps", "params", "kv", "adapter_names", "weight_dtypes", "inputs", "scoring_steps", "shares_prefixes")
 )
 """``DeviceProgram``'s size fields: ``num_slots``, ``pages_per_seq``, ``page_size``, ``num_pages``,
 ``vocab_size``, ``max_context``."""

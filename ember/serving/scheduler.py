@@ -6,14 +6,17 @@ Each iteration fills a token budget in Sarathi-Serve's stall-free order:
    prompt;
 2. running requests part-way through their prefill (the continuing chunks);
 3. new requests from the waiting queue, first come first served, while a slot, pages and
-   budget remain (none in an iteration that had to preempt).
+   budget remain (none in an iteration that had to preempt). With prefix caching
+   (:mod:`ember.serving.prefix_cache`) a new request starts after the pages of its prefix that are
+   cached, and one whose next page another request is computing is passed over until it is.
 
 A request's chunk is at most ``chunk_size`` tokens (the engine sets it to the budget). Pages come
 from a :class:`~ember.serving.pages.PageAllocator` as a request's sequence grows and all go
 back when it finishes. When a running request needs a page and none is free, the most
 recently admitted running request not yet scheduled this iteration is preempted by
 recompute (pages freed, back to the waiting queue in arrival order, to be prefilled again
-with what it generated so far); if there is none, the request itself is.
+with what it generated so far, from the pages of it still cached); if there is none, the
+request itself is.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Iterable
 
 from ember.core.errors import ConfigError
 from ember.serving.pages import PageAllocator, pages_needed
+from ember.serving.prefix_cache import PrefixCache
 from ember.serving.requests import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Alternatives, Request, TokenEvent
 
 
@@ -36,7 +40,8 @@ class SchedulerConfig:
     tokens per iteration over all slots; ``chunk_size``: tokens per request per iteration;
     ``page_size``/``num_pages``: the paged cache; ``max_context``: the longest sequence a
     request may reach (prompt + generated); ``eos_ids``: the end-of-sequence tokens (any of
-    them ends a request; none: ``()``).
+    them ends a request; none: ``()``); ``prefix_caching``: share the pages of sequences that
+    begin alike (only for a model whose every layer keeps its cache in the pages).
     """
 
     num_slots: int
@@ -46,6 +51,7 @@ class SchedulerConfig:
     num_pages: int
     max_context: int
     eos_ids: tuple[int, ...] = ()
+    prefix_caching: bool = False
 
     def __post_init__(self):
         for name in ("num_slots", "token_budget", "chunk_size", "page_size", "num_pages", "max_context"):
@@ -86,7 +92,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.allocator = PageAllocator(config.num_pages)
+        self.pages = PrefixCache(PageAllocator(config.num_pages), config.page_size, enabled=config.prefix_caching)
         self.waiting: list[Request] = []  # sorted by request_id (arrival order)
         self.running: list[Request] = []  # admission order
         self._free_slots = list(range(config.num_slots - 1, -1, -1))
@@ -127,16 +133,25 @@ class Scheduler:
                 budget -= count
         # After a preemption the pool is short: admitting now would only thrash.
         admit = self.num_preemptions == preemptions_before
-        while admit and budget and self.waiting and self._free_slots:
-            request = self.waiting[0]
-            room = self.allocator.num_free * self.config.page_size
-            count = min(request.num_tokens, budget, self.config.chunk_size, room)
+        index, page_size = 0, self.config.page_size
+        while admit and budget and index < len(self.waiting) and self._free_slots:
+            request = self.waiting[index]
+            if self.pages.computing(request):  # its next page is on its way: share it then
+                index += 1
+                continue
+            shared = self.pages.match(request)
+            start = len(shared) * page_size
+            room = (self.pages.num_free - self.pages.evictable_among(shared)) * page_size
+            count = min(request.num_tokens - start, budget, self.config.chunk_size, room)
             if count < 1:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            self.pages.hold(shared)
             request.slot = self._free_slots.pop()
             self.running.append(request)
-            request.pages = self.allocator.allocate(pages_needed(count, self.config.page_size))
+            request.num_computed = start
+            request.pages = shared + self.pages.allocate(pages_needed(start + count, page_size) - len(shared))
+            self.pages.admitted(request)
             chunks.append(self._chunk(request, count))
             budget -= count
         return chunks
@@ -156,6 +171,7 @@ class Scheduler:
         for chunk, token, logprob, top in zip(chunks, tokens, logprobs, alternatives, strict=True):
             request = chunk.request
             request.num_computed = chunk.start + len(chunk.tokens)
+            self.pages.computed(request)
             if not chunk.samples:
                 continue
             if request.params.max_tokens == 0:  # a prompt scored alone
@@ -175,11 +191,11 @@ class Scheduler:
         page_size = self.config.page_size
         scheduled = {id(chunk.request) for chunk in chunks}
         while True:
-            room = (len(request.pages) + self.allocator.num_free) * page_size - request.num_computed
+            room = (len(request.pages) + self.pages.num_free) * page_size - request.num_computed
             if room >= 1:
                 count = min(count, room)
                 missing = pages_needed(request.num_computed + count, page_size) - len(request.pages)
-                request.pages += self.allocator.allocate(max(missing, 0))
+                request.pages += self.pages.allocate(max(missing, 0))
                 return count
             victims = [r for r in self.running if r is not request and id(r) not in scheduled]
             if not victims:
@@ -245,7 +261,7 @@ class Scheduler:
         return TokenEvent(request.request_id, token, logprob, finish_reason=reason, top_logprobs=top)
 
     def _release(self, request: Request) -> None:
-        self.allocator.free(request.pages)
+        self.pages.release(request)
         request.pages = []
         self.running.remove(request)
         self._free_slots.append(request.slot)

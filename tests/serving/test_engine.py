@@ -143,7 +143,77 @@ def test_prompt_and_alternative_logprobs_equal_a_full_forward_pass(engine, refer
             assert [a[0] for a in result.top_logprobs] == list(zip(result.tokens, result.logprobs)), message
         else:
             assert result.top_logprobs is None
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.scheduler.pages.num_free == NUM_PAGES
+
+
+def test_a_group_of_one_prompt_prefills_it_once(program, reference_greedy, rng, monkeypatch):
+    """Prefix caching: four copies of a 21-token prompt submitted together (a GRPO group, ``n``
+    choices) prefill it once. The first computes it (16 then 5 tokens: the budget is 16) while
+    the others wait for its pages, then each starts after its five full pages, computing one
+    token; all give the full-recompute greedy tokens."""
+    engine = Engine(program.fresh_copy())
+    fed = []
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda *args: fed.append(chunks := schedule(*args)) or chunks)
+    prompt = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))).integers(0, 256, 21).tolist()
+    results = engine.generate([prompt] * 4, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [r.tokens for r in results] == reference_greedy([prompt], [3]) * 4
+    assert [[len(chunk.tokens) for chunk in chunks] for chunks in fed[:3]] == [[16], [5], [1, 1, 1, 1]]
+    assert sum(len(chunk.tokens) for chunks in fed for chunk in chunks) == 21 + 3 + 4 * 2  # prefills + decodes
+    assert engine.scheduler.pages.hit_tokens == 3 * 20
+    assert engine.scheduler.pages.num_free == NUM_PAGES
+
+
+def test_requests_that_begin_alike_share_pages_through_arrivals_and_preemption(program, reference_greedy, rng):
+    """Prompts that begin as earlier ones (two shared beginnings of random lengths, random tails),
+    arriving at random steps of random budgets in a pool that forces preemption, start after
+    their cached pages and give the full-recompute greedy tokens; every page comes back."""
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    beginnings = [generator.integers(0, 256, 30).tolist() for _ in range(2)]
+    prompts = [
+        beginnings[i % 2][: int(generator.integers(5, 31))]
+        + generator.integers(0, 256, int(generator.integers(0, 8))).tolist()
+        for i in range(14)
+    ]
+    max_tokens = [int(generator.integers(1, 10)) for _ in prompts]
+    engine = Engine(program.fresh_copy())
+    ids, arriving = [], list(zip(prompts, max_tokens))
+    while engine.has_unfinished or arriving:
+        if arriving and (not ids or generator.random() < 0.4):
+            prompt, count = arriving.pop(0)
+            ids.append(engine.add_request(prompt, SamplingParams(max_tokens=count, ignore_eos=True)))
+        engine.step(token_budget=int(generator.integers(1, 17)))
+    results = [engine.result(i) for i in ids]
+    assert [r.tokens for r in results] == reference_greedy(prompts, max_tokens)
+    assert engine.scheduler.pages.hit_tokens > 0
+    assert engine.scheduler.num_preemptions > 0, "the tiny pool should have forced a preemption"
+    assert engine.scheduler.pages.num_free == NUM_PAGES
+
+
+def test_new_weights_empty_the_prefix_cache_and_an_engine_may_go_without_it(program, params, reference_greedy):
+    """A prompt served again finds its pages cached, unless it asks for its log-probabilities or
+    the weights changed in between (``update_params``: the pages hold the old weights' keys and
+    values); ``prefix_caching=False`` shares nothing."""
+    prompt, greedy = list(range(40, 53)), SamplingParams(max_tokens=2, ignore_eos=True)
+    engine = Engine(program.fresh_copy())
+    engine.generate([prompt], greedy)
+    engine.generate([prompt], greedy)
+    assert engine.scheduler.pages.hit_tokens == 12
+    # A request for the prompt's log-probabilities computes every prompt row.
+    scored = engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=True))
+    assert len(scored[0].prompt_logprobs) == 12 and engine.scheduler.pages.hit_tokens == 12
+    engine.update_params(jax.tree.map(lambda leaf: leaf * 1.5, params))
+    moved = engine.generate([prompt], greedy)
+    assert engine.scheduler.pages.hit_tokens == 12
+    assert (
+        moved[0].tokens
+        == Engine(program.fresh_copy(jax.tree.map(lambda leaf: leaf * 1.5, params)))
+        .generate([prompt], greedy)[0]
+        .tokens
+    )
+    plain = Engine(program.fresh_copy(), prefix_caching=False)
+    assert [r.tokens for r in plain.generate([prompt] * 2, greedy)] == reference_greedy([prompt], [2]) * 2
+    assert plain.scheduler.pages.hit_tokens == 0
 
 
 def test_continuous_batching_with_random_chunks_and_arrivals_equals_full_recompute(engine, reference_greedy, rng):
@@ -155,7 +225,7 @@ def test_continuous_batching_with_random_chunks_and_arrivals_equals_full_recompu
     # The near-full prompt stops at the context: 48 - 46 + 1 tokens at most.
     assert len(results[-1].tokens) == min(max_tokens[-1], 3)
     assert engine.scheduler.num_preemptions > 0, "the tiny pool should have forced a preemption"
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.scheduler.pages.num_free == NUM_PAGES
 
 
 def test_generate_keeps_order_reports_errors_and_decodes_text(engine, reference_greedy, rng):
@@ -174,7 +244,7 @@ def test_generate_keeps_order_reports_errors_and_decodes_text(engine, reference_
     assert results[5].text == ByteTokenizer().decode(expected[2])
     assert all(len(results[i].logprobs) == 5 and max(results[i].logprobs) <= 0 for i in (0, 2, 5, 6))
     assert results[1].to_json() == {"request_id": -1, "tokens": [], "finish_reason": "error", "error": errors[1]}
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.scheduler.pages.num_free == NUM_PAGES
 
 
 def test_seeded_sampling_is_the_same_alone_or_in_a_batch(engine, rng):
@@ -260,7 +330,7 @@ def test_a_rejected_or_abandoned_request_leaves_nothing_queued(program, engine, 
     stream = engine.stream([[1, 2], [3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
     next(stream)
     stream.close()
-    assert not engine.has_unfinished and engine.scheduler.allocator.num_free == NUM_PAGES
+    assert not engine.has_unfinished and engine.scheduler.pages.num_free == NUM_PAGES
     assert engine.generate([[9]], p)[0].tokens == reference_greedy([[9]], [3])[0]
 
 
@@ -284,7 +354,7 @@ def test_a_request_aborted_mid_stream_ends_the_stream_for_it(engine, reference_g
     rest = [e for e in events[1:] if e.request_id != aborted]
     assert [e.token for e in rest] == reference_greedy(prompts[1:], [4])[0]
     assert rest[-1].finish_reason == "length" and len(rest) == len(events) - 1
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.scheduler.pages.num_free == NUM_PAGES
 
 
 def test_a_step_moves_nothing_implicitly_between_host_and_device(engine):
@@ -292,7 +362,7 @@ def test_a_step_moves_nothing_implicitly_between_host_and_device(engine):
     with jax.transfer_guard("disallow"):
         while engine.has_unfinished:
             engine.step()
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.scheduler.pages.num_free == NUM_PAGES
 
 
 def test_stop_token_sequences_and_stop_strings_end_the_output(engine, reference_greedy, rng):
@@ -310,7 +380,7 @@ def test_stop_token_sequences_and_stop_strings_end_the_output(engine, reference_
     assert queued.stop_sequences == ((97, 98), (0xC3, 0xA9))
     list(engine.run_until_done([request_id]))
     engine.result(request_id)
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.scheduler.pages.num_free == NUM_PAGES
 
 
 def test_every_eos_id_ends_a_request(program, reference_greedy, rng):
@@ -370,7 +440,7 @@ def test_a_stop_string_ends_the_output_however_the_tokens_split_its_text(program
         result = engine.generate([prompt], params)[0]
         assert (result.tokens, result.finish_reason, len(result.logprobs)) == (greedy[:kept], "stop", kept), stop
         assert stop not in result.text
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.scheduler.pages.num_free == NUM_PAGES
 
 
 def test_text_that_is_not_unicode_is_one_request_s_error(program, reference_greedy, tmp_path):

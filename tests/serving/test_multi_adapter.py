@@ -70,12 +70,16 @@ def alone(program, params, prompt):
 
 
 def test_a_mixed_batch_equals_each_request_alone_with_its_merged_model(setup):
+    """Every prompt begins with the same nine tokens: the requests of one adapter share their
+    cached pages (prefix caching), those of different adapters do not (their keys and values differ)."""
     base, adapters, base_program = setup
     engine = Engine.from_model(CONFIG, base, adapters=adapters, **OPTIONS)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 97, n).tolist() for n in (5, 9, 3, 12, 7, 6)]
+    beginning = rng.integers(0, 97, 9).tolist()
+    prompts = [beginning + rng.integers(0, 97, n).tolist() for n in (1, 4, 0, 3, 2, 5)]
     names = [None, "qv", "mlp", "dora", "mlp", "qv"]
     results = engine.generate(prompts, [SamplingParams(max_tokens=8, adapter=name) for name in names])
+    assert engine.scheduler.pages.hit_tokens == 2 * 8  # the second "mlp" and "qv" requests: two pages each
     merge = jax.jit(lambda adapter: merged_weights(with_adapter(base, adapter)))
     for prompt, name, result in zip(prompts, names, results):
         merged = base if name is None else merge(adapters[name])

@@ -161,7 +161,7 @@ def test_an_engine_whose_requests_end_sooner_takes_more(replicas, monkeypatch):
 def assert_idle(replicas):
     for engine in replicas.engines:
         assert not engine.has_unfinished
-        assert engine.scheduler.allocator.num_free == engine.program.num_pages
+        assert engine.scheduler.pages.num_free == engine.program.num_pages
 
 
 def test_replica_meshes_need_the_devices_and_split_no_batch():

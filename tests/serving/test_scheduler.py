@@ -79,7 +79,7 @@ def test_stall_free_order_decodes_then_continuing_prefill_then_new():
     assert [(e.request_id, e.token, e.finish_reason) for e in events] == [(2, 24, "length"), (3, 24, None)]
     while scheduler.has_unfinished:
         commit_all(scheduler, scheduler.schedule())
-    assert scheduler.allocator.num_free == 16
+    assert scheduler.pages.num_free == 16
 
 
 def test_finish_on_eos_stop_sequence_and_context():
@@ -101,7 +101,7 @@ def test_finish_on_eos_stop_sequence_and_context():
     assert ignore.finish_reason == "length" and ignore.output == [99, 99, 99]
     assert context.finish_reason == "length" and context.output == [3, 3, 3]
     assert stop.logprobs == [] and ignore.logprobs == [-1.0, -2.0, -1.0]
-    assert scheduler.allocator.num_free == 16 and not scheduler.has_unfinished
+    assert scheduler.pages.num_free == 16 and not scheduler.has_unfinished
 
 
 def test_any_of_several_eos_ids_ends_a_request_and_is_recorded():
@@ -130,7 +130,7 @@ def test_abort_drops_a_waiting_request_and_frees_a_running_ones_pages_and_slot()
     scheduler.abort(running)
     assert running.finish_reason == waiting.finish_reason == "abort"
     assert running.pages == [] and running.slot is None
-    assert not scheduler.has_unfinished and scheduler.allocator.num_free == 16
+    assert not scheduler.has_unfinished and scheduler.pages.num_free == 16
     # The freed slot and pages serve the next request; aborting a finished one changes nothing.
     after = request(2, 2, max_tokens=1)
     scheduler.add(after)
@@ -138,7 +138,7 @@ def test_abort_drops_a_waiting_request_and_frees_a_running_ones_pages_and_slot()
     assert layout(step) == [(2, 0, 2)] and after.slot == 0
     commit_all(scheduler, step)
     scheduler.abort(after)
-    assert after.finish_reason == "length" and scheduler.allocator.num_free == 16
+    assert after.finish_reason == "length" and scheduler.pages.num_free == 16
 
 
 def test_preemption_by_recompute_under_a_tiny_pool():
@@ -163,11 +163,17 @@ def test_preemption_by_recompute_under_a_tiny_pool():
     while scheduler.has_unfinished:
         commit_all(scheduler, scheduler.schedule(), token=3)
     assert a.output == [1, 2, 3, 3] and b.output[:1] == [1] and len(b.output) == 4
-    assert scheduler.allocator.num_free == 4
+    assert scheduler.pages.num_free == 4
 
 
-def test_random_workloads_keep_page_accounting(rng):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_random_workloads_keep_page_accounting(rng, prefix_caching):
+    """Random budgets, chunks, page sizes and arrivals: every chunk continues its sequence in
+    pages it holds, the pages held are those not free, every request finishes and every page
+    comes back. With prefix caching (every prompt here begins as every other: ``10, 11, ...``)
+    pages are shared, but a chunk writes only into pages no other request holds."""
     generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    shared_tokens = 0
     for trial in range(20):
         config = dict(
             num_slots=int(generator.integers(1, 5)),
@@ -175,6 +181,7 @@ def test_random_workloads_keep_page_accounting(rng):
             chunk_size=int(generator.integers(1, 6)),
             page_size=int(generator.integers(1, 4)),
             max_context=24,
+            prefix_caching=prefix_caching,
         )
         config["num_pages"] = -(-24 // config["page_size"]) + int(generator.integers(0, 6))
         scheduler = make_scheduler(**config)
@@ -197,9 +204,17 @@ def test_random_workloads_keep_page_accounting(rng):
                 assert len(r.pages) * config["page_size"] >= chunk.start + len(chunk.tokens)
             assert sum(len(c.tokens) for c in chunks) <= config["token_budget"]
             held = [p for r in scheduler.running for p in r.pages]
-            assert len(held) == len(set(held)) == scheduler.allocator.num_pages - scheduler.allocator.num_free
+            assert len(set(held)) == config["num_pages"] - scheduler.pages.num_free
+            for chunk in chunks:
+                size, end = config["page_size"], chunk.start + len(chunk.tokens)
+                written = chunk.request.pages[chunk.start // size : -(-end // size)]
+                assert all(held.count(page) == 1 for page in written), "a chunk writes into a shared page"
+            if not prefix_caching:
+                assert len(held) == len(set(held))
             commit_all(scheduler, chunks, token=int(generator.integers(0, 50)))
         assert not scheduler.has_unfinished and not pending, f"trial {trial} did not finish"
-        assert scheduler.allocator.num_free == config["num_pages"]
+        assert scheduler.pages.num_free == config["num_pages"]
+        shared_tokens += scheduler.pages.hit_tokens
         for r in requests:
             assert r.finished and len(r.output) == min(r.params.max_tokens, 24 + 1 - len(r.prompt))
+    assert (shared_tokens > 0) == prefix_caching

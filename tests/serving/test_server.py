@@ -254,7 +254,7 @@ def test_a_client_leaving_frees_its_slot(served, monkeypatch, stream):
     while served.engine.has_unfinished and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not served.engine.has_unfinished
-    assert served.engine.scheduler.allocator.num_free == served.engine.program.num_pages
+    assert served.engine.scheduler.pages.num_free == served.engine.program.num_pages
     assert served.engine.tokens_generated - before < 20
 
 
@@ -307,7 +307,8 @@ def test_metrics_count_requests_tokens_and_times_and_read_the_engine(served, mon
     """``GET /metrics`` (open without the key, as a scraper reads it), Prometheus's text format:
     a request held before its first step waits, after one step runs with pages in use; requests
     count their prompt and generated tokens, their end by reason (a stream left early: abort), a
-    first-token time and a latency each; once all ended, nothing runs or waits and no page is used."""
+    first-token time and a latency each, the prompt tokens found cached; once all ended, nothing
+    runs or waits and no page is used."""
     steps, step = threading.Semaphore(0), served.engine.step
     monkeypatch.setattr(served.engine, "step", lambda *args: steps.acquire(timeout=30) and step(*args))
     before = scrape(served)
@@ -324,7 +325,8 @@ def test_metrics_count_requests_tokens_and_times_and_read_the_engine(served, mon
     steps.release(1000)
     thread.join(60)
     assert [choice.text for choice in answer[0].choices] == expected_greedy(served, asked["prompt"], 5)
-    stream = served.client.completions.create(model="tiny", prompt="Hello", max_tokens=80, stream=True, **GREEDY)
+    # Its first eight tokens are two full pages of "Once upon"'s, cached: prefix caching's hit.
+    stream = served.client.completions.create(model="tiny", prompt="Once upon a", max_tokens=80, stream=True, **GREEDY)
     next(iter(stream))
     stream.close()
     assert wait_for(
@@ -335,7 +337,8 @@ def test_metrics_count_requests_tokens_and_times_and_read_the_engine(served, mon
     )
     after = scrape(served)
     grown = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    assert grown["ember_prompt_tokens_total"] == 9 + 3 + 5
+    assert grown["ember_prompt_tokens_total"] == 9 + 3 + 11
+    assert grown["ember_prefix_cache_hit_tokens_total"] == 8
     assert 10 < grown["ember_generation_tokens_total"] < 10 + 80
     assert (grown[("ember_requests_finished_total", "length")], grown[("ember_requests_finished_total", "abort")]) == (
         2,

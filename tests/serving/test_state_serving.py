@@ -123,7 +123,7 @@ def assert_serves_like_full_recompute(program, reference, rng):
         assert result.tokens == tokens, f"prompt {index} (length {len(prompts[index])})"
     assert len(results[-1].tokens) == min(max_tokens[-1], 3)  # the near-full prompt stops at the context
     assert engine.scheduler.num_preemptions > 0, "the tiny pool should have forced a preemption"
-    assert engine.scheduler.allocator.num_free == NUM_PAGES
+    assert engine.scheduler.pages.num_free == NUM_PAGES
     # Every step donates the cache, state slots as well as pages: the first one's buffers are gone.
     leaves = jax.tree_util.tree_leaves_with_path(first_cache)
     kept = [jax.tree_util.keystr(path) for path, leaf in leaves if not leaf.is_deleted()]
