@@ -86,6 +86,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the PEFT LoRA adapter in DIR as NAME (repeatable; --checkpoint); requests pick it by name",
     )
     parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every request's whole prompt (default: requests that begin alike share the cache pages of "
+        "that beginning; see 'ember.serving.prefix_cache')",
+    )
+    parser.add_argument(
         "--mesh",
         default=None,
         metavar="[data=D,]tensor=N[,expert=E]",
@@ -192,7 +198,7 @@ def build_engine(args: argparse.Namespace):
         from ember.serving.export import load_artifact
 
         program, tokenizer, eos_ids = load_artifact(args.artifact)
-        return Engine(program, tokenizer=tokenizer, eos_id=eos_ids)
+        return Engine(program, tokenizer=tokenizer, eos_id=eos_ids, prefix_caching=not args.no_prefix_caching)
     from ember.serving.loading import load_model, weights_fit_model
     from ember.serving.mesh import replica_meshes
 
@@ -214,6 +220,7 @@ def build_engine(args: argparse.Namespace):
         tokenizer=loaded.tokenizer,
         eos_id=loaded.eos_ids,
         adapters=adapters,
+        prefix_caching=not args.no_prefix_caching,
         **{name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None},
     )
     with engine_options_named(), weights_fit_model(args.checkpoint):

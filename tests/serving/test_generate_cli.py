@@ -153,6 +153,28 @@ def test_a_request_line_may_score_its_prompt(run_dir, tmp_path):
     assert [token for ((token, _),) in record["prompt_top_logprobs"]] == np.argmax(rows[:-1], axis=-1).tolist()
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-prefix-caching"]])
+def test_a_batch_of_one_prompt_prefills_it_once_unless_told_not_to(run_dir, tmp_path, monkeypatch, flags):
+    """Four request lines of one prompt: the engine computes its full pages once (prefix caching),
+    or, with ``--no-prefix-caching``, four times; the records are the same."""
+    path, _ = run_dir
+    engines = []
+    init = Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **kw: engines.append(self) or init(self, *a, **kw))
+    prompts = write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "Once upon a time", "max_tokens": 2})] * 4)
+    out = tmp_path / "out.jsonl"
+    assert (
+        main(
+            ["generate", "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), *ENGINE_FLAGS, *flags]
+        )
+        == 0
+    )
+    records = read_records(out)
+    assert len({json.dumps(r["tokens"]) for r in records}) == 1
+    # Three copies x the prompt's first page of 8 tokens (the second page holds its last token).
+    assert engines[0].scheduler.pages.hit_tokens == (0 if flags else 3 * 8)
+
+
 def test_single_prompt_text_mode_prints_the_text(run_dir, capsys):
     path, params = run_dir
     # One compiled bucket (a single token per step) keeps this start-up short.
