@@ -5,7 +5,8 @@
 
 ``rollout`` section: one GRPO rollout's worth of sampling (128 completions: 16 prompts x 8) of
 the same model at temperature 1, through the engine (continuous batching, chunked prefill,
-paged KV cache, ``ember.serving.engine``) and through a plain loop that runs the model's full
+paged KV cache, ``ember.serving.engine``; with its prefix caching, each group's prompt prefilled
+once, and without) and through a plain loop that runs the model's full
 forward over the padded ``[rows, prompt + max_tokens]`` batch once per new token (jitted at
 one shape, the loop RL scripts write by hand). Both generate every token (no early stop).
 Generated tokens per second and the engine's over the loop's, for the arithmetic task's shape
@@ -43,6 +44,7 @@ from ember.training.rl_lm import entry
 from ember.training.rl_lm.config import GRPOConfig
 
 ROWS = 128
+GROUP = 8  # samples of each prompt, as GRPO draws them
 SHAPES = ((6, 5), (32, 96))  # (prompt tokens, new tokens)
 
 
@@ -78,16 +80,23 @@ def rollout_rows() -> list[dict]:
     )
     rows = []
     for prompt_len, new_tokens in SHAPES:
-        prompts = np.random.default_rng(0).integers(0, 256, (ROWS, prompt_len)).astype(np.int32)
+        generator = np.random.default_rng(0)
+        prompts = np.repeat(generator.integers(0, 256, (ROWS // GROUP, prompt_len)), GROUP, axis=0).astype(np.int32)
         engine = Engine.from_model(config, params, num_slots=64, token_budget=256, max_context=prompt_len + new_tokens)
         settings = [
             SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(ROWS)
         ]
-        engine.generate(prompts.tolist(), settings)  # warm: every bucket is compiled already; this warms the host path
-        start = time.perf_counter()
-        results = engine.generate(prompts.tolist(), settings)
-        engine_seconds = time.perf_counter() - start
-        assert all(len(r.tokens) == new_tokens for r in results)
+        # Warm: every bucket is compiled already; this warms the host path (on other prompts, so that
+        # the timed engines find nothing of theirs cached).
+        engine.generate(generator.integers(0, 256, (ROWS, prompt_len)).tolist(), settings)
+        seconds = {}
+        for caching in (True, False):
+            fresh = Engine(engine.program.fresh_copy(), prefix_caching=caching)
+            start = time.perf_counter()
+            results = fresh.generate(prompts.tolist(), settings)
+            seconds[caching] = time.perf_counter() - start
+            assert all(len(r.tokens) == new_tokens for r in results)
+        engine_seconds = seconds[True]
         sample = plain_loop(model, params, prompt_len, new_tokens)
         sample(prompts, seed=0)  # compiles
         start = time.perf_counter()
@@ -98,10 +107,13 @@ def rollout_rows() -> list[dict]:
             "prompt_tokens": prompt_len,
             "new_tokens": new_tokens,
             "engine_tokens_per_s": tokens / engine_seconds,
+            "engine_no_prefix_cache_tokens_per_s": tokens / seconds[False],
             "loop_tokens_per_s": tokens / loop_seconds,
             "engine_over_loop": loop_seconds / engine_seconds,
+            "prefix_cache_speedup": seconds[False] / engine_seconds,
         })  # fmt: skip
-    print_table(rows, ["prompt_tokens", "new_tokens", "engine_tokens_per_s", "loop_tokens_per_s", "engine_over_loop"])
+    columns = ["prompt_tokens", "new_tokens", "engine_tokens_per_s", "engine_no_prefix_cache_tokens_per_s"]
+    print_table(rows, [*columns, "loop_tokens_per_s", "engine_over_loop", "prefix_cache_speedup"])
     return rows
 
 
