@@ -29,14 +29,14 @@ from ember.serving.program import DeviceProgram, batch_arrays
 from ember.serving.requests import (
     FINISH_ERROR,
     FINISH_STOP,
-    Alternatives,
     GenerationResult,
     Request,
     SamplingParams,
     TokenEvent,
 )
 from ember.serving.sampling import fill_settings, settings_array
-from ember.serving.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, eos_ids_of
+from ember.serving.scheduler import Scheduler, SchedulerConfig, eos_ids_of
+from ember.serving.scores import record_scores, wants_scores
 
 
 class Tokenizer(Protocol):
@@ -234,7 +234,7 @@ class Engine:
         program = self.program
         used = sum(len(chunk.tokens) for chunk in chunks)
         bucket = next(size for size in program.token_buckets if size >= used)
-        scoring = any(_wants_scores(chunk) for chunk in chunks)
+        scoring = any(wants_scores(chunk) for chunk in chunks)
         batch = batch_arrays(
             program.num_slots, bucket, program.pages_per_seq, adapters=bool(program.adapter_names), targets=scoring
         )
@@ -258,7 +258,7 @@ class Engine:
         step = program.scoring_steps[bucket] if scoring else program.steps[bucket]
         program.kv, tokens, logprobs, *scores = step(program.params, program.kv, batch, settings)
         tokens, logprobs, scores = jax.device_get((tokens, logprobs, scores))
-        alternatives = _record_scores(chunks, scores[0]) if scoring else None
+        alternatives = record_scores(chunks, scores[0]) if scoring else None
         slots = [chunk.request.slot for chunk in chunks]
         events = self.scheduler.commit(chunks, tokens[slots].tolist(), logprobs[slots].tolist(), alternatives)
         self._end_on_stop_strings(events)
@@ -410,44 +410,6 @@ def prompt_tokens(
     if max_context is not None and len(tokens) > max_context:
         raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context of {max_context}")
     return tokens
-
-
-def _wants_scores(chunk: ScheduledChunk) -> bool:
-    """Whether ``chunk`` needs the scoring step: it samples a token whose alternatives its request
-    asks for, or runs prompt tokens whose log-probabilities it asks for and has not got."""
-    request, params = chunk.request, chunk.request.params
-    if params.logprobs and params.top_logprobs and chunk.samples:
-        return True
-    first = max(chunk.start, len(request.prompt_logprobs))
-    return params.prompt_logprobs and first < min(chunk.start + len(chunk.tokens), len(request.prompt) - 1)
-
-
-def _record_scores(chunks: list[ScheduledChunk], scores: dict[str, np.ndarray]) -> list[Alternatives | None]:
-    """Appends each chunk's new prompt scores to its request (a row at position ``p`` scores
-    ``prompt[p + 1]``; rows a recompute after preemption runs again are not appended twice) and
-    returns, per chunk, the alternatives of its sampled token (None where not asked for)."""
-    sampled: list[Alternatives | None] = []
-    offset = 0
-    for chunk in chunks:
-        request, params, count = chunk.request, chunk.request.params, len(chunk.tokens)
-        top = params.top_logprobs
-        if params.prompt_logprobs:
-            for position in range(
-                max(chunk.start, len(request.prompt_logprobs)), min(chunk.start + count, len(request.prompt) - 1)
-            ):
-                row = offset + position - chunk.start
-                request.prompt_logprobs.append(float(scores["target_logprobs"][row]))
-                if top:
-                    request.prompt_top_logprobs.append(_alternatives(scores, row, top))
-        asked = params.logprobs and top and chunk.samples
-        sampled.append(_alternatives(scores, offset + count - 1, top) if asked else None)
-        offset += count
-    return sampled
-
-
-def _alternatives(scores: dict[str, np.ndarray], row: int, top: int) -> Alternatives:
-    """The ``top`` most likely tokens of budget row ``row`` with their log-probabilities."""
-    return list(zip(scores["top_tokens"][row, :top].tolist(), scores["top_logprobs"][row, :top].tolist()))
 
 
 def _before_stop_string(tokenizer: Tokenizer, output: list[int], stops: Sequence[str]) -> int | None:
