@@ -312,7 +312,8 @@ def test_metrics_count_requests_tokens_and_times_and_read_the_engine(served, mon
     steps, step = threading.Semaphore(0), served.engine.step
     monkeypatch.setattr(served.engine, "step", lambda *args: steps.acquire(timeout=30) and step(*args))
     before = scrape(served)
-    asked = dict(model="tiny", prompt=["Once upon", "The"], max_tokens=5, **GREEDY)
+    # Prompts no other test sends: the prefix cache holds nothing of them before.
+    asked = dict(model="tiny", prompt=["Scrape me now", "Hi!"], max_tokens=5, **GREEDY)
     answer = []
     thread = threading.Thread(target=lambda: answer.append(served.client.completions.create(**asked)))
     thread.start()
@@ -325,8 +326,10 @@ def test_metrics_count_requests_tokens_and_times_and_read_the_engine(served, mon
     steps.release(1000)
     thread.join(60)
     assert [choice.text for choice in answer[0].choices] == expected_greedy(served, asked["prompt"], 5)
-    # Its first eight tokens are two full pages of "Once upon"'s, cached: prefix caching's hit.
-    stream = served.client.completions.create(model="tiny", prompt="Once upon a", max_tokens=80, stream=True, **GREEDY)
+    # Its first twelve tokens are the three full pages of "Scrape me now", cached: prefix caching's hit.
+    stream = served.client.completions.create(
+        model="tiny", prompt="Scrape me now, again", max_tokens=60, stream=True, **GREEDY
+    )
     next(iter(stream))
     stream.close()
     assert wait_for(
@@ -337,9 +340,9 @@ def test_metrics_count_requests_tokens_and_times_and_read_the_engine(served, mon
     )
     after = scrape(served)
     grown = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    assert grown["ember_prompt_tokens_total"] == 9 + 3 + 11
-    assert grown["ember_prefix_cache_hit_tokens_total"] == 8
-    assert 10 < grown["ember_generation_tokens_total"] < 10 + 80
+    assert grown["ember_prompt_tokens_total"] == 13 + 3 + 20
+    assert grown["ember_prefix_cache_hit_tokens_total"] == 12
+    assert 10 < grown["ember_generation_tokens_total"] < 10 + 60
     assert (grown[("ember_requests_finished_total", "length")], grown[("ember_requests_finished_total", "abort")]) == (
         2,
         1,
