@@ -12,7 +12,7 @@ Pages are counted by the requests holding them. A page no request holds keeps it
 and key while the pool has other free pages (*evictable*, least recently released first), so a
 prompt that comes back soon finds it; :meth:`PrefixCache.allocate` takes truly free pages
 first, then evicts. While a request computes a full page another waiting request needs next,
-that one waits for it (:meth:`PrefixCache.computing`) rather than computing it again: the
+that one waits for it (:meth:`PrefixCache.match`) rather than computing it again: the
 requests of a group sampled from one prompt (GRPO, ``n`` choices) prefill it once.
 
 Only models whose every layer keeps its cache in the pages can share them (the softmax
@@ -68,17 +68,19 @@ class PrefixCache:
             self._holders[page] = 1
         return pages
 
-    def match(self, request: Request) -> list[int]:
+    def match(self, request: Request) -> list[int] | None:
         """The computed pages the start of ``request``'s sequence may share (:meth:`hold` them to
         use them), leaving at least its last token to compute; none for a request that asks for
-        its prompt's log-probabilities (every prompt row must be computed)."""
+        its prompt's log-probabilities (every prompt row must be computed). None when the first
+        page it would compute past them is being computed by a running request: it had better
+        wait a step or two than compute that page too."""
         if not self.enabled or request.params.prompt_logprobs:
             return []
         pages = []
         for key in self._keys(request, (request.num_tokens - 1) // self.page_size):
             page = self._page_of.get(key)
             if page is None:
-                break
+                return None if self._computing[key] > 0 else pages
             pages.append(page)
         return pages
 
@@ -94,23 +96,13 @@ class PrefixCache:
             self._holders[page] += 1
         self.hit_tokens += len(pages) * self.page_size
 
-    def computing(self, request: Request) -> bool:
-        """Whether the first page ``request`` would compute past its cached prefix is being
-        computed by a running request: it had better wait a step or two than compute it too."""
-        if not self.enabled or request.params.prompt_logprobs:
-            return False
-        keys = self._keys(request, (request.num_tokens - 1) // self.page_size)
-        first = next((key for key in keys if key not in self._page_of), None)
-        return first is not None and self._computing[first] > 0
-
     def admitted(self, request: Request) -> None:
         """Marks the full pages ``request`` will compute (from its ``num_computed`` on) as being
         computed, so that requests behind it wait for them."""
         if not self.enabled:
             return
         tracked = self._tracked[id(request)] = _Tracked()
-        keys = self._keys(request, request.num_tokens // self.page_size)
-        tracked.keys = keys
+        keys = self._keys(request, request.num_tokens // self.page_size)  # kept in tracked.keys
         tracked.computing = keys[request.num_computed // self.page_size :]
         self._computing.update(tracked.computing)
 

@@ -136,10 +136,10 @@ class Scheduler:
         index, page_size = 0, self.config.page_size
         while admit and budget and index < len(self.waiting) and self._free_slots:
             request = self.waiting[index]
-            if self.pages.computing(request):  # its next page is on its way: share it then
+            shared = self.pages.match(request)
+            if shared is None:  # its next page is on its way: share it then
                 index += 1
                 continue
-            shared = self.pages.match(request)
             start = len(shared) * page_size
             room = (self.pages.num_free - self.pages.evictable_among(shared)) * page_size
             count = min(request.num_tokens - start, budget, self.config.chunk_size, room)
