@@ -206,6 +206,7 @@ class Engine:
             raise ValueError(f"request {request_id} has not finished")
         del self._requests[request_id]
         params = request.params
+        prompt_logprobs, prompt_top_logprobs = request.asked_prompt_scores()
         return GenerationResult(
             request_id=request_id,
             tokens=list(request.output),
@@ -214,10 +215,8 @@ class Engine:
             logprobs=list(request.logprobs) if params.logprobs else None,
             eos_token=request.eos_token,
             top_logprobs=list(request.top_logprobs) if params.logprobs and params.top_logprobs else None,
-            prompt_logprobs=list(request.prompt_logprobs) if params.prompt_logprobs else None,
-            prompt_top_logprobs=(
-                list(request.prompt_top_logprobs) if params.prompt_logprobs and params.top_logprobs else None
-            ),
+            prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_top_logprobs,
         )
 
     # Running ------------------------------------------------------------------------------

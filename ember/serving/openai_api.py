@@ -401,14 +401,7 @@ def _logprobs(
     if call.chat:
         return {
             "content": [
-                {
-                    "token": text,
-                    "logprob": value,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())} for t, lp in top or ()
-                    ],
-                }
+                {**_chat_entry(text, value), "top_logprobs": [_chat_entry(piece(t), lp) for t, lp in top or ()]}
                 for text, value, top in zip(pieces, values, others)
             ]
         }
@@ -420,6 +413,11 @@ def _logprobs(
         "top_logprobs": top if call.logprobs else None,
         "text_offset": offsets,
     }
+
+
+def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
+    """A token of a chat's log-probabilities (or one of its alternatives): its text, bytes and log-probability."""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _by_text(alternatives: Alternatives, piece: Any) -> dict[str, float]:

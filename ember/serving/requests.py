@@ -190,6 +190,14 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def asked_prompt_scores(self) -> tuple[list[float] | None, list[Alternatives] | None]:
+        """Copies of ``prompt[1:]``'s log-probabilities and alternatives, each None where the
+        params do not ask for it."""
+        params = self.params
+        logprobs = list(self.prompt_logprobs) if params.prompt_logprobs else None
+        alternatives = list(self.prompt_top_logprobs) if params.prompt_logprobs and params.top_logprobs else None
+        return logprobs, alternatives
+
     def keep_output(self, count: int) -> None:
         """Drops the output after its first ``count`` tokens (with their log-probabilities)."""
         del self.output[count:], self.logprobs[count:], self.top_logprobs[count:]

@@ -288,11 +288,10 @@ class _Handler(BaseHTTPRequestHandler):
         engine has scored by the time the first update comes)."""
         chunk.text += echo_text(call, index, request.prompt, self.app.tokenizer)
         if call.logprobs is not None:
-            params = request.params
+            logprobs, alternatives = request.asked_prompt_scores()
             chunk.tokens += request.prompt
-            chunk.logprobs += prompt_scores(request.prompt, request.prompt_logprobs if params.prompt_logprobs else None)
-            top = request.prompt_top_logprobs if params.prompt_logprobs and params.top_logprobs else None
-            chunk.alternatives += prompt_scores(request.prompt, top)
+            chunk.logprobs += prompt_scores(request.prompt, logprobs)
+            chunk.alternatives += prompt_scores(request.prompt, alternatives)
 
     def _events(self, chunks: list[dict[str, Any]], *, done: bool = False) -> None:
         """Sends ``chunks`` as server-sent events in one write (then ``[DONE]`` if ``done``)."""
