@@ -351,18 +351,20 @@ def chunk_body(
     logprobs: Sequence[float | None] = (),
     alternatives: Sequence[Alternatives | None] = (),
     tokenizer: Any = None,
+    text_offset: int = 0,
 ) -> dict[str, Any]:
     """One stream chunk of choice ``index``: a piece of its text (``None``: a chat's first chunk,
     which gives the role), its finish reason on the last; the tokens since the last chunk (an
     echoed prompt's, then those sampled) with their log-probabilities and alternatives when the
-    call asked for them."""
+    call asked for them, a completion's ``text_offset`` going on from ``text_offset`` (the length
+    of the :func:`token_text` of the tokens streamed before)."""
     choice: dict[str, Any] = {"index": index}
     if call.chat:
         choice["delta"] = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
     else:
         choice["text"] = text or ""
     asked = call.logprobs is not None and tokens
-    choice["logprobs"] = _logprobs(call, tokens, logprobs, alternatives, tokenizer) if asked else None
+    choice["logprobs"] = _logprobs(call, tokens, logprobs, alternatives, tokenizer, text_offset) if asked else None
     choice["finish_reason"] = finish_reason
     return _chunk(call, [choice])
 
@@ -391,10 +393,12 @@ def _logprobs(
     logprobs: Sequence[float | None] | None,
     alternatives: Sequence[Alternatives | None] | None,
     tokenizer: Any,
+    text_offset: int = 0,
 ) -> Any:
     """The log-probabilities of ``tokens`` (None: an echoed prompt's first token's) and their
-    alternatives (None where there are none) in the API's form, each token's text its own decoding."""
-    piece = lambda token: tokenizer.decode([token]) if tokenizer is not None else str(token)  # noqa: E731
+    alternatives (None where there are none) in the API's form, each token's text its
+    :func:`token_text`, a completion's first at ``text_offset``."""
+    piece = lambda token: token_text(token, tokenizer)  # noqa: E731
     pieces = [piece(t) for t in tokens]
     values = list(logprobs or [])
     others = list(alternatives or [None] * len(pieces))
@@ -405,7 +409,7 @@ def _logprobs(
                 for text, value, top in zip(pieces, values, others)
             ]
         }
-    offsets = [0, *itertools.accumulate(len(text) for text in pieces)][:-1]
+    offsets = list(itertools.accumulate((len(text) for text in pieces), initial=text_offset))[:-1]
     top = [None if a is None else _by_text(a, piece) for a in others]
     return {
         "tokens": pieces,
@@ -413,6 +417,11 @@ def _logprobs(
         "top_logprobs": top if call.logprobs else None,
         "text_offset": offsets,
     }
+
+
+def token_text(token: int, tokenizer: Any) -> str:
+    """A token's text in log-probabilities: its own decoding (its id, without a tokenizer)."""
+    return tokenizer.decode([token]) if tokenizer is not None else str(token)
 
 
 def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
@@ -438,6 +447,7 @@ __all__ = [
     "parse_call",
     "prompt_scores",
     "response_body",
+    "token_text",
     "usage",
     "usage_chunk",
 ]

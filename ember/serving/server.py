@@ -47,6 +47,7 @@ from ember.serving.openai_api import (
     parse_call,
     prompt_scores,
     response_body,
+    token_text,
     usage_chunk,
 )
 from ember.serving.requests import FINISH_ABORT, FINISH_ERROR, Alternatives, GenerationResult, Request
@@ -243,6 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._events([chunk_body(call, index, None) for index in range(len(deltas))])
         open_choices, completion_tokens = len(deltas), 0
         echoed: set[int] = set()
+        offsets = [0] * len(deltas)  # each choice's text_offset: its token texts streamed so far
         while open_choices:
             # Everything that arrived since the last write goes out in one: a client falling behind
             # the engine gets fewer, larger chunks rather than holding its worker back.
@@ -271,14 +273,24 @@ class _Handler(BaseHTTPRequestHandler):
                 # The last event's token may belong to a stop sequence: the final text says what is kept.
                 chunk.text += deltas[index].finish(result.text)
                 chunk.finish_reason = result.finish_reason
-            self._events(
-                [
-                    chunk_body(call, index, c.text, finish_reason=c.finish_reason, tokens=c.tokens,
-                               logprobs=c.logprobs, alternatives=c.alternatives, tokenizer=tokenizer)
-                    for index, c in pending.items()
-                    if c.text or c.tokens or c.finish_reason
-                ]
-            )  # fmt: skip
+            bodies = []
+            for index, c in pending.items():
+                if c.text or c.tokens or c.finish_reason:
+                    bodies.append(
+                        chunk_body(
+                            call,
+                            index,
+                            c.text,
+                            finish_reason=c.finish_reason,
+                            tokens=c.tokens,
+                            logprobs=c.logprobs,
+                            alternatives=c.alternatives,
+                            tokenizer=tokenizer,
+                            text_offset=offsets[index],
+                        )
+                    )
+                    offsets[index] += sum(len(token_text(token, tokenizer)) for token in c.tokens)
+            self._events(bodies)
         final = [usage_chunk(call, prompt_tokens, completion_tokens)] if call.include_usage else []
         self._events(final, done=True)
 

@@ -178,6 +178,23 @@ def test_an_echoed_prompt_is_scored_as_lm_evaluation_harness_asks(served):
     assert (alone.usage.prompt_tokens, alone.usage.completion_tokens) == (len(prompt), 0)
 
 
+def test_a_stream_s_text_offsets_go_on_from_its_earlier_chunks(served, monkeypatch):
+    """Each token's ``text_offset`` in a stream is where its text begins in the choice's whole text
+    (the echoed prompt's, then the completion's), as in the whole response: a chunk's offsets go on
+    from the chunks before, never from 0 again. Each step is slowed to 20 ms, so the completion's
+    tokens come in chunks of their own."""
+    asked = dict(model="tiny", prompt="Offsets, echoed", max_tokens=6, logprobs=1, echo=True, **GREEDY)
+    whole = served.client.completions.create(**asked).choices[0]
+    step = served.engine.step
+    monkeypatch.setattr(served.engine, "step", lambda *args: time.sleep(0.02) or step(*args))
+    chunks = [c.choices[0] for c in served.client.completions.create(**asked, stream=True) if c.choices]
+    assert sum(bool(c.logprobs) for c in chunks) > 2
+    streamed = [(t, o) for c in chunks if c.logprobs for t, o in zip(c.logprobs.tokens, c.logprobs.text_offset)]
+    assert streamed == list(zip(whole.logprobs.tokens, whole.logprobs.text_offset))
+    assert whole.logprobs.text_offset == list(np.cumsum([0, *map(len, whole.logprobs.tokens[:-1])]))
+    assert "".join(c.text for c in chunks) == whole.text
+
+
 def test_a_chat_is_the_completion_of_its_chat_prompt(served):
     """A conversation is prompted as fine-tuning tokenized it (``chat_prompt_tokens``): the chat's
     answer is the completion of those tokens, whole or streamed (the role first), content given
