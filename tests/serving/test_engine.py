@@ -216,6 +216,95 @@ def test_new_weights_empty_the_prefix_cache_and_an_engine_may_go_without_it(prog
     assert plain.scheduler.pages.hit_tokens == 0
 
 
+def test_requests_waiting_for_pages_go_on_when_their_computing_request_is_aborted_or_the_weights_change(
+    program, params, reference_greedy, rng
+):
+    """Three copies of a 30-token prompt, prefilled 4 tokens a step: the first computes it while
+    the others wait for its pages. Aborted mid-prompt, it leaves them to compute the rest of the
+    prompt (once, the third sharing the second's pages) into the full-recompute greedy tokens. New weights
+    mid-prompt (``update_params``) end the wait too: the waiting copy and a copy sent after all
+    finished give the new weights' tokens and log-probabilities, never reading the pages the
+    first computed partly under the old ones. Every page comes back."""
+    prompt = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1))).integers(0, 256, 30).tolist()
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True)
+
+    def run(engine, ids):
+        results = {}
+        while engine.has_unfinished:
+            for event in engine.step(token_budget=8):
+                if event.finish_reason is not None:
+                    results[event.request_id] = engine.result(event.request_id)
+        return [results[i] for i in ids]
+
+    engine = Engine(program.fresh_copy())
+    ids = [engine.add_request(prompt, greedy) for _ in range(3)]
+    engine.step(token_budget=4)
+    engine.step(token_budget=4)
+    assert len(engine.scheduler.waiting) == 2  # waiting for the first one's pages
+    engine.abort(ids[0])
+    assert [r.tokens for r in run(engine, ids[1:])] == reference_greedy([prompt], [4]) * 2
+    # The second starts after the aborted one's two full pages, the third after its own seven.
+    assert engine.scheduler.pages.hit_tokens == 8 + 28
+    assert engine.scheduler.pages.num_free == NUM_PAGES
+
+    moved = jax.tree.map(lambda leaf: leaf * 1.5, params)
+    expected = Engine(program.fresh_copy(moved), prefix_caching=False).generate([prompt], greedy)[0]
+    engine = Engine(program.fresh_copy())
+    ids = [engine.add_request(prompt, greedy) for _ in range(2)]
+    engine.step(token_budget=4)
+    assert len(engine.scheduler.waiting) == 1
+    engine.update_params(moved)
+    first, waited = run(engine, ids)
+    # The first one's first four tokens' keys and values are the old weights'.
+    assert not np.allclose(first.logprobs, expected.logprobs, atol=1e-3)
+    assert waited.tokens == expected.tokens and engine.scheduler.pages.hit_tokens == 0
+    assert_allclose(waited.logprobs, expected.logprobs, dtype=np.float32)
+    (again,) = engine.generate([prompt], greedy)
+    assert again.tokens == expected.tokens and engine.scheduler.pages.hit_tokens == 28  # the waited one's pages
+    assert_allclose(again.logprobs, expected.logprobs, dtype=np.float32)
+    assert engine.scheduler.pages.num_free == NUM_PAGES
+
+
+def test_prefix_caching_gives_the_tokens_and_scores_of_computing_every_prompt(program, rng):
+    """Prompts that begin alike, with generated tokens' log-probabilities and alternatives, a
+    prompt's scores, sampled and greedy, at random budgets in a pool that forces preemption: an
+    engine sharing pages gives what one computing every prompt gives; every page comes back."""
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    beginning = generator.integers(0, 256, 40).tolist()
+    prompts = [
+        beginning[: int(generator.integers(2, 30))] + generator.integers(0, 256, int(generator.integers(0, 9))).tolist()
+        for _ in range(12)
+    ]
+    asks = [
+        SamplingParams(max_tokens=int(generator.integers(4, 12)), ignore_eos=True, logprobs=True, top_logprobs=3),
+        SamplingParams(max_tokens=int(generator.integers(4, 12)), ignore_eos=True, logprobs=True, temperature=0.8),
+        SamplingParams(max_tokens=2, ignore_eos=True, logprobs=True, prompt_logprobs=True, top_logprobs=2),
+    ] * 4
+    served = []
+    for prefix_caching in (True, False):
+        engine, budgets = Engine(program.fresh_copy(), prefix_caching=prefix_caching), np.random.default_rng(1)
+        ids, results = [], {}
+        while engine.has_unfinished or len(ids) < len(prompts):
+            if len(ids) < len(prompts) and (not ids or budgets.random() < 0.5):
+                ids.append(engine.add_request(prompts[len(ids)], asks[len(ids)]))
+            for event in engine.step(token_budget=int(budgets.integers(1, 17))):
+                if event.finish_reason is not None:
+                    results[event.request_id] = engine.result(event.request_id)
+        assert engine.scheduler.pages.num_free == NUM_PAGES
+        served.append(([results[i] for i in ids], engine.scheduler))
+    (cached, scheduler), (computed, _) = served
+    assert scheduler.pages.hit_tokens > 0 and scheduler.num_preemptions > 0
+    for index, (result, expected) in enumerate(zip(cached, computed)):
+        message = f"request {index}"
+        assert result.tokens == expected.tokens, message
+        assert_allclose(result.logprobs, expected.logprobs, dtype=np.float32, err_msg=message)
+        for name in ("top_logprobs", "prompt_top_logprobs"):
+            alternatives = [getattr(r, name) or [] for r in (result, expected)]
+            assert [[t for t, _ in a] for a in alternatives[0]] == [[t for t, _ in a] for a in alternatives[1]]
+        if expected.prompt_logprobs is not None:
+            assert_allclose(result.prompt_logprobs, expected.prompt_logprobs, dtype=np.float32, err_msg=message)
+
+
 def test_continuous_batching_with_random_chunks_and_arrivals_equals_full_recompute(engine, reference_greedy, rng):
     generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
     prompts, max_tokens, results = run_random_arrivals(engine, generator, MAX_CONTEXT)

@@ -218,3 +218,75 @@ def test_random_workloads_keep_page_accounting(rng, prefix_caching):
         for r in requests:
             assert r.finished and len(r.output) == min(r.params.max_tokens, 24 + 1 - len(r.prompt))
     assert (shared_tokens > 0) == prefix_caching
+
+
+def test_shared_pages_hold_what_each_reader_would_compute_through_aborts_preemptions_and_new_weights(rng):
+    """Prefix caching against a shadow of the cache's contents: each position a chunk writes is
+    recorded with the sequence up to it, the request's adapter and whether it was computed under
+    the current weights alone (``forget`` is ``update_params``'s). Random arrivals of prompts that
+    begin alike (some on an adapter, some scored with ``max_tokens`` 0), random aborts of waiting
+    and running requests, preemptions and weight changes: every position a chunk reads holds its
+    own sequence on its adapter; a request starting after cached pages reads only pages of the
+    current weights; no chunk writes a page another request holds; nobody waits for ever on a
+    page whose computing request went away; every page comes back."""
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    for trial in range(30):
+        size = int(generator.integers(1, 5))
+        scheduler = make_scheduler(
+            num_slots=int(generator.integers(1, 5)),
+            token_budget=int(generator.integers(1, 12)),
+            chunk_size=int(generator.integers(1, 8)),
+            page_size=size,
+            num_pages=-(-24 // size) + int(generator.integers(0, 4)),
+            max_context=24,
+            prefix_caching=True,
+        )
+        beginning = generator.integers(0, 4, 24).tolist()  # 4 token values: tails collide often too
+        pending = []
+        for i in range(12):
+            length = int(generator.integers(1, 16))
+            prompt = beginning[:length] if generator.random() < 0.7 else generator.integers(0, 4, length).tolist()
+            if generator.random() < 0.15:
+                params = SamplingParams(max_tokens=0, prompt_logprobs=True)
+            else:
+                adapter = "a" if generator.random() < 0.3 else None
+                params = SamplingParams(max_tokens=int(generator.integers(1, 8)), adapter=adapter, ignore_eos=True)
+            pending.append(Request(i, prompt, params))
+        weights = 0  # the weights' version: forget() moves it on
+        shadow = {}  # (page, position in page) -> (adapter, weights version or None when mixed, sequence)
+        for iteration in range(3000):
+            if not scheduler.has_unfinished and not pending:
+                break
+            if pending and generator.random() < 0.4:
+                scheduler.add(pending.pop(0))
+            draw = generator.random() if iteration < 100 else 1.0  # then it drains by itself
+            if draw < 0.03 and scheduler.running:
+                scheduler.abort(scheduler.running[int(generator.integers(len(scheduler.running)))])
+            elif draw < 0.05 and scheduler.waiting:
+                scheduler.abort(scheduler.waiting[int(generator.integers(len(scheduler.waiting)))])
+            elif draw < 0.1 and trial % 2:  # (forget() also ends every wait: half the trials go without)
+                scheduler.pages.forget()
+                weights += 1
+            elif draw < 0.12 and scheduler.running:
+                scheduler.preempt(scheduler.running[int(generator.integers(len(scheduler.running)))])
+            running_before = {id(r) for r in scheduler.running}
+            chunks = scheduler.schedule()
+            held = [page for r in scheduler.running for page in r.pages]
+            assert len(set(held)) == scheduler.config.num_pages - scheduler.pages.num_free
+            for chunk in chunks:
+                r = chunk.request
+                read = [shadow.get((r.pages[p // size], p % size)) for p in range(chunk.start)]
+                assert [(a, s) for a, _, s in read] == [
+                    (r.params.adapter, tuple(r.tokens[: p + 1])) for p in range(chunk.start)
+                ], f"trial {trial}: request {r.request_id} reads another sequence's keys and values"
+                if id(r) not in running_before:  # just admitted: what it reads comes from the cache
+                    assert all(v == weights for _, v, _ in read), f"trial {trial}: a page of old weights shared"
+                for p in range(chunk.start, chunk.start + len(chunk.tokens)):
+                    page = r.pages[p // size]
+                    assert held.count(page) == 1, f"trial {trial}: a chunk writes into a shared page"
+                    before = [shadow[(r.pages[q // size], q % size)][1] for q in range(p)]
+                    version = weights if all(v == weights for v in before) else None
+                    shadow[(page, p % size)] = (r.params.adapter, version, tuple(r.tokens[: p + 1]))
+            commit_all(scheduler, chunks, token=int(generator.integers(0, 4)))
+        assert not scheduler.has_unfinished and not pending, f"trial {trial} did not finish"
+        assert scheduler.pages.num_free == scheduler.config.num_pages
