@@ -289,7 +289,8 @@ class _Handler(BaseHTTPRequestHandler):
                             text_offset=offsets[index],
                         )
                     )
-                    offsets[index] += sum(len(token_text(token, tokenizer)) for token in c.tokens)
+                    if call.logprobs is not None and not call.chat:
+                        offsets[index] += sum(len(token_text(token, tokenizer)) for token in c.tokens)
             self._events(bodies)
         final = [usage_chunk(call, prompt_tokens, completion_tokens)] if call.include_usage else []
         self._events(final, done=True)
