@@ -98,8 +98,9 @@ class DeviceProgram:
     """The weights stored in the narrower dtype the steps read them in (``ember.core.read_dtypes``),
     by path: weights given for them in their original dtype are converted on the way in."""
     inputs: Any = None
-    """Where each step's ``batch`` and ``settings`` go: the default device (None) or, for a
-    program split over a mesh (``ember.serving.mesh``), replicated over it."""
+    """Where the steps take their ``batch`` and ``settings`` (and place them, given host arrays):
+    the default device (None) or, for a program split over a mesh (``ember.serving.mesh``),
+    replicated over it."""
     scoring_steps: ScoringSteps | None = None
     """The scoring steps (module docstring); None for a program without them (an exported one)."""
     shares_prefixes: bool = False

@@ -339,7 +339,9 @@ def test_metrics_count_requests_tokens_and_times_and_read_the_engine(served, mon
     steps.release()  # one step: both prompts prefilled, a first token each
     assert wait_for(lambda: scrape(served)["ember_num_requests_running"] == 2)
     assert 0 < scrape(served)["ember_kv_cache_usage_perc"] < 1
-    monkeypatch.setattr(served.engine, "step", step)
+    # Slowed steps: the stream left early below is still running when the server writes to it
+    # next (a fast engine was seen to finish its 60 tokens first: no abort).
+    monkeypatch.setattr(served.engine, "step", lambda *args: time.sleep(0.02) or step(*args))
     steps.release(1000)
     thread.join(60)
     assert [choice.text for choice in answer[0].choices] == expected_greedy(served, asked["prompt"], 5)
