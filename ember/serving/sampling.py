@@ -75,12 +75,20 @@ def candidate_logits(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.A
     """``logits [rows, vocab]`` at each row's temperature (rows at 0 as they are), less the
     row's largest, every token outside the row's top-k and top-p at ``-inf``: what a sampled
     row draws from."""
-    vocab = logits.shape[-1]
     temperature = settings["temperature"]
     # Shifted by the row's largest logit first (the draw is the same): a tiny temperature then
     # sends the others to -inf, not every logit to +-inf (an overflow that drew token 0).
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
     scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # A batch whose rows all keep every token skips the sort over the vocabulary (a decision on
+    # device): 64 rows x 384 tokens sorted in 3 ms of a 4.4 ms decode step on CPU.
+    filtered = jnp.any((settings["top_k"] > 0) | (settings["top_p"] < 1))
+    return jax.lax.cond(filtered, lambda: _within_top_k_and_p(scaled, settings), lambda: scaled)
+
+
+def _within_top_k_and_p(scaled: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
+    """``scaled [rows, vocab]`` with every token outside the row's top-k and top-p at ``-inf``."""
+    vocab = scaled.shape[-1]
     ordered = -jnp.sort(-scaled, axis=-1)  # [rows, vocab], descending
     rank = jnp.arange(vocab)[None, :]
     top_k = jnp.where(settings["top_k"] > 0, jnp.minimum(settings["top_k"], vocab), vocab)

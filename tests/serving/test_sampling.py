@@ -205,3 +205,20 @@ def test_top_p_one_keeps_the_far_tail():
     candidates = np.asarray(jax.jit(candidate_logits)(logits, settings))
     assert np.isfinite(candidates[0]).all()
     assert np.isfinite(candidates[1]).tolist() == [True, False, False]
+
+
+def test_a_batch_whose_rows_keep_every_token_draws_without_sorting_the_vocabulary():
+    """The sort over the vocabulary (most of a CPU decode step at temperature 1) is done only in
+    the branch taken when some row has a top-k or a top-p; a batch without either draws from the
+    scaled logits as they are, the same candidates the sorting branch gives such rows."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (3, 50))
+    plain = settings_for([SamplingParams(temperature=0.7, seed=s) for s in range(3)], [0, 1, 2])
+    jaxpr = jax.make_jaxpr(candidate_logits)(logits, plain).jaxpr
+    assert not any("sort" in str(eqn) for eqn in jaxpr.eqns if eqn.primitive.name != "cond")
+    (branches,) = [eqn.params["branches"] for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
+    assert ["sort" in str(branch) for branch in branches] == [False, True]  # taken when filtering
+    one_filtered = settings_for([*[SamplingParams(temperature=0.7, seed=s) for s in range(2)],
+                                 SamplingParams(temperature=0.7, top_k=5, seed=2)], [0, 1, 2])  # fmt: skip
+    unsorted, sorted_ = (np.asarray(jax.jit(candidate_logits)(logits, s)) for s in (plain, one_filtered))
+    np.testing.assert_array_equal(unsorted[:2], sorted_[:2])
+    assert np.isfinite(unsorted).all() and np.isfinite(sorted_[2]).sum() == 5
