@@ -29,6 +29,7 @@ import logging
 import queue
 import select
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,8 +89,7 @@ class Server:
         self.max_context = engine.program.max_context
         self.workers = EngineWorkers(engines)
         self.metrics = ServerMetrics(self.workers, models.base)
-        self._http = ThreadingHTTPServer((host, port), _Handler)
-        self._http.daemon_threads = True
+        self._http = _HTTPServer((host, port), _Handler)
         self._http.app = self  # type: ignore[attr-defined]
         self._serving = False
 
@@ -114,6 +114,20 @@ class Server:
             self._http.shutdown()
         self._http.server_close()
         self.workers.close()
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection; a client that went away mid-request is logged, not printed as an
+    exception with its traceback (socketserver's default for any error a handler leaves)."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):  # reset, broken pipe: nothing left to answer
+            log.info("%s went away: %s", client_address[0], error)
+        else:
+            log.exception("error answering %s", client_address[0])
 
 
 class _Handler(BaseHTTPRequestHandler):

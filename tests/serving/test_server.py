@@ -6,6 +6,8 @@ and a bad request is the API's error naming the field."""
 import http.client
 import json
 import re
+import socket
+import struct
 import threading
 import time
 from types import SimpleNamespace
@@ -410,3 +412,20 @@ def post(served, path, fields, body=None):
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
     connection.request("POST", path, body=body, headers=headers)
     return connection
+
+
+def test_a_client_resetting_its_connection_is_no_traceback_and_the_server_answers_on(served, capsys):
+    """A client that resets its connection mid-request (here before its headers end, and after a
+    request for /metrics it does not wait to read) is logged, not printed as an exception with a
+    traceback on the server's stderr (socketserver's default), and the server answers the next."""
+    address = served.server.url.removeprefix("http://").split(":")
+    for request in (b"GET /health HTTP/1.1\r\nHost: x\r\n", b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 50):
+        client = socket.create_connection((address[0], int(address[1])))
+        client.sendall(request)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        client.close()
+    time.sleep(0.5)  # the handlers meet the reset
+    connection = http.client.HTTPConnection(served.server.url.removeprefix("http://"), timeout=30)
+    connection.request("GET", "/health")
+    assert connection.getresponse().status == 200
+    assert "Traceback" not in capsys.readouterr().err
