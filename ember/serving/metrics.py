@@ -19,7 +19,8 @@ Read from the engines at each scrape (:class:`EngineCollector`):
   engine, or not yet taken by one);
 - ``ember_kv_cache_usage_perc`` (gauge): the fraction of the engines' cache pages in use, 0 to 1
   (a page kept only by the prefix cache counts as free);
-- ``ember_prefix_cache_hit_tokens_total`` (counter): prompt tokens found cached, not computed;
+- ``ember_prefix_cache_hit_tokens_total`` (counter): tokens found cached, not computed (a prompt's
+  and, for a preempted request started again, the tokens it had generated);
 - ``ember_num_preemptions_total`` (counter);
 - ``ember_engines_alive`` (gauge): engines that have not failed.
 
@@ -170,7 +171,8 @@ class EngineCollector:
         yield preemptions
         hits = CounterMetricFamily(
             "ember_prefix_cache_hit_tokens",
-            "Prompt tokens found in the prefix cache (their keys and values shared, not computed).",
+            "Tokens found in the prefix cache (their keys and values shared, not computed): prompts', and a preempted"
+            " request's generated ones when it starts again.",
             labels=["model_name"],
         )
         hits.add_metric(self._labels, sum(s.pages.hit_tokens for s in schedulers))
