@@ -1,5 +1,7 @@
 """Device-side sampling against hand-built masks and ``jax.random.categorical``."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,13 @@ import pytest
 
 from ember.serving.batch_io import output_record, parse_lines
 from ember.serving.requests import MAX_SEED, SamplingParams
-from ember.serving.sampling import candidate_logits, fill_settings, sample_tokens, settings_array
+from ember.serving.sampling import (
+    TOP_K_BY_SELECTION,
+    candidate_logits,
+    fill_settings,
+    sample_tokens,
+    settings_array,
+)
 from tests.tolerances import assert_allclose
 
 sample = jax.jit(sample_tokens)
@@ -207,18 +215,29 @@ def test_top_p_one_keeps_the_far_tail():
     assert np.isfinite(candidates[1]).tolist() == [True, False, False]
 
 
-def test_a_batch_whose_rows_keep_every_token_draws_without_sorting_the_vocabulary():
-    """The sort over the vocabulary (most of a CPU decode step at temperature 1) is done only in
-    the branch taken when some row has a top-k or a top-p; a batch without either draws from the
-    scaled logits as they are, the same candidates the sorting branch gives such rows."""
-    logits = jax.random.normal(jax.random.PRNGKey(3), (3, 50))
-    plain = settings_for([SamplingParams(temperature=0.7, seed=s) for s in range(3)], [0, 1, 2])
-    jaxpr = jax.make_jaxpr(candidate_logits)(logits, plain).jaxpr
-    assert not any("sort" in str(eqn) for eqn in jaxpr.eqns if eqn.primitive.name != "cond")
+def test_a_batch_sorts_its_vocabulary_only_where_a_row_needs_it_and_every_way_gives_the_same_candidates():
+    """Candidates three ways, chosen on device: a batch without top-k or top-p takes the scaled
+    logits as they are (a sort of the vocabulary was most of a CPU decode step at temperature 1);
+    one whose filtering rows keep at most TOP_K_BY_SELECTION tokens by top-k selects them
+    (``lax.top_k``, top-p within them); only a row filtering by top-p alone or by a larger top-k
+    sorts the whole row. The same rows get the same candidates whichever way their batch takes."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (5, 200)) * 3
+    sampled = lambda **kw: SamplingParams(temperature=0.7, seed=0, **kw)  # noqa: E731
+    jaxpr = jax.make_jaxpr(candidate_logits)(logits, settings_for([sampled()] * 5, range(5))).jaxpr
+    uses = lambda primitive, jaxpr: re.search(rf"\b{primitive}\[", str(jaxpr)) is not None  # noqa: E731
+    assert not any(uses("sort", eqn) or uses("top_k", eqn) for eqn in jaxpr.eqns if eqn.primitive.name != "cond")
     (branches,) = [eqn.params["branches"] for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
-    assert ["sort" in str(branch) for branch in branches] == [False, True]  # taken when filtering
-    one_filtered = settings_for([*[SamplingParams(temperature=0.7, seed=s) for s in range(2)],
-                                 SamplingParams(temperature=0.7, top_k=5, seed=2)], [0, 1, 2])  # fmt: skip
-    unsorted, sorted_ = (np.asarray(jax.jit(candidate_logits)(logits, s)) for s in (plain, one_filtered))
-    np.testing.assert_array_equal(unsorted[:2], sorted_[:2])
-    assert np.isfinite(unsorted).all() and np.isfinite(sorted_[2]).sum() == 5
+    assert [(uses("sort", b), uses("top_k", b)) for b in branches] == [(False, False), (False, True), (True, False)]
+    rows = [sampled(), sampled(top_k=5), sampled(top_k=40, top_p=0.8), sampled(top_k=TOP_K_BY_SELECTION, top_p=0.9)]
+    candidates = jax.jit(candidate_logits)
+    plain, selected, sorted_ = (
+        np.asarray(candidates(logits, settings_for(batch, range(5))))
+        for batch in ([sampled()] * 5, [*rows, sampled()], [*rows, sampled(top_p=0.5)])
+    )
+    assert np.isfinite(plain).all() and np.isfinite(selected[[0, 4]]).all()
+    np.testing.assert_array_equal(selected[:4], sorted_[:4])
+    np.testing.assert_array_equal(plain[0], selected[0])
+    kept = np.isfinite(sorted_).sum(axis=-1)
+    assert kept[1] == 5 and 1 <= kept[2] < 40 and 1 <= kept[3] < TOP_K_BY_SELECTION and kept[4] < 200
+    for row, params in zip(range(1, 4), rows[1:]):  # the hand-built mask of each filtering row
+        np.testing.assert_array_equal(np.isfinite(sorted_[row]), np.isfinite(hand_masked(logits[row], params)))
