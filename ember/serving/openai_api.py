@@ -357,7 +357,7 @@ def chunk_body(
     which gives the role), its finish reason on the last; the tokens since the last chunk (an
     echoed prompt's, then those sampled) with their log-probabilities and alternatives when the
     call asked for them, a completion's ``text_offset`` going on from ``text_offset`` (the length
-    of the :func:`token_text` of the tokens streamed before)."""
+    of the texts of the tokens streamed before)."""
     choice: dict[str, Any] = {"index": index}
     if call.chat:
         choice["delta"] = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
@@ -396,9 +396,9 @@ def _logprobs(
     text_offset: int = 0,
 ) -> Any:
     """The log-probabilities of ``tokens`` (None: an echoed prompt's first token's) and their
-    alternatives (None where there are none) in the API's form, each token's text its
-    :func:`token_text`, a completion's first at ``text_offset``."""
-    piece = lambda token: token_text(token, tokenizer)  # noqa: E731
+    alternatives (None where there are none) in the API's form, each token's text its own
+    decoding (its id, without a tokenizer), a completion's first at ``text_offset``."""
+    piece = lambda token: tokenizer.decode([token]) if tokenizer is not None else str(token)  # noqa: E731
     pieces = [piece(t) for t in tokens]
     values = list(logprobs or [])
     others = list(alternatives or [None] * len(pieces))
@@ -417,11 +417,6 @@ def _logprobs(
         "top_logprobs": top if call.logprobs else None,
         "text_offset": offsets,
     }
-
-
-def token_text(token: int, tokenizer: Any) -> str:
-    """A token's text in log-probabilities: its own decoding (its id, without a tokenizer)."""
-    return tokenizer.decode([token]) if tokenizer is not None else str(token)
 
 
 def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
@@ -447,7 +442,6 @@ __all__ = [
     "parse_call",
     "prompt_scores",
     "response_body",
-    "token_text",
     "usage",
     "usage_chunk",
 ]

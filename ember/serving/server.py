@@ -48,7 +48,6 @@ from ember.serving.openai_api import (
     parse_call,
     prompt_scores,
     response_body,
-    token_text,
     usage_chunk,
 )
 from ember.serving.requests import FINISH_ABORT, FINISH_ERROR, Alternatives, GenerationResult, Request
@@ -289,22 +288,14 @@ class _Handler(BaseHTTPRequestHandler):
                 chunk.finish_reason = result.finish_reason
             bodies = []
             for index, c in pending.items():
-                if c.text or c.tokens or c.finish_reason:
-                    bodies.append(
-                        chunk_body(
-                            call,
-                            index,
-                            c.text,
-                            finish_reason=c.finish_reason,
-                            tokens=c.tokens,
-                            logprobs=c.logprobs,
-                            alternatives=c.alternatives,
-                            tokenizer=tokenizer,
-                            text_offset=offsets[index],
-                        )
-                    )
-                    if call.logprobs is not None and not call.chat:
-                        offsets[index] += sum(len(token_text(token, tokenizer)) for token in c.tokens)
+                if not (c.text or c.tokens or c.finish_reason):
+                    continue
+                bodies.append(chunk_body(call, index, c.text, finish_reason=c.finish_reason, tokens=c.tokens,
+                                         logprobs=c.logprobs, alternatives=c.alternatives, tokenizer=tokenizer,
+                                         text_offset=offsets[index]))  # fmt: skip
+                logprobs = bodies[-1]["choices"][0]["logprobs"]
+                if logprobs is not None and not call.chat:
+                    offsets[index] += sum(len(text) for text in logprobs["tokens"])
             self._events(bodies)
         final = [usage_chunk(call, prompt_tokens, completion_tokens)] if call.include_usage else []
         self._events(final, done=True)
