@@ -257,7 +257,9 @@ class Engine:
                 batch["adapters"][slot] = program.adapter_names.index(request.params.adapter)
             offset += count
         step = program.scoring_steps[bucket] if scoring else program.steps[bucket]
-        with jax.transfer_guard_host_to_device("allow"):  # the batch and settings, as host arrays
+        # The batch and settings go as host arrays, made afresh each step: on CPU, JAX may read
+        # them in place until the step has run (the device_get below waits for it).
+        with jax.transfer_guard_host_to_device("allow"):
             program.kv, tokens, logprobs, *scores = step(program.params, program.kv, batch, settings)
         tokens, logprobs, scores = jax.device_get((tokens, logprobs, scores))
         alternatives = record_scores(chunks, scores[0]) if scoring else None
