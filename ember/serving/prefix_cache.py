@@ -9,11 +9,12 @@ token is always computed (its logits give the next token), so the pages it write
 a shared page is only read.
 
 Pages are counted by the requests holding them. A page no request holds keeps its contents
-and key while the pool has other free pages (*evictable*, least recently released first), so a
-prompt that comes back soon finds it; :meth:`PrefixCache.allocate` takes truly free pages
-first, then evicts. While a request computes a full page another waiting request needs next,
-that one waits for it (:meth:`PrefixCache.match`) rather than computing it again: the
-requests of a group sampled from one prompt (GRPO, ``n`` choices) prefill it once.
+and key while the pool has other free pages (*evictable*, least recently released first, a
+sequence's last page before its first), so a prompt that comes back soon finds it;
+:meth:`PrefixCache.allocate` takes truly free pages first, then evicts. While a request
+computes a full page another waiting request needs next, that one waits for it
+(:meth:`PrefixCache.match`) rather than computing it again: the requests of a group sampled
+from one prompt (GRPO, ``n`` choices) prefill it once.
 
 Only models whose every layer keeps its cache in the pages can share them (the softmax
 family): a recurrent layer's state at the end of a prefix is not kept. New weights
@@ -132,7 +133,9 @@ class PrefixCache:
         tracked = self._tracked.pop(id(request), None)
         if tracked is not None:
             self._uncount(tracked.computing)
-        for page in request.pages:
+        # Last page first: a page's key chains its parents', so an evicted parent leaves its
+        # children unreachable; released deepest first, they are evicted before it.
+        for page in reversed(request.pages):
             self._holders[page] -= 1
             if self._holders[page] > 0:
                 continue

@@ -166,6 +166,24 @@ def test_preemption_by_recompute_under_a_tiny_pool():
     assert scheduler.pages.num_free == 4
 
 
+def test_the_cache_evicts_a_finished_sequences_last_page_before_its_first():
+    """A page's key chains its parents': evicting a sequence's first page would leave the rest
+    unreachable. A 5-token prompt leaves two cached pages; a request needing one of them evicts
+    the second, and the prompt sent again starts after the first."""
+    scheduler = make_scheduler(num_pages=4, max_context=8, prefix_caching=True)
+
+    def run(r):
+        scheduler.add(r)
+        while scheduler.has_unfinished:
+            commit_all(scheduler, scheduler.schedule())
+
+    run(request(0, 5, max_tokens=1))
+    assert scheduler.pages.num_free == 4 and scheduler.pages.hit_tokens == 0
+    run(Request(1, [90, 91, 92, 93, 94], SamplingParams(max_tokens=1)))  # 3 pages: 2 free, 1 evicted
+    run(request(2, 5, max_tokens=1))
+    assert scheduler.pages.hit_tokens == 2
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_random_workloads_keep_page_accounting(rng, prefix_caching):
     """Random budgets, chunks, page sizes and arrivals: every chunk continues its sequence in
