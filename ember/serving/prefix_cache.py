@@ -6,7 +6,8 @@ request runs (an adapter changes the keys and values), chained page by page. Onc
 is computed, its key names it; a request that arrives later with the same first tokens starts
 with those pages in its page table and computes only the rest. At least the request's last
 token is always computed (its logits give the next token), so the pages it writes are its own:
-a shared page is only read.
+a shared page is only read. A request asking for its prompt's log-probabilities shares a page
+only where the scores of its rows are kept too (:mod:`ember.serving.page_scores`).
 
 Pages are counted by the requests holding them. A page no request holds keeps its contents
 and key while the pool has other free pages (*evictable*, least recently released first, a
@@ -28,6 +29,7 @@ import hashlib
 
 import numpy as np
 
+from ember.serving.page_scores import PageScores
 from ember.serving.pages import PageAllocator
 from ember.serving.requests import Request
 
@@ -46,6 +48,7 @@ class PrefixCache:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest release first
         self._computing: collections.Counter[bytes] = collections.Counter()  # keys some running request computes
         self._tracked: dict[int, _Tracked] = {}  # id(request) -> its keys, what it registered and computes
+        self.scores = PageScores(page_size)
         self.hit_tokens = 0
         """Tokens requests found computed here since the engine started (not computed again)."""
 
@@ -62,7 +65,9 @@ class PrefixCache:
         short = count - self.allocator.num_free
         for _ in range(max(short, 0)):
             page, _ = self._evictable.popitem(last=False)
-            del self._page_of[self._key_of.pop(page)]
+            key = self._key_of.pop(page)
+            del self._page_of[key]
+            self.scores.drop(key)
             self.allocator.free([page])
         pages = self.allocator.allocate(count)
         for page in pages:
@@ -71,17 +76,19 @@ class PrefixCache:
 
     def match(self, request: Request) -> list[int] | None:
         """The computed pages the start of ``request``'s sequence may share (:meth:`hold` them to
-        use them), leaving at least its last token to compute; none for a request that asks for
-        its prompt's log-probabilities (every prompt row must be computed). None when the first
-        page it would compute past them is being computed by a running request: it had better
-        wait a step or two than compute that page too."""
-        if not self.enabled or request.params.prompt_logprobs:
+        use them), leaving at least its last token to compute; for a request asking for its
+        prompt's log-probabilities, only as far as the scores of their rows are kept. None when
+        the first page it would compute past them is being computed by a running request: it
+        had better wait a step or two than compute that page too."""
+        if not self.enabled:
             return []
         pages = []
-        for key in self._keys(request, (request.num_tokens - 1) // self.page_size):
+        for index, key in enumerate(self._keys(request, (request.num_tokens - 1) // self.page_size)):
             page = self._page_of.get(key)
             if page is None:
                 return None if self._computing[key] > 0 else pages
+            if not self.scores.covers(key, request, index):
+                return pages
             pages.append(page)
         return pages
 
@@ -89,8 +96,12 @@ class PrefixCache:
         """How many of ``pages`` no request holds (holding them takes them out of :attr:`num_free`)."""
         return sum(page in self._evictable for page in pages)
 
-    def hold(self, pages: list[int]) -> None:
-        """Takes ``pages`` of :meth:`match` for a request that starts with them."""
+    def hold(self, request: Request, pages: list[int]) -> None:
+        """Takes ``pages`` of :meth:`match` for ``request``, which starts after them (with the
+        kept scores of their prompt rows, where it asks for them)."""
+        if request.params.prompt_logprobs:
+            for index, key in enumerate(self._keys(request, len(pages))):
+                self.scores.read(key, request, index)
         for page in pages:
             if self._holders[page] == 0:
                 del self._evictable[page]
@@ -105,11 +116,12 @@ class PrefixCache:
         tracked = self._tracked[id(request)] = _Tracked()
         keys = self._keys(request, request.num_tokens // self.page_size)  # kept in tracked.keys
         tracked.computing = keys[request.num_computed // self.page_size :]
+        tracked.scored_from = len(request.prompt_logprobs)  # rows scored before this run aren't kept
         self._computing.update(tracked.computing)
 
     def computed(self, request: Request) -> None:
         """Keeps ``request``'s pages that are now full and computed by their keys (a key some
-        other page holds already stays with that one)."""
+        other page holds already stays with that one), and the scores it recorded of their rows."""
         if not self.enabled:
             return
         tracked = self._tracked.get(id(request))
@@ -121,6 +133,8 @@ class PrefixCache:
             key, page = keys[index], request.pages[index]
             if key not in self._page_of and page not in self._key_of:
                 self._page_of[key], self._key_of[page] = page, key
+            if key in self._page_of and index * self.page_size >= tracked.scored_from:
+                self.scores.keep(key, request, index)
         tracked.registered = max(tracked.registered, full)
         done = [key for key in tracked.computing if key in self._page_of]
         if done:
@@ -152,6 +166,7 @@ class PrefixCache:
         self._page_of.clear()
         self._key_of.clear()
         self._computing.clear()
+        self.scores.clear()
         for tracked in self._tracked.values():
             tracked.registered = 1 << 62  # its pages were computed under the old weights
             tracked.computing = []
@@ -179,12 +194,13 @@ class PrefixCache:
 
 class _Tracked:
     """What a prefix cache knows of one running request: its pages' keys so far, how many of its
-    pages it has registered, and the keys it is computing."""
+    pages it has registered, the keys it is computing and the first prompt row it scores."""
 
     def __init__(self):
         self.keys: list[bytes] = []
         self.registered = 0
         self.computing: list[bytes] = []
+        self.scored_from = 0
 
 
 __all__ = ["PrefixCache"]

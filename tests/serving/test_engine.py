@@ -146,6 +146,44 @@ def test_prompt_and_alternative_logprobs_equal_a_full_forward_pass(engine, refer
     assert engine.scheduler.pages.num_free == NUM_PAGES
 
 
+def test_scored_choices_of_one_context_share_its_pages_and_their_rows_scores(program, reference_log_probs, rng):
+    """lm-evaluation-harness's multiple-choice shape: each choice scored whole after a shared
+    context (``max_tokens`` 0, ``prompt_logprobs``, alternatives). Four sent together: the first
+    computes the 21-token context, keeping its pages and their rows' scores; the others wait for
+    it, then start after its five full pages, reading those scores. One asking for more
+    alternatives than were kept computes it again (keeping them), which the next one reads. After
+    a 20-token context, a page's last row scores the choice's first token: a choice starting
+    with another token shares one page fewer. Every score is a full forward pass's."""
+    generator = np.random.default_rng(int(jax.random.randint(rng, (), 0, 2**31 - 1)))
+    contexts = [generator.integers(0, 256, length).tolist() for length in (21, 20)]
+    choices = [contexts[0] + generator.integers(0, 256, int(generator.integers(1, 6))).tolist() for _ in range(6)]
+    choices += [contexts[1] + [first, *generator.integers(0, 256, 2).tolist()] for first in (7, 8, 7)]
+    widths = [2, 1, 2, 1, 3, 3, 1, 1, 1]
+    asks = [SamplingParams(max_tokens=0, prompt_logprobs=True, top_logprobs=width) for width in widths]
+    engine = Engine(program.fresh_copy())
+    results = engine.generate(choices[:4], asks[:4])
+    hits = [engine.scheduler.pages.hit_tokens]
+    for choice, ask in zip(choices[4:], asks[4:]):
+        results += engine.generate([choice], ask)
+        hits.append(engine.scheduler.pages.hit_tokens)
+    assert np.diff([0, *hits]).tolist() == [3 * 20, 0, 20, 0, 16, 20]
+    rows = [r for i in range(0, 12, 4) for r in reference_log_probs((choices + [[0]] * 3)[i : i + 4])]
+    for index, (choice, width, result) in enumerate(zip(choices, widths, results)):
+        log_probs, message = rows[index][:-1], f"choice {index}"
+        top = np.argsort(-log_probs, axis=-1, kind="stable")[:, :width]
+        assert_allclose(
+            result.prompt_logprobs, log_probs[np.arange(len(choice) - 1), choice[1:]], dtype=np.float32, err_msg=message
+        )
+        assert [[t for t, _ in a] for a in result.prompt_top_logprobs] == top.tolist(), message
+        assert_allclose(
+            [[v for _, v in a] for a in result.prompt_top_logprobs],
+            np.take_along_axis(log_probs, top, axis=-1),
+            dtype=np.float32,
+            err_msg=message,
+        )
+    assert engine.scheduler.pages.num_free == NUM_PAGES
+
+
 def test_a_group_of_one_prompt_prefills_it_once(program, reference_greedy, rng, monkeypatch):
     """Prefix caching: four copies of a 21-token prompt submitted together (a GRPO group, ``n``
     choices) prefill it once. The first computes it (16 then 5 tokens: the budget is 16) while
@@ -191,20 +229,22 @@ def test_requests_that_begin_alike_share_pages_through_arrivals_and_preemption(p
 
 
 def test_new_weights_empty_the_prefix_cache_and_an_engine_may_go_without_it(program, params, reference_greedy):
-    """A prompt served again finds its pages cached, unless it asks for its log-probabilities or
-    the weights changed in between (``update_params``: the pages hold the old weights' keys and
-    values); ``prefix_caching=False`` shares nothing."""
+    """A prompt served again finds its pages cached, unless it asks for its log-probabilities
+    and their rows were never scored, or the weights changed in between (``update_params``: the
+    pages hold the old weights' keys and values); ``prefix_caching=False`` shares nothing."""
     prompt, greedy = list(range(40, 53)), SamplingParams(max_tokens=2, ignore_eos=True)
     engine = Engine(program.fresh_copy())
     engine.generate([prompt], greedy)
     engine.generate([prompt], greedy)
     assert engine.scheduler.pages.hit_tokens == 12
-    # A request for the prompt's log-probabilities computes every prompt row.
-    scored = engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=True))
-    assert len(scored[0].prompt_logprobs) == 12 and engine.scheduler.pages.hit_tokens == 12
+    # A request for the prompt's log-probabilities computes every prompt row (keeping their
+    # scores with the pages); the next one reads them.
+    scored = [engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=True))[0] for _ in range(2)]
+    assert len(scored[0].prompt_logprobs) == 12 and scored[1].prompt_logprobs == scored[0].prompt_logprobs
+    assert engine.scheduler.pages.hit_tokens == 24
     engine.update_params(jax.tree.map(lambda leaf: leaf * 1.5, params))
     moved = engine.generate([prompt], greedy)
-    assert engine.scheduler.pages.hit_tokens == 12
+    assert engine.scheduler.pages.hit_tokens == 24
     assert (
         moved[0].tokens
         == Engine(program.fresh_copy(jax.tree.map(lambda leaf: leaf * 1.5, params)))
