@@ -184,6 +184,29 @@ def test_scored_choices_of_one_context_share_its_pages_and_their_rows_scores(pro
     assert engine.scheduler.pages.num_free == NUM_PAGES
 
 
+def test_scores_a_request_had_before_new_weights_never_reach_the_cache(program, params):
+    """A scored request preempted mid-prompt keeps the scores of the rows it had when it comes
+    back, which ``update_params`` in between made the old weights'. It computes every page
+    again, but keeps with them only the rows it scored afresh: a request scoring the same prompt
+    after it reads no old score (it shares no page: the first three pages' rows were not kept)."""
+    prompt, scored = list(range(60, 90)), SamplingParams(max_tokens=0, prompt_logprobs=True)
+    moved = jax.tree.map(lambda leaf: leaf * 1.5, params)
+    engine = Engine(program.fresh_copy())
+    engine.add_request(prompt, scored)
+    for _ in range(3):
+        engine.step(token_budget=4)
+    (request,) = engine.scheduler.running
+    assert len(request.prompt_logprobs) == 12
+    engine.scheduler.preempt(request)
+    engine.update_params(moved)
+    while engine.has_unfinished:
+        engine.step()
+    (again,) = engine.generate([prompt], scored)
+    expected = Engine(program.fresh_copy(moved), prefix_caching=False).generate([prompt], scored)[0]
+    assert engine.scheduler.pages.hit_tokens == 0
+    assert_allclose(again.prompt_logprobs, expected.prompt_logprobs, dtype=np.float32)
+
+
 def test_a_group_of_one_prompt_prefills_it_once(program, reference_greedy, rng, monkeypatch):
     """Prefix caching: four copies of a 21-token prompt submitted together (a GRPO group, ``n``
     choices) prefill it once. The first computes it (16 then 5 tokens: the budget is 16) while
