@@ -29,8 +29,9 @@ request finishes (with outputs uniform in 16-256 and 8 slots, at most about 1.7x
 Also: one decode step at batch 64 (GPU; 8 on CPU) over a full context, as the bytes it
 must read (weights + K/V) per second against the measured bandwidth of a large copy; and
 group sampling as GRPO does it (8 prompts of 256-512 tokens, 8 samples of each, submitted at
-once) with prefix caching and without: the same engine program, the seconds to finish and the
-prompt tokens computed.
+once) and lm-evaluation-harness's multiple-choice scoring (16 contexts x 4 choices, each scored
+whole), each with prefix caching and without: the same engine program, the seconds to finish and
+the prompt tokens computed.
 
 Results: ``benchmarks/results/serving-<device>.json``.
 """
@@ -247,8 +248,8 @@ def bench_model(
 
 
 def bench_prefix_sharing(name: str, config: ModelConfig, *, num_slots: int, token_budget: int) -> list[dict]:
-    """Group sampling (8 prompts x 8 samples at temperature 1, 32-64 tokens each) on engines
-    with and without prefix caching over one compiled program: seconds and prompt tokens computed."""
+    """Group sampling (8 prompts of 256-512 tokens x 8 samples at temperature 1, 32-64 tokens
+    each) on engines with and without prefix caching: seconds and prompt tokens computed."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, config.vocab_size, size=int(rng.integers(256, 513))).tolist() for _ in range(8)]
     group = [prompt for prompt in prompts for _ in range(8)]
@@ -256,16 +257,41 @@ def bench_prefix_sharing(name: str, config: ModelConfig, *, num_slots: int, toke
         SamplingParams(max_tokens=int(rng.integers(32, 65)), temperature=1.0, seed=i, ignore_eos=True)
         for i in range(len(group))
     ]
+    return with_and_without_caching(name, config, group, settings, num_slots=num_slots, token_budget=token_budget)
+
+
+def bench_scored_choices(name: str, config: ModelConfig, *, num_slots: int, token_budget: int) -> list[dict]:
+    """lm-evaluation-harness's multiple-choice log-likelihoods through the engine: 16 contexts
+    of 128-384 tokens, each followed by 4 choices of 4-24 tokens, every sequence scored whole
+    (``max_tokens`` 0, ``prompt_logprobs``, one alternative: ``echo`` with ``logprobs`` 1),
+    submitted at once, on engines with and without prefix caching."""
+    rng = np.random.default_rng(2)
+    contexts = [rng.integers(0, config.vocab_size, size=int(rng.integers(128, 385))).tolist() for _ in range(16)]
+    choices = [
+        c + rng.integers(0, config.vocab_size, size=int(rng.integers(4, 25))).tolist()
+        for c in contexts
+        for _ in range(4)
+    ]
+    settings = [SamplingParams(max_tokens=0, prompt_logprobs=True, top_logprobs=1)] * len(choices)
+    return with_and_without_caching(name, config, choices, settings, num_slots=num_slots, token_budget=token_budget)
+
+
+def with_and_without_caching(
+    name: str, config: ModelConfig, prompts: list, settings: list, *, num_slots: int, token_budget: int
+) -> list[dict]:
+    """``prompts`` generated with ``settings`` on engines with and without prefix caching over
+    one compiled program (prompts up to 512 tokens, outputs up to 64): seconds, tokens out and
+    prompt tokens computed."""
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
     program = build_program(config, params, num_slots=num_slots, token_budget=token_budget, max_context=576)
     rows = []
     for caching in (True, False):
         engine = Engine(program.fresh_copy(), prefix_caching=caching)
-        engine.generate(group[:1], settings[:1])  # warm: its pages are not in the other engine's cache
+        engine.generate(prompts[:1], settings[:1])  # warm: its pages are not in the other engine's cache
         engine = Engine(program.fresh_copy(), prefix_caching=caching)
         fed = count_fed_tokens(engine)
         start = time.perf_counter()
-        results = engine.generate(group, settings)
+        results = engine.generate(prompts, settings)
         seconds = time.perf_counter() - start
         generated = sum(len(r.tokens) for r in results)
         rows.append(
@@ -274,7 +300,7 @@ def bench_prefix_sharing(name: str, config: ModelConfig, *, num_slots: int, toke
                 prefix_caching=caching,
                 seconds=seconds,
                 output_tok_s=generated / seconds,
-                prompt_tokens=sum(map(len, group)),
+                prompt_tokens=sum(map(len, prompts)),
                 tokens_fed=sum(fed),
                 cached_tokens=engine.scheduler.pages.hit_tokens,
                 num_slots=num_slots,
@@ -380,7 +406,17 @@ def main() -> None:
     print_table(sharing, ["model", "prefix_caching", "seconds", "output_tok_s", "tokens_fed", "cached_tokens"])
     speedup = sharing[1]["seconds"] / sharing[0]["seconds"]
     print(f"{name}: group sampling with / without prefix caching = {speedup:.2f}x")
-    results = {"workload": shape, "rows": rows, "decode_bandwidth": bandwidth, "prefix_sharing": sharing}
+    scored = bench_scored_choices(name, config, num_slots=num_slots, token_budget=token_budget)
+    print_table(scored, ["model", "prefix_caching", "seconds", "prompt_tokens", "tokens_fed", "cached_tokens"])
+    speedup = scored[1]["seconds"] / scored[0]["seconds"]
+    print(f"{name}: scored choices (lm-evaluation-harness) with / without prefix caching = {speedup:.2f}x")
+    results = {
+        "workload": shape,
+        "rows": rows,
+        "decode_bandwidth": bandwidth,
+        "prefix_sharing": sharing,
+        "scored_choices": scored,
+    }
     path = write_results("serving", results)
     print(f"wrote {path}")
 
