@@ -265,7 +265,8 @@ class SSMConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only LM. ``head_dim``/``num_kv_heads`` of 0 mean ``d_model // num_heads`` /
-    ``num_heads``; ``attn_soft_cap``/``final_soft_cap`` of 0 mean no soft-cap."""
+    ``num_heads``; ``attn_soft_cap``/``final_soft_cap`` of 0 mean no soft-cap; ``attn_scale``
+    of 0 means ``1 / sqrt(head_dim)``; ``local_rope_theta`` of 0 means ``rope`` on every layer."""
 
     vocab_size: int = 256
     d_model: int = 64
@@ -284,6 +285,16 @@ class ModelConfig:
     qk_norm: bool = False
     attn_soft_cap: float = 0.0
     final_soft_cap: float = 0.0
+    attn_scale: float = 0.0
+    """What softmax-family attention multiplies ``q . k`` by (Gemma 2/3: ``query_pre_attn_scalar ** -0.5``)."""
+    embed_scale: float = 1.0
+    """What the token embeddings are multiplied by, in the compute dtype (Gemma: ``sqrt(d_model)``);
+    a tied output head reads the embedding table unscaled."""
+    post_norms: bool = False
+    """Each block also normalises its mixer's and its MLP's output before adding it to the residual
+    (``attn_post_norm``, ``mlp_post_norm``: Gemma 2/3's "sandwich" norms)."""
+    local_rope_theta: float = 0.0
+    """The rotary base of ``local`` layers, unscaled (Gemma 3's ``rope_local_base_freq``)."""
     score: str = "softmax"
     block_pattern: tuple[str, ...] = ("global",)
     mlp_pattern: tuple[str, ...] = ("dense",)
@@ -362,6 +373,18 @@ class ModelConfig:
             value = getattr(self, cap)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"{cap} must be a finite number >= 0 (0 = off), got {value}", key=cap)
+        for name, default in (("attn_scale", "1 / sqrt(head_dim)"), ("local_rope_theta", "rope.theta")):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a finite number >= 0 (0 = {default}), got {value}", key=name)
+        if self.attn_scale and set(self.block_pattern) - set(SOFTMAX_FAMILY):
+            raise ConfigError(
+                f"attn_scale scales softmax-family attention ({', '.join(SOFTMAX_FAMILY)}); block_pattern also has "
+                f"{sorted(set(self.block_pattern) - set(SOFTMAX_FAMILY))}, which would ignore it",
+                key="attn_scale",
+            )
+        if not (self.embed_scale > 0 and math.isfinite(self.embed_scale)):
+            raise ConfigError(f"embed_scale must be a finite number > 0, got {self.embed_scale}", key="embed_scale")
         if self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}", key="sliding_window")
         if self.global_tokens < 0:
@@ -433,6 +456,13 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    def rope_of(self, kind: str) -> RopeConfig:
+        """The rotary embedding of a ``kind`` layer: ``rope``, or for a ``local`` one with
+        ``local_rope_theta`` set, the unscaled rotation of that base."""
+        if kind == "local" and self.local_rope_theta:
+            return RopeConfig(theta=self.local_rope_theta)
+        return self.rope
 
     @property
     def cca_query_heads(self) -> int:

@@ -57,7 +57,8 @@ _REMAT_POLICIES = {
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
+    """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (with
+    ``post_norms``, ``x + norm(mixer(norm(x)))`` and ``x + norm(mlp(norm(x)))``).
 
     The mixer (named ``attn`` whatever its kind) is chosen by ``kind``, the MLP by
     ``mlp_placement`` (``moe``: a ``MoeMlp``; ``none``: no MLP and no ``mlp_norm``; a dense
@@ -89,6 +90,8 @@ class Block(nn.Module):
         else:
             mixer = LinearAttention(config, name="attn")
         h, state = mixer(h, positions, segment_ids, state, paging, valid)
+        if config.post_norms:
+            h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="attn_post_norm")(h)
         x = constrain(x + h, ("batch", "seq", "embed"))
         if self.mlp_placement == "none":
             return x, state, router_logits, None
@@ -116,6 +119,8 @@ class Block(nn.Module):
                 quantized_impl=config.quantized_impl,
                 name="mlp",
             )(h, adapter_ids)
+        if config.post_norms:
+            h = make_norm(config.norm, config.norm_eps, param_dtype=param_dtype, name="mlp_post_norm")(h)
         return constrain(x + h, ("batch", "seq", "embed")), state, router_logits, stats
 
 
@@ -212,7 +217,7 @@ class DecoderLM(nn.Module):
             raise ValueError(f"positions must have the tokens' shape {tokens.shape}, got {positions.shape}")
 
         embed = token_embedding(config, name="embed")
-        x = constrain(embed(tokens), ("batch", "seq", "embed"))
+        x = constrain(scaled_embeddings(config, embed(tokens)), ("batch", "seq", "embed"))
         states = None if cache is None else cache["layers"]
         x, states, moe_stats = self._layers(x, states, positions, segment_ids, paging, valid)
         if moe_stats:
@@ -310,6 +315,12 @@ def token_embedding(config: ModelConfig, **kwargs) -> Embed:
     inside it, or standalone: ``token_embedding(config).apply({"params": params["embed"]}, tokens)``)."""
     policy = config.policy
     return Embed(config.vocab_size, config.d_model, config.init_std, policy.compute_dtype, policy.param_dtype, **kwargs)
+
+
+def scaled_embeddings(config: ModelConfig, x: jax.Array) -> jax.Array:
+    """The token embeddings ``x [batch, seq, embed]`` times ``config.embed_scale``, in their own
+    dtype (as Gemma scales them): what the first block reads."""
+    return x if config.embed_scale == 1.0 else x * jnp.asarray(config.embed_scale, x.dtype)
 
 
 def initial_router_logits(config: ModelConfig, x: jax.Array) -> jax.Array | None:

@@ -19,6 +19,10 @@ TRIMMED = {
     "mistral": GROUPED,
     "qwen2": GROUPED,
     "qwen3": GROUPED,  # no head_dim: transformers' is 128, not hidden_size / num_attention_heads
+    # head_dim 256 too; no layer_types nor rope bases (Gemma 3's are per layer type)
+    "gemma": GROUPED,
+    "gemma2": GROUPED,
+    "gemma3_text": GROUPED,
     "mixtral": GROUPED,
     "qwen2_moe": dict(GROUPED, num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     # transformers writes num_experts as num_local_experts (its attribute_map); the released configs as num_experts

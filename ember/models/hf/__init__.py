@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, Mamba-2) <->
-Ember ``(ModelConfig, params)``.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text, Mixtral,
+Qwen2-MoE, Qwen3-MoE, Mamba-2) <-> Ember ``(ModelConfig, params)``.
 
 config, params = ember.models.hf.load("path/to/hf_model")   # NumPy arrays, read tensor by tensor
 ember.models.hf.save("path/out", config, params, model_type="llama")

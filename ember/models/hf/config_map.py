@@ -1,5 +1,6 @@
-"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral, Qwen2, Qwen3, Mixtral,
-Qwen2-MoE, Qwen3-MoE and Mamba-2 (the last in ``ember.models.hf.mamba2``).
+"""``ModelConfig`` <-> Hugging Face ``config.json`` for Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2,
+Gemma 3 (text), Mixtral, Qwen2-MoE, Qwen3-MoE and Mamba-2 (what Gemma adds in
+``ember.models.hf.gemma``, Mamba-2 in ``ember.models.hf.mamba2``).
 
 Only fields that change the computation are mapped; a field Ember cannot honour (an
 architecture, activation, rope type or bias it does not implement) raises ``ConfigError``
@@ -12,12 +13,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ember.core.errors import ConfigError
-from ember.models.config import ModelConfig, MoEConfig, RopeConfig
+from ember.models.config import ModelConfig, MoEConfig
 from ember.models.hf.defaults import with_transformers_defaults
+from ember.models.hf.gemma import (
+    GEMMA_MODEL_TYPES,
+    check_exportable,
+    gemma_activation,
+    gemma_fields,
+    gemma_layer_kinds,
+    gemma_to_hf,
+)
 from ember.models.hf.mamba2 import mamba2_config_from_hf, mamba2_config_to_hf
+from ember.models.hf.rope_map import rope_from_hf, rope_to_hf
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mamba2",
+    "llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES, "mixtral", "qwen2_moe", "qwen3_moe", "mamba2",
 )  # fmt: skip
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "qwen3_moe")
@@ -37,6 +47,9 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -71,7 +84,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     if model_type == "mamba2":
         return mamba2_config_from_hf(hf, **overrides)
     hf = with_transformers_defaults(hf)
-    activation = hf["hidden_act"]
+    activation = gemma_activation(hf, model_type) if model_type in GEMMA_MODEL_TYPES else hf["hidden_act"]
     if activation not in _ACTIVATIONS:
         raise ConfigError(
             f"unsupported hidden_act {activation!r} in {model_type} config; supported: {', '.join(_ACTIVATIONS)}"
@@ -95,7 +108,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         mlp=_ACTIVATIONS[activation],
         norm="rmsnorm",
         norm_eps=float(hf["rms_norm_eps"]),
-        rope=_rope_from_hf(hf),
+        rope=rope_from_hf(hf) if model_type != "gemma3_text" else None,  # gemma_fields: per layer type
         max_seq_len=int(hf["max_position_embeddings"]),
         tie_embeddings=bool(hf["tie_word_embeddings"]),
         qkv_bias=model_type in _QKV_BIAS and bool(hf.get("qkv_bias", True)),
@@ -104,6 +117,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         sliding_window=int(hf.get("sliding_window") or 4096),
         init_std=float(hf["initializer_range"]),
     )
+    if model_type in GEMMA_MODEL_TYPES:
+        fields.update(gemma_fields(hf, model_type))
     if model_type in MOE_MODEL_TYPES:
         fields.update(_moe_from_hf(hf, model_type, num_layers))
     fields.update(overrides)
@@ -117,13 +132,15 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     if model_type == "mamba2":
         return mamba2_config_to_hf(config)
     kinds = set(config.layer_kinds)
-    if not kinds <= {"global", "local"} or config.score != "softmax" or config.attn_soft_cap or config.final_soft_cap:
+    capped = (config.attn_soft_cap or config.final_soft_cap) and model_type not in ("gemma2", "gemma3_text")
+    if not kinds <= {"global", "local"} or config.score != "softmax" or capped:
         raise ConfigError(
-            f"only softmax global/local attention without soft-caps exports to {model_type}; "
-            f"this config has layer kinds {sorted(kinds)}, score={config.score!r}, "
+            f"only softmax global/local attention without soft-caps (but in gemma2 and gemma3_text) exports to "
+            f"{model_type}; this config has layer kinds {sorted(kinds)}, score={config.score!r}, "
             f"attn_soft_cap={config.attn_soft_cap}, final_soft_cap={config.final_soft_cap}"
         )
-    if config.qk_norm != (model_type in QK_NORM_MODEL_TYPES):
+    check_exportable(config, model_type)
+    if model_type not in GEMMA_MODEL_TYPES and config.qk_norm != (model_type in QK_NORM_MODEL_TYPES):
         raise ConfigError(
             f"qk_norm={config.qk_norm} cannot be expressed as {model_type}: qwen3 and qwen3_moe always have "
             "QK-norm (self_attn.q_norm / k_norm), the other model types never",
@@ -165,9 +182,11 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
         "rope_theta": config.rope.theta,
-        "rope_scaling": _rope_to_hf(config.rope),
+        "rope_scaling": rope_to_hf(config.rope),
     }
-    if model_type == "llama":
+    if model_type in GEMMA_MODEL_TYPES:
+        hf.update(gemma_to_hf(config, model_type, kinds))
+    elif model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
         if "local" in kinds:
             raise ConfigError("llama has no sliding-window layers; export as mistral or qwen2")
@@ -281,6 +300,8 @@ def _moe_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
 
 
 def _layer_kinds(hf: Mapping[str, Any], model_type: str, num_layers: int) -> list[str]:
+    if model_type in GEMMA_MODEL_TYPES and (kinds := gemma_layer_kinds(hf, model_type, num_layers)) is not None:
+        return kinds
     if model_type == "llama":
         return ["global"] * num_layers
     if model_type in ("mistral", "mixtral"):
@@ -319,44 +340,3 @@ def _shortest_period(kinds: list[str]) -> tuple[str, ...]:
         if len(kinds) % period == 0 and kinds == kinds[:period] * (len(kinds) // period):
             return tuple(kinds[:period])
     return tuple(kinds)
-
-
-def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
-    # transformers 5 writes "rope_parameters" (theta inside); 4.x writes "rope_theta" + "rope_scaling".
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf["rope_theta"]))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-
-    def need(field: str) -> float:
-        if params.get(field) is None:
-            raise ConfigError(f"{rope_type} rope scaling needs {field!r} (rope_scaling / rope_parameters)", key=field)
-        return float(params[field])
-
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if rope_type == "linear":
-        return RopeConfig(theta=theta, scaling="linear", factor=need("factor"))
-    if rope_type == "llama3":
-        return RopeConfig(
-            theta=theta,
-            scaling="llama3",
-            factor=need("factor"),
-            low_freq_factor=need("low_freq_factor"),
-            high_freq_factor=need("high_freq_factor"),
-            original_max_len=int(need("original_max_position_embeddings")),
-        )
-    raise ConfigError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
-
-
-def _rope_to_hf(rope: RopeConfig) -> dict[str, Any] | None:
-    if rope.scaling == "none":
-        return None
-    if rope.scaling == "linear":
-        return {"rope_type": "linear", "factor": rope.factor}
-    return {
-        "rope_type": "llama3",
-        "factor": rope.factor,
-        "low_freq_factor": rope.low_freq_factor,
-        "high_freq_factor": rope.high_freq_factor,
-        "original_max_position_embeddings": rope.original_max_len,
-    }

@@ -5,9 +5,10 @@ transformers then builds the model from its config class's defaults. Ember reads
 config the same way (:func:`with_transformers_defaults`), so that both compute the same
 model: Mixtral's ``rms_norm_eps`` is 1e-5 and its rope theta 1e6, Mistral slides a 4096-token
 window, Qwen2-MoE routes each token to 4 of 60 experts beside a shared one, Qwen3's heads are
-128 wide whatever ``hidden_size / num_attention_heads`` is, Mamba-2 has 8 groups. Only the fields
-Ember maps are listed; tests/models/test_hf_defaults.py checks every value against the installed
-transformers' config classes (read from transformers 5.24; Qwen3 and Qwen3-MoE from 5.25).
+128 wide whatever ``hidden_size / num_attention_heads`` is, Gemma 2 soft-caps its logits, Mamba-2
+has 8 groups. Only the fields Ember maps are listed; tests/models/test_hf_defaults.py checks every
+value against the installed transformers' config classes (read from transformers 5.24; Qwen3,
+Qwen3-MoE and the Gemmas from 5.25).
 """
 
 from __future__ import annotations
@@ -28,6 +29,21 @@ _DECODER = {
     "tie_word_embeddings": False,
     "initializer_range": 0.02,
     "rope_theta": 10000.0,
+}
+
+_GEMMA_SANDWICH = {  # what Gemma 2 and Gemma 3 share
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2304,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "intermediate_size": 9216,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
 }
 
 TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -57,6 +73,34 @@ TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768,
         "use_sliding_window": False,
         "max_window_layers": 28,
+    },
+    "gemma": {
+        **_DECODER,
+        "hidden_act": "gelu_pytorch_tanh",
+        "vocab_size": 256000,
+        "hidden_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "intermediate_size": 24576,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
+    "gemma2": {
+        **_GEMMA_SANDWICH,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gemma3_text": {  # its rope bases are per layer type (ember.models.hf.gemma reads them)
+        **_GEMMA_SANDWICH,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
     },
     "mixtral": {
         **_DECODER,
@@ -131,8 +175,9 @@ under instead (Qwen3-MoE's ``save_pretrained`` writes ``num_local_experts``, the
 configs ``num_experts``); where both are there the alias wins, as transformers reads them."""
 
 
-_NULLABLE = ("sliding_window", "num_key_value_heads")
-"""Numeric fields transformers reads null as something else: no window, as many KV heads as heads."""
+_NULLABLE = ("sliding_window", "num_key_value_heads", "attn_logit_softcapping", "final_logit_softcapping")
+"""Numeric fields transformers reads null as something else: no window, as many KV heads as
+heads, no soft-cap."""
 
 
 def with_transformers_defaults(hf: Mapping[str, Any]) -> dict[str, Any]:

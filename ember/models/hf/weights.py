@@ -1,6 +1,8 @@
 """Hugging Face state-dict names <-> Ember parameter trees (Llama / Mistral / Qwen2 / Qwen3
-layout, plus the MoE layers of Mixtral, Qwen2-MoE and Qwen3-MoE; Mamba-2's in
-``ember.models.hf.mamba2``).
+layout, plus the MoE layers of Mixtral, Qwen2-MoE and Qwen3-MoE and Gemma's norms (every scale
+the weight plus one; Gemma 2 and 3 normalise each sublayer's output too,
+``post_attention_layernorm`` and ``post_feedforward_layernorm``, their MLP's input by
+``pre_feedforward_layernorm``); Mamba-2's in ``ember.models.hf.mamba2``).
 
 HF linear weights are ``[out, in]``; Ember kernels are ``[in, ...out]`` with heads split:
 ``q/kernel [embed, heads, head_dim]``, ``o/kernel [heads, head_dim, embed]``. Rotary
@@ -26,6 +28,7 @@ from ember.core.sharding import unbox
 from ember.core.tree import param_paths
 from ember.models.adapters.leaves import adapter_part
 from ember.models.config import ModelConfig
+from ember.models.hf.gemma import GEMMA_MODEL_TYPES, NORM_OFFSET
 from ember.models.hf.mamba2 import mamba2_params_from_hf, mamba2_params_to_hf
 from ember.models.layer_layout import layers_from_list, layers_to_list
 from ember.models.quantization.stored import stored_weight_paths
@@ -69,6 +72,11 @@ def params_from_hf(
         params = mamba2_params_from_hf(config, take)
         check_all_used(config, state, used)
         return params
+    offset = NORM_OFFSET if model_type in GEMMA_MODEL_TYPES else 0.0
+
+    def norm(name: str, width: int = d_model) -> dict[str, np.ndarray]:
+        scale = take(name, shape=(width,))
+        return {"scale": (scale.astype(np.float32) + offset).astype(scale.dtype) if offset else scale}
 
     def layer(i: int) -> dict[str, Any]:
         prefix = f"model.layers.{i}."
@@ -83,12 +91,10 @@ def params_from_hf(
         attn["o"] = {"kernel": o.T.reshape(heads, head_dim, d_model)}
         if config.qk_norm:
             for name in ("q_norm", "k_norm"):
-                attn[name] = {"scale": take(prefix + f"self_attn.{name}.weight", shape=(head_dim,))}
-        tree = {
-            "attn_norm": {"scale": take(prefix + "input_layernorm.weight", shape=(d_model,))},
-            "attn": attn,
-            "mlp_norm": {"scale": take(prefix + "post_attention_layernorm.weight", shape=(d_model,))},
-        }
+                attn[name] = norm(prefix + f"self_attn.{name}.weight", head_dim)
+        tree = {"attn_norm": norm(prefix + "input_layernorm.weight"), "attn": attn}
+        for ours, theirs in _block_norm_names(config).items():
+            tree[ours] = norm(prefix + theirs)
         if config.layer_mlps[i] == "moe":
             tree["moe"] = _moe_from_hf(take, state, prefix, config, model_type)
         else:
@@ -97,13 +103,24 @@ def params_from_hf(
 
     params: dict[str, Any] = {
         "embed": {"embedding": take("model.embed_tokens.weight", shape=(config.vocab_size, d_model))},
-        "final_norm": {"scale": take("model.norm.weight", shape=(d_model,))},
+        "final_norm": norm("model.norm.weight"),
         **layers_from_list(config, (layer(i) for i in range(config.num_layers))),  # read one layer at a time
     }
     if not config.tie_embeddings:
         params["head"] = {"kernel": take("lm_head.weight", shape=(config.vocab_size, d_model)).T}
     check_all_used(config, state, used)
     return params
+
+
+def _block_norm_names(config: ModelConfig) -> dict[str, str]:
+    """A block's norms after its attention's input norm: Ember's name -> HF's."""
+    if config.post_norms:
+        return {
+            "attn_post_norm": "post_attention_layernorm.weight",
+            "mlp_norm": "pre_feedforward_layernorm.weight",
+            "mlp_post_norm": "post_feedforward_layernorm.weight",
+        }
+    return {"mlp_norm": "post_attention_layernorm.weight"}
 
 
 def check_all_used(
@@ -222,17 +239,24 @@ def params_to_hf(
 
     if "mamba2" in config.layer_kinds:
         return mamba2_params_to_hf(config, params, out)
+    offset = NORM_OFFSET if model_type in GEMMA_MODEL_TYPES else 0.0
+
+    def norm(tree: Mapping[str, Any]) -> np.ndarray:
+        scale = np.asarray(tree["scale"])
+        return out((scale.astype(np.float32) - offset).astype(scale.dtype) if offset else scale)
+
     state = {
         "model.embed_tokens.weight": out(params["embed"]["embedding"]),
-        "model.norm.weight": out(params["final_norm"]["scale"]),
+        "model.norm.weight": norm(params["final_norm"]),
     }
     if not config.tie_embeddings:
         state["lm_head.weight"] = out(np.asarray(params["head"]["kernel"]).T)
     for i, layer in enumerate(layers_to_list(config, params)):
         prefix = f"model.layers.{i}."
         attn = layer["attn"]
-        state[prefix + "input_layernorm.weight"] = out(layer["attn_norm"]["scale"])
-        state[prefix + "post_attention_layernorm.weight"] = out(layer["mlp_norm"]["scale"])
+        state[prefix + "input_layernorm.weight"] = norm(layer["attn_norm"])
+        for ours, theirs in _block_norm_names(config).items():
+            state[prefix + theirs] = norm(layer[ours])
         for name in ("q", "k", "v"):
             state[prefix + f"self_attn.{name}_proj.weight"] = out(
                 np.asarray(attn[name]["kernel"]).reshape(d_model, -1).T
@@ -242,7 +266,7 @@ def params_to_hf(
         state[prefix + "self_attn.o_proj.weight"] = out(np.asarray(attn["o"]["kernel"]).reshape(-1, d_model).T)
         if config.qk_norm:
             for name in ("q_norm", "k_norm"):
-                state[prefix + f"self_attn.{name}.weight"] = out(attn[name]["scale"])
+                state[prefix + f"self_attn.{name}.weight"] = norm(attn[name])
         if "moe" in layer:
             state.update(_moe_to_hf(layer, prefix, model_type, out))
             continue

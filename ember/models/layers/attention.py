@@ -73,6 +73,7 @@ def attend(
     if kind not in SOFTMAX_FAMILY:
         raise ValueError(f"attend: kind must be one of {', '.join(SOFTMAX_FAMILY)}, got {kind!r}")
     options = dict(
+        sm_scale=config.attn_scale or None,
         logits_soft_cap=config.attn_soft_cap or None,
         score=config.score,
         impl=config.attention_impl,
@@ -95,7 +96,9 @@ def _attend_ragged(q, k, v, pages, *, config, kind, paging, positions, valid, op
         return write_pages(pages[name], new[0], paging, positions[0], valid[0])
 
     pages = {"k_pages": write("k_pages", k), "v_pages": write("v_pages", v)}
-    score_options: dict[str, Any] = dict(logits_soft_cap=options["logits_soft_cap"], impl=options["impl"])
+    score_options: dict[str, Any] = dict(
+        sm_scale=options["sm_scale"], logits_soft_cap=options["logits_soft_cap"], impl=options["impl"]
+    )
     if config.score == "sigmoid":
         # The bias of the uncached pass, whose keys are padded to max_seq_len.
         score_options.update(score="sigmoid", sigmoid_bias=default_sigmoid_bias(config.max_seq_len))
@@ -172,11 +175,12 @@ def _attend_sequence(q, k, v, *, config, kind, segment_ids, positions, options) 
 
 
 def rotary_qkv(
-    config: ModelConfig, x: jax.Array, positions: jax.Array, adapter_ids: jax.Array | None
+    config: ModelConfig, x: jax.Array, positions: jax.Array, adapter_ids: jax.Array | None, kind: str = "global"
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The ``q``, ``k``, ``v`` projections of ``x [batch, seq, embed]`` (submodules ``q``, ``k``,
-    ``v`` and, with ``qk_norm``, ``q_norm``/``k_norm`` of the calling module), rotary embedding
-    applied: ``q [batch, seq, heads, head_dim]``, ``k``/``v [batch, seq, kv_heads, head_dim]``."""
+    ``v`` and, with ``qk_norm``, ``q_norm``/``k_norm`` of the calling module), a ``kind`` layer's
+    rotary embedding applied (``ModelConfig.rope_of``): ``q [batch, seq, heads, head_dim]``,
+    ``k``/``v [batch, seq, kv_heads, head_dim]``."""
     policy = config.policy
     heads, kv_heads, head_dim = config.num_heads, config.kv_heads, config.head_size
 
@@ -189,7 +193,7 @@ def rotary_qkv(
     if config.qk_norm:
         q = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="q_norm")(q)
         k = RMSNorm(config.norm_eps, "head_dim", policy.param_dtype, name="k_norm")(k)
-    inv_freq = rope_inverse_frequencies(head_dim, config.rope)
+    inv_freq = rope_inverse_frequencies(head_dim, config.rope_of(kind))
     q = constrain(apply_rope(q, positions, inv_freq), ("batch", "seq", "heads", "head_dim"))
     k = constrain(apply_rope(k, positions, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
     return q, k, constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -223,7 +227,7 @@ class Attention(nn.Module):
         valid: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         adapter_ids = None if paging is None else paging.token_adapters(valid)
-        q, k, v = rotary_qkv(self.config, x, positions, adapter_ids)
+        q, k, v = rotary_qkv(self.config, x, positions, adapter_ids, self.kind)
         out, pages = attend(
             q,
             k,

@@ -59,7 +59,7 @@ class WindowLinearAttention(nn.Module):
         config = self.config
         param_dtype = config.policy.param_dtype
         adapter_ids = None if paging is None else paging.token_adapters(valid)
-        q, k, v = rotary_qkv(config, x, positions, adapter_ids)
+        q, k, v = rotary_qkv(config, x, positions, adapter_ids, self.transfer_kind)
         q_map = FeatureMap(config.linear_feature_map, config.linear_feature_dim, param_dtype, name="q_features")
         k_map = FeatureMap(config.linear_feature_map, config.linear_feature_dim, param_dtype, name="k_features")
         mix = self.param(

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from ember.core.errors import ConfigError
 from ember.core.sharding import constrain
 from ember.models.config import ModelConfig
-from ember.models.decoder import BlockGroup, initial_router_logits, token_embedding
+from ember.models.decoder import BlockGroup, initial_router_logits, scaled_embeddings, token_embedding
 from ember.models.layer_layout import group_span, layer_location, num_groups
 from ember.models.quantization.quantize import (
     QuantizeConfig,
@@ -130,7 +130,7 @@ def _embedded(model_config: ModelConfig, embed_params: Any, inputs: Mapping[str,
     positions and segment ids."""
     tokens = inputs["tokens"]
     x = token_embedding(model_config).apply({"params": nn.meta.unbox(embed_params)}, tokens)
-    x = constrain(x, ("batch", "seq", "embed"))
+    x = constrain(scaled_embeddings(model_config, x), ("batch", "seq", "embed"))
     positions = inputs["positions"]
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :], tokens.shape)
