@@ -10,8 +10,12 @@ import pytest
 from ember.serving.batch_io import output_record, parse_lines
 from ember.serving.requests import MAX_SEED, SamplingParams
 from ember.serving.sampling import (
+    NUCLEUS_MARGIN,
     TOP_K_BY_SELECTION,
+    TOP_P_BY_SELECTION,
+    WAYS,
     candidate_logits,
+    candidate_way,
     fill_settings,
     sample_tokens,
     settings_array,
@@ -215,29 +219,109 @@ def test_top_p_one_keeps_the_far_tail():
     assert np.isfinite(candidates[1]).tolist() == [True, False, False]
 
 
+VOCAB = 700
+"""The vocabulary of the tests of the ways: past TOP_P_BY_SELECTION, which then selects a part."""
+
+candidates_of = jax.jit(candidate_logits)
+way_of = jax.jit(candidate_way)
+
+
 def test_a_batch_sorts_its_vocabulary_only_where_a_row_needs_it_and_every_way_gives_the_same_candidates():
-    """Candidates three ways, chosen on device: a batch without top-k or top-p takes the scaled
+    """Candidates four ways, chosen on device: a batch without top-k or top-p takes the scaled
     logits as they are (a sort of the vocabulary was most of a CPU decode step at temperature 1);
     one whose filtering rows keep at most TOP_K_BY_SELECTION tokens by top-k selects them
-    (``lax.top_k``, top-p within them); only a row filtering by top-p alone or by a larger top-k
-    sorts the whole row. The same rows get the same candidates whichever way their batch takes."""
-    logits = jax.random.normal(jax.random.PRNGKey(3), (5, 200)) * 3
+    (``lax.top_k``, top-p within them); one whose rows keep at most TOP_P_BY_SELECTION by top-k
+    or by a nucleus that ends within them selects that many; only a row filtering by a larger
+    top-k or a wider nucleus sorts the whole row. The same rows get the same candidates whichever
+    way their batch takes."""
+    assert TOP_K_BY_SELECTION < TOP_P_BY_SELECTION < VOCAB
+    logits = jax.random.normal(jax.random.PRNGKey(3), (7, VOCAB)) * 3
+    logits = logits.at[5].multiply(3)  # peaked: a nucleus of a few tokens
     sampled = lambda **kw: SamplingParams(temperature=0.7, seed=0, **kw)  # noqa: E731
-    jaxpr = jax.make_jaxpr(candidate_logits)(logits, settings_for([sampled()] * 5, range(5))).jaxpr
+    jaxpr = jax.make_jaxpr(candidate_logits)(logits, settings_for([sampled()] * 7, range(7))).jaxpr
     uses = lambda primitive, jaxpr: re.search(rf"\b{primitive}\[", str(jaxpr)) is not None  # noqa: E731
     assert not any(uses("sort", eqn) or uses("top_k", eqn) for eqn in jaxpr.eqns if eqn.primitive.name != "cond")
-    (branches,) = [eqn.params["branches"] for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
-    assert [(uses("sort", b), uses("top_k", b)) for b in branches] == [(False, False), (False, True), (True, False)]
+    conds = [eqn.params["branches"] for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
+    (branches,) = [branches for branches in conds if len(branches) == len(WAYS)]
+    # The top-p way's selection is made while choosing the way (to see whether it will do).
+    assert [(uses("sort", b), uses("top_k", b)) for b in branches] == [
+        (False, False),
+        (False, True),
+        (False, False),
+        (True, False),
+    ]
+    choosing = [branch for branches in conds if len(branches) < len(WAYS) for branch in branches]
+    assert not any(uses("sort", branch) for branch in choosing)
+    assert sum(f"top_k[axis=1 k={TOP_P_BY_SELECTION}]" in str(branch) for branch in choosing) == 1
     rows = [sampled(), sampled(top_k=5), sampled(top_k=40, top_p=0.8), sampled(top_k=TOP_K_BY_SELECTION, top_p=0.9)]
-    candidates = jax.jit(candidate_logits)
-    plain, selected, sorted_ = (
-        np.asarray(candidates(logits, settings_for(batch, range(5))))
-        for batch in ([sampled()] * 5, [*rows, sampled()], [*rows, sampled(top_p=0.5)])
-    )
-    assert np.isfinite(plain).all() and np.isfinite(selected[[0, 4]]).all()
-    np.testing.assert_array_equal(selected[:4], sorted_[:4])
-    np.testing.assert_array_equal(plain[0], selected[0])
-    kept = np.isfinite(sorted_).sum(axis=-1)
-    assert kept[1] == 5 and 1 <= kept[2] < 40 and 1 <= kept[3] < TOP_K_BY_SELECTION and kept[4] < 200
-    for row, params in zip(range(1, 4), rows[1:]):  # the hand-built mask of each filtering row
-        np.testing.assert_array_equal(np.isfinite(sorted_[row]), np.isfinite(hand_masked(logits[row], params)))
+    rows += [sampled(top_k=200, top_p=0.9), sampled(top_p=0.9)]
+    batches = {
+        "plain": [sampled()] * 7,
+        "top_k": [*rows[:4], sampled(), sampled(), sampled()],
+        "top_p": [*rows, sampled()],
+        "sort": [*rows, sampled(top_k=300)],
+    }
+    got = {}
+    for way, batch in batches.items():
+        settings = settings_for(batch, range(7))
+        assert WAYS[int(way_of(logits, settings))] == way
+        got[way] = np.asarray(candidates_of(logits, settings))
+    assert np.isfinite(got["plain"]).all() and np.isfinite(got["top_k"][[0, 4, 5, 6]]).all()
+    assert np.isfinite(got["top_p"][[0, 6]]).all()
+    np.testing.assert_array_equal(got["top_k"][:4], got["sort"][:4])
+    np.testing.assert_array_equal(got["top_p"][:6], got["sort"][:6])
+    np.testing.assert_array_equal(got["plain"][0], got["sort"][0])
+    kept = np.isfinite(got["sort"]).sum(axis=-1)
+    assert kept[1] == 5 and 1 <= kept[2] < 40 and 1 <= kept[3] < TOP_K_BY_SELECTION
+    assert 1 <= kept[4] < 200 and 1 <= kept[5] < 10 and kept[6] == 300
+    for row, params in enumerate(batches["sort"][1:], start=1):  # the hand-built mask of each filtering row
+        np.testing.assert_array_equal(np.isfinite(got["sort"][row]), np.isfinite(hand_masked(logits[row], params)))
+
+
+def test_a_batch_filtering_by_top_p_alone_sorts_only_where_a_nucleus_may_end_past_its_selection():
+    """A row filtering by top-p alone has the whole vocabulary's mass as its nucleus's normaliser;
+    its batch selects the TOP_P_BY_SELECTION largest tokens when the mass of those reaches top_p
+    by NUCLEUS_MARGIN of that, and sorts otherwise. A peaked row selects and a flat one sorts; a
+    row whose nucleus is the selection goes either way by the margin, one of a token more sorts;
+    each has its hand-built mask and the same candidates in a batch that sorts for another row."""
+    n = TOP_P_BY_SELECTION
+    rng = np.random.default_rng(0)
+    # The n largest fall from 0 to -2, the others lie below -2.5: each of the last selected has
+    # a share of about 1e-3 and the first past them 6e-4, so a top_p just under the selection's
+    # share keeps all n, just over it n + 1.
+    edge = rng.permutation(np.concatenate([np.linspace(0.0, -2.0, n), -2.5 - rng.uniform(size=VOCAB - n)]))
+    weights = np.exp(np.sort(edge)[::-1])
+    share = float(weights[:n].sum() / weights.sum())
+    cases = [  # (logits of the row, its top_p, the way its batch takes, the tokens it keeps or None)
+        (rng.normal(size=VOCAB) * 9, 0.9, "top_p", None),
+        (edge, share - 2 * NUCLEUS_MARGIN, "top_p", n),
+        (edge, share - NUCLEUS_MARGIN / 2, "sort", n),
+        (edge, share + 3e-4, "sort", n + 1),
+        (rng.normal(size=VOCAB) * 0.01, 0.9, "sort", None),
+    ]
+    others = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (6, VOCAB)))
+    for row, top_p, way, count in cases:
+        params = SamplingParams(temperature=1.0, top_p=top_p, seed=0)
+        logits = jnp.asarray(np.concatenate([row[None], others]), jnp.float32)
+        alone = settings_for([params] + [SamplingParams(temperature=1.0, seed=0)] * 6, range(7))
+        sorting = settings_for([params] + [SamplingParams(temperature=1.0, top_k=300, seed=0)] * 6, range(7))
+        assert WAYS[int(way_of(logits, alone))] == way and WAYS[int(way_of(logits, sorting))] == "sort"
+        candidates = np.asarray(candidates_of(logits, alone))
+        np.testing.assert_array_equal(candidates[0], np.asarray(candidates_of(logits, sorting))[0])
+        assert np.isfinite(candidates[1:]).all()
+        hand = hand_masked(np.asarray(logits[0]), params)
+        np.testing.assert_array_equal(np.isfinite(candidates[0]), np.isfinite(hand))
+        assert np.isfinite(candidates[0]).sum() in ({count} if count else range(1, VOCAB))
+    # Rows whose top_p is the share of their 10 largest tokens rounded to float32: whether the
+    # 11th is kept is decided by rounding (a float32 sum or normaliser formed otherwise in one
+    # way decides some of them otherwise), yet each row is the same whichever way.
+    logits = jnp.asarray(np.concatenate([rng.normal(size=(6, VOCAB)) * 3, others[:1]]), jnp.float32)
+    weights = np.sort(np.exp(np.asarray(logits[:6], np.float64)), axis=-1)[:, ::-1]
+    shares = weights / weights.sum(axis=-1, keepdims=True)
+    params = [SamplingParams(temperature=1.0, top_p=float(np.float32(share[:10].sum())), seed=0) for share in shares]
+    alone = settings_for([*params, SamplingParams(temperature=1.0, seed=0)], range(7))
+    sorting = settings_for([*params, SamplingParams(temperature=1.0, top_k=300, seed=0)], range(7))
+    assert [WAYS[int(way_of(logits, settings))] for settings in (alone, sorting)] == ["top_p", "sort"]
+    candidates = np.asarray(candidates_of(logits, alone))
+    np.testing.assert_array_equal(candidates[:6], np.asarray(candidates_of(logits, sorting))[:6])
+    assert set(np.isfinite(candidates[:6]).sum(axis=-1).tolist()) == {10, 11}
