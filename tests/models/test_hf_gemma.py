@@ -171,3 +171,24 @@ def test_a_config_that_another_type_cannot_express_is_refused_naming_why(tmp_pat
     ):
         with pytest.raises(ConfigError, match=reason):
             hf.save(tmp_path / model_type, config, params, model_type=model_type)
+
+
+def test_a_multimodal_gemma3_checkpoint_loads_as_its_language_model(tmp_path, rng):
+    """Gemma 3's 4B-27B releases are ``Gemma3ForConditionalGeneration``: Ember reads their
+    ``text_config`` and ``language_model.*`` tensors (the vision tower and projector unread),
+    gives the whole model's logits on text, and saves the language model as ``gemma3_text``."""
+    text = dict(COMMON, **SANDWICH, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    multimodal = transformers.Gemma3Config(text_config=text, vision_config=dict(vision, patch_size=14))
+    model = random_hf_model(multimodal, seed=3, scale=0.2)
+    model.save_pretrained(tmp_path / "multimodal")
+    config, params = hf.load(tmp_path / "multimodal", attention_impl="xla")
+    assert config.qk_norm and config.post_norms and config.layer_kinds == ("local", "global")
+    tokens = jax.random.randint(rng, (2, 20), 0, config.vocab_size)
+    with torch.no_grad():
+        expected = model(torch.as_tensor(np.array(tokens))).logits.numpy()
+    assert_allclose(ember_logits(config, params, tokens), expected, scale=10)
+    hf.save(tmp_path / "text", config, params, model_type="gemma3_text")
+    text_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", attn_implementation="eager")
+    with torch.no_grad():
+        assert_allclose(text_model.eval()(torch.as_tensor(np.array(tokens))).logits.numpy(), expected, scale=10)

@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from ember.core.errors import DataError, PathNotFoundError
 from ember.models.config import ModelConfig
 from ember.models.hf.config_map import config_from_hf, config_to_hf
+from ember.models.hf.gemma import MULTIMODAL_GEMMA3, Gemma3TextTensors
 from ember.models.hf.weights import params_from_hf, params_to_hf
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,8 +30,9 @@ SINGLE_FILE = "model.safetensors"
 
 
 def load(path: str | Path, *, dtype: Any = None, **config_overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
-    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-    Qwen2-MoE / Qwen3-MoE / Mamba-2 directory.
+    """``(config, params)`` from a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma 2 /
+    Gemma 3 / Mixtral / Qwen2-MoE / Qwen3-MoE / Mamba-2 directory (of a multimodal Gemma 3, its
+    language model's).
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or a sharded
@@ -58,8 +60,11 @@ def load(path: str | Path, *, dtype: Any = None, **config_overrides: Any) -> tup
         raise DataError(f"{config_file} is not a JSON object")
     config = config_from_hf(hf_config, **config_overrides)
     dtype = config.policy.param_dtype if dtype is None else dtype
+    model_type = hf_config["model_type"]
     with open_state(path) as state:
-        return config, params_from_hf(config, state, dtype=dtype, model_type=hf_config["model_type"])
+        if model_type == MULTIMODAL_GEMMA3:
+            state, model_type = Gemma3TextTensors(state), "gemma3_text"
+        return config, params_from_hf(config, state, dtype=dtype, model_type=model_type)
 
 
 def save(

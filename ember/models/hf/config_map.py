@@ -17,7 +17,9 @@ from ember.models.config import ModelConfig, MoEConfig
 from ember.models.hf.defaults import with_transformers_defaults
 from ember.models.hf.gemma import (
     GEMMA_MODEL_TYPES,
+    MULTIMODAL_GEMMA3,
     check_exportable,
+    gemma3_text_config,
     gemma_activation,
     gemma_fields,
     gemma_layer_kinds,
@@ -69,9 +71,12 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     of the result (``precision``, ``scan_layers``, ...).
     """
     model_type = hf.get("model_type")
+    if model_type == MULTIMODAL_GEMMA3:  # its language model alone
+        return config_from_hf(gemma3_text_config(hf), **overrides)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
-            f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"(and {MULTIMODAL_GEMMA3}'s language model)"
         )
     quantization = hf.get("quantization_config")
     if quantization:  # its weights are packed integers (GPTQ, AWQ, bitsandbytes, ...), not the float tensors read here

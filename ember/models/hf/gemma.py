@@ -13,21 +13,27 @@
   (``rope_local_base_freq``, or ``rope_parameters["sliding_attention"]`` in transformers 5):
   ``local_rope_theta``; the global layers' base and scaling are ``rope``.
 
-Only the text models: ``gemma3_text`` (``Gemma3ForCausalLM``, the 1B release); the multimodal
-``gemma3`` checkpoints (4B and up) nest theirs under a vision tower's ``text_config``.
+The multimodal ``gemma3`` checkpoints (``Gemma3ForConditionalGeneration``: the 4B, 12B and 27B
+releases) load as their language model alone (:func:`gemma3_text_config`,
+:class:`Gemma3TextTensors`): its ``text_config`` and ``language_model.*`` tensors, the vision
+tower and its projector left unread; they save as ``gemma3_text``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+import numpy as np
 
 from ember.core.errors import ConfigError
 from ember.models.config import ModelConfig, RopeConfig
 from ember.models.hf.rope_map import rope_from_hf, rope_to_hf
 
 GEMMA_MODEL_TYPES: tuple[str, ...] = ("gemma", "gemma2", "gemma3_text")
+MULTIMODAL_GEMMA3 = "gemma3"
+"""The ``model_type`` of Gemma 3 with its vision tower: read as its ``gemma3_text`` language model."""
 SANDWICH_MODEL_TYPES: tuple[str, ...] = ("gemma2", "gemma3_text")
 """Gemma types with post-sublayer norms, ``query_pre_attn_scalar``, ``layer_types`` and soft-caps."""
 NORM_OFFSET = 1.0
@@ -89,6 +95,39 @@ def _gemma3_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     return {"rope": rope, "local_rope_theta": local.theta}
 
 
+def gemma3_text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``gemma3_text`` config dict of a multimodal ``gemma3`` one: its ``text_config`` (whose
+    embeddings are tied as the whole model's are)."""
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ConfigError("gemma3 config has no text_config object (the language model's config)", key="text_config")
+    tied = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf else {}
+    return {**tied, **text, "model_type": "gemma3_text"}
+
+
+class Gemma3TextTensors(Mapping[str, np.ndarray]):
+    """A multimodal ``gemma3`` checkpoint's tensors as its language model's alone, under the
+    names ``Gemma3ForCausalLM`` gives them (``language_model.model.*`` -> ``model.*``,
+    ``language_model.lm_head.weight`` -> ``lm_head.weight``); the others are not listed."""
+
+    _PREFIX = "language_model."
+
+    def __init__(self, state: Mapping[str, np.ndarray]):
+        self._state = state
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._state[self._PREFIX + name]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._PREFIX + name in self._state
+
+    def __iter__(self) -> Iterator[str]:
+        return (name.removeprefix(self._PREFIX) for name in self._state if name.startswith(self._PREFIX))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def check_exportable(config: ModelConfig, model_type: str) -> None:
     """Raises ``ConfigError`` where ``config`` is not a ``model_type`` model (any of its fields
     Gemma fixes set otherwise), or, for the other types, where it uses a Gemma field."""
@@ -136,9 +175,12 @@ def gemma_to_hf(config: ModelConfig, model_type: str, kinds: set[str]) -> dict[s
 
 __all__ = [
     "GEMMA_MODEL_TYPES",
+    "MULTIMODAL_GEMMA3",
     "NORM_OFFSET",
     "SANDWICH_MODEL_TYPES",
+    "Gemma3TextTensors",
     "check_exportable",
+    "gemma3_text_config",
     "gemma_activation",
     "gemma_fields",
     "gemma_layer_kinds",

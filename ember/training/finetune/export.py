@@ -25,6 +25,7 @@ from ember.core.tokenizer import ByteTokenizer
 from ember.models import hf
 from ember.models.adapters import merged_weights
 from ember.models.config import ModelConfig
+from ember.models.hf.gemma import MULTIMODAL_GEMMA3
 from ember.models.hf.peft import save_peft_adapter
 from ember.serving.loading import LoadedModel
 from ember.training.finetune.config import MODEL_TYPES, FinetuneConfig
@@ -117,10 +118,13 @@ def check_merged_export(config: FinetuneConfig, model_config: ModelConfig) -> No
 
 
 def base_model_type(path: Path) -> str:
-    """The ``model_type`` of a Hugging Face base directory when Ember can write it, else ``llama``."""
+    """The ``model_type`` of a Hugging Face base directory when Ember can write it (a multimodal
+    Gemma 3's as its language model's), else ``llama``."""
     config_file = path / "config.json"
     if config_file.is_file():
         model_type = json.loads(config_file.read_text()).get("model_type")
+        if model_type == MULTIMODAL_GEMMA3:  # Ember loaded its language model alone
+            return "gemma3_text"
         if model_type in MODEL_TYPES:
             return model_type
     return "llama"
