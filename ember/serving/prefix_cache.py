@@ -13,9 +13,10 @@ Pages are counted by the requests holding them. A page no request holds keeps it
 and key while the pool has other free pages (*evictable*, least recently released first, a
 sequence's last page before its first), so a prompt that comes back soon finds it;
 :meth:`PrefixCache.allocate` takes truly free pages first, then evicts. While a request
-computes a full page another waiting request needs next, that one waits for it
-(:meth:`PrefixCache.match`) rather than computing it again: the requests of a group sampled
-from one prompt (GRPO, ``n`` choices) prefill it once.
+computes a full page another waiting request needs next (or, for one scoring its prompt, the
+scores of a cached page's rows), that one waits for it (:meth:`PrefixCache.match`) rather than
+computing it again: the requests of a group sampled from one prompt (GRPO, ``n`` choices) and
+the choices of a scored context prefill it once.
 
 Only models whose every layer keeps its cache in the pages can share them (the softmax
 family): a recurrent layer's state at the end of a prefix is not kept. New weights
@@ -78,17 +79,16 @@ class PrefixCache:
         """The computed pages the start of ``request``'s sequence may share (:meth:`hold` them to
         use them), leaving at least its last token to compute; for a request asking for its
         prompt's log-probabilities, only as far as the scores of their rows are kept. None when
-        the first page it would compute past them is being computed by a running request: it
-        had better wait a step or two than compute that page too."""
+        the first page it would compute past them is being computed by a running request (for a
+        scored request, a cached page whose rows a running request is scoring): it had better
+        wait a step or two than compute that page too."""
         if not self.enabled:
             return []
         pages = []
         for index, key in enumerate(self._keys(request, (request.num_tokens - 1) // self.page_size)):
             page = self._page_of.get(key)
-            if page is None:
+            if page is None or not self.scores.covers(key, request, index):
                 return None if self._computing[key] > 0 else pages
-            if not self.scores.covers(key, request, index):
-                return pages
             pages.append(page)
         return pages
 
@@ -115,9 +115,10 @@ class PrefixCache:
             return
         tracked = self._tracked[id(request)] = _Tracked()
         keys = self._keys(request, request.num_tokens // self.page_size)  # kept in tracked.keys
-        tracked.computing = keys[request.num_computed // self.page_size :]
+        first = request.num_computed // self.page_size
+        tracked.computing = list(enumerate(keys[first:], start=first))
         tracked.scored_from = len(request.prompt_logprobs)  # rows scored before this run aren't kept
-        self._computing.update(tracked.computing)
+        self._computing.update(key for _, key in tracked.computing)
 
     def computed(self, request: Request) -> None:
         """Keeps ``request``'s pages that are now full and computed by their keys (a key some
@@ -136,17 +137,19 @@ class PrefixCache:
             if key in self._page_of and index * self.page_size >= tracked.scored_from:
                 self.scores.keep(key, request, index)
         tracked.registered = max(tracked.registered, full)
-        done = [key for key in tracked.computing if key in self._page_of]
+        # A page is there once anyone computed it; the scores of its rows once this request has.
+        scoring = request.params.prompt_logprobs
+        done = [(i, key) for i, key in tracked.computing if key in self._page_of and (i < full or not scoring)]
         if done:
-            self._uncount(done)
-            tracked.computing = [key for key in tracked.computing if key not in self._page_of]
+            self._uncount([key for _, key in done])
+            tracked.computing = [entry for entry in tracked.computing if entry not in done]
 
     def release(self, request: Request) -> None:
         """Lets go of ``request``'s pages (finished, aborted or preempted): a page no request holds
         goes back to the pool, or, keyed, becomes evictable."""
         tracked = self._tracked.pop(id(request), None)
         if tracked is not None:
-            self._uncount(tracked.computing)
+            self._uncount([key for _, key in tracked.computing])
         # Last page first: a page's key chains its parents', so an evicted parent leaves its
         # children unreachable; released deepest first, they are evicted before it.
         for page in reversed(request.pages):
@@ -199,7 +202,7 @@ class _Tracked:
     def __init__(self):
         self.keys: list[bytes] = []
         self.registered = 0
-        self.computing: list[bytes] = []
+        self.computing: list[tuple[int, bytes]] = []  # (page index, key)
         self.scored_from = 0
 
 

@@ -261,8 +261,8 @@ def test_new_weights_empty_the_prefix_cache_and_an_engine_may_go_without_it(prog
     engine.generate([prompt], greedy)
     assert engine.scheduler.pages.hit_tokens == 12
     # A request for the prompt's log-probabilities computes every prompt row (keeping their
-    # scores with the pages); the next one reads them.
-    scored = [engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=True))[0] for _ in range(2)]
+    # scores with the pages); a second sent with it waits for them and reads them.
+    scored = engine.generate([prompt] * 2, SamplingParams(max_tokens=0, prompt_logprobs=True))
     assert len(scored[0].prompt_logprobs) == 12 and scored[1].prompt_logprobs == scored[0].prompt_logprobs
     assert engine.scheduler.pages.hit_tokens == 24
     engine.update_params(jax.tree.map(lambda leaf: leaf * 1.5, params))
