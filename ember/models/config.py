@@ -286,7 +286,9 @@ class ModelConfig:
     attn_soft_cap: float = 0.0
     final_soft_cap: float = 0.0
     attn_scale: float = 0.0
-    """What softmax-family attention multiplies ``q . k`` by (Gemma 2/3: ``query_pre_attn_scalar ** -0.5``)."""
+    """What softmax attention (and ``window_linear``'s window) multiplies ``q . k`` by (Gemma 2/3:
+    ``query_pre_attn_scalar ** -0.5``); layers without such scores (linear, Mamba-2) have no use
+    for it, CCA refuses it."""
     embed_scale: float = 1.0
     """What the token embeddings are multiplied by, in the compute dtype (Gemma: ``sqrt(d_model)``);
     a tied output head reads the embedding table unscaled."""
@@ -377,10 +379,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a finite number >= 0 (0 = {default}), got {value}", key=name)
-        if self.attn_scale and set(self.block_pattern) - set(SOFTMAX_FAMILY):
+        if self.attn_scale and "cca" in self.block_pattern:
             raise ConfigError(
-                f"attn_scale scales softmax-family attention ({', '.join(SOFTMAX_FAMILY)}); block_pattern also has "
-                f"{sorted(set(self.block_pattern) - set(SOFTMAX_FAMILY))}, which would ignore it",
+                "attn_scale scales the scores of softmax attention and window_linear layers; a cca layer's "
+                "scores are scaled by 1 / sqrt(head_dim) and would ignore it",
                 key="attn_scale",
             )
         if not (self.embed_scale > 0 and math.isfinite(self.embed_scale)):

@@ -25,14 +25,17 @@ BASE = ModelConfig(
     attention_impl="xla",
 )
 KINDS = {
-    "global": dict(qk_norm=True, attn_soft_cap=20.0, final_soft_cap=30.0),
-    "local": dict(),
+    "global": dict(qk_norm=True, attn_soft_cap=20.0, final_soft_cap=30.0, attn_scale=0.15),
+    # Gemma's: scaled embeddings, post-sublayer norms, the local layers' own rotary base.
+    "local": dict(embed_scale=2.0, post_norms=True, local_rope_theta=500.0),
     "block_sparse": dict(),
     "sigmoid": dict(score="sigmoid", block_pattern=("global", "local")),
     "cca": dict(block_pattern=("cca",), cca_compression=2, cca_heads=2, cca_kv_heads=1, cca_conv_width=3),
     "linear_hedgehog": dict(block_pattern=("linear",), linear_feature_map="hedgehog", linear_feature_dim=8),
     # Linearised softmax layers (LoLCATs): a 6-token window, so sequences of 20 reach the linear part.
-    "window_linear": dict(linear_feature_map="hedgehog", linear_feature_dim=4, qk_norm=True, attn_soft_cap=20.0),
+    "window_linear": dict(
+        linear_feature_map="hedgehog", linear_feature_dim=4, qk_norm=True, attn_soft_cap=20.0, attn_scale=0.2
+    ),
     # Two groups, a sequence (20) and prompt chunks that are not multiples of the SSD chunk.
     "mamba2": dict(
         mlp_pattern=("none",), ssm=SSMConfig(state_size=8, n_groups=2, head_dim=16, conv_kernel=4, chunk_size=8)

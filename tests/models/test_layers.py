@@ -101,6 +101,9 @@ def test_config_validation_names_the_field():
         # final_soft_cap was reported under the key attn_soft_cap.
         "attn_soft_cap": dict(attn_soft_cap=float("inf")),
         "final_soft_cap": dict(final_soft_cap=float("nan")),
+        "attn_scale": dict(attn_scale=0.2, block_pattern=("global", "cca"), cca_heads=2),  # CCA would ignore it
+        "local_rope_theta": dict(local_rope_theta=-1.0),
+        "embed_scale": dict(embed_scale=0.0),
     }
     for key, fields in cases.items():
         with pytest.raises(ConfigError, match=key.split(".")[-1]) as error:

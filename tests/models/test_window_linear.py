@@ -44,14 +44,18 @@ def inputs(key, dtype=jnp.float32):
     return (q, k, v, q_features, k_features, factor), segments
 
 
-def test_the_reference_is_the_formula_for_one_query(rng):
-    """Query 17 of row 0, head 3 (key head 1), window 5: keys 13..17 by softmax, 0..12 linearly."""
+@pytest.mark.parametrize("sm_scale", [None, 0.2])
+def test_the_reference_is_the_formula_for_one_query(sm_scale, rng):
+    """Query 17 of row 0, head 3 (key head 1), window 5: keys 13..17 by softmax (scores scaled
+    by 1 / sqrt(head_dim) or by ``sm_scale``, Gemma's attention scale), 0..12 linearly."""
     (q, k, v, qf, kf, factor), _ = inputs(rng)
     # Jitted, and the inputs indexed as NumPy arrays: op by op, this compiled ~65 programs.
-    out = np.asarray(jax.jit(lambda *a: window_linear_reference(*a, window=5))(q, k, v, qf, kf, factor))
+    reference = jax.jit(lambda *a: window_linear_reference(*a, window=5, sm_scale=sm_scale))
+    out = np.asarray(reference(q, k, v, qf, kf, factor))
     t, h, g = 17, 3, 1
     q, k, v, qf, kf = (np.asarray(x, np.float64)[0] for x in (q, k, v, qf, kf))
-    scores = np.array([q[t, h] @ k[j, g] / np.sqrt(DIM) for j in range(13, 18)])
+    scale = 1 / np.sqrt(DIM) if sm_scale is None else sm_scale
+    scores = np.array([q[t, h] @ k[j, g] * scale for j in range(13, 18)])
     soft = float(np.asarray(factor)[h]) * np.exp(scores - scores.max())
     linear = np.array([qf[t, h] @ kf[j, g] for j in range(13)])
     weights = np.concatenate([linear, soft])
@@ -59,13 +63,14 @@ def test_the_reference_is_the_formula_for_one_query(rng):
     assert_allclose(out[0, t, h], expected, scale=10)
 
 
-@pytest.mark.parametrize(("window", "packed"), [(1, True), (5, False), (40, True)])
-def test_linear_time_form_equals_the_reference_with_gradients(window, packed, rng):
+@pytest.mark.parametrize(("window", "packed", "sm_scale"), [(1, True, None), (5, False, 0.2), (40, True, None)])
+def test_linear_time_form_equals_the_reference_with_gradients(window, packed, sm_scale, rng):
     """Windows of one token, shorter than the sequence (21, not a multiple of 5, so the last
-    window block is partial) and longer than it; packed documents; soft-capped scores."""
+    window block is partial) and longer than it; packed documents; soft-capped scores, scaled
+    by 1 / sqrt(head_dim) or another scale."""
     args, segments = inputs(rng)
     segment_ids = segments if packed else None
-    options = dict(window=window, segment_ids=segment_ids, soft_cap=4.0)
+    options = dict(window=window, segment_ids=segment_ids, soft_cap=4.0, sm_scale=sm_scale)
     cotangent = jnp.asarray(
         numpy_rng(jax.random.fold_in(rng, 1)).standard_normal((BATCH, SEQ, HEADS, DIM)).astype(np.float32)
     )
@@ -100,7 +105,7 @@ def test_bf16_inputs_stay_within_bf16_tolerance(rng):
 
 
 TEACHER = ModelConfig(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
-                      max_seq_len=32, qk_norm=True, attention_impl="xla")  # fmt: skip
+                      max_seq_len=32, qk_norm=True, attn_scale=0.3, attention_impl="xla")  # fmt: skip
 LINEARISED = dataclasses.replace(TEACHER, block_pattern=("window_linear",), sliding_window=4,
                                  linear_feature_map="hedgehog", linear_feature_dim=4)  # fmt: skip
 

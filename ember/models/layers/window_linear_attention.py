@@ -66,7 +66,12 @@ class WindowLinearAttention(nn.Module):
             "window_factor", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (q.shape[2],), param_dtype
         )
         factor = jax.nn.sigmoid(mix.astype(jnp.float32))
-        options = dict(window=config.sliding_window, soft_cap=config.attn_soft_cap, impl=config.attention_impl)
+        options = dict(
+            window=config.sliding_window,
+            soft_cap=config.attn_soft_cap,
+            sm_scale=config.attn_scale or None,
+            impl=config.attention_impl,
+        )
         project = output_projection(config, x.shape[-1])
         if cache is not None:
             keys, values, slot_k, slot_v = step_windows(

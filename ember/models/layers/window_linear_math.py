@@ -2,7 +2,8 @@
 attention over a sliding window of the last ``window`` tokens, linear attention over every
 earlier token, and one normaliser shared by the two::
 
-    s_j   = q_t . k_j / sqrt(head_dim)                  (soft-capped as the teacher's scores)
+    s_j   = q_t . k_j * sm_scale                        (1 / sqrt(head_dim) by default; soft-capped
+                                                          as the teacher's scores)
     m_t   = the largest s_j over the window W_t = {j : t - window < j <= t}
     num_t = factor * sum_{j in W_t} exp(s_j - m_t) v_j + sum_{j <= t - window} (phi_q(q_t) . phi_k(k_j)) v_j
     den_t = factor * sum_{j in W_t} exp(s_j - m_t)     + sum_{j <= t - window}  phi_q(q_t) . phi_k(k_j)
@@ -44,9 +45,9 @@ from ember.models.layers.linear_attention import ragged_linear_sums
 _F32 = jnp.float32
 
 
-def _scores(q: jax.Array, k: jax.Array, spec: str, soft_cap: float) -> jax.Array:
-    scores = jnp.einsum(spec, q.astype(_F32), k.astype(_F32)) / math.sqrt(q.shape[-1])
-    return capped(scores, soft_cap or None)
+def _scores(q: jax.Array, k: jax.Array, spec: str, soft_cap: float, sm_scale: float | None) -> jax.Array:
+    scale = 1 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    return capped(jnp.einsum(spec, q.astype(_F32), k.astype(_F32)) * scale, soft_cap or None)
 
 
 def _combine(window_num, window_den, linear_sums, factor) -> jax.Array:
@@ -59,8 +60,9 @@ def _combine(window_num, window_den, linear_sums, factor) -> jax.Array:
 
 
 def window_linear_reference(
-    q, k, v, q_features, k_features, factor, *, window: int, segment_ids=None, soft_cap: float = 0.0
-) -> jax.Array:
+    q, k, v, q_features, k_features, factor, *, window: int, segment_ids=None, soft_cap: float = 0.0,
+    sm_scale: float | None = None,
+) -> jax.Array:  # fmt: skip
     """The layer's attention by its definition (module docstring), ``O(seq^2)``.
 
     Args:
@@ -75,7 +77,7 @@ def window_linear_reference(
     batch, seq, heads, _ = q.shape
     repeat = heads // k.shape[2]
     k, v, k_features = (jnp.repeat(x, repeat, axis=2) for x in (k, v, k_features))
-    scores = _scores(q, k, "bqhd,bkhd->bhqk", soft_cap)
+    scores = _scores(q, k, "bqhd,bkhd->bhqk", soft_cap, sm_scale)
     query, key = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
     segments = jnp.zeros((batch, seq), jnp.int32) if segment_ids is None else segment_ids
     same = (segments[:, :, None] == segments[:, None, :])[:, None]
@@ -92,16 +94,17 @@ def window_linear_reference(
 
 
 def window_linear_attention(
-    q, k, v, q_features, k_features, factor, *, window: int, segment_ids=None, soft_cap: float = 0.0, impl="auto"
-) -> jax.Array:
+    q, k, v, q_features, k_features, factor, *, window: int, segment_ids=None, soft_cap: float = 0.0,
+    sm_scale: float | None = None, impl="auto",
+) -> jax.Array:  # fmt: skip
     """:func:`window_linear_reference` in time and memory linear in ``seq`` (same arguments;
     ``impl`` is the linear part's ``linear_attention`` implementation)."""
-    window_num, window_den = _blocked_window_sums(q, k, v, window, segment_ids, soft_cap)
+    window_num, window_den = _blocked_window_sums(q, k, v, window, segment_ids, soft_cap, sm_scale)
     linear_sums = _delayed_linear_sums(q_features, k_features, v, window, segment_ids, impl)
     return _combine(window_num, window_den, linear_sums, factor).astype(v.dtype)
 
 
-def _blocked_window_sums(q, k, v, window, segment_ids, soft_cap) -> tuple[jax.Array, jax.Array]:
+def _blocked_window_sums(q, k, v, window, segment_ids, soft_cap, sm_scale) -> tuple[jax.Array, jax.Array]:
     """``(sum exp(s - m) v [batch, seq, heads, head_dim], sum exp(s - m) [batch, seq, heads])``
     over each query's window, float32: queries in blocks of ``min(window, seq)``, each block
     against its own and the previous block's keys (``[2 * block]`` scores per query)."""
@@ -120,7 +123,7 @@ def _blocked_window_sums(q, k, v, window, segment_ids, soft_cap) -> tuple[jax.Ar
 
     queries = blocked(q).reshape(batch, blocks, block, kv_heads, heads // kv_heads, head_dim)
     keys, values = with_previous(blocked(k)), with_previous(blocked(v))
-    scores = _scores(queries, keys, "bncgrd,bnkgd->bngrck", soft_cap)
+    scores = _scores(queries, keys, "bncgrd,bnkgd->bngrck", soft_cap, sm_scale)
     query_pos = jnp.arange(blocks * block).reshape(blocks, block)[:, :, None]
     key_pos = (jnp.arange(blocks)[:, None] * block - block + jnp.arange(2 * block)[None, :])[:, None, :]
     mask = (key_pos <= query_pos) & (key_pos > query_pos - window) & (key_pos >= 0)  # [blocks, block, 2 block]
@@ -194,7 +197,7 @@ def step_windows(
 
 def ragged_window_linear_attention(
     q, keys, values, q_features, left_k_features, factor, states, *, paging: Paging, positions, valid,
-    window: int, soft_cap: float = 0.0, impl="auto",
+    window: int, soft_cap: float = 0.0, sm_scale: float | None = None, impl="auto",
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """The layer's attention over one serving step's flat token budget.
 
@@ -214,7 +217,7 @@ def ragged_window_linear_attention(
     kv_heads = keys.shape[2]
     held = positions[:, None] - window + jnp.arange(window + 1)[None, :] >= 0  # [num_tokens, window + 1]
     grouped = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim)
-    scores = _scores(grouped, keys[:, 1:], "tgrd,tkgd->tgrk", soft_cap)
+    scores = _scores(grouped, keys[:, 1:], "tgrd,tkgd->tgrk", soft_cap, sm_scale)
     mask = held[:, None, None, 1:]
     top = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True)
     weights = jnp.where(mask, jnp.exp(scores - top), 0.0)
