@@ -31,3 +31,33 @@ def random_hf_model(config: Any, *, seed: int, scale: float = 0.1) -> Any:
             noise = torch.randn_like(param) * scale
             param.copy_(1.0 + noise if "norm" in name else noise * (3.0 if param.ndim == 1 else 1.0))
     return model
+
+
+HEADS_WIDER_THAN_SPLIT = dict(
+    vocab_size=89,
+    hidden_size=32,
+    intermediate_size=40,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    max_position_embeddings=64,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+"""A tiny config's sizes whose heads are 12 wide, not ``hidden_size / num_attention_heads`` = 8
+(as Qwen3's and Gemma's may be), with no special tokens."""
+
+
+def saved_and_loaded(name: str, hf_config: Any, directory: Any, **overrides: Any) -> tuple:
+    """``(name, hf_model, ember config, ember params)``: :func:`random_hf_model` of ``hf_config``
+    (seeded by the name's length, weights at scale 0.2) saved to ``directory`` and read back by
+    ``ember.models.hf.load(directory, attention_impl="xla", **overrides)``."""
+    import jax.numpy as jnp
+
+    from ember.models import hf
+
+    model = random_hf_model(hf_config, seed=len(name), scale=0.2)
+    model.save_pretrained(directory)
+    config, params = hf.load(directory, attention_impl="xla", **overrides)
+    return name, model, config, jax.tree.map(jnp.asarray, params)

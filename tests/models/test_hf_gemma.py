@@ -12,7 +12,6 @@ they bend the logits); Gemma 3 has QK-norm and rotates its sliding layers at the
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,24 +20,13 @@ from ember.models import hf
 from ember.models.config import ModelConfig
 from ember.serving.engine import Engine
 from ember.serving.requests import SamplingParams
-from tests.hf_peers import ember_logits, random_hf_model
+from tests.hf_peers import HEADS_WIDER_THAN_SPLIT, ember_logits, random_hf_model, saved_and_loaded
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=89,
-    hidden_size=32,
-    intermediate_size=40,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=12,
-    max_position_embeddings=64,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+COMMON = HEADS_WIDER_THAN_SPLIT
 SANDWICH = dict(query_pre_attn_scalar=20, sliding_window=6)
 CASES = {
     "gemma": lambda: transformers.GemmaConfig(**COMMON, num_hidden_layers=2),
@@ -70,12 +58,7 @@ PROMPT_LEN, NEW_TOKENS = 10, 12
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     """(name, hf_model, ember config, ember params)."""
-    name = request.param
-    model = random_hf_model(CASES[name](), seed=len(name), scale=0.2)
-    path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path)
-    config, params = hf.load(path, attention_impl="xla")
-    return name, model, config, jax.tree.map(jnp.asarray, params)
+    return saved_and_loaded(request.param, CASES[request.param](), tmp_path_factory.mktemp(request.param))
 
 
 def test_config_maps_the_architecture(pair):

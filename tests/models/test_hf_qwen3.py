@@ -10,7 +10,6 @@ Qwen3-MoE routes as Qwen2-MoE without the shared expert: softmax, top-k, renorma
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,24 +17,13 @@ from ember.core.errors import ConfigError
 from ember.models import hf
 from ember.models.config import ModelConfig, MoEConfig
 from ember.models.decoder import DecoderLM
-from tests.hf_peers import random_hf_model
+from tests.hf_peers import HEADS_WIDER_THAN_SPLIT, saved_and_loaded
 from tests.tolerances import assert_allclose
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=89,
-    hidden_size=32,
-    intermediate_size=40,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=12,
-    max_position_embeddings=64,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+COMMON = HEADS_WIDER_THAN_SPLIT
 MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16)
 CASES = {
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, num_hidden_layers=2),
@@ -62,12 +50,9 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     """(name, hf_model, ember config, ember params)."""
-    name = request.param
-    model = random_hf_model(CASES[name](), seed=len(name), scale=0.2)
-    path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path)
-    config, params = hf.load(path, attention_impl="xla", moe_impl="xla")
-    return name, model, config, jax.tree.map(jnp.asarray, params)
+    return saved_and_loaded(
+        request.param, CASES[request.param](), tmp_path_factory.mktemp(request.param), moe_impl="xla"
+    )
 
 
 def test_config_maps_the_architecture(pair):
