@@ -100,9 +100,10 @@ top_p, and a token past the selection has at least the selection's mass above it
 
 
 def candidate_logits(logits: jax.Array, settings: dict[str, jax.Array]) -> jax.Array:
-    """``logits [rows, vocab]`` at each row's temperature (rows at 0 as they are), less the
-    row's largest, every token outside the row's top-k and top-p at ``-inf``: what a sampled
-    row draws from. The same whichever of ``WAYS`` the batch takes."""
+    """``logits [rows, vocab]`` at each row's temperature, less the row's largest, every token
+    outside the row's top-k and top-p at ``-inf``: what a sampled row draws from. Rows at
+    temperature 0 are greedy (their draw is not used): kept whole, whatever top-k or top-p they
+    carry, so that they never make their batch sort. The same whichever of ``WAYS`` the batch takes."""
     scaled, top_k, top_p, filtered = _scaled_and_filters(logits, settings)
     way, selection, total = _way(scaled, top_k, top_p, filtered)
 
@@ -140,7 +141,7 @@ def _scaled_and_filters(
     scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     top_k = jnp.where(settings["top_k"] > 0, jnp.minimum(settings["top_k"], vocab), vocab)
     top_p = settings["top_p"]
-    return scaled, top_k, top_p, (top_k < vocab) | (top_p < 1)
+    return scaled, top_k, top_p, ((top_k < vocab) | (top_p < 1)) & (temperature > 0)
 
 
 def _way(

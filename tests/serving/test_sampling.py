@@ -207,6 +207,20 @@ def test_a_top_k_beyond_int32_keeps_every_token_like_top_k_off(rng):
     np.testing.assert_array_equal(tokens, expected)  # the draw over the whole vocabulary
 
 
+def test_greedy_rows_filter_nothing_so_their_batch_never_sorts_for_them(rng):
+    """A greedy row's draw is not used: its top-k or top-p (an OpenAI client sends top_p with
+    temperature 0) made a batch sort its vocabulary (the top-p way or the sort, here the sort)
+    for nothing. The greedy rows still take the argmax, the sampled row its own draw."""
+    logits = jax.random.normal(rng, (3, VOCAB)) * 0.01  # flat: a top-p of 0.5 keeps half
+    greedy = [SamplingParams(top_p=0.5, seed=0), SamplingParams(top_k=300, top_p=0.9, seed=0)]
+    batch = [*greedy, SamplingParams(temperature=1.0, seed=4)]
+    settings = settings_for(batch, range(3))
+    assert WAYS[int(way_of(logits, settings))] == "plain"
+    tokens, _ = jax.jit(sample_tokens)(logits, settings)
+    assert tokens[:2].tolist() == jnp.argmax(logits[:2], axis=-1).tolist()
+    assert int(tokens[2]) == int(draw_from(jnp.asarray([4]), jnp.asarray([2]), logits[2:])[0])
+
+
 def test_top_p_one_keeps_the_far_tail():
     """top_p=1 is "off": a token of probability 1e-8, past where the float32 sum of the
     probabilities above it reaches 1, stays a candidate (it was cut); top_p 0.5 keeps the top one."""
