@@ -96,12 +96,8 @@ class PrefixCache:
         """How many of ``pages`` no request holds (holding them takes them out of :attr:`num_free`)."""
         return sum(page in self._evictable for page in pages)
 
-    def hold(self, request: Request, pages: list[int]) -> None:
-        """Takes ``pages`` of :meth:`match` for ``request``, which starts after them (with the
-        kept scores of their prompt rows, where it asks for them)."""
-        if request.params.prompt_logprobs:
-            for index, key in enumerate(self._keys(request, len(pages))):
-                self.scores.read(key, request, index)
+    def hold(self, pages: list[int]) -> None:
+        """Takes ``pages`` of :meth:`match` for a request that starts with them."""
         for page in pages:
             if self._holders[page] == 0:
                 del self._evictable[page]
@@ -109,13 +105,17 @@ class PrefixCache:
         self.hit_tokens += len(pages) * self.page_size
 
     def admitted(self, request: Request) -> None:
-        """Marks the full pages ``request`` will compute (from its ``num_computed`` on) as being
-        computed, so that requests behind it wait for them."""
+        """Gives ``request``, starting after the pages it :meth:`hold`s, the kept scores of their
+        prompt rows where it asks for them, and marks the full pages it will compute (from its
+        ``num_computed`` on) as being computed, so that requests behind it wait for them."""
         if not self.enabled:
             return
         tracked = self._tracked[id(request)] = _Tracked()
         keys = self._keys(request, request.num_tokens // self.page_size)  # kept in tracked.keys
         first = request.num_computed // self.page_size
+        if request.params.prompt_logprobs:
+            for index, key in enumerate(keys[:first]):
+                self.scores.read(key, request, index)
         tracked.computing = list(enumerate(keys[first:], start=first))
         tracked.scored_from = len(request.prompt_logprobs)  # rows scored before this run aren't kept
         self._computing.update(key for _, key in tracked.computing)

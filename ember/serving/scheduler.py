@@ -146,7 +146,7 @@ class Scheduler:
             if count < 1:
                 break
             self.waiting.pop(index)
-            self.pages.hold(request, shared)
+            self.pages.hold(shared)
             request.slot = self._free_slots.pop()
             self.running.append(request)
             request.num_computed = start

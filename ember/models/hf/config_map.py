@@ -18,6 +18,7 @@ from ember.models.hf.defaults import with_transformers_defaults
 from ember.models.hf.gemma import (
     GEMMA_MODEL_TYPES,
     MULTIMODAL_GEMMA3,
+    SANDWICH_MODEL_TYPES,
     check_exportable,
     gemma3_text_config,
     gemma_activation,
@@ -137,7 +138,7 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     if model_type == "mamba2":
         return mamba2_config_to_hf(config)
     kinds = set(config.layer_kinds)
-    capped = (config.attn_soft_cap or config.final_soft_cap) and model_type not in ("gemma2", "gemma3_text")
+    capped = (config.attn_soft_cap or config.final_soft_cap) and model_type not in SANDWICH_MODEL_TYPES
     if not kinds <= {"global", "local"} or config.score != "softmax" or capped:
         raise ConfigError(
             f"only softmax global/local attention without soft-caps (but in gemma2 and gemma3_text) exports to "
